@@ -1,0 +1,27 @@
+"""jaxppo: PPO for language models (RLHF) in JAX/Flax, with a compiled, shape-checked update loop.
+
+Layers (each imports only those before it): config -> engine -> math -> models ->
+rollout -> trainer. The update loop (`train_step`, `update_epochs`) is one compiled
+program in which the number of mini-batch updates is part of the shape.
+"""
+
+from jaxppo import math
+from jaxppo.config import PPOConfig
+from jaxppo.engine import TrainState, minibatch_indices, update_epochs, update_epochs_fn
+from jaxppo.ppo import Rollout, compute_advantages, ppo_loss, train_step, train_step_fn
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PPOConfig",
+    "TrainState",
+    "Rollout",
+    "update_epochs",
+    "update_epochs_fn",
+    "minibatch_indices",
+    "train_step",
+    "train_step_fn",
+    "compute_advantages",
+    "ppo_loss",
+    "math",
+]

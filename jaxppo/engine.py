@@ -1,0 +1,270 @@
+"""The model-agnostic update engine: permute, split, scan, one optax update per mini-batch.
+
+`update_epochs` works on any pytree batch whose leaves lead with `config.batch_size` and any
+`loss_fn(params, minibatch) -> (loss, aux)`. Its whole loop is one compiled program:
+
+    keys = split(key, ppo_epochs)
+    lax.scan over epochs:
+        idx = permutation(key_e, batch_size).reshape(num_minibatches, mini_batch_size)
+        lax.scan over idx:                              # one optax update per row of idx
+            minibatch = batch[idx_row]                  # gathered inside the body
+            grads = mean over micro-batches (inner lax.scan when accumulating)
+            state = state.apply_gradients(grads)        # unless stopped or non-finite
+
+Nothing here knows about language models.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional
+
+import chex
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxppo.config import PPOConfig
+
+__all__ = ["TrainState", "update_epochs", "update_epochs_fn", "minibatch_indices"]
+
+
+class TrainState(flax.struct.PyTreeNode):
+    """Parameters, optimizer state and the count of optimizer updates actually applied.
+
+    Attributes:
+      step: int32 scalar, optimizer updates applied so far (skipped updates do not count).
+      skipped_nonfinite: int32 scalar, updates skipped because the loss or a gradient was
+        not finite (parameters and optimizer state were left untouched).
+      params: the parameters (any pytree).
+      opt_state: the optax state of `tx`.
+      apply_fn: static, the model's pure forward function (used by `train_step`).
+      tx: static, the optax `GradientTransformation`.
+    """
+
+    step: jax.Array
+    skipped_nonfinite: jax.Array
+    params: Any
+    opt_state: Any
+    apply_fn: Callable = flax.struct.field(pytree_node=False)
+    tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
+
+    @classmethod
+    def create(cls, *, apply_fn: Callable, params, tx: optax.GradientTransformation) -> "TrainState":
+        """A fresh state: `tx.init(params)`, zero updates applied."""
+        return cls(
+            step=jnp.zeros((), jnp.int32),
+            skipped_nonfinite=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=tx.init(params),
+            apply_fn=apply_fn,
+            tx=tx,
+        )
+
+    def apply_gradients(self, grads) -> "TrainState":
+        """One optax update with `grads`; `step` advances by one."""
+        updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
+        params = optax.apply_updates(self.params, updates)
+        return self.replace(step=self.step + 1, params=params, opt_state=opt_state)
+
+
+def minibatch_indices(key, config: PPOConfig):
+    """Row indices of each mini-batch of each epoch: int32 (ppo_epochs, num_minibatches, mini_batch_size).
+
+    Epoch e permutes `range(batch_size)` with the e-th key of `jax.random.split(key,
+    ppo_epochs)` and reshapes the permutation; every row appears exactly once per epoch.
+    """
+    keys = jax.random.split(key, config.ppo_epochs)
+    perms = jax.vmap(lambda k: jax.random.permutation(k, config.batch_size))(keys)
+    return perms.reshape(config.ppo_epochs, config.num_minibatches, config.mini_batch_size).astype(jnp.int32)
+
+
+def _tree_all_finite(tree):
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return functools.reduce(jnp.logical_and, leaves, jnp.array(True))
+
+
+def _grads_and_aux(params, minibatch, loss_fn, weight_fn, config: PPOConfig):
+    """Loss, aux and gradients of one mini-batch, accumulated over micro-batches if asked.
+
+    Without a `weight_fn`, micro-batches count equally (the mean of their losses, which
+    equals the whole mini-batch's loss when `loss_fn` is a mean over rows). With a
+    `weight_fn(micro_batch) -> scalar` (for example its count of real tokens), micro-batch
+    i counts w_i / sum(w): for a loss that is a masked mean over tokens this is exactly the
+    loss of the whole mini-batch.
+    """
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    k = config.gradient_accumulation_steps
+    if k == 1:
+        (loss, aux), grads = grad_fn(params, minibatch)
+        return loss, aux, grads
+
+    micro = jax.tree.map(lambda x: x.reshape((k, config.micro_batch_size) + x.shape[1:]), minibatch)
+    if weight_fn is None:
+        weights = jnp.full((k,), 1.0 / k, jnp.float32)
+    else:
+        raw = jax.vmap(weight_fn)(micro).astype(jnp.float32)
+        chex.assert_shape(raw, (k,), custom_message="weight_fn must return a scalar per micro-batch")
+        total = jnp.sum(raw)
+        # All-zero weights (e.g. no real tokens anywhere): fall back to equal weights.
+        weights = jnp.where(total > 0, raw / jnp.where(total > 0, total, 1.0), 1.0 / k)
+
+    (loss0, aux0), grads0 = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro))
+    zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
+
+    def accumulate(carry, inputs):
+        mb, w = inputs
+        (loss, aux), grads = grad_fn(params, mb)
+        scale = lambda acc, x: acc + (w * x).astype(acc.dtype)
+        loss_acc, aux_acc, grads_acc = carry
+        return (scale(loss_acc, loss), jax.tree.map(scale, aux_acc, aux), jax.tree.map(scale, grads_acc, grads)), None
+
+    (loss, aux, grads), _ = jax.lax.scan(accumulate, (zeros(loss0), zeros(aux0), zeros(grads0)), (micro, weights))
+    return loss, aux, grads
+
+
+def _approxkl(aux, approxkl_key: str, config: PPOConfig):
+    if not isinstance(aux, dict) or approxkl_key not in aux:
+        raise ValueError(
+            f"PPOConfig.target_kl={config.target_kl} needs loss_fn's aux to be a dict with an "
+            f"{approxkl_key!r} entry (the mini-batch's approximate KL, measured before its "
+            f"update); aux given: {jax.tree.map(jnp.shape, aux)}"
+        )
+    kl = aux[approxkl_key]
+    chex.assert_shape(kl, (), custom_message=f"aux[{approxkl_key!r}] must be a scalar")
+    return kl
+
+
+def update_epochs_fn(
+    state: TrainState,
+    batch,
+    key,
+    loss_fn: Callable,
+    config: PPOConfig,
+    *,
+    weight_fn: Optional[Callable] = None,
+    approxkl_key: str = "approxkl",
+):
+    """The pure (un-jitted) engine; see `update_epochs`. Use this to jit with your own
+    options (buffer donation, shardings) or to call from inside your own jitted code."""
+    if not isinstance(config, PPOConfig):
+        raise TypeError(f"config must be a jaxppo.PPOConfig, got {type(config).__name__}")
+    leaves = jax.tree.leaves(batch)
+    if not leaves:
+        raise ValueError("batch is an empty pytree: it needs at least one array leading with batch_size")
+    chex.assert_tree_shape_prefix(
+        batch,
+        (config.batch_size,),
+        custom_message=(
+            f"every leaf of the batch must lead with PPOConfig.batch_size={config.batch_size} "
+            f"(rows of one rollout); shapes given: {jax.tree.map(jnp.shape, batch)}"
+        ),
+    )
+    indices = minibatch_indices(key, config)
+    chex.assert_shape(indices, (config.ppo_epochs, config.num_minibatches, config.mini_batch_size))
+
+    early_stop = config.target_kl is not None
+
+    def do_update(state, minibatch):
+        loss, aux, grads = _grads_and_aux(state.params, minibatch, loss_fn, weight_fn, config)
+        finite = jnp.isfinite(loss) & _tree_all_finite(grads)
+        if early_stop:
+            # The KL is measured before this update: once it is past the target, this
+            # update is withheld too, and so is every later one of this call.
+            kl_exceeded = _approxkl(aux, approxkl_key, config) > config.target_kl
+        else:
+            kl_exceeded = jnp.array(False)
+        apply = finite & ~kl_exceeded
+        new_state = state.apply_gradients(grads)
+        # A withheld update (non-finite, or past the KL target) leaves parameters and
+        # optimizer state untouched.
+        new_state = jax.tree.map(lambda new, old: jnp.where(apply, new, old), new_state, state)
+        new_state = new_state.replace(skipped_nonfinite=state.skipped_nonfinite + (~finite).astype(jnp.int32))
+        metrics = {
+            "loss": loss,
+            "grad_norm": optax.global_norm(grads),
+            "applied": apply,
+            "nonfinite": ~finite,
+            "aux": aux,
+        }
+        if early_stop:
+            metrics["early_stopped"] = kl_exceeded
+        return new_state, metrics
+
+    def minibatch_step(carry, idx):
+        state, stopped = carry
+        minibatch = jax.tree.map(lambda x: jnp.take(x, idx, axis=0), batch)
+        chex.assert_tree_shape_prefix(minibatch, (config.mini_batch_size,))
+        if not early_stop:
+            state, metrics = do_update(state, minibatch)
+            return (state, stopped), metrics
+
+        metric_shapes = jax.eval_shape(do_update, state, minibatch)[1]
+
+        def skip(state, minibatch):
+            # Already stopped: no gradient computed, no update; float metrics are NaN.
+            def filler(s):
+                if jnp.issubdtype(s.dtype, jnp.inexact):
+                    return jnp.full(s.shape, jnp.nan, s.dtype)
+                return jnp.zeros(s.shape, s.dtype)
+
+            metrics = jax.tree.map(filler, metric_shapes)
+            return state, dict(metrics, early_stopped=jnp.array(True))
+
+        state, metrics = jax.lax.cond(stopped, skip, do_update, state, minibatch)
+        return (state, stopped | metrics["early_stopped"]), metrics
+
+    def epoch_step(carry, epoch_indices):
+        return jax.lax.scan(minibatch_step, carry, epoch_indices)
+
+    (state, _), metrics = jax.lax.scan(epoch_step, (state, jnp.array(False)), indices)
+    chex.assert_tree_shape_prefix(metrics, (config.ppo_epochs, config.num_minibatches))
+    return state, metrics
+
+
+update_epochs_jit = jax.jit(update_epochs_fn, static_argnames=("loss_fn", "config", "weight_fn", "approxkl_key"))
+
+
+def update_epochs(
+    state: TrainState,
+    batch,
+    key,
+    loss_fn: Callable,
+    config: PPOConfig,
+    *,
+    weight_fn: Optional[Callable] = None,
+    approxkl_key: str = "approxkl",
+):
+    """`ppo_epochs` passes of shuffled mini-batch updates over `batch`, compiled as one program.
+
+    Args:
+      state: a `TrainState`.
+      batch: any pytree whose leaves all lead with `config.batch_size`.
+      key: PRNG key; epoch e permutes the rows with the e-th key of `split(key, ppo_epochs)`.
+      loss_fn: `loss_fn(params, minibatch) -> (loss, aux)`, pure; `loss` a scalar, `aux`
+        any pytree of arrays (scalars are typical). Static: pass the same function object
+        on every call, or each call compiles again.
+      config: `PPOConfig` (static): sizes, `gradient_accumulation_steps`, `target_kl`.
+      weight_fn: optional `weight_fn(micro_batch) -> scalar` weighting micro-batches under
+        gradient accumulation (e.g. their count of real tokens, so that a masked-mean loss
+        accumulates to exactly the whole mini-batch's loss). Static.
+      approxkl_key: with `config.target_kl`, the entry of `aux` (a dict) that holds the
+        mini-batch's approximate KL measured before its update.
+
+    Returns:
+      (state, metrics). `state.step` advances by the number of updates applied: exactly
+      `config.updates_per_step` unless updates were skipped (early stop on `target_kl`, or
+      a non-finite loss/gradient, which also increments `state.skipped_nonfinite`).
+      `metrics` is a dict whose leaves lead with `(ppo_epochs, num_minibatches)`:
+        loss, grad_norm: the mini-batch's loss and global gradient norm (before the update);
+        applied: bool, whether the update was applied;
+        nonfinite: bool, whether it was skipped for a non-finite loss or gradient;
+        early_stopped: bool (only with `target_kl`), whether the KL stop had triggered;
+        aux: `loss_fn`'s aux (weighted mean over micro-batches when accumulating);
+          NaN for mini-batches skipped by the early stop.
+
+    Raises:
+      AssertionError (chex) at trace time if a batch leaf does not lead with `batch_size`.
+    """
+    return update_epochs_jit(state, batch, key, loss_fn, config, weight_fn=weight_fn, approxkl_key=approxkl_key)

@@ -1,0 +1,248 @@
+"""`train_step`: one PPO update of a language-model policy (and critic) from a rollout.
+
+    train_step(state, rollout, key, config) -> (state, metrics)     # pure, jitted once
+      rewards -> (whitened) GAE advantages and returns, once, over the whole rollout
+      update_epochs(...) with the PPO loss through state.apply_fn
+
+The model is anything with `state.apply_fn(params, tokens, mask) -> (logits, values)`:
+`tokens`/`mask` are (B, L) with L = query length + response length, `logits` (B, L, V) and
+`values` (B, L). Position p's logits predict token p + 1 and position p's value estimates
+the state after tokens[: p + 1], so response token t is scored by position Q - 1 + t.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jaxppo import math as ppo_math
+from jaxppo.config import PPOConfig
+from jaxppo.engine import TrainState, update_epochs_fn
+
+__all__ = ["Rollout", "train_step", "train_step_fn", "ppo_loss", "compute_advantages", "response_outputs"]
+
+
+class Rollout(flax.struct.PyTreeNode):
+    """One PPO rollout of B rows, fixed shapes. Q = prompt length, R = response length.
+
+    Attributes:
+      query_tokens: int (B, Q), prompts, left-padded.
+      query_mask: (B, Q), 1 at real prompt tokens, 0 at left padding.
+      response_tokens: int (B, R), sampled responses, padded after the stop token.
+      response_mask: (B, R), 1 at real response tokens (up to and including the stop
+        token), 0 after; a prefix of ones per row.
+      logprobs: float (B, R), log-probs of the response tokens under the sampling policy,
+        from temperature-scaled logits (`config.temperature`).
+      values: float (B, R), the critic's values at sampling time, V(s_t) before token t.
+      rewards: float (B, R), per-token rewards: typically -beta * KL(policy || reference)
+        per token, with the sequence score added at the last real response token (the
+        rollout layer builds these). Only these enter the advantages.
+    """
+
+    query_tokens: jax.Array
+    query_mask: jax.Array
+    response_tokens: jax.Array
+    response_mask: jax.Array
+    logprobs: jax.Array
+    values: jax.Array
+    rewards: jax.Array
+
+    @property
+    def batch_size(self) -> int:
+        return self.query_tokens.shape[0]
+
+
+def compute_advantages(rollout: Rollout, config: PPOConfig):
+    """Advantages and returns (B, R) for the whole rollout, zero at padding.
+
+    Rewards are whitened (scale only) first if `config.whiten_rewards`; GAE uses
+    `config.gamma` and `config.lam`; advantages are whitened over all real response tokens
+    of the rollout if `config.whiten_advantages`. Returns are GAE advantages + values,
+    before advantage whitening (the critic's regression target).
+    """
+    mask = rollout.response_mask.astype(jnp.float32)
+    rewards = rollout.rewards.astype(jnp.float32)
+    if config.whiten_rewards:
+        rewards = ppo_math.masked_whiten(rewards, mask, shift_mean=False)
+    advantages, returns = ppo_math.gae(rewards, rollout.values.astype(jnp.float32), mask, config.gamma, config.lam)
+    if config.whiten_advantages:
+        advantages = ppo_math.masked_whiten(advantages, mask, shift_mean=True)
+    return advantages, returns
+
+
+def response_outputs(apply_fn, params, batch, temperature: float):
+    """Run the model on query + response; return the response tokens' log-probs,
+    values and per-token entropies, each (B, R)."""
+    q = batch["query_tokens"].shape[1]
+    r = batch["response_tokens"].shape[1]
+    tokens = jnp.concatenate([batch["query_tokens"], batch["response_tokens"]], axis=1)
+    mask = jnp.concatenate([batch["query_mask"], batch["response_mask"]], axis=1)
+    logits, values = apply_fn(params, tokens, mask)
+    # Position q - 1 + t predicts response token t.
+    logits = logits[:, q - 1 : q - 1 + r]
+    values = values[:, q - 1 : q - 1 + r].astype(jnp.float32)
+    logprobs = ppo_math.logprobs_from_logits(logits, batch["response_tokens"], temperature)
+    entropy = ppo_math.entropy_from_logits(logits, temperature)
+    return logprobs, values, entropy
+
+
+def ppo_loss(params, batch, *, apply_fn, config: PPOConfig):
+    """PPO loss of one (mini- or micro-) batch: a dict of rollout fields plus
+    `advantages` and `returns`, each leading with the rows.
+
+    loss = policy_loss + vf_coef * value_loss - ent_coef * entropy, each a masked mean over
+    the real response tokens of the batch. Returns (loss, aux) with scalar aux entries:
+    policy_loss, value_loss, entropy, approxkl, clipfrac, vf_clipfrac, ratio, ratio_var.
+    """
+    mask = batch["response_mask"].astype(jnp.float32)
+    logprobs, values, entropy = response_outputs(apply_fn, params, batch, config.temperature)
+    old_logprobs = batch["logprobs"].astype(jnp.float32)
+    pg_loss, clipfrac = ppo_math.policy_loss(logprobs, old_logprobs, batch["advantages"], mask, config.cliprange)
+    vf_loss, vf_clipfrac = ppo_math.value_loss(
+        values, batch["values"].astype(jnp.float32), batch["returns"], mask, config.cliprange_value
+    )
+    ent = ppo_math.masked_mean(entropy, mask)
+    loss = pg_loss + config.vf_coef * vf_loss - config.ent_coef * ent
+    ratio = jnp.exp(logprobs - old_logprobs)
+    aux = {
+        "policy_loss": pg_loss,
+        "value_loss": vf_loss,
+        "entropy": ent,
+        "approxkl": jax.lax.stop_gradient(ppo_math.approx_kl(logprobs, old_logprobs, mask)),
+        "clipfrac": clipfrac,
+        "vf_clipfrac": vf_clipfrac,
+        "ratio": jax.lax.stop_gradient(ppo_math.masked_mean(ratio, mask)),
+        "ratio_var": jax.lax.stop_gradient(ppo_math.masked_var(ratio, mask, unbiased=False)),
+    }
+    return loss, aux
+
+
+def _token_count(batch):
+    return jnp.sum(batch["response_mask"].astype(jnp.float32))
+
+
+# TRL's metric names for the aux entries: (average over updates, per-mini-batch array).
+_TRL_NAMES = {
+    "approxkl": ("policy/approxkl_avg", "per_minibatch/policy/approxkl"),
+    "clipfrac": ("policy/clipfrac_avg", "per_minibatch/policy/clipfrac"),
+    "entropy": ("policy/entropy_avg", "per_minibatch/policy/entropy"),
+    "policy_loss": ("loss/policy_avg", "per_minibatch/loss/policy"),
+    "value_loss": ("loss/value_avg", "per_minibatch/loss/value"),
+    "vf_clipfrac": ("val/clipfrac_avg", "per_minibatch/val/clipfrac"),
+    "ratio": ("val/ratio", "per_minibatch/val/ratio"),
+    "ratio_var": ("val/ratio_var", "per_minibatch/val/ratio_var"),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _loss_for(apply_fn, config: PPOConfig):
+    # One loss function object per (apply_fn, config), so the engine's static argument
+    # is the same object on every call and nothing is traced twice.
+    return functools.partial(ppo_loss, apply_fn=apply_fn, config=config)
+
+
+def train_step_fn(state: TrainState, rollout: Rollout, key, config: PPOConfig):
+    """The pure (un-jitted) `train_step`; jit it with your own options (donation,
+    shardings) or call it inside your own jitted code."""
+    if not isinstance(rollout, Rollout):
+        raise TypeError(f"rollout must be a jaxppo.Rollout, got {type(rollout).__name__}")
+    b, r = rollout.response_tokens.shape
+    if b != config.batch_size:
+        raise ValueError(
+            f"rollout has {b} rows but PPOConfig.batch_size={config.batch_size}; a rollout "
+            f"must hold exactly batch_size rows (nothing is dropped or padded)."
+        )
+    for name in ("response_mask", "logprobs", "values", "rewards"):
+        shape = getattr(rollout, name).shape
+        if shape != (b, r):
+            raise ValueError(f"rollout.{name} has shape {shape}; expected (batch, response_len) = {(b, r)}")
+    if rollout.query_mask.shape != rollout.query_tokens.shape or rollout.query_tokens.shape[0] != b:
+        raise ValueError(
+            f"rollout.query_tokens {rollout.query_tokens.shape} and rollout.query_mask "
+            f"{rollout.query_mask.shape} must both be (batch, query_len) with batch={b}"
+        )
+
+    advantages, returns = compute_advantages(rollout, config)
+    batch = {
+        "query_tokens": rollout.query_tokens,
+        "query_mask": rollout.query_mask,
+        "response_tokens": rollout.response_tokens,
+        "response_mask": rollout.response_mask,
+        "logprobs": rollout.logprobs,
+        "values": rollout.values,
+        "advantages": advantages,
+        "returns": returns,
+    }
+    step_before = state.step
+    state, engine_metrics = update_epochs_fn(
+        state, batch, key, _loss_for(state.apply_fn, config), config, weight_fn=_token_count
+    )
+    return state, _summarise(engine_metrics, state.step - step_before, rollout, advantages, returns, config)
+
+
+def _summarise(engine_metrics, applied, rollout, advantages, returns, config):
+    """TRL-named metrics: `<name>_avg` over applied updates, plus per-mini-batch arrays."""
+    applied_mask = engine_metrics["applied"]
+    n_applied = jnp.sum(applied_mask.astype(jnp.float32))
+
+    def avg(x):
+        x = jnp.where(applied_mask, x, 0.0)
+        return jnp.where(n_applied > 0, jnp.sum(x) / jnp.maximum(n_applied, 1.0), jnp.nan)
+
+    mask = rollout.response_mask.astype(jnp.float32)
+    metrics = {}
+    for key, (avg_name, per_mb_name) in _TRL_NAMES.items():
+        metrics[avg_name] = avg(engine_metrics["aux"][key])
+        metrics[per_mb_name] = engine_metrics["aux"][key]
+    metrics["loss/total_avg"] = avg(engine_metrics["loss"])
+    metrics["per_minibatch/loss/total"] = engine_metrics["loss"]
+    metrics["per_minibatch/grad_norm"] = engine_metrics["grad_norm"]
+    metrics["per_minibatch/applied"] = applied_mask
+    metrics["per_minibatch/nonfinite"] = engine_metrics["nonfinite"]
+    metrics["ppo/grad_norm_avg"] = avg(engine_metrics["grad_norm"])
+    metrics["ppo/updates_applied"] = applied
+    metrics["ppo/updates_planned"] = jnp.asarray(config.updates_per_step, jnp.int32)
+    metrics["ppo/updates_nonfinite"] = jnp.sum(engine_metrics["nonfinite"].astype(jnp.int32))
+    if "early_stopped" in engine_metrics:
+        metrics["per_minibatch/early_stopped"] = engine_metrics["early_stopped"]
+        metrics["ppo/early_stopped"] = jnp.any(engine_metrics["early_stopped"])
+    metrics["ppo/returns/mean"] = ppo_math.masked_mean(returns, mask)
+    metrics["ppo/returns/var"] = ppo_math.masked_var(returns, mask)
+    metrics["ppo/advantages/mean"] = ppo_math.masked_mean(advantages, mask)
+    metrics["ppo/val/mean"] = ppo_math.masked_mean(rollout.values.astype(jnp.float32), mask)
+    metrics["ppo/val/var"] = ppo_math.masked_var(rollout.values.astype(jnp.float32), mask)
+    return metrics
+
+
+train_step_jit = jax.jit(train_step_fn, static_argnames=("config",))
+
+
+def train_step(state: TrainState, rollout: Rollout, key, config: PPOConfig):
+    """One PPO update from a rollout, compiled as one program (once per config and shapes).
+
+    Computes advantages and returns once for the whole rollout (`compute_advantages`),
+    then runs `config.ppo_epochs` epochs of `config.num_minibatches` shuffled mini-batch
+    updates of the PPO loss (`ppo_loss`) through `state.apply_fn(params, tokens, mask) ->
+    (logits, values)`. Under gradient accumulation, micro-batches are weighted by their
+    real response tokens, so the update equals the one on the whole mini-batch.
+
+    Args:
+      state: `TrainState` whose `apply_fn` is the policy (+ critic) forward.
+      rollout: a `Rollout` with exactly `config.batch_size` rows.
+      key: PRNG key for the mini-batch permutations.
+      config: `PPOConfig` (static).
+
+    Returns:
+      (state, metrics): `state.step` advanced by the updates applied (`config.updates_per_step`
+      unless withheld by `target_kl` or non-finite losses). Metrics: TRL-named averages over
+      the applied updates (`policy/approxkl_avg`, `policy/clipfrac_avg`, `policy/entropy_avg`,
+      `loss/policy_avg`, `loss/value_avg`, `loss/total_avg`, `val/clipfrac_avg`,
+      `val/ratio`, `val/ratio_var`), the same per mini-batch with leading shape
+      `(ppo_epochs, num_minibatches)` under `per_minibatch/...`, and `ppo/updates_applied`,
+      `ppo/updates_planned`, `ppo/updates_nonfinite`, `ppo/early_stopped` (with target_kl),
+      plus return/advantage/value statistics of the rollout.
+    """
+    return train_step_jit(state, rollout, key, config)
