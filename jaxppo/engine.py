@@ -85,6 +85,10 @@ def _tree_all_finite(tree):
     return functools.reduce(jnp.logical_and, leaves, jnp.array(True))
 
 
+def _global_norm(tree):
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+
+
 def _grads_and_aux(params, minibatch, loss_fn, weight_fn, config: PPOConfig):
     """Loss, aux and gradients of one mini-batch, accumulated over micro-batches if asked.
 
@@ -183,7 +187,7 @@ def update_epochs_fn(
         new_state = new_state.replace(skipped_nonfinite=state.skipped_nonfinite + (~finite).astype(jnp.int32))
         metrics = {
             "loss": loss,
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": _global_norm(grads),
             "applied": apply,
             "nonfinite": ~finite,
             "aux": aux,

@@ -25,15 +25,15 @@ __all__ = [
 
 
 def masked_sum(x, mask, axis=None):
-    """sum(x * mask) over `axis` (all axes when None)."""
-    return jnp.sum(x * mask, axis=axis)
+    """Sum of x where mask is set, over `axis` (all axes when None). Entries outside the
+    mask are never read into the sum (a NaN or inf there does not leak)."""
+    return jnp.sum(jnp.where(mask.astype(bool), x, jnp.zeros_like(x)), axis=axis)
 
 
 def masked_mean(x, mask, axis=None):
-    """sum(x * mask) / sum(mask) over `axis`; 0 where the mask is empty (no NaN)."""
-    mask = mask.astype(x.dtype)
-    count = jnp.sum(mask, axis=axis)
-    return jnp.sum(x * mask, axis=axis) / jnp.maximum(count, 1.0)
+    """masked_sum(x) / sum(mask) over `axis`; 0 where the mask is empty (no NaN)."""
+    count = jnp.sum(mask.astype(x.dtype), axis=axis)
+    return masked_sum(x, mask, axis=axis) / jnp.maximum(count, 1.0)
 
 
 def masked_var(x, mask, unbiased: bool = True):

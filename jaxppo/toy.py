@@ -21,7 +21,7 @@ class _Block(nn.Module):
     @nn.compact
     def __call__(self, x, attn_mask):
         h = nn.LayerNorm()(x)
-        h = nn.MultiHeadDotProductAttention(num_heads=self.heads, qkv_features=self.width)(h, h, mask=attn_mask)
+        h = nn.MultiHeadDotProductAttention(num_heads=self.heads, qkv_features=self.width, use_bias=False)(h, h, mask=attn_mask)
         x = x + h
         h = nn.LayerNorm()(x)
         h = nn.Dense(4 * self.width)(h)

@@ -1,0 +1,315 @@
+"""The generic engine: update counts, permutations, retracing, memory, and equality with a
+plain Python loop written here (the reference lives in the tests only)."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxppo import PPOConfig, TrainState, update_epochs
+from jaxppo.engine import update_epochs_jit
+
+D = 5
+
+
+def _batch(n, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, D)).astype(np.float32)
+    y = (x @ np.arange(1, D + 1, dtype=np.float32) + 0.1 * rng.normal(size=n)).astype(np.float32)
+    return {"x": jnp.asarray(x), "y": jnp.asarray(y), "id": jnp.arange(n, dtype=jnp.int32)}
+
+
+def _params():
+    return {"w": jnp.zeros((D,), jnp.float32), "b": jnp.zeros((), jnp.float32)}
+
+
+def regression_loss(params, mb):
+    pred = mb["x"] @ params["w"] + params["b"]
+    loss = jnp.mean(jnp.square(pred - mb["y"]))
+    return loss, {"ids": mb["id"], "mse": loss}
+
+
+def _state(tx=None):
+    return TrainState.create(apply_fn=None, params=_params(), tx=tx or optax.adam(0.05))
+
+
+CONFIGS = [
+    PPOConfig(batch_size=8, mini_batch_size=8, ppo_epochs=1),
+    PPOConfig(batch_size=16, mini_batch_size=4, ppo_epochs=3),
+    PPOConfig(batch_size=32, mini_batch_size=8, ppo_epochs=2, gradient_accumulation_steps=4),
+    PPOConfig(batch_size=12, mini_batch_size=6, ppo_epochs=4, gradient_accumulation_steps=3),
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"B{c.batch_size}-mb{c.mini_batch_size}-e{c.ppo_epochs}-k{c.gradient_accumulation_steps}")
+def test_update_count_is_epochs_times_minibatches(config):
+    state = _state()
+    batch = _batch(config.batch_size)
+    for call in range(1, 3):
+        state, metrics = update_epochs(state, batch, jax.random.key(call), regression_loss, config)
+        expected = config.ppo_epochs * config.batch_size // config.mini_batch_size
+        assert int(state.step) == call * expected
+        chex.assert_tree_shape_prefix(metrics, (config.ppo_epochs, config.num_minibatches))
+        assert metrics["loss"].shape == (config.ppo_epochs, config.num_minibatches)
+        assert metrics["loss"].size == expected
+        assert bool(jnp.all(metrics["applied"]))
+        # The optimizer's own counter agrees: adam counts its updates.
+        assert int(state.opt_state[0].count) == call * expected
+
+
+def test_each_row_once_per_epoch_and_epochs_differ():
+    config = PPOConfig(batch_size=24, mini_batch_size=6, ppo_epochs=5)
+    _, metrics = update_epochs(_state(), _batch(24), jax.random.key(7), regression_loss, config)
+    ids = np.asarray(metrics["aux"]["ids"])
+    assert ids.shape == (5, 4, 6)
+    orders = []
+    for epoch in range(5):
+        flat = ids[epoch].ravel()
+        assert sorted(flat.tolist()) == list(range(24))
+        orders.append(tuple(flat.tolist()))
+    assert len(set(orders)) == 5, "each epoch must use its own permutation"
+    assert orders[0] != tuple(range(24))
+
+
+def test_no_retrace_on_repeated_calls():
+    config = PPOConfig(batch_size=16, mini_batch_size=4, ppo_epochs=2)
+    traces = []
+
+    def counting_loss(params, mb):
+        traces.append(1)
+        return regression_loss(params, mb)
+
+    state = _state()
+    batch = _batch(16)
+    before = update_epochs_jit._cache_size()
+    state, _ = update_epochs(state, batch, jax.random.key(0), counting_loss, config)
+    traced_once = len(traces)
+    assert traced_once >= 1
+    for i in range(1, 4):
+        state, _ = update_epochs(state, _batch(16, seed=i), jax.random.key(i), counting_loss, config)
+    assert len(traces) == traced_once, "later calls must not retrace"
+    assert update_epochs_jit._cache_size() == before + 1
+
+    # chex's own trace guard around the whole compiled program.
+    guarded = chex.assert_max_traces(
+        lambda s, b, k: update_epochs_fn_for_test(s, b, k, config), n=1
+    )
+    jitted = jax.jit(guarded)
+    for i in range(3):
+        jitted(state, _batch(16, seed=i), jax.random.key(i))
+
+
+def update_epochs_fn_for_test(state, batch, key, config):
+    from jaxppo import update_epochs_fn
+
+    return update_epochs_fn(state, batch, key, regression_loss, config)
+
+
+def _reference_loop(params, batch, key, loss_fn, config, tx):
+    """Plain Python: per epoch a permutation, per mini-batch one gradient and one update."""
+    opt_state = tx.init(params)
+    keys = jax.random.split(key, config.ppo_epochs)
+    losses = []
+    for e in range(config.ppo_epochs):
+        perm = np.asarray(jax.random.permutation(keys[e], config.batch_size))
+        for m in range(config.num_minibatches):
+            rows = perm[m * config.mini_batch_size : (m + 1) * config.mini_batch_size]
+            mb = {k: v[rows] for k, v in batch.items()}
+            (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+            losses.append(float(loss))
+    return params, np.array(losses)
+
+
+@pytest.mark.parametrize("config", CONFIGS[1:3], ids=["plain", "accumulating"])
+def test_scan_engine_equals_python_loop(config):
+    tx = optax.adam(0.05)
+    batch = _batch(config.batch_size, seed=3)
+    key = jax.random.key(11)
+    state, metrics = update_epochs(_state(tx), batch, key, regression_loss, config)
+    ref_params, ref_losses = _reference_loop(_params(), batch, key, regression_loss, config, tx)
+    chex.assert_trees_all_close(state.params, ref_params, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(metrics["loss"]).ravel(), ref_losses, rtol=1e-5, atol=1e-6)
+
+
+def test_accumulation_equals_one_step_on_whole_minibatch():
+    batch = _batch(32, seed=4)
+    key = jax.random.key(5)
+    whole = PPOConfig(batch_size=32, mini_batch_size=16, ppo_epochs=2)
+    results = []
+    for k in (1, 2, 4, 16):
+        state, metrics = update_epochs(_state(), batch, key, regression_loss, whole.replace(gradient_accumulation_steps=k))
+        assert int(state.step) == 4
+        results.append((state.params, metrics["loss"]))
+    for params, loss in results[1:]:
+        chex.assert_trees_all_close(params, results[0][0], rtol=1e-5, atol=1e-6)
+        chex.assert_trees_all_close(loss, results[0][1], rtol=1e-5, atol=1e-6)
+
+
+def test_weighted_accumulation_equals_masked_mean_of_whole_minibatch():
+    # A per-token masked-mean loss: micro-batches hold different numbers of real tokens,
+    # so only token-count weighting reproduces the whole mini-batch's loss.
+    rng = np.random.default_rng(6)
+    n, t = 16, 6
+    batch = {
+        "x": jnp.asarray(rng.normal(size=(n, t)).astype(np.float32)),
+        "mask": jnp.asarray((np.arange(t)[None] < rng.integers(0, t + 1, size=(n, 1))).astype(np.float32)),
+    }
+
+    def masked_loss(params, mb):
+        err = jnp.square(mb["x"] * params["w"][0] - 1.0)
+        loss = jnp.sum(err * mb["mask"]) / jnp.maximum(jnp.sum(mb["mask"]), 1.0)
+        return loss, {}
+
+    def weight(mb):
+        return jnp.sum(mb["mask"])
+
+    tx = optax.sgd(0.1)
+    base = PPOConfig(batch_size=n, mini_batch_size=8, ppo_epochs=1)
+    state = TrainState.create(apply_fn=None, params=_params(), tx=tx)
+    s1, m1 = update_epochs(state, batch, jax.random.key(0), masked_loss, base, weight_fn=weight)
+    s4, m4 = update_epochs(state, batch, jax.random.key(0), masked_loss, base.replace(gradient_accumulation_steps=4), weight_fn=weight)
+    chex.assert_trees_all_close(s1.params, s4.params, rtol=1e-6, atol=1e-7)
+    chex.assert_trees_all_close(m1["loss"], m4["loss"], rtol=1e-6, atol=1e-7)
+    # Unweighted averaging of the micro-batch means is measurably different here.
+    s4u, _ = update_epochs(state, batch, jax.random.key(0), masked_loss, base.replace(gradient_accumulation_steps=4))
+    assert not np.allclose(np.asarray(s4u.params["w"]), np.asarray(s1.params["w"]), rtol=1e-4)
+
+
+def test_same_key_bit_identical_and_different_key_differs():
+    config = PPOConfig(batch_size=16, mini_batch_size=4, ppo_epochs=2)
+    batch = _batch(16)
+    a, ma = update_epochs(_state(), batch, jax.random.key(3), regression_loss, config)
+    b, mb = update_epochs(_state(), batch, jax.random.key(3), regression_loss, config)
+    c, _ = update_epochs(_state(), batch, jax.random.key(4), regression_loss, config)
+    for x, y in zip(jax.tree.leaves((a, ma)), jax.tree.leaves((b, mb))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert not np.array_equal(np.asarray(a.params["w"]), np.asarray(c.params["w"]))
+
+
+def test_batch_with_wrong_leading_dimension_is_rejected():
+    config = PPOConfig(batch_size=16, mini_batch_size=4)
+    batch = _batch(16)
+    batch["y"] = batch["y"][:12]
+    with pytest.raises(AssertionError, match="batch_size=16"):
+        update_epochs(_state(), batch, jax.random.key(0), regression_loss, config)
+    with pytest.raises(AssertionError, match="batch_size=16"):
+        update_epochs(_state(), _batch(32), jax.random.key(0), regression_loss, config)
+
+
+def _kl_loss(params, mb):
+    # approxkl = squared distance travelled from the start (w0 = 0): grows as updates apply.
+    loss, aux = regression_loss(params, mb)
+    return loss, {"approxkl": jnp.sum(jnp.square(params["w"])), "mse": aux["mse"]}
+
+
+def test_target_kl_stops_inside_compiled_loop():
+    config = PPOConfig(batch_size=16, mini_batch_size=2, ppo_epochs=2, target_kl=0.5)
+    tx = optax.sgd(0.05)
+    batch = _batch(16, seed=8)
+    key = jax.random.key(9)
+    state, metrics = update_epochs(_state(tx), batch, key, _kl_loss, config)
+
+    # Reference: Python loop that measures KL before each update and stops at the target.
+    params = _params()
+    opt_state = tx.init(params)
+    keys = jax.random.split(key, config.ppo_epochs)
+    applied = []
+    stopped = False
+    for e in range(config.ppo_epochs):
+        perm = np.asarray(jax.random.permutation(keys[e], 16))
+        for m in range(config.num_minibatches):
+            mb = {k: v[perm[2 * m : 2 * m + 2]] for k, v in batch.items()}
+            (_, aux), grads = jax.value_and_grad(_kl_loss, has_aux=True)(params, mb)
+            if stopped or float(aux["approxkl"]) > config.target_kl:
+                stopped = True
+                applied.append(False)
+                continue
+            updates, opt_state = tx.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+            applied.append(True)
+    n_applied = sum(applied)
+    assert 0 < n_applied < config.updates_per_step, "the test must actually trigger the stop"
+    assert int(state.step) == n_applied
+    np.testing.assert_array_equal(np.asarray(metrics["applied"]).ravel(), np.array(applied))
+    assert bool(metrics["early_stopped"].ravel()[n_applied])
+    chex.assert_trees_all_close(state.params, params, rtol=1e-5, atol=1e-6)
+    # Skipped mini-batches report NaN rather than stale numbers.
+    assert np.all(np.isnan(np.asarray(metrics["loss"]).ravel()[n_applied + 1 :]))
+
+
+def test_without_target_kl_every_update_applies():
+    config = PPOConfig(batch_size=16, mini_batch_size=2, ppo_epochs=2)
+    state, metrics = update_epochs(_state(optax.sgd(0.05)), _batch(16, seed=8), jax.random.key(9), _kl_loss, config)
+    assert int(state.step) == config.updates_per_step
+    assert "early_stopped" not in metrics
+
+
+def test_target_kl_requires_approxkl_in_aux():
+    config = PPOConfig(batch_size=8, mini_batch_size=4, target_kl=0.1)
+    with pytest.raises(ValueError, match="'approxkl'"):
+        update_epochs(_state(), _batch(8), jax.random.key(0), regression_loss, config)
+
+
+def test_nonfinite_minibatch_is_skipped_and_counted():
+    config = PPOConfig(batch_size=16, mini_batch_size=4, ppo_epochs=2)
+    batch = _batch(16)
+    batch["y"] = batch["y"].at[5].set(jnp.nan)
+    tx = optax.adam(0.05)
+    key = jax.random.key(2)
+    state, metrics = update_epochs(_state(tx), batch, key, regression_loss, config)
+    # Exactly the mini-batch holding row 5, once per epoch, is skipped.
+    ids = np.asarray(metrics["aux"]["ids"])
+    holds_bad = np.any(ids == 5, axis=-1)
+    np.testing.assert_array_equal(np.asarray(metrics["nonfinite"]), holds_bad)
+    np.testing.assert_array_equal(np.asarray(metrics["applied"]), ~holds_bad)
+    assert int(state.step) == config.updates_per_step - 2
+    assert int(state.skipped_nonfinite) == 2
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves((state.params, state.opt_state)))
+
+    # Reference: the same loop, skipping the bad mini-batches.
+    params, opt_state = _params(), tx.init(_params())
+    keys = jax.random.split(key, 2)
+    for e in range(2):
+        perm = np.asarray(jax.random.permutation(keys[e], 16))
+        for m in range(4):
+            rows = perm[4 * m : 4 * m + 4]
+            if 5 in rows:
+                continue
+            mb = {k: v[rows] for k, v in batch.items()}
+            (_, _), grads = jax.value_and_grad(regression_loss, has_aux=True)(params, mb)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+    chex.assert_trees_all_close(state.params, params, rtol=1e-5, atol=1e-6)
+
+
+def _mlp_loss(params, mb):
+    # Wide activations, few parameters: the activation memory is what the test reads.
+    h = jnp.tanh(mb["x"] @ params["w1"])
+    h = jnp.tanh(h * params["s"])
+    return jnp.mean(jnp.square(h @ params["w3"] - mb["y"][:, None])), {}
+
+
+def _temp_bytes(batch_size, mini_batch_size, accumulation=1):
+    width = 2048
+    params = {"w1": jnp.zeros((D, width)), "s": jnp.zeros((width,)), "w3": jnp.zeros((width, 1))}
+    state = TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3))
+    batch = {"x": jax.ShapeDtypeStruct((batch_size, D), jnp.float32), "y": jax.ShapeDtypeStruct((batch_size,), jnp.float32)}
+    config = PPOConfig(batch_size=batch_size, mini_batch_size=mini_batch_size, ppo_epochs=2, gradient_accumulation_steps=accumulation)
+    compiled = update_epochs_jit.lower(state, batch, jax.random.key(0), _mlp_loss, config).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_compiled_temp_memory_follows_minibatch_not_batch():
+    small = _temp_bytes(64, 16)
+    large = _temp_bytes(4096, 16)
+    # Flat in batch_size: only the permutation indices (4 bytes a row) grow with it.
+    assert large <= small * 1.05 + 4 * 4096 * 4, (small, large)
+    bigger_mb = _temp_bytes(4096, 256)
+    assert bigger_mb > 4 * small, (small, bigger_mb)
+    # Under accumulation the micro-batch sets the activation memory.
+    accumulated = _temp_bytes(4096, 256, accumulation=16)
+    assert accumulated < bigger_mb / 4, (accumulated, bigger_mb)

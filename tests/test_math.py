@@ -1,0 +1,137 @@
+"""The PPO math against straightforward reference loops written here in plain numpy."""
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxppo import math as pm
+
+
+def _rng(seed=0):
+    return np.random.default_rng(seed)
+
+
+def _prefix_mask(rng, b, t):
+    lengths = rng.integers(1, t + 1, size=b)
+    return (np.arange(t)[None, :] < lengths[:, None]).astype(np.float32)
+
+
+def _ref_masked_stats(x, mask):
+    vals = [float(v) for v, m in zip(x.ravel(), mask.ravel()) if m]
+    n = len(vals)
+    mean = sum(vals) / n
+    var = sum((v - mean) ** 2 for v in vals) / n
+    return mean, var, var * n / (n - 1)
+
+
+def test_masked_mean_var_whiten_match_reference():
+    rng = _rng(1)
+    x = rng.normal(size=(5, 7)).astype(np.float32) * 3 + 1
+    mask = _prefix_mask(rng, 5, 7)
+    mean, var_biased, var_unbiased = _ref_masked_stats(x, mask)
+    assert float(pm.masked_mean(jnp.asarray(x), jnp.asarray(mask))) == pytest.approx(mean, rel=1e-5)
+    assert float(pm.masked_var(jnp.asarray(x), jnp.asarray(mask))) == pytest.approx(var_unbiased, rel=1e-5)
+    assert float(pm.masked_var(jnp.asarray(x), jnp.asarray(mask), unbiased=False)) == pytest.approx(var_biased, rel=1e-5)
+
+    white = np.asarray(pm.masked_whiten(jnp.asarray(x), jnp.asarray(mask)))
+    for i in range(5):
+        for j in range(7):
+            expected = (x[i, j] - mean) / math.sqrt(var_unbiased + 1e-8) if mask[i, j] else 0.0
+            assert white[i, j] == pytest.approx(expected, rel=1e-4, abs=1e-5)
+    scaled = np.asarray(pm.masked_whiten(jnp.asarray(x), jnp.asarray(mask), shift_mean=False))
+    for i in range(5):
+        for j in range(7):
+            expected = (x[i, j] - mean) / math.sqrt(var_unbiased + 1e-8) + mean if mask[i, j] else 0.0
+            assert scaled[i, j] == pytest.approx(expected, rel=1e-4, abs=1e-5)
+
+
+def test_masked_mean_of_empty_mask_is_zero_not_nan():
+    assert float(pm.masked_mean(jnp.ones((2, 3)), jnp.zeros((2, 3)))) == 0.0
+
+
+def _ref_gae(rewards, values, mask, gamma, lam):
+    b, t = rewards.shape
+    adv = np.zeros((b, t))
+    for i in range(b):
+        n = int(mask[i].sum())  # real tokens form a prefix
+        last = 0.0
+        for s in reversed(range(n)):
+            next_value = values[i, s + 1] if s + 1 < n else 0.0
+            delta = rewards[i, s] + gamma * next_value - values[i, s]
+            last = delta + gamma * lam * last
+            adv[i, s] = last
+    ret = (adv + values) * mask
+    return adv, ret
+
+
+@pytest.mark.parametrize("gamma, lam", [(1.0, 0.95), (0.9, 1.0), (0.99, 0.0), (0.0, 0.5)])
+def test_gae_matches_reference_loop(gamma, lam):
+    rng = _rng(2)
+    rewards = rng.normal(size=(6, 9)).astype(np.float32)
+    values = rng.normal(size=(6, 9)).astype(np.float32)
+    mask = _prefix_mask(rng, 6, 9)
+    # Garbage beyond the mask must not leak into the result.
+    rewards_dirty = np.where(mask > 0, rewards, 1e3).astype(np.float32)
+    values_dirty = np.where(mask > 0, values, -1e3).astype(np.float32)
+    adv, ret = pm.gae(jnp.asarray(rewards_dirty), jnp.asarray(values_dirty), jnp.asarray(mask), gamma, lam)
+    ref_adv, ref_ret = _ref_gae(rewards, values, mask, gamma, lam)
+    np.testing.assert_allclose(np.asarray(adv), ref_adv, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(ret), ref_ret, rtol=1e-5, atol=1e-5)
+
+
+def test_logprobs_and_entropy_with_temperature():
+    rng = _rng(3)
+    logits = rng.normal(size=(2, 3, 5)).astype(np.float32) * 2
+    tokens = rng.integers(0, 5, size=(2, 3))
+    temp = 0.7
+    lp = np.asarray(pm.logprobs_from_logits(jnp.asarray(logits), jnp.asarray(tokens), temp))
+    ent = np.asarray(pm.entropy_from_logits(jnp.asarray(logits), temp))
+    for i in range(2):
+        for j in range(3):
+            z = [v / temp for v in logits[i, j]]
+            norm = math.log(sum(math.exp(v) for v in z))
+            probs = [math.exp(v - norm) for v in z]
+            assert lp[i, j] == pytest.approx(z[tokens[i, j]] - norm, abs=1e-5)
+            assert ent[i, j] == pytest.approx(-sum(p * math.log(p) for p in probs), abs=1e-5)
+
+
+def test_policy_loss_hand_computed():
+    # Three tokens, the third masked out. cliprange 0.2.
+    logprobs = jnp.array([[math.log(1.5), math.log(0.5), 5.0]])
+    old = jnp.zeros((1, 3))
+    adv = jnp.array([[2.0, -1.0, 100.0]])
+    mask = jnp.array([[1.0, 1.0, 0.0]])
+    loss, clipfrac = pm.policy_loss(logprobs, old, adv, mask, 0.2)
+    # token 0: ratio 1.5, A=2: unclipped -3.0, clipped -2.4 -> max -2.4 (clipped)
+    # token 1: ratio 0.5, A=-1: unclipped 0.5, clipped 0.8 -> max 0.8 (clipped)
+    assert float(loss) == pytest.approx((-2.4 + 0.8) / 2, abs=1e-6)
+    assert float(clipfrac) == pytest.approx(1.0)
+    loss, clipfrac = pm.policy_loss(jnp.array([[math.log(1.1), math.log(0.5)]]), jnp.zeros((1, 2)), jnp.array([[2.0, 1.0]]), jnp.ones((1, 2)), 0.2)
+    # token 0 inside the range: -2.2; token 1: ratio 0.5, A=1: unclipped -0.5, clipped -0.8 -> -0.5
+    assert float(loss) == pytest.approx((-2.2 - 0.5) / 2, abs=1e-6)
+    assert float(clipfrac) == 0.0
+
+
+def test_value_loss_hand_computed():
+    values = jnp.array([[1.0, 0.0, 9.0]])
+    old = jnp.array([[0.0, 0.0, 0.0]])
+    returns = jnp.array([[0.5, 2.0, 0.0]])
+    mask = jnp.array([[1.0, 1.0, 0.0]])
+    loss, clipfrac = pm.value_loss(values, old, returns, mask, 0.2)
+    # token 0: v=1 -> err 0.25; clipped v=0.2 -> err 0.09; max 0.25 (unclipped)
+    # token 1: v=0 -> err 4; clipped v=0 -> err 4; max 4 (not clipped)
+    assert float(loss) == pytest.approx(0.5 * (0.25 + 4.0) / 2, abs=1e-6)
+    assert float(clipfrac) == 0.0
+    loss, clipfrac = pm.value_loss(jnp.array([[1.0]]), jnp.array([[0.0]]), jnp.array([[2.0]]), jnp.ones((1, 1)), 0.2)
+    # v=1 -> err 1; clipped v=0.2 -> err 3.24 -> 3.24, clipped
+    assert float(loss) == pytest.approx(0.5 * 3.24, abs=1e-6)
+    assert float(clipfrac) == 1.0
+
+
+def test_approx_kl():
+    lp = jnp.array([[0.1, -0.3, 7.0]])
+    old = jnp.array([[0.0, 0.0, 0.0]])
+    mask = jnp.array([[1, 1, 0]])
+    assert float(pm.approx_kl(lp, old, mask)) == pytest.approx(0.5 * (0.01 + 0.09) / 2, abs=1e-7)
