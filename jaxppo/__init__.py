@@ -9,6 +9,8 @@ from jaxppo import math
 from jaxppo.config import PPOConfig
 from jaxppo.engine import TrainState, minibatch_indices, update_epochs, update_epochs_fn
 from jaxppo.ppo import Rollout, compute_advantages, ppo_loss, train_step, train_step_fn
+from jaxppo import models
+from jaxppo.models import GenerationOutput, generate
 
 __version__ = "0.1.0"
 
@@ -24,4 +26,7 @@ __all__ = [
     "compute_advantages",
     "ppo_loss",
     "math",
+    "models",
+    "generate",
+    "GenerationOutput",
 ]

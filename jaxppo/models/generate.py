@@ -1,0 +1,153 @@
+"""Sampling with a KV cache, fully jitted: prefill the prompt, then a `lax.scan` decode to a
+fixed response length."""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jaxppo.models.model import Model
+from jaxppo.models.transformer import default_positions
+
+__all__ = ["generate", "GenerationOutput", "filter_logits"]
+
+
+class GenerationOutput(NamedTuple):
+    """tokens: int32 (B, R), the response, `pad_token_id` after the first stop token.
+    logprobs: float32 (B, R), log-prob of each token under softmax(logits / temperature)
+      (unfiltered by top-k/top-p: the distribution the PPO loss uses); 0 where masked.
+    mask: int32 (B, R), 1 up to and including the first stop token, 0 after."""
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    mask: jax.Array
+
+
+def filter_logits(logits, top_k: Optional[int], top_p):
+    """Set logits outside the top-k and outside the top-p nucleus to -inf. (B, V) -> (B, V).
+
+    top-p keeps the smallest set of most likely tokens whose probability reaches top_p (the
+    most likely token always stays)."""
+    neg_inf = jnp.finfo(logits.dtype).min
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
+        logits = jnp.where(logits < kth, neg_inf, logits)
+    if top_p is not None:
+        sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        keep = mass_before < top_p
+        # The smallest kept logit is the threshold.
+        threshold = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < threshold, neg_inf, logits)
+    return logits
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("model", "response_length", "top_k", "use_top_p", "greedy", "stop_token_ids", "pad_token_id"),
+)
+def _generate(model, params, prompt_ids, prompt_mask, key, temperature, top_p, *, response_length, top_k,
+              use_top_p, greedy, stop_token_ids, pad_token_id):
+    b, q = prompt_ids.shape
+    r = response_length
+    cache = model.init_cache(b, q + r)
+    kv_mask = jnp.concatenate([prompt_mask.astype(jnp.int32), jnp.zeros((b, r), jnp.int32)], axis=1)
+    logits, cache = model.decode(params, prompt_ids, kv_mask, default_positions(prompt_mask), cache, 0)
+    # Left padding: the last slot holds every row's last prompt token.
+    next_logits = logits[:, -1]
+    next_position = jnp.sum(prompt_mask.astype(jnp.int32), axis=1)
+    stop_ids = jnp.asarray(stop_token_ids if stop_token_ids else (-1,), jnp.int32)
+
+    def step(carry, t):
+        cache, next_logits, kv_mask, done, key = carry
+        key, sub = jax.random.split(key)
+        scaled = next_logits.astype(jnp.float32) / temperature
+        logp_all = jax.nn.log_softmax(scaled, axis=-1)
+        if greedy:
+            token = jnp.argmax(next_logits, axis=-1).astype(jnp.int32)
+        else:
+            filtered = filter_logits(scaled, top_k, top_p if use_top_p else None)
+            token = jax.random.categorical(sub, filtered, axis=-1).astype(jnp.int32)
+        logprob = jnp.take_along_axis(logp_all, token[:, None], axis=-1)[:, 0]
+        live = ~done
+        token = jnp.where(live, token, pad_token_id)
+        logprob = jnp.where(live, logprob, 0.0)
+        done = done | (live & jnp.isin(token, stop_ids))
+        kv_mask = jax.lax.dynamic_update_index_in_dim(kv_mask, live.astype(jnp.int32), q + t, axis=1)
+        logits, cache = model.decode(params, token[:, None], kv_mask, (next_position + t)[:, None], cache, q + t)
+        return (cache, logits[:, 0], kv_mask, done, key), (token, logprob, live.astype(jnp.int32))
+
+    init = (cache, next_logits, kv_mask, jnp.zeros((b,), bool), key)
+    _, (tokens, logprobs, mask) = jax.lax.scan(step, init, jnp.arange(r))
+    return GenerationOutput(tokens.T, logprobs.T, mask.T)
+
+
+def generate(
+    model: Model,
+    params,
+    prompt_ids,
+    prompt_mask,
+    key,
+    *,
+    response_length: int,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    greedy: bool = False,
+    stop_token_ids: Optional[Sequence[int]] = None,
+    pad_token_id: Optional[int] = None,
+) -> GenerationOutput:
+    """Sample `response_length` tokens after left-padded prompts, with a KV cache.
+
+    Args:
+      model, params: a causal-LM `Model` ("causal_lm" or "causal_lm_value") and its params.
+      prompt_ids, prompt_mask: int (B, Q), left-padded (mask 1 at real tokens; every row's
+        last slot must be a real token).
+      key: PRNG key; the same key gives the same tokens.
+      response_length: R, tokens generated per row (fixed: one compile per shape).
+      temperature: logits are divided by it before sampling and for the returned log-probs.
+      top_k: keep only the k most likely tokens (None: all).
+      top_p: nucleus sampling threshold in (0, 1] (None: off).
+      greedy: take the argmax instead of sampling (log-probs still temperature-scaled).
+      stop_token_ids: tokens that end a row (default: the model config's EOS ids); the
+        stop token itself is kept and masked in, everything after is pad and masked out.
+      pad_token_id: token written after a stop (default: config pad, else first EOS, else 0).
+
+    Returns:
+      `GenerationOutput(tokens, logprobs, mask)`, each (B, R).
+    """
+    if not isinstance(model, Model) or not model.is_causal_lm:
+        raise ValueError(f"generate needs a causal-LM jaxppo Model, got {model!r:.80}")
+    if not isinstance(response_length, int) or response_length <= 0:
+        raise ValueError(f"response_length={response_length!r} must be a positive int")
+    if prompt_ids.ndim != 2 or prompt_ids.shape != prompt_mask.shape:
+        raise ValueError(f"prompt_ids {prompt_ids.shape} and prompt_mask {prompt_mask.shape} must both be (batch, prompt_len)")
+    total = prompt_ids.shape[1] + response_length
+    if model.config.model_type == "gpt2" and total > model.config.max_position_embeddings:
+        raise ValueError(
+            f"prompt_len + response_length = {total} exceeds the model's "
+            f"max_position_embeddings={model.config.max_position_embeddings}"
+        )
+    if not (isinstance(temperature, (int, float)) and temperature > 0):
+        raise ValueError(f"temperature={temperature!r} must be > 0")
+    if top_k is not None and (not isinstance(top_k, int) or top_k <= 0):
+        raise ValueError(f"top_k={top_k!r} must be None or a positive int")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p={top_p!r} must be None or in (0, 1]")
+    if stop_token_ids is None:
+        stop_token_ids = model.config.eos_token_ids
+    stop_token_ids = tuple(int(t) for t in stop_token_ids)
+    if pad_token_id is None:
+        pad_token_id = model.config.pad_token_id
+        if pad_token_id is None:
+            pad_token_id = model.config.eos_token_ids[0] if model.config.eos_token_ids else 0
+    return _generate(
+        model, params, jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_mask, jnp.int32), key,
+        jnp.float32(temperature), jnp.float32(1.0 if top_p is None else top_p),
+        response_length=response_length, top_k=top_k, use_top_p=top_p is not None, greedy=bool(greedy),
+        stop_token_ids=stop_token_ids, pad_token_id=int(pad_token_id),
+    )

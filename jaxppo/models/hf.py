@@ -1,0 +1,260 @@
+"""Import and export of Hugging Face checkpoints (config.json + safetensors), local only."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import traverse_util
+
+from jaxppo.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from jaxppo.models.model import KINDS, Model
+
+__all__ = ["from_pretrained", "save_pretrained", "params_from_hf_tensors", "params_to_hf_tensors"]
+
+# Our block-level module names -> Hugging Face's sub-module paths.
+_BLOCK_NAMES = {
+    "c_attn": "attn.c_attn",
+    "c_proj": "attn.c_proj",
+    "c_fc": "mlp.c_fc",
+    "mlp_c_proj": "mlp.c_proj",
+    "q_proj": "self_attn.q_proj",
+    "k_proj": "self_attn.k_proj",
+    "v_proj": "self_attn.v_proj",
+    "o_proj": "self_attn.o_proj",
+    "gate_proj": "mlp.gate_proj",
+    "up_proj": "mlp.up_proj",
+    "down_proj": "mlp.down_proj",
+}
+# GPT-2's Conv1D stores weights as (in, out), like a Flax kernel; torch Linear is (out, in).
+_CONV1D = {"c_attn", "c_proj", "c_fc", "mlp_c_proj"}
+_LEAF_NAMES = {"kernel": "weight", "embedding": "weight", "scale": "weight", "weight": "weight", "bias": "bias"}
+# Buffers some checkpoints carry that are not parameters.
+_BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+# jaxppo-only heads, not part of Hugging Face checkpoints.
+_VALUE_HEAD_FILE = "value_head.safetensors"
+
+_ARCH_PREFIX = {"gpt2": "GPT2", "llama": "Llama", "qwen2": "Qwen2"}
+
+
+def _trunk_name(config: ModelConfig) -> str:
+    return "transformer" if config.model_type == "gpt2" else "model"
+
+
+def _hf_name(path, config: ModelConfig):
+    """Our flat param path (without the 'params' root) -> (HF tensor name, transpose?), or
+    None for jaxppo-only parameters (the value head)."""
+    if path[0] == "value_head":
+        return None
+    leaf = _LEAF_NAMES[path[-1]]
+    if path[0] in ("lm_head", "score"):
+        return f"{path[0]}.{leaf}", path[-1] == "kernel"
+    parts = [path[0]]
+    module = path[-2]
+    for p in path[1:-1]:
+        if "_" in p and p.rsplit("_", 1)[1].isdigit() and p.rsplit("_", 1)[0] in ("h", "layers"):
+            parts.extend(p.rsplit("_", 1))
+        else:
+            parts.append(_BLOCK_NAMES.get(p, p))
+    transpose = path[-1] == "kernel" and not (config.model_type == "gpt2" and module in _CONV1D)
+    return ".".join(parts + [leaf]), transpose
+
+
+class _Tensors:
+    """Lazy access to the tensors of a checkpoint directory (single or sharded safetensors)."""
+
+    def __init__(self, path: str):
+        from safetensors import safe_open
+
+        single = os.path.join(path, "model.safetensors")
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.isfile(single):
+            files = {single}
+        elif os.path.isfile(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            files = {os.path.join(path, name) for name in set(weight_map.values())}
+            missing = sorted(f for f in files if not os.path.isfile(f))
+            if missing:
+                raise ValueError(f"{index} names shard files that do not exist: {missing}")
+        else:
+            present = sorted(os.listdir(path))
+            raise ValueError(
+                f"{path!r} has no model.safetensors or model.safetensors.index.json (files: {present}); "
+                "jaxppo reads safetensors checkpoints only (convert .bin weights with transformers' "
+                "save_pretrained(..., safe_serialization=True))"
+            )
+        self._handles = {}
+        self.where = {}
+        for file in sorted(files):
+            handle = safe_open(file, framework="numpy")
+            self._handles[file] = handle
+            for name in handle.keys():
+                self.where[name] = file
+
+    def names(self):
+        return set(self.where)
+
+    def get(self, name):
+        return self._handles[self.where[name]].get_tensor(name)
+
+
+def _read_config_dict(path: str) -> dict:
+    if not os.path.isdir(path):
+        raise ValueError(f"{path!r} is not a directory; give the local directory of a Hugging Face checkpoint")
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        raise ValueError(f"{path!r} is not a Hugging Face checkpoint: it has no config.json")
+    with open(config_file) as f:
+        d = json.load(f)
+    if d.get("model_type") not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"{config_file}: model_type {d.get('model_type')!r} is not supported; supported model types: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    return d
+
+
+def params_from_hf_tensors(model: Model, get_tensor, names, *, strict: bool = True):
+    """Build `model`'s params from Hugging Face tensors.
+
+    Args:
+      get_tensor: name -> numpy array, in Hugging Face layout.
+      names: the set of tensor names available.
+    Raises ValueError listing missing names, unexpected names and shape mismatches.
+    """
+    c = model.config
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), seq_len=2))
+    flat = traverse_util.flatten_dict(shapes["params"])
+    trunk = _trunk_name(c)
+    # Base-model checkpoints (e.g. GPT2Model) carry no "transformer." / "model." prefix.
+    has_prefix = any(n.startswith(trunk + ".") for n in names)
+
+    def checkpoint_name(hf):
+        if not has_prefix and hf.startswith(trunk + "."):
+            return hf[len(trunk) + 1 :]
+        return hf
+
+    out, used, missing, mismatched = {}, set(), [], []
+    param_dtype = jnp.dtype(model.param_dtype)
+    for path, spec in flat.items():
+        mapped = _hf_name(path, c)
+        if mapped is None or (model.kind == "value" and path[0] == "score" and "score.weight" not in names):
+            out[path] = np.zeros(spec.shape, param_dtype)  # zero-initialised head
+            continue
+        hf, transpose = mapped
+        name = checkpoint_name(hf)
+        if name not in names:
+            missing.append(name)
+            continue
+        tensor = np.asarray(get_tensor(name))
+        used.add(name)
+        if transpose:
+            tensor = tensor.T
+        if tensor.shape != tuple(spec.shape):
+            mismatched.append(f"{name}: checkpoint {tuple(tensor.shape)} vs model {tuple(spec.shape)}")
+            continue
+        out[path] = np.ascontiguousarray(tensor).astype(param_dtype)
+
+    ignorable = {n for n in names if n.endswith(_BUFFER_SUFFIXES)}
+    if c.tie_word_embeddings or model.kind in ("reward", "value"):
+        ignorable.add("lm_head.weight")  # tied copy of the embeddings, or a head this kind drops
+    unexpected = sorted(names - used - ignorable)
+    problems = []
+    if missing:
+        problems.append(f"missing weights: {sorted(missing)}")
+    if mismatched:
+        problems.append(f"shape mismatches: {mismatched}")
+    if unexpected and strict:
+        problems.append(f"unexpected weights: {unexpected}")
+    if problems:
+        raise ValueError(f"checkpoint does not fit a {c.model_type} model of kind {model.kind!r}: " + "; ".join(problems))
+    return {"params": traverse_util.unflatten_dict(jax.tree.map(jnp.asarray, out))}
+
+
+def from_pretrained(
+    path: str,
+    dtype="float32",
+    *,
+    param_dtype=None,
+    kind: Optional[str] = None,
+    remat: bool = False,
+):
+    """Load a local Hugging Face checkpoint directory -> (Model, params).
+
+    Args:
+      path: directory with config.json and model.safetensors (or a sharded
+        model.safetensors.index.json). Nothing is downloaded.
+      dtype: compute dtype ("float32", "bfloat16", "float16").
+      param_dtype: storage dtype of the params; defaults to `dtype`.
+      kind: "causal_lm", "causal_lm_value" (policy + zero-initialised value head),
+        "reward" (sequence classification, score at the last real token), or "value"
+        (a critic: trunk + scalar head, initialised from the checkpoint's score head when it
+        has one, else zeros). Default: "reward" for `...ForSequenceClassification`
+        checkpoints, else "causal_lm".
+      remat: rematerialise each block in the backward pass (less memory, more compute).
+
+    Returns:
+      (model, params) with `model.apply(params, input_ids, attention_mask)` pure.
+    """
+    d = _read_config_dict(path)
+    config = ModelConfig.from_hf(d)
+    if kind is None:
+        archs = d.get("architectures") or []
+        kind = "reward" if any(a.endswith("ForSequenceClassification") for a in archs) else "causal_lm"
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r} is invalid; valid kinds: {', '.join(KINDS)}")
+    model = Model(config, kind=kind, dtype=dtype, param_dtype=param_dtype or dtype, remat=remat)
+    tensors = _Tensors(path)
+    params = params_from_hf_tensors(model, tensors.get, tensors.names())
+    value_head_file = os.path.join(path, _VALUE_HEAD_FILE)
+    if kind == "causal_lm_value" and os.path.isfile(value_head_file):
+        from safetensors.numpy import load_file
+
+        head = load_file(value_head_file)
+        params["params"]["value_head"] = {
+            "kernel": jnp.asarray(head["kernel"], model.param_dtype),
+            "bias": jnp.asarray(head["bias"], model.param_dtype),
+        }
+    return model, params
+
+
+def params_to_hf_tensors(model: Model, params) -> dict:
+    """`model`'s params as {Hugging Face name: numpy array}, in Hugging Face layout."""
+    out = {}
+    for path, value in traverse_util.flatten_dict(params["params"]).items():
+        mapped = _hf_name(path, model.config)
+        if mapped is None:
+            continue
+        name, transpose = mapped
+        array = np.asarray(jax.device_get(value))
+        out[name] = np.ascontiguousarray(array.T if transpose else array)
+    return out
+
+
+def save_pretrained(model: Model, params, path: str):
+    """Write `params` as a Hugging Face checkpoint directory (config.json + model.safetensors)
+    that `transformers.AutoModelForCausalLM` (causal LMs) or
+    `AutoModelForSequenceClassification` (reward and value models) loads.
+
+    A "causal_lm_value" model is saved as its causal LM plus `value_head.safetensors`, which
+    `from_pretrained(..., kind="causal_lm_value")` reads back."""
+    from safetensors.numpy import save_file
+
+    os.makedirs(path, exist_ok=True)
+    arch = _ARCH_PREFIX[model.config.model_type]
+    if model.is_causal_lm:
+        arch = "GPT2LMHeadModel" if model.config.model_type == "gpt2" else f"{arch}ForCausalLM"
+    else:
+        arch = f"{arch}ForSequenceClassification"
+    hf_config = model.config.to_hf(arch)
+    hf_config.torch_dtype = model.param_dtype
+    hf_config.save_pretrained(path)
+    save_file(params_to_hf_tensors(model, params), os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    if model.kind == "causal_lm_value":
+        head = params["params"]["value_head"]
+        save_file({k: np.asarray(jax.device_get(v)) for k, v in head.items()}, os.path.join(path, _VALUE_HEAD_FILE))

@@ -1,0 +1,120 @@
+"""`Model`: a hashable handle on a built-in transformer with pure `apply(params, ...)`.
+
+Kinds:
+  "causal_lm"        apply -> logits (B, L, V)
+  "causal_lm_value"  apply -> (logits (B, L, V), values (B, L)); value head on the policy trunk
+  "reward"           apply -> scores (B,), read at the last real token (reward models)
+  "value"            apply -> values (B, L); a separate critic trunk with a scalar head
+
+A `Model` is a frozen dataclass, so it (and its bound `apply`) can be a static jit argument
+and a `TrainState.apply_fn`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxppo.models.config import ModelConfig
+from jaxppo.models.transformer import CausalLMModule, ScoreModule, default_positions
+
+__all__ = ["Model", "KINDS", "PolicyAndCritic"]
+
+KINDS = ("causal_lm", "causal_lm_value", "reward", "value")
+
+
+def _dtype_name(dtype) -> str:
+    return jnp.dtype(dtype).name
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A built-in model: `config`, `kind`, compute `dtype`, storage `param_dtype`, `remat`."""
+
+    config: ModelConfig
+    kind: str = "causal_lm"
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    remat: bool = False
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"Model.kind={self.kind!r} is invalid; valid kinds: {', '.join(KINDS)}")
+        for field in ("dtype", "param_dtype"):
+            name = _dtype_name(getattr(self, field))
+            if name not in ("float32", "bfloat16", "float16"):
+                raise ValueError(f"Model.{field}={name!r} is invalid; use float32, bfloat16 or float16")
+            object.__setattr__(self, field, name)
+
+    @property
+    def module(self):
+        common = dict(config=self.config, dtype=jnp.dtype(self.dtype), param_dtype=jnp.dtype(self.param_dtype), remat=self.remat)
+        if self.kind in ("causal_lm", "causal_lm_value"):
+            return CausalLMModule(with_value_head=self.kind == "causal_lm_value", **common)
+        return ScoreModule(num_labels=self.config.num_labels if self.kind == "reward" else 1,
+                           zero_init=self.kind == "value", **common)
+
+    @property
+    def is_causal_lm(self) -> bool:
+        return self.kind in ("causal_lm", "causal_lm_value")
+
+    def init(self, key, seq_len: int = 8):
+        """Random parameters (value heads start at zero)."""
+        ids = jnp.zeros((1, seq_len), jnp.int32)
+        mask = jnp.ones_like(ids)
+        return self.module.init(key, ids, mask, default_positions(mask))
+
+    def apply(self, params, input_ids, attention_mask):
+        """Pure forward on a (left-)padded batch; output depends on `kind` (module doc)."""
+        positions = default_positions(attention_mask)
+        if self.is_causal_lm:
+            logits, values, _ = self.module.apply(params, input_ids, attention_mask, positions)
+            return logits if self.kind == "causal_lm" else (logits, values)
+        scores = self.module.apply(params, input_ids, attention_mask, positions)
+        if self.kind == "value":
+            return scores[..., 0]
+        # Reward: the score at the last real token of each row.
+        last = attention_mask.shape[1] - 1 - jnp.argmax(jnp.flip(attention_mask.astype(jnp.int32), axis=1), axis=1)
+        picked = jnp.take_along_axis(scores, last[:, None, None], axis=1)[:, 0]
+        return picked[:, 0] if self.config.num_labels == 1 else picked
+
+    def init_cache(self, batch: int, max_len: int):
+        """Zeroed KV cache: per layer (k, v), each (batch, max_len, num_kv_heads, head_dim)."""
+        c = self.config
+        shape = (batch, max_len, c.num_kv_heads, c.head_dim)
+        return tuple((jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)) for _ in range(c.num_layers))
+
+    def decode(self, params, input_ids, attention_mask, positions, cache, cache_index):
+        """Causal-LM forward of new tokens against a KV cache -> (logits (B, Lq, V), cache).
+
+        `attention_mask` (B, Lmax) marks the valid cache slots, the new tokens' included."""
+        if not self.is_causal_lm:
+            raise ValueError(f"decode needs a causal LM; this model's kind is {self.kind!r}")
+        logits, _, cache = self.module.apply(params, input_ids, attention_mask, positions, cache, cache_index)
+        return logits, cache
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyAndCritic:
+    """`apply_fn(params, tokens, mask) -> (logits, values)` over a policy and a separate
+    critic, with params `{"policy": ..., "critic": ...}` (TRL's default design).
+
+    Use it as `TrainState.apply_fn`; give the two parts their own learning rates with
+    `optax.multi_transform`."""
+
+    policy: Model
+    critic: Model
+
+    def __post_init__(self):
+        if self.policy.kind != "causal_lm":
+            raise ValueError(f"policy must be a 'causal_lm' Model, got kind {self.policy.kind!r}")
+        if self.critic.kind != "value":
+            raise ValueError(f"critic must be a 'value' Model, got kind {self.critic.kind!r}")
+
+    def __call__(self, params, tokens, mask):
+        logits = self.policy.apply(params["policy"], tokens, mask)
+        values = self.critic.apply(params["critic"], tokens, mask)
+        return logits, values

@@ -1,0 +1,67 @@
+"""Tokenizers from local directories, and prompts as fixed-length left-padded arrays."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+__all__ = ["load_tokenizer", "encode_prompts", "decode_responses"]
+
+
+def load_tokenizer(path: str):
+    """transformers' `AutoTokenizer` from a local directory (nothing is downloaded). A
+    tokenizer without a pad token gets its EOS token as pad token."""
+    import os
+
+    import transformers
+
+    if not os.path.isdir(path):
+        raise ValueError(f"{path!r} is not a directory; give the local directory holding the tokenizer files")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def encode_prompts(tokenizer, prompts: Sequence[str], max_length: int, *, truncate: bool = False,
+                   add_special_tokens: bool = True):
+    """Encode prompts to (ids, mask), each int32 (len(prompts), max_length), left-padded.
+
+    A prompt longer than `max_length` tokens is an error naming it, unless `truncate=True`,
+    which keeps its last `max_length` tokens (the end of a prompt is what the response
+    continues). An empty list is an error.
+    """
+    if isinstance(prompts, str):
+        raise TypeError("prompts must be a sequence of strings, not a single string")
+    if len(prompts) == 0:
+        raise ValueError("prompts is empty: give at least one prompt")
+    if not isinstance(max_length, int) or max_length <= 0:
+        raise ValueError(f"max_length={max_length!r} must be a positive int")
+    pad = tokenizer.pad_token_id
+    if pad is None:
+        raise ValueError("the tokenizer has no pad token (and no EOS token to use as one); set tokenizer.pad_token")
+    ids = np.full((len(prompts), max_length), pad, np.int32)
+    mask = np.zeros((len(prompts), max_length), np.int32)
+    for i, text in enumerate(prompts):
+        if not isinstance(text, str):
+            raise TypeError(f"prompt {i} is a {type(text).__name__}, not a str")
+        tokens = tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        if len(tokens) > max_length:
+            if not truncate:
+                raise ValueError(
+                    f"prompt {i} has {len(tokens)} tokens, more than max_length={max_length} "
+                    f"({text[:60]!r}...); raise max_length or pass truncate=True to keep its last "
+                    f"{max_length} tokens"
+                )
+            tokens = tokens[-max_length:]
+        if tokens:
+            ids[i, max_length - len(tokens):] = tokens
+            mask[i, max_length - len(tokens):] = 1
+    return ids, mask
+
+
+def decode_responses(tokenizer, tokens, mask) -> list:
+    """Decode response tokens (B, R), keeping only those where `mask` is 1."""
+    tokens, mask = np.asarray(tokens), np.asarray(mask)
+    return [tokenizer.decode(row[m.astype(bool)].tolist(), skip_special_tokens=True) for row, m in zip(tokens, mask)]

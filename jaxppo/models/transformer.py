@@ -1,0 +1,251 @@
+"""Flax (linen) causal transformers: GPT-2 and the Llama family (Llama 2/3, Qwen2).
+
+Parameter names mirror Hugging Face's module names (`model.layers_0.self_attn.q_proj`,
+`transformer.h_0.attn.c_attn`, ...), so checkpoint conversion is a renaming plus, for
+PyTorch `Linear` weights, a transpose.
+
+All modules take
+  input_ids (B, Lq) int, attention_mask (B, Lk) {0, 1} over the key slots,
+  positions (B, Lq) int (position ids of the query tokens),
+  cache: None, or a tuple per layer of (k, v), each (B, Lmax, num_kv_heads, head_dim),
+  cache_index: slot of the first query token in the cache (scalar int).
+Without a cache Lk = Lq and the query tokens are slots 0..Lq-1. Attention is causal over
+slots and ignores keys whose attention_mask is 0 (left padding, finished rows).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxppo.models.config import ModelConfig
+
+__all__ = ["Transformer", "CausalLMModule", "ScoreModule", "rope_inv_freq", "default_positions"]
+
+
+def default_positions(attention_mask):
+    """Position ids that count real tokens only: cumsum(mask) - 1, clipped at 0. With left
+    padding the first real token gets position 0, as Hugging Face's `generate` does."""
+    return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def rope_inv_freq(config: ModelConfig):
+    """Inverse frequencies (head_dim // 2,) of rotary embeddings, with rope scaling applied."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    params = config.rope_params
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "linear":
+        inv_freq = inv_freq / float(params["factor"])
+    elif rope_type == "llama3":
+        factor = float(params["factor"])
+        low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+        old_len = float(params["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+        scaled = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv_freq = jnp.where(medium, blended, scaled)
+    return inv_freq
+
+
+def _apply_rope(x, positions, inv_freq):
+    # x: (B, L, H, D); rotate pairs (i, i + D/2), as Hugging Face's rotate_half does.
+    freqs = positions[..., None].astype(jnp.float32) * inv_freq  # (B, L, D/2)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+def _attention(q, k, v, mask, dtype):
+    """q (B, Lq, H, D), k/v (B, Lk, KV, D), mask (B, Lq, Lk) bool -> (B, Lq, H * D)."""
+    b, lq, h, d = q.shape
+    kv = k.shape[2]
+    q = q.reshape(b, lq, kv, h // kv, d)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) / math.sqrt(d)
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
+    return out.reshape(b, lq, h * d)
+
+
+def _activation(name):
+    return {
+        "gelu_new": lambda x: nn.gelu(x, approximate=True),
+        "gelu_pytorch_tanh": lambda x: nn.gelu(x, approximate=True),
+        "gelu": lambda x: nn.gelu(x, approximate=False),
+        "relu": nn.relu,
+        "silu": nn.silu,
+    }[name]
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        return weight.astype(self.dtype) * x32.astype(self.dtype)
+
+
+def _update_cache(cache_kv, new, cache_index):
+    return jax.lax.dynamic_update_slice_in_dim(cache_kv, new.astype(cache_kv.dtype), cache_index, axis=1)
+
+
+class GPT2Block(nn.Module):
+    config: ModelConfig
+    dtype: Any
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self, x, mask, positions, layer_cache, cache_index):
+        c = self.config
+        dense = lambda n, name: nn.Dense(n, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
+        ln = lambda name: nn.LayerNorm(epsilon=c.norm_eps, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
+        b, l, _ = x.shape
+        h = ln("ln_1")(x)
+        qkv = nn.Dense(3 * c.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype, name="c_attn")(h)
+        q, k, v = jnp.split(qkv.reshape(b, l, 3, c.num_heads, c.head_dim), 3, axis=2)
+        q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]
+        if layer_cache is not None:
+            k = _update_cache(layer_cache[0], k, cache_index)
+            v = _update_cache(layer_cache[1], v, cache_index)
+            layer_cache = (k, v)
+        attn = _attention(q, k, v, mask, self.dtype)
+        x = x + dense(c.hidden_size, "c_proj")(attn)
+        h = ln("ln_2")(x)
+        h = dense(c.intermediate_size, "c_fc")(h)
+        h = dense(c.hidden_size, "mlp_c_proj")(_activation(c.activation)(h))
+        return x + h, layer_cache
+
+
+class LlamaBlock(nn.Module):
+    config: ModelConfig
+    dtype: Any
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self, x, mask, positions, layer_cache, cache_index):
+        c = self.config
+        b, l, _ = x.shape
+        norm = lambda name: RMSNorm(c.norm_eps, self.dtype, self.param_dtype, name=name)
+        proj = lambda n, bias, name: nn.Dense(n, use_bias=bias, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
+        h = norm("input_layernorm")(x)
+        q = proj(c.num_heads * c.head_dim, c.qkv_bias, "q_proj")(h).reshape(b, l, c.num_heads, c.head_dim)
+        k = proj(c.num_kv_heads * c.head_dim, c.qkv_bias, "k_proj")(h).reshape(b, l, c.num_kv_heads, c.head_dim)
+        v = proj(c.num_kv_heads * c.head_dim, c.qkv_bias, "v_proj")(h).reshape(b, l, c.num_kv_heads, c.head_dim)
+        inv_freq = rope_inv_freq(c)
+        q = _apply_rope(q, positions, inv_freq)
+        k = _apply_rope(k, positions, inv_freq)
+        if layer_cache is not None:
+            k = _update_cache(layer_cache[0], k, cache_index)
+            v = _update_cache(layer_cache[1], v, cache_index)
+            layer_cache = (k, v)
+        attn = _attention(q, k, v, mask, self.dtype)
+        x = x + proj(c.hidden_size, False, "o_proj")(attn)
+        h = norm("post_attention_layernorm")(x)
+        act = _activation(c.activation)
+        h = act(proj(c.intermediate_size, c.mlp_bias, "gate_proj")(h)) * proj(c.intermediate_size, c.mlp_bias, "up_proj")(h)
+        return x + proj(c.hidden_size, c.mlp_bias, "down_proj")(h), layer_cache
+
+
+class Transformer(nn.Module):
+    """The trunk: embeddings, blocks, final norm.
+
+    Returns (hidden (B, Lq, hidden_size), new_cache or None, token embedding table)."""
+
+    config: ModelConfig
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    remat: bool = False
+
+    @nn.compact
+    def __call__(self, input_ids, attention_mask, positions, cache=None, cache_index=0):
+        c = self.config
+        gpt2 = c.model_type == "gpt2"
+        embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype,
+                         name="wte" if gpt2 else "embed_tokens")
+        x = embed(input_ids)
+        if gpt2:
+            x = x + nn.Embed(c.max_position_embeddings, c.hidden_size, dtype=self.dtype,
+                             param_dtype=self.param_dtype, name="wpe")(positions)
+        lq, lk = input_ids.shape[1], attention_mask.shape[1]
+        query_slots = cache_index + jnp.arange(lq)
+        causal = jnp.arange(lk)[None, :] <= query_slots[:, None]  # (Lq, Lk)
+        mask = causal[None] & attention_mask.astype(bool)[:, None, :]
+        block_cls = GPT2Block if gpt2 else LlamaBlock
+        if self.remat:
+            block_cls = nn.remat(block_cls)
+        new_cache = []
+        for i in range(c.num_layers):
+            block = block_cls(c, self.dtype, self.param_dtype, name=f"{'h' if gpt2 else 'layers'}_{i}")
+            x, layer_cache = block(x, mask, positions, None if cache is None else cache[i], cache_index)
+            new_cache.append(layer_cache)
+        if gpt2:
+            x = nn.LayerNorm(epsilon=c.norm_eps, dtype=self.dtype, param_dtype=self.param_dtype, name="ln_f")(x)
+        else:
+            x = RMSNorm(c.norm_eps, self.dtype, self.param_dtype, name="norm")(x)
+        return x, (tuple(new_cache) if cache is not None else None), embed.embedding
+
+
+class CausalLMModule(nn.Module):
+    """Trunk + LM head (tied to the embeddings or not), optionally + a value head.
+
+    Returns (logits (B, Lq, V) float32, values (B, Lq) or None, new_cache)."""
+
+    config: ModelConfig
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    remat: bool = False
+    with_value_head: bool = False
+
+    @nn.compact
+    def __call__(self, input_ids, attention_mask, positions, cache=None, cache_index=0):
+        c = self.config
+        trunk = Transformer(c, self.dtype, self.param_dtype, self.remat, name="transformer" if c.model_type == "gpt2" else "model")
+        hidden, cache, table = trunk(input_ids, attention_mask, positions, cache, cache_index)
+        if c.tie_word_embeddings:
+            logits = jnp.einsum("bld,vd->blv", hidden, table.astype(self.dtype))
+        else:
+            logits = nn.Dense(c.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype, name="lm_head")(hidden)
+        values = None
+        if self.with_value_head:
+            values = nn.Dense(1, dtype=jnp.float32, param_dtype=self.param_dtype, kernel_init=nn.initializers.zeros,
+                              name="value_head")(hidden.astype(jnp.float32))[..., 0]
+        return logits.astype(jnp.float32), values, cache
+
+
+class ScoreModule(nn.Module):
+    """Trunk + a linear `score` head (no bias), per token: (B, L, num_labels) float32.
+
+    Used for reward models (`...ForSequenceClassification`, read at the last real token)
+    and for critics (one label, read at every token)."""
+
+    config: ModelConfig
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    remat: bool = False
+    num_labels: int = 1
+    zero_init: bool = False
+
+    @nn.compact
+    def __call__(self, input_ids, attention_mask, positions):
+        c = self.config
+        trunk = Transformer(c, self.dtype, self.param_dtype, self.remat, name="transformer" if c.model_type == "gpt2" else "model")
+        hidden, _, _ = trunk(input_ids, attention_mask, positions)
+        init = nn.initializers.zeros if self.zero_init else nn.initializers.normal(0.02)
+        return nn.Dense(self.num_labels, use_bias=False, dtype=jnp.float32, param_dtype=self.param_dtype,
+                        kernel_init=init, name="score")(hidden.astype(jnp.float32))
