@@ -1,0 +1,162 @@
+"""The KV-cache sampler: statistics, filtering, stop tokens, log-probs, determinism."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+import jaxppo.models as jm
+from jaxppo.models.generate import _generate
+
+V = 24
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    config = jm.ModelConfig(model_type="llama", vocab_size=V, hidden_size=16, num_layers=1, num_heads=2,
+                            num_kv_heads=1, intermediate_size=32, max_position_embeddings=64, eos_token_ids=(2,),
+                            pad_token_id=0, tie_word_embeddings=False)
+    model = jm.Model(config)
+    params = model.init(jax.random.key(0))
+    # Scale the output layer so the next-token distribution is far from uniform.
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: x * 3.0 if "lm_head" in jax.tree_util.keystr(path) else x, params)
+    return model, params
+
+
+def _prompts(b, q=5, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(3, V, size=(b, q))
+    mask = np.ones_like(ids)
+    mask[1::2, :2] = 0  # left padding on every other row
+    return jnp.asarray(ids * mask), jnp.asarray(mask)
+
+
+def _full_logits(model, params, prompt, prompt_mask, out):
+    """Logits of every response position by a full forward over prompt + response."""
+    tokens = jnp.concatenate([prompt, out.tokens], axis=1)
+    mask = jnp.concatenate([prompt_mask, out.mask], axis=1)
+    logits = model.apply(params, tokens, mask)
+    q = prompt.shape[1]
+    return np.asarray(logits[:, q - 1 : -1])
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_empirical_frequencies_match_temperature_softmax(tiny, temperature):
+    model, params = tiny
+    n = 6000
+    prompt = jnp.tile(jnp.asarray([[5, 9, 11, 3]]), (n, 1))
+    mask = jnp.ones_like(prompt)
+    out = jm.generate(model, params, prompt, mask, jax.random.key(1), response_length=1, temperature=temperature,
+                      stop_token_ids=())
+    counts = np.bincount(np.asarray(out.tokens[:, 0]), minlength=V)
+    logits = np.asarray(model.apply(params, prompt[:1], mask[:1]))[0, -1].astype(np.float64)
+
+    def probs(t):
+        z = logits / t
+        p = np.exp(z - z.max())
+        return p / p.sum()
+
+    def pvalue(p):
+        keep = p * n >= 5  # chi-square needs enough expected counts; pool the rest
+        observed = np.append(counts[keep], counts[~keep].sum())
+        expected = np.append(p[keep] * n, p[~keep].sum() * n)
+        if expected[-1] == 0:
+            observed, expected = observed[:-1], expected[:-1]
+        return stats.chisquare(observed, expected).pvalue
+
+    assert probs(temperature).max() < 0.9, "the test needs a spread-out distribution"
+    assert pvalue(probs(temperature)) > 1e-3
+    # Power check: the same counts reject the distribution at a different temperature.
+    assert pvalue(probs(temperature * 1.5)) < 1e-6
+
+
+def test_logprobs_are_temperature_scaled_and_match_full_forward(tiny):
+    model, params = tiny
+    prompt, mask = _prompts(8)
+    out = jm.generate(model, params, prompt, mask, jax.random.key(2), response_length=6, temperature=0.7,
+                      stop_token_ids=())
+    logits = _full_logits(model, params, prompt, mask, out)
+    logp = jax.nn.log_softmax(logits / 0.7, axis=-1)
+    expected = np.take_along_axis(np.asarray(logp), np.asarray(out.tokens)[..., None], axis=-1)[..., 0]
+    np.testing.assert_allclose(np.asarray(out.logprobs), expected, atol=1e-5)
+    assert np.asarray(out.mask).all()
+
+
+@pytest.mark.parametrize("top_k, top_p", [(3, None), (None, 0.5), (5, 0.7)])
+def test_top_k_top_p_never_emit_excluded_tokens(tiny, top_k, top_p):
+    model, params = tiny
+    prompt, mask = _prompts(256, seed=3)
+    out = jm.generate(model, params, prompt, mask, jax.random.key(3), response_length=4, top_k=top_k, top_p=top_p,
+                      stop_token_ids=())
+    logits = _full_logits(model, params, prompt, mask, out)
+    tokens = np.asarray(out.tokens)
+    distinct = set()
+    for i in range(tokens.shape[0]):
+        for t in range(tokens.shape[1]):
+            row = logits[i, t].astype(np.float64)
+            order = np.argsort(-row)
+            allowed = set(order[:top_k].tolist()) if top_k else set(range(V))
+            if top_p is not None:
+                masked = np.where(np.isin(np.arange(V), list(allowed)), row, -np.inf)
+                p = np.exp(masked - masked.max())
+                p /= p.sum()
+                nucleus, mass = set(), 0.0
+                for j in np.argsort(-p):
+                    if mass >= top_p:
+                        break
+                    nucleus.add(int(j))
+                    mass += p[j]
+                allowed &= nucleus
+            assert tokens[i, t] in allowed, (i, t, tokens[i, t], sorted(allowed))
+            distinct.add(int(tokens[i, t]))
+    assert len(distinct) > 1, "sampling, not greedy"
+
+
+def test_stop_tokens_end_rows_and_nothing_after_is_unmasked(tiny):
+    model, params = tiny
+    prompt, mask = _prompts(64, seed=4)
+    # Stop on the two tokens the model likes most after the prompts, so most rows stop early.
+    first = np.asarray(model.apply(params, prompt, mask))[:, -1].argmax(-1)
+    stops = tuple(int(t) for t in np.bincount(first, minlength=V).argsort()[-2:])
+    out = jm.generate(model, params, prompt, mask, jax.random.key(4), response_length=10, stop_token_ids=stops,
+                      pad_token_id=0)
+    tokens, logprobs, m = (np.asarray(x) for x in out)
+    stopped_rows = 0
+    for i in range(tokens.shape[0]):
+        hits = np.flatnonzero(np.isin(tokens[i], stops) & (m[i] == 1))
+        if hits.size:
+            stopped_rows += 1
+            end = hits[0] + 1  # the stop token itself is kept
+            assert m[i, :end].all() and not m[i, end:].any()
+            assert (tokens[i, end:] == 0).all() and (logprobs[i, end:] == 0).all()
+        else:
+            assert m[i].all()
+    assert stopped_rows > 8 and stopped_rows < tokens.shape[0] + 1
+
+
+def test_deterministic_per_key_and_one_compile_per_shape(tiny):
+    model, params = tiny
+    prompt, mask = _prompts(4, seed=5)
+    before = _generate._cache_size()
+    a = jm.generate(model, params, prompt, mask, jax.random.key(7), response_length=5)
+    b = jm.generate(model, params, prompt, mask, jax.random.key(7), response_length=5)
+    c = jm.generate(model, params, prompt, mask, jax.random.key(8), response_length=5, temperature=0.9)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert not np.array_equal(np.asarray(a.tokens), np.asarray(c.tokens))
+    assert _generate._cache_size() == before + 1  # a new key or temperature does not recompile
+
+
+def test_bad_arguments(tiny):
+    model, params = tiny
+    prompt, mask = _prompts(2)
+    with pytest.raises(ValueError, match="response_length"):
+        jm.generate(model, params, prompt, mask, jax.random.key(0), response_length=0)
+    with pytest.raises(ValueError, match="top_p"):
+        jm.generate(model, params, prompt, mask, jax.random.key(0), response_length=2, top_p=1.5)
+    with pytest.raises(ValueError, match="top_k"):
+        jm.generate(model, params, prompt, mask, jax.random.key(0), response_length=2, top_k=0)
+    with pytest.raises(ValueError, match="causal-LM"):
+        jm.generate(jm.Model(model.config, kind="reward"), params, prompt, mask, jax.random.key(0), response_length=2)
