@@ -11,6 +11,8 @@ from jaxppo.engine import TrainState, minibatch_indices, update_epochs, update_e
 from jaxppo.ppo import Rollout, compute_advantages, ppo_loss, train_step, train_step_fn
 from jaxppo import models
 from jaxppo.models import GenerationOutput, generate
+from jaxppo.rollout import RolloutSpec, finish_rollout, sample_responses
+from jaxppo.trainer import PPOTrainer, TrainerConfig, load_prompts
 
 __version__ = "0.1.0"
 
@@ -29,4 +31,10 @@ __all__ = [
     "models",
     "generate",
     "GenerationOutput",
+    "PPOTrainer",
+    "TrainerConfig",
+    "load_prompts",
+    "RolloutSpec",
+    "sample_responses",
+    "finish_rollout",
 ]

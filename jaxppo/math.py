@@ -7,6 +7,8 @@ real tokens. Every function here is pure and jit-friendly; none knows about mode
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -21,6 +23,14 @@ __all__ = [
     "policy_loss",
     "value_loss",
     "approx_kl",
+    "KL_ESTIMATORS",
+    "kl_per_token",
+    "kl_shaped_rewards",
+    "KLControllerState",
+    "fixed_kl_controller",
+    "adaptive_kl_update",
+    "RunningMoments",
+    "running_moments_update",
 ]
 
 
@@ -158,3 +168,86 @@ def value_loss(values, old_values, returns, mask, cliprange_value: float):
 def approx_kl(logprobs, old_logprobs, mask):
     """Approximate KL(old || new) = 0.5 * mean_m((logprobs - old_logprobs)^2), as in TRL."""
     return 0.5 * masked_mean(jnp.square(logprobs - old_logprobs), mask)
+
+
+KL_ESTIMATORS = ("k1", "k3", "abs", "mse")
+
+
+def kl_per_token(logprobs, ref_logprobs, estimator: str = "k1"):
+    """Per-token estimate of KL(policy || reference) from sampled tokens' log-probs.
+
+    With logr = ref_logprobs - logprobs:
+      k1: -logr (unbiased, can be negative per token)
+      k3: (exp(logr) - 1) - logr (unbiased, always >= 0)
+      abs: |logr|
+      mse: 0.5 * logr^2
+    """
+    logr = ref_logprobs - logprobs
+    if estimator == "k1":
+        return -logr
+    if estimator == "k3":
+        return jnp.expm1(logr) - logr
+    if estimator == "abs":
+        return jnp.abs(logr)
+    if estimator == "mse":
+        return 0.5 * jnp.square(logr)
+    raise ValueError(f"kl estimator {estimator!r} is invalid; valid estimators: {', '.join(KL_ESTIMATORS)}")
+
+
+def kl_shaped_rewards(kl, scores, mask, beta):
+    """Per-token rewards: -beta * kl at each real token, plus the sequence score at the last
+    real token. kl (B, T), scores (B,), mask (B, T) prefix of ones -> (B, T), 0 at padding.
+
+    Returns (rewards, non_score_rewards)."""
+    mask = mask.astype(jnp.float32)
+    non_score = -beta * kl * mask
+    last = jnp.maximum(jnp.sum(mask, axis=1).astype(jnp.int32) - 1, 0)
+    at_last = jax.nn.one_hot(last, kl.shape[1], dtype=jnp.float32) * mask
+    return non_score + at_last * scores[:, None], non_score
+
+
+class KLControllerState(NamedTuple):
+    """beta: the current KL coefficient (float32 scalar). target, horizon: the adaptive
+    controller's settings (target <= 0 means a fixed coefficient)."""
+
+    beta: jax.Array
+    target: jax.Array
+    horizon: jax.Array
+
+
+def fixed_kl_controller(beta: float) -> KLControllerState:
+    return KLControllerState(jnp.float32(beta), jnp.float32(0.0), jnp.float32(1.0))
+
+
+def adaptive_kl_update(state: KLControllerState, current_kl, n_steps) -> KLControllerState:
+    """Ziegler et al. (2019) adaptive KL: beta *= 1 + clip(kl / target - 1, -0.2, 0.2) *
+    n_steps / horizon. A state with target <= 0 is fixed and returned unchanged."""
+    error = jnp.clip(current_kl / jnp.where(state.target > 0, state.target, 1.0) - 1.0, -0.2, 0.2)
+    mult = 1.0 + error * n_steps / state.horizon
+    beta = jnp.where(state.target > 0, state.beta * mult, state.beta)
+    return state._replace(beta=beta.astype(jnp.float32))
+
+
+class RunningMoments(NamedTuple):
+    """Running mean, variance (population) and count of a scalar stream."""
+
+    mean: jax.Array
+    var: jax.Array
+    count: jax.Array
+
+    @classmethod
+    def zeros(cls) -> "RunningMoments":
+        return cls(jnp.float32(0.0), jnp.float32(1.0), jnp.float32(0.0))
+
+
+def running_moments_update(state: RunningMoments, x) -> RunningMoments:
+    """Merge a batch `x` (any shape) into the running moments (Chan et al. parallel update)."""
+    x = x.astype(jnp.float32).ravel()
+    n = jnp.float32(x.size)
+    batch_mean = jnp.mean(x)
+    batch_var = jnp.var(x)
+    total = state.count + n
+    delta = batch_mean - state.mean
+    mean = state.mean + delta * n / total
+    m2 = state.var * state.count + batch_var * n + jnp.square(delta) * state.count * n / total
+    return RunningMoments(mean, m2 / total, total)

@@ -252,7 +252,11 @@ def save_pretrained(model: Model, params, path: str):
     else:
         arch = f"{arch}ForSequenceClassification"
     hf_config = model.config.to_hf(arch)
-    hf_config.torch_dtype = model.param_dtype
+    import transformers
+
+    # transformers >= 5 calls it `dtype`, earlier versions `torch_dtype`.
+    dtype_attr = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+    setattr(hf_config, dtype_attr, model.param_dtype)
     hf_config.save_pretrained(path)
     save_file(params_to_hf_tensors(model, params), os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     if model.kind == "causal_lm_value":

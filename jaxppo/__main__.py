@@ -1,0 +1,5 @@
+import sys
+
+from jaxppo.cli import main
+
+sys.exit(main())

@@ -1,0 +1,167 @@
+"""The `jaxppo` command: PPO/RLHF from the command line.
+
+    jaxppo                                   # the embedded demo (tiny byte-level policy, CPU)
+    jaxppo --model DIR --reward-model DIR --prompts prompts.jsonl --batch-size 64 ...
+    jaxppo --config run.toml --iterations 200
+
+Every `PPOConfig` and `TrainerConfig` field is a flag (`--mini-batch-size 8`,
+`--no-whiten-advantages`, `--target-kl none`, ...). Values come from, lowest first: the
+defaults (the demo's when no --model is given), the --config file (JSON or TOML with the
+same names, dashes or underscores), then the flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import typing
+from typing import Optional
+
+from jaxppo.config import PPOConfig
+from jaxppo.trainer import PPOTrainer, TrainerConfig
+
+__all__ = ["main", "build_parser", "resolve"]
+
+_EXTRA = {
+    "model": (str, None, "local Hugging Face causal-LM directory (policy); default: the demo's tiny policy"),
+    "reward_model": (str, None, "local ...ForSequenceClassification directory (reward model)"),
+    "reward": (str, None, "built-in reward function instead of a model: 'lowercase' (the demo's)"),
+    "critic": (str, None, "local directory to initialise the critic from (default: the reward model)"),
+    "ref_model": (str, None, "local directory of the reference policy (default: the initial policy)"),
+    "prompts": (str, None, "prompts file: .txt (one per line), .jsonl or .json; default: the demo's prompts"),
+    "prompt_column": (str, "prompt", "field holding the prompt in .jsonl/.json files"),
+    "dtype": (str, "float32", "compute and parameter dtype: float32, bfloat16 or float16"),
+    "config": (str, None, "JSON or TOML file of settings (flags override it)"),
+}
+
+
+
+def _parse_optional(kind):
+    def parse(text):
+        if text.lower() in ("none", "null", ""):
+            return None
+        return kind(text)
+
+    return parse
+
+
+def _add_dataclass_flags(parser, cls, group_title):
+    group = parser.add_argument_group(group_title)
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        hint = hints[field.name]
+        flag = "--" + field.name.replace("_", "-")
+        default_text = f"(default: {field.default!r})"
+        if hint is bool:
+            group.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                               help=default_text)
+            continue
+        args = typing.get_args(hint)
+        if type(None) in args:
+            inner = next(a for a in args if a is not type(None))
+            group.add_argument(flag, dest=field.name, type=_parse_optional(inner), default=argparse.SUPPRESS,
+                               metavar=inner.__name__.upper() + "|none", help=default_text)
+        else:
+            group.add_argument(flag, dest=field.name, type=hint, default=argparse.SUPPRESS, help=default_text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxppo", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="With no arguments, runs the embedded demo.")
+    group = parser.add_argument_group("models, data and reward")
+    for name, (kind, default, text) in _EXTRA.items():
+        group.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=argparse.SUPPRESS,
+                           help=f"{text} (default: {default!r})")
+    _add_dataclass_flags(parser, PPOConfig, "PPO update (PPOConfig)")
+    _add_dataclass_flags(parser, TrainerConfig, "training loop (TrainerConfig)")
+    return parser
+
+
+def _read_config_file(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise SystemExit(f"jaxppo: --config {path!r}: no such file")
+    if path.endswith(".toml"):
+        import tomllib
+
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    else:
+        with open(path) as f:
+            data = json.load(f)
+    return {k.replace("-", "_"): v for k, v in data.items()}
+
+
+def resolve(argv=None):
+    """Parse arguments -> (PPOConfig, TrainerConfig, extras dict)."""
+    from jaxppo import demo
+
+    args = vars(build_parser().parse_args(argv))
+    from_file = _read_config_file(args["config"]) if args.get("config") else {}
+    values = {name: default for name, (_, default, _) in _EXTRA.items()}
+    is_demo = "model" not in args and "model" not in from_file
+    if is_demo:
+        values.update(demo.DEMO_PPO)
+        values.update(demo.DEMO_TRAINER)
+    values.update(from_file)
+    values.update(args)
+    known = {f.name for f in dataclasses.fields(PPOConfig)} | {f.name for f in dataclasses.fields(TrainerConfig)} | set(_EXTRA)
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise SystemExit(f"jaxppo: unknown settings {unknown} in {args.get('config')}")
+    try:
+        ppo = PPOConfig(**{f.name: values[f.name] for f in dataclasses.fields(PPOConfig) if f.name in values})
+        trainer = TrainerConfig(**{f.name: values[f.name] for f in dataclasses.fields(TrainerConfig) if f.name in values})
+    except ValueError as err:
+        raise SystemExit(f"jaxppo: {err}") from None
+    extras = {name: values[name] for name in _EXTRA}
+    extras["demo"] = is_demo
+    return ppo, trainer, extras
+
+
+def build_trainer(ppo: PPOConfig, tc: TrainerConfig, extras: dict) -> PPOTrainer:
+    from jaxppo import demo
+    from jaxppo.models.tokenizer import load_tokenizer
+
+    if extras["demo"]:
+        tokenizer = demo.demo_tokenizer()
+        policy = demo.demo_policy(tokenizer, seed=tc.seed, max_len=tc.query_length + tc.response_length)
+        prompts = extras["prompts"] or demo.DEMO_PROMPTS
+    else:
+        tokenizer = load_tokenizer(extras["model"])
+        policy = extras["model"]
+        if not extras["prompts"]:
+            raise SystemExit("jaxppo: --prompts is required with --model")
+        prompts = extras["prompts"]
+    reward_fn = None
+    reward_model = extras["reward_model"]
+    if reward_model is None:
+        name = extras["reward"] or "lowercase"
+        if name != "lowercase":
+            raise SystemExit(f"jaxppo: --reward {name!r} is not a built-in reward; built-in: 'lowercase'")
+        reward_fn = demo.lowercase_reward
+    elif extras["reward"]:
+        raise SystemExit("jaxppo: give --reward-model or --reward, not both")
+    return PPOTrainer(ppo, tc, policy=policy, tokenizer=tokenizer, prompts=prompts, reward_model=reward_model,
+                      reward_fn=reward_fn, critic=extras["critic"], ref_policy=extras["ref_model"],
+                      dtype=extras["dtype"], prompt_column=extras["prompt_column"])
+
+
+def main(argv=None) -> int:
+    ppo, tc, extras = resolve(argv)
+    try:
+        trainer = build_trainer(ppo, tc, extras)
+    except (ValueError, TypeError) as err:
+        raise SystemExit(f"jaxppo: {err}") from None
+    try:
+        trainer.train()
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

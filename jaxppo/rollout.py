@@ -1,0 +1,157 @@
+"""Rollout collection: prompts + policy + reference + critic + reward -> a `Rollout`.
+
+Two compiled stages with a host step between them only when the reward is a Python
+function on decoded text:
+
+    sample(params, prompts, key)                        -> GenerationOutput     (jit)
+    [scores = reward_fn(prompt texts, response texts)]                          (host, checked)
+    finish(params, ref_params, reward_params, ...)      -> Rollout, stats       (jit)
+
+`finish` recomputes the policy's log-probs and the critic's values with the same function
+the PPO loss uses (so the first update sees ratio 1), the reference log-probs, the scores
+(reward model, token-level reward function, or the host scores), the missing-EOS penalty,
+score normalisation and clipping, per-token KL, and rewards = -beta * KL with the score
+added at the last real response token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxppo import math as ppo_math
+from jaxppo.models.generate import GenerationOutput, generate
+from jaxppo.models.model import Model
+from jaxppo.ppo import Rollout, response_outputs
+
+__all__ = ["RolloutSpec", "sample_responses", "finish_rollout", "check_scores"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSpec:
+    """Everything static about rollouts (hashable: a static jit argument).
+
+    Attributes:
+      policy: the causal-LM `Model` that samples (kind "causal_lm" or "causal_lm_value").
+      apply_fn: the train state's `apply_fn(params, tokens, mask) -> (logits, values)`.
+      policy_params_key: where the policy's params sit in the train params (None: the
+        params are the policy's own, as with a shared trunk; "policy" for PolicyAndCritic).
+      ref_apply: `ref_apply(ref_params, tokens, mask) -> logits`.
+      reward_apply: `reward_apply(reward_params, tokens, mask) -> (B,)` scores, or None.
+      token_reward_fn: a jittable `fn(prompt_ids, prompt_mask, response_ids, response_mask)
+        -> (B,)` scores, or None.
+      response_length, temperature, stop_token_ids, pad_token_id: sampling.
+      kl_estimator: "k1", "k3", "abs" or "mse".
+      missing_eos_penalty: subtracted from the score of responses without a stop token.
+      normalize_scores: standardise scores by running mean/std before use.
+      score_clip: clip (normalised) scores to [-score_clip, score_clip].
+    """
+
+    policy: Model
+    apply_fn: Callable
+    ref_apply: Callable
+    response_length: int
+    temperature: float = 1.0
+    policy_params_key: Optional[str] = None
+    reward_apply: Optional[Callable] = None
+    token_reward_fn: Optional[Callable] = None
+    stop_token_ids: Tuple[int, ...] = ()
+    pad_token_id: int = 0
+    kl_estimator: str = "k1"
+    missing_eos_penalty: Optional[float] = None
+    normalize_scores: bool = False
+    score_clip: Optional[float] = None
+
+    def __post_init__(self):
+        if self.kl_estimator not in ppo_math.KL_ESTIMATORS:
+            raise ValueError(f"kl_estimator={self.kl_estimator!r} is invalid; valid: {', '.join(ppo_math.KL_ESTIMATORS)}")
+
+    def policy_params(self, params):
+        return params if self.policy_params_key is None else params[self.policy_params_key]
+
+
+def sample_responses(spec: RolloutSpec, params, prompt_ids, prompt_mask, key) -> GenerationOutput:
+    """Sample `spec.response_length` tokens per prompt from the current policy (compiled)."""
+    return generate(spec.policy, spec.policy_params(params), prompt_ids, prompt_mask, key,
+                    response_length=spec.response_length, temperature=spec.temperature,
+                    stop_token_ids=spec.stop_token_ids, pad_token_id=spec.pad_token_id)
+
+
+def check_scores(scores, batch: int) -> np.ndarray:
+    """Validate host-side reward-function output: shape (batch,), finite numbers."""
+    try:
+        arr = np.asarray(scores, dtype=np.float64)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"the reward function must return {batch} numbers; got {type(scores).__name__}: {err}") from None
+    if arr.shape != (batch,):
+        raise ValueError(f"the reward function returned shape {arr.shape}; expected ({batch},): one score per response")
+    bad = np.flatnonzero(~np.isfinite(arr))
+    if bad.size:
+        raise ValueError(f"the reward function returned non-finite scores {arr[bad[:5]].tolist()} at rows {bad[:5].tolist()}")
+    return arr.astype(np.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompt_ids, prompt_mask,
+                   gen: GenerationOutput, host_scores, kl_state: ppo_math.KLControllerState,
+                   score_moments: ppo_math.RunningMoments):
+    """Build the `Rollout` and its statistics from sampled responses (compiled).
+
+    host_scores: (B,) scores from a text reward function, or None when the spec has a
+    reward model or a token reward function. Returns (rollout, stats, score_moments), with
+    TRL-named statistics: objective/kl, objective/entropy, objective/non_score_reward,
+    objective/rlhf_reward, objective/scores, val/num_eos_tokens, ...
+    """
+    response_mask = gen.mask
+    batch = {"query_tokens": prompt_ids, "query_mask": prompt_mask,
+             "response_tokens": gen.tokens, "response_mask": response_mask}
+    logprobs, values, _ = response_outputs(spec.apply_fn, params, batch, spec.temperature)
+    tokens = jnp.concatenate([prompt_ids, gen.tokens], axis=1)
+    mask = jnp.concatenate([prompt_mask, response_mask], axis=1)
+    q, r = prompt_ids.shape[1], gen.tokens.shape[1]
+    ref_logits = spec.ref_apply(ref_params, tokens, mask)[:, q - 1 : q - 1 + r]
+    ref_logprobs = ppo_math.logprobs_from_logits(ref_logits, gen.tokens, spec.temperature)
+
+    if spec.reward_apply is not None:
+        raw_scores = spec.reward_apply(reward_params, tokens, mask).astype(jnp.float32)
+    elif spec.token_reward_fn is not None:
+        raw_scores = jnp.asarray(spec.token_reward_fn(prompt_ids, prompt_mask, gen.tokens, response_mask), jnp.float32)
+    else:
+        raw_scores = host_scores.astype(jnp.float32)
+    if raw_scores.shape != (prompt_ids.shape[0],):
+        raise ValueError(f"scores have shape {raw_scores.shape}; expected ({prompt_ids.shape[0]},)")
+
+    stop_ids = jnp.asarray(spec.stop_token_ids or (-1,), jnp.int32)
+    contains_eos = jnp.any(jnp.isin(gen.tokens, stop_ids) & (response_mask > 0), axis=1)
+    scores = raw_scores
+    if spec.missing_eos_penalty is not None:
+        scores = jnp.where(contains_eos, scores, scores - spec.missing_eos_penalty)
+    if spec.normalize_scores:
+        score_moments = ppo_math.running_moments_update(score_moments, scores)
+        scores = (scores - score_moments.mean) / jnp.sqrt(score_moments.var + 1e-8)
+    if spec.score_clip is not None:
+        scores = jnp.clip(scores, -spec.score_clip, spec.score_clip)
+
+    kl = ppo_math.kl_per_token(logprobs, ref_logprobs, spec.kl_estimator) * response_mask
+    rewards, non_score = ppo_math.kl_shaped_rewards(kl, scores, response_mask, kl_state.beta)
+    rollout = Rollout(query_tokens=prompt_ids, query_mask=prompt_mask, response_tokens=gen.tokens,
+                      response_mask=response_mask, logprobs=logprobs, values=values, rewards=rewards)
+    mean_kl = jnp.mean(jnp.sum(kl, axis=1))
+    mean_non_score = jnp.mean(jnp.sum(non_score, axis=1))
+    stats = {
+        "objective/kl": mean_kl,
+        "objective/entropy": jnp.mean(jnp.sum(-logprobs * response_mask, axis=1)),
+        "objective/non_score_reward": mean_non_score,
+        "objective/rlhf_reward": jnp.mean(scores) + mean_non_score,
+        "objective/scores": jnp.mean(scores),
+        "objective/raw_scores": jnp.mean(raw_scores),
+        "objective/kl_coef": kl_state.beta,
+        "val/num_eos_tokens": jnp.sum(contains_eos.astype(jnp.int32)),
+        "val/response_length": jnp.mean(jnp.sum(response_mask, axis=1).astype(jnp.float32)),
+    }
+    return rollout, stats, score_moments
