@@ -61,3 +61,21 @@ def left_padded_batch(rng, batch, length, min_len=1):
     mask = (np.arange(length)[None, :] >= (length - lengths)[:, None]).astype(np.int64)
     ids = rng.integers(3, VOCAB, size=(batch, length)) * mask  # pad id 0
     return ids, mask
+
+
+def build_byte_level_pair(directory, tokenizer, width=32, layers=1, positions=48, seed=0):
+    """A GPT-2 policy (with the tokenizer saved beside it) and a GPT-2 reward model over the
+    tokenizer's vocabulary, saved to <directory>/policy and <directory>/rm."""
+    import os
+
+    import torch
+    import transformers
+
+    common = dict(vocab_size=len(tokenizer), n_embd=width, n_layer=layers, n_head=2, n_positions=positions,
+                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=0)
+    torch.manual_seed(seed)
+    policy, rm = os.path.join(directory, "policy"), os.path.join(directory, "rm")
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(**common)).save_pretrained(policy)
+    tokenizer.save_pretrained(policy)
+    transformers.GPT2ForSequenceClassification(transformers.GPT2Config(num_labels=1, **common)).save_pretrained(rm)
+    return policy, rm

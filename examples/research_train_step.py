@@ -1,12 +1,14 @@
-"""Train a tiny policy with `jaxppo.train_step` on a toy task, and print the update counts.
+"""Research-code pattern: your own Flax model, your own rollouts, `jaxppo.train_step`.
 
-The task: after a random prompt, emit as many copies of a target token as possible. The
+Nothing here uses jaxppo's models or trainer: the policy/value network is defined below as
+a plain Flax module, and `train_step` only needs `apply_fn(params, tokens, mask) ->
+(logits, values)`. The task: after a random prompt, emit as many copies of a target token as possible. The
 score of a response is the fraction of its tokens equal to the target, given at its last
 token. Each iteration samples a rollout from the current policy (a plain sampler written
 here with `lax.scan`), then calls `train_step` once, which applies exactly
 `ppo_epochs * batch_size / mini_batch_size` optimizer updates.
 
-    python examples/toy_train_step.py [--iterations 30]
+    python examples/research_train_step.py [--iterations 30]
 """
 
 from __future__ import annotations
@@ -14,14 +16,33 @@ from __future__ import annotations
 import argparse
 import time
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
 
 import jaxppo
-from jaxppo.toy import make_toy
 
 VOCAB, PROMPT_LEN, RESPONSE_LEN, TARGET = 16, 4, 8, 3
+
+
+class PolicyValueNet(nn.Module):
+    """A small causal transformer with a value head: tokens, mask -> (logits, values)."""
+
+    vocab: int
+    width: int = 32
+    heads: int = 2
+
+    @nn.compact
+    def __call__(self, tokens, mask):
+        length = tokens.shape[1]
+        x = nn.Embed(self.vocab, self.width)(tokens) + nn.Embed(length, self.width)(jnp.arange(length))
+        attend = jnp.tril(jnp.ones((length, length), bool))[None, None] & mask.astype(bool)[:, None, None, :]
+        attend = attend | jnp.eye(length, dtype=bool)[None, None]  # padding rows see themselves
+        x = x + nn.SelfAttention(num_heads=self.heads, use_bias=False)(nn.LayerNorm()(x), mask=attend)
+        x = x + nn.Dense(self.width)(nn.gelu(nn.Dense(4 * self.width)(nn.LayerNorm()(x))))
+        x = nn.LayerNorm()(x)
+        return nn.Dense(self.vocab)(x), nn.Dense(1, kernel_init=nn.initializers.zeros)(x)[..., 0]
 
 
 def sample(apply_fn, params, prompts, key, temperature):
@@ -84,9 +105,10 @@ def main(argv=None):
     )
     key = jax.random.key(args.seed)
     key, init_key = jax.random.split(key)
-    apply_fn, params = make_toy(init_key, vocab_size=VOCAB, width=32, depth=1, heads=2,
-                                max_len=PROMPT_LEN + RESPONSE_LEN, seq_len=PROMPT_LEN + RESPONSE_LEN)
-    state = jaxppo.TrainState.create(apply_fn=apply_fn, params=params, tx=optax.adam(args.learning_rate))
+    net = PolicyValueNet(VOCAB)
+    tokens = jnp.zeros((1, PROMPT_LEN + RESPONSE_LEN), jnp.int32)
+    params = net.init(init_key, tokens, jnp.ones_like(tokens))
+    state = jaxppo.TrainState.create(apply_fn=net.apply, params=params, tx=optax.adam(args.learning_rate))
     collect = make_collect(config)
 
     print(f"updates per train_step = ppo_epochs * batch_size / mini_batch_size = "

@@ -1,0 +1,130 @@
+"""Rollout math (KL estimators, KL-shaped rewards, KL controller, running moments) against
+reference formulas written here, and the compiled rollout against a direct computation."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxppo
+import jaxppo.models as jm
+from jaxppo import math as pm
+from jaxppo.rollout import RolloutSpec, check_scores, finish_rollout, sample_responses
+
+
+def test_kl_estimators_match_formulas():
+    lp = np.array([[-1.0, -2.0, -0.5]], np.float32)
+    ref = np.array([[-1.5, -1.0, -0.5]], np.float32)
+    for est, f in {
+        "k1": lambda a, b: a - b,
+        "k3": lambda a, b: math.exp(b - a) - 1 - (b - a),
+        "abs": lambda a, b: abs(a - b),
+        "mse": lambda a, b: 0.5 * (a - b) ** 2,
+    }.items():
+        got = np.asarray(pm.kl_per_token(jnp.asarray(lp), jnp.asarray(ref), est))
+        want = [f(float(a), float(b)) for a, b in zip(lp[0], ref[0])]
+        np.testing.assert_allclose(got[0], want, atol=1e-6)
+    with pytest.raises(ValueError, match="k1, k3, abs, mse"):
+        pm.kl_per_token(jnp.asarray(lp), jnp.asarray(ref), "k2")
+
+
+def test_kl_shaped_rewards_put_score_at_last_real_token():
+    kl = jnp.array([[0.1, 0.2, 0.3, 0.4], [0.5, 0.6, 0.7, 0.8]])
+    mask = jnp.array([[1, 1, 0, 0], [1, 1, 1, 1]])
+    scores = jnp.array([2.0, -1.0])
+    rewards, non_score = pm.kl_shaped_rewards(kl, scores, mask, 0.5)
+    expected = np.array([[-0.05, -0.1 + 2.0, 0, 0], [-0.25, -0.3, -0.35, -0.4 - 1.0]])
+    np.testing.assert_allclose(np.asarray(rewards), expected, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(non_score).sum(1), [-0.15, -1.3], atol=1e-6)
+
+
+def test_adaptive_kl_controller_matches_ziegler_formula():
+    state = pm.KLControllerState(jnp.float32(0.2), jnp.float32(6.0), jnp.float32(10000.0))
+    beta = 0.2
+    for kl in [3.0, 12.0, 6.0, 100.0]:
+        state = pm.adaptive_kl_update(state, jnp.float32(kl), 256)
+        beta *= 1 + min(max(kl / 6.0 - 1, -0.2), 0.2) * 256 / 10000
+        assert float(state.beta) == pytest.approx(beta, rel=1e-6)
+    fixed = pm.fixed_kl_controller(0.1)
+    assert float(pm.adaptive_kl_update(fixed, jnp.float32(50.0), 256).beta) == pytest.approx(0.1)
+
+
+def test_running_moments_match_numpy():
+    rng = np.random.default_rng(0)
+    chunks = [rng.normal(3, 2, size=n) for n in (5, 17, 64, 1)]
+    state = pm.RunningMoments.zeros()
+    for c in chunks:
+        state = pm.running_moments_update(state, jnp.asarray(c))
+    allx = np.concatenate(chunks)
+    assert float(state.mean) == pytest.approx(allx.mean(), rel=1e-5)
+    assert float(state.var) == pytest.approx(allx.var(), rel=1e-4)
+    assert float(state.count) == allx.size
+
+
+def test_check_scores_rejects_wrong_shape_and_nonfinite():
+    assert check_scores([1, 2.5], 2).tolist() == [1.0, 2.5]
+    with pytest.raises(ValueError, match=r"shape \(3,\); expected \(2,\)"):
+        check_scores([1, 2, 3], 2)
+    with pytest.raises(ValueError, match=r"non-finite scores \[nan\] at rows \[1\]"):
+        check_scores([1, float("nan")], 2)
+    with pytest.raises(ValueError, match="must return 2 numbers"):
+        check_scores(["a", "b"], 2)
+
+
+@pytest.fixture(scope="module")
+def tiny_policy():
+    config = jm.ModelConfig(model_type="gpt2", vocab_size=32, hidden_size=16, num_layers=1, num_heads=2,
+                            num_kv_heads=2, intermediate_size=32, max_position_embeddings=32, eos_token_ids=(2,),
+                            pad_token_id=0)
+    model = jm.Model(config)
+    return model, model.init(jax.random.key(0))
+
+
+def test_finish_rollout_against_direct_computation(tiny_policy):
+    model, params = tiny_policy
+    critic = jm.Model(model.config, kind="value")
+    critic_params = {"params": {"transformer": params["params"]["transformer"],
+                                "score": {"kernel": 0.1 * jnp.ones((16, 1))}}}
+    apply_fn = jm.PolicyAndCritic(model, critic)
+    full = {"policy": params, "critic": critic_params}
+    ref_params = jax.tree.map(lambda x: x * 0.9, params)  # a different reference
+
+    def token_reward(p_ids, p_mask, r_ids, r_mask):
+        return jnp.sum((r_ids == 7) * r_mask, axis=1).astype(jnp.float32)
+
+    spec = RolloutSpec(policy=model, apply_fn=apply_fn, ref_apply=model.apply, response_length=6, temperature=0.8,
+                       policy_params_key="policy", token_reward_fn=token_reward, stop_token_ids=(2,),
+                       kl_estimator="k3", missing_eos_penalty=1.5, score_clip=2.0)
+    ids = jnp.asarray(np.random.default_rng(1).integers(3, 32, size=(8, 4)))
+    mask = jnp.ones_like(ids)
+    gen = sample_responses(spec, full, ids, mask, jax.random.key(2))
+    kl_state = pm.fixed_kl_controller(0.25)
+    rollout, stats, _ = finish_rollout(spec, full, ref_params, None, ids, mask, gen, None, kl_state,
+                                       pm.RunningMoments.zeros())
+
+    # Direct computation, step by step.
+    tokens = jnp.concatenate([ids, gen.tokens], 1)
+    tmask = jnp.concatenate([mask, gen.mask], 1)
+    logp = jax.nn.log_softmax(model.apply(params, tokens, tmask)[:, 3:9] / 0.8)
+    logp = np.take_along_axis(np.asarray(logp), np.asarray(gen.tokens)[..., None], -1)[..., 0]
+    rlogp = jax.nn.log_softmax(model.apply(ref_params, tokens, tmask)[:, 3:9] / 0.8)
+    rlogp = np.take_along_axis(np.asarray(rlogp), np.asarray(gen.tokens)[..., None], -1)[..., 0]
+    m = np.asarray(gen.mask)
+    np.testing.assert_allclose(np.asarray(rollout.logprobs) * m, logp * m, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(rollout.logprobs) * m, np.asarray(gen.logprobs) * m, atol=1e-4)
+    values = np.asarray(critic.apply(critic_params, tokens, tmask))[:, 3:9]
+    np.testing.assert_allclose(np.asarray(rollout.values), values, atol=1e-5)
+    toks = np.asarray(gen.tokens)
+    for i in range(8):
+        n = int(m[i].sum())
+        has_eos = bool((toks[i, :n] == 2).any())
+        score = float(((toks[i] == 7) * m[i]).sum()) - (0.0 if has_eos else 1.5)
+        score = min(max(score, -2.0), 2.0)
+        for t in range(6):
+            lr = rlogp[i, t] - logp[i, t]
+            kl = (math.exp(lr) - 1 - lr) if t < n else 0.0
+            expected = -0.25 * kl + (score if t == n - 1 else 0.0)
+            assert float(rollout.rewards[i, t]) == pytest.approx(expected, abs=1e-4), (i, t)
+    assert float(stats["val/num_eos_tokens"]) == sum(bool((toks[i][m[i] > 0] == 2).any()) for i in range(8))

@@ -1,0 +1,192 @@
+"""PPOTrainer end to end on tiny local models: update counts, logging, export, exact resume,
+Hugging Face policy + reward model, bad input, non-finite updates, the CLI."""
+
+import json
+import os
+import signal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hf_models
+import jaxppo
+import jaxppo.models as jm
+from jaxppo import demo
+from jaxppo.cli import resolve
+
+TRL_METRICS = ["objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
+               "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg", "loss/value_avg",
+               "val/clipfrac_avg", "policy/entropy_avg", "val/ratio", "val/ratio_var", "val/num_eos_tokens", "eps",
+               "lr", "episode", "ppo/updates_applied"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return demo.demo_tokenizer()
+
+
+def small_configs(tmp, **trainer):
+    ppo = jaxppo.PPOConfig(batch_size=16, mini_batch_size=4, ppo_epochs=2, kl_coef=0.1)
+    tc = dict(iterations=4, query_length=32, response_length=8, learning_rate=1e-3, output_dir=str(tmp),
+              progress=False, sample_every=2, num_samples=1)
+    tc.update(trainer)
+    return ppo, jaxppo.TrainerConfig(**tc)
+
+
+def make_trainer(tokenizer, tmp, reward_fn=demo.lowercase_reward, callbacks=(), prompts=None, **trainer):
+    ppo, tc = small_configs(tmp, **trainer)
+    policy = demo.demo_policy(tokenizer, width=32, layers=1, max_len=40)
+    return jaxppo.PPOTrainer(ppo, tc, policy=policy, tokenizer=tokenizer, prompts=demo.DEMO_PROMPTS if prompts is None else prompts,
+                             reward_fn=reward_fn, callbacks=callbacks)
+
+
+def _comparable(row):
+    return {k: v for k, v in row.items() if not k.startswith("time/") and k != "eps"}
+
+
+def test_run_counts_updates_logs_plots_and_exports(tokenizer, tmp_path):
+    import transformers
+
+    trainer = make_trainer(tokenizer, tmp_path, checkpoint_every=2)
+    history = trainer.train()
+    assert len(history) == 4
+    for row in history:
+        assert row["ppo/updates_applied"] == 2 * 16 // 4
+        for name in TRL_METRICS:
+            assert name in row and np.isfinite(row[name]), name
+    assert int(trainer.state.step) == 4 * trainer.config.updates_per_step
+    lines = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    assert [r["iteration"] for r in lines] == [0, 1, 2, 3]
+    assert open(tmp_path / "metrics.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert any(f.startswith("events") for f in os.listdir(tmp_path / "tensorboard"))
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "4"]
+
+    # The exported policy is the trained one, as transformers sees it.
+    exported = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "final_policy")).eval()
+    ids, mask = jm.encode_prompts(tokenizer, ["Hello there", "abc"], 12)
+    import torch
+
+    with torch.no_grad():
+        ref = exported(input_ids=torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask, dtype=torch.long),
+                       position_ids=torch.tensor(np.maximum(np.cumsum(mask, 1) - 1, 0))).logits.numpy()
+    ours = np.asarray(trainer.policy_model.apply(trainer.policy_params(), jnp.asarray(ids), jnp.asarray(mask)))
+    real = mask.astype(bool)
+    np.testing.assert_allclose(ours[real], ref[real], atol=1e-4)
+    initial = demo.demo_policy(tokenizer, width=32, layers=1, max_len=40)[1]
+    assert not np.allclose(np.asarray(jax.tree.leaves(initial)[0]), np.asarray(jax.tree.leaves(trainer.policy_params())[0]))
+
+
+def test_interrupted_run_resumes_to_identical_metrics(tokenizer, tmp_path):
+    straight = make_trainer(tokenizer, tmp_path / "a", iterations=6, checkpoint_every=2, export_final=False,
+                            plot=False, tensorboard=False).train()
+
+    def kill_after_3(iteration, metrics):
+        if iteration == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # handled: checkpoint, then KeyboardInterrupt
+
+    run_b = tmp_path / "b"
+    interrupted = make_trainer(tokenizer, run_b, iterations=6, checkpoint_every=2, export_final=False, plot=False,
+                               tensorboard=False, callbacks=[kill_after_3])
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.train()
+    assert interrupted.iteration == 4
+    resumed = make_trainer(tokenizer, run_b, iterations=6, checkpoint_every=2, export_final=False, plot=False,
+                           tensorboard=False)
+    history = resumed.train()
+    assert [r["iteration"] for r in history] == list(range(6))
+    assert [_comparable(r) for r in history] == [_comparable(r) for r in straight]
+    lines = [json.loads(x)["iteration"] for x in open(run_b / "metrics.jsonl")]
+    assert lines == list(range(6))
+
+
+def test_hf_policy_against_hf_reward_model(tokenizer, tmp_path):
+    policy_dir, rm_dir = hf_models.build_byte_level_pair(str(tmp_path), tokenizer)
+    ppo, tc = small_configs(tmp_path / "run", iterations=2, export_final=False, plot=False)
+    trainer = jaxppo.PPOTrainer(ppo, tc, policy=policy_dir, reward_model=rm_dir,
+                                tokenizer=jm.load_tokenizer(policy_dir), prompts=demo.DEMO_PROMPTS)
+    # The critic starts as a copy of the reward model (TRL's default).
+    rm_model, rm_params = jm.from_pretrained(rm_dir)
+    critic_params = trainer.state.params["critic"]["params"]
+    np.testing.assert_array_equal(np.asarray(critic_params["transformer"]["h_0"]["c_fc"]["kernel"]),
+                                  np.asarray(rm_params["params"]["transformer"]["h_0"]["c_fc"]["kernel"]))
+    history = trainer.train()
+    assert [r["ppo/updates_applied"] for r in history] == [8, 8]
+    # Scores are the reward model's scores of prompt + response.
+    rows, gen = trainer._last_samples
+    ids, mask = jnp.asarray(trainer.prompt_ids[rows]), jnp.asarray(trainer.prompt_mask[rows])
+    rm_scores = rm_model.apply(rm_params, jnp.concatenate([ids, gen.tokens], 1), jnp.concatenate([mask, gen.mask], 1))
+    assert history[-1]["objective/raw_scores"] == pytest.approx(float(jnp.mean(rm_scores)), abs=1e-5)
+
+
+def test_shared_trunk_and_adaptive_kl(tokenizer, tmp_path):
+    trainer = make_trainer(tokenizer, tmp_path, iterations=2, shared_trunk=True, kl_target=0.5, kl_horizon=100,
+                           kl_estimator="k3", export_final=True, plot=False, tensorboard=False)
+    history = trainer.train()
+    assert "value_head" in trainer.state.params["params"]
+    assert int(trainer.state.step) == 2 * trainer.config.updates_per_step
+    beta = trainer.config.kl_coef
+    for row in history:
+        assert row["objective/kl_coef"] == pytest.approx(beta, rel=1e-5)
+        beta *= 1 + min(max(row["objective/kl"] / 0.5 - 1, -0.2), 0.2) * 16 / 100
+    assert float(trainer.kl_state.beta) == pytest.approx(beta, rel=1e-5)
+    jm.from_pretrained(str(tmp_path / "final_policy"))  # exported without the value head
+
+
+def test_bad_input_is_refused(tokenizer, tmp_path):
+    with pytest.raises(ValueError, match="empty"):
+        make_trainer(tokenizer, tmp_path, prompts=[])
+    long_prompt = ["x" * 40]
+    with pytest.raises(ValueError, match="more than max_length=32.*truncate"):
+        make_trainer(tokenizer, tmp_path, prompts=long_prompt)
+    trainer = make_trainer(tokenizer, tmp_path, prompts=long_prompt, truncate_prompts=True)
+    assert trainer.prompt_mask.all()
+    with pytest.raises(ValueError, match="exactly one of reward_model"):
+        jaxppo.PPOTrainer(*small_configs(tmp_path), policy=demo.demo_policy(tokenizer), tokenizer=tokenizer,
+                          prompts=["a"])
+
+    for bad, message in [(lambda p, r: [1.0] * (len(r) - 1), "expected \\(16,\\)"),
+                         (lambda p, r: [float("inf")] * len(r), "non-finite")]:
+        trainer = make_trainer(tokenizer, tmp_path, reward_fn=bad)
+        before = jax.tree.map(np.asarray, trainer.state.params)
+        with pytest.raises(ValueError, match=message):
+            trainer.step()
+        for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(trainer.state.params)):
+            np.testing.assert_array_equal(a, np.asarray(b))
+    with pytest.raises(ValueError, match="total_episodes=20 is not a multiple"):
+        make_trainer(tokenizer, tmp_path, total_episodes=20)
+
+
+def test_nonfinite_losses_skip_updates_and_warn(tokenizer, tmp_path):
+    def nan_reward(p_ids, p_mask, r_ids, r_mask):
+        return jnp.full((r_ids.shape[0],), jnp.nan)
+
+    ppo, tc = small_configs(tmp_path, iterations=1)
+    trainer = jaxppo.PPOTrainer(ppo, tc, policy=demo.demo_policy(tokenizer, width=32, layers=1, max_len=40),
+                                tokenizer=tokenizer, prompts=demo.DEMO_PROMPTS, reward_fn=nan_reward,
+                                reward_fn_on="tokens")
+    before = jax.tree.map(np.asarray, trainer.state.params)
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        metrics = trainer.step()
+    assert metrics["ppo/updates_applied"] == 0 and int(trainer.state.skipped_nonfinite) == ppo.updates_per_step
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(trainer.state.params)):
+        np.testing.assert_array_equal(a, np.asarray(b))
+
+
+def test_cli_flags_config_file_and_errors(tmp_path):
+    ppo, tc, extras = resolve([])
+    assert extras["demo"] and ppo.batch_size == demo.DEMO_PPO["batch_size"] and tc.iterations == demo.DEMO_TRAINER["iterations"]
+    config_file = tmp_path / "run.toml"
+    config_file.write_text('mini-batch-size = 8\nppo_epochs = 3\nkl_estimator = "k3"\ntarget_kl = 0.5\n')
+    ppo, tc, extras = resolve(["--config", str(config_file), "--ppo-epochs", "2", "--no-whiten-advantages",
+                               "--target-kl", "none", "--score-clip", "3", "--model", "/some/dir"])
+    assert (ppo.mini_batch_size, ppo.ppo_epochs, ppo.whiten_advantages, ppo.target_kl) == (8, 2, False, None)
+    assert tc.kl_estimator == "k3" and tc.score_clip == 3.0 and extras["model"] == "/some/dir" and not extras["demo"]
+    assert ppo.batch_size == jaxppo.PPOConfig().batch_size  # library defaults, not the demo's, with --model
+    with pytest.raises(SystemExit, match="mini_batch_size=7"):
+        resolve(["--mini-batch-size", "7"])
+    bad_file = tmp_path / "bad.json"
+    bad_file.write_text(json.dumps({"batch_sise": 4}))
+    with pytest.raises(SystemExit, match="batch_sise"):
+        resolve(["--config", str(bad_file)])
