@@ -39,7 +39,8 @@ class PolicyValueNet(nn.Module):
         x = nn.Embed(self.vocab, self.width)(tokens) + nn.Embed(length, self.width)(jnp.arange(length))
         attend = jnp.tril(jnp.ones((length, length), bool))[None, None] & mask.astype(bool)[:, None, None, :]
         attend = attend | jnp.eye(length, dtype=bool)[None, None]  # padding rows see themselves
-        x = x + nn.SelfAttention(num_heads=self.heads, use_bias=False)(nn.LayerNorm()(x), mask=attend)
+        h = nn.LayerNorm()(x)
+        x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads, use_bias=False)(h, h, mask=attend)
         x = x + nn.Dense(self.width)(nn.gelu(nn.Dense(4 * self.width)(nn.LayerNorm()(x))))
         x = nn.LayerNorm()(x)
         return nn.Dense(self.vocab)(x), nn.Dense(1, kernel_init=nn.initializers.zeros)(x)[..., 0]

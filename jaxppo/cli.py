@@ -35,6 +35,10 @@ _EXTRA = {
     "prompt_column": (str, "prompt", "field holding the prompt in .jsonl/.json files"),
     "dtype": (str, "float32", "compute and parameter dtype: float32, bfloat16 or float16"),
     "config": (str, None, "JSON or TOML file of settings (flags override it)"),
+    "mesh_data": (int, None, "devices on the mesh's 'data' axis (pure data parallelism)"),
+    "mesh_fsdp": (int, None, "devices on the 'fsdp' axis (data parallel, parameters and optimizer states sharded)"),
+    "mesh_tensor": (int, None, "devices on the 'tensor' axis (tensor parallelism)"),
+    "distributed": (bool, False, "call jax.distributed.initialize() first (multi-host runs)"),
 }
 
 
@@ -74,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
                                      epilog="With no arguments, runs the embedded demo.")
     group = parser.add_argument_group("models, data and reward")
     for name, (kind, default, text) in _EXTRA.items():
+        if kind is bool:
+            group.add_argument("--" + name.replace("_", "-"), dest=name, action="store_true", default=argparse.SUPPRESS,
+                               help=text)
+            continue
         group.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=argparse.SUPPRESS,
                            help=f"{text} (default: {default!r})")
     _add_dataclass_flags(parser, PPOConfig, "PPO update (PPOConfig)")
@@ -145,13 +153,24 @@ def build_trainer(ppo: PPOConfig, tc: TrainerConfig, extras: dict) -> PPOTrainer
         reward_fn = demo.lowercase_reward
     elif extras["reward"]:
         raise SystemExit("jaxppo: give --reward-model or --reward, not both")
+    mesh = None
+    axes = (extras["mesh_data"], extras["mesh_fsdp"], extras["mesh_tensor"])
+    if any(a is not None for a in axes) or extras["distributed"]:
+        from jaxppo.sharding import MeshConfig
+
+        mesh = MeshConfig(data=axes[0], fsdp=axes[1], tensor=1 if axes[2] is None else axes[2])
     return PPOTrainer(ppo, tc, policy=policy, tokenizer=tokenizer, prompts=prompts, reward_model=reward_model,
                       reward_fn=reward_fn, critic=extras["critic"], ref_policy=extras["ref_model"],
-                      dtype=extras["dtype"], prompt_column=extras["prompt_column"])
+                      dtype=extras["dtype"], prompt_column=extras["prompt_column"], mesh=mesh)
 
 
 def main(argv=None) -> int:
     ppo, tc, extras = resolve(argv)
+    if extras["distributed"]:
+        from jaxppo.sharding import initialize_distributed
+
+        process, count = initialize_distributed()
+        print(f"jaxppo: process {process} of {count}")
     try:
         trainer = build_trainer(ppo, tc, extras)
     except (ValueError, TypeError) as err:

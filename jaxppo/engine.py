@@ -149,9 +149,14 @@ def update_epochs_fn(
     *,
     weight_fn: Optional[Callable] = None,
     approxkl_key: str = "approxkl",
+    minibatch_sharding=None,
 ):
     """The pure (un-jitted) engine; see `update_epochs`. Use this to jit with your own
-    options (buffer donation, shardings) or to call from inside your own jitted code."""
+    options (buffer donation, shardings) or to call from inside your own jitted code.
+
+    `minibatch_sharding` (e.g. rows over a mesh's data axes) is applied to each gathered
+    mini-batch as a sharding constraint, so that under a mesh every device works on its
+    share of the mini-batch's rows."""
     if not isinstance(config, PPOConfig):
         raise TypeError(f"config must be a jaxppo.PPOConfig, got {type(config).__name__}")
     leaves = jax.tree.leaves(batch)
@@ -200,6 +205,8 @@ def update_epochs_fn(
         state, stopped = carry
         minibatch = jax.tree.map(lambda x: jnp.take(x, idx, axis=0), batch)
         chex.assert_tree_shape_prefix(minibatch, (config.mini_batch_size,))
+        if minibatch_sharding is not None:
+            minibatch = jax.lax.with_sharding_constraint(minibatch, minibatch_sharding)
         if not early_stop:
             state, metrics = do_update(state, minibatch)
             return (state, stopped), metrics
@@ -227,7 +234,9 @@ def update_epochs_fn(
     return state, metrics
 
 
-update_epochs_jit = jax.jit(update_epochs_fn, static_argnames=("loss_fn", "config", "weight_fn", "approxkl_key"))
+update_epochs_jit = jax.jit(
+    update_epochs_fn, static_argnames=("loss_fn", "config", "weight_fn", "approxkl_key", "minibatch_sharding")
+)
 
 
 def update_epochs(

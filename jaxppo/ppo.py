@@ -144,9 +144,10 @@ def _loss_for(apply_fn, config: PPOConfig):
     return functools.partial(ppo_loss, apply_fn=apply_fn, config=config)
 
 
-def train_step_fn(state: TrainState, rollout: Rollout, key, config: PPOConfig):
+def train_step_fn(state: TrainState, rollout: Rollout, key, config: PPOConfig, minibatch_sharding=None):
     """The pure (un-jitted) `train_step`; jit it with your own options (donation,
-    shardings) or call it inside your own jitted code."""
+    shardings) or call it inside your own jitted code. `minibatch_sharding`: see
+    `update_epochs_fn` (`jaxppo.sharding.sharded_train_step` sets it)."""
     if not isinstance(rollout, Rollout):
         raise TypeError(f"rollout must be a jaxppo.Rollout, got {type(rollout).__name__}")
     b, r = rollout.response_tokens.shape
@@ -178,7 +179,8 @@ def train_step_fn(state: TrainState, rollout: Rollout, key, config: PPOConfig):
     }
     step_before = state.step
     state, engine_metrics = update_epochs_fn(
-        state, batch, key, _loss_for(state.apply_fn, config), config, weight_fn=_token_count
+        state, batch, key, _loss_for(state.apply_fn, config), config, weight_fn=_token_count,
+        minibatch_sharding=minibatch_sharding,
     )
     return state, _summarise(engine_metrics, state.step - step_before, rollout, advantages, returns, config)
 

@@ -11,6 +11,7 @@ checkpoint produces exactly the metrics of an uninterrupted one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -196,12 +197,15 @@ class PPOTrainer:
       dtype: compute/param dtype of models loaded from paths.
       prompt_column: column or field holding prompts in datasets and JSON files.
       callbacks: functions `cb(iteration, metrics)` called after each iteration.
+      mesh: None (one device), a `jaxppo.sharding.MeshConfig`, or a `jax.sharding.Mesh`
+        with axes ("data", "fsdp", "tensor"): parameters and optimizer states are sharded
+        by `jaxppo.sharding.tree_shardings`, rollout rows split over the data axes.
     """
 
     def __init__(self, config: PPOConfig, trainer_config: TrainerConfig, *, policy, tokenizer, prompts,
                  reward_model=None, reward_fn: Optional[Callable] = None, reward_fn_on: str = "text",
                  ref_policy=None, critic=None, dtype: str = "float32", prompt_column: str = "prompt",
-                 callbacks: Sequence[Callable] = ()):
+                 callbacks: Sequence[Callable] = (), mesh=None):
         if not isinstance(config, PPOConfig):
             raise TypeError(f"config must be a jaxppo.PPOConfig, got {type(config).__name__}")
         if not isinstance(trainer_config, TrainerConfig):
@@ -292,6 +296,18 @@ class PPOTrainer:
         self.kl_state = ppo_math.KLControllerState(jnp.float32(config.kl_coef), jnp.float32(kl_target),
                                                    jnp.float32(tc.kl_horizon))
         self.score_moments = ppo_math.RunningMoments.zeros()
+        self.mesh = None
+        self._train_step = functools.partial(train_step, config=config)
+        if mesh is not None:
+            from jaxppo import sharding
+
+            self.mesh = mesh if isinstance(mesh, jax.sharding.Mesh) else sharding.make_mesh(mesh)
+            sharding.check_batch_divides(config, self.mesh)
+            self.state = sharding.shard_state(self.state, self.mesh)
+            self.ref_params = sharding.shard_state(self.ref_params, self.mesh)
+            if self.reward_params is not None:
+                self.reward_params = sharding.shard_state(self.reward_params, self.mesh)
+            self._train_step = sharding.sharded_train_step(self.state, config, self.mesh)
         self.iteration = 0
         self.history: list = []
         self._base_key = jax.random.key(tc.seed)
@@ -321,7 +337,14 @@ class PPOTrainer:
         key = jax.random.fold_in(self._base_key, it)
         k_sample, k_train = jax.random.split(key)
         rows = self.prompt_indices(it)
-        ids, mask = jnp.asarray(self.prompt_ids[rows]), jnp.asarray(self.prompt_mask[rows])
+        if self.mesh is None:
+            ids, mask = jnp.asarray(self.prompt_ids[rows]), jnp.asarray(self.prompt_mask[rows])
+        else:
+            from jaxppo import sharding
+
+            # Every process holds all prompts and materialises only its own rows.
+            ids = sharding.global_batch(self.prompt_ids[rows], self.mesh)
+            mask = sharding.global_batch(self.prompt_mask[rows], self.mesh)
 
         t0 = time.perf_counter()
         gen = sample_responses(self.spec, self.state.params, ids, mask, k_sample)
@@ -329,14 +352,18 @@ class PPOTrainer:
         t1 = time.perf_counter()
         host_scores = None
         if self.reward_fn is not None:
-            responses = decode_responses(self.tokenizer, gen.tokens, gen.mask)
+            responses = decode_responses(self.tokenizer, _to_host(gen.tokens), _to_host(gen.mask))
             host_scores = jnp.asarray(check_scores(self.reward_fn([self.prompts[r] for r in rows], responses), len(rows)))
         rollout, stats, moments = finish_rollout(self.spec, self.state.params, self.ref_params, self.reward_params,
                                                  ids, mask, gen, host_scores, self.kl_state, self.score_moments)
         jax.block_until_ready(rollout.rewards)
         t2 = time.perf_counter()
         step_before = int(self.state.step)
-        state, metrics = train_step(self.state, rollout, k_train, self.config)
+        if self.mesh is not None:
+            from jaxppo import sharding
+
+            rollout = sharding.shard_batch(rollout, self.mesh)
+        state, metrics = self._train_step(self.state, rollout, k_train)
         jax.block_until_ready(state.params)
         t3 = time.perf_counter()
         applied = int(state.step) - step_before
@@ -366,7 +393,7 @@ class PPOTrainer:
     def samples(self, n: int):
         """(prompt, response) texts of the first `n` rows of the last iteration."""
         rows, gen = self._last_samples
-        responses = decode_responses(self.tokenizer, gen.tokens[:n], gen.mask[:n])
+        responses = decode_responses(self.tokenizer, _to_host(gen.tokens)[:n], _to_host(gen.mask)[:n])
         return [(self.prompts[r], text) for r, text in zip(rows[:n], responses)]
 
     # ------------------------------------------------------------------ checkpoints
@@ -410,7 +437,7 @@ class PPOTrainer:
             manager.close()
             return False
         template = self._checkpoint_tree()
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), template)
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), template)
         restored = manager.restore(latest, args=ocp.args.StandardRestore(abstract))
         manager.close()
         restored = jax.tree.unflatten(jax.tree.structure(template), jax.tree.leaves(restored))
@@ -436,7 +463,9 @@ class PPOTrainer:
         os.makedirs(tc.output_dir, exist_ok=True)
         if tc.resume and self.restore_checkpoint():
             print(f"resumed from iteration {self.iteration} ({os.path.join(tc.output_dir, 'checkpoints')})")
-        logger = Logger(tc.output_dir, start_iteration=self.iteration, tensorboard=tc.tensorboard)
+        # In multi-host runs process 0 logs to output_dir, the others to their own subfolder.
+        log_dir = tc.output_dir if jax.process_index() == 0 else os.path.join(tc.output_dir, f"process_{jax.process_index()}")
+        logger = Logger(log_dir, start_iteration=self.iteration, tensorboard=tc.tensorboard)
         self.history = logger.history
         print(f"jaxppo: {self.iterations} iterations x {self.config.batch_size} episodes; updates per iteration = "
               f"ppo_epochs * batch_size / mini_batch_size = {self.config.ppo_epochs} * {self.config.batch_size} / "
@@ -501,6 +530,10 @@ class PPOTrainer:
         params = self.policy_params()
         if self.tc.shared_trunk:
             params = {"params": {k: v for k, v in params["params"].items() if k != "value_head"}}
+        if jax.process_count() > 1:
+            params = jax.tree.map(_to_host, params)
+            if jax.process_index() != 0:
+                return  # one writer
         hf_io.save_pretrained(model, params, path)
         if hasattr(self.tokenizer, "save_pretrained"):
             self.tokenizer.save_pretrained(path)
@@ -525,6 +558,15 @@ class PPOTrainer:
             f"metrics: {os.path.join(self.tc.output_dir, 'metrics.jsonl')}",
         ]
         return "\n".join(lines)
+
+
+def _to_host(array) -> np.ndarray:
+    """A global array as a host numpy array (gathered across processes in multi-host runs)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+    return np.asarray(array)
 
 
 @dataclasses.dataclass(frozen=True)

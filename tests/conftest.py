@@ -1,6 +1,11 @@
 import os
 import sys
 
+# Eight host devices for the sharding tests; set before anything imports jax. Single-device
+# code runs on device 0 as before.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -1,0 +1,179 @@
+"""Meshes and partition rules: the same `train_step` on 1 or N devices, through XLA SPMD.
+
+A mesh has three named axes:
+  "data":   pure data parallelism (parameters replicated across it),
+  "fsdp":   data parallelism with parameters and optimizer states sharded across it,
+  "tensor": tensor parallelism inside a layer (column-/row-parallel projections).
+Rollout rows are split over ("data", "fsdp"); `batch_size` and `mini_batch_size` stay
+global sizes and each device works on `mini_batch_size / (data * fsdp)` rows per update.
+No collective is written by hand: shardings are declared and XLA inserts the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxppo.config import PPOConfig
+
+__all__ = ["MeshConfig", "make_mesh", "batch_sharding", "shard_batch", "param_spec", "tree_shardings", "shard_state",
+           "sharded_train_step", "global_batch",
+           "check_batch_divides", "initialize_distributed"]
+
+AXES = ("data", "fsdp", "tensor")
+# Projections split on their output features (column-parallel) or input features
+# (row-parallel) along the "tensor" axis. Kernels are (in, out).
+_COLUMN_PARALLEL = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "c_attn", "c_fc", "lm_head"}
+_ROW_PARALLEL = {"o_proj", "down_proj", "c_proj", "mlp_c_proj"}
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Axis sizes; None means "whatever is left": with all three None every device goes to
+    "fsdp" (data parallel with sharded parameters)."""
+
+    data: Optional[int] = None
+    fsdp: Optional[int] = None
+    tensor: Optional[int] = 1
+
+    def resolve(self, n_devices: int):
+        sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        for name, size in sizes.items():
+            if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size <= 0):
+                raise ValueError(f"mesh axis {name}={size!r} is invalid: a positive int or None")
+        known = int(np.prod([s for s in sizes.values() if s is not None]))
+        free = [k for k, s in sizes.items() if s is None]
+        if not free:
+            if known != n_devices:
+                raise ValueError(f"mesh axes data={sizes['data']} x fsdp={sizes['fsdp']} x tensor={sizes['tensor']} "
+                                 f"= {known} devices, but {n_devices} are available; the sizes must multiply to "
+                                 f"the device count")
+            return sizes
+        if n_devices % known:
+            raise ValueError(f"mesh axes {sizes} do not divide the {n_devices} devices: the given sizes multiply "
+                             f"to {known}, and the axes left as None must take a whole share of the rest")
+        # Leftover devices go to fsdp when it is free, else to the first free axis.
+        target = "fsdp" if "fsdp" in free else free[0]
+        for k in free:
+            sizes[k] = n_devices // known if k == target else 1
+        return sizes
+
+
+def make_mesh(config: MeshConfig = MeshConfig(), devices=None) -> Mesh:
+    """A `Mesh` with axes ("data", "fsdp", "tensor") over `devices` (default: all)."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = config.resolve(len(devices))
+    grid = np.asarray(devices, dtype=object).reshape(sizes["data"], sizes["fsdp"], sizes["tensor"])
+    return Mesh(grid, AXES)
+
+
+def _data_size(mesh: Mesh) -> int:
+    return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def check_batch_divides(config: PPOConfig, mesh: Mesh):
+    """Raise ValueError unless every per-update row count splits evenly over the data axes."""
+    n = _data_size(mesh)
+    micro = config.micro_batch_size
+    if config.batch_size % n or micro % n:
+        raise ValueError(
+            f"the mesh splits rows over data x fsdp = {mesh.shape['data']} x {mesh.shape['fsdp']} = {n} devices, "
+            f"but PPOConfig.batch_size={config.batch_size}, mini_batch_size={config.mini_batch_size} and the "
+            f"micro-batch size {micro} (mini_batch_size / gradient_accumulation_steps) must all be multiples of {n}"
+        )
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Rows over ("data", "fsdp"); every other dimension replicated."""
+    return NamedSharding(mesh, P(("data", "fsdp")))
+
+
+def shard_batch(tree, mesh: Mesh):
+    """Place every leaf (leading dim = rows) with its rows split over the data axes."""
+    sharding = batch_sharding(mesh)
+    return jax.tree.map(lambda x: jax.device_put(x, sharding), tree)
+
+
+def param_spec(path: tuple, shape: tuple, mesh: Mesh) -> P:
+    """PartitionSpec of a parameter (or of an optimizer-state leaf shaped like one).
+
+    Rules: 2-D kernels of known projections are split on the "tensor" axis (column-parallel
+    on the output dim, row-parallel on the input dim) when it divides; then the largest
+    remaining dimension that the "fsdp" axis divides is split over "fsdp"; 1-D and scalar
+    leaves, and dimensions nothing divides, are replicated.
+    """
+    spec = [None] * len(shape)
+    if len(shape) < 2:
+        return P(*spec)
+    names = {str(getattr(k, "key", getattr(k, "name", k))) for k in path}
+    tensor, fsdp = mesh.shape["tensor"], mesh.shape["fsdp"]
+    if tensor > 1 and len(shape) == 2:
+        dim = 1 if names & _COLUMN_PARALLEL else (0 if names & _ROW_PARALLEL else None)
+        if "embedding" in names:
+            dim = 1
+        if dim is not None and shape[dim] % tensor == 0:
+            spec[dim] = "tensor"
+    if fsdp > 1:
+        candidates = [d for d in np.argsort(shape)[::-1] if spec[d] is None and shape[d] % fsdp == 0]
+        if candidates:
+            spec[int(candidates[0])] = "fsdp"
+    return P(*spec)
+
+
+def tree_shardings(tree, mesh: Mesh):
+    """NamedShardings for every leaf of `tree` (params, optimizer state, a TrainState) by
+    `param_spec`; non-array leaves and scalars are replicated."""
+
+    def one(path, leaf):
+        shape = getattr(leaf, "shape", ())
+        return NamedSharding(mesh, param_spec(path, tuple(shape), mesh))
+
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def initialize_distributed(**kwargs):
+    """`jax.distributed.initialize(**kwargs)` for multi-host runs (TPU pods and multi-node
+    GPU jobs discover the coordinator themselves; pass coordinator_address, num_processes
+    and process_id otherwise). Call once per process, before anything touches devices."""
+    jax.distributed.initialize(**kwargs)
+    return jax.process_index(), jax.process_count()
+
+
+def shard_state(state, mesh: Mesh):
+    """Place a `TrainState` (or any params/optimizer pytree) by `tree_shardings`."""
+    return jax.device_put(state, tree_shardings(state, mesh))
+
+
+def sharded_train_step(state, config: PPOConfig, mesh: Mesh, *, donate: bool = False):
+    """A jitted `train_step(state, rollout, key) -> (state, metrics)` for `mesh`.
+
+    The state keeps the shardings of `tree_shardings` (parameters and optimizer states
+    split over "fsdp"/"tensor"), rollout rows are split over ("data", "fsdp"), each
+    mini-batch is constrained to the same row split, and metrics come back replicated. The
+    update count and the math are those of the single-device `train_step`. `donate=True`
+    lets XLA reuse the old state's buffers (the passed state is invalid afterwards).
+    """
+    import functools
+
+    from jaxppo.ppo import train_step_fn
+
+    check_batch_divides(config, mesh)
+    state_sharding = tree_shardings(state, mesh)
+    rows = batch_sharding(mesh)
+    replicated = NamedSharding(mesh, P())
+    fn = functools.partial(train_step_fn, config=config, minibatch_sharding=rows)
+    return jax.jit(fn, in_shardings=(state_sharding, rows, replicated), out_shardings=(state_sharding, replicated),
+                   donate_argnums=(0,) if donate else ())
+
+
+def global_batch(array, mesh: Mesh):
+    """A global array with rows split over the data axes, built from a host numpy array
+    that every process holds in full (each process materialises only its own shards), so
+    the same code feeds one host or many."""
+    array = np.asarray(array)
+    sharding = batch_sharding(mesh)
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])

@@ -1,0 +1,160 @@
+"""The same train_step on 8 host devices (conftest sets
+--xla_force_host_platform_device_count=8): equal results to 1 device, real sharding,
+per-device memory falling with fsdp, sampling under the mesh, clear errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxppo
+import jaxppo.models as jm
+from jaxppo import sharding as sh
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (XLA_FLAGS set in conftest)")
+
+Q, R, V = 4, 6, 64
+MESHES = [sh.MeshConfig(data=8, fsdp=1), sh.MeshConfig(data=2, fsdp=4), sh.MeshConfig(data=1, fsdp=8),
+          sh.MeshConfig(data=2, fsdp=2, tensor=2)]
+
+
+def _ids(m):
+    return f"data{m.data}-fsdp{m.fsdp}-tensor{m.tensor}"
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = jm.ModelConfig(model_type="llama", vocab_size=V, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                         intermediate_size=64, max_position_embeddings=32, tie_word_embeddings=False, eos_token_ids=(2,))
+    policy, critic = jm.Model(cfg), jm.Model(cfg, kind="value")
+    params = {"policy": policy.init(jax.random.key(0)), "critic": critic.init(jax.random.key(1))}
+    rng = np.random.default_rng(0)
+    b = 16
+    rollout = jaxppo.Rollout(
+        query_tokens=jnp.asarray(rng.integers(3, V, (b, Q))), query_mask=jnp.ones((b, Q), jnp.int32),
+        response_tokens=jnp.asarray(rng.integers(3, V, (b, R))),
+        response_mask=jnp.asarray(np.arange(R)[None] < rng.integers(1, R + 1, (b, 1)), jnp.int32),
+        logprobs=jnp.full((b, R), -np.log(V), jnp.float32), values=jnp.zeros((b, R)),
+        rewards=jnp.asarray(rng.normal(size=(b, R)), jnp.float32))
+    return policy, critic, params, rollout
+
+
+@pytest.mark.parametrize("mesh_config", MESHES, ids=_ids)
+def test_sharded_train_step_equals_single_device(setup, mesh_config):
+    policy, critic, params, rollout = setup
+    config = jaxppo.PPOConfig(batch_size=16, mini_batch_size=8, ppo_epochs=2, gradient_accumulation_steps=1)
+    state = jaxppo.TrainState.create(apply_fn=jm.PolicyAndCritic(policy, critic), params=params, tx=optax.sgd(0.1))
+    ref_state, ref_metrics = jaxppo.train_step(state, rollout, jax.random.key(3), config)
+
+    mesh = sh.make_mesh(mesh_config)
+    sharded = sh.shard_state(state, mesh)
+    step = sh.sharded_train_step(sharded, config, mesh)
+    out, metrics = step(sharded, sh.shard_batch(rollout, mesh), jax.random.key(3))
+    assert int(out.step) == int(ref_state.step) == config.updates_per_step
+    for a, b in zip(jax.tree.leaves(out.params), jax.tree.leaves(ref_state.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=1e-4)
+    for name in ("loss/total_avg", "policy/approxkl_avg", "loss/value_avg", "policy/entropy_avg"):
+        assert float(metrics[name]) == pytest.approx(float(ref_metrics[name]), rel=1e-4, abs=1e-6), name
+
+    # Parameters and optimizer states really are split over the mesh.
+    kernel = out.params["policy"]["params"]["model"]["layers_0"]["up_proj"]["kernel"]
+    if mesh_config.fsdp > 1 or mesh_config.tensor > 1:
+        assert len({str(s.index) for s in kernel.addressable_shards}) > 1
+        assert kernel.addressable_shards[0].data.shape != kernel.shape
+    spec = kernel.sharding.spec
+    if mesh_config.fsdp > 1:
+        assert "fsdp" in tuple(spec)
+    if mesh_config.tensor > 1:
+        assert spec[1] == "tensor"  # column-parallel: output features
+
+
+def test_adam_states_sharded_like_params_and_accumulation(setup):
+    policy, critic, params, rollout = setup
+    config = jaxppo.PPOConfig(batch_size=16, mini_batch_size=16, ppo_epochs=1, gradient_accumulation_steps=2)
+    state = jaxppo.TrainState.create(apply_fn=jm.PolicyAndCritic(policy, critic), params=params, tx=optax.adam(1e-3))
+    ref, _ = jaxppo.train_step(state, rollout, jax.random.key(4), config)
+    mesh = sh.make_mesh(sh.MeshConfig(data=1, fsdp=8))
+    sharded = sh.shard_state(state, mesh)
+    out, _ = sh.sharded_train_step(sharded, config, mesh)(sharded, sh.shard_batch(rollout, mesh), jax.random.key(4))
+    assert int(out.step) == 1
+    mu = out.opt_state[0].mu["policy"]["params"]["model"]["layers_1"]["down_proj"]["kernel"]
+    assert "fsdp" in tuple(mu.sharding.spec)
+    for a, b in zip(jax.tree.leaves(out.params), jax.tree.leaves(ref.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4)
+
+
+def _per_device_bytes(setup, fsdp):
+    policy, critic, params, rollout = setup
+    config = jaxppo.PPOConfig(batch_size=16, mini_batch_size=8, ppo_epochs=1)
+    state = jaxppo.TrainState.create(apply_fn=jm.PolicyAndCritic(policy, critic), params=params, tx=optax.adam(1e-3))
+    mesh = sh.make_mesh(sh.MeshConfig(data=8 // fsdp, fsdp=fsdp))
+    sharded = sh.shard_state(state, mesh)
+    compiled = sh.sharded_train_step(sharded, config, mesh).lower(
+        sharded, sh.shard_batch(rollout, mesh), jax.random.key(0)).compile()
+    mem = compiled.memory_analysis()
+    return mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes
+
+
+def test_per_device_memory_falls_as_fsdp_grows(setup):
+    sizes = [_per_device_bytes(setup, f) for f in (1, 2, 4, 8)]
+    assert sizes[0] > sizes[1] > sizes[2] > sizes[3], sizes
+    assert sizes[3] < 0.5 * sizes[0], sizes
+
+
+def test_sampling_under_mesh_equals_single_device(setup):
+    policy, _, params, _ = setup
+    rng = np.random.default_rng(5)
+    prompts = jnp.asarray(rng.integers(3, V, (16, Q)))
+    mask = jnp.ones_like(prompts).at[::2, 0].set(0)
+    single = jm.generate(policy, params["policy"], prompts, mask, jax.random.key(9), response_length=R)
+    mesh = sh.make_mesh(sh.MeshConfig(data=2, fsdp=4))
+    p = sh.shard_state(params["policy"], mesh)
+    out = jm.generate(policy, p, sh.shard_batch(prompts, mesh), sh.shard_batch(mask, mesh), jax.random.key(9),
+                      response_length=R)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(single.tokens))
+    np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(single.logprobs), atol=1e-5)
+
+
+def test_trainer_under_mesh_matches_single_device(tmp_path):
+    from jaxppo import demo
+
+    tokenizer = demo.demo_tokenizer()
+
+    def run(mesh, d):
+        ppo = jaxppo.PPOConfig(batch_size=16, mini_batch_size=8, ppo_epochs=2, kl_coef=0.1)
+        tc = jaxppo.TrainerConfig(iterations=2, query_length=32, response_length=6, learning_rate=1e-3,
+                                  output_dir=str(d), progress=False, sample_every=0, checkpoint_every=1,
+                                  export_final=False, plot=False, tensorboard=False)
+        trainer = jaxppo.PPOTrainer(ppo, tc, policy=demo.demo_policy(tokenizer, width=32, layers=1, max_len=40),
+                                    tokenizer=tokenizer, prompts=demo.DEMO_PROMPTS, reward_fn=demo.lowercase_reward,
+                                    mesh=mesh)
+        return trainer.train(), trainer
+
+    single, _ = run(None, tmp_path / "single")
+    sharded, trainer = run(sh.MeshConfig(data=2, fsdp=4), tmp_path / "mesh")
+    assert [h["ppo/updates_applied"] for h in sharded] == [4, 4]
+    for a, b in zip(single, sharded):
+        assert a["objective/scores"] == b["objective/scores"]
+        assert a["loss/total_avg"] == pytest.approx(b["loss/total_avg"], rel=1e-4, abs=1e-6)
+    kernel = trainer.state.params["policy"]["params"]["transformer"]["h_0"]["c_fc"]["kernel"]
+    assert "fsdp" in tuple(kernel.sharding.spec)
+    # A sharded checkpoint restores with its shardings.
+    again, resumed = run(sh.MeshConfig(data=2, fsdp=4), tmp_path / "mesh")
+    assert resumed.iteration == 2 and len(again) == 2
+
+
+def test_invalid_meshes_and_batches_are_clear_errors():
+    with pytest.raises(ValueError, match="= 12 devices, but 8 are available"):
+        sh.make_mesh(sh.MeshConfig(data=3, fsdp=4, tensor=1))
+    with pytest.raises(ValueError, match="do not divide the 8 devices"):
+        sh.make_mesh(sh.MeshConfig(data=3))
+    with pytest.raises(ValueError, match="mesh axis fsdp=0"):
+        sh.make_mesh(sh.MeshConfig(fsdp=0))
+    mesh = sh.make_mesh(sh.MeshConfig(data=2, fsdp=4))
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "tensor": 1}
+    assert dict(sh.make_mesh().shape) == {"data": 1, "fsdp": 8, "tensor": 1}
+    with pytest.raises(ValueError, match="must all be multiples of 8"):
+        sh.check_batch_divides(jaxppo.PPOConfig(batch_size=16, mini_batch_size=4), mesh)
+    with pytest.raises(ValueError, match="micro-batch size 4"):
+        sh.check_batch_divides(jaxppo.PPOConfig(batch_size=16, mini_batch_size=16, gradient_accumulation_steps=4), mesh)
