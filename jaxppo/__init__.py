@@ -8,7 +8,8 @@ program in which the number of mini-batch updates is part of the shape.
 from jaxppo import math
 from jaxppo.config import PPOConfig
 from jaxppo.engine import TrainState, minibatch_indices, update_epochs, update_epochs_fn
-from jaxppo.ppo import Rollout, compute_advantages, ppo_loss, train_step, train_step_fn
+from jaxppo.rollout_types import Rollout, response_outputs
+from jaxppo.ppo import compute_advantages, ppo_loss, train_step, train_step_fn
 from jaxppo import models
 from jaxppo.models import GenerationOutput, generate
 from jaxppo.rollout import RolloutSpec, finish_rollout, sample_responses
@@ -20,6 +21,7 @@ __all__ = [
     "PPOConfig",
     "TrainState",
     "Rollout",
+    "response_outputs",
     "update_epochs",
     "update_epochs_fn",
     "minibatch_indices",

@@ -14,45 +14,15 @@ from __future__ import annotations
 
 import functools
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 
 from jaxppo import math as ppo_math
 from jaxppo.config import PPOConfig
 from jaxppo.engine import TrainState, update_epochs_fn
+from jaxppo.rollout_types import Rollout, response_outputs
 
 __all__ = ["Rollout", "train_step", "train_step_fn", "ppo_loss", "compute_advantages", "response_outputs"]
-
-
-class Rollout(flax.struct.PyTreeNode):
-    """One PPO rollout of B rows, fixed shapes. Q = prompt length, R = response length.
-
-    Attributes:
-      query_tokens: int (B, Q), prompts, left-padded.
-      query_mask: (B, Q), 1 at real prompt tokens, 0 at left padding.
-      response_tokens: int (B, R), sampled responses, padded after the stop token.
-      response_mask: (B, R), 1 at real response tokens (up to and including the stop
-        token), 0 after; a prefix of ones per row.
-      logprobs: float (B, R), log-probs of the response tokens under the sampling policy,
-        from temperature-scaled logits (`config.temperature`).
-      values: float (B, R), the critic's values at sampling time, V(s_t) before token t.
-      rewards: float (B, R), per-token rewards: typically -beta * KL(policy || reference)
-        per token, with the sequence score added at the last real response token (the
-        rollout layer builds these). Only these enter the advantages.
-    """
-
-    query_tokens: jax.Array
-    query_mask: jax.Array
-    response_tokens: jax.Array
-    response_mask: jax.Array
-    logprobs: jax.Array
-    values: jax.Array
-    rewards: jax.Array
-
-    @property
-    def batch_size(self) -> int:
-        return self.query_tokens.shape[0]
 
 
 def compute_advantages(rollout: Rollout, config: PPOConfig):
@@ -71,22 +41,6 @@ def compute_advantages(rollout: Rollout, config: PPOConfig):
     if config.whiten_advantages:
         advantages = ppo_math.masked_whiten(advantages, mask, shift_mean=True)
     return advantages, returns
-
-
-def response_outputs(apply_fn, params, batch, temperature: float):
-    """Run the model on query + response; return the response tokens' log-probs,
-    values and per-token entropies, each (B, R)."""
-    q = batch["query_tokens"].shape[1]
-    r = batch["response_tokens"].shape[1]
-    tokens = jnp.concatenate([batch["query_tokens"], batch["response_tokens"]], axis=1)
-    mask = jnp.concatenate([batch["query_mask"], batch["response_mask"]], axis=1)
-    logits, values = apply_fn(params, tokens, mask)
-    # Position q - 1 + t predicts response token t.
-    logits = logits[:, q - 1 : q - 1 + r]
-    values = values[:, q - 1 : q - 1 + r].astype(jnp.float32)
-    logprobs = ppo_math.logprobs_from_logits(logits, batch["response_tokens"], temperature)
-    entropy = ppo_math.entropy_from_logits(logits, temperature)
-    return logprobs, values, entropy
 
 
 def ppo_loss(params, batch, *, apply_fn, config: PPOConfig):

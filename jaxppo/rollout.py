@@ -27,7 +27,7 @@ import numpy as np
 from jaxppo import math as ppo_math
 from jaxppo.models.generate import GenerationOutput, generate
 from jaxppo.models.model import Model
-from jaxppo.ppo import Rollout, response_outputs
+from jaxppo.rollout_types import Rollout, response_outputs
 
 __all__ = ["RolloutSpec", "sample_responses", "finish_rollout", "check_scores"]
 

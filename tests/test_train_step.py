@@ -26,7 +26,7 @@ def on_policy(model, rollout, temperature=1.0):
     apply_fn, params = model
     batch = {"query_tokens": rollout.query_tokens, "query_mask": rollout.query_mask,
              "response_tokens": rollout.response_tokens, "response_mask": rollout.response_mask}
-    logprobs, values, _ = jaxppo.ppo.response_outputs(apply_fn, params, batch, temperature)
+    logprobs, values, _ = jaxppo.response_outputs(apply_fn, params, batch, temperature)
     return rollout.replace(logprobs=logprobs, values=values)
 
 
