@@ -151,12 +151,44 @@ def update_epochs_fn(
     approxkl_key: str = "approxkl",
     minibatch_sharding=None,
 ):
-    """The pure (un-jitted) engine; see `update_epochs`. Use this to jit with your own
-    options (buffer donation, shardings) or to call from inside your own jitted code.
+    """`ppo_epochs` passes of shuffled mini-batch updates over `batch`, compiled as one program.
 
-    `minibatch_sharding` (e.g. rows over a mesh's data axes) is applied to each gathered
-    mini-batch as a sharding constraint, so that under a mesh every device works on its
-    share of the mini-batch's rows."""
+    Args:
+      state: a `TrainState`.
+      batch: any pytree whose leaves all lead with `config.batch_size`.
+      key: PRNG key; epoch e permutes the rows with the e-th key of `split(key, ppo_epochs)`.
+      loss_fn: `loss_fn(params, minibatch) -> (loss, aux)`, pure; `loss` a scalar, `aux`
+        any pytree of arrays (scalars are typical). Static: pass the same function object
+        on every call, or each call compiles again.
+      config: `PPOConfig` (static): sizes, `gradient_accumulation_steps`, `target_kl`.
+      weight_fn: optional `weight_fn(micro_batch) -> scalar` weighting micro-batches under
+        gradient accumulation (e.g. their count of real tokens, so that a masked-mean loss
+        accumulates to exactly the whole mini-batch's loss). Static.
+      approxkl_key: with `config.target_kl`, the entry of `aux` (a dict) that holds the
+        mini-batch's approximate KL measured before its update.
+      minibatch_sharding: optional sharding (e.g. rows over a mesh's data axes) applied to
+        each gathered mini-batch as a constraint, so that under a mesh every device works on
+        its share of the rows. Static.
+
+    Returns:
+      (state, metrics). `state.step` advances by the number of updates applied: exactly
+      `config.updates_per_step` unless updates were skipped (early stop on `target_kl`, or
+      a non-finite loss/gradient, which also increments `state.skipped_nonfinite`).
+      `metrics` is a dict whose leaves lead with `(ppo_epochs, num_minibatches)`:
+        loss, grad_norm: the mini-batch's loss and global gradient norm (before the update);
+        applied: bool, whether the update was applied;
+        nonfinite: bool, whether it was skipped for a non-finite loss or gradient;
+        early_stopped: bool (only with `target_kl`), whether the KL stop had triggered;
+        aux: `loss_fn`'s aux (weighted mean over micro-batches when accumulating);
+          NaN for mini-batches skipped by the early stop.
+
+    Raises:
+      AssertionError (chex) at trace time if a batch leaf does not lead with `batch_size`.
+
+    `update_epochs` is this function under `jax.jit` (static: loss_fn, config, weight_fn,
+    approxkl_key, minibatch_sharding); `update_epochs_fn` is the plain function, to jit
+    with your own options (buffer donation, shardings) or to call inside your own jit.
+    """
     if not isinstance(config, PPOConfig):
         raise TypeError(f"config must be a jaxppo.PPOConfig, got {type(config).__name__}")
     leaves = jax.tree.leaves(batch)
@@ -234,50 +266,8 @@ def update_epochs_fn(
     return state, metrics
 
 
-update_epochs_jit = jax.jit(
+update_epochs = jax.jit(
     update_epochs_fn, static_argnames=("loss_fn", "config", "weight_fn", "approxkl_key", "minibatch_sharding")
 )
+update_epochs_jit = update_epochs  # the jitted object; `_cache_size()` counts its compiles
 
-
-def update_epochs(
-    state: TrainState,
-    batch,
-    key,
-    loss_fn: Callable,
-    config: PPOConfig,
-    *,
-    weight_fn: Optional[Callable] = None,
-    approxkl_key: str = "approxkl",
-):
-    """`ppo_epochs` passes of shuffled mini-batch updates over `batch`, compiled as one program.
-
-    Args:
-      state: a `TrainState`.
-      batch: any pytree whose leaves all lead with `config.batch_size`.
-      key: PRNG key; epoch e permutes the rows with the e-th key of `split(key, ppo_epochs)`.
-      loss_fn: `loss_fn(params, minibatch) -> (loss, aux)`, pure; `loss` a scalar, `aux`
-        any pytree of arrays (scalars are typical). Static: pass the same function object
-        on every call, or each call compiles again.
-      config: `PPOConfig` (static): sizes, `gradient_accumulation_steps`, `target_kl`.
-      weight_fn: optional `weight_fn(micro_batch) -> scalar` weighting micro-batches under
-        gradient accumulation (e.g. their count of real tokens, so that a masked-mean loss
-        accumulates to exactly the whole mini-batch's loss). Static.
-      approxkl_key: with `config.target_kl`, the entry of `aux` (a dict) that holds the
-        mini-batch's approximate KL measured before its update.
-
-    Returns:
-      (state, metrics). `state.step` advances by the number of updates applied: exactly
-      `config.updates_per_step` unless updates were skipped (early stop on `target_kl`, or
-      a non-finite loss/gradient, which also increments `state.skipped_nonfinite`).
-      `metrics` is a dict whose leaves lead with `(ppo_epochs, num_minibatches)`:
-        loss, grad_norm: the mini-batch's loss and global gradient norm (before the update);
-        applied: bool, whether the update was applied;
-        nonfinite: bool, whether it was skipped for a non-finite loss or gradient;
-        early_stopped: bool (only with `target_kl`), whether the KL stop had triggered;
-        aux: `loss_fn`'s aux (weighted mean over micro-batches when accumulating);
-          NaN for mini-batches skipped by the early stop.
-
-    Raises:
-      AssertionError (chex) at trace time if a batch leaf does not lead with `batch_size`.
-    """
-    return update_epochs_jit(state, batch, key, loss_fn, config, weight_fn=weight_fn, approxkl_key=approxkl_key)

@@ -99,9 +99,35 @@ def _loss_for(apply_fn, config: PPOConfig):
 
 
 def train_step_fn(state: TrainState, rollout: Rollout, key, config: PPOConfig, minibatch_sharding=None):
-    """The pure (un-jitted) `train_step`; jit it with your own options (donation,
-    shardings) or call it inside your own jitted code. `minibatch_sharding`: see
-    `update_epochs_fn` (`jaxppo.sharding.sharded_train_step` sets it)."""
+    """One PPO update from a rollout, compiled as one program (once per config and shapes).
+
+    Computes advantages and returns once for the whole rollout (`compute_advantages`),
+    then runs `config.ppo_epochs` epochs of `config.num_minibatches` shuffled mini-batch
+    updates of the PPO loss (`ppo_loss`) through `state.apply_fn(params, tokens, mask) ->
+    (logits, values)`. Under gradient accumulation, micro-batches are weighted by their
+    real response tokens, so the update equals the one on the whole mini-batch.
+
+    Args:
+      state: `TrainState` whose `apply_fn` is the policy (+ critic) forward.
+      rollout: a `Rollout` with exactly `config.batch_size` rows.
+      key: PRNG key for the mini-batch permutations.
+      config: `PPOConfig` (static).
+      minibatch_sharding: optional row sharding of each mini-batch under a mesh (static;
+        `jaxppo.sharding.sharded_train_step` sets it).
+
+    Returns:
+      (state, metrics): `state.step` advanced by the updates applied (`config.updates_per_step`
+      unless withheld by `target_kl` or non-finite losses). Metrics: TRL-named averages over
+      the applied updates (`policy/approxkl_avg`, `policy/clipfrac_avg`, `policy/entropy_avg`,
+      `loss/policy_avg`, `loss/value_avg`, `loss/total_avg`, `val/clipfrac_avg`,
+      `val/ratio`, `val/ratio_var`), the same per mini-batch with leading shape
+      `(ppo_epochs, num_minibatches)` under `per_minibatch/...`, and `ppo/updates_applied`,
+      `ppo/updates_planned`, `ppo/updates_nonfinite`, `ppo/early_stopped` (with target_kl),
+      plus return/advantage/value statistics of the rollout.
+
+    `train_step` is this function under `jax.jit`; `train_step_fn` is the plain function,
+    to jit with your own options (buffer donation, shardings) or to call inside your own jit.
+    """
     if not isinstance(rollout, Rollout):
         raise TypeError(f"rollout must be a jaxppo.Rollout, got {type(rollout).__name__}")
     b, r = rollout.response_tokens.shape
@@ -173,32 +199,6 @@ def _summarise(engine_metrics, applied, rollout, advantages, returns, config):
     return metrics
 
 
-train_step_jit = jax.jit(train_step_fn, static_argnames=("config",))
+train_step = jax.jit(train_step_fn, static_argnames=("config", "minibatch_sharding"))
+train_step_jit = train_step  # the jitted object; `_cache_size()` counts its compiles
 
-
-def train_step(state: TrainState, rollout: Rollout, key, config: PPOConfig):
-    """One PPO update from a rollout, compiled as one program (once per config and shapes).
-
-    Computes advantages and returns once for the whole rollout (`compute_advantages`),
-    then runs `config.ppo_epochs` epochs of `config.num_minibatches` shuffled mini-batch
-    updates of the PPO loss (`ppo_loss`) through `state.apply_fn(params, tokens, mask) ->
-    (logits, values)`. Under gradient accumulation, micro-batches are weighted by their
-    real response tokens, so the update equals the one on the whole mini-batch.
-
-    Args:
-      state: `TrainState` whose `apply_fn` is the policy (+ critic) forward.
-      rollout: a `Rollout` with exactly `config.batch_size` rows.
-      key: PRNG key for the mini-batch permutations.
-      config: `PPOConfig` (static).
-
-    Returns:
-      (state, metrics): `state.step` advanced by the updates applied (`config.updates_per_step`
-      unless withheld by `target_kl` or non-finite losses). Metrics: TRL-named averages over
-      the applied updates (`policy/approxkl_avg`, `policy/clipfrac_avg`, `policy/entropy_avg`,
-      `loss/policy_avg`, `loss/value_avg`, `loss/total_avg`, `val/clipfrac_avg`,
-      `val/ratio`, `val/ratio_var`), the same per mini-batch with leading shape
-      `(ppo_epochs, num_minibatches)` under `per_minibatch/...`, and `ppo/updates_applied`,
-      `ppo/updates_planned`, `ppo/updates_nonfinite`, `ppo/early_stopped` (with target_kl),
-      plus return/advantage/value statistics of the rollout.
-    """
-    return train_step_jit(state, rollout, key, config)

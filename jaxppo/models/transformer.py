@@ -101,8 +101,14 @@ class RMSNorm(nn.Module):
         return weight.astype(self.dtype) * x32.astype(self.dtype)
 
 
-def _update_cache(cache_kv, new, cache_index):
-    return jax.lax.dynamic_update_slice_in_dim(cache_kv, new.astype(cache_kv.dtype), cache_index, axis=1)
+def _with_cache(layer_cache, k, v, cache_index):
+    """Without a cache: (k, v, None). With one: write k/v into it at `cache_index` and
+    attend over the whole cache: (cache_k, cache_v, new cache)."""
+    if layer_cache is None:
+        return k, v, None
+    write = lambda buf, new: jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), cache_index, axis=1)
+    k, v = write(layer_cache[0], k), write(layer_cache[1], v)
+    return k, v, (k, v)
 
 
 class GPT2Block(nn.Module):
@@ -120,10 +126,7 @@ class GPT2Block(nn.Module):
         qkv = nn.Dense(3 * c.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype, name="c_attn")(h)
         q, k, v = jnp.split(qkv.reshape(b, l, 3, c.num_heads, c.head_dim), 3, axis=2)
         q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]
-        if layer_cache is not None:
-            k = _update_cache(layer_cache[0], k, cache_index)
-            v = _update_cache(layer_cache[1], v, cache_index)
-            layer_cache = (k, v)
+        k, v, layer_cache = _with_cache(layer_cache, k, v, cache_index)
         attn = _attention(q, k, v, mask, self.dtype)
         x = x + dense(c.hidden_size, "c_proj")(attn)
         h = ln("ln_2")(x)
@@ -150,10 +153,7 @@ class LlamaBlock(nn.Module):
         inv_freq = rope_inv_freq(c)
         q = _apply_rope(q, positions, inv_freq)
         k = _apply_rope(k, positions, inv_freq)
-        if layer_cache is not None:
-            k = _update_cache(layer_cache[0], k, cache_index)
-            v = _update_cache(layer_cache[1], v, cache_index)
-            layer_cache = (k, v)
+        k, v, layer_cache = _with_cache(layer_cache, k, v, cache_index)
         attn = _attention(q, k, v, mask, self.dtype)
         x = x + proj(c.hidden_size, False, "o_proj")(attn)
         h = norm("post_attention_layernorm")(x)
