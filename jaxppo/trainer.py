@@ -404,10 +404,12 @@ class PPOTrainer:
             "opt_state": self.state.opt_state,
             "step": self.state.step,
             "skipped_nonfinite": self.state.skipped_nonfinite,
-            "kl": tuple(self.kl_state),
-            "score_moments": tuple(self.score_moments),
-            "iteration": jnp.int32(self.iteration),
-            "key": jax.random.key_data(self._base_key),
+            # Small host values as numpy: every process holds them whole (orbax cannot save
+            # process-local jax arrays in multi-host runs).
+            "kl": tuple(np.asarray(x) for x in self.kl_state),
+            "score_moments": tuple(np.asarray(x) for x in self.score_moments),
+            "iteration": np.asarray(self.iteration, np.int32),
+            "key": np.asarray(jax.random.key_data(self._base_key)),
         }
 
     def _manager(self):
@@ -437,7 +439,9 @@ class PPOTrainer:
             manager.close()
             return False
         template = self._checkpoint_tree()
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), template)
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x,
+            template)
         restored = manager.restore(latest, args=ocp.args.StandardRestore(abstract))
         manager.close()
         restored = jax.tree.unflatten(jax.tree.structure(template), jax.tree.leaves(restored))
@@ -446,8 +450,8 @@ class PPOTrainer:
                              "use the same seed to resume, or another output_dir")
         self.state = self.state.replace(params=restored["params"], opt_state=restored["opt_state"],
                                         step=restored["step"], skipped_nonfinite=restored["skipped_nonfinite"])
-        self.kl_state = ppo_math.KLControllerState(*restored["kl"])
-        self.score_moments = ppo_math.RunningMoments(*restored["score_moments"])
+        self.kl_state = ppo_math.KLControllerState(*(jnp.asarray(x, jnp.float32) for x in restored["kl"]))
+        self.score_moments = ppo_math.RunningMoments(*(jnp.asarray(x, jnp.float32) for x in restored["score_moments"]))
         self.iteration = int(restored["iteration"])
         return True
 
