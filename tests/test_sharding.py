@@ -11,6 +11,7 @@ import pytest
 import jaxppo
 import jaxppo.models as jm
 from jaxppo import sharding as sh
+from trainer_setup import run_small
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (XLA_FLAGS set in conftest)")
 
@@ -117,22 +118,8 @@ def test_sampling_under_mesh_equals_single_device(setup):
 
 
 def test_trainer_under_mesh_matches_single_device(tmp_path):
-    from jaxppo import demo
-
-    tokenizer = demo.demo_tokenizer()
-
-    def run(mesh, d):
-        ppo = jaxppo.PPOConfig(batch_size=16, mini_batch_size=8, ppo_epochs=2, kl_coef=0.1)
-        tc = jaxppo.TrainerConfig(iterations=2, query_length=32, response_length=6, learning_rate=1e-3,
-                                  output_dir=str(d), progress=False, sample_every=0, checkpoint_every=1,
-                                  export_final=False, plot=False, tensorboard=False)
-        trainer = jaxppo.PPOTrainer(ppo, tc, policy=demo.demo_policy(tokenizer, width=32, layers=1, max_len=40),
-                                    tokenizer=tokenizer, prompts=demo.DEMO_PROMPTS, reward_fn=demo.lowercase_reward,
-                                    mesh=mesh)
-        return trainer.train(), trainer
-
-    single, _ = run(None, tmp_path / "single")
-    sharded, trainer = run(sh.MeshConfig(data=2, fsdp=4), tmp_path / "mesh")
+    single, _ = run_small(tmp_path / "single")
+    sharded, trainer = run_small(tmp_path / "mesh", mesh=sh.MeshConfig(data=2, fsdp=4))
     assert [h["ppo/updates_applied"] for h in sharded] == [4, 4]
     for a, b in zip(single, sharded):
         assert a["objective/scores"] == b["objective/scores"]
@@ -140,7 +127,7 @@ def test_trainer_under_mesh_matches_single_device(tmp_path):
     kernel = trainer.state.params["policy"]["params"]["transformer"]["h_0"]["c_fc"]["kernel"]
     assert "fsdp" in tuple(kernel.sharding.spec)
     # A sharded checkpoint restores with its shardings.
-    again, resumed = run(sh.MeshConfig(data=2, fsdp=4), tmp_path / "mesh")
+    again, resumed = run_small(tmp_path / "mesh", mesh=sh.MeshConfig(data=2, fsdp=4))
     assert resumed.iteration == 2 and len(again) == 2
 
 
