@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import jax
 
-from jaxppo.config import PPOConfig
 from jaxppo.models.config import ModelConfig
 from jaxppo.models.model import Model
 
@@ -53,7 +52,3 @@ def demo_policy(tokenizer, seed: int = 0, width: int = 64, layers: int = 2, max_
 def lowercase_reward(prompts, responses):
     """Number of lowercase ASCII letters in each response."""
     return [float(sum(c.isascii() and c.islower() for c in text)) for text in responses]
-
-
-def demo_config() -> PPOConfig:
-    return PPOConfig(**DEMO_PPO)

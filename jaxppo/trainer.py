@@ -26,7 +26,7 @@ import numpy as np
 import optax
 
 from jaxppo import math as ppo_math
-from jaxppo.config import PPOConfig
+from jaxppo.config import PPOConfig, _is_int
 from jaxppo.engine import TrainState
 from jaxppo.models import hf as hf_io
 from jaxppo.models.model import Model, PolicyAndCritic
@@ -94,11 +94,11 @@ class TrainerConfig:
         positive = ("iterations", "query_length", "response_length", "kl_horizon", "log_every", "keep_checkpoints")
         for name in positive:
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if not _is_int(value) or value <= 0:
                 raise ValueError(f"TrainerConfig.{name}={value!r} is invalid: {name} must be a positive int")
         for name in ("sample_every", "num_samples", "checkpoint_every", "warmup_updates", "seed"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            if not _is_int(value) or value < 0:
                 raise ValueError(f"TrainerConfig.{name}={value!r} is invalid: {name} must be an int >= 0")
         if self.kl_estimator not in ppo_math.KL_ESTIMATORS:
             raise ValueError(f"TrainerConfig.kl_estimator={self.kl_estimator!r} is invalid; valid: "
