@@ -13,9 +13,11 @@ the rollout batch and `gradient_accumulation_steps` is 1 (`num_mini_batches` = 4
 mini-batches of 16): 4 epochs x 4 mini-batches = 16 steps per iteration, as in jaxppo.
 No stop token, so every response has its full length in both libraries.
 
-Split: generation = TRL's `batch_generation`; scoring = every gradient-free `forward` and
-every `get_reward` call (reference log-probs, values, reward model); update = the rest of
-the iteration (the PPO epochs, plus the small GAE/whitening/logging work).
+Split, by timestamps inside TRL's iteration: generation = TRL's `batch_generation`;
+scoring = from its end to the first optimizer micro-batch (log-probs of the sampled tokens,
+reference log-probs, values, reward model, KL-shaped rewards, GAE); update = from there to
+the end of the iteration (the PPO epochs, plus metrics and logging). Total also counts the
+data loading before generation.
 """
 
 from __future__ import annotations
@@ -43,37 +45,32 @@ def bench(name, layers, width, response_length, vocab, iterations, jax_temperatu
     from ppo_iteration import build
 
     tokenizer = demo.demo_tokenizer()
-    timers = {"generation": 0.0, "scoring": 0.0}
+    marks = {}
 
-    def timed(key, fn, only_no_grad=False):
+    def mark_generation(fn):
         def wrapper(*args, **kwargs):
-            if only_no_grad and torch.is_grad_enabled():
-                return fn(*args, **kwargs)
-            t = time.perf_counter()
+            marks["generation_start"] = time.perf_counter()
             out = fn(*args, **kwargs)
-            timers[key] += time.perf_counter() - t
+            marks["generation_end"] = time.perf_counter()
             return out
         return wrapper
 
-    ppo_trainer.batch_generation = timed("generation", ppo_trainer.batch_generation)
-    ppo_trainer.forward = timed("scoring", ppo_trainer.forward, only_no_grad=True)
-    ppo_trainer.get_reward = timed("scoring", ppo_trainer.get_reward)
-
+    ppo_trainer.batch_generation = mark_generation(ppo_trainer.batch_generation)
     rows = []
 
     class Clock(transformers.TrainerCallback):
-        def on_step_begin_time(self):
-            self.t = time.perf_counter()
-            timers.update(generation=0.0, scoring=0.0)
-
         def on_train_begin(self, *a, **k):
-            self.on_step_begin_time()
+            marks.clear()
+            marks["begin"] = time.perf_counter()
 
         def on_step_end(self, *a, **k):
-            total = time.perf_counter() - self.t
-            rows.append(dict(total=total, generation=timers["generation"], scoring=timers["scoring"],
-                             update=total - timers["generation"] - timers["scoring"]))
-            self.on_step_begin_time()
+            end = time.perf_counter()
+            rows.append(dict(total=end - marks["begin"],
+                             generation=marks["generation_end"] - marks["generation_start"],
+                             scoring=marks["update_start"] - marks["generation_end"],
+                             update=end - marks["update_start"]))
+            marks.clear()
+            marks["begin"] = end
 
     with tempfile.TemporaryDirectory() as d:
         build(d, layers, width, vocab, 16 + response_length, tokenizer)
@@ -91,6 +88,13 @@ def bench(name, layers, width, response_length, vocab, iterations, jax_temperatu
                          use_cpu=True, seed=0)
         trainer = PPOTrainer(args=args, processing_class=tokenizer, model=policy, ref_model=ref, reward_model=reward,
                              value_model=value, train_dataset=dataset, eval_dataset=dataset, callbacks=[Clock()])
+        accumulate = trainer.accelerator.accumulate
+
+        def first_accumulate_marks_update(*a, **k):  # the first micro-batch of an iteration starts the update
+            marks.setdefault("update_start", time.perf_counter())
+            return accumulate(*a, **k)
+
+        trainer.accelerator.accumulate = first_accumulate_marks_update
         trainer.train()
     later = rows[2:] if len(rows) > 3 else rows[1:]
     med = {k: float(np.median([r[k] for r in later])) for k in ("generation", "scoring", "update", "total")}

@@ -59,7 +59,11 @@ def ppo_loss(params, batch, *, apply_fn, config: PPOConfig):
         values, batch["values"].astype(jnp.float32), batch["returns"], mask, config.cliprange_value
     )
     ent = ppo_math.masked_mean(entropy, mask)
-    loss = pg_loss + config.vf_coef * vf_loss - config.ent_coef * ent
+    loss = pg_loss + config.vf_coef * vf_loss
+    if config.ent_coef:
+        loss = loss - config.ent_coef * ent
+    else:
+        ent = jax.lax.stop_gradient(ent)  # a metric only: no backward pass through the (B, R, V) entropy
     ratio = jnp.exp(logprobs - old_logprobs)
     aux = {
         "policy_loss": pg_loss,
