@@ -27,7 +27,7 @@ import numpy as np
 from jaxppo import math as ppo_math
 from jaxppo.models.generate import GenerationOutput, generate
 from jaxppo.models.model import Model
-from jaxppo.rollout_types import Rollout, response_outputs, window_logits
+from jaxppo.rollout_types import Rollout, response_outputs
 
 __all__ = ["RolloutSpec", "sample_responses", "finish_rollout", "check_scores"]
 
@@ -114,7 +114,7 @@ def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompt_
     tokens = jnp.concatenate([prompt_ids, gen.tokens], axis=1)
     mask = jnp.concatenate([prompt_mask, response_mask], axis=1)
     q, r = prompt_ids.shape[1], gen.tokens.shape[1]
-    ref_logits, _ = window_logits(spec.ref_apply, ref_params, tokens, mask, q - 1, q - 1 + r)
+    ref_logits = spec.ref_apply(ref_params, tokens, mask)[:, q - 1 : q - 1 + r]
     ref_logprobs = ppo_math.logprobs_from_logits(ref_logits, gen.tokens, spec.temperature)
 
     if spec.reward_apply is not None:

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from jaxppo import math as ppo_math
 
-__all__ = ["Rollout", "response_outputs", "window_logits", "accepts_logits_window"]
+__all__ = ["Rollout", "response_outputs"]
 
 
 class Rollout(flax.struct.PyTreeNode):
@@ -43,48 +43,16 @@ class Rollout(flax.struct.PyTreeNode):
         return self.query_tokens.shape[0]
 
 
-def accepts_logits_window(fn) -> bool:
-    """Whether `fn` takes the keyword `logits_window` (see `window_logits`)."""
-    import inspect
-
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-    return "logits_window" in params
-
-
-def window_logits(fn, params, tokens, mask, start: int, stop: int):
-    """Call an `apply_fn(params, tokens, mask)` and return (logits[:, start:stop], rest).
-
-    `rest` is whatever else the function returns (values), or None. If `fn` accepts the
-    keyword `logits_window=(start, stop)` it is asked for those positions only, so a model
-    can skip the LM head (B x L x hidden x vocab) at the positions nobody reads; any other
-    function is called as it is and its logits are sliced here.
-    """
-    if accepts_logits_window(fn):
-        out = fn(params, tokens, mask, logits_window=(start, stop))
-        logits, rest = out if isinstance(out, tuple) else (out, None)
-        if logits.shape[1] != stop - start:
-            raise ValueError(f"apply_fn(..., logits_window={(start, stop)}) returned logits of shape "
-                             f"{logits.shape}; expected {stop - start} positions on axis 1")
-        return logits, rest
-    out = fn(params, tokens, mask)
-    logits, rest = out if isinstance(out, tuple) else (out, None)
-    return logits[:, start:stop], rest
-
-
 def response_outputs(apply_fn, params, batch, temperature: float):
     """Run the model on query + response; return the response tokens' log-probs,
-    values and per-token entropies, each (B, R).
-
-    Position q - 1 + t predicts response token t, so only positions q - 1 .. q + r - 2
-    need logits; an `apply_fn` that accepts `logits_window` computes only those."""
+    values and per-token entropies, each (B, R)."""
     q = batch["query_tokens"].shape[1]
     r = batch["response_tokens"].shape[1]
     tokens = jnp.concatenate([batch["query_tokens"], batch["response_tokens"]], axis=1)
     mask = jnp.concatenate([batch["query_mask"], batch["response_mask"]], axis=1)
-    logits, values = window_logits(apply_fn, params, tokens, mask, q - 1, q - 1 + r)
+    logits, values = apply_fn(params, tokens, mask)
+    # Position q - 1 + t predicts response token t.
+    logits = logits[:, q - 1 : q - 1 + r]
     values = values[:, q - 1 : q - 1 + r].astype(jnp.float32)
     logprobs = ppo_math.logprobs_from_logits(logits, batch["response_tokens"], temperature)
     entropy = ppo_math.entropy_from_logits(logits, temperature)

@@ -579,8 +579,8 @@ class _LogitsOf:
 
     model: Model
 
-    def __call__(self, params, tokens, mask, logits_window=None):
-        out = self.model.apply(params, tokens, mask, logits_window=logits_window)
+    def __call__(self, params, tokens, mask):
+        out = self.model.apply(params, tokens, mask)
         return out[0] if isinstance(out, tuple) else out
 
 

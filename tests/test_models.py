@@ -135,29 +135,6 @@ def test_remat_same_logits_and_gradients(hf_checkpoints):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", CAUSAL)
-def test_logits_window_equals_slice_of_full_logits(hf_checkpoints, name):
-    path, _ = hf_checkpoints[name]
-    ids, mask = hf_models.left_padded_batch(np.random.default_rng(3), 3, 10)
-    ids, mask = jnp.asarray(ids), jnp.asarray(mask)
-    for kind in ("causal_lm", "causal_lm_value"):
-        model, params = jm.from_pretrained(path, kind=kind)
-        full = model.apply(params, ids, mask)
-        window = model.apply(params, ids, mask, logits_window=(3, 8))
-        if kind == "causal_lm":
-            full, window = (full, None), (window, None)
-        assert window[0].shape == (3, 5, full[0].shape[-1])
-        np.testing.assert_allclose(np.asarray(window[0]), np.asarray(full[0][:, 3:8]), rtol=1e-6, atol=1e-6)
-        if kind == "causal_lm_value":
-            np.testing.assert_array_equal(np.asarray(window[1]), np.asarray(full[1]))  # values stay (B, L)
-    for bad in [(5, 5), (0, 11), (-1, 3), "ab", (1,)]:
-        with pytest.raises(ValueError, match="logits_window"):
-            model.apply(params, ids, mask, logits_window=bad)
-    reward, reward_params = jm.from_pretrained(hf_checkpoints["gpt2-reward"][0], kind="reward")
-    with pytest.raises(ValueError, match="causal LMs"):
-        reward.apply(reward_params, ids, mask, logits_window=(0, 2))
-
-
 def test_value_heads(hf_checkpoints):
     policy_path, _ = hf_checkpoints["gpt2"]
     reward_path, reward_torch = hf_checkpoints["gpt2-reward"]

@@ -128,20 +128,3 @@ def test_finish_rollout_against_direct_computation(tiny_policy):
             expected = -0.25 * kl + (score if t == n - 1 else 0.0)
             assert float(rollout.rewards[i, t]) == pytest.approx(expected, abs=1e-4), (i, t)
     assert float(stats["val/num_eos_tokens"]) == sum(bool((toks[i][m[i] > 0] == 2).any()) for i in range(8))
-
-
-def test_window_logits_with_and_without_the_keyword(tiny_policy):
-    from jaxppo.rollout_types import accepts_logits_window, window_logits
-
-    model, params = tiny_policy
-    ids = jnp.asarray(np.random.default_rng(4).integers(3, 32, size=(2, 7)))
-    mask = jnp.ones_like(ids)
-    plain = lambda p, t, m: model.apply(p, t, m)  # a user's apply_fn without the keyword: sliced by jaxppo
-    assert accepts_logits_window(model.apply) and not accepts_logits_window(plain)
-    sliced, rest = window_logits(plain, params, ids, mask, 2, 6)
-    asked, _ = window_logits(model.apply, params, ids, mask, 2, 6)
-    assert rest is None and sliced.shape == asked.shape == (2, 4, model.config.vocab_size)
-    np.testing.assert_allclose(np.asarray(asked), np.asarray(sliced), rtol=1e-6, atol=1e-6)
-    ignores = lambda p, t, m, logits_window=None: model.apply(p, t, m)  # takes the keyword, returns all positions
-    with pytest.raises(ValueError, match="expected 4 positions"):
-        window_logits(ignores, params, ids, mask, 2, 6)

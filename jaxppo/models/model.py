@@ -30,19 +30,6 @@ def _dtype_name(dtype) -> str:
     return jnp.dtype(dtype).name
 
 
-def _check_window(window, length):
-    if window is None:
-        return None
-    try:
-        start, stop = (int(v) for v in window)
-    except (TypeError, ValueError):
-        raise ValueError(f"logits_window must be a (start, stop) pair of ints, got {window!r}") from None
-    if not 0 <= start < stop <= length:
-        raise ValueError(f"logits_window={window!r} is invalid for sequences of length {length}; "
-                         f"need 0 <= start < stop <= {length}")
-    return (start, stop)
-
-
 @dataclasses.dataclass(frozen=True)
 class Model:
     """A built-in model: `config`, `kind`, compute `dtype`, storage `param_dtype`, `remat`."""
@@ -80,17 +67,11 @@ class Model:
         mask = jnp.ones_like(ids)
         return self.module.init(key, ids, mask, default_positions(mask))
 
-    def apply(self, params, input_ids, attention_mask, logits_window=None):
-        """Pure forward on a (left-)padded batch; output depends on `kind` (module doc).
-
-        `logits_window=(start, stop)` (causal LMs): logits of positions start..stop-1 only,
-        (B, stop - start, V); the LM head is not computed elsewhere. Values stay (B, L)."""
+    def apply(self, params, input_ids, attention_mask):
+        """Pure forward on a (left-)padded batch; output depends on `kind` (module doc)."""
         positions = default_positions(attention_mask)
-        if logits_window is not None and not self.is_causal_lm:
-            raise ValueError(f"logits_window applies to causal LMs; this model's kind is {self.kind!r}")
         if self.is_causal_lm:
-            logits, values, _ = self.module.apply(params, input_ids, attention_mask, positions,
-                                                  logits_window=_check_window(logits_window, input_ids.shape[1]))
+            logits, values, _ = self.module.apply(params, input_ids, attention_mask, positions)
             return logits if self.kind == "causal_lm" else (logits, values)
         scores = self.module.apply(params, input_ids, attention_mask, positions)
         if self.kind == "value":
@@ -133,7 +114,7 @@ class PolicyAndCritic:
         if self.critic.kind != "value":
             raise ValueError(f"critic must be a 'value' Model, got kind {self.critic.kind!r}")
 
-    def __call__(self, params, tokens, mask, logits_window=None):
-        logits = self.policy.apply(params["policy"], tokens, mask, logits_window=logits_window)
+    def __call__(self, params, tokens, mask):
+        logits = self.policy.apply(params["policy"], tokens, mask)
         values = self.critic.apply(params["critic"], tokens, mask)
         return logits, values

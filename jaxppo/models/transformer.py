@@ -204,9 +204,7 @@ class Transformer(nn.Module):
 class CausalLMModule(nn.Module):
     """Trunk + LM head (tied to the embeddings or not), optionally + a value head.
 
-    Returns (logits (B, Lq, V) float32, values (B, Lq) or None, new_cache). With
-    `logits_window=(start, stop)` (static) the LM head runs on positions start..stop-1
-    only and logits are (B, stop - start, V)."""
+    Returns (logits (B, Lq, V) float32, values (B, Lq) or None, new_cache)."""
 
     config: ModelConfig
     dtype: Any = jnp.float32
@@ -215,15 +213,14 @@ class CausalLMModule(nn.Module):
     with_value_head: bool = False
 
     @nn.compact
-    def __call__(self, input_ids, attention_mask, positions, cache=None, cache_index=0, logits_window=None):
+    def __call__(self, input_ids, attention_mask, positions, cache=None, cache_index=0):
         c = self.config
         trunk = Transformer(c, self.dtype, self.param_dtype, self.remat, name="transformer" if c.model_type == "gpt2" else "model")
         hidden, cache, table = trunk(input_ids, attention_mask, positions, cache, cache_index)
-        head_in = hidden if logits_window is None else hidden[:, logits_window[0] : logits_window[1]]
         if c.tie_word_embeddings:
-            logits = jnp.einsum("bld,vd->blv", head_in, table.astype(self.dtype))
+            logits = jnp.einsum("bld,vd->blv", hidden, table.astype(self.dtype))
         else:
-            logits = nn.Dense(c.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype, name="lm_head")(head_in)
+            logits = nn.Dense(c.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype, name="lm_head")(hidden)
         values = None
         if self.with_value_head:
             values = nn.Dense(1, dtype=jnp.float32, param_dtype=self.param_dtype, kernel_init=nn.initializers.zeros,
