@@ -36,6 +36,24 @@ def build(directory, layers, width, vocab, positions, tokenizer):
         f"{directory}/rm")
 
 
+SHAPES = [("small", 2, 128, 32), ("medium", 4, 512, 64)]  # name, layers, width, response length
+
+
+def shapes(quick: bool):
+    return SHAPES[:1] if quick else SHAPES
+
+
+def print_table(title: str, rows, first_label: str):
+    """The per-iteration table shared with `trl_reference.py`: rows carry name, layers,
+    width, response, generation, scoring, update, total and first (seconds)."""
+    print(f"\n## {title}\n")
+    print(f"| shape | layers | width | response | generation (s) | scoring (s) | update (s) | total (s) | {first_label} (s) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['name']} | {r['layers']} | {r['width']} | {r['response']} | {r['generation']:.3f} | "
+              f"{r['scoring']:.3f} | {r['update']:.3f} | {r['total']:.3f} | {r['first']:.2f} |")
+
+
 def bench(name, layers, width, response_length, vocab, iterations):
     from jaxppo import demo
 
@@ -51,13 +69,11 @@ def bench(name, layers, width, response_length, vocab, iterations):
         trainer = jaxppo.PPOTrainer(config, tc, policy=f"{d}/policy", reward_model=f"{d}/rm", tokenizer=tokenizer,
                                     prompts=demo.DEMO_PROMPTS)
         rows = [trainer.step() for _ in range(iterations)]
-    first = rows[0]
-    later = rows[2:]
-    med = {k: float(np.median([r[k] for r in later])) for k in ("time/generation", "time/scoring", "time/update")}
-    total = sum(med.values())
     assert all(r["ppo/updates_applied"] == 16 for r in rows)
-    return dict(name=name, layers=layers, width=width, response=response_length, vocab=vocab, **med, total=total,
-                compile=first["time/generation"] + first["time/scoring"] + first["time/update"])
+    phases = ("generation", "scoring", "update")
+    med = {k: float(np.median([r["time/" + k] for r in rows[2:]])) for k in phases}
+    return dict(name=name, layers=layers, width=width, response=response_length, **med, total=sum(med.values()),
+                first=sum(rows[0]["time/" + k] for k in phases))
 
 
 def main():
@@ -65,17 +81,12 @@ def main():
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--vocab", type=int, default=50257, help="vocabulary size (GPT-2's by default)")
     args = parser.parse_args()
-    shapes = [("small", 2, 128, 32)] if args.quick else [("small", 2, 128, 32), ("medium", 4, 512, 64)]
-    rows = [bench(n, l, w, r, args.vocab, 5 if args.quick else 8) for n, l, w, r in shapes]
+    rows = [bench(n, l, w, r, args.vocab, 5 if args.quick else 8) for n, l, w, r in shapes(args.quick)]
     import jax
 
-    print(f"\n## seconds per PPO iteration, {jax.devices()[0].platform.upper()}, GPT-2 layout, vocab {args.vocab}, "
-          "batch 64, mini-batch 16, 4 epochs (16 updates), 16-token prompts\n")
-    print("| shape | layers | width | response | generation (s) | scoring (s) | update (s) | total (s) | first iteration incl. compile (s) |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for r in rows:
-        print(f"| {r['name']} | {r['layers']} | {r['width']} | {r['response']} | {r['time/generation']:.3f} | "
-              f"{r['time/scoring']:.3f} | {r['time/update']:.3f} | {r['total']:.3f} | {r['compile']:.1f} |")
+    print_table(f"seconds per PPO iteration, {jax.devices()[0].platform.upper()}, GPT-2 layout, vocab {args.vocab}, "
+                "batch 64, mini-batch 16, 4 epochs (16 updates), 16-token prompts",
+                rows, "first iteration incl. compile")
 
 
 if __name__ == "__main__":

@@ -98,8 +98,7 @@ def bench(name, layers, width, response_length, vocab, iterations, jax_temperatu
         trainer.train()
     later = rows[2:] if len(rows) > 3 else rows[1:]
     med = {k: float(np.median([r[k] for r in later])) for k in ("generation", "scoring", "update", "total")}
-    return dict(name=name, layers=layers, width=width, response=response_length, vocab=vocab, first=rows[0]["total"],
-                iterations=len(rows), **med)
+    return dict(name=name, layers=layers, width=width, response=response_length, first=rows[0]["total"], **med)
 
 
 def main():
@@ -112,17 +111,13 @@ def main():
     import trl
 
     import jaxppo
+    from ppo_iteration import print_table, shapes
 
     temperature = jaxppo.PPOConfig(batch_size=64, mini_batch_size=16).temperature
-    shapes = [("small", 2, 128, 32)] if args.quick else [("small", 2, 128, 32), ("medium", 4, 512, 64)]
-    rows = [bench(n, l, w, r, args.vocab, args.iterations, temperature) for n, l, w, r in shapes]
-    print(f"\n## TRL {trl.__version__} PPOTrainer, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"GPT-2 layout, vocab {args.vocab}, batch 64, mini-batch 16, 4 epochs (16 steps), 16-token prompts\n")
-    print("| shape | layers | width | response | generation (s) | scoring (s) | update (s) | total (s) | first iteration (s) |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for r in rows:
-        print(f"| {r['name']} | {r['layers']} | {r['width']} | {r['response']} | {r['generation']:.3f} | "
-              f"{r['scoring']:.3f} | {r['update']:.3f} | {r['total']:.3f} | {r['first']:.2f} |")
+    rows = [bench(n, l, w, r, args.vocab, args.iterations, temperature) for n, l, w, r in shapes(args.quick)]
+    print_table(f"TRL {trl.__version__} PPOTrainer, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+                f"GPT-2 layout, vocab {args.vocab}, batch 64, mini-batch 16, 4 epochs (16 steps), 16-token prompts",
+                rows, "first iteration")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import numpy as np
 import optax
 
 from jaxppo import math as ppo_math
+from jaxppo import sharding
 from jaxppo.config import PPOConfig, _is_int
 from jaxppo.engine import TrainState
 from jaxppo.models import hf as hf_io
@@ -299,8 +300,6 @@ class PPOTrainer:
         self.mesh = None
         self._train_step = functools.partial(train_step, config=config)
         if mesh is not None:
-            from jaxppo import sharding
-
             self.mesh = mesh if isinstance(mesh, jax.sharding.Mesh) else sharding.make_mesh(mesh)
             sharding.check_batch_divides(config, self.mesh)
             self.state = sharding.shard_state(self.state, self.mesh)
@@ -340,8 +339,6 @@ class PPOTrainer:
         if self.mesh is None:
             ids, mask = jnp.asarray(self.prompt_ids[rows]), jnp.asarray(self.prompt_mask[rows])
         else:
-            from jaxppo import sharding
-
             # Every process holds all prompts and materialises only its own rows.
             ids = sharding.global_batch(self.prompt_ids[rows], self.mesh)
             mask = sharding.global_batch(self.prompt_mask[rows], self.mesh)
@@ -360,8 +357,6 @@ class PPOTrainer:
         t2 = time.perf_counter()
         step_before = int(self.state.step)
         if self.mesh is not None:
-            from jaxppo import sharding
-
             rollout = sharding.shard_batch(rollout, self.mesh)
         state, metrics = self._train_step(self.state, rollout, k_train)
         jax.block_until_ready(state.params)
