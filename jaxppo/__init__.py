@@ -15,7 +15,7 @@ from jaxppo.models import GenerationOutput, generate
 from jaxppo.rollout import RolloutSpec, finish_rollout, sample_responses
 from jaxppo.trainer import PPOTrainer, TrainerConfig, load_prompts
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "PPOConfig",

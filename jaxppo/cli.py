@@ -92,14 +92,21 @@ def build_parser() -> argparse.ArgumentParser:
 def _read_config_file(path: str) -> dict:
     if not os.path.isfile(path):
         raise SystemExit(f"jaxppo: --config {path!r}: no such file")
-    if path.endswith(".toml"):
-        import tomllib
+    try:
+        if path.endswith(".toml"):
+            import tomllib
 
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    else:
-        with open(path) as f:
-            data = json.load(f)
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        else:
+            with open(path) as f:
+                data = json.load(f)
+    except ValueError as err:  # json.JSONDecodeError and tomllib.TOMLDecodeError
+        kind = "TOML" if path.endswith(".toml") else "JSON"
+        raise SystemExit(f"jaxppo: --config {path!r} is not valid {kind}: {err}") from None
+    if not isinstance(data, dict):
+        raise SystemExit(f"jaxppo: --config {path!r} holds a {type(data).__name__}; expected a table of settings "
+                         "(names as in --help, dashes or underscores)")
     return {k.replace("-", "_"): v for k, v in data.items()}
 
 
@@ -125,6 +132,16 @@ def resolve(argv=None):
         trainer = TrainerConfig(**{f.name: values[f.name] for f in dataclasses.fields(TrainerConfig) if f.name in values})
     except ValueError as err:
         raise SystemExit(f"jaxppo: {err}") from None
+    for name, (kind, _, _) in _EXTRA.items():
+        value = values[name]
+        if value is not None and not (isinstance(value, kind) and (kind is not int or not isinstance(value, bool))):
+            raise SystemExit(f"jaxppo: setting {name}={value!r} is invalid: {name} must be a {kind.__name__}")
+    if values["dtype"] not in ("float32", "bfloat16", "float16"):
+        raise SystemExit(f"jaxppo: --dtype {values['dtype']!r} is invalid; valid: float32, bfloat16, float16")
+    for name in ("mesh_data", "mesh_fsdp", "mesh_tensor"):
+        if values[name] is not None and values[name] <= 0:
+            raise SystemExit(f"jaxppo: --{name.replace('_', '-')} {values[name]} is invalid: a mesh axis needs at "
+                             "least 1 device")
     extras = {name: values[name] for name in _EXTRA}
     extras["demo"] = is_demo
     return ppo, trainer, extras
@@ -132,6 +149,7 @@ def resolve(argv=None):
 
 def build_trainer(ppo: PPOConfig, tc: TrainerConfig, extras: dict) -> PPOTrainer:
     from jaxppo import demo
+    from jaxppo.models.hf import check_checkpoint_dir
     from jaxppo.models.tokenizer import load_tokenizer
 
     if extras["demo"]:
@@ -139,10 +157,13 @@ def build_trainer(ppo: PPOConfig, tc: TrainerConfig, extras: dict) -> PPOTrainer
         policy = demo.demo_policy(tokenizer, seed=tc.seed, max_len=tc.query_length + tc.response_length)
         prompts = extras["prompts"] or demo.DEMO_PROMPTS
     else:
-        tokenizer = load_tokenizer(extras["model"])
-        policy = extras["model"]
         if not extras["prompts"]:
             raise SystemExit("jaxppo: --prompts is required with --model")
+        for flag in ("model", "reward_model", "critic", "ref_model"):
+            if extras[flag] is not None:
+                check_checkpoint_dir(extras[flag], f"--{flag.replace('_', '-')}")
+        tokenizer = load_tokenizer(extras["model"])
+        policy = extras["model"]
         prompts = extras["prompts"]
     reward_fn = None
     reward_model = extras["reward_model"]
@@ -165,6 +186,10 @@ def build_trainer(ppo: PPOConfig, tc: TrainerConfig, extras: dict) -> PPOTrainer
 
 
 def main(argv=None) -> int:
+    # transformers prints an "advice" at import when PyTorch is absent ("PyTorch was not
+    # found. Models won't be available ..."); jaxppo never needs PyTorch, so that line is
+    # noise here. Only advisory messages are silenced: transformers' warnings still show.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     ppo, tc, extras = resolve(argv)
     if extras["distributed"]:
         from jaxppo.sharding import initialize_distributed
@@ -175,10 +200,16 @@ def main(argv=None) -> int:
         trainer = build_trainer(ppo, tc, extras)
     except (ValueError, TypeError) as err:
         raise SystemExit(f"jaxppo: {err}") from None
+    from jaxppo.rollout import RewardError
+    from jaxppo.rundir import RunError
+
     try:
         trainer.train()
     except KeyboardInterrupt:
         return 130
+    except (RunError, RewardError) as err:
+        print(f"jaxppo: error: {err}", file=sys.stderr)
+        return 1
     return 0
 
 

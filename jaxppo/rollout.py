@@ -29,7 +29,7 @@ from jaxppo.models.generate import GenerationOutput, generate
 from jaxppo.models.model import Model
 from jaxppo.rollout_types import Rollout, response_outputs
 
-__all__ = ["RolloutSpec", "sample_responses", "finish_rollout", "check_scores"]
+__all__ = ["RolloutSpec", "sample_responses", "finish_rollout", "check_scores", "nonfinite_rows", "RewardError"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,18 +82,50 @@ def sample_responses(spec: RolloutSpec, params, prompt_ids, prompt_mask, key) ->
                     stop_token_ids=spec.stop_token_ids, pad_token_id=spec.pad_token_id)
 
 
-def check_scores(scores, batch: int) -> np.ndarray:
-    """Validate host-side reward-function output: shape (batch,), finite numbers."""
-    try:
-        arr = np.asarray(scores, dtype=np.float64)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"the reward function must return {batch} numbers; got {type(scores).__name__}: {err}") from None
-    if arr.shape != (batch,):
-        raise ValueError(f"the reward function returned shape {arr.shape}; expected ({batch},): one score per response")
-    bad = np.flatnonzero(~np.isfinite(arr))
-    if bad.size:
-        raise ValueError(f"the reward function returned non-finite scores {arr[bad[:5]].tolist()} at rows {bad[:5].tolist()}")
-    return arr.astype(np.float32)
+class RewardError(ValueError):
+    """A reward function raised, or returned something other than one number per response."""
+
+
+def check_scores(scores, batch: int, name: str = "reward function", prompts=None, responses=None) -> np.ndarray:
+    """Validate what a host-side reward function returned: one real number (int, float,
+    numpy scalar or 0-d array) per response, `batch` of them, as a list, tuple or 1-D array.
+    Returns float32 (batch,). Non-finite numbers pass through (the trainer reports or skips
+    them for every kind of reward alike).
+
+    Raises `RewardError` naming the function (`name`), the row and the value, and the row's
+    prompt and response when given."""
+
+    def row_text(i):
+        if prompts is None or responses is None:
+            return ""
+        return f" (prompt {prompts[i][:40]!r}, response {responses[i][:40]!r})"
+
+    if isinstance(scores, (str, bytes, dict)) or not hasattr(scores, "__len__"):
+        raise RewardError(f"{name} returned a {type(scores).__name__} ({scores!r:.60}); it must return a list or 1-D "
+                          f"array of {batch} numbers, one per response")
+    if isinstance(scores, np.ndarray) and scores.ndim != 1:
+        raise RewardError(f"{name} returned an array of shape {scores.shape}; expected ({batch},): one number per "
+                          "response")
+    if len(scores) != batch:
+        raise RewardError(f"{name} returned {len(scores)} scores for {batch} responses; expected ({batch},): one "
+                          "number per response")
+    out = np.empty(batch, np.float32)
+    for i, value in enumerate(scores):
+        if value is None:
+            raise RewardError(f"{name} returned None at row {i}{row_text(i)}: every response needs a score (a reward "
+                              "function with no opinion on a row must still return a number for it)")
+        if isinstance(value, np.ndarray) and value.ndim == 0:
+            value = value.item()
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+            raise RewardError(f"{name} returned {value!r:.60} ({type(value).__name__}) at row {i}{row_text(i)}; "
+                              "each score must be a real number (int or float)")
+        out[i] = float(value)
+    return out
+
+
+def nonfinite_rows(scores) -> np.ndarray:
+    """Indices of the non-finite entries of (B,) scores (on the host)."""
+    return np.flatnonzero(~np.isfinite(np.asarray(scores, np.float64)))
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
@@ -105,7 +137,8 @@ def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompt_
     host_scores: (B,) scores from a text reward function, or None when the spec has a
     reward model or a token reward function. Returns (rollout, stats, score_moments), with
     TRL-named statistics: objective/kl, objective/entropy, objective/non_score_reward,
-    objective/rlhf_reward, objective/scores, val/num_eos_tokens, ...
+    objective/rlhf_reward, objective/scores, val/num_eos_tokens, ..., and the (B,) scores
+    before penalties and normalisation as `per_row/raw_scores`.
     """
     response_mask = gen.mask
     batch = {"query_tokens": prompt_ids, "query_mask": prompt_mask,
@@ -153,5 +186,6 @@ def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompt_
         "objective/kl_coef": kl_state.beta,
         "val/num_eos_tokens": jnp.sum(contains_eos.astype(jnp.int32)),
         "val/response_length": jnp.mean(jnp.sum(response_mask, axis=1).astype(jnp.float32)),
+        "per_row/raw_scores": raw_scores,
     }
     return rollout, stats, score_moments

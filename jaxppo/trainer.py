@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 import os
 import signal
+import sys
 import time
 import warnings
 from typing import Any, Callable, Optional, Sequence, Union
@@ -25,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxppo import checkpoint
 from jaxppo import math as ppo_math
 from jaxppo import sharding
 from jaxppo.config import PPOConfig, _is_int
@@ -32,10 +35,12 @@ from jaxppo.engine import TrainState
 from jaxppo.models import hf as hf_io
 from jaxppo.models.model import Model, PolicyAndCritic
 from jaxppo.models.tokenizer import decode_responses, encode_prompts
+from jaxppo.logger import Logger, read_metrics
 from jaxppo.ppo import train_step
-from jaxppo.rollout import RolloutSpec, check_scores, finish_rollout, sample_responses
+from jaxppo.rundir import RunError, RunLock, atomic_replace_dir, check_settings
+from jaxppo.rollout import RewardError, RolloutSpec, check_scores, finish_rollout, nonfinite_rows, sample_responses
 
-__all__ = ["TrainerConfig", "PPOTrainer", "load_prompts"]
+__all__ = ["TrainerConfig", "PPOTrainer", "load_prompts", "RunError", "RewardError"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +60,12 @@ class TrainerConfig:
       max_grad_norm (None: no clipping), adam_eps, shared_trunk (value head on the policy).
     Output: output_dir; log_every; sample_every and num_samples (printed completions);
       checkpoint_every (iterations; 0 = only on interrupt and at the end), keep_checkpoints,
-      resume (continue from the latest checkpoint in output_dir); tensorboard; progress;
-      export_final (policy as a Hugging Face directory); plot (PNG of score, KL, reward).
+      resume (continue from the latest checkpoint in output_dir; False refuses a directory
+      that already holds a run); tensorboard; progress; export_final (policy as a Hugging
+      Face directory); plot (PNG of score, KL, reward).
+    Faults: skip_nonfinite_scores (an iteration whose scores include NaN or inf is skipped
+      and counted in `objective/skipped_nonfinite_scores` instead of stopping the run with
+      an error naming the rows).
     """
 
     seed: int = 0
@@ -90,8 +99,22 @@ class TrainerConfig:
     progress: bool = True
     export_final: bool = True
     plot: bool = True
+    skip_nonfinite_scores: bool = False
 
     def __post_init__(self):
+        for field in dataclasses.fields(self):
+            if field.type in (bool, "bool") and not isinstance(getattr(self, field.name), bool):
+                raise ValueError(f"TrainerConfig.{field.name}={getattr(self, field.name)!r} is invalid: "
+                                 f"{field.name} must be a bool (True or False)")
+        if not isinstance(self.output_dir, str) or not self.output_dir:
+            raise ValueError(f"TrainerConfig.output_dir={self.output_dir!r} is invalid: output_dir must be a non-empty "
+                             "path string")
+        if self.total_episodes is not None and (not _is_int(self.total_episodes) or self.total_episodes <= 0):
+            raise ValueError(f"TrainerConfig.total_episodes={self.total_episodes!r} is invalid: total_episodes must be "
+                             "None or a positive int")
+        if self.stop_token_id is not None and (not _is_int(self.stop_token_id) or self.stop_token_id < 0):
+            raise ValueError(f"TrainerConfig.stop_token_id={self.stop_token_id!r} is invalid: stop_token_id must be "
+                             "None or a token id >= 0")
         positive = ("iterations", "query_length", "response_length", "kl_horizon", "log_every", "keep_checkpoints")
         for name in positive:
             value = getattr(self, name)
@@ -121,34 +144,76 @@ class TrainerConfig:
 def load_prompts(source, prompt_column: str = "prompt") -> list:
     """Prompts from a list of strings, a `datasets.Dataset` (or anything with
     `column_names`) holding `prompt_column`, or a file: .txt (one prompt per line),
-    .jsonl (one object per line with `prompt_column`), .json (a list of strings or objects)."""
+    .jsonl (one object per line with `prompt_column`), .json (a list of strings or objects).
+
+    Errors name the file and line (or row) and say what was expected: a missing or empty
+    file, a line that is not JSON, a record without the column, a prompt that is not a
+    string."""
+    where = "the prompt list"
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
         if not os.path.isfile(path):
-            raise ValueError(f"prompts file {path!r} does not exist")
+            raise ValueError(f"prompts file {path!r} does not exist (give a .txt, .jsonl or .json file)")
+        where = path
         if path.endswith(".jsonl"):
+            rows, lines = [], []
             with open(path) as f:
-                rows = [json.loads(line) for line in f if line.strip()]
-            prompts = [row[prompt_column] if isinstance(row, dict) else row for row in rows]
+                for n, line in enumerate(f, start=1):
+                    if not line.strip():
+                        continue
+                    try:
+                        rows.append(json.loads(line))
+                    except ValueError as err:
+                        raise ValueError(f"{path} line {n} is not valid JSON ({err}): {line.strip()[:60]!r}; each "
+                                         f'line must be an object such as {{"{prompt_column}": "..."}}') from None
+                    lines.append(n)
+            prompts = [_prompt_of(row, prompt_column, f"{path} line {n}") for row, n in zip(rows, lines)]
+            labels = [f"{path} line {n}" for n in lines]
         elif path.endswith(".json"):
             with open(path) as f:
-                rows = json.load(f)
-            prompts = [row[prompt_column] if isinstance(row, dict) else row for row in rows]
+                try:
+                    rows = json.load(f)
+                except ValueError as err:
+                    raise ValueError(f"{path} is not valid JSON ({err}); expected a list of strings or of objects "
+                                     f"with a {prompt_column!r} field") from None
+            if not isinstance(rows, list):
+                raise ValueError(f"{path} holds a {type(rows).__name__}; expected a list of strings or of objects "
+                                 f"with a {prompt_column!r} field")
+            prompts = [_prompt_of(row, prompt_column, f"{path} item {i}") for i, row in enumerate(rows)]
+            labels = [f"{path} item {i}" for i in range(len(rows))]
         else:
             with open(path) as f:
-                prompts = [line.rstrip("\n") for line in f if line.strip()]
+                numbered = [(n, line.rstrip("\n")) for n, line in enumerate(f, start=1) if line.strip()]
+            prompts = [line for _, line in numbered]
+            labels = [f"{path} line {n}" for n, _ in numbered]
     elif hasattr(source, "column_names"):
         if prompt_column not in source.column_names:
-            raise ValueError(f"the dataset has no column {prompt_column!r}; columns: {list(source.column_names)}")
+            raise ValueError(f"the dataset has no column {prompt_column!r}; columns: {list(source.column_names)} "
+                             "(set prompt_column / --prompt-column)")
         prompts = list(source[prompt_column])
+        labels = [f"dataset row {i}" for i in range(len(prompts))]
     else:
+        if isinstance(source, (str, bytes)):
+            raise TypeError("prompts must be a list of strings or a file path, not a single string")
         prompts = list(source)
+        labels = [f"prompt {i}" for i in range(len(prompts))]
     if not prompts:
-        raise ValueError("no prompts: the prompt list is empty")
+        raise ValueError(f"no prompts: {where} is empty")
     bad = [i for i, p in enumerate(prompts) if not isinstance(p, str)]
     if bad:
-        raise TypeError(f"prompts must be strings; rows {bad[:5]} are not")
+        i = bad[0]
+        raise TypeError(f"prompts must be strings; {labels[i]} is a {type(prompts[i]).__name__} ({prompts[i]!r:.60})"
+                        + (f" ({len(bad)} such rows)" if len(bad) > 1 else ""))
     return prompts
+
+
+def _prompt_of(row, column: str, label: str):
+    if isinstance(row, dict):
+        if column not in row:
+            raise ValueError(f"{label} has no {column!r} field (fields: {sorted(row)}); set prompt_column / "
+                             "--prompt-column to the field holding the prompt")
+        return row[column]
+    return row
 
 
 def _load_model(spec, kind, dtype):
@@ -266,6 +331,11 @@ class PPOTrainer:
             params = {"policy": policy_params, "critic": critic_params}
             params_key, self.policy_model = "policy", policy_model
         self.ref_params = ref_params
+        vocab = policy_model.config.vocab_size
+        if len(tokenizer) > vocab:
+            raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the policy's vocabulary has {vocab} "
+                             "(config.json vocab_size); token ids past the vocabulary would index out of range. Use the "
+                             "tokenizer saved with the policy, or resize the policy's embeddings")
         self.reward_params = reward_params
 
         stop = tc.stop_token_id if tc.stop_token_id is not None else tokenizer.eos_token_id
@@ -310,6 +380,19 @@ class PPOTrainer:
         self.iteration = 0
         self.history: list = []
         self._base_key = jax.random.key(tc.seed)
+        self.skipped_iterations = 0  # iterations skipped for non-finite scores (skip_nonfinite_scores)
+        self._describe = {
+            "policy": _describe_model(policy, policy_model, dtype),
+            "reference": "initial policy" if ref_policy is None else _describe_model(ref_policy, ref_model, dtype),
+            "reward": (_describe_model(reward_model, self.reward_model, dtype) if reward_model is not None
+                       else {"function": _qualified_name(reward_fn), "on": reward_fn_on}),
+            "critic": ("shared trunk" if tc.shared_trunk else
+                       _describe_model(critic, None, dtype) if critic is not None else "default"),
+            "tokenizer": {"class": type(tokenizer).__name__, "size": len(tokenizer)},
+            "prompts": {"count": len(self.prompts),
+                        "sha256": hashlib.sha256("\x00".join(self.prompts).encode()).hexdigest()},
+            "prompt_column": prompt_column,
+        }
 
     # ------------------------------------------------------------------ data
 
@@ -349,10 +432,22 @@ class PPOTrainer:
         t1 = time.perf_counter()
         host_scores = None
         if self.reward_fn is not None:
+            prompts = [self.prompts[r] for r in rows]
             responses = decode_responses(self.tokenizer, _to_host(gen.tokens), _to_host(gen.mask))
-            host_scores = jnp.asarray(check_scores(self.reward_fn([self.prompts[r] for r in rows], responses), len(rows)))
+            host_scores = jnp.asarray(self._call_reward_fn(it, prompts, responses))
         rollout, stats, moments = finish_rollout(self.spec, self.state.params, self.ref_params, self.reward_params,
                                                  ids, mask, gen, host_scores, self.kl_state, self.score_moments)
+        raw_scores = _to_host(stats.pop("per_row/raw_scores"))
+        bad = nonfinite_rows(raw_scores)
+        if bad.size:
+            source = self._reward_name()
+            if not self.tc.skip_nonfinite_scores:
+                raise RewardError(
+                    f"iteration {it}: {source} gave non-finite scores {raw_scores[bad[:5]].tolist()} at rows "
+                    f"{bad[:5].tolist()}" + (f" (and {bad.size - 5} more)" if bad.size > 5 else "") +
+                    f" (prompts {[self.prompts[rows[i]][:40] for i in bad[:3]]}); nothing was updated. Fix the reward, "
+                    "or set skip_nonfinite_scores (--skip-nonfinite-scores) to skip such iterations")
+            return self._skip_iteration(it, rows, gen, bad, source, t0)
         jax.block_until_ready(rollout.rewards)
         t2 = time.perf_counter()
         step_before = int(self.state.step)
@@ -373,7 +468,7 @@ class PPOTrainer:
 
         out = {"iteration": it, "episode": (it + 1) * self.config.batch_size}
         for name, value in {**stats, **metrics}.items():
-            if not name.startswith("per_minibatch/"):
+            if not name.startswith(("per_minibatch/", "per_row/")):
                 out[name] = float(value)
         out["ppo/updates_applied"] = applied
         out["ppo/updates_total"] = int(state.step)
@@ -382,8 +477,42 @@ class PPOTrainer:
         out["time/scoring"] = t2 - t1
         out["time/update"] = t3 - t2
         out["eps"] = self.config.batch_size / (t3 - t0)
+        out["objective/skipped_nonfinite_scores"] = self.skipped_iterations
         self._last_samples = (rows, gen)
         return out
+
+    def _reward_name(self) -> str:
+        if self.reward_model is not None:
+            return "the reward model"
+        if self.reward_fn is not None:
+            return f"reward function {_qualified_name(self.reward_fn)!r}"
+        return f"token reward function {_qualified_name(self.spec.token_reward_fn)!r}"
+
+    def _call_reward_fn(self, it: int, prompts: list, responses: list) -> np.ndarray:
+        """The text reward function's scores, checked: one real number per response."""
+        name = self._reward_name()
+        try:
+            scores = self.reward_fn(prompts, responses)
+        except Exception as err:
+            raise RewardError(f"iteration {it}: {name} raised {type(err).__name__}: {err} (called on {len(prompts)} "
+                              f"responses; first prompt {prompts[0][:40]!r}); nothing was updated") from err
+        try:
+            return check_scores(scores, len(prompts), name, prompts, responses)
+        except RewardError as err:
+            raise RewardError(f"iteration {it}: {err}; nothing was updated") from None
+
+    def _skip_iteration(self, it, rows, gen, bad, source, t0):
+        """skip_nonfinite_scores: no update, no KL or score-statistics change; the iteration
+        and the data position advance, the skip is counted and warned about."""
+        self.skipped_iterations += 1
+        self.iteration = it + 1
+        self._last_samples = (rows, gen)
+        warnings.warn(f"iteration {it} skipped: {source} gave non-finite scores at rows {bad[:5].tolist()}",
+                      RuntimeWarning, stacklevel=3)
+        return {"iteration": it, "episode": (it + 1) * self.config.batch_size, "ppo/updates_applied": 0,
+                "ppo/updates_total": int(self.state.step), "objective/nonfinite_score_rows": int(bad.size),
+                "objective/skipped_nonfinite_scores": self.skipped_iterations,
+                "time/generation": time.perf_counter() - t0}
 
     def samples(self, n: int):
         """(prompt, response) texts of the first `n` rows of the last iteration."""
@@ -404,115 +533,147 @@ class PPOTrainer:
             "kl": tuple(np.asarray(x) for x in self.kl_state),
             "score_moments": tuple(np.asarray(x) for x in self.score_moments),
             "iteration": np.asarray(self.iteration, np.int32),
+            "skipped_iterations": np.asarray(self.skipped_iterations, np.int32),
             "key": np.asarray(jax.random.key_data(self._base_key)),
         }
 
-    def _manager(self):
-        import orbax.checkpoint as ocp
-
-        directory = os.path.abspath(os.path.join(self.tc.output_dir, "checkpoints"))
-        return ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(max_to_keep=self.tc.keep_checkpoints))
+    @property
+    def checkpoint_dir(self) -> str:
+        return os.path.abspath(os.path.join(self.tc.output_dir, "checkpoints"))
 
     def save_checkpoint(self):
         """Save params, optimizer state, KL controller, score statistics, data position and
-        key at the current iteration (orbax)."""
-        import orbax.checkpoint as ocp
-
-        manager = self._manager()
-        if self.iteration not in manager.all_steps():
-            manager.save(self.iteration, args=ocp.args.StandardSave(self._checkpoint_tree()))
-        manager.wait_until_finished()
-        manager.close()
+        key at the current iteration (orbax; see `jaxppo.checkpoint`). A write error is a
+        `RunError`; the checkpoints saved before stay intact."""
+        checkpoint.save(self.checkpoint_dir, self.iteration, self._checkpoint_tree(), keep=self.tc.keep_checkpoints)
 
     def restore_checkpoint(self) -> bool:
-        """Restore the latest checkpoint in output_dir, if any; True if one was restored."""
-        import orbax.checkpoint as ocp
-
-        manager = self._manager()
-        latest = manager.latest_step()
-        if latest is None:
-            manager.close()
-            return False
+        """Restore the newest readable checkpoint in output_dir, if any; True if one was
+        restored. Unreadable ones are warned about and set aside (`jaxppo.checkpoint`)."""
         template = self._checkpoint_tree()
-        abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x,
-            template)
-        restored = manager.restore(latest, args=ocp.args.StandardRestore(abstract))
-        manager.close()
-        restored = jax.tree.unflatten(jax.tree.structure(template), jax.tree.leaves(restored))
+        found = checkpoint.restore_latest(self.checkpoint_dir, template)
+        if found is None:
+            return False
+        _, restored = found
         if not np.array_equal(np.asarray(restored["key"]), np.asarray(template["key"])):
-            raise ValueError(f"the checkpoint in {self.tc.output_dir!r} was written with another seed; "
-                             "use the same seed to resume, or another output_dir")
+            raise RunError(f"the checkpoint in {self.tc.output_dir!r} was written with another seed; "
+                           "use the same seed to resume, or another output_dir")
         self.state = self.state.replace(params=restored["params"], opt_state=restored["opt_state"],
                                         step=restored["step"], skipped_nonfinite=restored["skipped_nonfinite"])
         self.kl_state = ppo_math.KLControllerState(*(jnp.asarray(x, jnp.float32) for x in restored["kl"]))
         self.score_moments = ppo_math.RunningMoments(*(jnp.asarray(x, jnp.float32) for x in restored["score_moments"]))
         self.iteration = int(restored["iteration"])
+        self.skipped_iterations = int(restored["skipped_iterations"])
         return True
 
+    def settings(self) -> dict:
+        """What must stay the same for a resumed run to continue this one: the checkpoint
+        layout, every `PPOConfig` field, the `TrainerConfig` fields that shape the run, the
+        models, reward, tokenizer and prompts. Output-only fields (logging, plots, checkpoint
+        cadence, output_dir) may change; so may `iterations`/`total_episodes` under a
+        constant learning rate (extending a run), since only decaying schedules depend on it."""
+        free = {"output_dir", "resume", "progress", "log_every", "sample_every", "num_samples", "tensorboard", "plot",
+                "export_final", "keep_checkpoints", "checkpoint_every", "iterations", "total_episodes"}
+        trainer = {k: v for k, v in dataclasses.asdict(self.tc).items() if k not in free}
+        if self.tc.lr_schedule != "constant":
+            trainer["iterations"] = self.iterations
+        return {"checkpoint_layout": checkpoint.LAYOUT, "ppo": dataclasses.asdict(self.config), "trainer": trainer,
+                **self._describe}
+
     # ------------------------------------------------------------------ the loop
+
+    def _open_run(self) -> int:
+        """Claim output_dir (lock), check the saved settings, and restore the newest
+        checkpoint: all before any compilation. Returns the first iteration to run."""
+        tc = self.tc
+        log_dir = self._log_dir()
+        self._lock = RunLock(log_dir).acquire()
+        try:
+            saved_metrics = os.path.join(log_dir, "metrics.jsonl")
+            existing = os.path.isfile(saved_metrics) or bool(checkpoint.steps(self.checkpoint_dir))
+            if not tc.resume and existing:
+                raise RunError(f"the output directory {tc.output_dir!r} already holds a run (metrics.jsonl or "
+                               "checkpoints) and resume is off; give this run another output_dir, delete the old "
+                               "run, or resume it")
+            check_settings(tc.output_dir, self.settings(), write=jax.process_index() == 0)
+            if tc.resume and self.restore_checkpoint():
+                print(f"resumed from iteration {self.iteration} ({self.checkpoint_dir})")
+            elif existing and read_metrics(saved_metrics):
+                warnings.warn(f"{tc.output_dir!r} holds logged iterations but no checkpoint (none was saved before the "
+                              "run stopped): starting again from iteration 0 with the same settings; the logged "
+                              "iterations are recomputed", RuntimeWarning, stacklevel=3)
+        except BaseException:
+            self._lock.release()
+            raise
+        return self.iteration
+
+    def _log_dir(self) -> str:
+        # In multi-host runs process 0 logs to output_dir, the others to their own subfolder.
+        if jax.process_index() == 0:
+            return self.tc.output_dir
+        return os.path.join(self.tc.output_dir, f"process_{jax.process_index()}")
 
     def train(self):
         """Run until `iterations` iterations are done; return the list of per-iteration
         metrics. Writes output_dir/metrics.jsonl (and TensorBoard events), prints progress
-        and samples, checkpoints, and at the end exports the policy and plots."""
-        from jaxppo.logger import Logger
+        and samples, checkpoints, and at the end exports the policy and plots.
 
+        Before any compilation: takes the directory's lock (a second run on it is refused),
+        checks the saved settings (`settings()`), restores the newest readable checkpoint.
+        On Ctrl-C or SIGTERM: saves a checkpoint (a second Ctrl-C meanwhile is held off until
+        the checkpoint is complete) and raises KeyboardInterrupt."""
         tc = self.tc
         os.makedirs(tc.output_dir, exist_ok=True)
-        if tc.resume and self.restore_checkpoint():
-            print(f"resumed from iteration {self.iteration} ({os.path.join(tc.output_dir, 'checkpoints')})")
-        # In multi-host runs process 0 logs to output_dir, the others to their own subfolder.
-        log_dir = tc.output_dir if jax.process_index() == 0 else os.path.join(tc.output_dir, f"process_{jax.process_index()}")
-        logger = Logger(log_dir, start_iteration=self.iteration, tensorboard=tc.tensorboard)
+        self._open_run()
+        try:
+            return self._train_locked()
+        finally:
+            self._lock.release()
+
+    def _train_locked(self):
+        tc = self.tc
+        logger = Logger(self._log_dir(), start_iteration=self.iteration, tensorboard=tc.tensorboard)
         self.history = logger.history
         print(f"jaxppo: {self.iterations} iterations x {self.config.batch_size} episodes; updates per iteration = "
               f"ppo_epochs * batch_size / mini_batch_size = {self.config.ppo_epochs} * {self.config.batch_size} / "
-              f"{self.config.mini_batch_size} = {self.config.updates_per_step}")
+              f"{self.config.mini_batch_size} = {self.config.updates_per_step}", flush=True)
         bar = None
         if tc.progress:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=self.iterations, initial=self.iteration, desc="ppo", dynamic_ncols=True)
-        previous = signal.getsignal(signal.SIGTERM)
-
-        def on_term(signum, frame):
-            raise KeyboardInterrupt("SIGTERM")
-
         try:
-            signal.signal(signal.SIGTERM, on_term)
-        except ValueError:  # not in the main thread
-            previous = None
-        try:
-            while self.iteration < self.iterations:
-                metrics = self.step()
-                logger.log(metrics, echo=bar is None and (metrics["iteration"] % tc.log_every == 0))
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.3f}")
-                if tc.sample_every and self.iteration % tc.sample_every == 0 and tc.num_samples:
-                    for prompt, response in self.samples(tc.num_samples):
-                        text = f"  [{self.iteration}] {prompt!r} -> {response!r}"
-                        (bar.write if bar is not None else print)(text)
-                for cb in self.callbacks:
-                    cb(metrics["iteration"], metrics)
-                if tc.checkpoint_every and self.iteration % tc.checkpoint_every == 0:
-                    self.save_checkpoint()
+            with _interrupts_raise():
+                while self.iteration < self.iterations:
+                    metrics = self.step()
+                    logger.log(metrics, echo=bar is None and (metrics["iteration"] % tc.log_every == 0))
+                    if bar is not None:
+                        bar.update(1)
+                        if "objective/scores" in metrics:
+                            bar.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.3f}")
+                    if tc.sample_every and self.iteration % tc.sample_every == 0 and tc.num_samples:
+                        for prompt, response in self.samples(tc.num_samples):
+                            text = f"  [{self.iteration}] {prompt!r} -> {response!r}"
+                            (bar.write if bar is not None else print)(text)
+                    for cb in self.callbacks:
+                        cb(metrics["iteration"], metrics)
+                    if tc.checkpoint_every and self.iteration % tc.checkpoint_every == 0:
+                        self.save_checkpoint()
         except KeyboardInterrupt:
             logger.close()
             if bar is not None:
                 bar.close()
-            self.save_checkpoint()
-            print(f"\ninterrupted: checkpoint saved at iteration {self.iteration}; run again to resume")
+            print(f"\ninterrupted: saving a checkpoint at iteration {self.iteration} ...", flush=True)
+            with _interrupts_held():
+                self.save_checkpoint()
+            print(f"checkpoint saved at iteration {self.iteration}; run the same command again to resume", flush=True)
             raise
         finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
-        if bar is not None:
-            bar.close()
-        logger.close()
-        if tc.checkpoint_every:
-            self.save_checkpoint()
+            logger.close()
+            if bar is not None:
+                bar.close()
+        with _interrupts_held():
+            self.save_checkpoint()  # at the end, whatever checkpoint_every says: a finished run is not redone
         if tc.export_final:
             self.export(os.path.join(tc.output_dir, "final_policy"))
         if tc.plot:
@@ -533,9 +694,13 @@ class PPOTrainer:
             params = jax.tree.map(_to_host, params)
             if jax.process_index() != 0:
                 return  # one writer
-        hf_io.save_pretrained(model, params, path)
-        if hasattr(self.tokenizer, "save_pretrained"):
-            self.tokenizer.save_pretrained(path)
+
+        def write(directory):
+            hf_io.save_pretrained(model, params, directory)
+            if hasattr(self.tokenizer, "save_pretrained"):
+                self.tokenizer.save_pretrained(directory)
+
+        atomic_replace_dir(write, path)  # a kill mid-export leaves the old export or the new one, whole
 
     def summary(self) -> str:
         h = self.history
@@ -557,6 +722,76 @@ class PPOTrainer:
             f"metrics: {os.path.join(self.tc.output_dir, 'metrics.jsonl')}",
         ]
         return "\n".join(lines)
+
+
+class _interrupts_raise:
+    """SIGTERM raises KeyboardInterrupt (as Ctrl-C does) inside the block, so both end in
+    the same checkpoint-and-exit path. Only in the main thread (signals cannot be set
+    elsewhere)."""
+
+    def __enter__(self):
+        self.previous = None
+        try:
+            self.previous = signal.signal(signal.SIGTERM, self._raise)
+        except ValueError:  # not in the main thread
+            pass
+        return self
+
+    @staticmethod
+    def _raise(signum, frame):
+        raise KeyboardInterrupt("SIGTERM")
+
+    def __exit__(self, *exc):
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
+
+
+class _interrupts_held:
+    """Ctrl-C and SIGTERM inside the block (a checkpoint being written) are held: a message
+    says the checkpoint is being finished, and a KeyboardInterrupt is raised once the block
+    is complete. SIGKILL cannot be held; a kill mid-save leaves the earlier checkpoints."""
+
+    def __enter__(self):
+        self.received = None
+        self.previous = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self.previous[sig] = signal.signal(sig, self._hold)
+            except ValueError:  # not in the main thread
+                pass
+        return self
+
+    def _hold(self, signum, frame):
+        self.received = signum
+        print(f"\n{signal.Signals(signum).name} received: finishing the checkpoint first (it takes a moment) ...",
+              file=sys.stderr, flush=True)
+
+    def __exit__(self, exc_type, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        if self.received is not None and exc_type is None:
+            raise KeyboardInterrupt(signal.Signals(self.received).name)
+
+
+def _qualified_name(fn) -> str:
+    if fn is None:
+        return "None"
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return f"{getattr(fn, '__module__', None) or type(fn).__module__}.{name}"
+
+
+def _describe_model(spec, model, dtype) -> dict:
+    """A model's identity for the run settings: its checkpoint path (when loaded from one),
+    its architecture, kind and dtypes."""
+    out = {"path": os.path.abspath(os.fspath(spec))} if isinstance(spec, (str, os.PathLike)) else {}
+    if model is None and isinstance(spec, tuple):
+        model = spec[0]
+    if model is not None:
+        out.update(config=json.loads(model.config.to_json()), kind=model.kind, dtype=str(jnp.dtype(model.dtype)),
+                   param_dtype=str(jnp.dtype(model.param_dtype)))
+    else:
+        out["dtype"] = dtype
+    return out
 
 
 def _to_host(array) -> np.ndarray:

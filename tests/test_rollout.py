@@ -11,7 +11,7 @@ import pytest
 import jaxppo
 import jaxppo.models as jm
 from jaxppo import math as pm
-from jaxppo.rollout import RolloutSpec, check_scores, finish_rollout, sample_responses
+from jaxppo.rollout import RewardError, RolloutSpec, check_scores, finish_rollout, sample_responses
 
 
 def test_kl_estimators_match_formulas():
@@ -63,14 +63,21 @@ def test_running_moments_match_numpy():
     assert float(state.count) == allx.size
 
 
-def test_check_scores_rejects_wrong_shape_and_nonfinite():
+def test_check_scores_names_the_function_row_and_value():
     assert check_scores([1, 2.5], 2).tolist() == [1.0, 2.5]
-    with pytest.raises(ValueError, match=r"shape \(3,\); expected \(2,\)"):
-        check_scores([1, 2, 3], 2)
-    with pytest.raises(ValueError, match=r"non-finite scores \[nan\] at rows \[1\]"):
-        check_scores([1, float("nan")], 2)
-    with pytest.raises(ValueError, match="must return 2 numbers"):
-        check_scores(["a", "b"], 2)
+    assert check_scores(np.array([1, 2]), 2).dtype == np.float32
+    # Non-finite numbers pass here: the trainer reports (or skips) them for every kind of reward.
+    assert np.isnan(check_scores([1, float("nan")], 2)[1])
+    cases = [([1, 2, 3], r"'f' returned 3 scores for 2 responses; expected \(2,\)"),
+             ([1, None], r"'f' returned None at row 1 \(prompt 'p1', response 'r1'\)"),
+             (["a", "b"], r"'f' returned 'a' \(str\) at row 0"),
+             ([1.0, True], r"returned True \(bool\) at row 1"),
+             ("12", r"'f' returned a str"),
+             (3.0, r"'f' returned a float"),
+             (np.ones((2, 1)), r"array of shape \(2, 1\)")]
+    for scores, message in cases:
+        with pytest.raises(RewardError, match=message):
+            check_scores(scores, 2, "'f'", ["p0", "p1"], ["r0", "r1"])
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from flax import traverse_util
 from jaxppo.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from jaxppo.models.model import KINDS, Model
 
-__all__ = ["from_pretrained", "save_pretrained", "params_from_hf_tensors", "params_to_hf_tensors"]
+__all__ = ["from_pretrained", "save_pretrained", "params_from_hf_tensors", "params_to_hf_tensors", "check_checkpoint_dir"]
 
 # Our block-level module names -> Hugging Face's sub-module paths.
 _BLOCK_NAMES = {
@@ -70,28 +70,14 @@ class _Tensors:
     def __init__(self, path: str):
         from safetensors import safe_open
 
-        single = os.path.join(path, "model.safetensors")
-        index = os.path.join(path, "model.safetensors.index.json")
-        if os.path.isfile(single):
-            files = {single}
-        elif os.path.isfile(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-            files = {os.path.join(path, name) for name in set(weight_map.values())}
-            missing = sorted(f for f in files if not os.path.isfile(f))
-            if missing:
-                raise ValueError(f"{index} names shard files that do not exist: {missing}")
-        else:
-            present = sorted(os.listdir(path))
-            raise ValueError(
-                f"{path!r} has no model.safetensors or model.safetensors.index.json (files: {present}); "
-                "jaxppo reads safetensors checkpoints only (convert .bin weights with transformers' "
-                "save_pretrained(..., safe_serialization=True))"
-            )
+        files = _weight_files(path)
         self._handles = {}
         self.where = {}
         for file in sorted(files):
-            handle = safe_open(file, framework="numpy")
+            try:
+                handle = safe_open(file, framework="numpy")
+            except Exception as err:  # safetensors raises its own error type for a torn or foreign file
+                raise ValueError(f"{file} is not a readable safetensors file ({type(err).__name__}: {err})") from None
             self._handles[file] = handle
             for name in handle.keys():
                 self.where[name] = file
@@ -109,14 +95,81 @@ def _read_config_dict(path: str) -> dict:
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
         raise ValueError(f"{path!r} is not a Hugging Face checkpoint: it has no config.json")
-    with open(config_file) as f:
-        d = json.load(f)
+    try:
+        with open(config_file) as f:
+            d = json.load(f)
+    except ValueError as err:
+        raise ValueError(f"{config_file} is not valid JSON ({err})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{config_file} holds a {type(d).__name__}; expected a JSON object")
+    remote = _remote_code(path, d)
+    if remote:
+        raise ValueError(
+            f"{path!r} asks for code shipped with the checkpoint ({remote}); jaxppo never runs code from a checkpoint. "
+            f"Supported model types, built in: {', '.join(SUPPORTED_MODEL_TYPES)}")
     if d.get("model_type") not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"{config_file}: model_type {d.get('model_type')!r} is not supported; supported model types: "
             f"{', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     return d
+
+
+def _remote_code(path: str, config: dict) -> str:
+    """What in a checkpoint directory asks for remote code ("" if nothing): an `auto_map`
+    in config.json or tokenizer_config.json (transformers' pointer to Python files in the
+    checkpoint)."""
+    found = []
+    if config.get("auto_map"):
+        found.append(f"config.json auto_map {config['auto_map']}")
+    tokenizer_config = os.path.join(path, "tokenizer_config.json")
+    if os.path.isfile(tokenizer_config):
+        try:
+            with open(tokenizer_config) as f:
+                t = json.load(f)
+        except ValueError:
+            t = {}
+        if isinstance(t, dict) and t.get("auto_map"):
+            found.append(f"tokenizer_config.json auto_map {t['auto_map']}")
+    return "; ".join(found)
+
+
+def check_checkpoint_dir(path: str, what: str = "checkpoint"):
+    """Check a local Hugging Face checkpoint directory without loading it: a config.json
+    with a supported model_type and no remote code, and safetensors weights. Raises
+    ValueError naming `what`, the directory and the problem."""
+    try:
+        _read_config_dict(path)
+        _weight_files(path)
+    except ValueError as err:
+        raise ValueError(f"{what}: {err}") from None
+
+
+def _weight_files(path: str) -> set:
+    """The safetensors files of a checkpoint directory (single or sharded). Pickled weights
+    (pytorch_model.bin) are never opened: unpickling can run code."""
+    single = os.path.join(path, "model.safetensors")
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(single):
+        return {single}
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{index} is not a safetensors index (a JSON object with a weight_map): {err}") from None
+        files = {os.path.join(path, name) for name in set(weight_map.values())}
+        missing = sorted(f for f in files if not os.path.isfile(f))
+        if missing:
+            raise ValueError(f"{index} names shard files that do not exist: {missing}")
+        return files
+    present = sorted(os.listdir(path))
+    pickled = [f for f in present if f.endswith((".bin", ".pt", ".pth", ".ckpt", ".pkl"))]
+    raise ValueError(
+        f"{path!r} has no model.safetensors or model.safetensors.index.json (files: {present}); jaxppo reads "
+        "safetensors checkpoints only" + (f" and never unpickles {pickled} (unpickling can run code)" if pickled else "")
+        + "; convert the weights with transformers' save_pretrained(..., safe_serialization=True) where you trust them"
+    )
 
 
 def params_from_hf_tensors(model: Model, get_tensor, names, *, strict: bool = True):
@@ -202,7 +255,11 @@ def from_pretrained(
       (model, params) with `model.apply(params, input_ids, attention_mask)` pure.
     """
     d = _read_config_dict(path)
-    config = ModelConfig.from_hf(d)
+    try:
+        config = ModelConfig.from_hf(d)
+    except (KeyError, TypeError) as err:
+        raise ValueError(f"{os.path.join(path, 'config.json')} lacks or misstates a field a {d['model_type']} config "
+                         f"needs: {err!r}") from None
     if kind is None:
         archs = d.get("architectures") or []
         kind = "reward" if any(a.endswith("ForSequenceClassification") for a in archs) else "causal_lm"

@@ -10,15 +10,29 @@ __all__ = ["load_tokenizer", "encode_prompts", "decode_responses"]
 
 
 def load_tokenizer(path: str):
-    """transformers' `AutoTokenizer` from a local directory (nothing is downloaded). A
-    tokenizer without a pad token gets its EOS token as pad token."""
+    """transformers' `AutoTokenizer` from a local directory (nothing is downloaded, no code
+    from the directory is run). A tokenizer without a pad token gets its EOS token as pad
+    token."""
     import os
 
     import transformers
 
     if not os.path.isdir(path):
         raise ValueError(f"{path!r} is not a directory; give the local directory holding the tokenizer files")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tokenizer_config = os.path.join(path, "tokenizer_config.json")
+    if os.path.isfile(tokenizer_config):
+        import json
+
+        try:
+            with open(tokenizer_config) as f:
+                auto_map = json.load(f).get("auto_map")
+        except (ValueError, AttributeError):
+            auto_map = None
+        if auto_map:
+            raise ValueError(f"{tokenizer_config} asks for tokenizer code shipped with the checkpoint (auto_map "
+                             f"{auto_map}); jaxppo never runs code from a checkpoint")
+    # trust_remote_code=False: transformers refuses (instead of asking) anything that would run checkpoint code.
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
