@@ -80,8 +80,11 @@ def save(directory: str, step: int, tree: Any, *, keep: int = 2):
 
 
 def _first_line(err) -> str:
-    text = str(err).strip().splitlines()
-    return text[0][:300] if text else ""
+    """The first line of an error, shortened in the middle: tensorstore puts the cause (for
+    example "File too large") at the end of a long line of paths."""
+    lines = str(err).strip().splitlines()
+    text = lines[0] if lines else ""
+    return text if len(text) <= 400 else f"{text[:180]} ... {text[-200:]}"
 
 
 def restore_latest(directory: str, template: Any) -> Optional[Tuple[int, Any]]:

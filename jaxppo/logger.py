@@ -34,6 +34,7 @@ class Logger:
         if os.path.isfile(self.path) or self.history:
             atomic_write_text(self.path, "".join(json.dumps(row) + "\n" for row in self.history))
         self._file = open(self.path, "a")
+        self._write_failed = False
         self._tb = None
         if tensorboard:
             try:
@@ -60,6 +61,7 @@ class Logger:
             self._file.write(text)
             self._file.flush()
         except OSError as err:
+            self._write_failed = True
             raise RunError(f"could not append iteration {metrics.get('iteration')} to {self.path}: {err}. The lines "
                            "before it are intact; free disk space or fix the directory, then run the same command "
                            "again to resume from the last checkpoint") from err
@@ -75,7 +77,11 @@ class Logger:
     def close(self):
         if self._file.closed:
             return
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError:
+            if not self._write_failed:  # a failed write was already reported; its unflushed rest cannot be saved
+                raise
         if self._tb is not None:
             self._tb.close()
 

@@ -31,6 +31,7 @@ def atomic_write_text(path: str, text: str):
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=os.path.basename(path) + ".", suffix=".tmp")
     try:
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; a log or settings file is not
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()

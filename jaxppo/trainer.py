@@ -664,7 +664,7 @@ class PPOTrainer:
             if bar is not None:
                 bar.close()
             print(f"\ninterrupted: saving a checkpoint at iteration {self.iteration} ...", flush=True)
-            with _interrupts_held():
+            with _interrupts_held(reraise=False):  # a KeyboardInterrupt is on its way out already
                 self.save_checkpoint()
             print(f"checkpoint saved at iteration {self.iteration}; run the same command again to resume", flush=True)
             raise
@@ -751,6 +751,9 @@ class _interrupts_held:
     says the checkpoint is being finished, and a KeyboardInterrupt is raised once the block
     is complete. SIGKILL cannot be held; a kill mid-save leaves the earlier checkpoints."""
 
+    def __init__(self, reraise: bool = True):
+        self.reraise = reraise
+
     def __enter__(self):
         self.received = None
         self.previous = {}
@@ -769,7 +772,7 @@ class _interrupts_held:
     def __exit__(self, exc_type, *exc):
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
-        if self.received is not None and exc_type is None:
+        if self.received is not None and exc_type is None and self.reraise:
             raise KeyboardInterrupt(signal.Signals(self.received).name)
 
 

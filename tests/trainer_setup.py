@@ -1,16 +1,23 @@
-"""A small PPOTrainer run shared by the mesh and multi-host tests."""
+"""Small PPOTrainer runs shared by the mesh, multi-host and fault tests."""
 
 import jaxppo
 from jaxppo import demo
 
 
-def run_small(output_dir, iterations=2, mesh=None):
+def small_trainer(output_dir, iterations=2, mesh=None, reward_fn=demo.lowercase_reward, callbacks=(), prompts=None,
+                  ppo=None, **trainer):
     tokenizer = demo.demo_tokenizer()
-    ppo = jaxppo.PPOConfig(batch_size=16, mini_batch_size=8, ppo_epochs=2, kl_coef=0.1)
-    tc = jaxppo.TrainerConfig(iterations=iterations, query_length=32, response_length=6, learning_rate=1e-3,
-                              output_dir=str(output_dir), progress=False, sample_every=0, checkpoint_every=1,
-                              export_final=True, plot=False, tensorboard=False)
-    trainer = jaxppo.PPOTrainer(ppo, tc, policy=demo.demo_policy(tokenizer, width=32, layers=1, max_len=40),
-                                tokenizer=tokenizer, prompts=demo.DEMO_PROMPTS, reward_fn=demo.lowercase_reward,
-                                mesh=mesh)
+    ppo = ppo or jaxppo.PPOConfig(batch_size=16, mini_batch_size=8, ppo_epochs=2, kl_coef=0.1)
+    settings = dict(iterations=iterations, query_length=32, response_length=6, learning_rate=1e-3,
+                    output_dir=str(output_dir), progress=False, sample_every=0, checkpoint_every=1,
+                    export_final=True, plot=False, tensorboard=False)
+    settings.update(trainer)
+    return jaxppo.PPOTrainer(ppo, jaxppo.TrainerConfig(**settings),
+                             policy=demo.demo_policy(tokenizer, width=32, layers=1, max_len=40), tokenizer=tokenizer,
+                             prompts=demo.DEMO_PROMPTS if prompts is None else prompts, reward_fn=reward_fn,
+                             callbacks=callbacks, mesh=mesh)
+
+
+def run_small(output_dir, iterations=2, mesh=None):
+    trainer = small_trainer(output_dir, iterations=iterations, mesh=mesh)
     return trainer.train(), trainer
