@@ -9,11 +9,11 @@ from jaxppo import math
 from jaxppo.config import PPOConfig
 from jaxppo.engine import TrainState, minibatch_indices, update_epochs, update_epochs_fn
 from jaxppo.rollout_types import Rollout, response_outputs
-from jaxppo.ppo import compute_advantages, ppo_loss, train_step, train_step_fn
+from jaxppo.ppo import check_rollout, compute_advantages, ppo_loss, train_step, train_step_fn
 from jaxppo import models
 from jaxppo.models import GenerationOutput, generate
 from jaxppo.rollout import RolloutSpec, finish_rollout, sample_responses
-from jaxppo.trainer import PPOTrainer, TrainerConfig, load_prompts
+from jaxppo.trainer import PPOTrainer, RewardError, RunError, TrainerConfig, load_prompts
 
 __version__ = "0.2.0"
 
@@ -28,6 +28,7 @@ __all__ = [
     "train_step",
     "train_step_fn",
     "compute_advantages",
+    "check_rollout",
     "ppo_loss",
     "math",
     "models",
@@ -36,6 +37,8 @@ __all__ = [
     "PPOTrainer",
     "TrainerConfig",
     "load_prompts",
+    "RunError",
+    "RewardError",
     "RolloutSpec",
     "sample_responses",
     "finish_rollout",

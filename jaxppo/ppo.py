@@ -22,7 +22,7 @@ from jaxppo.config import PPOConfig
 from jaxppo.engine import TrainState, update_epochs_fn
 from jaxppo.rollout_types import Rollout, response_outputs
 
-__all__ = ["Rollout", "train_step", "train_step_fn", "ppo_loss", "compute_advantages", "response_outputs"]
+__all__ = ["Rollout", "train_step", "train_step_fn", "ppo_loss", "compute_advantages", "response_outputs", "check_rollout"]
 
 
 def compute_advantages(rollout: Rollout, config: PPOConfig):
@@ -131,24 +131,10 @@ def train_step_fn(state: TrainState, rollout: Rollout, key, config: PPOConfig, m
 
     `train_step` is this function under `jax.jit`; `train_step_fn` is the plain function,
     to jit with your own options (buffer donation, shardings) or to call inside your own jit.
+    Shapes and dtypes are checked while tracing (before anything compiles); mask values,
+    which jit cannot see, are checked by `check_rollout` on rollouts you build yourself.
     """
-    if not isinstance(rollout, Rollout):
-        raise TypeError(f"rollout must be a jaxppo.Rollout, got {type(rollout).__name__}")
-    b, r = rollout.response_tokens.shape
-    if b != config.batch_size:
-        raise ValueError(
-            f"rollout has {b} rows but PPOConfig.batch_size={config.batch_size}; a rollout "
-            f"must hold exactly batch_size rows (nothing is dropped or padded)."
-        )
-    for name in ("response_mask", "logprobs", "values", "rewards"):
-        shape = getattr(rollout, name).shape
-        if shape != (b, r):
-            raise ValueError(f"rollout.{name} has shape {shape}; expected (batch, response_len) = {(b, r)}")
-    if rollout.query_mask.shape != rollout.query_tokens.shape or rollout.query_tokens.shape[0] != b:
-        raise ValueError(
-            f"rollout.query_tokens {rollout.query_tokens.shape} and rollout.query_mask "
-            f"{rollout.query_mask.shape} must both be (batch, query_len) with batch={b}"
-        )
+    _check_rollout_structure(rollout, config)
 
     advantages, returns = compute_advantages(rollout, config)
     batch = {
@@ -167,6 +153,80 @@ def train_step_fn(state: TrainState, rollout: Rollout, key, config: PPOConfig, m
         minibatch_sharding=minibatch_sharding,
     )
     return state, _summarise(engine_metrics, state.step - step_before, rollout, advantages, returns, config)
+
+
+def _check_rollout_structure(rollout, config: PPOConfig):
+    """Shapes and dtypes of a rollout against the config (at trace time: before compiling)."""
+    if not isinstance(rollout, Rollout):
+        raise TypeError(f"rollout must be a jaxppo.Rollout, got {type(rollout).__name__}")
+    if len(rollout.response_tokens.shape) != 2:
+        raise ValueError(f"rollout.response_tokens has shape {rollout.response_tokens.shape}; expected "
+                         "(batch, response_len)")
+    b, r = rollout.response_tokens.shape
+    if b != config.batch_size:
+        raise ValueError(
+            f"rollout has {b} rows but PPOConfig.batch_size={config.batch_size}; a rollout "
+            f"must hold exactly batch_size rows (nothing is dropped or padded)."
+        )
+    for name in ("response_mask", "logprobs", "values", "rewards"):
+        shape = getattr(rollout, name).shape
+        if shape != (b, r):
+            raise ValueError(f"rollout.{name} has shape {shape}; expected (batch, response_len) = {(b, r)}")
+    if (len(rollout.query_tokens.shape) != 2 or rollout.query_mask.shape != rollout.query_tokens.shape
+            or rollout.query_tokens.shape[0] != b):
+        raise ValueError(
+            f"rollout.query_tokens {rollout.query_tokens.shape} and rollout.query_mask "
+            f"{rollout.query_mask.shape} must both be (batch, query_len) with batch={b}"
+        )
+    for name in ("query_tokens", "response_tokens"):
+        dtype = jnp.dtype(getattr(rollout, name).dtype)
+        if not jnp.issubdtype(dtype, jnp.integer):
+            raise TypeError(f"rollout.{name} has dtype {dtype}; token ids must be integers (int32)")
+    for name in ("query_mask", "response_mask"):
+        dtype = jnp.dtype(getattr(rollout, name).dtype)
+        if not (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating) or dtype == jnp.bool_):
+            raise TypeError(f"rollout.{name} has dtype {dtype}; a mask must be int, bool or float holding 0/1")
+    for name in ("logprobs", "values", "rewards"):
+        dtype = jnp.dtype(getattr(rollout, name).dtype)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(f"rollout.{name} has dtype {dtype}; it must be a float array (float32)")
+
+
+def check_rollout(rollout: Rollout, config: PPOConfig):
+    """Check a rollout on the host before `train_step`: shapes and dtypes (as `train_step`
+    does while tracing), and the values jit cannot check: masks hold only 0 and 1,
+    `query_mask` is left padding (zeros, then ones) and `response_mask` a prefix of ones
+    per row, token ids are >= 0, log-probs/values/rewards are finite where the mask is 1.
+    Raises ValueError/TypeError naming the field, the first bad row and what is valid.
+    The trainer's rollouts are correct by construction; call this on rollouts you build."""
+    import numpy as np
+
+    _check_rollout_structure(rollout, config)
+    for name, want in (("query_mask", "non-decreasing (left padding: zeros, then ones)"),
+                       ("response_mask", "non-increasing (a prefix of ones, then zeros)")):
+        m = np.asarray(getattr(rollout, name)).astype(np.float64)
+        bad = np.flatnonzero(np.any((m != 0) & (m != 1), axis=1))
+        if bad.size:
+            raise ValueError(f"rollout.{name} row {bad[0]} holds values other than 0 and 1: "
+                             f"{sorted(set(np.unique(m[bad[0]]).tolist()))}; a mask holds only 0 and 1")
+        steps = np.diff(m, axis=1)
+        wrong = np.any(steps < 0, axis=1) if name == "query_mask" else np.any(steps > 0, axis=1)
+        if wrong.any():
+            row = int(np.flatnonzero(wrong)[0])
+            raise ValueError(f"rollout.{name} row {row} is {m[row].astype(int).tolist()}; each row must be {want}")
+    for name in ("query_tokens", "response_tokens"):
+        t = np.asarray(getattr(rollout, name))
+        if (t < 0).any():
+            row = int(np.flatnonzero(np.any(t < 0, axis=1))[0])
+            raise ValueError(f"rollout.{name} row {row} holds negative token ids; ids must be >= 0")
+    mask = np.asarray(rollout.response_mask) > 0
+    for name in ("logprobs", "values", "rewards"):
+        x = np.asarray(getattr(rollout, name), np.float64)
+        bad = ~np.isfinite(x) & mask
+        if bad.any():
+            row = int(np.flatnonzero(bad.any(axis=1))[0])
+            raise ValueError(f"rollout.{name} row {row} has non-finite values at real response tokens; they must be "
+                             "finite")
 
 
 def _summarise(engine_metrics, applied, rollout, advantages, returns, config):

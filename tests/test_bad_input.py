@@ -1,0 +1,269 @@
+"""Bad input, table-driven: every case raises (or exits) with a message that names the field,
+file or value and says what would be valid, before any long work (no compilation, no
+generation). The README's troubleshooting section lists these cases."""
+
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxppo
+import jaxppo.models as jm
+from jaxppo import demo
+from jaxppo.cli import main, resolve
+from trainer_setup import small_trainer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return demo.demo_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tokenizer):
+    """A tiny GPT-2 checkpoint written by jaxppo (config.json + model.safetensors), to damage."""
+    model, params = demo.demo_policy(tokenizer, width=32, layers=1, max_len=40)
+    path = tmp_path_factory.mktemp("model") / "policy"
+    jm.save_pretrained(model, params, str(path))
+    return path
+
+
+def _copy(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit_config(path, **changes):
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    for key in [k for k, v in changes.items() if v is None]:
+        config.pop(key)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def _edit_weights(path, edit):
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _write(tmp, name, text):
+    p = tmp / name
+    p.write_text(text)
+    return str(p)
+
+
+def _rollout(b=16, q=4, r=6, **changes):
+    fields = dict(query_tokens=jnp.ones((b, q), jnp.int32), query_mask=jnp.ones((b, q), jnp.int32),
+                  response_tokens=jnp.ones((b, r), jnp.int32), response_mask=jnp.ones((b, r), jnp.int32),
+                  logprobs=jnp.zeros((b, r)), values=jnp.zeros((b, r)), rewards=jnp.zeros((b, r)))
+    fields.update(changes)
+    return jaxppo.Rollout(**fields)
+
+
+def _train_step(rollout):
+    from jaxppo.toy import make_toy
+    import optax
+
+    apply_fn, params = make_toy(jaxppo_key(), vocab_size=8, width=8, depth=1, heads=1, max_len=10, seq_len=10)
+    state = jaxppo.TrainState.create(apply_fn=apply_fn, params=params, tx=optax.sgd(0.1))
+    return jaxppo.train_step(state, rollout, jaxppo_key(), config=jaxppo.PPOConfig(batch_size=16, mini_batch_size=8))
+
+
+def jaxppo_key():
+    import jax
+
+    return jax.random.key(0)
+
+
+def _ppo(**kw):
+    return lambda ctx: jaxppo.PPOConfig(**kw)
+
+
+def _tc(**kw):
+    return lambda ctx: jaxppo.TrainerConfig(**kw)
+
+
+def _cli(*argv):
+    return lambda ctx: resolve(list(argv))
+
+
+def _cli_file(name, text, *argv):
+    return lambda ctx: resolve(["--config", _write(ctx["tmp"], name, text), *argv])
+
+
+def _prompts(name, text, column="prompt"):
+    return lambda ctx: jaxppo.load_prompts(_write(ctx["tmp"], name, text), column)
+
+
+def _model(edit):
+    def case(ctx):
+        path = _copy(ctx["model_dir"], ctx["tmp"] / "model")
+        edit(path)
+        return jm.from_pretrained(str(path))
+    return case
+
+
+def _too_long_prompt(ctx):
+    return small_trainer(ctx["tmp"], prompts=["a prompt far longer than the thirty-two tokens of the query"])
+
+
+def _small_vocab_policy(ctx):
+    tok = ctx["tokenizer"]
+    config = jm.ModelConfig(model_type="gpt2", vocab_size=100, hidden_size=16, num_layers=1, num_heads=2,
+                            num_kv_heads=2, intermediate_size=32, max_position_embeddings=40)
+    model = jm.Model(config)
+    tc = jaxppo.TrainerConfig(output_dir=str(ctx["tmp"]), query_length=32, response_length=6)
+    return jaxppo.PPOTrainer(jaxppo.PPOConfig(batch_size=16, mini_batch_size=8), tc, policy=(model, model.init(jaxppo_key())),
+                             tokenizer=tok, prompts=demo.DEMO_PROMPTS, reward_fn=demo.lowercase_reward)
+
+
+def _mesh_not_dividing(ctx):
+    from jaxppo.sharding import MeshConfig
+
+    return small_trainer(ctx["tmp"], mesh=MeshConfig(data=8, fsdp=1),
+                         ppo=jaxppo.PPOConfig(batch_size=16, mini_batch_size=4))
+
+
+def _dataset_without_column(ctx):
+    class Dataset:  # what load_prompts reads of a datasets.Dataset
+        column_names = ["question", "answer"]
+
+    return jaxppo.load_prompts(Dataset(), "prompt")
+
+
+def _rm_missing(path):
+    os.remove(path / "config.json")
+
+
+CASES = [
+    # PPOConfig
+    ("ppo batch_size 0", _ppo(batch_size=0), ValueError, r"PPOConfig.batch_size=0 is invalid: batch_size must be a positive int"),
+    ("ppo batch_size float", _ppo(batch_size=64.0), ValueError, r"batch_size=64.0 .* positive int \(got type float\)"),
+    ("ppo mini_batch_size > batch_size", _ppo(batch_size=8, mini_batch_size=16), ValueError,
+     r"batch_size=8 is not divisible by PPOConfig.mini_batch_size=16.*Valid mini_batch_size values .*\[1, 2, 4, 8\]"),
+    ("ppo accumulation does not divide", _ppo(mini_batch_size=16, gradient_accumulation_steps=3), ValueError,
+     r"mini_batch_size=16 is not divisible by PPOConfig.gradient_accumulation_steps=3.*Valid .*\[1, 2, 4, 8, 16\]"),
+    ("ppo negative cliprange", _ppo(cliprange=-0.1), ValueError, r"cliprange=-0.1 is invalid: .*>= 0"),
+    ("ppo gamma above 1", _ppo(gamma=1.5), ValueError, r"gamma=1.5 is invalid: gamma must be a real number in \[0, 1\]"),
+    ("ppo temperature 0", _ppo(temperature=0.0), ValueError, r"temperature=0.0 is invalid: .*> 0"),
+    ("ppo bool as string", _ppo(whiten_advantages="yes"), ValueError, r"whiten_advantages='yes' .* a bool"),
+    ("ppo negative target_kl", _ppo(target_kl=-1.0), ValueError, r"target_kl=-1.0 .*None \(no early stopping\)"),
+    # TrainerConfig
+    ("trainer iterations 0", _tc(iterations=0), ValueError, r"TrainerConfig.iterations=0 is invalid: .*positive int"),
+    ("trainer negative query_length", _tc(query_length=-4), ValueError, r"query_length=-4 .*positive int"),
+    ("trainer unknown kl_estimator", _tc(kl_estimator="k9"), ValueError, r"kl_estimator='k9' is invalid; valid: k1, k3"),
+    ("trainer unknown lr_schedule", _tc(lr_schedule="exp"), ValueError, r"lr_schedule='exp' .*valid: constant, linear, cosine"),
+    ("trainer zero learning_rate", _tc(learning_rate=0.0), ValueError, r"learning_rate=0.0 .*must be > 0"),
+    ("trainer NaN max_grad_norm", _tc(max_grad_norm=float("nan")), ValueError, r"max_grad_norm=nan .*finite number > 0"),
+    ("trainer bool as string", _tc(tensorboard="no"), ValueError, r"tensorboard='no' is invalid: .*bool"),
+    ("trainer empty output_dir", _tc(output_dir=""), ValueError, r"output_dir='' .*non-empty path"),
+    ("trainer total_episodes not a multiple", lambda ctx: small_trainer(ctx["tmp"], total_episodes=20), ValueError,
+     r"total_episodes=20 is not a multiple of PPOConfig.batch_size=16"),
+    # The command line and its config file
+    ("cli unknown key in config file", _cli_file("run.json", '{"batch_sise": 4}'), SystemExit,
+     r"unknown settings \['batch_sise'\]"),
+    ("cli wrong type in config file", _cli_file("run.toml", 'batch_size = "eight"\n'), SystemExit,
+     r"batch_size='eight' is invalid: .*positive int \(got type str\)"),
+    ("cli config file not TOML", _cli_file("run.toml", "batch_size = = 3\n"), SystemExit, r"run.toml' is not valid TOML"),
+    ("cli config file not a table", _cli_file("run.json", "[1, 2]"), SystemExit, r"holds a list; expected a table"),
+    ("cli config file missing", _cli("--config", "/no/such/run.toml"), SystemExit, r"--config '/no/such/run.toml': no such file"),
+    ("cli non-dividing mini-batch", _cli("--mini-batch-size", "7"), SystemExit, r"batch_size=64 is not divisible by .*mini_batch_size=7"),
+    ("cli flag of the wrong type", _cli("--batch-size", "many"), SystemExit, r"^2$"),  # argparse: exit 2, names the flag
+    ("cli unknown dtype", _cli("--dtype", "float8"), SystemExit, r"--dtype 'float8' is invalid; valid: float32, bfloat16"),
+    ("cli zero-size mesh axis", _cli("--mesh-fsdp", "0"), SystemExit, r"--mesh-fsdp 0 is invalid: a mesh axis needs"),
+    ("cli model without prompts", lambda ctx: main(["--model", str(ctx["model_dir"]), "--output-dir", str(ctx["tmp"])]),
+     SystemExit, r"--prompts is required with --model"),
+    ("cli unknown built-in reward", lambda ctx: main(["--reward", "length", "--output-dir", str(ctx["tmp"])]), SystemExit,
+     r"--reward 'length' is not a built-in reward; built-in: 'lowercase'"),
+    ("mesh does not divide the batch", _mesh_not_dividing, ValueError,
+     r"data x fsdp = 8 x 1 = 8 devices, but .*mini_batch_size=4 .* must all be multiples of 8"),
+    # Prompt sources
+    ("prompts file missing", lambda ctx: jaxppo.load_prompts("/no/such/prompts.jsonl"), ValueError,
+     r"prompts file '/no/such/prompts.jsonl' does not exist"),
+    ("prompts file empty", _prompts("empty.txt", "\n\n"), ValueError, r"no prompts: .*empty.txt is empty"),
+    ("prompts invalid JSON on a line", _prompts("p.jsonl", '{"prompt": "a"}\n\n{"prompt": "b"\n'), ValueError,
+     r"p.jsonl line 3 is not valid JSON .*each line must be an object such as \{\"prompt\": \"...\"\}"),
+    ("prompt that is not a string", _prompts("p.jsonl", '{"prompt": "a"}\n{"prompt": 7}\n'), TypeError,
+     r"prompts must be strings; .*p.jsonl line 2 is a int \(7\)"),
+    ("prompts missing column", _prompts("p.jsonl", '{"text": "a"}\n', "prompt"), ValueError,
+     r"p.jsonl line 1 has no 'prompt' field \(fields: \['text'\]\); set prompt_column / --prompt-column"),
+    ("prompts .json not a list", _prompts("p.json", '{"prompt": "a"}'), ValueError, r"p.json holds a dict; expected a list"),
+    ("dataset missing column", _dataset_without_column, ValueError,
+     r"the dataset has no column 'prompt'; columns: \['question', 'answer'\]"),
+    ("prompt longer than query_length", _too_long_prompt, ValueError,
+     r"prompt 0 has \d+ tokens, more than max_length=32 .*raise max_length or pass truncate=True"),
+    # Model directories
+    ("model dir missing", lambda ctx: jm.from_pretrained("/no/such/model"), ValueError, r"'/no/such/model' is not a directory"),
+    ("model without config.json", _model(_rm_missing), ValueError, r"is not a Hugging Face checkpoint: it has no config.json"),
+    ("model config not JSON", _model(lambda p: (p / "config.json").write_text("{oops")), ValueError,
+     r"config.json is not valid JSON"),
+    ("unsupported model_type", _model(lambda p: _edit_config(p, model_type="mamba")), ValueError,
+     r"model_type 'mamba' is not supported; supported model types: gpt2, llama, qwen2"),
+    ("config lacks a field", _model(lambda p: _edit_config(p, n_embd=None)), ValueError,
+     r"config.json lacks or misstates a field a gpt2 config needs: KeyError\('n_embd'\)"),
+    ("missing weights", _model(lambda p: _edit_weights(p, lambda t: t.pop("transformer.h.0.mlp.c_fc.weight"))),
+     ValueError, r"missing weights: \['transformer.h.0.mlp.c_fc.weight'\]"),
+    ("mis-shaped weights", _model(lambda p: _edit_weights(p, lambda t: t.update({"transformer.wte.weight": np.zeros((384, 8), np.float32)}))),
+     ValueError, r"shape mismatches: \['transformer.wte.weight: checkpoint \(384, 8\) vs model \(384, 32\)'\]"),
+    ("torn weights file", _model(lambda p: (p / "model.safetensors").write_bytes(b"\x00" * 16)), ValueError,
+     r"model.safetensors is not a readable safetensors file"),
+    ("tokenizer larger than the vocabulary", _small_vocab_policy, ValueError,
+     r"the tokenizer has 384 tokens but the policy's vocabulary has 100"),
+    # train_step inputs (checked while tracing: nothing compiles)
+    ("rollout rows != batch_size", lambda ctx: _train_step(_rollout(b=12)), ValueError,
+     r"rollout has 12 rows but PPOConfig.batch_size=16"),
+    ("rollout field mis-shaped", lambda ctx: _train_step(_rollout(values=jnp.zeros((16, 5)))), ValueError,
+     r"rollout.values has shape \(16, 5\); expected \(batch, response_len\) = \(16, 6\)"),
+    ("rollout float token ids", lambda ctx: _train_step(_rollout(response_tokens=jnp.ones((16, 6)))), TypeError,
+     r"rollout.response_tokens has dtype float32; token ids must be integers"),
+    ("rollout integer log-probs", lambda ctx: _train_step(_rollout(logprobs=jnp.zeros((16, 6), jnp.int32))), TypeError,
+     r"rollout.logprobs has dtype int32; it must be a float array"),
+    ("mask not 0/1", lambda ctx: jaxppo.check_rollout(_rollout(response_mask=jnp.full((16, 6), 2, jnp.int32)),
+                                                       jaxppo.PPOConfig(batch_size=16, mini_batch_size=8)),
+     ValueError, r"rollout.response_mask row 0 holds values other than 0 and 1: \[2.0\]"),
+    ("response mask not a prefix", lambda ctx: jaxppo.check_rollout(
+        _rollout(response_mask=jnp.asarray(np.tile([1, 0, 1, 0, 0, 0], (16, 1)), jnp.int32)),
+        jaxppo.PPOConfig(batch_size=16, mini_batch_size=8)), ValueError,
+     r"rollout.response_mask row 0 is \[1, 0, 1, 0, 0, 0\]; each row must be non-increasing \(a prefix of ones"),
+    ("query mask right-padded", lambda ctx: jaxppo.check_rollout(
+        _rollout(query_mask=jnp.asarray(np.tile([1, 1, 0, 0], (16, 1)), jnp.int32)),
+        jaxppo.PPOConfig(batch_size=16, mini_batch_size=8)), ValueError,
+     r"rollout.query_mask row 0 is \[1, 1, 0, 0\]; each row must be non-decreasing \(left padding"),
+]
+
+
+@pytest.mark.parametrize("make, error, message", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_refused_with_a_clear_message(tmp_path, tokenizer, model_dir, capsys, caplog, make, error,
+                                                   message):
+    import jax
+
+    ctx = {"tmp": tmp_path, "tokenizer": tokenizer, "model_dir": model_dir}
+    with jax.log_compiles(True), caplog.at_level("WARNING", logger="jax"), pytest.raises(error) as raised:
+        make(ctx)
+    text = str(raised.value)
+    assert __import__("re").search(message, text), text
+    if message == r"^2$":  # argparse's exit: the message went to stderr
+        assert "argument --batch-size: invalid int value: 'many'" in capsys.readouterr().err
+    # Refused before the long work: nothing of the update, the sampler or the rollout compiled
+    # (building a tiny model compiles its small init, which is allowed).
+    long_work = [r.getMessage()[:120] for r in caplog.records if r.getMessage().startswith("Compiling")
+                 and any(name in r.getMessage() for name in ("train_step", "generate", "finish_rollout", "update_epochs"))]
+    assert long_work == []
+
+
+def test_the_table_has_at_least_thirty_kinds_of_bad_input():
+    assert len(CASES) >= 30 and len({c[0] for c in CASES}) == len(CASES)
+
+
+def test_check_rollout_accepts_a_valid_rollout():
+    q = np.tile([0, 0, 1, 1], (16, 1))
+    r = np.tile([1, 1, 1, 0, 0, 0], (16, 1))
+    jaxppo.check_rollout(_rollout(query_mask=jnp.asarray(q), response_mask=jnp.asarray(r, jnp.float32)),
+                         jaxppo.PPOConfig(batch_size=16, mini_batch_size=8))
