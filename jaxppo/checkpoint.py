@@ -4,7 +4,7 @@ Layout: `<output_dir>/checkpoints/<iteration>/`, one orbax `StandardSave` of the
 tree, with custom metadata naming the checkpoint layout version and the jaxppo version.
 Orbax writes each checkpoint into a temporary folder and renames it when complete, so a
 kill during a save leaves the earlier checkpoints as they were (the temporary folder is
-removed when the next run opens the directory).
+removed when the next run opens the directory). Saves are synchronous.
 
 Restoring walks the checkpoints from the newest: one that cannot be read (a file truncated
 or missing) is reported, moved aside to `checkpoints.corrupt/`, and the previous one is
@@ -32,19 +32,22 @@ LAYOUT = 2
 _LAYOUT_KEY = "jaxppo_checkpoint_layout"
 
 
-def _manager(directory: str, keep: int = 2):
+def _manager(directory: str, keep: int = 2, cleanup: bool = True):
     import orbax.checkpoint as ocp
 
+    # Synchronous saves: jaxppo waits for every save anyway, and orbax's background threads
+    # could outlive a save (and print errors at interpreter exit).
     return ocp.CheckpointManager(
         os.path.abspath(directory),
-        options=ocp.CheckpointManagerOptions(max_to_keep=keep, cleanup_tmp_directories=True))
+        options=ocp.CheckpointManagerOptions(max_to_keep=keep, cleanup_tmp_directories=cleanup,
+                                             enable_async_checkpointing=False))
 
 
 def steps(directory: str) -> list:
-    """Complete checkpoints in `directory`, oldest first."""
+    """Complete checkpoints in `directory`, oldest first (nothing is changed on disk)."""
     if not os.path.isdir(directory):
         return []
-    manager = _manager(directory)
+    manager = _manager(directory, cleanup=False)
     try:
         return sorted(manager.all_steps())
     finally:
@@ -63,9 +66,9 @@ def save(directory: str, step: int, tree: Any, *, keep: int = 2):
         previous = sorted(manager.all_steps())
         if step in previous:
             return
+        failpoints.hit_during("checkpoint_save", lambda: _writing(directory, step))
         manager.save(step, args=ocp.args.StandardSave(tree),
                      custom_metadata={_LAYOUT_KEY: LAYOUT, "jaxppo_version": __version__})
-        failpoints.hit("checkpoint_save")
         manager.wait_until_finished()
     except Exception as err:  # orbax and tensorstore raise many types for one cause
         last = f"the checkpoint of iteration {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
@@ -77,6 +80,16 @@ def save(directory: str, step: int, tree: Any, *, keep: int = 2):
             manager.close()
         except Exception:  # noqa: BLE001 - the save error above is the one to report
             pass
+
+
+def _writing(directory: str, step: int) -> bool:
+    """Whether checkpoint `step` is being written: its temporary folder holds a file."""
+    prefix = f"{step}.orbax-checkpoint-tmp"
+    try:
+        return any(files for name in os.listdir(directory) if name.startswith(prefix)
+                   for _, _, files in os.walk(os.path.join(directory, name)))
+    except OSError:
+        return False
 
 
 def _first_line(err) -> str:

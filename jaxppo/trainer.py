@@ -415,6 +415,16 @@ class PPOTrainer:
 
     def step(self):
         """Run one PPO iteration; return its metrics (floats)."""
+        metrics, commit = self._compute_iteration()
+        commit()
+        return metrics
+
+    def _compute_iteration(self):
+        """One iteration's work without touching the trainer: (metrics, commit), where
+        `commit()` installs the new state, KL controller, score statistics and iteration in
+        one short step. An interrupt during the work leaves the trainer as it was; the loop
+        runs `commit` and the metrics write with interrupts held, so a checkpoint never holds
+        an update whose metrics line is missing."""
         it = self.iteration
         key = jax.random.fold_in(self._base_key, it)
         k_sample, k_train = jax.random.split(key)
@@ -461,14 +471,11 @@ class PPOTrainer:
         if nonfinite:
             warnings.warn(f"iteration {it}: {nonfinite} of {self.config.updates_per_step} updates had a non-finite "
                           "loss or gradient and were skipped (parameters untouched)", RuntimeWarning, stacklevel=2)
-        self.state = state
-        self.score_moments = moments
-        self.kl_state = ppo_math.adaptive_kl_update(self.kl_state, stats["objective/kl"], self.config.batch_size)
-        self.iteration = it + 1
+        kl_state = ppo_math.adaptive_kl_update(self.kl_state, stats["objective/kl"], self.config.batch_size)
 
         out = {"iteration": it, "episode": (it + 1) * self.config.batch_size}
         for name, value in {**stats, **metrics}.items():
-            if not name.startswith(("per_minibatch/", "per_row/")):
+            if not name.startswith("per_minibatch/"):
                 out[name] = float(value)
         out["ppo/updates_applied"] = applied
         out["ppo/updates_total"] = int(state.step)
@@ -478,8 +485,13 @@ class PPOTrainer:
         out["time/update"] = t3 - t2
         out["eps"] = self.config.batch_size / (t3 - t0)
         out["objective/skipped_nonfinite_scores"] = self.skipped_iterations
-        self._last_samples = (rows, gen)
-        return out
+
+        def commit():
+            self.state, self.score_moments, self.kl_state = state, moments, kl_state
+            self.iteration = it + 1
+            self._last_samples = (rows, gen)
+
+        return out, commit
 
     def _reward_name(self) -> str:
         if self.reward_model is not None:
@@ -504,15 +516,19 @@ class PPOTrainer:
     def _skip_iteration(self, it, rows, gen, bad, source, t0):
         """skip_nonfinite_scores: no update, no KL or score-statistics change; the iteration
         and the data position advance, the skip is counted and warned about."""
-        self.skipped_iterations += 1
-        self.iteration = it + 1
-        self._last_samples = (rows, gen)
         warnings.warn(f"iteration {it} skipped: {source} gave non-finite scores at rows {bad[:5].tolist()}",
                       RuntimeWarning, stacklevel=3)
-        return {"iteration": it, "episode": (it + 1) * self.config.batch_size, "ppo/updates_applied": 0,
-                "ppo/updates_total": int(self.state.step), "objective/nonfinite_score_rows": int(bad.size),
-                "objective/skipped_nonfinite_scores": self.skipped_iterations,
-                "time/generation": time.perf_counter() - t0}
+        out = {"iteration": it, "episode": (it + 1) * self.config.batch_size, "ppo/updates_applied": 0,
+               "ppo/updates_total": int(self.state.step), "objective/nonfinite_score_rows": int(bad.size),
+               "objective/skipped_nonfinite_scores": self.skipped_iterations + 1,
+               "time/generation": time.perf_counter() - t0}
+
+        def commit():
+            self.skipped_iterations += 1
+            self.iteration = it + 1
+            self._last_samples = (rows, gen)
+
+        return out, commit
 
     def samples(self, n: int):
         """(prompt, response) texts of the first `n` rows of the last iteration."""
@@ -645,8 +661,10 @@ class PPOTrainer:
         try:
             with _interrupts_raise():
                 while self.iteration < self.iterations:
-                    metrics = self.step()
-                    logger.log(metrics, echo=bar is None and (metrics["iteration"] % tc.log_every == 0))
+                    metrics, commit = self._compute_iteration()
+                    with _interrupts_held(what="this iteration's metrics"):  # the new state and its line land together
+                        commit()
+                        logger.log(metrics, echo=bar is None and (metrics["iteration"] % tc.log_every == 0))
                     if bar is not None:
                         bar.update(1)
                         if "objective/scores" in metrics:
@@ -658,7 +676,8 @@ class PPOTrainer:
                     for cb in self.callbacks:
                         cb(metrics["iteration"], metrics)
                     if tc.checkpoint_every and self.iteration % tc.checkpoint_every == 0:
-                        self.save_checkpoint()
+                        with _interrupts_held():  # a signal now would tear the save; it is served after
+                            self.save_checkpoint()
         except KeyboardInterrupt:
             logger.close()
             if bar is not None:
@@ -747,12 +766,15 @@ class _interrupts_raise:
 
 
 class _interrupts_held:
-    """Ctrl-C and SIGTERM inside the block (a checkpoint being written) are held: a message
-    says the checkpoint is being finished, and a KeyboardInterrupt is raised once the block
-    is complete. SIGKILL cannot be held; a kill mid-save leaves the earlier checkpoints."""
+    """Ctrl-C and SIGTERM inside the block (a checkpoint being written, an iteration's state
+    and metrics line being committed) are held: a message says what is being finished, and
+    a KeyboardInterrupt is raised once the block is complete (unless `reraise=False`, for a
+    block inside the interrupt's own handling). SIGKILL cannot be held; a kill mid-save
+    leaves the earlier checkpoints, a kill mid-line a torn line that the resume drops."""
 
-    def __init__(self, reraise: bool = True):
+    def __init__(self, reraise: bool = True, what: str = "the checkpoint"):
         self.reraise = reraise
+        self.what = what
 
     def __enter__(self):
         self.received = None
@@ -766,7 +788,7 @@ class _interrupts_held:
 
     def _hold(self, signum, frame):
         self.received = signum
-        print(f"\n{signal.Signals(signum).name} received: finishing the checkpoint first (it takes a moment) ...",
+        print(f"\n{signal.Signals(signum).name} received: finishing {self.what} first (it takes a moment) ...",
               file=sys.stderr, flush=True)
 
     def __exit__(self, exc_type, *exc):
