@@ -3,6 +3,12 @@
 
     python benchmarks/generation.py            # small and medium shapes
     python benchmarks/generation.py --quick    # a smaller smoke run
+    python benchmarks/generation.py --early-stop   # jaxppo alone: early stop vs all steps
+
+With --early-stop, every fourth token id is a stop token, so most rows stop early (a row
+lasts 4 tokens on average); jaxppo's sampler runs with `early_stop=True` (decoding ends once
+every row has stopped) and `early_stop=False` (all steps), alternating, on the same keys:
+the outputs are identical, the time is not.
 
 Both sample (temperature 1, no top-k/top-p) exactly `new_tokens` tokens per row (no stop
 token), from the same random GPT-2-layout checkpoint, built locally and loaded by both.
@@ -82,12 +88,54 @@ def bench_shape(name, layers, width, vocab, batch, prompt_len, new_tokens, repea
                 jax_tps=n_tokens / t_jax, torch_tps=n_tokens / t_torch, speedup=t_torch / t_jax, compile_s=compile_s)
 
 
+def bench_early_stop(name, layers, width, vocab, batch, prompt_len, new_tokens, repeats):
+    with tempfile.TemporaryDirectory() as directory:
+        build_checkpoint(directory, layers, width, vocab, prompt_len + new_tokens)
+        model, params = jm.from_pretrained(directory)
+    rng = np.random.default_rng(0)
+    ids, mask = jnp.asarray(rng.integers(1, vocab, size=(batch, prompt_len))), jnp.ones((batch, prompt_len), jnp.int32)
+    stops = tuple(range(0, vocab, 4))
+
+    def run(seed, early):
+        out = jm.generate(model, params, ids, mask, jax.random.key(seed), response_length=new_tokens,
+                          stop_token_ids=stops, pad_token_id=1, early_stop=early)
+        jax.block_until_ready(out.tokens)
+        return out
+
+    run(0, True), run(0, False)  # compile both
+    times = {True: [], False: []}
+    real = []
+    for i in range(repeats):
+        for early in (True, False):
+            start = time.perf_counter()
+            out = run(i + 1, early)
+            times[early].append(time.perf_counter() - start)
+        real.append(int(np.asarray(out.mask).sum()))
+        longest = int(np.asarray(out.mask).sum(1).max())
+    t_early, t_full = float(np.median(times[True])), float(np.median(times[False]))
+    tokens = float(np.mean(real))
+    return dict(name=name, layers=layers, width=width, batch=batch, new=new_tokens, mean_len=tokens / batch,
+                longest=longest, early_tps=tokens / t_early, full_tps=tokens / t_full, speedup=t_full / t_early)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--vocab", type=int, default=50257, help="vocabulary size (GPT-2's by default)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--early-stop", action="store_true", help="jaxppo with and without early stop")
     args = parser.parse_args()
+    if args.early_stop:
+        shapes = [("small", 2, 128, 64, 16, 32), ("medium", 4, 512, 64, 16, 64)]
+        rows = [bench_early_stop(n, l, w, args.vocab, b, p, t, args.repeats) for n, l, w, b, p, t in shapes]
+        print(f"\n## jaxppo sampling with early stop, CPU, GPT-2 layout, vocab {args.vocab}, every 4th token a stop\n")
+        print("| shape | layers | width | rows | max new tokens | mean length | longest row | early stop (real tok/s) "
+              "| all steps (real tok/s) | speed-up |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for r in rows:
+            print(f"| {r['name']} | {r['layers']} | {r['width']} | {r['batch']} | {r['new']} | {r['mean_len']:.1f} | "
+                  f"{r['longest']} | {r['early_tps']:.0f} | {r['full_tps']:.0f} | {r['speedup']:.2f}x |")
+        return
     import torch
 
     if args.quick:

@@ -39,6 +39,9 @@ _EXTRA = {
     "mesh_fsdp": (int, None, "devices on the 'fsdp' axis (data parallel, parameters and optimizer states sharded)"),
     "mesh_tensor": (int, None, "devices on the 'tensor' axis (tensor parallelism)"),
     "distributed": (bool, False, "call jax.distributed.initialize() first (multi-host runs)"),
+    "compilation_cache": (str, None, "persistent XLA compilation cache directory, so a second run of the same shapes "
+                                     "skips compilation; 'none' disables it. Default: $JAX_COMPILATION_CACHE_DIR if "
+                                     "set, else $XDG_CACHE_HOME/jaxppo/xla (~/.cache/jaxppo/xla)"),
 }
 
 
@@ -185,12 +188,38 @@ def build_trainer(ppo: PPOConfig, tc: TrainerConfig, extras: dict) -> PPOTrainer
                       dtype=extras["dtype"], prompt_column=extras["prompt_column"], mesh=mesh)
 
 
+def compilation_cache_dir(setting: Optional[str]) -> Optional[str]:
+    """The persistent compilation cache directory for a run: `setting` ('none' disables),
+    else $JAX_COMPILATION_CACHE_DIR, else $XDG_CACHE_HOME/jaxppo/xla (~/.cache/jaxppo/xla)."""
+    if setting is not None:
+        return None if setting.strip().lower() in ("none", "") else os.path.abspath(os.path.expanduser(setting))
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return os.environ["JAX_COMPILATION_CACHE_DIR"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jaxppo", "xla")
+
+
+def _use_compilation_cache(setting: Optional[str]):
+    """Point jax's persistent compilation cache at the run's directory (or turn it off).
+    jax reads this once per process, at its first compilation: a command sets it first."""
+    import jax
+
+    directory = compilation_cache_dir(setting)
+    jax.config.update("jax_compilation_cache_dir", directory)
+    if directory is not None and "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        # Cache every program, not only those over jax's default 1 s: a run compiles dozens of
+        # small ones (model init, statistics), which together cost seconds at start-up.
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
 def main(argv=None) -> int:
     # transformers prints an "advice" at import when PyTorch is absent ("PyTorch was not
     # found. Models won't be available ..."); jaxppo never needs PyTorch, so that line is
     # noise here. Only advisory messages are silenced: transformers' warnings still show.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     ppo, tc, extras = resolve(argv)
+    # Before anything compiles: jax decides once per process whether it uses the cache.
+    _use_compilation_cache(extras["compilation_cache"])
     if extras["distributed"]:
         from jaxppo.sharding import initialize_distributed
 

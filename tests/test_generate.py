@@ -136,6 +136,29 @@ def test_stop_tokens_end_rows_and_nothing_after_is_unmasked(tiny):
     assert stopped_rows > 8 and stopped_rows < tokens.shape[0] + 1
 
 
+@pytest.mark.parametrize("stops, kwargs", [
+    ("likely", {}),                                  # most rows stop early, some run to the end
+    ("all", {}),                                     # every row stops at its first token
+    ("none", {"temperature": 0.7, "top_k": 5}),      # no row stops: all steps run
+    ("likely", {"greedy": True}),
+])
+def test_early_stop_equals_the_full_decode(tiny, stops, kwargs):
+    model, params = tiny
+    prompt, mask = _prompts(16, seed=6)
+    if stops == "likely":
+        first = np.asarray(model.apply(params, prompt, mask))[:, -1].argmax(-1)
+        stop_ids = tuple(int(t) for t in np.bincount(first, minlength=V).argsort()[-3:])
+    else:
+        stop_ids = tuple(range(V)) if stops == "all" else ()
+    common = dict(response_length=12, stop_token_ids=stop_ids, pad_token_id=0, **kwargs)
+    early = jm.generate(model, params, prompt, mask, jax.random.key(3), **common)
+    full = jm.generate(model, params, prompt, mask, jax.random.key(3), early_stop=False, **common)
+    for a, b in zip(early, full):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    if stops == "all":
+        assert np.asarray(early.mask).sum() == 16  # one token per row, then nothing
+
+
 def test_deterministic_per_key_and_one_compile_per_shape(tiny):
     model, params = tiny
     prompt, mask = _prompts(4, seed=5)

@@ -191,3 +191,32 @@ def test_cli_flags_config_file_and_errors(tmp_path):
     bad_file.write_text(json.dumps({"batch_sise": 4}))
     with pytest.raises(SystemExit, match="batch_sise"):
         resolve(["--config", str(bad_file)])
+
+
+@pytest.mark.slow
+def test_command_uses_a_persistent_compilation_cache_by_default(tmp_path):
+    """The `jaxppo` command caches compiled programs under ~/.cache/jaxppo/xla (here a
+    temporary HOME), reuses them in a second run with equal results, and `none` turns it off."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_COMPILATION_CACHE_DIR", "XDG_CACHE_HOME", "XLA_FLAGS")}
+    env.update(HOME=str(tmp_path / "home"), PYTHONPATH=root)
+    args = [sys.executable, "-m", "jaxppo", "--iterations", "1", "--batch-size", "16", "--mini-batch-size", "8",
+            "--response-length", "6", "--no-progress", "--sample-every", "0", "--no-plot", "--no-export-final"]
+    cache = tmp_path / "home" / ".cache" / "jaxppo" / "xla"
+    for run in ("a", "b"):
+        done = subprocess.run(args + ["--output-dir", str(tmp_path / run)], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-3000:]
+        if run == "a":
+            entries = sorted(os.listdir(cache))
+            assert any("train_step" in name for name in entries) and any("generate" in name for name in entries)
+    assert set(entries) <= set(os.listdir(cache))  # kept, and read by the second run (equal results below)
+    rows = [[_comparable(json.loads(x)) for x in open(tmp_path / run / "metrics.jsonl")] for run in ("a", "b")]
+    assert rows[0] == rows[1]
+    env["HOME"] = str(tmp_path / "home2")
+    done = subprocess.run(args + ["--output-dir", str(tmp_path / "c"), "--compilation-cache", "none"], env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not (tmp_path / "home2" / ".cache" / "jaxppo").exists()

@@ -1,5 +1,5 @@
-"""Sampling with a KV cache, fully jitted: prefill the prompt, then a `lax.scan` decode to a
-fixed response length."""
+"""Sampling with a KV cache, fully jitted: prefill the prompt, then decode to a fixed
+response length, stopping early once every row has hit a stop token."""
 
 from __future__ import annotations
 
@@ -60,10 +60,11 @@ def _sample_inverse_cdf(key, logits):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("model", "response_length", "top_k", "use_top_p", "greedy", "stop_token_ids", "pad_token_id"),
+    static_argnames=("model", "response_length", "top_k", "use_top_p", "greedy", "stop_token_ids", "pad_token_id",
+                     "early_stop"),
 )
 def _generate(model, params, prompt_ids, prompt_mask, key, temperature, top_p, *, response_length, top_k,
-              use_top_p, greedy, stop_token_ids, pad_token_id):
+              use_top_p, greedy, stop_token_ids, pad_token_id, early_stop):
     b, q = prompt_ids.shape
     r = response_length
     cache = model.init_cache(b, q + r)
@@ -99,7 +100,28 @@ def _generate(model, params, prompt_ids, prompt_mask, key, temperature, top_p, *
 
     # R - 1 steps that feed their token back, then the last token, which needs no forward.
     init = (cache, next_logits, kv_mask, jnp.zeros((b,), bool), key)
-    (_, last_logits, _, done, key), (tokens, logprobs, mask) = jax.lax.scan(step, init, jnp.arange(r - 1))
+    if not early_stop or r == 1:  # (R = 1: no step to take)
+        (_, last_logits, _, done, key), (tokens, logprobs, mask) = jax.lax.scan(step, init, jnp.arange(r - 1))
+    else:
+        # The same steps in a while loop that ends once every row has stopped. The outputs
+        # are preset to what a finished row emits (pad, log-prob 0, mask 0), so the steps not
+        # taken change nothing: the result equals the full scan's, token for token.
+        outputs = (jnp.full((r - 1, b), pad_token_id, jnp.int32), jnp.zeros((r - 1, b), jnp.float32),
+                   jnp.zeros((r - 1, b), jnp.int32))
+
+        def cond(loop):
+            t, carry, _ = loop
+            return (t < r - 1) & ~jnp.all(carry[3])
+
+        def body(loop):
+            t, carry, outs = loop
+            carry, emitted = step(carry, t)
+            outs = tuple(jax.lax.dynamic_update_index_in_dim(o, e.astype(o.dtype), t, axis=0)
+                         for o, e in zip(outs, emitted))
+            return t + 1, carry, outs
+
+        _, (_, last_logits, _, done, key), (tokens, logprobs, mask) = jax.lax.while_loop(
+            cond, body, (jnp.int32(0), init, outputs))
     token, logprob, live, _ = choose(last_logits, done, jax.random.split(key)[1])
     tokens = jnp.concatenate([tokens, token[None]], axis=0)
     logprobs = jnp.concatenate([logprobs, logprob[None]], axis=0)
@@ -121,6 +143,7 @@ def generate(
     greedy: bool = False,
     stop_token_ids: Optional[Sequence[int]] = None,
     pad_token_id: Optional[int] = None,
+    early_stop: bool = True,
 ) -> GenerationOutput:
     """Sample `response_length` tokens after left-padded prompts, with a KV cache.
 
@@ -137,6 +160,9 @@ def generate(
       stop_token_ids: tokens that end a row (default: the model config's EOS ids); the
         stop token itself is kept and masked in, everything after is pad and masked out.
       pad_token_id: token written after a stop (default: config pad, else first EOS, else 0).
+      early_stop: stop decoding once every row has hit a stop token (a `lax.while_loop`;
+        the outputs equal those of `early_stop=False`, which always runs all R steps as a
+        `lax.scan`). Rollouts whose responses end early then cost less.
 
     Returns:
       `GenerationOutput(tokens, logprobs, mask)`, each (B, R).
@@ -170,5 +196,5 @@ def generate(
         model, params, jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_mask, jnp.int32), key,
         jnp.float32(temperature), jnp.float32(1.0 if top_p is None else top_p),
         response_length=response_length, top_k=top_k, use_top_p=top_p is not None, greedy=bool(greedy),
-        stop_token_ids=stop_token_ids, pad_token_id=int(pad_token_id),
+        stop_token_ids=stop_token_ids, pad_token_id=int(pad_token_id), early_stop=bool(early_stop),
     )
