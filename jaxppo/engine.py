@@ -210,6 +210,7 @@ def update_epochs_fn(
     def do_update(state, minibatch):
         loss, aux, grads = _grads_and_aux(state.params, minibatch, loss_fn, weight_fn, config)
         finite = jnp.isfinite(loss) & _tree_all_finite(grads)
+        grad_norm = _global_norm(grads)
         if early_stop:
             # The KL is measured before this update: once it is past the target, this
             # update is withheld too, and so is every later one of this call.
@@ -217,14 +218,15 @@ def update_epochs_fn(
         else:
             kl_exceeded = jnp.array(False)
         apply = finite & ~kl_exceeded
-        new_state = state.apply_gradients(grads)
         # A withheld update (non-finite, or past the KL target) leaves parameters and
-        # optimizer state untouched.
-        new_state = jax.tree.map(lambda new, old: jnp.where(apply, new, old), new_state, state)
+        # optimizer state untouched. A branch, not a select of new against old: a select
+        # keeps both whole states alive (one more state-sized buffer); the branch lets the
+        # update write in place.
+        new_state = jax.lax.cond(apply, lambda s: s.apply_gradients(grads), lambda s: s, state)
         new_state = new_state.replace(skipped_nonfinite=state.skipped_nonfinite + (~finite).astype(jnp.int32))
         metrics = {
             "loss": loss,
-            "grad_norm": _global_norm(grads),
+            "grad_norm": grad_norm,
             "applied": apply,
             "nonfinite": ~finite,
             "aux": aux,
