@@ -25,6 +25,7 @@ import jaxppo
 from jaxppo import trainer as trainer_lib
 from jaxppo.models import Model, ModelConfig
 from jaxppo.models.model import PolicyAndCritic
+from tables import print_markdown
 
 
 def qwen_layout(layers):
@@ -71,12 +72,12 @@ def main():
     parser.add_argument("--layers", type=int, nargs="*", default=[2])
     args = parser.parse_args()
     rows = [measure(n, target_kl=kl) for n in args.layers for kl in (None, 0.1)]
-    print("\n| layers | target_kl | parameters = 1 gradient (GiB) | arguments (GiB) | aliased (GiB) | temporaries (GiB) "
-          "| temporaries / gradient | compile (s) |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for r in rows:
-        print(f"| {r['layers']} | {r['target_kl']} | {r['params_gib']:.2f} | {r['args_gib']:.2f} | {r['alias_gib']:.2f} | "
-              f"{r['temp_gib']:.2f} | {r['ratio']:.2f}x | {r['compile_s']:.1f} |")
+    print()
+    print_markdown(["layers", "target_kl", "parameters = 1 gradient (GiB)", "arguments (GiB)", "aliased (GiB)",
+                    "temporaries (GiB)", "temporaries / gradient", "compile (s)"],
+                   [[r["layers"], r["target_kl"], f"{r['params_gib']:.2f}", f"{r['args_gib']:.2f}",
+                     f"{r['alias_gib']:.2f}", f"{r['temp_gib']:.2f}", f"{r['ratio']:.2f}x", f"{r['compile_s']:.1f}"]
+                    for r in rows], numeric_from=2)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxppo.models as jm
+from tables import print_markdown
 
 
 def build_checkpoint(directory, layers, width, vocab, positions):
@@ -129,12 +130,10 @@ def main():
         shapes = [("small", 2, 128, 64, 16, 32), ("medium", 4, 512, 64, 16, 64)]
         rows = [bench_early_stop(n, l, w, args.vocab, b, p, t, args.repeats) for n, l, w, b, p, t in shapes]
         print(f"\n## jaxppo sampling with early stop, CPU, GPT-2 layout, vocab {args.vocab}, every 4th token a stop\n")
-        print("| shape | layers | width | rows | max new tokens | mean length | longest row | early stop (real tok/s) "
-              "| all steps (real tok/s) | speed-up |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-        for r in rows:
-            print(f"| {r['name']} | {r['layers']} | {r['width']} | {r['batch']} | {r['new']} | {r['mean_len']:.1f} | "
-                  f"{r['longest']} | {r['early_tps']:.0f} | {r['full_tps']:.0f} | {r['speedup']:.2f}x |")
+        print_markdown(["shape", "layers", "width", "rows", "max new tokens", "mean length", "longest row",
+                        "early stop (real tok/s)", "all steps (real tok/s)", "speed-up"],
+                       [[r["name"], r["layers"], r["width"], r["batch"], r["new"], f"{r['mean_len']:.1f}", r["longest"],
+                         f"{r['early_tps']:.0f}", f"{r['full_tps']:.0f}", f"{r['speedup']:.2f}x"] for r in rows])
         return
     import torch
 
@@ -144,11 +143,10 @@ def main():
         shapes = [("small", 2, 128, 64, 16, 32), ("medium", 4, 512, 64, 16, 64)]
     rows = [bench_shape(n, l, w, args.vocab, b, p, t, args.repeats) for n, l, w, b, p, t in shapes]
     print(f"\n## sampling throughput, CPU ({torch.get_num_threads()} torch threads), GPT-2 layout, vocab {args.vocab}\n")
-    print("| shape | layers | width | prompts x tokens | new tokens | jaxppo (tok/s) | transformers (tok/s) | speed-up | jaxppo compile (s) |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for r in rows:
-        print(f"| {r['name']} | {r['layers']} | {r['width']} | {r['batch']} x {r['prompt']} | {r['new']} | "
-              f"{r['jax_tps']:.0f} | {r['torch_tps']:.0f} | {r['speedup']:.2f}x | {r['compile_s']:.1f} |")
+    print_markdown(["shape", "layers", "width", "prompts x tokens", "new tokens", "jaxppo (tok/s)",
+                    "transformers (tok/s)", "speed-up", "jaxppo compile (s)"],
+                   [[r["name"], r["layers"], r["width"], f"{r['batch']} x {r['prompt']}", r["new"], f"{r['jax_tps']:.0f}",
+                     f"{r['torch_tps']:.0f}", f"{r['speedup']:.2f}x", f"{r['compile_s']:.1f}"] for r in rows])
 
 
 if __name__ == "__main__":
