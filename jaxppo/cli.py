@@ -34,6 +34,9 @@ _EXTRA = {
     "prompts": (str, None, "prompts file: .txt (one per line), .jsonl or .json; default: the demo's prompts"),
     "prompt_column": (str, "prompt", "field holding the prompt in .jsonl/.json files"),
     "dtype": (str, "float32", "compute and parameter dtype: float32, bfloat16 or float16"),
+    "remat": (str, "none", "rematerialise the policy's and critic's blocks in the backward pass: none, full, or a "
+                           "jax.checkpoint_policies name (dots_saveable, dots_with_no_batch_dims_saveable, "
+                           "nothing_saveable)"),
     "config": (str, None, "JSON or TOML file of settings (flags override it)"),
     "mesh_data": (int, None, "devices on the mesh's 'data' axis (pure data parallelism)"),
     "mesh_fsdp": (int, None, "devices on the 'fsdp' axis (data parallel, parameters and optimizer states sharded)"),
@@ -139,6 +142,11 @@ def resolve(argv=None):
         value = values[name]
         if value is not None and not (isinstance(value, kind) and (kind is not int or not isinstance(value, bool))):
             raise SystemExit(f"jaxppo: setting {name}={value!r} is invalid: {name} must be a {kind.__name__}")
+    from jaxppo.models.model import REMAT_POLICIES
+
+    if values["remat"] not in ("none", "full") + REMAT_POLICIES:
+        raise SystemExit(f"jaxppo: --remat {values['remat']!r} is invalid; valid: none, full, "
+                         f"{', '.join(REMAT_POLICIES)}")
     if values["dtype"] not in ("float32", "bfloat16", "float16"):
         raise SystemExit(f"jaxppo: --dtype {values['dtype']!r} is invalid; valid: float32, bfloat16, float16")
     for name in ("mesh_data", "mesh_fsdp", "mesh_tensor"):
@@ -185,7 +193,8 @@ def build_trainer(ppo: PPOConfig, tc: TrainerConfig, extras: dict) -> PPOTrainer
         mesh = MeshConfig(data=axes[0], fsdp=axes[1], tensor=1 if axes[2] is None else axes[2])
     return PPOTrainer(ppo, tc, policy=policy, tokenizer=tokenizer, prompts=prompts, reward_model=reward_model,
                       reward_fn=reward_fn, critic=extras["critic"], ref_policy=extras["ref_model"],
-                      dtype=extras["dtype"], prompt_column=extras["prompt_column"], mesh=mesh)
+                      dtype=extras["dtype"], prompt_column=extras["prompt_column"], mesh=mesh,
+                      remat=False if extras["remat"] == "none" else extras["remat"])
 
 
 def compilation_cache_dir(setting: Optional[str]) -> Optional[str]:

@@ -263,6 +263,9 @@ class PPOTrainer:
       dtype: compute/param dtype of models loaded from paths.
       prompt_column: column or field holding prompts in datasets and JSON files.
       callbacks: functions `cb(iteration, metrics)` called after each iteration.
+      remat: rematerialisation of the trained models' blocks (policy and critic): False,
+        True or a `jax.checkpoint_policies` name (see `jaxppo.models.Model`); None keeps
+        each model's own setting. It changes memory and compute, not results.
       mesh: None (one device), a `jaxppo.sharding.MeshConfig`, or a `jax.sharding.Mesh`
         with axes ("data", "fsdp", "tensor"): parameters and optimizer states are sharded
         by `jaxppo.sharding.tree_shardings`, rollout rows split over the data axes.
@@ -271,7 +274,7 @@ class PPOTrainer:
     def __init__(self, config: PPOConfig, trainer_config: TrainerConfig, *, policy, tokenizer, prompts,
                  reward_model=None, reward_fn: Optional[Callable] = None, reward_fn_on: str = "text",
                  ref_policy=None, critic=None, dtype: str = "float32", prompt_column: str = "prompt",
-                 callbacks: Sequence[Callable] = (), mesh=None):
+                 callbacks: Sequence[Callable] = (), mesh=None, remat=None):
         if not isinstance(config, PPOConfig):
             raise TypeError(f"config must be a jaxppo.PPOConfig, got {type(config).__name__}")
         if not isinstance(trainer_config, TrainerConfig):
@@ -300,6 +303,8 @@ class PPOTrainer:
 
         # Models.
         policy_model, policy_params = _load_model(policy, "causal_lm", dtype)
+        if remat is not None:
+            policy_model = dataclasses.replace(policy_model, remat=remat)
         if policy_model.kind != "causal_lm":
             policy_model = dataclasses.replace(policy_model, kind="causal_lm")
             policy_params = {"params": {k: v for k, v in policy_params["params"].items() if k != "value_head"}}
@@ -327,6 +332,8 @@ class PPOTrainer:
                 critic_model, critic_params = _critic_from(self.reward_model, reward_params, zero_head=False)
             else:
                 critic_model, critic_params = _critic_from(policy_model, policy_params, zero_head=True)
+            if remat is not None:
+                critic_model = dataclasses.replace(critic_model, remat=remat)
             apply_fn = PolicyAndCritic(policy_model, critic_model)
             params = {"policy": policy_params, "critic": critic_params}
             params_key, self.policy_model = "policy", policy_model

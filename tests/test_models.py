@@ -119,20 +119,30 @@ def test_sharded_checkpoint_and_bf16(hf_checkpoints, tmp_path):
     assert np.abs(bf[real] - f32[real]).max() < 0.1 * np.abs(f32[real]).max()
 
 
-def test_remat_same_logits_and_gradients(hf_checkpoints):
+@pytest.mark.parametrize("remat", [True, "dots_saveable", "dots_with_no_batch_dims_saveable", "nothing_saveable"])
+def test_remat_same_logits_and_gradients(hf_checkpoints, remat):
     path, _ = hf_checkpoints["qwen2"]
     model, params = jm.from_pretrained(path)
-    remat_model, _ = jm.from_pretrained(path, remat=True)
+    remat_model, _ = jm.from_pretrained(path, remat=remat)
     ids, mask = hf_models.left_padded_batch(np.random.default_rng(6), 2, 6)
     ids, mask = jnp.asarray(ids), jnp.asarray(mask)
 
     def loss(m, p):
         return jnp.sum(jax.nn.log_softmax(m.apply(p, ids, mask))[..., 5] * mask)
 
+    np.testing.assert_allclose(loss(remat_model, params), loss(model, params), rtol=1e-6)
     g1 = jax.grad(lambda p: loss(model, p))(params)
     g2 = jax.grad(lambda p: loss(remat_model, p))(params)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+
+
+def test_remat_names_are_checked():
+    config = jm.ModelConfig(model_type="llama", vocab_size=64, hidden_size=16, num_layers=1, num_heads=2,
+                            num_kv_heads=1, intermediate_size=32, max_position_embeddings=32)
+    assert jm.Model(config, remat="full").remat is True
+    with pytest.raises(ValueError, match="Model.remat='dots' is invalid; valid: False, True .*dots_saveable"):
+        jm.Model(config, remat="dots")
 
 
 def test_value_heads(hf_checkpoints):

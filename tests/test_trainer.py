@@ -220,3 +220,19 @@ def test_command_uses_a_persistent_compilation_cache_by_default(tmp_path):
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert not (tmp_path / "home2" / ".cache" / "jaxppo").exists()
+
+
+def test_remat_of_the_trained_models_changes_nothing_but_memory(tokenizer, tmp_path):
+    ppo, tc = small_configs(tmp_path / "a", iterations=1)
+    rows = []
+    for remat, out in ((None, "a"), ("dots_with_no_batch_dims_saveable", "b")):
+        ppo, tc = small_configs(tmp_path / out, iterations=1)
+        trainer = jaxppo.PPOTrainer(ppo, tc, policy=demo.demo_policy(tokenizer, width=32, layers=1, max_len=40),
+                                    tokenizer=tokenizer, prompts=demo.DEMO_PROMPTS, reward_fn=demo.lowercase_reward,
+                                    remat=remat)
+        if remat is not None:
+            assert trainer.policy_model.remat == remat and trainer.state.apply_fn.critic.remat == remat
+        rows.append(_comparable(trainer.step()))
+    assert rows[0].keys() == rows[1].keys()
+    for name in rows[0]:
+        assert rows[1][name] == pytest.approx(rows[0][name], rel=1e-4, abs=1e-6), name

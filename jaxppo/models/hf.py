@@ -235,7 +235,7 @@ def from_pretrained(
     *,
     param_dtype=None,
     kind: Optional[str] = None,
-    remat: bool = False,
+    remat=False,
 ):
     """Load a local Hugging Face checkpoint directory -> (Model, params).
 
@@ -249,7 +249,8 @@ def from_pretrained(
         (a critic: trunk + scalar head, initialised from the checkpoint's score head when it
         has one, else zeros). Default: "reward" for `...ForSequenceClassification`
         checkpoints, else "causal_lm".
-      remat: rematerialise each block in the backward pass (less memory, more compute).
+      remat: rematerialise each block in the backward pass (less memory, more compute):
+        False, True, or a `jax.checkpoint_policies` name (see `Model`).
 
     Returns:
       (model, params) with `model.apply(params, input_ids, attention_mask)` pure.

@@ -13,7 +13,7 @@ and a `TrainState.apply_fn`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Union
 
 import jax
 import jax.numpy as jnp
@@ -30,17 +30,34 @@ def _dtype_name(dtype) -> str:
     return jnp.dtype(dtype).name
 
 
+# Rematerialisation policies by name (`jax.checkpoint_policies`): what a block keeps from its
+# forward pass for the backward pass; the rest is recomputed.
+REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", "everything_saveable")
+
+
 @dataclasses.dataclass(frozen=True)
 class Model:
-    """A built-in model: `config`, `kind`, compute `dtype`, storage `param_dtype`, `remat`."""
+    """A built-in model: `config`, `kind`, compute `dtype`, storage `param_dtype`, `remat`.
+
+    remat: False (keep every activation for the backward pass), True or "full" (recompute
+      each transformer block's forward in the backward pass, keeping only its input), or a
+      policy name from `jax.checkpoint_policies` that says what each block keeps:
+      "dots_saveable" (matmul outputs), "dots_with_no_batch_dims_saveable" (matmuls with
+      no batch dimension: the projections, not attention scores), "nothing_saveable" (as
+      True), "everything_saveable" (as False). Same outputs and gradients either way."""
 
     config: ModelConfig
     kind: str = "causal_lm"
     dtype: str = "float32"
     param_dtype: str = "float32"
-    remat: bool = False
+    remat: Union[bool, str] = False
 
     def __post_init__(self):
+        if self.remat == "full":
+            object.__setattr__(self, "remat", True)
+        if not isinstance(self.remat, bool) and self.remat not in REMAT_POLICIES:
+            raise ValueError(f"Model.remat={self.remat!r} is invalid; valid: False, True (or 'full'), or a policy "
+                             f"name: {', '.join(REMAT_POLICIES)}")
         if self.kind not in KINDS:
             raise ValueError(f"Model.kind={self.kind!r} is invalid; valid kinds: {', '.join(KINDS)}")
         for field in ("dtype", "param_dtype"):

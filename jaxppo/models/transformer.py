@@ -170,7 +170,7 @@ class Transformer(nn.Module):
     config: ModelConfig
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
-    remat: bool = False
+    remat: Any = False  # False, True, or a jax.checkpoint_policies name (see Model)
 
     @nn.compact
     def __call__(self, input_ids, attention_mask, positions, cache=None, cache_index=0):
@@ -188,7 +188,8 @@ class Transformer(nn.Module):
         mask = causal[None] & attention_mask.astype(bool)[:, None, :]
         block_cls = GPT2Block if gpt2 else LlamaBlock
         if self.remat:
-            block_cls = nn.remat(block_cls)
+            policy = None if self.remat is True else getattr(jax.checkpoint_policies, self.remat)
+            block_cls = nn.remat(block_cls, policy=policy)
         new_cache = []
         for i in range(c.num_layers):
             block = block_cls(c, self.dtype, self.param_dtype, name=f"{'h' if gpt2 else 'layers'}_{i}")
@@ -209,7 +210,7 @@ class CausalLMModule(nn.Module):
     config: ModelConfig
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
-    remat: bool = False
+    remat: Any = False  # False, True, or a jax.checkpoint_policies name (see Model)
     with_value_head: bool = False
 
     @nn.compact
@@ -237,7 +238,7 @@ class ScoreModule(nn.Module):
     config: ModelConfig
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
-    remat: bool = False
+    remat: Any = False  # False, True, or a jax.checkpoint_policies name (see Model)
     num_labels: int = 1
     zero_init: bool = False
 
