@@ -36,7 +36,7 @@ from jaxppo.models import hf as hf_io
 from jaxppo.models.model import Model, PolicyAndCritic
 from jaxppo.models.tokenizer import decode_responses, encode_prompts
 from jaxppo.logger import Logger, read_metrics
-from jaxppo.ppo import train_step
+from jaxppo.ppo import train_step_fn
 from jaxppo.rundir import RunError, RunLock, atomic_replace_dir, check_settings
 from jaxppo.rollout import RewardError, RolloutSpec, check_scores, finish_rollout, nonfinite_rows, sample_responses
 
@@ -237,7 +237,8 @@ def _critic_from(model: Model, params, zero_head: bool):
     if zero_head or "score" not in inner:
         head = {"kernel": jnp.zeros((model.config.hidden_size, 1), jnp.dtype(model.param_dtype))}
     else:
-        head = {"kernel": inner["score"]["kernel"][:, :1]}
+        # A copy: the critic is trained (its buffers donated), the model it comes from is not.
+        head = {"kernel": jnp.array(inner["score"]["kernel"][:, :1])}
     return critic, {"params": {trunk: jax.tree.map(jnp.array, inner[trunk]), "score": head}}
 
 
@@ -247,7 +248,10 @@ class PPOTrainer:
     Args:
       config: `PPOConfig` (sizes, clipping, coefficients, `kl_coef`, `temperature`).
       trainer_config: `TrainerConfig`.
-      policy: a local Hugging Face causal-LM directory, or `(Model, params)`.
+      policy: a local Hugging Face causal-LM directory, or `(Model, params)`. The trainer
+        owns the parameters it trains: each update donates the old train state's buffers,
+        so arrays passed in `(Model, params)` (policy, critic) are invalid after the first
+        iteration; pass `jax.tree.map(jnp.copy, params)` to keep yours.
       tokenizer: a transformers tokenizer (see `jaxppo.models.load_tokenizer`).
       prompts: list of strings, a `datasets.Dataset`, or a file path (see `load_prompts`).
       reward_model: a local `...ForSequenceClassification` directory or `(Model, params)`
@@ -375,7 +379,7 @@ class PPOTrainer:
                                                    jnp.float32(tc.kl_horizon))
         self.score_moments = ppo_math.RunningMoments.zeros()
         self.mesh = None
-        self._train_step = functools.partial(train_step, config=config)
+        self._train_step = functools.partial(_train_step_donating, config=config)
         if mesh is not None:
             self.mesh = mesh if isinstance(mesh, jax.sharding.Mesh) else sharding.make_mesh(mesh)
             sharding.check_batch_divides(config, self.mesh)
@@ -383,7 +387,7 @@ class PPOTrainer:
             self.ref_params = sharding.shard_state(self.ref_params, self.mesh)
             if self.reward_params is not None:
                 self.reward_params = sharding.shard_state(self.reward_params, self.mesh)
-            self._train_step = sharding.sharded_train_step(self.state, config, self.mesh)
+            self._train_step = sharding.sharded_train_step(self.state, config, self.mesh, donate=True)
         self.iteration = 0
         self.history: list = []
         self._base_key = jax.random.key(tc.seed)
@@ -422,16 +426,15 @@ class PPOTrainer:
 
     def step(self):
         """Run one PPO iteration; return its metrics (floats)."""
-        metrics, commit = self._compute_iteration()
-        commit()
-        return metrics
+        return self._prepare_iteration()()
 
-    def _compute_iteration(self):
-        """One iteration's work without touching the trainer: (metrics, commit), where
-        `commit()` installs the new state, KL controller, score statistics and iteration in
-        one short step. An interrupt during the work leaves the trainer as it was; the loop
-        runs `commit` and the metrics write with interrupts held, so a checkpoint never holds
-        an update whose metrics line is missing."""
+    def _prepare_iteration(self):
+        """Sampling, scores and the rollout of the next iteration, without touching the
+        trainer; returns `finish()`, which runs the update (consuming the old train state,
+        whose buffers are donated), installs the new state, KL controller, score statistics
+        and iteration, and returns the metrics. An interrupt before `finish` leaves the
+        trainer as it was; the loop runs `finish` and the metrics write with interrupts held,
+        so a checkpoint never holds an update whose metrics line is missing."""
         it = self.iteration
         key = jax.random.fold_in(self._base_key, it)
         k_sample, k_train = jax.random.split(key)
@@ -466,39 +469,40 @@ class PPOTrainer:
                     "or set skip_nonfinite_scores (--skip-nonfinite-scores) to skip such iterations")
             return self._skip_iteration(it, rows, gen, bad, source, t0)
         jax.block_until_ready(rollout.rewards)
-        t2 = time.perf_counter()
-        step_before = int(self.state.step)
         if self.mesh is not None:
             rollout = sharding.shard_batch(rollout, self.mesh)
-        state, metrics = self._train_step(self.state, rollout, k_train)
-        jax.block_until_ready(state.params)
-        t3 = time.perf_counter()
-        applied = int(state.step) - step_before
-        nonfinite = int(metrics["ppo/updates_nonfinite"])
-        if nonfinite:
-            warnings.warn(f"iteration {it}: {nonfinite} of {self.config.updates_per_step} updates had a non-finite "
-                          "loss or gradient and were skipped (parameters untouched)", RuntimeWarning, stacklevel=2)
         kl_state = ppo_math.adaptive_kl_update(self.kl_state, stats["objective/kl"], self.config.batch_size)
 
-        out = {"iteration": it, "episode": (it + 1) * self.config.batch_size}
-        for name, value in {**stats, **metrics}.items():
-            if not name.startswith("per_minibatch/"):
-                out[name] = float(value)
-        out["ppo/updates_applied"] = applied
-        out["ppo/updates_total"] = int(state.step)
-        out["lr"] = float(self.policy_schedule(step_before))
-        out["time/generation"] = t1 - t0
-        out["time/scoring"] = t2 - t1
-        out["time/update"] = t3 - t2
-        out["eps"] = self.config.batch_size / (t3 - t0)
-        out["objective/skipped_nonfinite_scores"] = self.skipped_iterations
-
-        def commit():
+        def finish():
+            # The update consumes the current train state (its buffers are donated), so from
+            # here on the iteration completes: the loop runs this with interrupts held.
+            t2 = time.perf_counter()
+            step_before = int(self.state.step)
+            state, metrics = self._train_step(self.state, rollout, k_train)
+            jax.block_until_ready(state.params)
+            t3 = time.perf_counter()
             self.state, self.score_moments, self.kl_state = state, moments, kl_state
             self.iteration = it + 1
             self._last_samples = (rows, gen)
+            nonfinite = int(metrics["ppo/updates_nonfinite"])
+            if nonfinite:
+                warnings.warn(f"iteration {it}: {nonfinite} of {self.config.updates_per_step} updates had a non-finite "
+                              "loss or gradient and were skipped (parameters untouched)", RuntimeWarning, stacklevel=3)
+            out = {"iteration": it, "episode": (it + 1) * self.config.batch_size}
+            for name, value in {**stats, **metrics}.items():
+                if not name.startswith("per_minibatch/"):
+                    out[name] = float(value)
+            out["ppo/updates_applied"] = int(state.step) - step_before
+            out["ppo/updates_total"] = int(state.step)
+            out["lr"] = float(self.policy_schedule(step_before))
+            out["time/generation"] = t1 - t0
+            out["time/scoring"] = t2 - t1
+            out["time/update"] = t3 - t2
+            out["eps"] = self.config.batch_size / (t3 - t0)
+            out["objective/skipped_nonfinite_scores"] = self.skipped_iterations
+            return out
 
-        return out, commit
+        return finish
 
     def _reward_name(self) -> str:
         if self.reward_model is not None:
@@ -525,17 +529,16 @@ class PPOTrainer:
         and the data position advance, the skip is counted and warned about."""
         warnings.warn(f"iteration {it} skipped: {source} gave non-finite scores at rows {bad[:5].tolist()}",
                       RuntimeWarning, stacklevel=3)
-        out = {"iteration": it, "episode": (it + 1) * self.config.batch_size, "ppo/updates_applied": 0,
-               "ppo/updates_total": int(self.state.step), "objective/nonfinite_score_rows": int(bad.size),
-               "objective/skipped_nonfinite_scores": self.skipped_iterations + 1,
-               "time/generation": time.perf_counter() - t0}
-
-        def commit():
+        def finish():
             self.skipped_iterations += 1
             self.iteration = it + 1
             self._last_samples = (rows, gen)
+            return {"iteration": it, "episode": (it + 1) * self.config.batch_size, "ppo/updates_applied": 0,
+                    "ppo/updates_total": int(self.state.step), "objective/nonfinite_score_rows": int(bad.size),
+                    "objective/skipped_nonfinite_scores": self.skipped_iterations,
+                    "time/generation": time.perf_counter() - t0}
 
-        return out, commit
+        return finish
 
     def samples(self, n: int):
         """(prompt, response) texts of the first `n` rows of the last iteration."""
@@ -668,9 +671,9 @@ class PPOTrainer:
         try:
             with _interrupts_raise():
                 while self.iteration < self.iterations:
-                    metrics, commit = self._compute_iteration()
-                    with _interrupts_held(what="this iteration's metrics"):  # the new state and its line land together
-                        commit()
+                    finish = self._prepare_iteration()
+                    with _interrupts_held(what="this iteration's update"):  # the new state and its line land together
+                        metrics = finish()
                         logger.log(metrics, echo=bar is None and (metrics["iteration"] % tc.log_every == 0))
                     if bar is not None:
                         bar.update(1)
@@ -748,6 +751,12 @@ class PPOTrainer:
             f"metrics: {os.path.join(self.tc.output_dir, 'metrics.jsonl')}",
         ]
         return "\n".join(lines)
+
+
+# train_step with the old train state donated (its buffers become the new state's): one
+# train state in memory during the update instead of two. Module-level, so every trainer
+# in a process shares its compiled programs.
+_train_step_donating = jax.jit(train_step_fn, static_argnames=("config", "minibatch_sharding"), donate_argnums=(0,))
 
 
 class _interrupts_raise:

@@ -236,3 +236,13 @@ def test_remat_of_the_trained_models_changes_nothing_but_memory(tokenizer, tmp_p
     assert rows[0].keys() == rows[1].keys()
     for name in rows[0]:
         assert rows[1][name] == pytest.approx(rows[0][name], rel=1e-4, abs=1e-6), name
+
+
+def test_update_donates_the_old_train_state_and_nothing_else(tokenizer, tmp_path):
+    trainer = make_trainer(tokenizer, tmp_path, iterations=1)
+    old = jax.tree.leaves(trainer.state)
+    others = jax.tree.leaves(trainer.ref_params)
+    trainer.step()
+    assert all(x.is_deleted() for x in old if isinstance(x, jax.Array))  # one train state in memory, not two
+    assert not any(x.is_deleted() for x in others)
+    trainer.step()  # and the trainer goes on with the new one
