@@ -33,7 +33,10 @@ _EXTRA = {
     "ref_model": (str, None, "local directory of the reference policy (default: the initial policy)"),
     "prompts": (str, None, "prompts file: .txt (one per line), .jsonl or .json; default: the demo's prompts"),
     "prompt_column": (str, "prompt", "field holding the prompt in .jsonl/.json files"),
-    "dtype": (str, "float32", "compute and parameter dtype: float32, bfloat16 or float16"),
+    "dtype": (str, "float32", "compute dtype: float32, bfloat16 or float16 (trained parameters and optimizer "
+                              "states stay float32)"),
+    "ref_dtype": (str, None, "dtype of the frozen reference policy (default: --dtype)"),
+    "reward_dtype": (str, None, "dtype of the frozen reward model (default: --dtype)"),
     "remat": (str, "none", "rematerialise the policy's and critic's blocks in the backward pass: none, full, or a "
                            "jax.checkpoint_policies name (dots_saveable, dots_with_no_batch_dims_saveable, "
                            "nothing_saveable)"),
@@ -147,8 +150,10 @@ def resolve(argv=None):
     if values["remat"] not in ("none", "full") + REMAT_POLICIES:
         raise SystemExit(f"jaxppo: --remat {values['remat']!r} is invalid; valid: none, full, "
                          f"{', '.join(REMAT_POLICIES)}")
-    if values["dtype"] not in ("float32", "bfloat16", "float16"):
-        raise SystemExit(f"jaxppo: --dtype {values['dtype']!r} is invalid; valid: float32, bfloat16, float16")
+    for name in ("dtype", "ref_dtype", "reward_dtype"):
+        if values[name] is not None and values[name] not in ("float32", "bfloat16", "float16"):
+            raise SystemExit(f"jaxppo: --{name.replace('_', '-')} {values[name]!r} is invalid; valid: float32, "
+                             "bfloat16, float16")
     for name in ("mesh_data", "mesh_fsdp", "mesh_tensor"):
         if values[name] is not None and values[name] <= 0:
             raise SystemExit(f"jaxppo: --{name.replace('_', '-')} {values[name]} is invalid: a mesh axis needs at "
@@ -193,7 +198,8 @@ def build_trainer(ppo: PPOConfig, tc: TrainerConfig, extras: dict) -> PPOTrainer
         mesh = MeshConfig(data=axes[0], fsdp=axes[1], tensor=1 if axes[2] is None else axes[2])
     return PPOTrainer(ppo, tc, policy=policy, tokenizer=tokenizer, prompts=prompts, reward_model=reward_model,
                       reward_fn=reward_fn, critic=extras["critic"], ref_policy=extras["ref_model"],
-                      dtype=extras["dtype"], prompt_column=extras["prompt_column"], mesh=mesh,
+                      dtype=extras["dtype"], ref_dtype=extras["ref_dtype"], reward_dtype=extras["reward_dtype"],
+                      prompt_column=extras["prompt_column"], mesh=mesh,
                       remat=False if extras["remat"] == "none" else extras["remat"])
 
 

@@ -216,9 +216,9 @@ def _prompt_of(row, column: str, label: str):
     return row
 
 
-def _load_model(spec, kind, dtype):
+def _load_model(spec, kind, dtype, param_dtype=None):
     if isinstance(spec, (str, os.PathLike)):
-        return hf_io.from_pretrained(os.fspath(spec), dtype=dtype, kind=kind)
+        return hf_io.from_pretrained(os.fspath(spec), dtype=dtype, param_dtype=param_dtype or dtype, kind=kind)
     model, params = spec
     if not isinstance(model, Model):
         raise TypeError(f"expected a checkpoint path or a (jaxppo.models.Model, params) pair, got {type(model).__name__}")
@@ -229,17 +229,21 @@ def _trunk_key(model: Model) -> str:
     return "transformer" if model.config.model_type == "gpt2" else "model"
 
 
-def _critic_from(model: Model, params, zero_head: bool):
-    """A "value" Model + params whose trunk is a copy of `model`'s trunk."""
-    critic = dataclasses.replace(model, kind="value")
+def _critic_from(model: Model, params, zero_head: bool, dtype=None):
+    """A "value" Model + params whose trunk is a copy of `model`'s trunk, with float32
+    parameters (the critic is trained: master weights in float32) and compute `dtype`
+    (default: `model`'s)."""
+    critic = dataclasses.replace(model, kind="value", dtype=dtype or model.dtype, param_dtype="float32")
     trunk = _trunk_key(model)
     inner = params["params"]
+    # Copies (jnp.array copies, also where no cast is needed): the critic is trained and its
+    # buffers donated; the model it comes from is not.
+    as_master = lambda x: jnp.array(x, dtype=jnp.float32)
     if zero_head or "score" not in inner:
-        head = {"kernel": jnp.zeros((model.config.hidden_size, 1), jnp.dtype(model.param_dtype))}
+        head = {"kernel": jnp.zeros((model.config.hidden_size, 1), jnp.float32)}
     else:
-        # A copy: the critic is trained (its buffers donated), the model it comes from is not.
-        head = {"kernel": jnp.array(inner["score"]["kernel"][:, :1])}
-    return critic, {"params": {trunk: jax.tree.map(jnp.array, inner[trunk]), "score": head}}
+        head = {"kernel": as_master(inner["score"]["kernel"][:, :1])}
+    return critic, {"params": {trunk: jax.tree.map(as_master, inner[trunk]), "score": head}}
 
 
 class PPOTrainer:
@@ -264,7 +268,11 @@ class PPOTrainer:
       critic: a local directory or `(Model, params)` for the critic (separate trunk);
         default: initialised from the reward model when it is a model, else from the
         policy (value head at zero). Ignored with `shared_trunk`.
-      dtype: compute/param dtype of models loaded from paths.
+      dtype: compute dtype of models loaded from paths ("float32", "bfloat16", "float16").
+        Trained models (policy, critic) keep float32 master parameters and optimizer
+        states whatever the compute dtype; log-softmax is computed in float32.
+      ref_dtype, reward_dtype: compute and storage dtype of the frozen reference and
+        reward model (default: `dtype`); "bfloat16" halves their memory.
       prompt_column: column or field holding prompts in datasets and JSON files.
       callbacks: functions `cb(iteration, metrics)` called after each iteration.
       remat: rematerialisation of the trained models' blocks (policy and critic): False,
@@ -277,7 +285,8 @@ class PPOTrainer:
 
     def __init__(self, config: PPOConfig, trainer_config: TrainerConfig, *, policy, tokenizer, prompts,
                  reward_model=None, reward_fn: Optional[Callable] = None, reward_fn_on: str = "text",
-                 ref_policy=None, critic=None, dtype: str = "float32", prompt_column: str = "prompt",
+                 ref_policy=None, critic=None, dtype: str = "float32", ref_dtype: Optional[str] = None,
+                 reward_dtype: Optional[str] = None, prompt_column: str = "prompt",
                  callbacks: Sequence[Callable] = (), mesh=None, remat=None):
         if not isinstance(config, PPOConfig):
             raise TypeError(f"config must be a jaxppo.PPOConfig, got {type(config).__name__}")
@@ -306,20 +315,23 @@ class PPOTrainer:
                                                            truncate=tc.truncate_prompts)
 
         # Models.
-        policy_model, policy_params = _load_model(policy, "causal_lm", dtype)
+        ref_dtype, reward_dtype = ref_dtype or dtype, reward_dtype or dtype
+        policy_model, policy_params = _load_model(policy, "causal_lm", dtype, "float32")
         if remat is not None:
             policy_model = dataclasses.replace(policy_model, remat=remat)
         if policy_model.kind != "causal_lm":
             policy_model = dataclasses.replace(policy_model, kind="causal_lm")
             policy_params = {"params": {k: v for k, v in policy_params["params"].items() if k != "value_head"}}
         if ref_policy is None:
-            ref_model, ref_params = policy_model, jax.tree.map(jnp.array, policy_params)
+            # A copy of the initial policy, held in ref_dtype (jnp.array copies even without a cast).
+            ref_model = dataclasses.replace(policy_model, dtype=ref_dtype, param_dtype=ref_dtype)
+            ref_params = jax.tree.map(lambda x: jnp.array(x, dtype=jnp.dtype(ref_dtype)), policy_params)
         else:
-            ref_model, ref_params = _load_model(ref_policy, "causal_lm", dtype)
+            ref_model, ref_params = _load_model(ref_policy, "causal_lm", ref_dtype)
         self.reward_model = None
         reward_params = None
         if reward_model is not None:
-            self.reward_model, reward_params = _load_model(reward_model, "reward", dtype)
+            self.reward_model, reward_params = _load_model(reward_model, "reward", reward_dtype)
             if self.reward_model.kind != "reward":
                 raise ValueError(f"reward_model must be of kind 'reward', got {self.reward_model.kind!r}")
         if tc.shared_trunk:
@@ -329,11 +341,11 @@ class PPOTrainer:
             apply_fn, params_key, self.policy_model = model.apply, None, model
         else:
             if critic is not None:
-                critic_model, critic_params = _load_model(critic, "value", dtype)
+                critic_model, critic_params = _load_model(critic, "value", dtype, "float32")
                 if critic_model.kind != "value":
                     critic_model, critic_params = _critic_from(critic_model, critic_params, zero_head=False)
             elif self.reward_model is not None:
-                critic_model, critic_params = _critic_from(self.reward_model, reward_params, zero_head=False)
+                critic_model, critic_params = _critic_from(self.reward_model, reward_params, zero_head=False, dtype=dtype)
             else:
                 critic_model, critic_params = _critic_from(policy_model, policy_params, zero_head=True)
             if remat is not None:

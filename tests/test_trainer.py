@@ -246,3 +246,18 @@ def test_update_donates_the_old_train_state_and_nothing_else(tokenizer, tmp_path
     assert all(x.is_deleted() for x in old if isinstance(x, jax.Array))  # one train state in memory, not two
     assert not any(x.is_deleted() for x in others)
     trainer.step()  # and the trainer goes on with the new one
+
+
+def test_bfloat16_compute_keeps_float32_master_weights(tokenizer, tmp_path):
+    policy_dir, rm_dir = hf_models.build_byte_level_pair(str(tmp_path), tokenizer)
+    ppo, tc = small_configs(tmp_path / "run", iterations=1, export_final=False, plot=False)
+    trainer = jaxppo.PPOTrainer(ppo, tc, policy=policy_dir, reward_model=rm_dir, tokenizer=jm.load_tokenizer(policy_dir),
+                                prompts=demo.DEMO_PROMPTS, dtype="bfloat16", ref_dtype="bfloat16",
+                                reward_dtype="bfloat16")
+    assert trainer.policy_model.dtype == "bfloat16" and trainer.state.apply_fn.critic.dtype == "bfloat16"
+    dtypes = lambda tree: {str(x.dtype) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)}
+    assert dtypes(trainer.state.params) == {"float32"} and dtypes(trainer.state.opt_state) == {"float32"}
+    assert dtypes(trainer.ref_params) == {"bfloat16"} and dtypes(trainer.reward_params) == {"bfloat16"}
+    metrics = trainer.step()
+    assert metrics["ppo/updates_applied"] == ppo.updates_per_step and np.isfinite(metrics["loss/total_avg"])
+    assert dtypes(trainer.state.params) == {"float32"}
