@@ -747,10 +747,6 @@ class PPOTrainer:
         h = self.history
         if not h:
             return "no iterations were run"
-        n = min(10, max(1, len(h) // 2))
-        first = float(np.mean([m["objective/scores"] for m in h[:n]]))
-        last = float(np.mean([m["objective/scores"] for m in h[-n:]]))
-        kl_last = float(np.mean([m["objective/kl"] for m in h[-n:]]))
         lines = [
             "",
             "== summary ==",
@@ -758,10 +754,20 @@ class PPOTrainer:
             f"updates per iteration: {self.config.updates_per_step} = ppo_epochs {self.config.ppo_epochs} * "
             f"batch_size {self.config.batch_size} / mini_batch_size {self.config.mini_batch_size}; "
             f"applied in total: {int(self.state.step)}",
-            f"mean score: first {n} iterations {first:.4f}, last {n} iterations {last:.4f} ({last - first:+.4f})",
-            f"mean KL (last {n}): {kl_last:.4f}; kl_coef now {float(self.kl_state.beta):.4f}",
-            f"metrics: {os.path.join(self.tc.output_dir, 'metrics.jsonl')}",
         ]
+        # Iterations skipped for non-finite scores (skip_nonfinite_scores) have no scores.
+        scored = [m for m in h if "objective/scores" in m]
+        if len(scored) < len(h):
+            lines.append(f"iterations skipped for non-finite scores: {len(h) - len(scored)}")
+        if scored:
+            n = min(10, max(1, len(scored) // 2))
+            first = float(np.mean([m["objective/scores"] for m in scored[:n]]))
+            last = float(np.mean([m["objective/scores"] for m in scored[-n:]]))
+            kl_last = float(np.mean([m["objective/kl"] for m in scored[-n:]]))
+            lines += [f"mean score: first {n} iterations {first:.4f}, last {n} iterations {last:.4f} "
+                      f"({last - first:+.4f})",
+                      f"mean KL (last {n}): {kl_last:.4f}; kl_coef now {float(self.kl_state.beta):.4f}"]
+        lines.append(f"metrics: {os.path.join(self.tc.output_dir, 'metrics.jsonl')}")
         return "\n".join(lines)
 
 

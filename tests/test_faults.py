@@ -468,14 +468,18 @@ def test_skip_nonfinite_scores_skips_and_counts_the_iteration(tmp_path):
         scores = demo.lowercase_reward(prompts, responses)
         return [float("nan")] + scores[1:] if len(calls) == 2 else scores
 
-    trainer = small_trainer(tmp_path / "run", iterations=3, reward_fn=sometimes_nan, skip_nonfinite_scores=True,
+    trainer = small_trainer(tmp_path / "run", iterations=4, reward_fn=sometimes_nan, skip_nonfinite_scores=True,
                             export_final=False)
     with pytest.warns(RuntimeWarning, match=r"iteration 1 skipped: reward function .* non-finite scores at rows \[0\]"):
-        history = trainer.train()
-    assert [r["ppo/updates_applied"] for r in history] == [4, 0, 4]
-    assert [r["objective/skipped_nonfinite_scores"] for r in history] == [0, 1, 1]
+        history = trainer.train()  # ends with the summary, whose first-iterations window holds the skipped one
+    assert [r["ppo/updates_applied"] for r in history] == [4, 0, 4, 4]
+    assert [r["objective/skipped_nonfinite_scores"] for r in history] == [0, 1, 1, 1]
     assert history[1]["objective/nonfinite_score_rows"] == 1 and "objective/scores" not in history[1]
-    assert int(trainer.state.step) == 8 and trainer.skipped_iterations == 1
+    assert int(trainer.state.step) == 12 and trainer.skipped_iterations == 1
+    summary = trainer.summary()
+    assert "iterations skipped for non-finite scores: 1" in summary
+    # Scored iterations 0, 2, 3: the first-iterations mean is iteration 0's score alone.
+    assert f"first 1 iterations {history[0]['objective/scores']:.4f}," in summary
 
 
 # ---------------------------------------------------------------------------- model directories
