@@ -29,6 +29,12 @@ AXES = ("data", "fsdp", "tensor")
 # (row-parallel) along the "tensor" axis. Kernels are (in, out).
 _COLUMN_PARALLEL = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "c_attn", "c_fc", "lm_head"}
 _ROW_PARALLEL = {"o_proj", "down_proj", "c_proj", "mlp_c_proj"}
+# Entries whose leaves lead with a layer axis (`Model(scan_layers=True)`).
+_STACKED = {"layers", "h"}
+
+
+def _key_name(k) -> str:
+    return str(getattr(k, "key", getattr(k, "name", k)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,12 +110,16 @@ def param_spec(path: tuple, shape: tuple, mesh: Mesh) -> P:
     Rules: 2-D kernels of known projections are split on the "tensor" axis (column-parallel
     on the output dim, row-parallel on the input dim) when it divides; then the largest
     remaining dimension that the "fsdp" axis divides is split over "fsdp"; 1-D and scalar
-    leaves, and dimensions nothing divides, are replicated.
+    leaves, and dimensions nothing divides, are replicated. Stacked layers (`scan_layers`:
+    leaves under a `layers` / `h` entry, leading with the layer axis) keep the layer axis
+    replicated and split the rest as the per-layer leaf would be split.
     """
+    names = {_key_name(k) for k in path}
+    if names & _STACKED and len(shape) >= 1:
+        return P(None, *param_spec(tuple(k for k in path if _key_name(k) not in _STACKED), shape[1:], mesh))
     spec = [None] * len(shape)
     if len(shape) < 2:
         return P(*spec)
-    names = {str(getattr(k, "key", getattr(k, "name", k))) for k in path}
     tensor, fsdp = mesh.shape["tensor"], mesh.shape["fsdp"]
     if tensor > 1 and len(shape) == 2:
         dim = 1 if names & _COLUMN_PARALLEL else (0 if names & _ROW_PARALLEL else None)

@@ -27,11 +27,12 @@ def _torch_outputs(torch_model, ids, mask):
     return out.logits.numpy()
 
 
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
 @pytest.mark.parametrize("name", CAUSAL)
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
-def test_causal_lm_logits_match_transformers(hf_checkpoints, name, padded):
+def test_causal_lm_logits_match_transformers(hf_checkpoints, name, padded, scan):
     path, torch_model = hf_checkpoints[name]
-    model, params = jm.from_pretrained(path)
+    model, params = jm.from_pretrained(path, scan_layers=scan)
     assert model.kind == "causal_lm" and model.config.model_type == name
     rng = np.random.default_rng(1)
     if padded:
@@ -46,10 +47,11 @@ def test_causal_lm_logits_match_transformers(hf_checkpoints, name, padded):
     np.testing.assert_allclose(ours[real], ref[real], atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
 @pytest.mark.parametrize("name", REWARD)
-def test_reward_scores_match_transformers(hf_checkpoints, name):
+def test_reward_scores_match_transformers(hf_checkpoints, name, scan):
     path, torch_model = hf_checkpoints[name]
-    model, params = jm.from_pretrained(path)
+    model, params = jm.from_pretrained(path, scan_layers=scan)
     assert model.kind == "reward"
     ids, mask = hf_models.left_padded_batch(np.random.default_rng(2), 5, 9)
     scores = np.asarray(model.apply(params, jnp.asarray(ids), jnp.asarray(mask)))
@@ -58,10 +60,11 @@ def test_reward_scores_match_transformers(hf_checkpoints, name):
     np.testing.assert_allclose(scores, ref, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
 @pytest.mark.parametrize("name", CAUSAL)
-def test_greedy_generation_matches_transformers(hf_checkpoints, name):
+def test_greedy_generation_matches_transformers(hf_checkpoints, name, scan):
     path, torch_model = hf_checkpoints[name]
-    model, params = jm.from_pretrained(path)
+    model, params = jm.from_pretrained(path, scan_layers=scan)
     ids, mask = hf_models.left_padded_batch(np.random.default_rng(3), 4, 7, min_len=3)
     r = 12
     out = jm.generate(model, params, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(0), response_length=r,
@@ -73,12 +76,13 @@ def test_greedy_generation_matches_transformers(hf_checkpoints, name):
     np.testing.assert_array_equal(np.asarray(out.tokens), ref)
 
 
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
 @pytest.mark.parametrize("name", CAUSAL + ("gpt2-reward",))
-def test_export_then_transformers_load_gives_same_logits(hf_checkpoints, tmp_path, name):
+def test_export_then_transformers_load_gives_same_logits(hf_checkpoints, tmp_path, name, scan):
     import transformers
 
     path, torch_model = hf_checkpoints[name]
-    model, params = jm.from_pretrained(path)
+    model, params = jm.from_pretrained(path, scan_layers=scan)
     # Change the weights so that the export cannot pass by copying the input files.
     params = jax.tree.map(lambda x: x * 1.01, params)
     out_dir = str(tmp_path / "export")
@@ -94,7 +98,7 @@ def test_export_then_transformers_load_gives_same_logits(hf_checkpoints, tmp_pat
         real = mask.astype(bool)
         np.testing.assert_allclose(ours[real], ref[real], atol=1e-4, rtol=0)
     # And jaxppo reads its own export back exactly.
-    model2, params2 = jm.from_pretrained(out_dir)
+    model2, params2 = jm.from_pretrained(out_dir, scan_layers=scan)
     assert model2 == model
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params2)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -119,20 +123,28 @@ def test_sharded_checkpoint_and_bf16(hf_checkpoints, tmp_path):
     assert np.abs(bf[real] - f32[real]).max() < 0.1 * np.abs(f32[real]).max()
 
 
-@pytest.mark.parametrize("remat", [True, "dots_saveable", "dots_with_no_batch_dims_saveable", "nothing_saveable"])
-def test_remat_same_logits_and_gradients(hf_checkpoints, remat):
+@pytest.mark.parametrize("remat,scan", [(True, False), ("dots_saveable", False), ("dots_with_no_batch_dims_saveable", False),
+                                        ("nothing_saveable", False), (False, True), (True, True),
+                                        ("dots_with_no_batch_dims_saveable", True)])
+def test_remat_same_logits_and_gradients(hf_checkpoints, remat, scan):
     path, _ = hf_checkpoints["qwen2"]
     model, params = jm.from_pretrained(path)
-    remat_model, _ = jm.from_pretrained(path, remat=remat)
+    remat_model, remat_params = jm.from_pretrained(path, remat=remat, scan_layers=scan)
+    if scan:  # the same tensors, stacked on a layer axis
+        assert remat_params["params"]["model"]["layers"]["q_proj"]["kernel"].shape[0] == model.config.num_layers
+        for a, b in zip(jax.tree.leaves(jm.unstack_layers(remat_params, model.config)), jax.tree.leaves(params)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     ids, mask = hf_models.left_padded_batch(np.random.default_rng(6), 2, 6)
     ids, mask = jnp.asarray(ids), jnp.asarray(mask)
 
     def loss(m, p):
         return jnp.sum(jax.nn.log_softmax(m.apply(p, ids, mask))[..., 5] * mask)
 
-    np.testing.assert_allclose(loss(remat_model, params), loss(model, params), rtol=1e-6)
+    np.testing.assert_allclose(loss(remat_model, remat_params), loss(model, params), rtol=1e-6)
     g1 = jax.grad(lambda p: loss(model, p))(params)
-    g2 = jax.grad(lambda p: loss(remat_model, p))(params)
+    g2 = jax.grad(lambda p: loss(remat_model, p))(remat_params)
+    if scan:
+        g2 = jm.unstack_layers(g2, model.config)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
 
@@ -143,6 +155,13 @@ def test_remat_names_are_checked():
     assert jm.Model(config, remat="full").remat is True
     with pytest.raises(ValueError, match="Model.remat='dots' is invalid; valid: False, True .*dots_saveable"):
         jm.Model(config, remat="dots")
+    with pytest.raises(ValueError, match="Model.scan_layers='yes' is invalid; use True or False"):
+        jm.Model(config, scan_layers="yes")
+    params = jm.Model(config).init(jax.random.key(0))
+    with pytest.raises(ValueError, match="unstack_layers needs the stacked layout"):
+        jm.unstack_layers(params, config)
+    with pytest.raises(ValueError, match="is already stacked|missing"):
+        jm.stack_layers(jm.stack_layers(params, config), config)
 
 
 def test_value_heads(hf_checkpoints):

@@ -70,6 +70,39 @@ def test_sharded_train_step_equals_single_device(setup, mesh_config):
         assert spec[1] == "tensor"  # column-parallel: output features
 
 
+@pytest.mark.parametrize("mesh_config", [MESHES[2], MESHES[3]], ids=_ids)
+def test_scanned_layers_sharded_equal_unrolled_single_device(setup, mesh_config):
+    """Stacked layers (`scan_layers`) under a mesh: same update as the unrolled model on one
+    device, stacked kernels split on the per-layer kernel's dimensions, layer axis whole."""
+    policy, critic, params, rollout = setup
+    config = jaxppo.PPOConfig(batch_size=16, mini_batch_size=8, ppo_epochs=1)
+    # Adam (its moments are checked below) with eps large enough that float rounding in
+    # near-zero gradients is not blown up to a full-size step.
+    state = jaxppo.TrainState.create(apply_fn=jm.PolicyAndCritic(policy, critic), params=params, tx=optax.adam(1e-2, eps=1e-3))
+    ref, ref_metrics = jaxppo.train_step(state, rollout, jax.random.key(3), config)
+
+    scanned = jm.PolicyAndCritic(jm.Model(policy.config, scan_layers=True),
+                                 jm.Model(critic.config, kind="value", scan_layers=True))
+    stacked = {k: jm.stack_layers(v, policy.config) for k, v in params.items()}
+    mesh = sh.make_mesh(mesh_config)
+    s_state = sh.shard_state(jaxppo.TrainState.create(apply_fn=scanned, params=stacked, tx=optax.adam(1e-2, eps=1e-3)), mesh)
+    out, metrics = sh.sharded_train_step(s_state, config, mesh)(s_state, sh.shard_batch(rollout, mesh),
+                                                                jax.random.key(3))
+    assert float(metrics["loss/total_avg"]) == pytest.approx(float(ref_metrics["loss/total_avg"]), rel=1e-4)
+    want = {k: jm.stack_layers(v, policy.config) for k, v in ref.params.items()}
+    for a, b in zip(jax.tree.leaves(out.params), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=1e-4)
+    layers = out.params["policy"]["params"]["model"]["layers"]
+    per_layer = sh.param_spec(("layers_0", "up_proj", "kernel"), layers["up_proj"]["kernel"].shape[1:], mesh)
+    assert layers["up_proj"]["kernel"].sharding.spec == jax.sharding.PartitionSpec(None, *per_layer)
+    assert "fsdp" in tuple(layers["up_proj"]["kernel"].sharding.spec)
+    if mesh_config.tensor > 1:
+        assert layers["up_proj"]["kernel"].sharding.spec[2] == "tensor"  # column-parallel: output features
+        assert layers["down_proj"]["kernel"].sharding.spec[1] == "tensor"  # row-parallel: input features
+    mu = out.opt_state[0].mu["policy"]["params"]["model"]["layers"]["down_proj"]["kernel"]
+    assert mu.sharding.spec == layers["down_proj"]["kernel"].sharding.spec
+
+
 def test_adam_states_sharded_like_params_and_accumulation(setup):
     policy, critic, params, rollout = setup
     config = jaxppo.PPOConfig(batch_size=16, mini_batch_size=16, ppo_epochs=1, gradient_accumulation_steps=2)

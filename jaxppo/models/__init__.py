@@ -4,7 +4,7 @@ score heads, Hugging Face checkpoint import/export, tokenizers, and KV-cache sam
 from jaxppo.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from jaxppo.models.generate import GenerationOutput, filter_logits, generate
 from jaxppo.models.hf import from_pretrained, params_from_hf_tensors, params_to_hf_tensors, save_pretrained
-from jaxppo.models.model import KINDS, Model, PolicyAndCritic
+from jaxppo.models.model import KINDS, Model, PolicyAndCritic, stack_layers, unstack_layers
 from jaxppo.models.tokenizer import decode_responses, encode_prompts, load_tokenizer
 from jaxppo.models.transformer import default_positions
 
@@ -14,6 +14,8 @@ __all__ = [
     "Model",
     "KINDS",
     "PolicyAndCritic",
+    "stack_layers",
+    "unstack_layers",
     "from_pretrained",
     "save_pretrained",
     "params_from_hf_tensors",

@@ -12,7 +12,9 @@ import numpy as np
 from flax import traverse_util
 
 from jaxppo.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
-from jaxppo.models.model import KINDS, Model
+import dataclasses
+
+from jaxppo.models.model import KINDS, Model, stack_layers, unstack_layers
 
 __all__ = ["from_pretrained", "save_pretrained", "params_from_hf_tensors", "params_to_hf_tensors", "check_checkpoint_dir"]
 
@@ -179,7 +181,12 @@ def params_from_hf_tensors(model: Model, get_tensor, names, *, strict: bool = Tr
       get_tensor: name -> numpy array, in Hugging Face layout.
       names: the set of tensor names available.
     Raises ValueError listing missing names, unexpected names and shape mismatches.
+    With `model.scan_layers` the per-layer tensors are stacked on a leading layer axis.
     """
+    if model.scan_layers:
+        per_layer = params_from_hf_tensors(dataclasses.replace(model, scan_layers=False), get_tensor, names,
+                                           strict=strict)
+        return stack_layers(per_layer, model.config)
     c = model.config
     shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), seq_len=2))
     flat = traverse_util.flatten_dict(shapes["params"])
@@ -236,6 +243,7 @@ def from_pretrained(
     param_dtype=None,
     kind: Optional[str] = None,
     remat=False,
+    scan_layers: bool = False,
 ):
     """Load a local Hugging Face checkpoint directory -> (Model, params).
 
@@ -251,6 +259,8 @@ def from_pretrained(
         checkpoints, else "causal_lm".
       remat: rematerialise each block in the backward pass (less memory, more compute):
         False, True, or a `jax.checkpoint_policies` name (see `Model`).
+      scan_layers: stack the per-layer tensors on a leading layer axis and run the blocks
+        as one scan (see `Model`); `save_pretrained` writes them back per layer.
 
     Returns:
       (model, params) with `model.apply(params, input_ids, attention_mask)` pure.
@@ -266,7 +276,8 @@ def from_pretrained(
         kind = "reward" if any(a.endswith("ForSequenceClassification") for a in archs) else "causal_lm"
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r} is invalid; valid kinds: {', '.join(KINDS)}")
-    model = Model(config, kind=kind, dtype=dtype, param_dtype=param_dtype or dtype, remat=remat)
+    model = Model(config, kind=kind, dtype=dtype, param_dtype=param_dtype or dtype, remat=remat,
+                  scan_layers=scan_layers)
     tensors = _Tensors(path)
     params = params_from_hf_tensors(model, tensors.get, tensors.names())
     value_head_file = os.path.join(path, _VALUE_HEAD_FILE)
@@ -282,7 +293,10 @@ def from_pretrained(
 
 
 def params_to_hf_tensors(model: Model, params) -> dict:
-    """`model`'s params as {Hugging Face name: numpy array}, in Hugging Face layout."""
+    """`model`'s params as {Hugging Face name: numpy array}, in Hugging Face layout (one
+    tensor per layer, also from the stacked layout of `scan_layers`)."""
+    if model.scan_layers:
+        params = unstack_layers(params, model.config)
     out = {}
     for path, value in traverse_util.flatten_dict(params["params"]).items():
         mapped = _hf_name(path, model.config)

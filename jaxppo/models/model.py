@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jaxppo.models.config import ModelConfig
 from jaxppo.models.transformer import CausalLMModule, ScoreModule, default_positions
 
-__all__ = ["Model", "KINDS", "PolicyAndCritic"]
+__all__ = ["Model", "KINDS", "PolicyAndCritic", "stack_layers", "unstack_layers"]
 
 KINDS = ("causal_lm", "causal_lm_value", "reward", "value")
 
@@ -44,13 +44,20 @@ class Model:
       policy name from `jax.checkpoint_policies` that says what each block keeps:
       "dots_saveable" (matmul outputs), "dots_with_no_batch_dims_saveable" (matmuls with
       no batch dimension: the projections, not attention scores), "nothing_saveable" (as
-      True), "everything_saveable" (as False). Same outputs and gradients either way."""
+      True), "everything_saveable" (as False). Same outputs and gradients either way.
+    scan_layers: stack the blocks' parameters on a leading layer axis and run them as one
+      `nn.scan` (compile time and program size independent of depth; the layout real-size
+      models want). Params then hold `layers` (`h` for GPT-2) with a leading num_layers
+      axis instead of `layers_0` ... `layers_{n-1}`; `stack_layers` / `unstack_layers`
+      convert between the two layouts, and `from_pretrained` / `save_pretrained` map
+      Hugging Face's per-layer tensors to either. Same outputs and gradients either way."""
 
     config: ModelConfig
     kind: str = "causal_lm"
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: Union[bool, str] = False
+    scan_layers: bool = False
 
     def __post_init__(self):
         if self.remat == "full":
@@ -58,6 +65,8 @@ class Model:
         if not isinstance(self.remat, bool) and self.remat not in REMAT_POLICIES:
             raise ValueError(f"Model.remat={self.remat!r} is invalid; valid: False, True (or 'full'), or a policy "
                              f"name: {', '.join(REMAT_POLICIES)}")
+        if not isinstance(self.scan_layers, bool):
+            raise ValueError(f"Model.scan_layers={self.scan_layers!r} is invalid; use True or False")
         if self.kind not in KINDS:
             raise ValueError(f"Model.kind={self.kind!r} is invalid; valid kinds: {', '.join(KINDS)}")
         for field in ("dtype", "param_dtype"):
@@ -68,7 +77,8 @@ class Model:
 
     @property
     def module(self):
-        common = dict(config=self.config, dtype=jnp.dtype(self.dtype), param_dtype=jnp.dtype(self.param_dtype), remat=self.remat)
+        common = dict(config=self.config, dtype=jnp.dtype(self.dtype), param_dtype=jnp.dtype(self.param_dtype), remat=self.remat,
+                      scan_layers=self.scan_layers)
         if self.kind in ("causal_lm", "causal_lm_value"):
             return CausalLMModule(with_value_head=self.kind == "causal_lm_value", **common)
         return ScoreModule(num_labels=self.config.num_labels if self.kind == "reward" else 1,
@@ -99,9 +109,13 @@ class Model:
         return picked[:, 0] if self.config.num_labels == 1 else picked
 
     def init_cache(self, batch: int, max_len: int):
-        """Zeroed KV cache: per layer (k, v), each (batch, max_len, num_kv_heads, head_dim)."""
+        """Zeroed KV cache: per layer (k, v), each (batch, max_len, num_kv_heads, head_dim);
+        with `scan_layers` one (k, v) pair, each (num_layers, batch, max_len, ...)."""
         c = self.config
         shape = (batch, max_len, c.num_kv_heads, c.head_dim)
+        if self.scan_layers:
+            shape = (c.num_layers,) + shape
+            return jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)
         return tuple((jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)) for _ in range(c.num_layers))
 
     def decode(self, params, input_ids, attention_mask, positions, cache, cache_index):
@@ -135,3 +149,39 @@ class PolicyAndCritic:
         logits = self.policy.apply(params["policy"], tokens, mask)
         values = self.critic.apply(params["critic"], tokens, mask)
         return logits, values
+
+
+def _layer_prefix(config: ModelConfig) -> str:
+    return "h" if config.model_type == "gpt2" else "layers"
+
+
+def _trunk(config: ModelConfig) -> str:
+    return "transformer" if config.model_type == "gpt2" else "model"
+
+
+def stack_layers(params, config: ModelConfig):
+    """Per-layer params (`layers_0` ... `layers_{n-1}`, as `Model(scan_layers=False)` has
+    them) -> the stacked layout of `Model(scan_layers=True)` (one `layers` entry whose
+    leaves lead with a num_layers axis). Other entries are kept as they are."""
+    prefix, trunk = _layer_prefix(config), _trunk(config)
+    inner = dict(params["params"][trunk])
+    names = [f"{prefix}_{i}" for i in range(config.num_layers)]
+    missing = [n for n in names if n not in inner]
+    if missing or prefix in inner:
+        raise ValueError(f"stack_layers needs the per-layer layout ({prefix}_0 ... {prefix}_{config.num_layers - 1}); "
+                         f"missing {missing}" + (f", and {prefix!r} is already stacked" if prefix in inner else ""))
+    layers = [inner.pop(n) for n in names]
+    inner[prefix] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+    return {**params, "params": {**params["params"], trunk: inner}}
+
+
+def unstack_layers(params, config: ModelConfig):
+    """The inverse of `stack_layers`: stacked `layers` -> `layers_0` ... `layers_{n-1}`."""
+    prefix, trunk = _layer_prefix(config), _trunk(config)
+    inner = dict(params["params"][trunk])
+    if prefix not in inner:
+        raise ValueError(f"unstack_layers needs the stacked layout (a {prefix!r} entry under {trunk!r})")
+    stacked = inner.pop(prefix)
+    for i in range(config.num_layers):
+        inner[f"{prefix}_{i}"] = jax.tree.map(lambda x: x[i], stacked)
+    return {**params, "params": {**params["params"], trunk: inner}}

@@ -165,12 +165,18 @@ class LlamaBlock(nn.Module):
 class Transformer(nn.Module):
     """The trunk: embeddings, blocks, final norm.
 
+    With `scan_layers` the blocks' parameters are stacked on a leading layer axis (one
+    `layers` / `h` module instead of `layers_0` ... `layers_{n-1}`) and the blocks run as
+    one `nn.scan`, so the compiled program does not grow with depth; the KV cache is then a
+    single (k, v) pair with the same leading layer axis.
+
     Returns (hidden (B, Lq, hidden_size), new_cache or None, token embedding table)."""
 
     config: ModelConfig
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     remat: Any = False  # False, True, or a jax.checkpoint_policies name (see Model)
+    scan_layers: bool = False
 
     @nn.compact
     def __call__(self, input_ids, attention_mask, positions, cache=None, cache_index=0):
@@ -189,17 +195,28 @@ class Transformer(nn.Module):
         block_cls = GPT2Block if gpt2 else LlamaBlock
         if self.remat:
             policy = None if self.remat is True else getattr(jax.checkpoint_policies, self.remat)
-            block_cls = nn.remat(block_cls, policy=policy)
-        new_cache = []
-        for i in range(c.num_layers):
-            block = block_cls(c, self.dtype, self.param_dtype, name=f"{'h' if gpt2 else 'layers'}_{i}")
-            x, layer_cache = block(x, mask, positions, None if cache is None else cache[i], cache_index)
-            new_cache.append(layer_cache)
+            # prevent_cse=False is safe (and cheaper) inside a scan, where XLA cannot CSE
+            # the recomputation away; unrolled blocks keep the default.
+            block_cls = nn.remat(block_cls, policy=policy, prevent_cse=not self.scan_layers)
+        prefix = "h" if gpt2 else "layers"
+        if self.scan_layers:
+            # Block call: (x, mask, positions, layer_cache, cache_index) -> (x, layer_cache);
+            # x is the carry, the cache (stacked on the layer axis, or None) is scanned over.
+            stack = nn.scan(block_cls, variable_axes={"params": 0}, split_rngs={"params": True},
+                            in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast), length=c.num_layers)
+            x, new_cache = stack(c, self.dtype, self.param_dtype, name=prefix)(x, mask, positions, cache, cache_index)
+        else:
+            new_cache = []
+            for i in range(c.num_layers):
+                block = block_cls(c, self.dtype, self.param_dtype, name=f"{prefix}_{i}")
+                x, layer_cache = block(x, mask, positions, None if cache is None else cache[i], cache_index)
+                new_cache.append(layer_cache)
+            new_cache = tuple(new_cache) if cache is not None else None
         if gpt2:
             x = nn.LayerNorm(epsilon=c.norm_eps, dtype=self.dtype, param_dtype=self.param_dtype, name="ln_f")(x)
         else:
             x = RMSNorm(c.norm_eps, self.dtype, self.param_dtype, name="norm")(x)
-        return x, (tuple(new_cache) if cache is not None else None), embed.embedding
+        return x, new_cache, embed.embedding
 
 
 class CausalLMModule(nn.Module):
@@ -211,12 +228,14 @@ class CausalLMModule(nn.Module):
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     remat: Any = False  # False, True, or a jax.checkpoint_policies name (see Model)
+    scan_layers: bool = False
     with_value_head: bool = False
 
     @nn.compact
     def __call__(self, input_ids, attention_mask, positions, cache=None, cache_index=0):
         c = self.config
-        trunk = Transformer(c, self.dtype, self.param_dtype, self.remat, name="transformer" if c.model_type == "gpt2" else "model")
+        trunk = Transformer(c, self.dtype, self.param_dtype, self.remat, self.scan_layers,
+                            name="transformer" if c.model_type == "gpt2" else "model")
         hidden, cache, table = trunk(input_ids, attention_mask, positions, cache, cache_index)
         if c.tie_word_embeddings:
             logits = jnp.einsum("bld,vd->blv", hidden, table.astype(self.dtype))
@@ -239,13 +258,15 @@ class ScoreModule(nn.Module):
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     remat: Any = False  # False, True, or a jax.checkpoint_policies name (see Model)
+    scan_layers: bool = False
     num_labels: int = 1
     zero_init: bool = False
 
     @nn.compact
     def __call__(self, input_ids, attention_mask, positions):
         c = self.config
-        trunk = Transformer(c, self.dtype, self.param_dtype, self.remat, name="transformer" if c.model_type == "gpt2" else "model")
+        trunk = Transformer(c, self.dtype, self.param_dtype, self.remat, self.scan_layers,
+                            name="transformer" if c.model_type == "gpt2" else "model")
         hidden, _, _ = trunk(input_ids, attention_mask, positions)
         init = nn.initializers.zeros if self.zero_init else nn.initializers.normal(0.02)
         return nn.Dense(self.num_labels, use_bias=False, dtype=jnp.float32, param_dtype=self.param_dtype,
