@@ -40,6 +40,8 @@ _EXTRA = {
     "remat": (str, "none", "rematerialise the policy's and critic's blocks in the backward pass: none, full, or a "
                            "jax.checkpoint_policies name (dots_saveable, dots_with_no_batch_dims_saveable, "
                            "nothing_saveable)"),
+    "scan_layers": (bool, False, "run the models' transformer blocks as one scan over layer-stacked parameters: "
+                                 "compile time no longer grows with depth (recommended for real models)"),
     "config": (str, None, "JSON or TOML file of settings (flags override it)"),
     "mesh_data": (int, None, "devices on the mesh's 'data' axis (pure data parallelism)"),
     "mesh_fsdp": (int, None, "devices on the 'fsdp' axis (data parallel, parameters and optimizer states sharded)"),
@@ -200,7 +202,8 @@ def build_trainer(ppo: PPOConfig, tc: TrainerConfig, extras: dict) -> PPOTrainer
                       reward_fn=reward_fn, critic=extras["critic"], ref_policy=extras["ref_model"],
                       dtype=extras["dtype"], ref_dtype=extras["ref_dtype"], reward_dtype=extras["reward_dtype"],
                       prompt_column=extras["prompt_column"], mesh=mesh,
-                      remat=False if extras["remat"] == "none" else extras["remat"])
+                      remat=False if extras["remat"] == "none" else extras["remat"],
+                      scan_layers=True if extras["scan_layers"] else None)
 
 
 def compilation_cache_dir(setting: Optional[str]) -> Optional[str]:

@@ -33,7 +33,7 @@ from jaxppo import sharding
 from jaxppo.config import PPOConfig, _is_int
 from jaxppo.engine import TrainState
 from jaxppo.models import hf as hf_io
-from jaxppo.models.model import Model, PolicyAndCritic
+from jaxppo.models.model import Model, PolicyAndCritic, stack_layers, unstack_layers
 from jaxppo.models.tokenizer import decode_responses, encode_prompts
 from jaxppo.logger import Logger, read_metrics
 from jaxppo.ppo import train_step_fn
@@ -216,12 +216,18 @@ def _prompt_of(row, column: str, label: str):
     return row
 
 
-def _load_model(spec, kind, dtype, param_dtype=None):
+def _load_model(spec, kind, dtype, param_dtype=None, scan_layers=None):
+    """(model, params) from a checkpoint path or a (Model, params) pair; `scan_layers`
+    True/False puts the layers in that layout (None: as loaded / as given)."""
     if isinstance(spec, (str, os.PathLike)):
-        return hf_io.from_pretrained(os.fspath(spec), dtype=dtype, param_dtype=param_dtype or dtype, kind=kind)
+        return hf_io.from_pretrained(os.fspath(spec), dtype=dtype, param_dtype=param_dtype or dtype, kind=kind,
+                                     scan_layers=bool(scan_layers))
     model, params = spec
     if not isinstance(model, Model):
         raise TypeError(f"expected a checkpoint path or a (jaxppo.models.Model, params) pair, got {type(model).__name__}")
+    if scan_layers is not None and model.scan_layers != scan_layers:
+        convert = stack_layers if scan_layers else unstack_layers
+        model, params = dataclasses.replace(model, scan_layers=scan_layers), convert(params, model.config)
     return model, params
 
 
@@ -278,6 +284,10 @@ class PPOTrainer:
       remat: rematerialisation of the trained models' blocks (policy and critic): False,
         True or a `jax.checkpoint_policies` name (see `jaxppo.models.Model`); None keeps
         each model's own setting. It changes memory and compute, not results.
+      scan_layers: True runs every model's blocks as one scan over layer-stacked parameters
+        (compile time independent of depth; see `jaxppo.models.Model`), False unrolls
+        them; models given as `(Model, params)` are converted. None: checkpoints load
+        unrolled and given models keep their layout. Results are the same either way.
       mesh: None (one device), a `jaxppo.sharding.MeshConfig`, or a `jax.sharding.Mesh`
         with axes ("data", "fsdp", "tensor"): parameters and optimizer states are sharded
         by `jaxppo.sharding.tree_shardings`, rollout rows split over the data axes.
@@ -287,7 +297,7 @@ class PPOTrainer:
                  reward_model=None, reward_fn: Optional[Callable] = None, reward_fn_on: str = "text",
                  ref_policy=None, critic=None, dtype: str = "float32", ref_dtype: Optional[str] = None,
                  reward_dtype: Optional[str] = None, prompt_column: str = "prompt",
-                 callbacks: Sequence[Callable] = (), mesh=None, remat=None):
+                 callbacks: Sequence[Callable] = (), mesh=None, remat=None, scan_layers: Optional[bool] = None):
         if not isinstance(config, PPOConfig):
             raise TypeError(f"config must be a jaxppo.PPOConfig, got {type(config).__name__}")
         if not isinstance(trainer_config, TrainerConfig):
@@ -316,7 +326,7 @@ class PPOTrainer:
 
         # Models.
         ref_dtype, reward_dtype = ref_dtype or dtype, reward_dtype or dtype
-        policy_model, policy_params = _load_model(policy, "causal_lm", dtype, "float32")
+        policy_model, policy_params = _load_model(policy, "causal_lm", dtype, "float32", scan_layers)
         if remat is not None:
             policy_model = dataclasses.replace(policy_model, remat=remat)
         if policy_model.kind != "causal_lm":
@@ -327,11 +337,11 @@ class PPOTrainer:
             ref_model = dataclasses.replace(policy_model, dtype=ref_dtype, param_dtype=ref_dtype)
             ref_params = jax.tree.map(lambda x: jnp.array(x, dtype=jnp.dtype(ref_dtype)), policy_params)
         else:
-            ref_model, ref_params = _load_model(ref_policy, "causal_lm", ref_dtype)
+            ref_model, ref_params = _load_model(ref_policy, "causal_lm", ref_dtype, scan_layers=scan_layers)
         self.reward_model = None
         reward_params = None
         if reward_model is not None:
-            self.reward_model, reward_params = _load_model(reward_model, "reward", reward_dtype)
+            self.reward_model, reward_params = _load_model(reward_model, "reward", reward_dtype, scan_layers=scan_layers)
             if self.reward_model.kind != "reward":
                 raise ValueError(f"reward_model must be of kind 'reward', got {self.reward_model.kind!r}")
         if tc.shared_trunk:
@@ -341,7 +351,7 @@ class PPOTrainer:
             apply_fn, params_key, self.policy_model = model.apply, None, model
         else:
             if critic is not None:
-                critic_model, critic_params = _load_model(critic, "value", dtype, "float32")
+                critic_model, critic_params = _load_model(critic, "value", dtype, "float32", scan_layers)
                 if critic_model.kind != "value":
                     critic_model, critic_params = _critic_from(critic_model, critic_params, zero_head=False)
             elif self.reward_model is not None:
@@ -848,6 +858,8 @@ def _describe_model(spec, model, dtype) -> dict:
     if model is not None:
         out.update(config=json.loads(model.config.to_json()), kind=model.kind, dtype=str(jnp.dtype(model.dtype)),
                    param_dtype=str(jnp.dtype(model.param_dtype)))
+        if model.scan_layers:  # another parameter layout: its checkpoints do not fit the other
+            out["scan_layers"] = True
     else:
         out["dtype"] = dtype
     return out

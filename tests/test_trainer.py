@@ -222,20 +222,29 @@ def test_command_uses_a_persistent_compilation_cache_by_default(tmp_path):
     assert not (tmp_path / "home2" / ".cache" / "jaxppo").exists()
 
 
-def test_remat_of_the_trained_models_changes_nothing_but_memory(tokenizer, tmp_path):
-    ppo, tc = small_configs(tmp_path / "a", iterations=1)
+@pytest.mark.parametrize("remat,scan", [("dots_with_no_batch_dims_saveable", None), (True, True)],
+                         ids=["remat", "remat-scanned"])
+def test_remat_and_scanned_layers_change_nothing_but_memory(tokenizer, tmp_path, remat, scan):
     rows = []
-    for remat, out in ((None, "a"), ("dots_with_no_batch_dims_saveable", "b")):
+    for remat_, scan_, out in ((None, None, "a"), (remat, scan, "b")):
         ppo, tc = small_configs(tmp_path / out, iterations=1)
-        trainer = jaxppo.PPOTrainer(ppo, tc, policy=demo.demo_policy(tokenizer, width=32, layers=1, max_len=40),
+        trainer = jaxppo.PPOTrainer(ppo, tc, policy=demo.demo_policy(tokenizer, width=32, layers=2, max_len=40),
                                     tokenizer=tokenizer, prompts=demo.DEMO_PROMPTS, reward_fn=demo.lowercase_reward,
-                                    remat=remat)
-        if remat is not None:
-            assert trainer.policy_model.remat == remat and trainer.state.apply_fn.critic.remat == remat
+                                    remat=remat_, scan_layers=scan_)
+        if remat_ is not None:
+            assert trainer.policy_model.remat == remat_ and trainer.state.apply_fn.critic.remat == remat_
         rows.append(_comparable(trainer.step()))
+    assert trainer.policy_model.scan_layers == bool(scan) == trainer.state.apply_fn.critic.scan_layers
     assert rows[0].keys() == rows[1].keys()
     for name in rows[0]:
         assert rows[1][name] == pytest.approx(rows[0][name], rel=1e-4, abs=1e-6), name
+    if scan:  # the export is Hugging Face's per-layer layout, whatever the trainer's
+        trainer.export(str(tmp_path / "export"))
+        model, params = jm.from_pretrained(str(tmp_path / "export"))
+        assert not model.scan_layers
+        want = jm.unstack_layers(trainer.state.params["policy"], model.config)
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_update_donates_the_old_train_state_and_nothing_else(tokenizer, tmp_path):
