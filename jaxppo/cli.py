@@ -42,6 +42,9 @@ _EXTRA = {
                            "nothing_saveable)"),
     "scan_layers": (bool, False, "run the models' transformer blocks as one scan over layer-stacked parameters: "
                                  "compile time no longer grows with depth (recommended for real models)"),
+    "logits_chunk_size": (int, None, "apply the LM head this many response positions at a time when scoring (each "
+                                     "chunk's logits recomputed in the backward pass): less memory at large "
+                                     "vocabularies"),
     "config": (str, None, "JSON or TOML file of settings (flags override it)"),
     "mesh_data": (int, None, "devices on the mesh's 'data' axis (pure data parallelism)"),
     "mesh_fsdp": (int, None, "devices on the 'fsdp' axis (data parallel, parameters and optimizer states sharded)"),
@@ -149,6 +152,10 @@ def resolve(argv=None):
             raise SystemExit(f"jaxppo: setting {name}={value!r} is invalid: {name} must be a {kind.__name__}")
     from jaxppo.models.model import REMAT_POLICIES
 
+    if values["logits_chunk_size"] is not None and values["logits_chunk_size"] <= 0:
+        raise SystemExit(f"jaxppo: --logits-chunk-size {values['logits_chunk_size']} is invalid; give a positive "
+                         "number of positions (or leave it unset: the head then runs on all response positions at "
+                         "once)")
     if values["remat"] not in ("none", "full") + REMAT_POLICIES:
         raise SystemExit(f"jaxppo: --remat {values['remat']!r} is invalid; valid: none, full, "
                          f"{', '.join(REMAT_POLICIES)}")
@@ -203,7 +210,8 @@ def build_trainer(ppo: PPOConfig, tc: TrainerConfig, extras: dict) -> PPOTrainer
                       dtype=extras["dtype"], ref_dtype=extras["ref_dtype"], reward_dtype=extras["reward_dtype"],
                       prompt_column=extras["prompt_column"], mesh=mesh,
                       remat=False if extras["remat"] == "none" else extras["remat"],
-                      scan_layers=True if extras["scan_layers"] else None)
+                      scan_layers=True if extras["scan_layers"] else None,
+                      logits_chunk_size=extras["logits_chunk_size"])
 
 
 def compilation_cache_dir(setting: Optional[str]) -> Optional[str]:

@@ -27,7 +27,7 @@ import numpy as np
 from jaxppo import math as ppo_math
 from jaxppo.models.generate import GenerationOutput, generate
 from jaxppo.models.model import Model
-from jaxppo.rollout_types import Rollout, response_outputs
+from jaxppo.rollout_types import Rollout, response_outputs, scorer
 
 __all__ = ["RolloutSpec", "sample_responses", "finish_rollout", "check_scores", "nonfinite_rows", "RewardError"]
 
@@ -41,7 +41,8 @@ class RolloutSpec:
       apply_fn: the train state's `apply_fn(params, tokens, mask) -> (logits, values)`.
       policy_params_key: where the policy's params sit in the train params (None: the
         params are the policy's own, as with a shared trunk; "policy" for PolicyAndCritic).
-      ref_apply: `ref_apply(ref_params, tokens, mask) -> logits`.
+      ref_apply: `ref_apply(ref_params, tokens, mask) -> logits`; one that offers
+        `response_outputs` (a built-in model) scores without full logits.
       reward_apply: `reward_apply(reward_params, tokens, mask) -> (B,)` scores, or None.
       token_reward_fn: a jittable `fn(prompt_ids, prompt_mask, response_ids, response_mask)
         -> (B,)` scores, or None.
@@ -147,8 +148,12 @@ def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompt_
     tokens = jnp.concatenate([prompt_ids, gen.tokens], axis=1)
     mask = jnp.concatenate([prompt_mask, response_mask], axis=1)
     q, r = prompt_ids.shape[1], gen.tokens.shape[1]
-    ref_logits = spec.ref_apply(ref_params, tokens, mask)[:, q - 1 : q - 1 + r]
-    ref_logprobs = ppo_math.logprobs_from_logits(ref_logits, gen.tokens, spec.temperature)
+    ref_scorer = scorer(spec.ref_apply)
+    if ref_scorer is not None:  # a built-in model: no full logits
+        ref_logprobs = ref_scorer(ref_params, prompt_ids, prompt_mask, gen.tokens, response_mask, spec.temperature)[0]
+    else:
+        ref_logits = spec.ref_apply(ref_params, tokens, mask)[:, q - 1 : q - 1 + r]
+        ref_logprobs = ppo_math.logprobs_from_logits(ref_logits, gen.tokens, spec.temperature)
 
     if spec.reward_apply is not None:
         raw_scores = spec.reward_apply(reward_params, tokens, mask).astype(jnp.float32)

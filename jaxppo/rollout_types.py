@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from jaxppo import math as ppo_math
 
-__all__ = ["Rollout", "response_outputs"]
+__all__ = ["Rollout", "response_outputs", "scorer"]
 
 
 class Rollout(flax.struct.PyTreeNode):
@@ -43,9 +43,31 @@ class Rollout(flax.struct.PyTreeNode):
         return self.query_tokens.shape[0]
 
 
+def scorer(fn):
+    """The `response_outputs(params, query_tokens, query_mask, response_tokens,
+    response_mask, temperature) -> (logprobs, values, entropy)` method that `fn` offers, or
+    None. Built-in models opt in this way (`jaxppo.models.Model`, `PolicyAndCritic`, also
+    as a bound `model.apply`); they score without materialising (B, L, V) logits."""
+    owner = getattr(fn, "__self__", None)
+    if owner is not None and getattr(fn, "__name__", "") == "apply":
+        fn = owner  # a bound `Model.apply`
+    method = getattr(fn, "response_outputs", None)
+    return method if callable(method) else None
+
+
 def response_outputs(apply_fn, params, batch, temperature: float):
     """Run the model on query + response; return the response tokens' log-probs,
-    values and per-token entropies, each (B, R)."""
+    values and per-token entropies, each (B, R).
+
+    Models that offer `response_outputs` (the built-in ones, see `scorer`) apply the LM
+    head at response positions only, in chunks when configured. Any other `apply_fn(params,
+    tokens, mask) -> (logits (B, L, V), values (B, L))` works unchanged: its full logits are
+    sliced at the response positions."""
+    method = scorer(apply_fn)
+    if method is not None:
+        logprobs, values, entropy = method(params, batch["query_tokens"], batch["query_mask"],
+                                           batch["response_tokens"], batch["response_mask"], temperature)
+        return logprobs, values, entropy
     q = batch["query_tokens"].shape[1]
     r = batch["response_tokens"].shape[1]
     tokens = jnp.concatenate([batch["query_tokens"], batch["response_tokens"]], axis=1)

@@ -22,7 +22,7 @@ from jaxppo.config import PPOConfig
 
 __all__ = ["MeshConfig", "make_mesh", "batch_sharding", "shard_batch", "param_spec", "tree_shardings", "shard_state",
            "sharded_train_step", "global_batch",
-           "check_batch_divides", "initialize_distributed"]
+           "check_batch_divides", "initialize_distributed", "MeshBound"]
 
 AXES = ("data", "fsdp", "tensor")
 # Projections split on their output features (column-parallel) or input features
@@ -176,8 +176,25 @@ def sharded_train_step(state, config: PPOConfig, mesh: Mesh, *, donate: bool = F
     rows = batch_sharding(mesh)
     replicated = NamedSharding(mesh, P())
     fn = functools.partial(train_step_fn, config=config, minibatch_sharding=rows)
-    return jax.jit(fn, in_shardings=(state_sharding, rows, replicated), out_shardings=(state_sharding, replicated),
-                   donate_argnums=(0,) if donate else ())
+    return MeshBound(jax.jit(fn, in_shardings=(state_sharding, rows, replicated),
+                             out_shardings=(state_sharding, replicated), donate_argnums=(0,) if donate else ()), mesh)
+
+
+class MeshBound:
+    """A jitted function traced and run with `mesh` in context (`jax.set_mesh`), so that code
+    inside it (the built-in models' log-prob head) can pin shardings by axis name. Calls
+    like the function; `lower(...)` lowers it for ahead-of-time compilation."""
+
+    def __init__(self, jitted, mesh: Mesh):
+        self.jitted, self.mesh = jitted, mesh
+
+    def __call__(self, *args, **kwargs):
+        with jax.set_mesh(self.mesh):
+            return self.jitted(*args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        with jax.set_mesh(self.mesh):
+            return self.jitted.lower(*args, **kwargs)
 
 
 def global_batch(array, mesh: Mesh):

@@ -10,6 +10,7 @@ checkpoint produces exactly the metrics of an uninterrupted one.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -288,6 +289,9 @@ class PPOTrainer:
         (compile time independent of depth; see `jaxppo.models.Model`), False unrolls
         them; models given as `(Model, params)` are converted. None: checkpoints load
         unrolled and given models keep their layout. Results are the same either way.
+      logits_chunk_size: the policy's and reference's LM head runs at response positions
+        only (never on full (B, L, V) logits); with this set, that many positions at a
+        time, each chunk recomputed in the backward pass (see `jaxppo.models.Model`).
       mesh: None (one device), a `jaxppo.sharding.MeshConfig`, or a `jax.sharding.Mesh`
         with axes ("data", "fsdp", "tensor"): parameters and optimizer states are sharded
         by `jaxppo.sharding.tree_shardings`, rollout rows split over the data axes.
@@ -297,7 +301,8 @@ class PPOTrainer:
                  reward_model=None, reward_fn: Optional[Callable] = None, reward_fn_on: str = "text",
                  ref_policy=None, critic=None, dtype: str = "float32", ref_dtype: Optional[str] = None,
                  reward_dtype: Optional[str] = None, prompt_column: str = "prompt",
-                 callbacks: Sequence[Callable] = (), mesh=None, remat=None, scan_layers: Optional[bool] = None):
+                 callbacks: Sequence[Callable] = (), mesh=None, remat=None, scan_layers: Optional[bool] = None,
+                 logits_chunk_size: Optional[int] = None):
         if not isinstance(config, PPOConfig):
             raise TypeError(f"config must be a jaxppo.PPOConfig, got {type(config).__name__}")
         if not isinstance(trainer_config, TrainerConfig):
@@ -329,6 +334,8 @@ class PPOTrainer:
         policy_model, policy_params = _load_model(policy, "causal_lm", dtype, "float32", scan_layers)
         if remat is not None:
             policy_model = dataclasses.replace(policy_model, remat=remat)
+        if logits_chunk_size is not None:
+            policy_model = dataclasses.replace(policy_model, logits_chunk_size=logits_chunk_size)
         if policy_model.kind != "causal_lm":
             policy_model = dataclasses.replace(policy_model, kind="causal_lm")
             policy_params = {"params": {k: v for k, v in policy_params["params"].items() if k != "value_head"}}
@@ -338,6 +345,8 @@ class PPOTrainer:
             ref_params = jax.tree.map(lambda x: jnp.array(x, dtype=jnp.dtype(ref_dtype)), policy_params)
         else:
             ref_model, ref_params = _load_model(ref_policy, "causal_lm", ref_dtype, scan_layers=scan_layers)
+            if logits_chunk_size is not None:
+                ref_model = dataclasses.replace(ref_model, logits_chunk_size=logits_chunk_size)
         self.reward_model = None
         reward_params = None
         if reward_model is not None:
@@ -429,6 +438,10 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ data
 
+    def _mesh_context(self):
+        """The mesh in context for compiled calls (axis names resolve inside them)."""
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
     def prompt_indices(self, iteration: int) -> np.ndarray:
         """Rows of the prompt set used by `iteration`: the prompts are walked in an order
         reshuffled every dataset epoch (epoch e: permutation with fold_in(data key, e))."""
@@ -469,7 +482,8 @@ class PPOTrainer:
             mask = sharding.global_batch(self.prompt_mask[rows], self.mesh)
 
         t0 = time.perf_counter()
-        gen = sample_responses(self.spec, self.state.params, ids, mask, k_sample)
+        with self._mesh_context():
+            gen = sample_responses(self.spec, self.state.params, ids, mask, k_sample)
         jax.block_until_ready(gen.tokens)
         t1 = time.perf_counter()
         host_scores = None
@@ -477,8 +491,9 @@ class PPOTrainer:
             prompts = [self.prompts[r] for r in rows]
             responses = decode_responses(self.tokenizer, _to_host(gen.tokens), _to_host(gen.mask))
             host_scores = jnp.asarray(self._call_reward_fn(it, prompts, responses))
-        rollout, stats, moments = finish_rollout(self.spec, self.state.params, self.ref_params, self.reward_params,
-                                                 ids, mask, gen, host_scores, self.kl_state, self.score_moments)
+        with self._mesh_context():
+            rollout, stats, moments = finish_rollout(self.spec, self.state.params, self.ref_params, self.reward_params,
+                                                     ids, mask, gen, host_scores, self.kl_state, self.score_moments)
         raw_scores = _to_host(stats.pop("per_row/raw_scores"))
         bad = nonfinite_rows(raw_scores)
         if bad.size:
@@ -883,6 +898,9 @@ class _LogitsOf:
     def __call__(self, params, tokens, mask):
         out = self.model.apply(params, tokens, mask)
         return out[0] if isinstance(out, tuple) else out
+
+    def response_outputs(self, params, *args):
+        return self.model.response_outputs(params, *args)
 
 
 def _schedule(lr, kind, warmup, total):

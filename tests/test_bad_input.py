@@ -177,6 +177,8 @@ CASES = [
     ("cli non-dividing mini-batch", _cli("--mini-batch-size", "7"), SystemExit, r"batch_size=64 is not divisible by .*mini_batch_size=7"),
     ("cli flag of the wrong type", _cli("--batch-size", "many"), SystemExit, r"^2$"),  # argparse: exit 2, names the flag
     ("cli unknown dtype", _cli("--dtype", "float8"), SystemExit, r"--dtype 'float8' is invalid; valid: float32, bfloat16"),
+    ("cli logits chunk size 0", _cli("--logits-chunk-size", "0"), SystemExit,
+     r"--logits-chunk-size 0 is invalid; give a positive number of positions"),
     ("cli unknown remat policy", _cli("--remat", "some"), SystemExit,
      r"--remat 'some' is invalid; valid: none, full, nothing_saveable, dots_saveable"),
     ("cli zero-size mesh axis", _cli("--mesh-fsdp", "0"), SystemExit, r"--mesh-fsdp 0 is invalid: a mesh axis needs"),

@@ -222,19 +222,20 @@ def test_command_uses_a_persistent_compilation_cache_by_default(tmp_path):
     assert not (tmp_path / "home2" / ".cache" / "jaxppo").exists()
 
 
-@pytest.mark.parametrize("remat,scan", [("dots_with_no_batch_dims_saveable", None), (True, True)],
-                         ids=["remat", "remat-scanned"])
-def test_remat_and_scanned_layers_change_nothing_but_memory(tokenizer, tmp_path, remat, scan):
+@pytest.mark.parametrize("remat,scan,chunk", [("dots_with_no_batch_dims_saveable", None, None), (True, True, 3)],
+                         ids=["remat", "remat-scanned-chunked"])
+def test_remat_scanned_layers_and_logit_chunks_change_nothing_but_memory(tokenizer, tmp_path, remat, scan, chunk):
     rows = []
-    for remat_, scan_, out in ((None, None, "a"), (remat, scan, "b")):
+    for remat_, scan_, chunk_, out in ((None, None, None, "a"), (remat, scan, chunk, "b")):
         ppo, tc = small_configs(tmp_path / out, iterations=1)
         trainer = jaxppo.PPOTrainer(ppo, tc, policy=demo.demo_policy(tokenizer, width=32, layers=2, max_len=40),
                                     tokenizer=tokenizer, prompts=demo.DEMO_PROMPTS, reward_fn=demo.lowercase_reward,
-                                    remat=remat_, scan_layers=scan_)
+                                    remat=remat_, scan_layers=scan_, logits_chunk_size=chunk_)
         if remat_ is not None:
             assert trainer.policy_model.remat == remat_ and trainer.state.apply_fn.critic.remat == remat_
         rows.append(_comparable(trainer.step()))
     assert trainer.policy_model.scan_layers == bool(scan) == trainer.state.apply_fn.critic.scan_layers
+    assert trainer.policy_model.logits_chunk_size == chunk
     assert rows[0].keys() == rows[1].keys()
     for name in rows[0]:
         assert rows[1][name] == pytest.approx(rows[0][name], rel=1e-4, abs=1e-6), name

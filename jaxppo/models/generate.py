@@ -69,7 +69,8 @@ def _generate(model, params, prompt_ids, prompt_mask, key, temperature, top_p, *
     r = response_length
     cache = model.init_cache(b, q + r)
     kv_mask = jnp.concatenate([prompt_mask.astype(jnp.int32), jnp.zeros((b, r), jnp.int32)], axis=1)
-    logits, cache = model.decode(params, prompt_ids, kv_mask, default_positions(prompt_mask), cache, 0)
+    # Prefill; the LM head runs at the last prompt position only.
+    logits, cache = model.decode(params, prompt_ids, kv_mask, default_positions(prompt_mask), cache, 0, last_only=True)
     # Left padding: the last slot holds every row's last prompt token.
     next_logits = logits[:, -1]
     next_position = jnp.sum(prompt_mask.astype(jnp.int32), axis=1)

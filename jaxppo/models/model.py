@@ -13,12 +13,13 @@ and a `TrainState.apply_fn`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
 
 from jaxppo.models.config import ModelConfig
+from jaxppo.models.heads import LMHead, token_logprobs
 from jaxppo.models.transformer import CausalLMModule, ScoreModule, default_positions
 
 __all__ = ["Model", "KINDS", "PolicyAndCritic", "stack_layers", "unstack_layers"]
@@ -50,7 +51,12 @@ class Model:
       models want). Params then hold `layers` (`h` for GPT-2) with a leading num_layers
       axis instead of `layers_0` ... `layers_{n-1}`; `stack_layers` / `unstack_layers`
       convert between the two layouts, and `from_pretrained` / `save_pretrained` map
-      Hugging Face's per-layer tensors to either. Same outputs and gradients either way."""
+      Hugging Face's per-layer tensors to either. Same outputs and gradients either way.
+    logits_chunk_size: for the log-probs of given tokens (`response_outputs`, which the PPO
+      loss and rollout scoring use), apply the LM head this many positions at a time, each
+      chunk's logits recomputed in the backward pass instead of stored (None: all response
+      positions at once). Either way the head is applied only at the positions read, never
+      to the whole (B, L, V) sequence; `apply` still returns full logits."""
 
     config: ModelConfig
     kind: str = "causal_lm"
@@ -58,6 +64,7 @@ class Model:
     param_dtype: str = "float32"
     remat: Union[bool, str] = False
     scan_layers: bool = False
+    logits_chunk_size: Optional[int] = None
 
     def __post_init__(self):
         if self.remat == "full":
@@ -67,6 +74,9 @@ class Model:
                              f"name: {', '.join(REMAT_POLICIES)}")
         if not isinstance(self.scan_layers, bool):
             raise ValueError(f"Model.scan_layers={self.scan_layers!r} is invalid; use True or False")
+        k = self.logits_chunk_size
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k <= 0):
+            raise ValueError(f"Model.logits_chunk_size={k!r} is invalid; use None (no chunking) or a positive int")
         if self.kind not in KINDS:
             raise ValueError(f"Model.kind={self.kind!r} is invalid; valid kinds: {', '.join(KINDS)}")
         for field in ("dtype", "param_dtype"):
@@ -108,6 +118,41 @@ class Model:
         picked = jnp.take_along_axis(scores, last[:, None, None], axis=1)[:, 0]
         return picked[:, 0] if self.config.num_labels == 1 else picked
 
+    def lm_head(self, params) -> LMHead:
+        """The output projection of a causal LM's params (tied embeddings or `lm_head`)."""
+        p = params["params"]
+        if self.config.tie_word_embeddings:
+            trunk = "transformer" if self.config.model_type == "gpt2" else "model"
+            table = p[trunk]["wte" if self.config.model_type == "gpt2" else "embed_tokens"]["embedding"]
+            return LMHead(table, True, jnp.dtype(self.dtype))
+        return LMHead(p["lm_head"]["kernel"], False, jnp.dtype(self.dtype))
+
+    def hidden(self, params, input_ids, attention_mask):
+        """Causal LM: final hidden states (B, L, D) and values (B, L) or None, no LM head."""
+        if not self.is_causal_lm:
+            raise ValueError(f"hidden needs a causal LM; this model's kind is {self.kind!r}")
+        hidden, values, _ = self.module.apply(params, input_ids, attention_mask, default_positions(attention_mask),
+                                              return_hidden=True)
+        return hidden, values
+
+    def response_outputs(self, params, query_tokens, query_mask, response_tokens, response_mask, temperature=1.0):
+        """Log-probs (B, R) of `response_tokens` given the left-padded queries, per-position
+        entropies (B, R) (float32, of softmax(logits / temperature)), and values (B, R) (a
+        "causal_lm_value" model; None for "causal_lm"). Equal to slicing `apply`'s full
+        logits at positions Q - 1 ... Q + R - 2, but the LM head runs only there, in chunks
+        of `logits_chunk_size` positions when set. This is the protocol by which built-in
+        models opt in to scoring without full logits (see `jaxppo.response_outputs`)."""
+        q, r = query_tokens.shape[1], response_tokens.shape[1]
+        tokens = jnp.concatenate([query_tokens, response_tokens], axis=1)
+        mask = jnp.concatenate([query_mask, response_mask], axis=1)
+        hidden, values = self.hidden(params, tokens, mask)
+        # Position q - 1 + t predicts response token t.
+        logprobs, entropy = token_logprobs(jnp.take(hidden, jnp.arange(q - 1, q - 1 + r), axis=1), self.lm_head(params), response_tokens,
+                                           temperature, self.logits_chunk_size)
+        if values is not None:
+            values = values[:, q - 1 : q - 1 + r].astype(jnp.float32)
+        return logprobs, values, entropy
+
     def init_cache(self, batch: int, max_len: int):
         """Zeroed KV cache: per layer (k, v), each (batch, max_len, num_kv_heads, head_dim);
         with `scan_layers` one (k, v) pair, each (num_layers, batch, max_len, ...)."""
@@ -118,12 +163,17 @@ class Model:
             return jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)
         return tuple((jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)) for _ in range(c.num_layers))
 
-    def decode(self, params, input_ids, attention_mask, positions, cache, cache_index):
-        """Causal-LM forward of new tokens against a KV cache -> (logits (B, Lq, V), cache).
+    def decode(self, params, input_ids, attention_mask, positions, cache, cache_index, last_only=False):
+        """Causal-LM forward of new tokens against a KV cache -> (logits (B, Lq, V), cache);
+        with `last_only` the LM head runs at the last query position only: (B, 1, V).
 
         `attention_mask` (B, Lmax) marks the valid cache slots, the new tokens' included."""
         if not self.is_causal_lm:
             raise ValueError(f"decode needs a causal LM; this model's kind is {self.kind!r}")
+        if last_only:
+            hidden, _, cache = self.module.apply(params, input_ids, attention_mask, positions, cache, cache_index,
+                                                 return_hidden=True)
+            return self.lm_head(params).logits(hidden[:, -1:]), cache
         logits, _, cache = self.module.apply(params, input_ids, attention_mask, positions, cache, cache_index)
         return logits, cache
 
@@ -149,6 +199,17 @@ class PolicyAndCritic:
         logits = self.policy.apply(params["policy"], tokens, mask)
         values = self.critic.apply(params["critic"], tokens, mask)
         return logits, values
+
+    def response_outputs(self, params, query_tokens, query_mask, response_tokens, response_mask, temperature=1.0):
+        """(log-probs, values, entropies), each (B, R), without full logits (see
+        `Model.response_outputs`)."""
+        logprobs, _, entropy = self.policy.response_outputs(params["policy"], query_tokens, query_mask,
+                                                            response_tokens, response_mask, temperature)
+        q, r = query_tokens.shape[1], response_tokens.shape[1]
+        tokens = jnp.concatenate([query_tokens, response_tokens], axis=1)
+        mask = jnp.concatenate([query_mask, response_mask], axis=1)
+        values = self.critic.apply(params["critic"], tokens, mask)[:, q - 1 : q - 1 + r].astype(jnp.float32)
+        return logprobs, values, entropy
 
 
 def _layer_prefix(config: ModelConfig) -> str:

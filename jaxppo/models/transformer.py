@@ -222,7 +222,9 @@ class Transformer(nn.Module):
 class CausalLMModule(nn.Module):
     """Trunk + LM head (tied to the embeddings or not), optionally + a value head.
 
-    Returns (logits (B, Lq, V) float32, values (B, Lq) or None, new_cache)."""
+    Returns (logits (B, Lq, V) float32, values (B, Lq) or None, new_cache); with
+    `return_hidden=True` the LM head is skipped and the final hidden states (B, Lq, D)
+    come in place of the logits (`Model` then applies the head where it is read)."""
 
     config: ModelConfig
     dtype: Any = jnp.float32
@@ -232,19 +234,21 @@ class CausalLMModule(nn.Module):
     with_value_head: bool = False
 
     @nn.compact
-    def __call__(self, input_ids, attention_mask, positions, cache=None, cache_index=0):
+    def __call__(self, input_ids, attention_mask, positions, cache=None, cache_index=0, return_hidden=False):
         c = self.config
         trunk = Transformer(c, self.dtype, self.param_dtype, self.remat, self.scan_layers,
                             name="transformer" if c.model_type == "gpt2" else "model")
         hidden, cache, table = trunk(input_ids, attention_mask, positions, cache, cache_index)
-        if c.tie_word_embeddings:
-            logits = jnp.einsum("bld,vd->blv", hidden, table.astype(self.dtype))
-        else:
-            logits = nn.Dense(c.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype, name="lm_head")(hidden)
         values = None
         if self.with_value_head:
             values = nn.Dense(1, dtype=jnp.float32, param_dtype=self.param_dtype, kernel_init=nn.initializers.zeros,
                               name="value_head")(hidden.astype(jnp.float32))[..., 0]
+        if return_hidden and not self.is_initializing():
+            return hidden, values, cache
+        if c.tie_word_embeddings:
+            logits = jnp.einsum("bld,vd->blv", hidden, table.astype(self.dtype))
+        else:
+            logits = nn.Dense(c.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype, name="lm_head")(hidden)
         return logits.astype(jnp.float32), values, cache
 
 
