@@ -1,0 +1,118 @@
+"""Real model layouts and the PPO pieces built on them, shared by the memory and GPU
+benchmarks. Parameters can be abstract (`jax.eval_shape`: nothing allocated) or real."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxppo
+from jaxppo import trainer as trainer_lib
+from jaxppo.models import Model, ModelConfig
+from jaxppo.models.model import PolicyAndCritic
+
+
+def qwen25_05b(layers=24):
+    """Qwen2.5-0.5B: vocab 151936, hidden 896, 14 heads / 2 KV heads, MLP 4864, tied, q/k/v bias."""
+    return ModelConfig(model_type="qwen2", vocab_size=151936, hidden_size=896, num_layers=layers, num_heads=14,
+                       num_kv_heads=2, intermediate_size=4864, max_position_embeddings=32768, qkv_bias=True,
+                       tie_word_embeddings=True, rope_theta=1000000.0, activation="silu", norm_eps=1e-6)
+
+
+def llama32_1b(layers=16):
+    """Llama-3.2-1B: vocab 128256, hidden 2048, 32 / 8 heads, MLP 8192, tied."""
+    return ModelConfig(model_type="llama", vocab_size=128256, hidden_size=2048, num_layers=layers, num_heads=32,
+                       num_kv_heads=8, intermediate_size=8192, max_position_embeddings=131072, activation="silu",
+                       tie_word_embeddings=True, rope_theta=500000.0)
+
+
+def llama31_8b(layers=32):
+    """Llama-3.1-8B: vocab 128256, hidden 4096, 32 / 8 heads, MLP 14336, untied."""
+    return ModelConfig(model_type="llama", vocab_size=128256, hidden_size=4096, num_layers=layers, num_heads=32,
+                       num_kv_heads=8, intermediate_size=14336, max_position_embeddings=131072, activation="silu",
+                       tie_word_embeddings=False, rope_theta=500000.0)
+
+
+LAYOUTS = {"qwen2.5-0.5b": qwen25_05b, "llama3.2-1b": llama32_1b, "llama3.1-8b": llama31_8b}
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """How the trained models are built: compute dtype, layout, remat, logit chunks."""
+
+    dtype: str = "float32"
+    scan_layers: bool = True
+    remat: object = False
+    logits_chunk_size: object = None
+
+    def models(self, config):
+        kw = dict(dtype=self.dtype, param_dtype="float32", remat=self.remat, scan_layers=self.scan_layers)
+        return (Model(config, logits_chunk_size=self.logits_chunk_size, **kw), Model(config, kind="value", **kw))
+
+
+def make_state(config, setup: Setup, abstract=True):
+    """The trainer's train state (policy + separate critic, float32 master weights, the
+    trainer's optimizer: clipped Adam per part)."""
+    policy, critic = setup.models(config)
+    tc = jaxppo.TrainerConfig(learning_rate=1e-6)
+    tx = trainer_lib._optimizer(tc.learning_rate, tc.learning_rate, tc, shared=False)
+
+    def build():
+        params = {"policy": policy.init(jax.random.key(0), seq_len=2),
+                  "critic": critic.init(jax.random.key(1), seq_len=2)}
+        return jaxppo.TrainState.create(apply_fn=PolicyAndCritic(policy, critic), params=params, tx=tx)
+
+    return jax.eval_shape(build) if abstract else jax.jit(build)()
+
+
+def abstract_rollout(batch, q, r):
+    s = lambda shape, dtype=jnp.float32: jax.ShapeDtypeStruct(shape, dtype)
+    return jaxppo.Rollout(query_tokens=s((batch, q), jnp.int32), query_mask=s((batch, q), jnp.int32),
+                          response_tokens=s((batch, r), jnp.int32), response_mask=s((batch, r), jnp.int32),
+                          logprobs=s((batch, r)), values=s((batch, r)), rewards=s((batch, r)))
+
+
+def random_rollout(batch, q, r, vocab, seed=0):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(r // 2, r + 1, size=(batch, 1))
+    return jaxppo.Rollout(
+        query_tokens=jnp.asarray(rng.integers(0, vocab, (batch, q)), jnp.int32),
+        query_mask=jnp.asarray(np.arange(q)[None] >= rng.integers(0, q // 4, (batch, 1)), jnp.int32),
+        response_tokens=jnp.asarray(rng.integers(0, vocab, (batch, r)), jnp.int32),
+        response_mask=jnp.asarray(np.arange(r)[None] < lengths, jnp.int32),
+        logprobs=jnp.asarray(-np.log(vocab) + 0.1 * rng.normal(size=(batch, r)), jnp.float32),
+        values=jnp.asarray(0.1 * rng.normal(size=(batch, r)), jnp.float32),
+        rewards=jnp.asarray(rng.normal(size=(batch, r)), jnp.float32))
+
+
+def trunk_params(config) -> int:
+    """Parameters of the transformer blocks (what every token multiplies through)."""
+    c = config
+    attn = c.hidden_size * c.head_dim * (c.num_heads * 2 + c.num_kv_heads * 2)
+    mlp = 3 * c.hidden_size * c.intermediate_size
+    return c.num_layers * (attn + mlp)
+
+
+def train_flops(config, batch, q, r, epochs=1):
+    """Model FLOPs of one PPO train_step with a policy and a critic of this layout: forward
+    + backward (3 x 2 FLOPs per weight per token) through both trunks at every position,
+    attention scores and mixing (3 x 4 x L x D_attn x S per token, as computed: no causal
+    skipping), and the policy's LM head at the response positions only."""
+    c = config
+    s = q + r
+    per_token_trunk = 6 * trunk_params(c) + 12 * c.num_layers * c.num_heads * c.head_dim * s
+    head = 6 * c.hidden_size * c.vocab_size * r
+    return epochs * batch * (2 * per_token_trunk * s + head)
+
+
+def decode_flops(config, batch, q, r):
+    """Forward FLOPs of sampling r tokens after q-token prompts (prefill + decode)."""
+    c = config
+    fwd = 2 * trunk_params(c)
+    attn = lambda keys: 4 * c.num_layers * c.num_heads * c.head_dim * keys
+    prefill = batch * (q * fwd + q * attn(q) + 2 * c.hidden_size * c.vocab_size)
+    decode = batch * sum(fwd + attn(q + r) + 2 * c.hidden_size * c.vocab_size for _ in range(r))
+    return prefill + decode
