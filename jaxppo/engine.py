@@ -27,7 +27,28 @@ import optax
 
 from jaxppo.config import PPOConfig
 
-__all__ = ["TrainState", "update_epochs", "update_epochs_fn", "minibatch_indices"]
+__all__ = ["TrainState", "update_epochs", "update_epochs_fn", "minibatch_indices", "clip_by_global_norm"]
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """Clip updates to a global norm of at most `max_norm`, as `optax.clip_by_global_norm`
+    does, but as one scalar factor (1 when the norm is below `max_norm`, else
+    `max_norm / norm`) multiplied into every leaf.
+
+    Below the threshold the updates are bit-identical to optax's; above it they agree to
+    float rounding (`t * (m / n)` against `(t / n) * m`). The point is memory: optax's
+    per-leaf select makes XLA materialise a clipped copy of the whole gradient inside the
+    engine's update branch (one more gradient-sized buffer; measured by
+    `benchmarks/engine_memory.py`), while a scalar factor fuses into the optimizer's own
+    update. The trainer's optimizer uses this."""
+
+    def update(updates, state, params=None):
+        del params
+        norm = optax.tree.norm(updates)
+        scale = jnp.where(norm < max_norm, 1.0, max_norm / norm)
+        return jax.tree.map(lambda t: t * scale.astype(t.dtype), updates), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update)
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -207,14 +228,30 @@ def update_epochs_fn(
 
     early_stop = config.target_kl is not None
 
-    def do_update(state, minibatch):
-        loss, aux, grads = _grads_and_aux(state.params, minibatch, loss_fn, weight_fn, config)
-        finite = jnp.isfinite(loss) & _tree_all_finite(grads)
-        grad_norm = _global_norm(grads)
+    def do_update(state, minibatch, stopped):
+        """One mini-batch update. `stopped` (the KL stop had triggered before this
+        mini-batch; always False without target_kl): no gradient is computed, nothing is
+        applied, float metrics are NaN."""
+        grad_fn = lambda mb: _grads_and_aux(state.params, mb, loss_fn, weight_fn, config)
+        if early_stop:
+            shapes = jax.eval_shape(grad_fn, minibatch)
+
+            def skipped(mb):
+                fill = lambda s: jnp.full(s.shape, jnp.nan if jnp.issubdtype(s.dtype, jnp.inexact) else 0, s.dtype)
+                loss, aux, grads = shapes
+                return fill(loss), jax.tree.map(fill, aux), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), grads)
+
+            # A branch on the gradient only: the train state goes through one branch below
+            # (a second, nested branch over the state would copy it).
+            loss, aux, grads = jax.lax.cond(stopped, skipped, grad_fn, minibatch)
+        else:
+            loss, aux, grads = grad_fn(minibatch)
+        finite = (jnp.isfinite(loss) & _tree_all_finite(grads)) | stopped
+        grad_norm = jnp.where(stopped, jnp.nan, _global_norm(grads))
         if early_stop:
             # The KL is measured before this update: once it is past the target, this
             # update is withheld too, and so is every later one of this call.
-            kl_exceeded = _approxkl(aux, approxkl_key, config) > config.target_kl
+            kl_exceeded = stopped | (_approxkl(aux, approxkl_key, config) > config.target_kl)
         else:
             kl_exceeded = jnp.array(False)
         apply = finite & ~kl_exceeded
@@ -241,24 +278,10 @@ def update_epochs_fn(
         chex.assert_tree_shape_prefix(minibatch, (config.mini_batch_size,))
         if minibatch_sharding is not None:
             minibatch = jax.lax.with_sharding_constraint(minibatch, minibatch_sharding)
-        if not early_stop:
-            state, metrics = do_update(state, minibatch)
-            return (state, stopped), metrics
-
-        metric_shapes = jax.eval_shape(do_update, state, minibatch)[1]
-
-        def skip(state, minibatch):
-            # Already stopped: no gradient computed, no update; float metrics are NaN.
-            def filler(s):
-                if jnp.issubdtype(s.dtype, jnp.inexact):
-                    return jnp.full(s.shape, jnp.nan, s.dtype)
-                return jnp.zeros(s.shape, s.dtype)
-
-            metrics = jax.tree.map(filler, metric_shapes)
-            return state, dict(metrics, early_stopped=jnp.array(True))
-
-        state, metrics = jax.lax.cond(stopped, skip, do_update, state, minibatch)
-        return (state, stopped | metrics["early_stopped"]), metrics
+        state, metrics = do_update(state, minibatch, stopped)
+        if early_stop:
+            stopped = stopped | metrics["early_stopped"]
+        return (state, stopped), metrics
 
     def epoch_step(carry, epoch_indices):
         return jax.lax.scan(minibatch_step, carry, epoch_indices)

@@ -32,7 +32,7 @@ from jaxppo import checkpoint
 from jaxppo import math as ppo_math
 from jaxppo import sharding
 from jaxppo.config import PPOConfig, _is_int
-from jaxppo.engine import TrainState
+from jaxppo.engine import TrainState, clip_by_global_norm
 from jaxppo.models import hf as hf_io
 from jaxppo.models.model import Model, PolicyAndCritic, stack_layers, unstack_layers
 from jaxppo.models.tokenizer import decode_responses, encode_prompts
@@ -917,7 +917,7 @@ def _schedule(lr, kind, warmup, total):
 
 def _optimizer(policy_lr, critic_lr, tc: TrainerConfig, shared: bool):
     def adam(lr):
-        parts = [optax.clip_by_global_norm(tc.max_grad_norm)] if tc.max_grad_norm else []
+        parts = [clip_by_global_norm(tc.max_grad_norm)] if tc.max_grad_norm else []
         return optax.chain(*parts, optax.adam(lr, eps=tc.adam_eps))
 
     if shared:
