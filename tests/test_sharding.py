@@ -28,7 +28,9 @@ def _ids(m):
 def setup():
     cfg = jm.ModelConfig(model_type="llama", vocab_size=V, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                          intermediate_size=64, max_position_embeddings=32, tie_word_embeddings=False, eos_token_ids=(2,))
-    policy, critic = jm.Model(cfg), jm.Model(cfg, kind="value")
+    # The log-prob head in chunks of 4 response positions (not dividing R = 6): every mesh
+    # below runs the chunked head (the scanned test runs the unchunked one).
+    policy, critic = jm.Model(cfg, logits_chunk_size=4), jm.Model(cfg, kind="value")
     params = {"policy": policy.init(jax.random.key(0)), "critic": critic.init(jax.random.key(1))}
     rng = np.random.default_rng(0)
     b = 16
@@ -72,9 +74,9 @@ def test_sharded_train_step_equals_single_device(setup, mesh_config):
 
 @pytest.mark.parametrize("mesh_config", [MESHES[2], MESHES[3]], ids=_ids)
 def test_scanned_layers_sharded_equal_unrolled_single_device(setup, mesh_config):
-    """Stacked layers (`scan_layers`) and chunked log-probs under a mesh: same update as the
-    unrolled, unchunked model on one device, stacked kernels split on the per-layer
-    kernel's dimensions, layer axis whole."""
+    """Stacked layers (`scan_layers`) with the unchunked log-prob head under a mesh: same
+    update as the unrolled model (chunked head) on one device, stacked kernels split on
+    the per-layer kernel's dimensions, layer axis whole."""
     policy, critic, params, rollout = setup
     config = jaxppo.PPOConfig(batch_size=16, mini_batch_size=8, ppo_epochs=1)
     # Adam (its moments are checked below) with eps large enough that float rounding in
@@ -82,7 +84,7 @@ def test_scanned_layers_sharded_equal_unrolled_single_device(setup, mesh_config)
     state = jaxppo.TrainState.create(apply_fn=jm.PolicyAndCritic(policy, critic), params=params, tx=optax.adam(1e-2, eps=1e-3))
     ref, ref_metrics = jaxppo.train_step(state, rollout, jax.random.key(3), config)
 
-    scanned = jm.PolicyAndCritic(jm.Model(policy.config, scan_layers=True, logits_chunk_size=4),
+    scanned = jm.PolicyAndCritic(jm.Model(policy.config, scan_layers=True),
                                  jm.Model(critic.config, kind="value", scan_layers=True))
     stacked = {k: jm.stack_layers(v, policy.config) for k, v in params.items()}
     mesh = sh.make_mesh(mesh_config)
