@@ -9,13 +9,17 @@ On a GPU or TPU, install JAX for it first (`pip install 'jaxppo[cuda12]'` or
 ~1B-parameter policy on one 80 GB GPU:
 
     python examples/hf_policy_reward.py --model /ckpt/policy --reward-model /ckpt/rm \\
-        --prompts prompts.jsonl --dtype bfloat16 --batch-size 256 --mini-batch-size 32 \\
-        --gradient-accumulation-steps 4 --ppo-epochs 4 --query-length 128 --response-length 128 \\
+        --prompts prompts.jsonl --dtype bfloat16 --scan-layers --remat full --logits-chunk-size 128 \\
+        --batch-size 256 --mini-batch-size 32 --gradient-accumulation-steps 4 --ppo-epochs 4 --query-length 128 --response-length 128 \\
         --learning-rate 1e-6 --critic-learning-rate 1e-5 --kl-coef 0.05 --missing-eos-penalty 1.0 \\
         --iterations 500 --checkpoint-every 25 --output-dir runs/rlhf
 
 `--gradient-accumulation-steps` splits each mini-batch (still one optimizer update per
-mini-batch) when activations do not fit; `--dtype bfloat16` halves parameter memory.
+mini-batch) when activations do not fit; `--dtype bfloat16` computes in bf16 (trained
+parameters and Adam states stay float32; the frozen reference and reward model are held in
+bf16); `--scan-layers` runs the blocks as one scan (compile time independent of depth, and
+what makes `--remat full` effective); `--logits-chunk-size` applies the LM head a chunk of
+response positions at a time (README: "Real model sizes").
 """
 
 import sys
@@ -32,7 +36,11 @@ def main(argv=None):
     tokenizer = jm.load_tokenizer(extras["model"])
     trainer = jaxppo.PPOTrainer(ppo, trainer_config, policy=extras["model"], reward_model=extras["reward_model"],
                                 tokenizer=tokenizer, prompts=extras["prompts"], dtype=extras["dtype"],
-                                prompt_column=extras["prompt_column"])
+                                ref_dtype=extras["ref_dtype"], reward_dtype=extras["reward_dtype"],
+                                prompt_column=extras["prompt_column"],
+                                remat=False if extras["remat"] == "none" else extras["remat"],
+                                scan_layers=True if extras["scan_layers"] else None,
+                                logits_chunk_size=extras["logits_chunk_size"])
     return trainer.train()
 
 

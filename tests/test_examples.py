@@ -44,8 +44,10 @@ def test_hf_policy_reward_example(tmp_path):
     history = load("hf_policy_reward").main([
         "--model", policy, "--reward-model", rm, "--prompts", str(prompts), "--iterations", "2",
         "--batch-size", "8", "--mini-batch-size", "4", "--ppo-epochs", "1", "--gradient-accumulation-steps", "2",
-        "--query-length", "32", "--response-length", "6", "--output-dir", str(tmp_path / "run"), "--no-progress"])
+        "--query-length", "32", "--response-length", "6", "--output-dir", str(tmp_path / "run"), "--no-progress",
+        "--scan-layers", "--remat", "full", "--logits-chunk-size", "4"])  # the settings it recommends
     assert [h["ppo/updates_applied"] for h in history] == [2, 2]
+    assert all(np.isfinite(h["loss/total_avg"]) for h in history)
     with pytest.raises(SystemExit, match="--reward-model"):
         load("hf_policy_reward").main(["--model", policy])
 

@@ -1,0 +1,197 @@
+"""The math of critic-free RL (GRPO, Dr. GRPO, DAPO, RLOO, REINFORCE++, GSPO): advantage
+estimators, loss aggregation modes, asymmetric / dual clipping, sequence-level importance
+ratios and KL-as-loss estimators. Pure functions on arrays, part of the math layer (they
+import nothing above `jaxppo.math`); the trainer wiring is issue 9's remaining work.
+
+Shapes: B completions (rows), T response tokens, G completions per prompt
+(`num_generations`). Rows are grouped consecutively: prompt i's completions are rows
+i*G ... i*G + G - 1. `mask` is 1 at real response tokens (a prefix of ones per row).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxppo.math import masked_mean, masked_sum, masked_whiten
+
+__all__ = [
+    "GRPO_SCALES",
+    "grpo_advantages",
+    "rloo_advantages",
+    "group_baseline",
+    "discounted_returns",
+    "reinforce_pp_advantages",
+    "LOSS_AGGREGATIONS",
+    "aggregate_loss",
+    "sequence_log_ratio",
+    "clipped_policy_loss",
+    "KL_LOSS_ESTIMATORS",
+    "kl_loss_per_token",
+]
+
+GRPO_SCALES = ("group", "batch", "none")
+
+
+def _groups(scores, num_generations: int):
+    scores = jnp.asarray(scores, jnp.float32)
+    if scores.ndim != 1:
+        raise ValueError(f"scores have shape {scores.shape}; expected (batch,)")
+    b = scores.shape[0]
+    if not isinstance(num_generations, int) or num_generations < 1 or b % num_generations:
+        raise ValueError(f"num_generations={num_generations!r} must be a positive int dividing the batch of "
+                         f"{b} completions")
+    return scores.reshape(b // num_generations, num_generations)
+
+
+def grpo_advantages(scores, num_generations: int, scale: str = "group", eps: float = 1e-4):
+    """GRPO's advantage of each completion from its group's scores.
+
+    (score - group mean) / (std + eps), std with Bessel's correction (as TRL), where std is
+    the group's (`scale="group"`, GRPO), the whole batch's (`"batch"`), or no division at
+    all (`"none"`, Dr. GRPO). A group of one has std 0.
+
+    Returns (advantages (B,), zero_std (B / G,) bool: groups whose scores are all equal,
+    whose advantages are therefore 0)."""
+    if scale not in GRPO_SCALES:
+        raise ValueError(f"scale={scale!r} is invalid; valid: {', '.join(GRPO_SCALES)}")
+    groups = _groups(scores, num_generations)
+    g = num_generations
+    mean = jnp.mean(groups, axis=1, keepdims=True)
+    centred = groups - mean
+    group_std = jnp.sqrt(jnp.sum(jnp.square(centred), axis=1) / max(g - 1, 1))
+    zero_std = jnp.all(groups == groups[:, :1], axis=1)
+    if scale == "group":
+        adv = centred / (group_std[:, None] + eps)
+    elif scale == "batch":
+        flat = groups.ravel()
+        batch_std = jnp.sqrt(jnp.sum(jnp.square(flat - jnp.mean(flat))) / max(flat.size - 1, 1))
+        adv = centred / (batch_std + eps)
+    else:
+        adv = centred
+    return adv.ravel(), zero_std
+
+
+def rloo_advantages(scores, num_generations: int):
+    """RLOO: each completion's score minus the mean score of the other G - 1 completions of
+    its prompt. Needs G >= 2. Returns (B,)."""
+    if not isinstance(num_generations, int) or num_generations < 2:
+        raise ValueError(f"RLOO needs num_generations >= 2 (a leave-one-out baseline); got {num_generations!r}")
+    groups = _groups(scores, num_generations)
+    others = (jnp.sum(groups, axis=1, keepdims=True) - groups) / (num_generations - 1)
+    return (groups - others).ravel()
+
+
+def group_baseline(scores, num_generations: int):
+    """Scores minus their group's mean (REINFORCE++ with a group baseline). Returns (B,)."""
+    groups = _groups(scores, num_generations)
+    return (groups - jnp.mean(groups, axis=1, keepdims=True)).ravel()
+
+
+def discounted_returns(rewards, mask, gamma: float = 1.0):
+    """Per-token returns G_t = sum_{s >= t} gamma^(s - t) r_s over real tokens (reverse
+    `lax.scan`), 0 at padding. rewards, mask: (B, T)."""
+    mask = mask.astype(jnp.float32)
+    rewards = rewards.astype(jnp.float32) * mask
+
+    def back(carry, r_t):
+        carry = r_t + gamma * carry
+        return carry, carry
+
+    _, out = jax.lax.scan(back, jnp.zeros(rewards.shape[0], jnp.float32), rewards.T, reverse=True)
+    return out.T * mask
+
+
+def reinforce_pp_advantages(rewards, mask, gamma: float = 1.0):
+    """REINFORCE++: per-token returns of the (KL-shaped) rewards, whitened over every real
+    token of the batch (mean shifted). rewards (B, T) as `jaxppo.math.kl_shaped_rewards`
+    builds them (for the group-baseline variant, pass scores through `group_baseline`
+    first). Returns (B, T), 0 at padding."""
+    return masked_whiten(discounted_returns(rewards, mask, gamma), mask, shift_mean=True)
+
+
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+
+
+def aggregate_loss(per_token, mask, mode: str, max_length: int = None):
+    """Reduce a per-token loss (B, T) to a scalar.
+
+      token_mean               sum over all real tokens / their count (DAPO; PPO's default)
+      seq_mean_token_mean      mean over rows of each row's token mean (GRPO as published)
+      seq_mean_token_sum_norm  mean over rows of each row's token sum / max_length
+                               (Dr. GRPO; max_length: the configured response length)
+
+    Names follow verl's `loss_agg_mode` (with underscores); TRL's `loss_type` "dapo",
+    "grpo" and "dr_grpo" are these three modes in this order."""
+    mask = mask.astype(jnp.float32)
+    if mode == "token_mean":
+        return masked_mean(per_token, mask)
+    if mode == "seq_mean_token_mean":
+        return jnp.mean(masked_mean(per_token, mask, axis=1))
+    if mode == "seq_mean_token_sum_norm":
+        if not isinstance(max_length, int) or max_length <= 0:
+            raise ValueError(f"aggregation {mode!r} needs max_length, a positive int (the response length); "
+                             f"got {max_length!r}")
+        return jnp.mean(masked_sum(per_token, mask, axis=1) / max_length)
+    raise ValueError(f"loss aggregation {mode!r} is invalid; valid: {', '.join(LOSS_AGGREGATIONS)}")
+
+
+def sequence_log_ratio(logprobs, old_logprobs, mask):
+    """GSPO's sequence-level log importance ratio, broadcast over the row's tokens:
+    mean over real tokens of (logprobs - old_logprobs), as (B, T). Its gradient flows to
+    every token of the row equally."""
+    seq = masked_mean(logprobs - old_logprobs, mask, axis=1)
+    return jnp.broadcast_to(seq[:, None], logprobs.shape)
+
+
+def clipped_policy_loss(log_ratio, advantages, mask, cliprange_low: float, cliprange_high: float,
+                        dual_clip: float = None, aggregation: str = "token_mean", max_length: int = None):
+    """Clipped surrogate with an asymmetric range and an optional dual clip.
+
+    ratio = exp(log_ratio) (token-level: logprobs - old_logprobs; GSPO:
+    `sequence_log_ratio`); advantages (B, T) or (B,) (broadcast over tokens).
+      per_token = max(-A * ratio, -A * clip(ratio, 1 - low, 1 + high))
+      dual clip c > 1: where A < 0, per_token = min(per_token, -A * c)
+    reduced by `aggregate_loss(..., aggregation, max_length)`.
+
+    Returns (loss, metrics) with the token fractions (token mean over the batch):
+    clip_ratio/low_mean (ratio < 1 - low with A < 0), clip_ratio/high_mean (ratio > 1 + high
+    with A > 0), clip_ratio/region_mean (either), and dual_clip_fraction."""
+    if dual_clip is not None and not dual_clip > 1.0:
+        raise ValueError(f"dual_clip={dual_clip!r} must be None or a constant > 1")
+    if advantages.ndim == 1:
+        advantages = jnp.broadcast_to(advantages[:, None], log_ratio.shape)
+    ratio = jnp.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * jnp.clip(ratio, 1.0 - cliprange_low, 1.0 + cliprange_high)
+    per_token = jnp.maximum(unclipped, clipped)
+    dual = jnp.zeros_like(per_token, dtype=bool)
+    if dual_clip is not None:
+        cap = -advantages * dual_clip
+        dual = (advantages < 0) & (per_token > cap)
+        per_token = jnp.where(advantages < 0, jnp.minimum(per_token, cap), per_token)
+    loss = aggregate_loss(per_token, mask, aggregation, max_length)
+    low = (ratio < 1.0 - cliprange_low) & (advantages < 0)
+    high = (ratio > 1.0 + cliprange_high) & (advantages > 0)
+    frac = lambda x: jax.lax.stop_gradient(masked_mean(x.astype(jnp.float32), mask))
+    metrics = {"clip_ratio/low_mean": frac(low), "clip_ratio/high_mean": frac(high),
+               "clip_ratio/region_mean": frac(low | high), "dual_clip_fraction": frac(dual)}
+    return loss, metrics
+
+
+KL_LOSS_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def kl_loss_per_token(logprobs, ref_logprobs, estimator: str = "k3"):
+    """KL(policy || reference) per token as a loss term (differentiated through `logprobs`):
+      k1: logprobs - ref_logprobs
+      k2: 0.5 * (logprobs - ref_logprobs)^2
+      k3: exp(ref - logprobs) - (ref - logprobs) - 1 (GRPO's; >= 0)"""
+    diff = logprobs - ref_logprobs
+    if estimator == "k1":
+        return diff
+    if estimator == "k2":
+        return 0.5 * jnp.square(diff)
+    if estimator == "k3":
+        return jnp.expm1(-diff) + diff
+    raise ValueError(f"KL loss estimator {estimator!r} is invalid; valid: {', '.join(KL_LOSS_ESTIMATORS)}")
