@@ -20,3 +20,17 @@ def hf_checkpoints(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("hf")
     return {name: (str(root / name), hf_models.build(name, str(root / name))) for name in hf_models.NAMES}
+
+
+@pytest.fixture(autouse=True)
+def _no_persistent_compilation_cache_in_the_test_process():
+    """`jaxppo.cli.main` turns on jax's persistent compilation cache for its process; tests
+    that call it in-process pass `--compilation-cache none`, so the test process never
+    writes every later program to a cache on disk (slow, and outside the test's files)."""
+    import jax
+
+    before = jax.config.jax_compilation_cache_dir
+    yield
+    assert jax.config.jax_compilation_cache_dir == before, (
+        f"a test left jax's persistent compilation cache on ({jax.config.jax_compilation_cache_dir}); call "
+        "jaxppo.cli.main with --compilation-cache none in-process")

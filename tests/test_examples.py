@@ -68,7 +68,7 @@ def test_main_job_default_demo_learns(tmp_path):
     """The README's first command: the embedded demo with its defaults."""
     from jaxppo.cli import main
 
-    assert main(["--output-dir", str(tmp_path), "--no-progress"]) == 0
+    assert main(["--output-dir", str(tmp_path), "--no-progress", "--compilation-cache", "none"]) == 0
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert len(rows) == demo.DEMO_TRAINER["iterations"]
     first = np.mean([r["objective/scores"] for r in rows[:10]])

@@ -524,5 +524,6 @@ def test_model_directories_with_pickles_or_remote_code_are_refused_without_runni
     prompts.write_text("hello\n")
     for directory in (pickled, remote):
         with pytest.raises(SystemExit, match=r"--model: .*(never unpickles|never runs code)"):
-            main(["--model", str(directory), "--prompts", str(prompts), "--output-dir", str(tmp_path / "out")])
+            main(["--model", str(directory), "--prompts", str(prompts), "--output-dir", str(tmp_path / "out"),
+                  "--compilation-cache", "none"])
     assert not sentinel.exists()
