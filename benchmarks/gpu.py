@@ -1,9 +1,10 @@
-"""Benchmark on one accelerator: PPO `train_step` of a Qwen2.5-0.5B-layout policy + critic
+"""Benchmark on one accelerator: PPO `train_step` of a Qwen2.5-0.5B-layout (or --layout) policy + critic
 in bf16 compute (float32 master weights, the trainer's clipped Adam), and `generate` of the
 same policy: compile time, step time, tokens/s, model FLOPs utilisation, peak memory. Random
 weights (no downloads); the shapes and the compiled programs are those of the real model.
 
     python benchmarks/gpu.py                      # on a GPU/TPU; writes --out (JSON) too
+    python benchmarks/gpu.py --layout llama3.2-1b --sections "mini-batch 16,generate"
     python benchmarks/gpu.py --tiny               # a 2-layer, small-vocab smoke run (CPU)
 
 MFU = model FLOPs (`layouts.train_flops` / `decode_flops`) / time / --peak-tflops (default
@@ -155,6 +156,9 @@ def check_chunked_head_on_device():
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="2 layers, vocab 1024, short sequences (a CPU smoke run)")
+    p.add_argument("--layout", default="qwen2.5-0.5b", choices=sorted(layouts.LAYOUTS))
+    p.add_argument("--sections", default=None,
+                   help="comma-separated substrings: run only the sections whose names contain one of them")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--mini-batch", type=int, default=16)
     p.add_argument("--query", type=int, default=256)
@@ -165,14 +169,14 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
-    config = layouts.qwen25_05b()
+    config = layouts.LAYOUTS[args.layout]()
     if args.tiny:
-        config = layouts.qwen25_05b(layers=2)
+        config = layouts.LAYOUTS[args.layout](layers=2)
         config = type(config)(**{**config.__dict__, "vocab_size": 1024})
         args.batch, args.mini_batch, args.query, args.response, args.repeats = 8, 4, 16, 16, 1
     device = jax.devices()[0]
     env = {"jax": jax.__version__, "device": str(device.device_kind), "platform": device.platform,
-           "layout": f"qwen2.5-0.5b ({config.num_layers} layers, vocab {config.vocab_size})",
+           "layout": f"{args.layout} ({config.num_layers} layers, vocab {config.vocab_size})",
            "batch": args.batch, "mini_batch": args.mini_batch, "query": args.query, "response": args.response}
     print(json.dumps(env), flush=True)
     results = {"env": env, "sections": {}}
@@ -198,6 +202,9 @@ def main(argv=None):
             bench_train, config, layouts.Setup("bfloat16", True, True, None), args.batch, args.mini_batch,
             args.query, args.response, args.repeats, args.peak_tflops)),
     ]
+    if args.sections:
+        wanted = [w.strip() for w in args.sections.split(",")]
+        sections = [(n, f) for n, f in sections if any(w in n for w in wanted)]
     for name, fn in sections:
         if time.perf_counter() - t0 > args.budget_s:
             results["sections"][name] = {"skipped": "time budget"}
