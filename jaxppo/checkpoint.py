@@ -67,6 +67,7 @@ def save(directory: str, step: int, tree: Any, *, keep: int = 2):
         if step in previous:
             return
         failpoints.hit_during("checkpoint_save", lambda: _writing(directory, step))
+        failpoints.pause("checkpoint_save")
         manager.save(step, args=ocp.args.StandardSave(tree),
                      custom_metadata={_LAYOUT_KEY: LAYOUT, "jaxppo_version": __version__})
         manager.wait_until_finished()

@@ -5,6 +5,10 @@ Off unless the environment variable `JAXPPO_FAILPOINT` is set to `NAME` or `NAME
 at the N-th time NAME is reached, default 1). Names: "metrics_write" (half of a
 metrics.jsonl line written), "checkpoint_save" (a checkpoint's files being written). Nothing
 else reads the variable; with it unset `hit` is a dictionary lookup.
+
+`JAXPPO_PAUSE=NAME:SECONDS` makes `pause(NAME)` sleep that long each time it is reached,
+so that a test can deliver a signal while that work is surely under way
+("checkpoint_save": before a checkpoint's files are written, inside the save).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-__all__ = ["hit", "hit_during"]
+__all__ = ["hit", "hit_during", "pause"]
 
 _counts: dict = {}
 
@@ -53,3 +57,12 @@ def hit_during(name: str, started: Callable[[], bool]):
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, daemon=True).start()
+
+
+def pause(name: str):
+    """If `JAXPPO_PAUSE` is `NAME:SECONDS` for this point, sleep SECONDS."""
+    spec = os.environ.get("JAXPPO_PAUSE")
+    if spec:
+        target, _, seconds = spec.partition(":")
+        if target == name:
+            time.sleep(float(seconds))

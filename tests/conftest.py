@@ -34,3 +34,18 @@ def _no_persistent_compilation_cache_in_the_test_process():
     assert jax.config.jax_compilation_cache_dir == before, (
         f"a test left jax's persistent compilation cache on ({jax.config.jax_compilation_cache_dir}); call "
         "jaxppo.cli.main with --compilation-cache none in-process")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs_after_each_module():
+    """Drop jax's compiled programs after each test module. Each executable XLA:CPU compiles
+    holds its own memory mappings; the whole suite in one process compiles enough of them to
+    reach the kernel's per-process mapping limit (vm.max_map_count), after which LLVM fails
+    with "Cannot allocate memory" and the process aborts."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()

@@ -200,7 +200,8 @@ def test_sigterm_during_compilation_exits_cleanly_and_resumes(reference, env, tm
 @pytest.mark.slow
 def test_ctrl_c_twice_finishes_the_checkpoint_then_exits(reference, env, tmp_path):
     out = tmp_path / "run"
-    proc = start(out, env)
+    # Every checkpoint save lasts at least 2 s, so the second Ctrl-C surely lands inside one.
+    proc = start(out, env, JAXPPO_PAUSE="checkpoint_save:2")
     wait_for_line(proc, r"^iter\s+2 ")  # iteration 3 runs now; its checkpoint is the interrupt's
     proc.send_signal(signal.SIGINT)
     wait_for_line(proc, r"^interrupted: saving a checkpoint")
