@@ -53,8 +53,7 @@ class FullLogits:
     fn: object
 
     def __call__(self, params, tokens, mask):
-        out = self.fn(params, tokens, mask)
-        return out
+        return self.fn(params, tokens, mask)
 
 
 @dataclasses.dataclass(frozen=True)
