@@ -65,9 +65,8 @@ def response_outputs(apply_fn, params, batch, temperature: float):
     sliced at the response positions."""
     method = scorer(apply_fn)
     if method is not None:
-        logprobs, values, entropy = method(params, batch["query_tokens"], batch["query_mask"],
-                                           batch["response_tokens"], batch["response_mask"], temperature)
-        return logprobs, values, entropy
+        return method(params, batch["query_tokens"], batch["query_mask"], batch["response_tokens"],
+                      batch["response_mask"], temperature)
     q = batch["query_tokens"].shape[1]
     r = batch["response_tokens"].shape[1]
     tokens = jnp.concatenate([batch["query_tokens"], batch["response_tokens"]], axis=1)

@@ -34,7 +34,7 @@ from jaxppo import sharding
 from jaxppo.config import PPOConfig, _is_int
 from jaxppo.engine import TrainState, clip_by_global_norm
 from jaxppo.models import hf as hf_io
-from jaxppo.models.model import Model, PolicyAndCritic, stack_layers, unstack_layers
+from jaxppo.models.model import Model, PolicyAndCritic, stack_layers, trunk_name, unstack_layers
 from jaxppo.models.tokenizer import decode_responses, encode_prompts
 from jaxppo.logger import Logger, read_metrics
 from jaxppo.ppo import train_step_fn
@@ -232,16 +232,12 @@ def _load_model(spec, kind, dtype, param_dtype=None, scan_layers=None):
     return model, params
 
 
-def _trunk_key(model: Model) -> str:
-    return "transformer" if model.config.model_type == "gpt2" else "model"
-
-
 def _critic_from(model: Model, params, zero_head: bool, dtype=None):
     """A "value" Model + params whose trunk is a copy of `model`'s trunk, with float32
     parameters (the critic is trained: master weights in float32) and compute `dtype`
     (default: `model`'s)."""
     critic = dataclasses.replace(model, kind="value", dtype=dtype or model.dtype, param_dtype="float32")
-    trunk = _trunk_key(model)
+    trunk = trunk_name(model.config)
     inner = params["params"]
     # Copies (jnp.array copies, also where no cast is needed): the critic is trained and its
     # buffers donated; the model it comes from is not.

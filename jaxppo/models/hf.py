@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Optional
@@ -12,9 +13,7 @@ import numpy as np
 from flax import traverse_util
 
 from jaxppo.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
-import dataclasses
-
-from jaxppo.models.model import KINDS, Model, stack_layers, unstack_layers
+from jaxppo.models.model import KINDS, Model, stack_layers, trunk_name, unstack_layers
 
 __all__ = ["from_pretrained", "save_pretrained", "params_from_hf_tensors", "params_to_hf_tensors", "check_checkpoint_dir"]
 
@@ -42,9 +41,6 @@ _VALUE_HEAD_FILE = "value_head.safetensors"
 
 _ARCH_PREFIX = {"gpt2": "GPT2", "llama": "Llama", "qwen2": "Qwen2"}
 
-
-def _trunk_name(config: ModelConfig) -> str:
-    return "transformer" if config.model_type == "gpt2" else "model"
 
 
 def _hf_name(path, config: ModelConfig):
@@ -190,7 +186,7 @@ def params_from_hf_tensors(model: Model, get_tensor, names, *, strict: bool = Tr
     c = model.config
     shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), seq_len=2))
     flat = traverse_util.flatten_dict(shapes["params"])
-    trunk = _trunk_name(c)
+    trunk = trunk_name(c)
     # Base-model checkpoints (e.g. GPT2Model) carry no "transformer." / "model." prefix.
     has_prefix = any(n.startswith(trunk + ".") for n in names)
 

@@ -122,8 +122,7 @@ class Model:
         """The output projection of a causal LM's params (tied embeddings or `lm_head`)."""
         p = params["params"]
         if self.config.tie_word_embeddings:
-            trunk = "transformer" if self.config.model_type == "gpt2" else "model"
-            table = p[trunk]["wte" if self.config.model_type == "gpt2" else "embed_tokens"]["embedding"]
+            table = p[trunk_name(self.config)]["wte" if self.config.model_type == "gpt2" else "embed_tokens"]["embedding"]
             return LMHead(table, True, jnp.dtype(self.dtype))
         return LMHead(p["lm_head"]["kernel"], False, jnp.dtype(self.dtype))
 
@@ -147,7 +146,7 @@ class Model:
         mask = jnp.concatenate([query_mask, response_mask], axis=1)
         hidden, values = self.hidden(params, tokens, mask)
         # Position q - 1 + t predicts response token t.
-        logprobs, entropy = token_logprobs(jnp.take(hidden, jnp.arange(q - 1, q - 1 + r), axis=1), self.lm_head(params), response_tokens,
+        logprobs, entropy = token_logprobs(hidden[:, q - 1 : q - 1 + r], self.lm_head(params), response_tokens,
                                            temperature, self.logits_chunk_size)
         if values is not None:
             values = values[:, q - 1 : q - 1 + r].astype(jnp.float32)
@@ -216,7 +215,8 @@ def _layer_prefix(config: ModelConfig) -> str:
     return "h" if config.model_type == "gpt2" else "layers"
 
 
-def _trunk(config: ModelConfig) -> str:
+def trunk_name(config: ModelConfig) -> str:
+    """The params entry holding the trunk: "transformer" (GPT-2) or "model" (Llama family)."""
     return "transformer" if config.model_type == "gpt2" else "model"
 
 
@@ -224,7 +224,7 @@ def stack_layers(params, config: ModelConfig):
     """Per-layer params (`layers_0` ... `layers_{n-1}`, as `Model(scan_layers=False)` has
     them) -> the stacked layout of `Model(scan_layers=True)` (one `layers` entry whose
     leaves lead with a num_layers axis). Other entries are kept as they are."""
-    prefix, trunk = _layer_prefix(config), _trunk(config)
+    prefix, trunk = _layer_prefix(config), trunk_name(config)
     inner = dict(params["params"][trunk])
     names = [f"{prefix}_{i}" for i in range(config.num_layers)]
     missing = [n for n in names if n not in inner]
@@ -238,7 +238,7 @@ def stack_layers(params, config: ModelConfig):
 
 def unstack_layers(params, config: ModelConfig):
     """The inverse of `stack_layers`: stacked `layers` -> `layers_0` ... `layers_{n-1}`."""
-    prefix, trunk = _layer_prefix(config), _trunk(config)
+    prefix, trunk = _layer_prefix(config), trunk_name(config)
     inner = dict(params["params"][trunk])
     if prefix not in inner:
         raise ValueError(f"unstack_layers needs the stacked layout (a {prefix!r} entry under {trunk!r})")
