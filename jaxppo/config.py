@@ -10,7 +10,16 @@ import dataclasses
 import math
 from typing import Optional
 
-__all__ = ["PPOConfig"]
+__all__ = ["PPOConfig", "ADVANTAGE_ESTIMATORS", "LOSS_AGGREGATIONS"]
+
+ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+# Fields added after runs were first saved: a run's settings record them only when they
+# differ from these defaults, so runs saved before they existed still resume.
+ALGORITHM_FIELDS = ("advantage_estimator", "num_generations", "grpo_scale", "grpo_eps", "loss_aggregation",
+                    "cliprange_low", "cliprange_high", "dual_clip", "importance_ratio", "kl_loss_coef",
+                    "kl_loss_estimator")
 
 
 def _is_int(value) -> bool:
@@ -58,6 +67,33 @@ class PPOConfig:
 
     RLHF rollout (used by the rollout layer, not by the update itself):
       kl_coef: initial beta of the KL penalty in the per-token rewards; >= 0.
+
+    Algorithm (the defaults are PPO's; `PPOConfig.for_algorithm(name)` and
+    `jaxppo.algorithms.ALGORITHMS` set those of GRPO, Dr. GRPO, DAPO, RLOO, REINFORCE++ and
+    GSPO):
+      advantage_estimator: "gae" (PPO, with a critic), "grpo", "rloo", "reinforce_pp" or
+        "reinforce_pp_baseline" (critic-free: no critic is built, run or checkpointed).
+        Only "gae" uses gamma, lam, whiten_advantages, whiten_rewards, vf_coef and
+        cliprange_value; the critic-free estimators normalise as their method defines.
+      num_generations: completions per prompt (G). `batch_size` and `mini_batch_size`
+        count completions; `batch_size % num_generations == 0`, and each iteration
+        samples `batch_size / num_generations` prompts. "grpo", "rloo" and
+        "reinforce_pp_baseline" compare the completions of a prompt: they need G >= 2.
+      grpo_scale: "group" (GRPO: divide by the group's std), "batch" (by the batch's std),
+        "none" (Dr. GRPO: no division). grpo_eps: added to that std; > 0.
+      loss_aggregation: "token_mean" (every real token of the mini-batch counts equally:
+        PPO, DAPO), "seq_mean_token_mean" (mean over completions of their token means:
+        GRPO), "seq_mean_token_sum_norm" (mean over completions of their token sums divided
+        by the response length: Dr. GRPO). Applies to every term of the loss.
+      cliprange_low, cliprange_high: the ratio is clipped to [1 - low, 1 + high] (DAPO's
+        clip-higher); None means `cliprange`.
+      dual_clip: None, or a constant c > 1: for negative advantages the loss is capped at
+        -A * c (dual-clip PPO).
+      importance_ratio: "token" (per-token ratios) or "sequence" (GSPO: exp of the mean
+        per-token log-ratio of the completion, shared by its tokens).
+      kl_loss_coef: beta of a KL(policy || reference) term in the loss (GRPO's), >= 0;
+        kl_loss_estimator: "k1", "k2" or "k3". When kl_coef, kl_loss_coef are 0 and the
+        trainer has no kl_target, no reference model is built or run at all.
     """
 
     batch_size: int = 64
@@ -75,9 +111,20 @@ class PPOConfig:
     temperature: float = 1.0
     target_kl: Optional[float] = None
     kl_coef: float = 0.05
+    advantage_estimator: str = "gae"
+    num_generations: int = 1
+    grpo_scale: str = "group"
+    grpo_eps: float = 1e-4
+    loss_aggregation: str = "token_mean"
+    cliprange_low: Optional[float] = None
+    cliprange_high: Optional[float] = None
+    dual_clip: Optional[float] = None
+    importance_ratio: str = "token"
+    kl_loss_coef: float = 0.0
+    kl_loss_estimator: str = "k3"
 
     def __post_init__(self):
-        for name in ("batch_size", "mini_batch_size", "ppo_epochs", "gradient_accumulation_steps"):
+        for name in ("batch_size", "mini_batch_size", "ppo_epochs", "gradient_accumulation_steps", "num_generations"):
             value = getattr(self, name)
             if not _is_int(value):
                 _fail(name, value, f"a positive int (got type {type(value).__name__})")
@@ -97,7 +144,33 @@ class PPOConfig:
                 f"a mini-batch must split into equal micro-batches. Valid "
                 f"gradient_accumulation_steps values: {_divisors(self.mini_batch_size)}."
             )
-        for name in ("cliprange", "cliprange_value", "vf_coef", "ent_coef", "kl_coef"):
+        if self.batch_size % self.num_generations != 0:
+            raise ValueError(
+                f"PPOConfig.batch_size={self.batch_size} is not a multiple of "
+                f"PPOConfig.num_generations={self.num_generations}: batch_size counts completions, "
+                f"num_generations of them per prompt. Valid num_generations values for this "
+                f"batch_size: {_divisors(self.batch_size)}."
+            )
+        choices = {"advantage_estimator": ADVANTAGE_ESTIMATORS, "grpo_scale": ("group", "batch", "none"),
+                   "loss_aggregation": LOSS_AGGREGATIONS, "importance_ratio": ("token", "sequence"),
+                   "kl_loss_estimator": ("k1", "k2", "k3")}
+        for name, valid in choices.items():
+            if getattr(self, name) not in valid:
+                _fail(name, getattr(self, name), "one of " + ", ".join(repr(v) for v in valid))
+        if self.advantage_estimator in GROUP_ESTIMATORS and self.num_generations < 2:
+            _fail("num_generations", self.num_generations,
+                  f">= 2 with advantage_estimator={self.advantage_estimator!r}, which compares the completions of "
+                  "each prompt (a group of one has no baseline)")
+        for name in ("cliprange_low", "cliprange_high"):
+            value = getattr(self, name)
+            if value is not None and (not _is_real(value) or value < 0 or (name == "cliprange_low" and value > 1)):
+                _fail(name, value, "None (use cliprange) or a finite real number >= 0"
+                      + (" and <= 1" if name == "cliprange_low" else ""))
+        if self.dual_clip is not None and (not _is_real(self.dual_clip) or self.dual_clip <= 1):
+            _fail("dual_clip", self.dual_clip, "None (no dual clip) or a finite real number > 1")
+        if not _is_real(self.grpo_eps) or self.grpo_eps <= 0:
+            _fail("grpo_eps", self.grpo_eps, "a finite real number > 0")
+        for name in ("cliprange", "cliprange_value", "vf_coef", "ent_coef", "kl_coef", "kl_loss_coef"):
             value = getattr(self, name)
             if not _is_real(value) or value < 0:
                 _fail(name, value, "a finite real number >= 0")
@@ -128,6 +201,32 @@ class PPOConfig:
     def updates_per_step(self) -> int:
         """Optimizer updates planned per `train_step`: `ppo_epochs * num_minibatches`."""
         return self.ppo_epochs * self.num_minibatches
+
+    @property
+    def uses_critic(self) -> bool:
+        """Whether the algorithm has a critic (value model): only GAE does."""
+        return self.advantage_estimator == "gae"
+
+    @property
+    def clip_low(self) -> float:
+        return self.cliprange if self.cliprange_low is None else self.cliprange_low
+
+    @property
+    def clip_high(self) -> float:
+        return self.cliprange if self.cliprange_high is None else self.cliprange_high
+
+    @property
+    def prompts_per_batch(self) -> int:
+        """Prompts sampled per iteration: `batch_size // num_generations`."""
+        return self.batch_size // self.num_generations
+
+    @classmethod
+    def for_algorithm(cls, name: str, **overrides) -> "PPOConfig":
+        """A config with the defaults of algorithm `name` (see `jaxppo.algorithms`), then
+        `overrides` (any field)."""
+        from jaxppo.algorithms import algorithm_defaults
+
+        return cls(**{**algorithm_defaults(name), **overrides})
 
     def replace(self, **changes) -> "PPOConfig":
         """A copy with `changes` applied (validated again)."""

@@ -1,7 +1,8 @@
 """The math of critic-free RL (GRPO, Dr. GRPO, DAPO, RLOO, REINFORCE++, GSPO): advantage
 estimators, loss aggregation modes, asymmetric / dual clipping, sequence-level importance
 ratios and KL-as-loss estimators. Pure functions on arrays, part of the math layer (they
-import nothing above `jaxppo.math`); the trainer wiring is issue 9's remaining work.
+import nothing above `jaxppo.math`, and `jaxppo.math` re-exports them); `jaxppo.ppo`'s
+`train_step` and loss put them on the engine.
 
 Shapes: B completions (rows), T response tokens, G completions per prompt
 (`num_generations`). Rows are grouped consecutively: prompt i's completions are rows
@@ -13,6 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxppo.config import LOSS_AGGREGATIONS
 from jaxppo.math import masked_mean, masked_sum, masked_whiten
 
 __all__ = [
@@ -110,7 +112,6 @@ def reinforce_pp_advantages(rewards, mask, gamma: float = 1.0):
     return masked_whiten(discounted_returns(rewards, mask, gamma), mask, shift_mean=True)
 
 
-LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 
 
 def aggregate_loss(per_token, mask, mode: str, max_length: int = None):

@@ -251,3 +251,22 @@ def running_moments_update(state: RunningMoments, x) -> RunningMoments:
     mean = state.mean + delta * n / total
     m2 = state.var * state.count + batch_var * n + jnp.square(delta) * state.count * n / total
     return RunningMoments(mean, m2 / total, total)
+
+
+# The critic-free estimators, aggregation modes and clipping live in their own module of
+# the math layer; they are part of `jaxppo.math` too. Imported last: that module uses the
+# masked statistics defined above.
+from jaxppo.critic_free import (  # noqa: E402
+    aggregate_loss,
+    clipped_policy_loss,
+    discounted_returns,
+    group_baseline,
+    grpo_advantages,
+    kl_loss_per_token,
+    reinforce_pp_advantages,
+    rloo_advantages,
+    sequence_log_ratio,
+)
+
+__all__ += ["grpo_advantages", "rloo_advantages", "group_baseline", "discounted_returns", "reinforce_pp_advantages",
+            "aggregate_loss", "sequence_log_ratio", "clipped_policy_loss", "kl_loss_per_token"]

@@ -26,60 +26,141 @@ __all__ = ["Rollout", "train_step", "train_step_fn", "ppo_loss", "compute_advant
 
 
 def compute_advantages(rollout: Rollout, config: PPOConfig):
-    """Advantages and returns (B, R) for the whole rollout, zero at padding.
+    """Advantages (B, R) for the whole rollout, zero at padding, and the critic's returns
+    (B, R) (None for the critic-free estimators).
 
-    Rewards are whitened (scale only) first if `config.whiten_rewards`; GAE uses
+    "gae": rewards are whitened (scale only) first if `config.whiten_rewards`; GAE uses
     `config.gamma` and `config.lam`; advantages are whitened over all real response tokens
     of the rollout if `config.whiten_advantages`. Returns are GAE advantages + values,
     before advantage whitening (the critic's regression target).
+
+    Critic-free, with a completion's score s_i = the sum of its rewards (its sequence score
+    plus any KL penalty in the reward), completions grouped by prompt (G consecutive rows):
+      "grpo": `jaxppo.math.grpo_advantages(s, G, config.grpo_scale, config.grpo_eps)`;
+      "rloo": `jaxppo.math.rloo_advantages(s, G)`;
+    each broadcast over the completion's tokens;
+      "reinforce_pp": per-token returns of the rewards (`config.gamma`), whitened over the
+        batch (`jaxppo.math.reinforce_pp_advantages`);
+      "reinforce_pp_baseline": the same after subtracting the group's mean of s at each
+        completion's last token.
     """
+    return _advantages(rollout, config)[:2]
+
+
+def _advantages(rollout: Rollout, config: PPOConfig):
+    """(advantages, returns or None, statistics) for `compute_advantages` and `train_step`."""
     mask = rollout.response_mask.astype(jnp.float32)
     rewards = rollout.rewards.astype(jnp.float32)
-    if config.whiten_rewards:
-        rewards = ppo_math.masked_whiten(rewards, mask, shift_mean=False)
-    advantages, returns = ppo_math.gae(rewards, rollout.values.astype(jnp.float32), mask, config.gamma, config.lam)
-    if config.whiten_advantages:
-        advantages = ppo_math.masked_whiten(advantages, mask, shift_mean=True)
-    return advantages, returns
+    estimator, g = config.advantage_estimator, config.num_generations
+    if estimator == "gae":
+        if config.whiten_rewards:
+            rewards = ppo_math.masked_whiten(rewards, mask, shift_mean=False)
+        advantages, returns = ppo_math.gae(rewards, rollout.values.astype(jnp.float32), mask, config.gamma, config.lam)
+        if config.whiten_advantages:
+            advantages = ppo_math.masked_whiten(advantages, mask, shift_mean=True)
+        return advantages, returns, {}
+    scores = ppo_math.masked_sum(rewards, mask, axis=1)
+    stats = {}
+    if estimator in ("grpo", "rloo"):
+        if estimator == "grpo":
+            seq_adv, zero_std = ppo_math.grpo_advantages(scores, g, config.grpo_scale, config.grpo_eps)
+        else:
+            seq_adv = ppo_math.rloo_advantages(scores, g)
+            groups = scores.reshape(-1, g)
+            zero_std = jnp.all(groups == groups[:, :1], axis=1)
+        advantages = seq_adv[:, None] * mask
+        stats["frac_reward_zero_std"] = jnp.mean(zero_std.astype(jnp.float32))
+    else:
+        if estimator == "reinforce_pp_baseline":
+            baseline = scores - ppo_math.group_baseline(scores, g)  # the group's mean score
+            last = jnp.maximum(jnp.sum(mask, axis=1).astype(jnp.int32) - 1, 0)
+            rewards = rewards - jax.nn.one_hot(last, rewards.shape[1], dtype=jnp.float32) * mask * baseline[:, None]
+            groups = scores.reshape(-1, g)
+            stats["frac_reward_zero_std"] = jnp.mean(jnp.all(groups == groups[:, :1], axis=1).astype(jnp.float32))
+        advantages = ppo_math.reinforce_pp_advantages(rewards, mask, config.gamma)
+    return advantages, None, stats
 
 
 def ppo_loss(params, batch, *, apply_fn, config: PPOConfig):
-    """PPO loss of one (mini- or micro-) batch: a dict of rollout fields plus
-    `advantages` and `returns`, each leading with the rows.
+    """The loss of one (mini- or micro-) batch for every algorithm: a dict of rollout fields
+    plus `advantages` (and `returns` with a critic), each leading with the rows.
 
-    loss = policy_loss + vf_coef * value_loss - ent_coef * entropy, each a masked mean over
-    the real response tokens of the batch. Returns (loss, aux) with scalar aux entries:
-    policy_loss, value_loss, entropy, approxkl, clipfrac, vf_clipfrac, ratio, ratio_var.
+    loss = policy_loss [+ vf_coef * value_loss] [- ent_coef * entropy]
+           [+ kl_loss_coef * KL(policy || reference)]
+    policy_loss: the clipped surrogate with the ratio per token (or per completion, GSPO:
+    `config.importance_ratio`) clipped to [1 - clip_low, 1 + clip_high], optionally dual
+    clipped (`jaxppo.math.clipped_policy_loss`). Every term is reduced by
+    `config.loss_aggregation` over the real response tokens (PPO's "token_mean" is a masked
+    mean over all of them). The value loss exists only with a critic ("gae").
+
+    Returns (loss, aux) with scalar aux entries: policy_loss, entropy, approxkl, clipfrac,
+    ratio, ratio_var, clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean;
+    value_loss and vf_clipfrac with a critic; kl with a KL term.
     """
     mask = batch["response_mask"].astype(jnp.float32)
+    r = batch["response_tokens"].shape[1]
+    agg_mode = config.loss_aggregation
+
+    def aggregate(per_token):
+        return ppo_math.aggregate_loss(per_token, mask, agg_mode, r)
+
     logprobs, values, entropy = response_outputs(apply_fn, params, batch, config.temperature)
     old_logprobs = batch["logprobs"].astype(jnp.float32)
-    pg_loss, clipfrac = ppo_math.policy_loss(logprobs, old_logprobs, batch["advantages"], mask, config.cliprange)
-    vf_loss, vf_clipfrac = ppo_math.value_loss(
-        values, batch["values"].astype(jnp.float32), batch["returns"], mask, config.cliprange_value
-    )
+    if config.importance_ratio == "sequence":
+        log_ratio = ppo_math.sequence_log_ratio(logprobs, old_logprobs, mask)
+    else:
+        log_ratio = logprobs - old_logprobs
+    pg_loss, clip_metrics = ppo_math.clipped_policy_loss(
+        log_ratio, batch["advantages"], mask, config.clip_low, config.clip_high, config.dual_clip, agg_mode, r)
+    ratio = jnp.exp(log_ratio)
+    advantages = batch["advantages"]
+    clipped = -advantages * jnp.clip(ratio, 1.0 - config.clip_low, 1.0 + config.clip_high)
+    loss = pg_loss
+    aux = {"policy_loss": pg_loss}
+    if config.uses_critic:
+        if agg_mode == "token_mean":
+            vf_loss, vf_clipfrac = ppo_math.value_loss(
+                values, batch["values"].astype(jnp.float32), batch["returns"], mask, config.cliprange_value)
+        else:
+            old_values = batch["values"].astype(jnp.float32)
+            clipped_values = old_values + jnp.clip(values - old_values, -config.cliprange_value, config.cliprange_value)
+            err, err_clipped = jnp.square(values - batch["returns"]), jnp.square(clipped_values - batch["returns"])
+            vf_loss = 0.5 * aggregate(jnp.maximum(err, err_clipped))
+            vf_clipfrac = ppo_math.masked_mean((err_clipped > err).astype(jnp.float32), mask)
+        loss = loss + config.vf_coef * vf_loss
+        aux.update(value_loss=vf_loss, vf_clipfrac=vf_clipfrac)
     ent = ppo_math.masked_mean(entropy, mask)
-    loss = pg_loss + config.vf_coef * vf_loss
     if config.ent_coef:
-        loss = loss - config.ent_coef * ent
+        loss = loss - config.ent_coef * (ent if agg_mode == "token_mean" else aggregate(entropy))
     else:
         ent = jax.lax.stop_gradient(ent)  # a metric only: no backward pass through the (B, R, V) entropy
-    ratio = jnp.exp(logprobs - old_logprobs)
-    aux = {
-        "policy_loss": pg_loss,
-        "value_loss": vf_loss,
+    if config.kl_loss_coef:
+        kl = aggregate(ppo_math.kl_loss_per_token(logprobs, batch["ref_logprobs"].astype(jnp.float32),
+                                                  config.kl_loss_estimator))
+        loss = loss + config.kl_loss_coef * kl
+        aux["kl"] = jax.lax.stop_gradient(kl)
+    sg = jax.lax.stop_gradient
+    aux.update({
         "entropy": ent,
-        "approxkl": jax.lax.stop_gradient(ppo_math.approx_kl(logprobs, old_logprobs, mask)),
-        "clipfrac": clipfrac,
-        "vf_clipfrac": vf_clipfrac,
-        "ratio": jax.lax.stop_gradient(ppo_math.masked_mean(ratio, mask)),
-        "ratio_var": jax.lax.stop_gradient(ppo_math.masked_var(ratio, mask, unbiased=False)),
-    }
+        "approxkl": sg(ppo_math.approx_kl(logprobs, old_logprobs, mask)),
+        # Tokens whose gradient the clip switched off.
+        "clipfrac": sg(ppo_math.masked_mean((clipped > -advantages * ratio).astype(jnp.float32), mask)),
+        "ratio": sg(ppo_math.masked_mean(ratio, mask)),
+        "ratio_var": sg(ppo_math.masked_var(ratio, mask, unbiased=False)),
+        **{k: v for k, v in clip_metrics.items() if k.startswith("clip_ratio/")},
+    })
     return loss, aux
 
 
 def _token_count(batch):
     return jnp.sum(batch["response_mask"].astype(jnp.float32))
+
+
+def _micro_batch_weight(config: PPOConfig):
+    """How micro-batches are weighted under gradient accumulation, so that they add up to
+    exactly the whole mini-batch's loss: by real tokens for a token mean; equally (they
+    hold equal numbers of completions) for the per-completion means."""
+    return _token_count if config.loss_aggregation == "token_mean" else None
 
 
 # TRL's metric names for the aux entries: (average over updates, per-mini-batch array).
@@ -92,6 +173,10 @@ _TRL_NAMES = {
     "vf_clipfrac": ("val/clipfrac_avg", "per_minibatch/val/clipfrac"),
     "ratio": ("val/ratio", "per_minibatch/val/ratio"),
     "ratio_var": ("val/ratio_var", "per_minibatch/val/ratio_var"),
+    "clip_ratio/low_mean": ("clip_ratio/low_mean", "per_minibatch/clip_ratio/low_mean"),
+    "clip_ratio/high_mean": ("clip_ratio/high_mean", "per_minibatch/clip_ratio/high_mean"),
+    "clip_ratio/region_mean": ("clip_ratio/region_mean", "per_minibatch/clip_ratio/region_mean"),
+    "kl": ("kl", "per_minibatch/kl"),
 }
 
 
@@ -136,23 +221,27 @@ def train_step_fn(state: TrainState, rollout: Rollout, key, config: PPOConfig, m
     """
     _check_rollout_structure(rollout, config)
 
-    advantages, returns = compute_advantages(rollout, config)
+    advantages, returns, adv_stats = _advantages(rollout, config)
     batch = {
         "query_tokens": rollout.query_tokens,
         "query_mask": rollout.query_mask,
         "response_tokens": rollout.response_tokens,
         "response_mask": rollout.response_mask,
         "logprobs": rollout.logprobs,
-        "values": rollout.values,
         "advantages": advantages,
-        "returns": returns,
     }
+    if config.uses_critic:
+        batch.update(values=rollout.values, returns=returns)
+    if config.kl_loss_coef:
+        batch["ref_logprobs"] = rollout.ref_logprobs
     step_before = state.step
     state, engine_metrics = update_epochs_fn(
-        state, batch, key, _loss_for(state.apply_fn, config), config, weight_fn=_token_count,
+        state, batch, key, _loss_for(state.apply_fn, config), config, weight_fn=_micro_batch_weight(config),
         minibatch_sharding=minibatch_sharding,
     )
-    return state, _summarise(engine_metrics, state.step - step_before, rollout, advantages, returns, config)
+    metrics = _summarise(engine_metrics, state.step - step_before, rollout, advantages, returns, config)
+    metrics.update(adv_stats)
+    return state, metrics
 
 
 def _check_rollout_structure(rollout, config: PPOConfig):
@@ -168,7 +257,11 @@ def _check_rollout_structure(rollout, config: PPOConfig):
             f"rollout has {b} rows but PPOConfig.batch_size={config.batch_size}; a rollout "
             f"must hold exactly batch_size rows (nothing is dropped or padded)."
         )
-    for name in ("response_mask", "logprobs", "values", "rewards"):
+    if config.kl_loss_coef and rollout.ref_logprobs is None:
+        raise ValueError(f"PPOConfig.kl_loss_coef={config.kl_loss_coef} needs the reference policy's log-probs in "
+                         "rollout.ref_logprobs (batch, response_len); the rollout has none")
+    fields = ("response_mask", "logprobs", "values", "rewards") + (("ref_logprobs",) if config.kl_loss_coef else ())
+    for name in fields:
         shape = getattr(rollout, name).shape
         if shape != (b, r):
             raise ValueError(f"rollout.{name} has shape {shape}; expected (batch, response_len) = {(b, r)}")
@@ -241,6 +334,8 @@ def _summarise(engine_metrics, applied, rollout, advantages, returns, config):
     mask = rollout.response_mask.astype(jnp.float32)
     metrics = {}
     for key, (avg_name, per_mb_name) in _TRL_NAMES.items():
+        if key not in engine_metrics["aux"]:
+            continue  # value metrics without a critic, kl without a KL term
         metrics[avg_name] = avg(engine_metrics["aux"][key])
         metrics[per_mb_name] = engine_metrics["aux"][key]
     metrics["loss/total_avg"] = avg(engine_metrics["loss"])
@@ -255,11 +350,12 @@ def _summarise(engine_metrics, applied, rollout, advantages, returns, config):
     if "early_stopped" in engine_metrics:
         metrics["per_minibatch/early_stopped"] = engine_metrics["early_stopped"]
         metrics["ppo/early_stopped"] = jnp.any(engine_metrics["early_stopped"])
-    metrics["ppo/returns/mean"] = ppo_math.masked_mean(returns, mask)
-    metrics["ppo/returns/var"] = ppo_math.masked_var(returns, mask)
     metrics["ppo/advantages/mean"] = ppo_math.masked_mean(advantages, mask)
-    metrics["ppo/val/mean"] = ppo_math.masked_mean(rollout.values.astype(jnp.float32), mask)
-    metrics["ppo/val/var"] = ppo_math.masked_var(rollout.values.astype(jnp.float32), mask)
+    if config.uses_critic:
+        metrics["ppo/returns/mean"] = ppo_math.masked_mean(returns, mask)
+        metrics["ppo/returns/var"] = ppo_math.masked_var(returns, mask)
+        metrics["ppo/val/mean"] = ppo_math.masked_mean(rollout.values.astype(jnp.float32), mask)
+        metrics["ppo/val/var"] = ppo_math.masked_var(rollout.values.astype(jnp.float32), mask)
     return metrics
 
 

@@ -4,6 +4,8 @@ so that both compute the same log-probs). Depends on the math layer only."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -27,7 +29,10 @@ class Rollout(flax.struct.PyTreeNode):
       values: float (B, R), the critic's values at sampling time, V(s_t) before token t.
       rewards: float (B, R), per-token rewards: typically -beta * KL(policy || reference)
         per token, with the sequence score added at the last real response token (the
-        rollout layer builds these). Only these enter the advantages.
+        rollout layer builds these). Only these enter the advantages; critic-free
+        estimators take a completion's score as the sum of its rewards.
+      ref_logprobs: float (B, R) or None: the reference policy's log-probs of the response
+        tokens, needed only for a KL term in the loss (`PPOConfig.kl_loss_coef` > 0).
     """
 
     query_tokens: jax.Array
@@ -37,6 +42,7 @@ class Rollout(flax.struct.PyTreeNode):
     logprobs: jax.Array
     values: jax.Array
     rewards: jax.Array
+    ref_logprobs: Optional[jax.Array] = None
 
     @property
     def batch_size(self) -> int:
