@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxppo
-from jaxppo import trainer as trainer_lib
+from jaxppo import assembly
 from jaxppo.models import Model, ModelConfig
 from jaxppo.models.model import PolicyAndCritic
 from tables import print_markdown
@@ -39,7 +39,7 @@ def measure(layers, batch=8, mini=4, q=16, r=16, target_kl=None):
     policy, critic = Model(config), Model(config, kind="value")
     apply_fn = PolicyAndCritic(policy, critic)
     tc = jaxppo.TrainerConfig(learning_rate=1e-6)
-    tx = trainer_lib._optimizer(tc.learning_rate, tc.learning_rate, tc, shared=False)
+    tx = assembly.optimizer(tc.learning_rate, tc.learning_rate, tc, shared=False)
     ppo = jaxppo.PPOConfig(batch_size=batch, mini_batch_size=mini, ppo_epochs=1, target_kl=target_kl)
 
     def make_state():

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxppo
-from jaxppo import trainer as trainer_lib
+from jaxppo import assembly
 from jaxppo.models import Model, ModelConfig
 from jaxppo.models.model import PolicyAndCritic
 
@@ -58,7 +58,7 @@ def make_state(config, setup: Setup, abstract=True):
     trainer's optimizer: clipped Adam per part)."""
     policy, critic = setup.models(config)
     tc = jaxppo.TrainerConfig(learning_rate=1e-6)
-    tx = trainer_lib._optimizer(tc.learning_rate, tc.learning_rate, tc, shared=False)
+    tx = assembly.optimizer(tc.learning_rate, tc.learning_rate, tc, shared=False)
 
     def build():
         params = {"policy": policy.init(jax.random.key(0), seq_len=2),

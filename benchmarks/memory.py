@@ -38,7 +38,7 @@ import jaxppo
 import layouts
 from jaxppo import math as ppo_math
 from jaxppo import sharding as sh
-from jaxppo import trainer as trainer_lib
+from jaxppo import assembly
 from jaxppo.models import Model
 from jaxppo.models.generate import GenerationOutput, _generate
 from jaxppo.rollout import RolloutSpec, finish_rollout
@@ -171,7 +171,7 @@ def score(row):
     state = layouts.make_state(config, setup)
     ref_model, ref_params = _frozen(config, row, "causal_lm")
     reward_model, reward_params = _frozen(config, row, "reward")
-    spec = RolloutSpec(policy=state.apply_fn.policy, apply_fn=state.apply_fn, ref_apply=trainer_lib._LogitsOf(ref_model),
+    spec = RolloutSpec(policy=state.apply_fn.policy, apply_fn=state.apply_fn, ref_apply=assembly.LogitsOf(ref_model),
                        reward_apply=reward_model.apply, response_length=row.r, policy_params_key="policy")
     b, q, r = row.batch, row.q, row.r
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)

@@ -42,8 +42,13 @@ class RolloutSpec:
       policy_params_key: where the policy's params sit in the train params (None: the
         params are the policy's own, as with a shared trunk; "policy" for PolicyAndCritic).
       ref_apply: `ref_apply(ref_params, tokens, mask) -> logits`; one that offers
-        `response_outputs` (a built-in model) scores without full logits.
+        `response_outputs` (a built-in model) scores without full logits. None: no
+        reference (no KL in the reward or the loss); the KL is then 0 and not reported.
+      keep_ref_logprobs: put the reference log-probs in the rollout (`ref_logprobs`) for a
+        KL term in the loss.
       reward_apply: `reward_apply(reward_params, tokens, mask) -> (B,)` scores, or None.
+      reward_weight: the reward model's weight when host scores (weighted reward functions)
+        are added to its scores.
       token_reward_fn: a jittable `fn(prompt_ids, prompt_mask, response_ids, response_mask)
         -> (B,)` scores, or None.
       response_length, temperature, stop_token_ids, pad_token_id: sampling.
@@ -55,11 +60,13 @@ class RolloutSpec:
 
     policy: Model
     apply_fn: Callable
-    ref_apply: Callable
+    ref_apply: Optional[Callable]
     response_length: int
     temperature: float = 1.0
     policy_params_key: Optional[str] = None
     reward_apply: Optional[Callable] = None
+    reward_weight: float = 1.0
+    keep_ref_logprobs: bool = False
     token_reward_fn: Optional[Callable] = None
     stop_token_ids: Tuple[int, ...] = ()
     pad_token_id: int = 0
@@ -87,11 +94,13 @@ class RewardError(ValueError):
     """A reward function raised, or returned something other than one number per response."""
 
 
-def check_scores(scores, batch: int, name: str = "reward function", prompts=None, responses=None) -> np.ndarray:
+def check_scores(scores, batch: int, name: str = "reward function", prompts=None, responses=None,
+                 allow_none: bool = False):
     """Validate what a host-side reward function returned: one real number (int, float,
     numpy scalar or 0-d array) per response, `batch` of them, as a list, tuple or 1-D array.
     Returns float32 (batch,). Non-finite numbers pass through (the trainer reports or skips
-    them for every kind of reward alike).
+    them for every kind of reward alike). With `allow_none`, None means "no opinion on this
+    row": returns (scores with 0 there, given: bool (batch,) False there).
 
     Raises `RewardError` naming the function (`name`), the row and the value, and the row's
     prompt and response when given."""
@@ -111,7 +120,11 @@ def check_scores(scores, batch: int, name: str = "reward function", prompts=None
         raise RewardError(f"{name} returned {len(scores)} scores for {batch} responses; expected ({batch},): one "
                           "number per response")
     out = np.empty(batch, np.float32)
+    given = np.ones(batch, bool)
     for i, value in enumerate(scores):
+        if value is None and allow_none:
+            out[i], given[i] = 0.0, False
+            continue
         if value is None:
             raise RewardError(f"{name} returned None at row {i}{row_text(i)}: every response needs a score (a reward "
                               "function with no opinion on a row must still return a number for it)")
@@ -121,7 +134,7 @@ def check_scores(scores, batch: int, name: str = "reward function", prompts=None
             raise RewardError(f"{name} returned {value!r:.60} ({type(value).__name__}) at row {i}{row_text(i)}; "
                               "each score must be a real number (int or float)")
         out[i] = float(value)
-    return out
+    return (out, given) if allow_none else out
 
 
 def nonfinite_rows(scores) -> np.ndarray:
@@ -135,32 +148,43 @@ def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompt_
                    score_moments: ppo_math.RunningMoments):
     """Build the `Rollout` and its statistics from sampled responses (compiled).
 
-    host_scores: (B,) scores from a text reward function, or None when the spec has a
-    reward model or a token reward function. Returns (rollout, stats, score_moments), with
+    host_scores: (B,) scores from text reward functions (weighted and summed), or None;
+    added to the reward model's scores (times `spec.reward_weight`) when the spec has one. Returns (rollout, stats, score_moments), with
     TRL-named statistics: objective/kl, objective/entropy, objective/non_score_reward,
     objective/rlhf_reward, objective/scores, val/num_eos_tokens, ..., and the (B,) scores
-    before penalties and normalisation as `per_row/raw_scores`.
+    before penalties and normalisation as `per_row/raw_scores` (the reward model's own as
+    `per_row/model_scores`), and whether each response holds a stop token
+    (`per_row/contains_eos`). Without a reference, `objective/kl` is absent.
     """
     response_mask = gen.mask
     batch = {"query_tokens": prompt_ids, "query_mask": prompt_mask,
              "response_tokens": gen.tokens, "response_mask": response_mask}
     logprobs, values, _ = response_outputs(spec.apply_fn, params, batch, spec.temperature)
+    if values is None:  # no critic
+        values = jnp.zeros_like(logprobs)
     tokens = jnp.concatenate([prompt_ids, gen.tokens], axis=1)
     mask = jnp.concatenate([prompt_mask, response_mask], axis=1)
     q, r = prompt_ids.shape[1], gen.tokens.shape[1]
-    ref_scorer = scorer(spec.ref_apply)
-    if ref_scorer is not None:  # a built-in model: no full logits
-        ref_logprobs = ref_scorer(ref_params, prompt_ids, prompt_mask, gen.tokens, response_mask, spec.temperature)[0]
-    else:
-        ref_logits = spec.ref_apply(ref_params, tokens, mask)[:, q - 1 : q - 1 + r]
-        ref_logprobs = ppo_math.logprobs_from_logits(ref_logits, gen.tokens, spec.temperature)
+    ref_logprobs = None
+    if spec.ref_apply is not None:
+        ref_scorer = scorer(spec.ref_apply)
+        if ref_scorer is not None:  # a built-in model: no full logits
+            ref_logprobs = ref_scorer(ref_params, prompt_ids, prompt_mask, gen.tokens, response_mask,
+                                      spec.temperature)[0]
+        else:
+            ref_logits = spec.ref_apply(ref_params, tokens, mask)[:, q - 1 : q - 1 + r]
+            ref_logprobs = ppo_math.logprobs_from_logits(ref_logits, gen.tokens, spec.temperature)
 
+    model_scores = None
     if spec.reward_apply is not None:
-        raw_scores = spec.reward_apply(reward_params, tokens, mask).astype(jnp.float32)
+        model_scores = spec.reward_apply(reward_params, tokens, mask).astype(jnp.float32)
+        raw_scores = spec.reward_weight * model_scores if host_scores is not None else model_scores
     elif spec.token_reward_fn is not None:
         raw_scores = jnp.asarray(spec.token_reward_fn(prompt_ids, prompt_mask, gen.tokens, response_mask), jnp.float32)
     else:
-        raw_scores = host_scores.astype(jnp.float32)
+        raw_scores = jnp.zeros((prompt_ids.shape[0],), jnp.float32)
+    if host_scores is not None:
+        raw_scores = raw_scores + host_scores.astype(jnp.float32)
     if raw_scores.shape != (prompt_ids.shape[0],):
         raise ValueError(f"scores have shape {raw_scores.shape}; expected ({prompt_ids.shape[0]},)")
 
@@ -175,14 +199,17 @@ def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompt_
     if spec.score_clip is not None:
         scores = jnp.clip(scores, -spec.score_clip, spec.score_clip)
 
-    kl = ppo_math.kl_per_token(logprobs, ref_logprobs, spec.kl_estimator) * response_mask
+    if ref_logprobs is not None:
+        kl = ppo_math.kl_per_token(logprobs, ref_logprobs, spec.kl_estimator) * response_mask
+    else:
+        kl = jnp.zeros_like(logprobs)
     rewards, non_score = ppo_math.kl_shaped_rewards(kl, scores, response_mask, kl_state.beta)
     rollout = Rollout(query_tokens=prompt_ids, query_mask=prompt_mask, response_tokens=gen.tokens,
-                      response_mask=response_mask, logprobs=logprobs, values=values, rewards=rewards)
+                      response_mask=response_mask, logprobs=logprobs, values=values, rewards=rewards,
+                      ref_logprobs=ref_logprobs if spec.keep_ref_logprobs else None)
     mean_kl = jnp.mean(jnp.sum(kl, axis=1))
     mean_non_score = jnp.mean(jnp.sum(non_score, axis=1))
     stats = {
-        "objective/kl": mean_kl,
         "objective/entropy": jnp.mean(jnp.sum(-logprobs * response_mask, axis=1)),
         "objective/non_score_reward": mean_non_score,
         "objective/rlhf_reward": jnp.mean(scores) + mean_non_score,
@@ -192,5 +219,10 @@ def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompt_
         "val/num_eos_tokens": jnp.sum(contains_eos.astype(jnp.int32)),
         "val/response_length": jnp.mean(jnp.sum(response_mask, axis=1).astype(jnp.float32)),
         "per_row/raw_scores": raw_scores,
+        "per_row/contains_eos": contains_eos,
     }
+    if ref_logprobs is not None:
+        stats["objective/kl"] = mean_kl
+    if model_scores is not None:
+        stats["per_row/model_scores"] = model_scores
     return rollout, stats, score_moments

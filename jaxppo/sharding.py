@@ -22,7 +22,7 @@ from jaxppo.config import PPOConfig
 
 __all__ = ["MeshConfig", "make_mesh", "batch_sharding", "shard_batch", "param_spec", "tree_shardings", "shard_state",
            "sharded_train_step", "global_batch",
-           "check_batch_divides", "initialize_distributed", "MeshBound"]
+           "check_batch_divides", "initialize_distributed", "MeshBound", "to_host"]
 
 AXES = ("data", "fsdp", "tensor")
 # Projections split on their output features (column-parallel) or input features
@@ -204,3 +204,12 @@ def global_batch(array, mesh: Mesh):
     array = np.asarray(array)
     sharding = batch_sharding(mesh)
     return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
+def to_host(array) -> np.ndarray:
+    """A global array as a host numpy array (gathered across processes in multi-host runs)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+    return np.asarray(array)

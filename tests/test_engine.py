@@ -325,7 +325,7 @@ def test_a_withheld_update_costs_no_second_copy_of_the_state(optimizer, target_k
     clipped copy of the gradient."""
     import functools
 
-    from jaxppo import trainer as trainer_lib
+    from jaxppo import assembly
     from jaxppo.trainer import TrainerConfig
 
     width = 256
@@ -339,7 +339,7 @@ def test_a_withheld_update_costs_no_second_copy_of_the_state(optimizer, target_k
         loss = jnp.mean((h[:, 0] - mb["y"]) ** 2)
         return loss, {"approxkl": loss}
 
-    tx = optax.adam(1e-3) if optimizer == "adam" else trainer_lib._optimizer(1e-3, 1e-3, TrainerConfig(), shared=False)
+    tx = optax.adam(1e-3) if optimizer == "adam" else assembly.optimizer(1e-3, 1e-3, TrainerConfig(), shared=False)
     state = TrainState.create(apply_fn=None, params=params, tx=tx)
     batch = {"x": jax.ShapeDtypeStruct((8, width), jnp.float32), "y": jax.ShapeDtypeStruct((8,), jnp.float32)}
     config = PPOConfig(batch_size=8, mini_batch_size=4, ppo_epochs=2, target_kl=target_kl)

@@ -1,0 +1,243 @@
+"""Model assembly: from what the user gave (checkpoint paths or `(Model, params)` pairs)
+to the train state's pieces: the trained parameters and their forward, the frozen
+reference and reward model, the optimizer, and the run's description of its models.
+
+Only PPO ("gae") has a critic: separate (a copy of the reward model's or the policy's
+trunk) or a value head on the policy (`shared_trunk`). Critic-free algorithms train the
+policy alone. When nothing needs a reference (no KL in the reward or the loss), none is
+built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import warnings
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxppo.config import PPOConfig
+from jaxppo.engine import clip_by_global_norm
+from jaxppo.models import hf as hf_io
+from jaxppo.models.model import Model, PolicyAndCritic, stack_layers, trunk_name, unstack_layers
+from jaxppo.trainer_config import TrainerConfig
+
+__all__ = ["Assembly", "assemble", "load_model", "critic_from", "LogitsOf", "describe_model", "qualified_name",
+           "schedule", "optimizer", "is_model_spec"]
+
+
+def load_model(spec, kind, dtype, param_dtype=None, scan_layers=None):
+    """(model, params) from a checkpoint path or a (Model, params) pair; `scan_layers`
+    True/False puts the layers in that layout (None: as loaded / as given)."""
+    if isinstance(spec, (str, os.PathLike)):
+        return hf_io.from_pretrained(os.fspath(spec), dtype=dtype, param_dtype=param_dtype or dtype, kind=kind,
+                                     scan_layers=bool(scan_layers))
+    model, params = spec
+    if not isinstance(model, Model):
+        raise TypeError(f"expected a checkpoint path or a (jaxppo.models.Model, params) pair, got {type(model).__name__}")
+    if scan_layers is not None and model.scan_layers != scan_layers:
+        convert = stack_layers if scan_layers else unstack_layers
+        model, params = dataclasses.replace(model, scan_layers=scan_layers), convert(params, model.config)
+    return model, params
+
+
+def critic_from(model: Model, params, zero_head: bool, dtype=None):
+    """A "value" Model + params whose trunk is a copy of `model`'s trunk, with float32
+    parameters (the critic is trained: master weights in float32) and compute `dtype`
+    (default: `model`'s)."""
+    critic = dataclasses.replace(model, kind="value", dtype=dtype or model.dtype, param_dtype="float32")
+    trunk = trunk_name(model.config)
+    inner = params["params"]
+    # Copies (jnp.array copies, also where no cast is needed): the critic is trained and its
+    # buffers donated; the model it comes from is not.
+    as_master = lambda x: jnp.array(x, dtype=jnp.float32)
+    if zero_head or "score" not in inner:
+        head = {"kernel": jnp.zeros((model.config.hidden_size, 1), jnp.float32)}
+    else:
+        head = {"kernel": as_master(inner["score"]["kernel"][:, :1])}
+    return critic, {"params": {trunk: jax.tree.map(as_master, inner[trunk]), "score": head}}
+
+
+def qualified_name(fn) -> str:
+    if fn is None:
+        return "None"
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return f"{getattr(fn, '__module__', None) or type(fn).__module__}.{name}"
+
+
+def describe_model(spec, model, dtype) -> dict:
+    """A model's identity for the run settings: its checkpoint path (when loaded from one),
+    its architecture, kind and dtypes."""
+    out = {"path": os.path.abspath(os.fspath(spec))} if isinstance(spec, (str, os.PathLike)) else {}
+    if model is None and isinstance(spec, tuple):
+        model = spec[0]
+    if model is not None:
+        out.update(config=json.loads(model.config.to_json()), kind=model.kind, dtype=str(jnp.dtype(model.dtype)),
+                   param_dtype=str(jnp.dtype(model.param_dtype)))
+        if model.scan_layers:  # another parameter layout: its checkpoints do not fit the other
+            out["scan_layers"] = True
+    else:
+        out["dtype"] = dtype
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class LogitsOf:
+    """ref_apply for a policy Model: logits only (hashable)."""
+
+    model: Model
+
+    def __call__(self, params, tokens, mask):
+        out = self.model.apply(params, tokens, mask)
+        return out[0] if isinstance(out, tuple) else out
+
+    def response_outputs(self, params, *args):
+        return self.model.response_outputs(params, *args)
+
+
+def schedule(lr, kind, warmup, total):
+    """A learning-rate schedule over `total` updates: constant, linear decay to 0 or cosine,
+    after `warmup` updates of linear warm-up."""
+    if kind == "constant":
+        main = optax.constant_schedule(lr)
+    elif kind == "linear":
+        main = optax.linear_schedule(lr, 0.0, max(1, total - warmup))
+    else:
+        main = optax.cosine_decay_schedule(lr, max(1, total - warmup))
+    if warmup:
+        return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), main], [warmup])
+    return main
+
+
+def optimizer(policy_lr, critic_lr, tc: TrainerConfig, shared: bool, critic: bool = True):
+    """Adam (after global-norm clipping when `tc.max_grad_norm`) for the trained params:
+    the policy alone (`critic=False`), the policy and a separate critic ({"policy",
+    "critic"} params), or one model whose `value_head` has the critic's rate (`shared`)."""
+    def adam(lr):
+        parts = [clip_by_global_norm(tc.max_grad_norm)] if tc.max_grad_norm else []
+        return optax.chain(*parts, optax.adam(lr, eps=tc.adam_eps))
+
+    if not critic:
+        return adam(policy_lr)
+
+    if shared:
+        # One model: the value head gets the critic's learning rate.
+        def labels(params):
+            return {"params": {k: jax.tree.map(lambda _: "critic" if k == "value_head" else "policy", v)
+                               for k, v in params["params"].items()}}
+        return optax.multi_transform({"policy": adam(policy_lr), "critic": adam(critic_lr)}, labels)
+    return optax.multi_transform({"policy": adam(policy_lr), "critic": adam(critic_lr)},
+                                 {"policy": "policy", "critic": "critic"})
+
+def is_model_spec(spec) -> bool:
+    """Whether `spec` names a model (a checkpoint path or a `(Model, params)` pair) rather
+    than a reward function."""
+    return isinstance(spec, (str, os.PathLike)) or (isinstance(spec, tuple) and len(spec) == 2
+                                                    and isinstance(spec[0], Model))
+
+
+@dataclasses.dataclass
+class Assembly:
+    """What `assemble` builds. `apply_fn(params, tokens, mask)` is the train state's forward
+    (policy alone, PolicyAndCritic, or a policy with a value head); `params_key` locates the
+    policy's params inside `params` (None: `params` are the policy's); `ref_model` and
+    `ref_params` are None when no reference is needed; `description` identifies the models
+    in the run's settings."""
+
+    policy_model: Model
+    apply_fn: Callable
+    params: Any
+    params_key: Optional[str]
+    ref_model: Optional[Model]
+    ref_params: Any
+    reward_model: Optional[Model]
+    reward_params: Any
+    description: dict
+
+
+def needs_reference(config: PPOConfig, tc: TrainerConfig) -> bool:
+    """A reference policy is needed for a KL penalty in the reward (kl_coef > 0, or an
+    adaptive controller) or a KL term in the loss (kl_loss_coef > 0)."""
+    return config.kl_coef > 0 or tc.kl_target is not None or config.kl_loss_coef > 0
+
+
+def assemble(config: PPOConfig, tc: TrainerConfig, *, policy, reward_model=None, ref_policy=None, critic=None,
+             dtype: str = "float32", ref_dtype: Optional[str] = None, reward_dtype: Optional[str] = None,
+             remat=None, scan_layers: Optional[bool] = None, logits_chunk_size: Optional[int] = None) -> Assembly:
+    """Load or adopt the models of a run (see `PPOTrainer` for the arguments)."""
+    if not config.uses_critic:
+        if critic is not None:
+            raise ValueError(f"critic was given, but advantage_estimator={config.advantage_estimator!r} has no critic "
+                             "(only 'gae', PPO, does); drop critic or use advantage_estimator='gae'")
+        if tc.shared_trunk:
+            raise ValueError(f"TrainerConfig.shared_trunk=True puts a value head on the policy, but "
+                             f"advantage_estimator={config.advantage_estimator!r} has no critic; set shared_trunk=False")
+    ref_dtype, reward_dtype = ref_dtype or dtype, reward_dtype or dtype
+    policy_model, policy_params = load_model(policy, "causal_lm", dtype, "float32", scan_layers)
+    if remat is not None:
+        policy_model = dataclasses.replace(policy_model, remat=remat)
+    if logits_chunk_size is not None:
+        policy_model = dataclasses.replace(policy_model, logits_chunk_size=logits_chunk_size)
+    if policy_model.kind != "causal_lm":
+        policy_model = dataclasses.replace(policy_model, kind="causal_lm")
+        policy_params = {"params": {k: v for k, v in policy_params["params"].items() if k != "value_head"}}
+    ref_model = ref_params = None
+    if not needs_reference(config, tc):
+        if ref_policy is not None:
+            warnings.warn("ref_policy is not used: kl_coef and kl_loss_coef are 0 and there is no kl_target, so no "
+                          "KL to a reference is computed (and no reference model is loaded)", UserWarning, stacklevel=3)
+    elif ref_policy is None:
+        # A copy of the initial policy, held in ref_dtype (jnp.array copies even without a cast).
+        ref_model = dataclasses.replace(policy_model, dtype=ref_dtype, param_dtype=ref_dtype)
+        ref_params = jax.tree.map(lambda x: jnp.array(x, dtype=jnp.dtype(ref_dtype)), policy_params)
+    else:
+        ref_model, ref_params = load_model(ref_policy, "causal_lm", ref_dtype, scan_layers=scan_layers)
+        if logits_chunk_size is not None:
+            ref_model = dataclasses.replace(ref_model, logits_chunk_size=logits_chunk_size)
+    reward = reward_params = None
+    if reward_model is not None:
+        reward, reward_params = load_model(reward_model, "reward", reward_dtype, scan_layers=scan_layers)
+        if reward.kind != "reward":
+            raise ValueError(f"reward_model must be of kind 'reward', got {reward.kind!r}")
+    if not config.uses_critic:
+        apply_fn, params, params_key = policy_model.apply, policy_params, None
+        critic_text = "none"
+    elif tc.shared_trunk:
+        policy_model = dataclasses.replace(policy_model, kind="causal_lm_value")
+        head = {"kernel": jnp.zeros((policy_model.config.hidden_size, 1), jnp.float32),
+                "bias": jnp.zeros((1,), jnp.float32)}
+        params = {"params": dict(policy_params["params"], value_head=head)}
+        apply_fn, params_key = policy_model.apply, None
+        critic_text = "shared trunk"
+    else:
+        if critic is not None:
+            critic_model, critic_params = load_model(critic, "value", dtype, "float32", scan_layers)
+            if critic_model.kind != "value":
+                critic_model, critic_params = critic_from(critic_model, critic_params, zero_head=False)
+        elif reward is not None:
+            critic_model, critic_params = critic_from(reward, reward_params, zero_head=False, dtype=dtype)
+        else:
+            critic_model, critic_params = critic_from(policy_model, policy_params, zero_head=True)
+        if remat is not None:
+            critic_model = dataclasses.replace(critic_model, remat=remat)
+        apply_fn = PolicyAndCritic(policy_model, critic_model)
+        params = {"policy": policy_params, "critic": critic_params}
+        params_key = "policy"
+        critic_text = describe_model(critic, None, dtype) if critic is not None else "default"
+    if ref_model is None:
+        reference = "none"
+    else:
+        reference = "initial policy" if ref_policy is None else describe_model(ref_policy, ref_model, dtype)
+    description = {"policy": describe_model(policy, policy_model, dtype), "reference": reference,
+                   "critic": critic_text}
+    return Assembly(policy_model, apply_fn, params, params_key, ref_model, ref_params, reward, reward_params,
+                    description)
+
+
+def prompts_digest(prompts) -> dict:
+    return {"count": len(prompts), "sha256": hashlib.sha256("\x00".join(prompts).encode()).hexdigest()}

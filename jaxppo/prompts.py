@@ -1,0 +1,121 @@
+"""The prompt set of a run and the order it is walked in.
+
+`load_prompt_table` reads prompts and the dataset's other columns (for reward functions
+that need them, e.g. an `answer` column); `prompt_order` gives the rows an iteration uses,
+a pure function of the seed and the iteration (so a resumed run sees the same prompts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+
+__all__ = ["load_prompts", "load_prompt_table", "prompt_order"]
+
+
+def load_prompts(source, prompt_column: str = "prompt") -> list:
+    """Prompts from a list of strings, a `datasets.Dataset` (or anything with
+    `column_names`) holding `prompt_column`, or a file: .txt (one prompt per line),
+    .jsonl (one object per line with `prompt_column`), .json (a list of strings or objects).
+
+    Errors name the file and line (or row) and say what was expected: a missing or empty
+    file, a line that is not JSON, a record without the column, a prompt that is not a
+    string."""
+    return load_prompt_table(source, prompt_column)[0]
+
+
+def load_prompt_table(source, prompt_column: str = "prompt"):
+    """(prompts, columns): the prompts as `load_prompts` reads them, and the other columns
+    of the dataset or of the .jsonl/.json records as {name: list, one value per prompt}
+    (None where a record lacks the field). Plain strings and .txt files have no columns."""
+    where = "the prompt list"
+    rows = None  # the records, when the source has any
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        if not os.path.isfile(path):
+            raise ValueError(f"prompts file {path!r} does not exist (give a .txt, .jsonl or .json file)")
+        where = path
+        if path.endswith(".jsonl"):
+            rows, labels = [], []
+            with open(path) as f:
+                for n, line in enumerate(f, start=1):
+                    if not line.strip():
+                        continue
+                    try:
+                        rows.append(json.loads(line))
+                    except ValueError as err:
+                        raise ValueError(f"{path} line {n} is not valid JSON ({err}): {line.strip()[:60]!r}; each "
+                                         f'line must be an object such as {{"{prompt_column}": "..."}}') from None
+                    labels.append(f"{path} line {n}")
+        elif path.endswith(".json"):
+            with open(path) as f:
+                try:
+                    rows = json.load(f)
+                except ValueError as err:
+                    raise ValueError(f"{path} is not valid JSON ({err}); expected a list of strings or of objects "
+                                     f"with a {prompt_column!r} field") from None
+            if not isinstance(rows, list):
+                raise ValueError(f"{path} holds a {type(rows).__name__}; expected a list of strings or of objects "
+                                 f"with a {prompt_column!r} field")
+            labels = [f"{path} item {i}" for i in range(len(rows))]
+        else:
+            with open(path) as f:
+                numbered = [(n, line.rstrip("\n")) for n, line in enumerate(f, start=1) if line.strip()]
+            rows = [line for _, line in numbered]
+            labels = [f"{path} line {n}" for n, _ in numbered]
+        prompts = [_prompt_of(row, prompt_column, label) for row, label in zip(rows, labels)]
+    elif hasattr(source, "column_names"):
+        if prompt_column not in source.column_names:
+            raise ValueError(f"the dataset has no column {prompt_column!r}; columns: {list(source.column_names)} "
+                             "(set prompt_column / --prompt-column)")
+        prompts = list(source[prompt_column])
+        labels = [f"dataset row {i}" for i in range(len(prompts))]
+        columns = {name: list(source[name]) for name in source.column_names if name != prompt_column}
+        rows = None
+    else:
+        if isinstance(source, (str, bytes)):
+            raise TypeError("prompts must be a list of strings or a file path, not a single string")
+        prompts = list(source)
+        labels = [f"prompt {i}" for i in range(len(prompts))]
+    if not prompts:
+        raise ValueError(f"no prompts: {where} is empty")
+    bad = [i for i, p in enumerate(prompts) if not isinstance(p, str)]
+    if bad:
+        i = bad[0]
+        raise TypeError(f"prompts must be strings; {labels[i]} is a {type(prompts[i]).__name__} ({prompts[i]!r:.60})"
+                        + (f" ({len(bad)} such rows)" if len(bad) > 1 else ""))
+    if rows is not None:
+        names = sorted({k for row in rows if isinstance(row, dict) for k in row if k != prompt_column})
+        columns = {name: [row.get(name) if isinstance(row, dict) else None for row in rows] for name in names}
+    elif not hasattr(source, "column_names"):
+        columns = {}
+    return prompts, columns
+
+
+def _prompt_of(row, column: str, label: str):
+    if isinstance(row, dict):
+        if column not in row:
+            raise ValueError(f"{label} has no {column!r} field (fields: {sorted(row)}); set prompt_column / "
+                             "--prompt-column to the field holding the prompt")
+        return row[column]
+    return row
+
+
+def prompt_order(base_key, num_prompts: int, per_iteration: int, iteration: int) -> np.ndarray:
+    """Rows of the prompt set that `iteration` uses (`per_iteration` of them): the prompts
+    are walked in an order reshuffled every dataset epoch (epoch e: a permutation with
+    fold_in(data key, e), the data key being fold_in(base_key, 2**30))."""
+    n, b = num_prompts, per_iteration
+    data_key = jax.random.fold_in(base_key, 1 << 30)
+    start = iteration * b
+    out = np.empty(b, np.int64)
+    for j in range(b):
+        g = start + j
+        epoch = g // n
+        if j == 0 or g % n == 0:
+            perm = np.asarray(jax.random.permutation(jax.random.fold_in(data_key, epoch), n))
+        out[j] = perm[g % n]
+    return out

@@ -1,0 +1,112 @@
+"""`TrainerConfig`: the settings of the RLHF loop around the update (the update's own are
+in `PPOConfig`), validated up front."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+from jaxppo import math as ppo_math
+from jaxppo.config import _is_int
+
+__all__ = ["TrainerConfig"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+    """Settings of the RLHF loop (the update itself is in `PPOConfig`).
+
+    Run: seed; iterations (PPO iterations, each `batch_size` episodes) or total_episodes
+      (must be a multiple of batch_size; overrides iterations); query_length and
+      response_length (tokens; prompts are left-padded to query_length, longer prompts are
+      an error unless truncate_prompts).
+    Rewards: kl_estimator ("k1", "k3", "abs", "mse"); kl_target and kl_horizon (adaptive
+      KL controller; None = fixed `PPOConfig.kl_coef`); missing_eos_penalty (subtracted
+      from scores of responses without a stop token); normalize_scores (running mean/std);
+      score_clip; stop_token_id (default: the tokenizer's EOS).
+    Optimisation: learning_rate (policy), critic_learning_rate (default: learning_rate),
+      lr_schedule ("constant", "linear" decay to 0, "cosine"), warmup_updates,
+      max_grad_norm (None: no clipping), adam_eps, shared_trunk (value head on the policy).
+    Output: output_dir; log_every; sample_every and num_samples (printed completions);
+      checkpoint_every (iterations; 0 = only on interrupt and at the end), keep_checkpoints,
+      resume (continue from the latest checkpoint in output_dir; False refuses a directory
+      that already holds a run); tensorboard; progress; export_final (policy as a Hugging
+      Face directory); plot (PNG of score, KL, reward).
+    Faults: skip_nonfinite_scores (an iteration whose scores include NaN or inf is skipped
+      and counted in `objective/skipped_nonfinite_scores` instead of stopping the run with
+      an error naming the rows).
+    """
+
+    seed: int = 0
+    iterations: int = 100
+    total_episodes: Optional[int] = None
+    query_length: int = 32
+    response_length: int = 32
+    truncate_prompts: bool = False
+    kl_estimator: str = "k1"
+    kl_target: Optional[float] = None
+    kl_horizon: int = 10000
+    missing_eos_penalty: Optional[float] = None
+    normalize_scores: bool = False
+    score_clip: Optional[float] = None
+    stop_token_id: Optional[int] = None
+    learning_rate: float = 1e-5
+    critic_learning_rate: Optional[float] = None
+    lr_schedule: str = "constant"
+    warmup_updates: int = 0
+    max_grad_norm: Optional[float] = 1.0
+    adam_eps: float = 1e-5
+    shared_trunk: bool = False
+    output_dir: str = "runs/jaxppo"
+    log_every: int = 1
+    sample_every: int = 10
+    num_samples: int = 2
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 2
+    resume: bool = True
+    tensorboard: bool = True
+    progress: bool = True
+    export_final: bool = True
+    plot: bool = True
+    skip_nonfinite_scores: bool = False
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            if field.type in (bool, "bool") and not isinstance(getattr(self, field.name), bool):
+                raise ValueError(f"TrainerConfig.{field.name}={getattr(self, field.name)!r} is invalid: "
+                                 f"{field.name} must be a bool (True or False)")
+        if not isinstance(self.output_dir, str) or not self.output_dir:
+            raise ValueError(f"TrainerConfig.output_dir={self.output_dir!r} is invalid: output_dir must be a non-empty "
+                             "path string")
+        if self.total_episodes is not None and (not _is_int(self.total_episodes) or self.total_episodes <= 0):
+            raise ValueError(f"TrainerConfig.total_episodes={self.total_episodes!r} is invalid: total_episodes must be "
+                             "None or a positive int")
+        if self.stop_token_id is not None and (not _is_int(self.stop_token_id) or self.stop_token_id < 0):
+            raise ValueError(f"TrainerConfig.stop_token_id={self.stop_token_id!r} is invalid: stop_token_id must be "
+                             "None or a token id >= 0")
+        positive = ("iterations", "query_length", "response_length", "kl_horizon", "log_every", "keep_checkpoints")
+        for name in positive:
+            value = getattr(self, name)
+            if not _is_int(value) or value <= 0:
+                raise ValueError(f"TrainerConfig.{name}={value!r} is invalid: {name} must be a positive int")
+        for name in ("sample_every", "num_samples", "checkpoint_every", "warmup_updates", "seed"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 0:
+                raise ValueError(f"TrainerConfig.{name}={value!r} is invalid: {name} must be an int >= 0")
+        if self.kl_estimator not in ppo_math.KL_ESTIMATORS:
+            raise ValueError(f"TrainerConfig.kl_estimator={self.kl_estimator!r} is invalid; valid: "
+                             f"{', '.join(ppo_math.KL_ESTIMATORS)}")
+        if self.lr_schedule not in ("constant", "linear", "cosine"):
+            raise ValueError(f"TrainerConfig.lr_schedule={self.lr_schedule!r} is invalid; valid: constant, linear, cosine")
+        for name in ("learning_rate", "adam_eps"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"TrainerConfig.{name}={value!r} is invalid: {name} must be > 0")
+        for name in ("critic_learning_rate", "kl_target", "max_grad_norm", "score_clip", "missing_eos_penalty"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                                      or not math.isfinite(value) or (name != "missing_eos_penalty" and value <= 0)):
+                raise ValueError(f"TrainerConfig.{name}={value!r} is invalid: {name} must be None or a finite number"
+                                 + ("" if name == "missing_eos_penalty" else " > 0"))
+
