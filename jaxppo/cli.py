@@ -1,13 +1,14 @@
-"""The `jaxppo` command: PPO/RLHF from the command line.
+"""The `jaxppo` command: PPO/RLHF and GRPO-family RL from the command line.
 
     jaxppo                                   # the embedded demo (tiny byte-level policy, CPU)
     jaxppo --model DIR --reward-model DIR --prompts prompts.jsonl --batch-size 64 ...
     jaxppo --config run.toml --iterations 200
+    jaxppo --algorithm grpo                  # the demo with GRPO (no critic, 8 completions per prompt)
 
 Every `PPOConfig` and `TrainerConfig` field is a flag (`--mini-batch-size 8`,
 `--no-whiten-advantages`, `--target-kl none`, ...). Values come from, lowest first: the
-defaults (the demo's when no --model is given), the --config file (JSON or TOML with the
-same names, dashes or underscores), then the flags.
+defaults (the demo's when no --model is given), the --algorithm's defaults, the --config
+file (JSON or TOML with the same names, dashes or underscores), then the flags.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from jaxppo.trainer import PPOTrainer, TrainerConfig
 __all__ = ["main", "build_parser", "resolve"]
 
 _EXTRA = {
+    "algorithm": (str, "ppo", "ppo, grpo, dr_grpo, dapo, rloo, reinforce_pp or gspo: sets that method's advantage "
+                              "estimator, loss aggregation, clipping and KL defaults (see jaxppo.algorithms); any "
+                              "of them can still be set by its own flag"),
     "model": (str, None, "local Hugging Face causal-LM directory (policy); default: the demo's tiny policy"),
     "reward_model": (str, None, "local ...ForSequenceClassification directory (reward model)"),
     "reward": (str, None, "built-in reward function instead of a model: 'lowercase' (the demo's)"),
@@ -135,6 +139,15 @@ def resolve(argv=None):
     if is_demo:
         values.update(demo.DEMO_PPO)
         values.update(demo.DEMO_TRAINER)
+    algorithm = args.get("algorithm", from_file.get("algorithm", "ppo"))
+    from jaxppo.algorithms import ALGORITHMS, algorithm_defaults
+
+    if algorithm not in ALGORITHMS:
+        raise SystemExit(f"jaxppo: --algorithm {algorithm!r} is invalid; valid: {', '.join(ALGORITHMS)}")
+    # The method's defaults sit above the general ones and below the file and the flags.
+    values.update(algorithm_defaults(algorithm))
+    if is_demo:
+        values.update(demo.DEMO_ALGORITHM.get(algorithm, {}))
     values.update(from_file)
     values.update(args)
     known = {f.name for f in dataclasses.fields(PPOConfig)} | {f.name for f in dataclasses.fields(TrainerConfig)} | set(_EXTRA)

@@ -15,7 +15,8 @@ import jax
 from jaxppo.models.config import ModelConfig
 from jaxppo.models.model import Model
 
-__all__ = ["DEMO_PROMPTS", "demo_tokenizer", "demo_policy", "lowercase_reward", "DEMO_PPO", "DEMO_TRAINER"]
+__all__ = ["DEMO_PROMPTS", "demo_tokenizer", "demo_policy", "lowercase_reward", "DEMO_PPO", "DEMO_TRAINER",
+           "DEMO_ALGORITHM"]
 
 DEMO_PROMPTS = [
     "Once upon a time", "The weather today is", "My favourite food is", "In the morning I",
@@ -32,6 +33,13 @@ DEMO_PROMPTS = [
 DEMO_PPO = dict(batch_size=64, mini_batch_size=16, ppo_epochs=4, kl_coef=0.3, cliprange=0.2, vf_coef=0.1)
 DEMO_TRAINER = dict(iterations=80, query_length=32, response_length=16, learning_rate=1e-3,
                     critic_learning_rate=3e-3, max_grad_norm=1.0, sample_every=20, output_dir="runs/demo")
+
+
+# The demo's settings per critic-free algorithm, over that algorithm's own defaults: the
+# same 64 completions per iteration (8 prompts x 8), no critic learning rate to set.
+DEMO_ALGORITHM = {
+    name: dict(critic_learning_rate=None) for name in ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "gspo")
+}
 
 
 def demo_tokenizer():

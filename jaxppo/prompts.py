@@ -17,8 +17,8 @@ __all__ = ["load_prompts", "load_prompt_table", "prompt_order"]
 
 
 def load_prompts(source, prompt_column: str = "prompt") -> list:
-    """Prompts from a list of strings, a `datasets.Dataset` (or anything with
-    `column_names`) holding `prompt_column`, or a file: .txt (one prompt per line),
+    """Prompts from a list of strings or of records (dicts holding `prompt_column`), a
+    `datasets.Dataset` (or anything with `column_names`) holding `prompt_column`, or a file: .txt (one prompt per line),
     .jsonl (one object per line with `prompt_column`), .json (a list of strings or objects).
 
     Errors name the file and line (or row) and say what was expected: a missing or empty
@@ -29,8 +29,9 @@ def load_prompts(source, prompt_column: str = "prompt") -> list:
 
 def load_prompt_table(source, prompt_column: str = "prompt"):
     """(prompts, columns): the prompts as `load_prompts` reads them, and the other columns
-    of the dataset or of the .jsonl/.json records as {name: list, one value per prompt}
-    (None where a record lacks the field). Plain strings and .txt files have no columns."""
+    of the dataset or of the records (.jsonl/.json, or a list of dicts) as {name: list, one
+    value per prompt} (None where a record lacks the field). Plain strings and .txt files
+    have no columns."""
     where = "the prompt list"
     rows = None  # the records, when the source has any
     if isinstance(source, (str, os.PathLike)):
@@ -78,8 +79,9 @@ def load_prompt_table(source, prompt_column: str = "prompt"):
     else:
         if isinstance(source, (str, bytes)):
             raise TypeError("prompts must be a list of strings or a file path, not a single string")
-        prompts = list(source)
-        labels = [f"prompt {i}" for i in range(len(prompts))]
+        rows = list(source)  # strings, or records (dicts) holding prompt_column and other columns
+        labels = [f"prompt {i}" for i in range(len(rows))]
+        prompts = [_prompt_of(row, prompt_column, label) for row, label in zip(rows, labels)]
     if not prompts:
         raise ValueError(f"no prompts: {where} is empty")
     bad = [i for i, p in enumerate(prompts) if not isinstance(p, str)]

@@ -493,7 +493,9 @@ class PPOTrainer(CheckpointedRun):
                          f"({last - first:+.4f})")
             if "objective/kl" in scored[-1]:
                 kl_last = float(np.mean([m["objective/kl"] for m in scored[-n:]]))
-                lines.append(f"mean KL (last {n}): {kl_last:.4f}; kl_coef now {float(self.kl_state.beta):.4f}")
+                where = (f"KL term in the loss, coefficient {self.config.kl_loss_coef}" if self.config.kl_loss_coef
+                         else f"kl_coef now {float(self.kl_state.beta):.4f}")
+                lines.append(f"mean KL (last {n}): {kl_last:.4f}; {where}")
         lines.append(f"metrics: {os.path.join(self.tc.output_dir, 'metrics.jsonl')}")
         return "\n".join(lines)
 

@@ -78,3 +78,58 @@ def test_main_job_default_demo_learns(tmp_path):
     assert max(kl[-10:]) < 40.0, kl[-10:]  # bounded by the KL penalty
     assert all(r["ppo/updates_applied"] == 16 for r in rows)
     assert (tmp_path / "metrics.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_grpo_verifiable_example_passes_the_answer_column(tmp_path):
+    module = load("grpo_verifiable")
+    seen = []
+    original = module.exact_match
+
+    def spy(prompts, completions, answer):
+        seen.append((list(prompts), list(answer)))
+        return original(prompts, completions, answer)
+
+    module.exact_match = spy
+    history = module.main(["--iterations", "2", "--output-dir", str(tmp_path)])
+    answers = {r["prompt"]: r["answer"] for r in module.make_dataset()}
+    assert len(seen) == 2 and all(a == [answers[p] for p in prompts] for prompts, a in seen)
+    assert all(len(prompts) == 64 and len(set(prompts)) <= 8 for prompts, _ in seen)  # 8 prompts x 8 completions
+    assert all(r["ppo/updates_applied"] == 8 and 0.0 <= r["rewards/spy/mean"] <= 1.0 for r in history)
+
+
+def test_grpo_two_rewards_example_weights_both(tmp_path):
+    history = load("grpo_two_rewards").main(["--iterations", "2", "--output-dir", str(tmp_path)])
+    for row in history:
+        assert row["reward"] == pytest.approx(row["rewards/lowercase_reward/mean"]
+                                              + 0.5 * row["rewards/variety/mean"] * row["rewards/variety/scored_fraction"],
+                                              rel=1e-5)
+        assert "loss/value_avg" not in row and row["clip_ratio/region_mean"] >= 0.0
+
+
+@pytest.mark.slow
+def test_main_job_grpo_demo_learns(tmp_path):
+    """`jaxppo --algorithm grpo`: the demo's task with GRPO, no critic."""
+    from jaxppo.cli import main
+
+    assert main(["--algorithm", "grpo", "--output-dir", str(tmp_path), "--no-progress", "--compilation-cache",
+                 "none", "--no-plot"]) == 0
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert len(rows) == demo.DEMO_TRAINER["iterations"]
+    first = np.mean([r["objective/scores"] for r in rows[:10]])
+    last = np.mean([r["objective/scores"] for r in rows[-10:]])
+    assert last > first + 2.0, (first, last)
+    assert all(r["ppo/updates_applied"] == 16 and "loss/value_avg" not in r for r in rows)
+    settings = json.loads((tmp_path / "run_settings.json").read_text())
+    assert settings["ppo"]["advantage_estimator"] == "grpo" and settings["ppo"]["num_generations"] == 8
+
+
+def test_algorithm_flag_sets_defaults_and_flags_override():
+    from jaxppo.cli import resolve
+
+    ppo, _, _ = resolve(["--algorithm", "dapo", "--cliprange-high", "0.3", "--num-generations", "4"])
+    assert (ppo.advantage_estimator, ppo.cliprange_low, ppo.cliprange_high, ppo.num_generations) == ("grpo", 0.2, 0.3, 4)
+    assert ppo.kl_coef == 0.0 and ppo.loss_aggregation == "token_mean"
+    ppo, _, _ = resolve([])
+    assert ppo.advantage_estimator == "gae" and ppo.num_generations == 1
+    with pytest.raises(SystemExit, match="--algorithm 'grpo2' is invalid; valid: ppo, grpo"):
+        resolve(["--algorithm", "grpo2"])

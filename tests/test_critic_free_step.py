@@ -1,0 +1,248 @@
+"""The critic-free algorithms on the compiled engine (`train_step` with a GRPO-family
+config), against references written here: advantages by Python loops over groups and
+tokens, the loss from its formulas with explicit per-row aggregation, and a Python loop of
+optimizer updates over the same permutations."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxppo
+from jaxppo import PPOConfig, Rollout, TrainState, train_step
+from jaxppo.algorithms import ALGORITHMS
+from jaxppo.toy import make_toy
+
+Q, R, V = 4, 6, 32
+CRITIC_FREE = [name for name in ALGORITHMS if name != "ppo"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_toy(jax.random.key(0), vocab_size=V, width=16, depth=1, heads=2, max_len=Q + R, seq_len=Q + R)
+
+
+def make_rollout(model, b, seed=0, with_ref=True):
+    """A rollout whose log-probs are the model's own (on-policy: ratio 1 at the start), with
+    groups of equal scores here and there, and reference log-probs nearby."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, R + 1, size=(b, 1))
+    pads = rng.integers(0, Q, size=(b, 1))
+    mask = np.arange(R)[None] < lengths
+    scores = rng.integers(0, 3, size=b).astype(np.float32)
+    rewards = np.zeros((b, R), np.float32)
+    rewards[np.arange(b), lengths[:, 0] - 1] = scores
+    rewards -= 0.01 * rng.random((b, R)).astype(np.float32) * mask  # a small per-token KL penalty
+    rollout = Rollout(
+        query_tokens=jnp.asarray(rng.integers(0, V, size=(b, Q)), jnp.int32),
+        query_mask=jnp.asarray(np.arange(Q)[None] >= pads, jnp.int32),
+        response_tokens=jnp.asarray(rng.integers(0, V, size=(b, R)), jnp.int32),
+        response_mask=jnp.asarray(mask, jnp.int32),
+        logprobs=jnp.zeros((b, R), jnp.float32),
+        values=jnp.zeros((b, R), jnp.float32),
+        rewards=jnp.asarray(rewards * mask),
+    )
+    apply_fn, params = model
+    batch = {"query_tokens": rollout.query_tokens, "query_mask": rollout.query_mask,
+             "response_tokens": rollout.response_tokens, "response_mask": rollout.response_mask}
+    logprobs, _, _ = jaxppo.response_outputs(apply_fn, params, batch, 1.0)
+    ref = logprobs + 0.1 * jnp.asarray(rng.normal(size=(b, R)), jnp.float32) if with_ref else None
+    return rollout.replace(logprobs=logprobs, ref_logprobs=ref)
+
+
+def config_for(name, **changes):
+    sizes = dict(batch_size=16, mini_batch_size=8, ppo_epochs=2)
+    base = PPOConfig.for_algorithm(name, **sizes)
+    if base.num_generations > 4 or base.advantage_estimator in ("grpo", "rloo"):
+        sizes["num_generations"] = 4
+    return PPOConfig.for_algorithm(name, **{**sizes, **changes})
+
+
+# ---------------------------------------------------------------- references, tests only
+
+
+def ref_advantages(rollout, config):
+    rewards = np.asarray(rollout.rewards, np.float64)
+    mask = np.asarray(rollout.response_mask, np.float64)
+    b, g = rewards.shape[0], config.num_generations
+    scores = [sum(rewards[i, t] for t in range(R) if mask[i, t]) for i in range(b)]
+    est = config.advantage_estimator
+    adv = np.zeros((b, R))
+    if est in ("grpo", "rloo"):
+        batch_mean = sum(scores) / b
+        batch_std = (sum((s - batch_mean) ** 2 for s in scores) / (b - 1)) ** 0.5
+        for start in range(0, b, g):
+            group = scores[start:start + g]
+            mean = sum(group) / g
+            std = (sum((s - mean) ** 2 for s in group) / (g - 1)) ** 0.5
+            for i in range(g):
+                if est == "rloo":
+                    a = group[i] - (sum(group) - group[i]) / (g - 1)
+                elif config.grpo_scale == "group":
+                    a = (group[i] - mean) / (std + config.grpo_eps)
+                elif config.grpo_scale == "batch":
+                    a = (group[i] - mean) / (batch_std + config.grpo_eps)
+                else:
+                    a = group[i] - mean
+                adv[start + i] = a * mask[start + i]
+        return adv
+    rewards = rewards.copy()
+    if est == "reinforce_pp_baseline":
+        for start in range(0, b, g):
+            mean = sum(scores[start:start + g]) / g
+            for i in range(start, start + g):
+                rewards[i, int(mask[i].sum()) - 1] -= mean
+    for i in range(b):
+        ret = 0.0
+        for t in reversed(range(int(mask[i].sum()))):
+            ret = rewards[i, t] + config.gamma * ret
+            adv[i, t] = ret
+    real = adv[mask > 0]
+    return (adv - real.mean()) / np.sqrt(real.var(ddof=1) + 1e-8) * mask
+
+
+def ref_loss(params, apply_fn, mb, config):
+    tokens = jnp.concatenate([mb["qt"], mb["rt"]], axis=1)
+    mask = jnp.concatenate([mb["qm"], mb["rm"]], axis=1)
+    logits = apply_fn(params, tokens, mask)[0][:, Q - 1 : Q - 1 + R]
+    logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), mb["rt"][..., None], axis=-1)[..., 0]
+    m = mb["rm"].astype(jnp.float32)
+    rows = m.shape[0]
+    lengths = [jnp.sum(m[i]) for i in range(rows)]
+    diff = logp - mb["lp"]
+    if config.importance_ratio == "sequence":
+        diff = jnp.stack([jnp.full((R,), jnp.sum(diff[i] * m[i]) / lengths[i]) for i in range(rows)])
+    ratio = jnp.exp(diff)
+    lo, hi = config.clip_low, config.clip_high
+    per_token = jnp.maximum(-mb["adv"] * ratio, -mb["adv"] * jnp.clip(ratio, 1 - lo, 1 + hi))
+    if config.dual_clip is not None:
+        per_token = jnp.where(mb["adv"] < 0, jnp.minimum(per_token, -mb["adv"] * config.dual_clip), per_token)
+
+    def aggregate(x):
+        if config.loss_aggregation == "token_mean":
+            return jnp.sum(x * m) / jnp.sum(m)
+        if config.loss_aggregation == "seq_mean_token_mean":
+            return sum(jnp.sum(x[i] * m[i]) / lengths[i] for i in range(rows)) / rows
+        return sum(jnp.sum(x[i] * m[i]) / R for i in range(rows)) / rows
+
+    loss = aggregate(per_token)
+    if config.kl_loss_coef:
+        d = mb["ref"] - logp
+        kl = {"k1": -d, "k2": 0.5 * d ** 2, "k3": jnp.exp(d) - d - 1}[config.kl_loss_estimator]
+        loss = loss + config.kl_loss_coef * aggregate(kl)
+    return loss
+
+
+def reference_train_step(model, rollout, key, config, tx):
+    apply_fn, params = model
+    adv = jnp.asarray(ref_advantages(rollout, config), jnp.float32)
+    data = dict(qt=rollout.query_tokens, qm=rollout.query_mask, rt=rollout.response_tokens, rm=rollout.response_mask,
+                lp=rollout.logprobs, adv=adv, ref=rollout.ref_logprobs)
+    opt_state = tx.init(params)
+    keys = jax.random.split(key, config.ppo_epochs)
+    grad = jax.jit(jax.grad(lambda p, mb: ref_loss(p, apply_fn, mb, config)))
+    for e in range(config.ppo_epochs):
+        perm = np.asarray(jax.random.permutation(keys[e], config.batch_size))
+        for i in range(config.num_minibatches):
+            rows = perm[i * config.mini_batch_size:(i + 1) * config.mini_batch_size]
+            grads = grad(params, {k: v[rows] for k, v in data.items()})
+            updates, opt_state = tx.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+    return params
+
+
+# ---------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("name", CRITIC_FREE)
+def test_advantages_match_loops(model, name):
+    config = config_for(name)
+    rollout = make_rollout(model, config.batch_size)
+    adv, returns = jaxppo.compute_advantages(rollout, config)
+    assert returns is None  # no critic, no returns
+    np.testing.assert_allclose(np.asarray(adv), ref_advantages(rollout, config), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name,changes", [(n, {}) for n in CRITIC_FREE] + [
+    ("grpo", dict(grpo_scale="batch", kl_loss_estimator="k2", dual_clip=3.0)),
+    ("dr_grpo", dict(kl_loss_coef=0.1, kl_loss_estimator="k1")),
+], ids=CRITIC_FREE + ["grpo-batch-k2-dual", "dr_grpo-k1"])
+def test_train_step_equals_a_python_loop_of_updates(model, name, changes):
+    """Every algorithm's whole train_step (advantages, loss, aggregation, clipping, KL term,
+    permutations, updates) equals the reference loop."""
+    config = config_for(name, **changes)
+    rollout = make_rollout(model, config.batch_size)
+    tx = optax.sgd(0.5)  # large steps: later mini-batches see ratios far from 1, so the clips act
+    state = TrainState.create(apply_fn=model[0], params=model[1], tx=tx)
+    key = jax.random.key(3)
+    new, metrics = train_step(state, rollout, key, config)
+    expected = reference_train_step(model, rollout, key, config, tx)
+    chex.assert_trees_all_close(new.params, expected, rtol=2e-4, atol=2e-6)
+    assert int(new.step) == config.updates_per_step == int(metrics["ppo/updates_applied"])
+    assert "loss/value_avg" not in metrics and "ppo/val/mean" not in metrics  # no critic, no value metrics
+    assert float(metrics["per_minibatch/val/ratio"][0, 0]) == pytest.approx(1.0, abs=1e-6)  # on-policy start
+    if config.kl_loss_coef:
+        assert np.isfinite(float(metrics["kl"]))
+
+
+@pytest.mark.parametrize("name", CRITIC_FREE + ["ppo"])
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_update_count_is_pinned_for_every_algorithm(model, name, accumulate):
+    config = config_for(name, batch_size=16, mini_batch_size=8, ppo_epochs=3, gradient_accumulation_steps=accumulate)
+    state = TrainState.create(apply_fn=model[0], params=model[1], tx=optax.adam(1e-3))
+    state, metrics = train_step(state, make_rollout(model, 16), jax.random.key(1), config)
+    assert int(state.step) == config.ppo_epochs * config.batch_size // config.mini_batch_size == 6
+    assert int(metrics["ppo/updates_applied"]) == 6 == int(metrics["ppo/updates_planned"])
+    per_mb = {k: v for k, v in metrics.items() if k.startswith("per_minibatch/")}
+    chex.assert_tree_shape_prefix(per_mb, (3, 2))
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_accumulation_gives_the_whole_mini_batch_gradient(model, aggregation):
+    """Under gradient accumulation every aggregation mode adds up to exactly the update of
+    the whole mini-batch (rows of different lengths, so a wrong weighting would show)."""
+    results = []
+    for k in (1, 2, 4):
+        config = config_for("grpo", batch_size=8, mini_batch_size=8, ppo_epochs=1, gradient_accumulation_steps=k,
+                            loss_aggregation=aggregation, kl_loss_coef=0.1)
+        state = TrainState.create(apply_fn=model[0], params=model[1], tx=optax.sgd(1.0))
+        results.append(train_step(state, make_rollout(model, 8, seed=5), jax.random.key(0), config)[0].params)
+    chex.assert_trees_all_close(results[0], results[1], rtol=1e-5, atol=1e-7)
+    chex.assert_trees_all_close(results[0], results[2], rtol=1e-5, atol=1e-7)
+
+
+def test_each_epoch_walks_a_fresh_permutation():
+    """TRL re-walks the same mini-batches in every num_iterations pass; here every epoch
+    has its own permutation, and each covers every completion once."""
+    config = config_for("grpo", batch_size=16, mini_batch_size=4, ppo_epochs=4)
+    idx = np.asarray(jaxppo.minibatch_indices(jax.random.key(0), config))
+    epochs = [tuple(e.ravel()) for e in idx]
+    assert all(sorted(e) == list(range(16)) for e in epochs)
+    assert len(set(epochs)) == 4
+
+
+def test_kl_term_needs_reference_logprobs(model):
+    config = config_for("grpo")
+    rollout = make_rollout(model, config.batch_size, with_ref=False)
+    state = TrainState.create(apply_fn=model[0], params=model[1], tx=optax.adam(1e-3))
+    with pytest.raises(ValueError, match="kl_loss_coef=0.04 needs the reference policy's log-probs"):
+        train_step(state, rollout, jax.random.key(0), config)
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(batch_size=12, mini_batch_size=4, num_generations=8), "batch_size=12 is not a multiple of PPOConfig.num_generations=8"),
+    (dict(advantage_estimator="grpo", num_generations=1), "num_generations=1 is invalid.*>= 2"),
+    (dict(advantage_estimator="ppo"), "advantage_estimator='ppo' is invalid.*'gae'"),
+    (dict(loss_aggregation="sum"), "loss_aggregation='sum' is invalid"),
+    (dict(dual_clip=1.0), "dual_clip=1.0 is invalid"),
+    (dict(cliprange_low=1.5), "cliprange_low=1.5 is invalid"),
+    (dict(importance_ratio="seq"), "importance_ratio='seq' is invalid"),
+    (dict(kl_loss_coef=-1.0), "kl_loss_coef=-1.0 is invalid"),
+])
+def test_bad_algorithm_settings_are_refused(changes, message):
+    with pytest.raises(ValueError, match=message):
+        PPOConfig(**changes)
+    with pytest.raises(ValueError, match="algorithm 'ppo2' is unknown; valid: ppo, grpo"):
+        PPOConfig.for_algorithm("ppo2")

@@ -1,0 +1,132 @@
+"""The trainer with the critic-free algorithms: group sampling, no critic, no reference
+when no KL is used, the first update exactly on-policy, reward functions with dataset
+columns, weights and None, metrics, resume, and the refusals."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import jaxppo
+from jaxppo import demo
+from jaxppo.algorithms import ALGORITHMS
+
+TOKENIZER = demo.demo_tokenizer()
+
+
+def grpo_trainer(tmp_path, name="grpo", iterations=1, ppo=None, prompts=None, reward_fn=demo.lowercase_reward,
+                 **kwargs):
+    ppo = ppo or jaxppo.PPOConfig.for_algorithm(name, batch_size=8, mini_batch_size=4, ppo_epochs=2,
+                                                num_generations=4 if name != "reinforce_pp" else 1)
+    tc = jaxppo.TrainerConfig(iterations=iterations, query_length=32, response_length=6, learning_rate=1e-3,
+                              output_dir=str(tmp_path), progress=False, sample_every=0, export_final=False, plot=False,
+                              tensorboard=False, **kwargs.pop("trainer", {}))
+    rewards = {"reward_fn": reward_fn} if "reward_fns" not in kwargs else {}
+    return jaxppo.PPOTrainer(ppo, tc, policy=demo.demo_policy(TOKENIZER, width=32, layers=1, max_len=38),
+                             tokenizer=TOKENIZER, prompts=prompts or demo.DEMO_PROMPTS, **rewards, **kwargs)
+
+
+@pytest.mark.parametrize("name", list(ALGORITHMS))
+def test_first_update_is_exactly_on_policy(tmp_path, name):
+    """Sampler, rollout scoring and loss agree on positions (left-padded prompts of
+    different lengths): with one update per iteration, its ratio is exactly 1."""
+    ppo = jaxppo.PPOConfig.for_algorithm(name, batch_size=8, mini_batch_size=8, ppo_epochs=1,
+                                         num_generations=1 if name in ("ppo", "reinforce_pp") else 4)
+    trainer = grpo_trainer(tmp_path, ppo=ppo)
+    assert trainer.prompt_mask.min(axis=1).max() == 0  # the prompts are left-padded
+    row = trainer.step()
+    assert row["val/ratio"] == 1.0 and row["policy/approxkl_avg"] == 0.0, (row["val/ratio"], row["policy/approxkl_avg"])
+    assert row["ppo/updates_applied"] == 1
+    has_critic = name == "ppo"
+    assert ("loss/value_avg" in row) == has_critic
+    if not has_critic:
+        assert not any(k in trainer.state.params for k in ("critic", "policy"))  # the policy's own params only
+        assert "value_head" not in trainer.state.params["params"]
+    assert (trainer.ref_params is None) == (ppo.kl_coef == 0 and ppo.kl_loss_coef == 0)
+    assert ("objective/kl" in row) == (trainer.ref_params is not None)
+
+
+def test_groups_metrics_and_counts(tmp_path):
+    trainer = grpo_trainer(tmp_path, iterations=2)
+    rows = trainer.prompt_indices(0)
+    groups = rows.reshape(2, 4)
+    assert (groups == groups[:, :1]).all() and len(set(groups[:, 0])) == 2  # 2 prompts x 4 completions, consecutive
+    history = trainer.train()
+    assert [r["episode"] for r in history] == [8, 16]
+    assert all(r["ppo/updates_applied"] == 2 * 8 // 4 for r in history)
+    for name in ["reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "completions/clipped_ratio",
+                 "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "kl",
+                 "rewards/lowercase_reward/mean", "rewards/lowercase_reward/std"]:
+        assert name in history[-1] and np.isfinite(history[-1][name]), name
+    assert 0.0 <= history[-1]["frac_reward_zero_std"] <= 1.0
+
+
+def test_resume_gives_the_uninterrupted_metrics(tmp_path):
+    straight = grpo_trainer(tmp_path / "a", iterations=3).train()
+    grpo_trainer(tmp_path / "b", iterations=2, trainer=dict(checkpoint_every=1)).train()
+    resumed = grpo_trainer(tmp_path / "b", iterations=3, trainer=dict(checkpoint_every=1)).train()
+    drop = lambda r: {k: v for k, v in r.items() if not k.startswith("time/") and k != "eps"}
+    assert [drop(r) for r in resumed] == [drop(r) for r in straight]
+
+
+def test_reward_functions_with_columns_weights_and_none(tmp_path):
+    rows = [{"prompt": p, "answer": p.split()[0].lower(), "level": i % 3} for i, p in enumerate(demo.DEMO_PROMPTS)]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    calls = []
+
+    def exact(prompts, completions, answer):  # takes one column by name
+        calls.append(("exact", list(prompts), list(completions), list(answer)))
+        return [float(c.strip().lower() == a) for c, a in zip(completions, answer)]
+
+    def odd_rows(prompts, completions, **columns):  # takes every column; no opinion on even rows
+        calls.append(("odd", sorted(columns), [int(x) for x in columns["level"]]))
+        return [float(len(c)) if i % 2 else None for i, c in enumerate(completions)]
+
+    trainer = grpo_trainer(tmp_path / "run", prompts=str(path), reward_fns=[exact, odd_rows],
+                           reward_weights=[1.0, 0.5])
+    row = trainer.step()
+    (_, prompts, completions, answers), (_, column_names, levels) = calls
+    by_prompt = {r["prompt"]: r for r in rows}
+    assert answers == [by_prompt[p]["answer"] for p in prompts] and column_names == ["answer", "level"]
+    assert levels == [by_prompt[p]["level"] for p in prompts]
+    exact_scores = np.array([float(c.strip().lower() == a) for c, a in zip(completions, answers)])
+    odd = np.array([len(c) if i % 2 else 0.0 for i, c in enumerate(completions)], np.float64)
+    assert row["reward"] == pytest.approx(np.mean(exact_scores + 0.5 * odd), rel=1e-6)
+    assert row["rewards/odd_rows/mean"] == pytest.approx(np.mean(odd[1::2]), rel=1e-6)
+    assert row["rewards/odd_rows/scored_fraction"] == 0.5
+    assert row["rewards/exact/scored_fraction"] == 1.0
+
+
+def test_reward_function_faults_name_function_and_row(tmp_path):
+    def nobody(prompts, completions):
+        return [None] * len(completions)
+
+    def fine(prompts, completions):
+        return [1.0] * len(completions)
+
+    trainer = grpo_trainer(tmp_path / "a", reward_fns=[nobody])
+    with pytest.raises(jaxppo.RewardError, match="'nobody' returned None at row 0 .*at least one reward function"):
+        trainer.step()
+    trainer = grpo_trainer(tmp_path / "b", reward_fns=[fine, nobody])  # the other function scores every row
+    assert trainer.step()["rewards/nobody/scored_fraction"] == 0.0
+
+    def short(prompts, completions):
+        return [1.0]
+
+    with pytest.raises(jaxppo.RewardError, match="'short' returned 1 scores for 8 responses"):
+        grpo_trainer(tmp_path / "c", reward_fns=[fine, short]).step()
+    with pytest.raises(ValueError, match="reward_weights has 1 weights for 2 reward_fns"):
+        grpo_trainer(tmp_path / "d", reward_fns=[fine, short], reward_weights=[1.0])
+
+
+def test_critic_free_refuses_a_critic_and_settings_stay_compatible(tmp_path):
+    with pytest.raises(ValueError, match="critic was given, but advantage_estimator='grpo' has no critic"):
+        grpo_trainer(tmp_path, critic=demo.demo_policy(TOKENIZER, width=32, layers=1, max_len=38))
+    with pytest.raises(ValueError, match="shared_trunk=True .* has no critic"):
+        grpo_trainer(tmp_path, trainer=dict(shared_trunk=True))
+    # Runs saved before the algorithm fields existed resume: PPO's settings do not list them.
+    ppo = grpo_trainer(tmp_path, ppo=jaxppo.PPOConfig(batch_size=8, mini_batch_size=4))
+    assert "advantage_estimator" not in ppo.settings()["ppo"] and "kl_loss_coef" not in ppo.settings()["ppo"]
+    assert grpo_trainer(tmp_path).settings()["ppo"]["advantage_estimator"] == "grpo"
