@@ -1,7 +1,8 @@
-"""jaxppo: PPO for language models (RLHF) in JAX/Flax, with a compiled, shape-checked update loop.
+"""jaxppo: PPO for language models (RLHF) and its critic-free relatives (GRPO, Dr. GRPO,
+DAPO, RLOO, REINFORCE++, GSPO) in JAX/Flax, with a compiled, shape-checked update loop.
 
 Layers (each imports only those before it): config -> engine -> math -> models ->
-rollout -> trainer. The update loop (`train_step`, `update_epochs`) is one compiled
+rollout -> algorithm (ppo: advantages + loss) and trainer. The update loop (`train_step`, `update_epochs`) is one compiled
 program in which the number of mini-batch updates is part of the shape.
 """
 
@@ -10,7 +11,7 @@ from jaxppo.config import PPOConfig
 from jaxppo.engine import TrainState, minibatch_indices, update_epochs, update_epochs_fn
 from jaxppo.rollout_types import Rollout, response_outputs
 from jaxppo.ppo import check_rollout, compute_advantages, ppo_loss, train_step, train_step_fn
-from jaxppo import models
+from jaxppo import algorithms, models
 from jaxppo.models import GenerationOutput, generate
 from jaxppo.rollout import RolloutSpec, finish_rollout, sample_responses
 from jaxppo.trainer import PPOTrainer, RewardError, RunError, TrainerConfig, load_prompts
@@ -31,6 +32,7 @@ __all__ = [
     "check_rollout",
     "ppo_loss",
     "math",
+    "algorithms",
     "models",
     "generate",
     "GenerationOutput",

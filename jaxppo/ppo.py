@@ -1,8 +1,10 @@
-"""`train_step`: one PPO update of a language-model policy (and critic) from a rollout.
+"""`train_step`: one update of a language-model policy (and critic) from a rollout, for
+PPO and the critic-free algorithms alike: an advantage estimator plus a loss on the engine.
 
     train_step(state, rollout, key, config) -> (state, metrics)     # pure, jitted once
-      rewards -> (whitened) GAE advantages and returns, once, over the whole rollout
-      update_epochs(...) with the PPO loss through state.apply_fn
+      rewards -> advantages (GAE with returns; or GRPO / RLOO / REINFORCE++), once, over
+        the whole rollout (`config.advantage_estimator`)
+      update_epochs(...) with the loss (`ppo_loss`) through state.apply_fn
 
 The model is anything with `state.apply_fn(params, tokens, mask) -> (logits, values)`:
 `tokens`/`mask` are (B, L) with L = query length + response length, `logits` (B, L, V) and
@@ -188,13 +190,17 @@ def _loss_for(apply_fn, config: PPOConfig):
 
 
 def train_step_fn(state: TrainState, rollout: Rollout, key, config: PPOConfig, minibatch_sharding=None):
-    """One PPO update from a rollout, compiled as one program (once per config and shapes).
+    """One update from a rollout, compiled as one program (once per config and shapes).
 
-    Computes advantages and returns once for the whole rollout (`compute_advantages`),
-    then runs `config.ppo_epochs` epochs of `config.num_minibatches` shuffled mini-batch
-    updates of the PPO loss (`ppo_loss`) through `state.apply_fn(params, tokens, mask) ->
-    (logits, values)`. Under gradient accumulation, micro-batches are weighted by their
-    real response tokens, so the update equals the one on the whole mini-batch.
+    Computes advantages (and, with a critic, returns) once for the whole rollout
+    (`compute_advantages`), then runs `config.ppo_epochs` epochs of
+    `config.num_minibatches` shuffled mini-batch updates of the loss (`ppo_loss`) through
+    `state.apply_fn(params, tokens, mask) -> (logits, values)` (values are not read without
+    a critic). Under gradient accumulation, micro-batches are weighted (by real response
+    tokens for a token mean, equally for the per-completion means), so the update equals
+    the one on the whole mini-batch. Critic-free metrics add `frac_reward_zero_std`
+    (group estimators), `clip_ratio/*` and, with a KL term, `kl`; value metrics exist only
+    with a critic.
 
     Args:
       state: `TrainState` whose `apply_fn` is the policy (+ critic) forward.

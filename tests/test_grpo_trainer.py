@@ -130,3 +130,17 @@ def test_critic_free_refuses_a_critic_and_settings_stay_compatible(tmp_path):
     ppo = grpo_trainer(tmp_path, ppo=jaxppo.PPOConfig(batch_size=8, mini_batch_size=4))
     assert "advantage_estimator" not in ppo.settings()["ppo"] and "kl_loss_coef" not in ppo.settings()["ppo"]
     assert grpo_trainer(tmp_path).settings()["ppo"]["advantage_estimator"] == "grpo"
+
+
+def test_a_reward_model_can_be_one_of_the_reward_functions(tmp_path):
+    model, _ = demo.demo_policy(TOKENIZER, width=32, layers=1, max_len=38)
+    rm = jaxppo.models.Model(model.config, kind="reward")
+    rm_params = rm.init(jax.random.key(1))
+
+    def length(prompts, completions):
+        return [float(len(c)) for c in completions]
+
+    row = grpo_trainer(tmp_path, reward_fns=[(rm, rm_params), length], reward_weights=[2.0, 1.0]).step()
+    assert row["reward"] == pytest.approx(2.0 * row["rewards/reward_model/mean"] + row["rewards/length/mean"],
+                                          rel=1e-5, abs=1e-6)
+    assert row["rewards/reward_model/std"] > 0.0  # the model's own scores, one per completion

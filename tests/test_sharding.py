@@ -208,6 +208,23 @@ def test_trainer_under_mesh_matches_single_device(tmp_path):
     assert resumed.iteration == 2 and len(again) == 2
 
 
+def test_grpo_trainer_under_mesh_matches_single_device(tmp_path):
+    """A critic-free run (GRPO with the KL loss term: policy and reference, no critic) on a
+    2x2x2 mesh gives the single-device metrics."""
+    from trainer_setup import small_trainer
+
+    ppo = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=16, mini_batch_size=8, ppo_epochs=2, num_generations=4)
+    single = small_trainer(tmp_path / "single", ppo=ppo).train()
+    trainer = small_trainer(tmp_path / "mesh", ppo=ppo, mesh=sh.MeshConfig(data=2, fsdp=2, tensor=2))
+    sharded = trainer.train()
+    assert [h["ppo/updates_applied"] for h in sharded] == [4, 4]
+    for a, b in zip(single, sharded):
+        assert a["reward"] == b["reward"]
+        for name in ("loss/total_avg", "kl", "policy/approxkl_avg"):
+            assert a[name] == pytest.approx(b[name], rel=1e-4, abs=1e-6), name
+    assert "critic" not in trainer.state.params and trainer.ref_params is not None
+
+
 def test_invalid_meshes_and_batches_are_clear_errors():
     with pytest.raises(ValueError, match="= 12 devices, but 8 are available"):
         sh.make_mesh(sh.MeshConfig(data=3, fsdp=4, tensor=1))

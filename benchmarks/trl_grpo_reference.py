@@ -1,0 +1,114 @@
+"""Reference: TRL's `GRPOTrainer` (PyTorch, CPU) at the shapes of `grpo_iteration.py`, on the
+same random GPT-2 weights, tokenizer, prompts and reward, split the same way.
+
+    /path/to/venv/bin/python benchmarks/trl_grpo_reference.py    # needs trl==1.12.0, torch==2.13.0
+    ... --vocab 384                                              # one vocabulary
+
+Not a project dependency: it exists so that the README's comparison is measured side by
+side on one machine. TRL's settings for the same work: per_device_train_batch_size=16,
+steps_per_generation=4, num_iterations=4, gradient_accumulation_steps=1, num_generations=4
+(16 prompts x 4 = 64 completions per generation batch, 16 optimizer steps on it),
+max_completion_length=32 with min_new_tokens=32 (every completion full), dropout off,
+temperature 1. The optimizer steps per generation batch are counted at run time and
+checked.
+
+Split per generation batch: generation = TRL's `_generate`; scoring = the rest of
+`_generate_and_score_completions` (old and reference log-probs, rewards, advantages);
+update = the remaining time until the next generation batch starts (16 optimizer steps,
+metrics and logging).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+
+from grpo_iteration import CASES, GENERATIONS, PROMPTS, QUERY, RESPONSE, lowercase, print_table  # noqa: E402
+
+
+def bench(loss_type, beta, vocab, batches, directory):
+    import datasets
+    import transformers
+    from trl import GRPOConfig, GRPOTrainer
+
+    from jaxppo import demo
+
+    tokenizer = demo.demo_tokenizer()
+    tokenizer.padding_side = "left"
+    marks = {"starts": [], "gen": [], "score_end": [], "steps": []}
+
+    class Timed(GRPOTrainer):
+        def _generate(self, *a, **k):
+            t0 = time.perf_counter()
+            out = super()._generate(*a, **k)
+            marks["gen"].append(time.perf_counter() - t0)
+            return out
+
+        def _generate_and_score_completions(self, *a, **k):
+            marks["starts"].append(time.perf_counter())
+            marks["steps"].append(self.state.global_step)
+            out = super()._generate_and_score_completions(*a, **k)
+            marks["score_end"].append(time.perf_counter())
+            return out
+
+    prompts = [demo.DEMO_PROMPTS[i % len(demo.DEMO_PROMPTS)][:QUERY - 1] for i in range(PROMPTS * (batches + 1))]
+    dataset = datasets.Dataset.from_dict({"prompt": prompts})
+    steps_per_batch = 16
+    args = GRPOConfig(output_dir=f"{directory}/trl-{loss_type}", per_device_train_batch_size=16,
+                      steps_per_generation=4, num_iterations=4, gradient_accumulation_steps=1,
+                      num_generations=GENERATIONS, max_completion_length=RESPONSE,
+                      generation_kwargs={"min_new_tokens": RESPONSE}, temperature=1.0, beta=beta, loss_type=loss_type,
+                      disable_dropout=True, learning_rate=1e-5, max_steps=steps_per_batch * batches, report_to=[],
+                      save_strategy="no", disable_tqdm=True, logging_steps=10**9, use_cpu=True, seed=0)
+    policy = transformers.GPT2LMHeadModel.from_pretrained(f"{directory}/policy")
+    trainer = Timed(model=policy, reward_funcs=[lowercase], args=args, train_dataset=dataset,
+                    processing_class=tokenizer)
+    trainer.train()
+    end = time.perf_counter()
+    starts = marks["starts"] + [end]
+    steps = marks["steps"] + [trainer.state.global_step]
+    rows = []
+    for i in range(len(marks["starts"])):
+        assert steps[i + 1] - steps[i] == steps_per_batch, ("optimizer steps per generation batch", steps)
+        total = starts[i + 1] - starts[i]
+        scoring = marks["score_end"][i] - starts[i] - marks["gen"][i]
+        rows.append(dict(total=total, generation=marks["gen"][i], scoring=scoring,
+                         update=total - marks["gen"][i] - scoring))
+    later = rows[2:] if len(rows) > 3 else rows[1:]
+    med = {k: float(np.median([r[k] for r in later])) for k in ("generation", "scoring", "update")}
+    return dict(case=f"{loss_type} / beta {beta}", vocab=vocab, **med, total=sum(med.values()),
+                first=rows[0]["total"], length=float(RESPONSE))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vocab", type=int, nargs="*", default=[384, 50257])
+    parser.add_argument("--batches", type=int, default=6, help="generation batches per case")
+    args = parser.parse_args()
+    import torch
+    import trl
+
+    from jaxppo import demo
+    from ppo_iteration import build
+
+    torch.set_num_threads(2)
+    rows = []
+    for vocab in args.vocab:
+        with tempfile.TemporaryDirectory() as d:
+            build(d, 2, 128, vocab, QUERY + RESPONSE + 8, demo.demo_tokenizer())
+            rows += [bench(a, b, vocab, args.batches, d) for a, b in CASES]
+    print_table(f"TRL {trl.__version__} GRPOTrainer, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+                f"GPT-2 layout 2x128, {PROMPTS} prompts x {GENERATIONS} generations x {RESPONSE} tokens, "
+                "16 optimizer steps per generation batch", rows, "first batch")
+
+
+if __name__ == "__main__":
+    main()
