@@ -35,7 +35,7 @@ def lowercase(prompts, completions, **_):
     return [float(sum(c.isascii() and c.islower() for c in text)) for text in completions]
 
 
-def bench(algorithm, beta, vocab, iterations, directory):
+def bench(algorithm, beta, vocab, iterations, directory, chunk=None):
     from jaxppo import demo
 
     tokenizer = demo.demo_tokenizer()
@@ -45,7 +45,8 @@ def bench(algorithm, beta, vocab, iterations, directory):
                               output_dir=f"{directory}/run-{algorithm}", progress=False, export_final=False, plot=False,
                               tensorboard=False, sample_every=0, truncate_prompts=True, log_every=10**9)
     trainer = jaxppo.PPOTrainer(config, tc, policy=f"{directory}/policy", tokenizer=tokenizer,
-                                prompts=demo.DEMO_PROMPTS, reward_fns=[lowercase])
+                                prompts=demo.DEMO_PROMPTS, reward_fns=[lowercase],
+                                logits_chunk_size=chunk)
     assert (trainer.ref_params is None) == (beta == 0)
     rows = [trainer.step() for _ in range(iterations)]
     assert all(r["ppo/updates_applied"] == 16 for r in rows)
@@ -70,6 +71,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vocab", type=int, nargs="*", default=[384, 50257])
     parser.add_argument("--iterations", type=int, default=8)
+    parser.add_argument("--logits-chunk-size", type=int, default=None)
     args = parser.parse_args()
     import jax
 
@@ -80,7 +82,7 @@ def main():
     for vocab in args.vocab:
         with tempfile.TemporaryDirectory() as d:
             build(d, 2, 128, vocab, QUERY + RESPONSE + 8, demo.demo_tokenizer())
-            rows += [bench(a, b, vocab, args.iterations, d) for a, b in CASES]
+            rows += [bench(a, b, vocab, args.iterations, d, args.logits_chunk_size) for a, b in CASES]
     print_table(f"jaxppo seconds per generation batch, {jax.devices()[0].platform.upper()}, GPT-2 layout 2x128, "
                 f"{PROMPTS} prompts x {GENERATIONS} generations x {RESPONSE} tokens, mini-batch 16, 16 updates",
                 rows, "first batch incl. compile")

@@ -10,7 +10,8 @@ steps_per_generation=4, num_iterations=4, gradient_accumulation_steps=1, num_gen
 (16 prompts x 4 = 64 completions per generation batch, 16 optimizer steps on it),
 max_completion_length=32 with min_new_tokens=32 (every completion full), dropout off,
 temperature 1. The optimizer steps per generation batch are counted at run time and
-checked.
+checked. At vocab 50257 the byte tokenizer decodes the ids it does not know as its unknown
+token in both libraries (jaxppo does so itself; here a subclass does).
 
 Split per generation batch: generation = TRL's `_generate`; scoring = the rest of
 `_generate_and_score_completions` (old and reference log-probs, rewards, advantages);
@@ -41,7 +42,14 @@ def bench(loss_type, beta, vocab, batches, directory):
 
     from jaxppo import demo
 
-    tokenizer = demo.demo_tokenizer()
+    class Bytes(type(demo.demo_tokenizer())):
+        """The byte tokenizer, decoding ids past its 384 (a 50257-row model samples them) as
+        its unknown token, as jaxppo's `decode_responses` does; the stock one raises."""
+
+        def _convert_id_to_token(self, index):
+            return self.unk_token if index >= self.offset + 256 else super()._convert_id_to_token(index)
+
+    tokenizer = Bytes()
     tokenizer.padding_side = "left"
     marks = {"starts": [], "gen": [], "score_end": [], "steps": []}
 

@@ -36,7 +36,7 @@ from jaxppo.engine import TrainState
 from jaxppo.interrupts import interrupts_held, interrupts_raise
 from jaxppo.logger import Logger
 from jaxppo.models import hf as hf_io
-from jaxppo.models.tokenizer import decode_responses, encode_prompts
+from jaxppo.models.tokenizer import decode_responses, encode_prompts, unknown_token_count
 from jaxppo.ppo import train_step_fn
 from jaxppo.prompts import load_prompt_table, load_prompts, prompt_order
 from jaxppo.rewards import HostRewards, RewardFunction, reward_name
@@ -198,6 +198,7 @@ class PPOTrainer(CheckpointedRun):
         self.history: list = []
         self._base_key = jax.random.key(tc.seed)
         self.skipped_iterations = 0  # iterations skipped for non-finite scores (skip_nonfinite_scores)
+        self._warned_unknown = False
         self._describe = {
             **built.description,
             "reward": _describe_rewards(reward_model, self.reward_model, host_fns, token_fn, reward_fn_on, model_weight,
@@ -254,7 +255,15 @@ class PPOTrainer(CheckpointedRun):
         host_scores, per_function = None, {}
         if self.host_rewards is not None:
             prompts = [self.prompts[r] for r in rows]
-            completions = decode_responses(self.tokenizer, to_host(gen.tokens), to_host(gen.mask))
+            tokens, token_mask = to_host(gen.tokens), to_host(gen.mask)
+            completions = decode_responses(self.tokenizer, tokens, token_mask)
+            unknown = unknown_token_count(self.tokenizer, tokens, token_mask)
+            if unknown and not self._warned_unknown:
+                self._warned_unknown = True
+                warnings.warn(f"iteration {it}: the policy sampled {unknown} token ids that the tokenizer does not know "
+                              f"(>= {len(self.tokenizer)}: its vocabulary of {self.policy_model.config.vocab_size} is "
+                              "padded beyond the tokenizer's); the reward functions see them as the tokenizer's unknown "
+                              "token (warned once)", RuntimeWarning, stacklevel=3)
             columns = {name: [values[r] for r in rows] for name, values in self.columns.items()}
             scores, per_function = self.host_rewards(it, prompts, completions, columns)
             host_scores = jnp.asarray(scores)

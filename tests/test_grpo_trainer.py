@@ -144,3 +144,14 @@ def test_a_reward_model_can_be_one_of_the_reward_functions(tmp_path):
     assert row["reward"] == pytest.approx(2.0 * row["rewards/reward_model/mean"] + row["rewards/length/mean"],
                                           rel=1e-5, abs=1e-6)
     assert row["rewards/reward_model/std"] > 0.0  # the model's own scores, one per completion
+
+
+def test_ids_past_the_tokenizer_decode_as_unknown():
+    """A policy whose vocabulary is padded past its tokenizer can sample ids the tokenizer
+    does not know; reward functions get text (the unknown token), not a crash."""
+    from jaxppo.models.tokenizer import decode_responses, unknown_token_count
+
+    tokens = np.array([[ord("h") + 3, 5000, ord("i") + 3, 0]])
+    mask = np.array([[1, 1, 1, 0]])
+    assert decode_responses(TOKENIZER, tokens, mask) == ["hi"]  # ByT5's <unk> is a special token: skipped
+    assert unknown_token_count(TOKENIZER, tokens, mask) == 1

@@ -76,6 +76,22 @@ def encode_prompts(tokenizer, prompts: Sequence[str], max_length: int, *, trunca
 
 
 def decode_responses(tokenizer, tokens, mask) -> list:
-    """Decode response tokens (B, R), keeping only those where `mask` is 1."""
+    """Decode response tokens (B, R), keeping only those where `mask` is 1.
+
+    Ids the tokenizer does not know (>= len(tokenizer): a model whose vocabulary is padded
+    beyond its tokenizer can sample them) decode as the tokenizer's unknown token, or are
+    left out when it has none; `unknown_token_count` counts them."""
     tokens, mask = np.asarray(tokens), np.asarray(mask)
-    return [tokenizer.decode(row[m.astype(bool)].tolist(), skip_special_tokens=True) for row, m in zip(tokens, mask)]
+    size, unk = len(tokenizer), tokenizer.unk_token_id
+    out = []
+    for row, m in zip(tokens, mask):
+        ids = row[m.astype(bool)]
+        if (ids >= size).any():
+            ids = np.where(ids >= size, unk, ids) if unk is not None else ids[ids < size]
+        out.append(tokenizer.decode(ids.tolist(), skip_special_tokens=True))
+    return out
+
+
+def unknown_token_count(tokenizer, tokens, mask) -> int:
+    """How many real response tokens (`mask` 1) are ids the tokenizer does not know."""
+    return int(np.sum((np.asarray(tokens) >= len(tokenizer)) & (np.asarray(mask) > 0)))
