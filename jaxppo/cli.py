@@ -36,7 +36,11 @@ _EXTRA = {
     "critic": (str, None, "local directory to initialise the critic from (default: the reward model)"),
     "ref_model": (str, None, "local directory of the reference policy (default: the initial policy)"),
     "prompts": (str, None, "prompts file: .txt (one per line), .jsonl or .json; default: the demo's prompts"),
-    "prompt_column": (str, "prompt", "field holding the prompt in .jsonl/.json files"),
+    "prompt_column": (str, "prompt", "field holding the prompt in .jsonl/.json files (a string, or a list of "
+                                     "{role, content} chat messages; a 'messages' field is found by itself)"),
+    "chat_template": (bool, None, "render chat-message prompts with the tokenizer's chat template (the default when "
+                                  "prompts are messages; an error if the tokenizer has no template); "
+                                  "--no-chat-template refuses message prompts"),
     "dtype": (str, "float32", "compute dtype: float32, bfloat16 or float16 (trained parameters and optimizer "
                               "states stay float32)"),
     "ref_dtype": (str, None, "dtype of the frozen reference policy (default: --dtype)"),
@@ -97,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     group = parser.add_argument_group("models, data and reward")
     for name, (kind, default, text) in _EXTRA.items():
         if kind is bool:
-            group.add_argument("--" + name.replace("_", "-"), dest=name, action="store_true", default=argparse.SUPPRESS,
+            action = argparse.BooleanOptionalAction if default is None else "store_true"
+            group.add_argument("--" + name.replace("_", "-"), dest=name, action=action, default=argparse.SUPPRESS,
                                help=text)
             continue
         group.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=argparse.SUPPRESS,
@@ -224,7 +229,7 @@ def build_trainer(ppo: PPOConfig, tc: TrainerConfig, extras: dict) -> PPOTrainer
                       prompt_column=extras["prompt_column"], mesh=mesh,
                       remat=False if extras["remat"] == "none" else extras["remat"],
                       scan_layers=True if extras["scan_layers"] else None,
-                      logits_chunk_size=extras["logits_chunk_size"])
+                      logits_chunk_size=extras["logits_chunk_size"], chat_template=extras["chat_template"])
 
 
 def compilation_cache_dir(setting: Optional[str]) -> Optional[str]:

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Optional
 
 import jax
 import numpy as np
 
-__all__ = ["load_prompts", "load_prompt_table", "prompt_order"]
+__all__ = ["load_prompts", "load_prompt_table", "prompt_order", "render_prompts"]
 
 
 def load_prompts(source, prompt_column: str = "prompt") -> list:
-    """Prompts from a list of strings or of records (dicts holding `prompt_column`), a
+    """Prompts (strings, or chat messages: lists of {"role", "content"} dicts, rendered
+    later by `render_prompts`) from a list of strings or of records (dicts holding `prompt_column`), a
     `datasets.Dataset` (or anything with `column_names`) holding `prompt_column`, or a file: .txt (one prompt per line),
     .jsonl (one object per line with `prompt_column`), .json (a list of strings or objects).
 
@@ -69,6 +71,8 @@ def load_prompt_table(source, prompt_column: str = "prompt"):
             labels = [f"{path} line {n}" for n, _ in numbered]
         prompts = [_prompt_of(row, prompt_column, label) for row, label in zip(rows, labels)]
     elif hasattr(source, "column_names"):
+        if prompt_column == "prompt" and "prompt" not in source.column_names and "messages" in source.column_names:
+            prompt_column = "messages"  # the usual name of a chat dataset's column
         if prompt_column not in source.column_names:
             raise ValueError(f"the dataset has no column {prompt_column!r}; columns: {list(source.column_names)} "
                              "(set prompt_column / --prompt-column)")
@@ -84,21 +88,69 @@ def load_prompt_table(source, prompt_column: str = "prompt"):
         prompts = [_prompt_of(row, prompt_column, label) for row, label in zip(rows, labels)]
     if not prompts:
         raise ValueError(f"no prompts: {where} is empty")
-    bad = [i for i, p in enumerate(prompts) if not isinstance(p, str)]
+    chat = [i for i, p in enumerate(prompts) if isinstance(p, (list, tuple))]
+    if chat:
+        for i in chat:
+            _check_messages(prompts[i], labels[i])
+        prompts = [list(p) if isinstance(p, tuple) else p for p in prompts]
+        if len(chat) != len(prompts):
+            i = next(i for i, p in enumerate(prompts) if not isinstance(p, list))
+            raise TypeError(f"prompts mix chat messages and other values: {labels[chat[0]]} is a list of messages but "
+                            f"{labels[i]} is a {type(prompts[i]).__name__} ({prompts[i]!r:.60}); give every prompt "
+                            "as a string, or every prompt as a list of {\"role\", \"content\"} messages")
+    bad = [i for i, p in enumerate(prompts) if not isinstance(p, (str, list))]
     if bad:
         i = bad[0]
         raise TypeError(f"prompts must be strings; {labels[i]} is a {type(prompts[i]).__name__} ({prompts[i]!r:.60})"
-                        + (f" ({len(bad)} such rows)" if len(bad) > 1 else ""))
+                        + (f" ({len(bad)} such rows)" if len(bad) > 1 else "")
+                        + " (a prompt may also be a list of {\"role\", \"content\"} chat messages)")
     if rows is not None:
-        names = sorted({k for row in rows if isinstance(row, dict) for k in row if k != prompt_column})
+        used = {"messages"} if any(isinstance(r, dict) and prompt_column not in r for r in rows) else set()
+        names = sorted({k for row in rows if isinstance(row, dict) for k in row if k != prompt_column} - used)
         columns = {name: [row.get(name) if isinstance(row, dict) else None for row in rows] for name in names}
     elif not hasattr(source, "column_names"):
         columns = {}
     return prompts, columns
 
 
+def _check_messages(messages, label: str):
+    if not messages:
+        raise ValueError(f"{label} is an empty list of chat messages; give at least one {{\"role\", \"content\"}} "
+                         "message")
+    for j, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise ValueError(f"{label} message {j} is {m!r:.80}; a chat message is a dict with a string \"role\" and "
+                             "a string \"content\"")
+
+
+def render_prompts(tokenizer, prompts: list, chat_template: Optional[bool] = None):
+    """(texts, is_chat): the prompts as the text the policy continues.
+
+    Prompts given as chat messages are rendered with the tokenizer's chat template
+    (`apply_chat_template(..., add_generation_prompt=True)`); the rendered text already
+    holds the template's special tokens, so it is encoded without adding more (`is_chat`).
+    `chat_template`: None (render messages when there are any) or True need a tokenizer
+    with a template, else a clear error; False refuses message prompts. Plain strings are
+    used as they are."""
+    is_chat = bool(prompts) and isinstance(prompts[0], list)
+    if not is_chat:
+        return list(prompts), False
+    if chat_template is False:
+        raise ValueError("the prompts are chat messages but the chat template is turned off (chat_template=False / "
+                         "--no-chat-template); turn it on, or give the prompts as plain strings")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"the prompts are chat messages but the tokenizer ({type(tokenizer).__name__}) has no chat "
+                         "template to render them with; use a tokenizer that has one (tokenizer_config.json "
+                         "chat_template or chat_template.jinja), set tokenizer.chat_template, or give the prompts as "
+                         "plain strings")
+    texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in prompts]
+    return texts, True
+
+
 def _prompt_of(row, column: str, label: str):
     if isinstance(row, dict):
+        if column == "prompt" and column not in row and "messages" in row:
+            return row["messages"]  # the usual name of a chat dataset's column
         if column not in row:
             raise ValueError(f"{label} has no {column!r} field (fields: {sorted(row)}); set prompt_column / "
                              "--prompt-column to the field holding the prompt")

@@ -38,7 +38,7 @@ from jaxppo.logger import Logger
 from jaxppo.models import hf as hf_io
 from jaxppo.models.tokenizer import decode_responses, encode_prompts, unknown_token_count
 from jaxppo.ppo import train_step_fn
-from jaxppo.prompts import load_prompt_table, load_prompts, prompt_order
+from jaxppo.prompts import load_prompt_table, load_prompts, prompt_order, render_prompts
 from jaxppo.rewards import HostRewards, RewardFunction, reward_name
 from jaxppo.rollout import RewardError, RolloutSpec, finish_rollout, nonfinite_rows, sample_responses
 from jaxppo.rundir import RunError, atomic_replace_dir
@@ -86,7 +86,12 @@ class PPOTrainer(CheckpointedRun):
         states whatever the compute dtype; log-softmax is computed in float32.
       ref_dtype, reward_dtype: compute and storage dtype of the frozen reference and
         reward model (default: `dtype`); "bfloat16" halves their memory.
-      prompt_column: column or field holding prompts in datasets and JSON files.
+      prompt_column: column or field holding prompts in datasets and JSON files. A prompt
+        may be a list of chat messages ({"role", "content"} dicts), rendered with the
+        tokenizer's chat template (see `jaxppo.prompts.render_prompts`); reward functions
+        then receive the messages as `prompts`.
+      chat_template: None renders chat-message prompts with the tokenizer's template (an
+        error when it has none); False refuses them; True is None made explicit.
       callbacks: functions `cb(iteration, metrics)` called after each iteration.
       remat: rematerialisation of the trained models' blocks (policy and critic): False,
         True or a `jax.checkpoint_policies` name (see `jaxppo.models.Model`); None keeps
@@ -109,7 +114,7 @@ class PPOTrainer(CheckpointedRun):
                  ref_policy=None, critic=None, dtype: str = "float32", ref_dtype: Optional[str] = None,
                  reward_dtype: Optional[str] = None, prompt_column: str = "prompt",
                  callbacks: Sequence[Callable] = (), mesh=None, remat=None, scan_layers: Optional[bool] = None,
-                 logits_chunk_size: Optional[int] = None):
+                 logits_chunk_size: Optional[int] = None, chat_template: Optional[bool] = None):
         if not isinstance(config, PPOConfig):
             raise TypeError(f"config must be a jaxppo.PPOConfig, got {type(config).__name__}")
         if not isinstance(trainer_config, TrainerConfig):
@@ -134,8 +139,9 @@ class PPOTrainer(CheckpointedRun):
         # Prompts (and the dataset's other columns, for reward functions): all tokenised
         # once, to fixed-length left-padded arrays.
         self.prompts, self.columns = load_prompt_table(prompts, prompt_column)
-        self.prompt_ids, self.prompt_mask = encode_prompts(tokenizer, self.prompts, tc.query_length,
-                                                           truncate=tc.truncate_prompts)
+        self.prompt_texts, is_chat = render_prompts(tokenizer, self.prompts, chat_template)
+        self.prompt_ids, self.prompt_mask = encode_prompts(tokenizer, self.prompt_texts, tc.query_length,
+                                                           truncate=tc.truncate_prompts, add_special_tokens=not is_chat)
 
         # Models.
         built = assemble(config, tc, policy=policy, reward_model=reward_model, ref_policy=ref_policy, critic=critic,
@@ -204,7 +210,7 @@ class PPOTrainer(CheckpointedRun):
             "reward": _describe_rewards(reward_model, self.reward_model, host_fns, token_fn, reward_fn_on, model_weight,
                                         dtype, legacy=reward_fns is None),
             "tokenizer": {"class": type(tokenizer).__name__, "size": len(tokenizer)},
-            "prompts": prompts_digest(self.prompts),
+            "prompts": prompts_digest(self.prompt_texts),
             "prompt_column": prompt_column,
         }
 
@@ -280,7 +286,7 @@ class PPOTrainer(CheckpointedRun):
                 raise RewardError(
                     f"iteration {it}: {source} gave non-finite scores {raw_scores[bad[:5]].tolist()} at rows "
                     f"{bad[:5].tolist()}" + (f" (and {bad.size - 5} more)" if bad.size > 5 else "") +
-                    f" (prompts {[self.prompts[rows[i]][:40] for i in bad[:3]]}); nothing was updated. Fix the reward, "
+                    f" (prompts {[self.prompt_texts[rows[i]][:40] for i in bad[:3]]}); nothing was updated. Fix the reward, "
                     "or set skip_nonfinite_scores (--skip-nonfinite-scores) to skip such iterations")
             return self._skip_iteration(it, rows, gen, bad, source, t0)
         jax.block_until_ready(rollout.rewards)
@@ -377,7 +383,7 @@ class PPOTrainer(CheckpointedRun):
         """(prompt, response) texts of the first `n` rows of the last iteration."""
         rows, gen = self._last_samples
         responses = decode_responses(self.tokenizer, to_host(gen.tokens)[:n], to_host(gen.mask)[:n])
-        return [(self.prompts[r], text) for r, text in zip(rows[:n], responses)]
+        return [(self.prompt_texts[r], text) for r, text in zip(rows[:n], responses)]
 
     # ------------------------------------------------------------------ the loop
 

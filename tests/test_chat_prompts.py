@@ -1,0 +1,81 @@
+"""Prompts given as chat messages, rendered with the tokenizer's chat template (issue 10,
+item 3), on a locally built byte tokenizer that has a template."""
+
+import json
+
+import numpy as np
+import pytest
+
+import jaxppo
+from jaxppo import demo
+from jaxppo.prompts import load_prompt_table, render_prompts
+
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+CHATS = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Say {w}."}]
+         for w in ("yes", "no", "hi", "ok")]
+
+
+def tokenizer(template=TEMPLATE):
+    tok = demo.demo_tokenizer()
+    tok.chat_template = template
+    return tok
+
+
+def trainer_for(tmp_path, tok, prompts, **kwargs):
+    ppo = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=8, mini_batch_size=8, ppo_epochs=1, num_generations=2)
+    tc = jaxppo.TrainerConfig(iterations=1, query_length=48, response_length=4, output_dir=str(tmp_path),
+                              progress=False, sample_every=0, export_final=False, plot=False, tensorboard=False)
+    return jaxppo.PPOTrainer(ppo, tc, policy=demo.demo_policy(tok, width=32, layers=1, max_len=52), tokenizer=tok,
+                             prompts=prompts, **kwargs)
+
+
+def test_messages_are_rendered_with_the_template_and_reach_reward_functions(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join(json.dumps({"messages": m, "answer": m[1]["content"][4:-1]}) for m in CHATS))
+    seen = []
+
+    def reward(prompts, completions, answer):
+        seen.append((prompts, answer))
+        return [0.0] * len(completions)
+
+    tok = tokenizer()
+    trainer = trainer_for(tmp_path / "run", tok, str(path), reward_fns=[reward])
+    for messages, ids, mask in zip(CHATS, trainer.prompt_ids, trainer.prompt_mask):
+        text = tok.decode(ids[mask.astype(bool)].tolist())
+        assert text == f"<system>Be brief.\n<user>{messages[1]['content']}\n<assistant>"  # no EOS appended
+    trainer.step()
+    (prompts, answers), = seen
+    assert all(isinstance(p, list) and p[1]["content"] == f"Say {a}." for p, a in zip(prompts, answers))
+
+
+def test_chat_errors_are_clear(tmp_path):
+    with pytest.raises(ValueError, match="has no chat template to render them"):
+        render_prompts(demo.demo_tokenizer(), CHATS)
+    with pytest.raises(ValueError, match="chat template is turned off"):
+        render_prompts(tokenizer(), CHATS, chat_template=False)
+    with pytest.raises(ValueError, match="has no chat template"):
+        trainer_for(tmp_path, demo.demo_tokenizer(), CHATS, reward_fn=demo.lowercase_reward)
+    with pytest.raises(TypeError, match="mix chat messages and other values: prompt 0 .* prompt 1 is a str"):
+        load_prompt_table([CHATS[0], "plain"])
+    with pytest.raises(ValueError, match="prompt 0 message 1 is .*a chat message is a dict with a string"):
+        load_prompt_table([[{"role": "user", "content": "a"}, {"role": "user"}]])
+    assert render_prompts(tokenizer(), ["plain text"]) == (["plain text"], False)  # strings stay as they are
+
+
+def test_dataset_messages_column_and_cli_flag():
+    class Table:  # what load_prompt_table reads from a datasets.Dataset
+        column_names = ["messages", "id"]
+
+        def __getitem__(self, name):
+            return {"messages": CHATS, "id": list(range(len(CHATS)))}[name]
+
+    prompts, columns = load_prompt_table(Table())
+    assert prompts == CHATS and columns == {"id": [0, 1, 2, 3]}
+    texts, chat = render_prompts(tokenizer(), prompts)
+    assert chat and texts[0].endswith("<user>Say yes.\n<assistant>")
+    from jaxppo.cli import resolve
+
+    assert resolve(["--no-chat-template"])[2]["chat_template"] is False
+    assert resolve([])[2]["chat_template"] is None
+    np.testing.assert_equal(resolve(["--chat-template"])[2]["chat_template"], True)
