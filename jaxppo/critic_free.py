@@ -20,6 +20,7 @@ from jaxppo.math import masked_mean, masked_sum, masked_whiten
 __all__ = [
     "GRPO_SCALES",
     "grpo_advantages",
+    "zero_std_groups",
     "rloo_advantages",
     "group_baseline",
     "discounted_returns",
@@ -62,7 +63,7 @@ def grpo_advantages(scores, num_generations: int, scale: str = "group", eps: flo
     mean = jnp.mean(groups, axis=1, keepdims=True)
     centred = groups - mean
     group_std = jnp.sqrt(jnp.sum(jnp.square(centred), axis=1) / max(g - 1, 1))
-    zero_std = jnp.all(groups == groups[:, :1], axis=1)
+    zero_std = zero_std_groups(scores, num_generations)
     if scale == "group":
         adv = centred / (group_std[:, None] + eps)
     elif scale == "batch":
@@ -72,6 +73,13 @@ def grpo_advantages(scores, num_generations: int, scale: str = "group", eps: flo
     else:
         adv = centred
     return adv.ravel(), zero_std
+
+
+def zero_std_groups(scores, num_generations: int):
+    """(B / G,) bool: the groups whose scores are all equal (every group-relative advantage
+    in them is 0)."""
+    groups = _groups(scores, num_generations)
+    return jnp.all(groups == groups[:, :1], axis=1)
 
 
 def rloo_advantages(scores, num_generations: int):
@@ -157,7 +165,8 @@ def clipped_policy_loss(log_ratio, advantages, mask, cliprange_low: float, clipr
 
     Returns (loss, metrics) with the token fractions (token mean over the batch):
     clip_ratio/low_mean (ratio < 1 - low with A < 0), clip_ratio/high_mean (ratio > 1 + high
-    with A > 0), clip_ratio/region_mean (either), and dual_clip_fraction."""
+    with A > 0), clip_ratio/region_mean (either), dual_clip_fraction, and clipfrac (PPO's:
+    tokens whose gradient the clip switched off, clipped term > unclipped term)."""
     if dual_clip is not None and not dual_clip > 1.0:
         raise ValueError(f"dual_clip={dual_clip!r} must be None or a constant > 1")
     if advantages.ndim == 1:
@@ -176,7 +185,8 @@ def clipped_policy_loss(log_ratio, advantages, mask, cliprange_low: float, clipr
     high = (ratio > 1.0 + cliprange_high) & (advantages > 0)
     frac = lambda x: jax.lax.stop_gradient(masked_mean(x.astype(jnp.float32), mask))
     metrics = {"clip_ratio/low_mean": frac(low), "clip_ratio/high_mean": frac(high),
-               "clip_ratio/region_mean": frac(low | high), "dual_clip_fraction": frac(dual)}
+               "clip_ratio/region_mean": frac(low | high), "dual_clip_fraction": frac(dual),
+               "clipfrac": frac(clipped > unclipped)}
     return loss, metrics
 
 

@@ -26,6 +26,7 @@ __all__ = [
     "KL_ESTIMATORS",
     "kl_per_token",
     "kl_shaped_rewards",
+    "at_last_token",
     "KLControllerState",
     "fixed_kl_controller",
     "adaptive_kl_update",
@@ -201,9 +202,15 @@ def kl_shaped_rewards(kl, scores, mask, beta):
     Returns (rewards, non_score_rewards)."""
     mask = mask.astype(jnp.float32)
     non_score = -beta * kl * mask
+    return non_score + at_last_token(scores, mask), non_score
+
+
+def at_last_token(values, mask):
+    """(B,) values placed at each row's last real token of a (B, T) prefix mask, 0 elsewhere
+    (and everywhere in a row without real tokens)."""
+    mask = mask.astype(jnp.float32)
     last = jnp.maximum(jnp.sum(mask, axis=1).astype(jnp.int32) - 1, 0)
-    at_last = jax.nn.one_hot(last, kl.shape[1], dtype=jnp.float32) * mask
-    return non_score + at_last * scores[:, None], non_score
+    return jax.nn.one_hot(last, mask.shape[1], dtype=jnp.float32) * mask * values[:, None]
 
 
 class KLControllerState(NamedTuple):
@@ -263,10 +270,11 @@ from jaxppo.critic_free import (  # noqa: E402
     group_baseline,
     grpo_advantages,
     kl_loss_per_token,
+    zero_std_groups,
     reinforce_pp_advantages,
     rloo_advantages,
     sequence_log_ratio,
 )
 
-__all__ += ["grpo_advantages", "rloo_advantages", "group_baseline", "discounted_returns", "reinforce_pp_advantages",
+__all__ += ["grpo_advantages", "zero_std_groups", "rloo_advantages", "group_baseline", "discounted_returns", "reinforce_pp_advantages",
             "aggregate_loss", "sequence_log_ratio", "clipped_policy_loss", "kl_loss_per_token"]

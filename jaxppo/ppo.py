@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxppo import math as ppo_math
-from jaxppo.config import PPOConfig
+from jaxppo.config import GROUP_ESTIMATORS, PPOConfig
 from jaxppo.engine import TrainState, update_epochs_fn
 from jaxppo.rollout_types import Rollout, response_outputs
 
@@ -63,22 +63,16 @@ def _advantages(rollout: Rollout, config: PPOConfig):
         return advantages, returns, {}
     scores = ppo_math.masked_sum(rewards, mask, axis=1)
     stats = {}
-    if estimator in ("grpo", "rloo"):
-        if estimator == "grpo":
-            seq_adv, zero_std = ppo_math.grpo_advantages(scores, g, config.grpo_scale, config.grpo_eps)
-        else:
-            seq_adv = ppo_math.rloo_advantages(scores, g)
-            groups = scores.reshape(-1, g)
-            zero_std = jnp.all(groups == groups[:, :1], axis=1)
-        advantages = seq_adv[:, None] * mask
-        stats["frac_reward_zero_std"] = jnp.mean(zero_std.astype(jnp.float32))
+    if estimator in GROUP_ESTIMATORS:
+        stats["frac_reward_zero_std"] = jnp.mean(ppo_math.zero_std_groups(scores, g).astype(jnp.float32))
+    if estimator == "grpo":
+        advantages = ppo_math.grpo_advantages(scores, g, config.grpo_scale, config.grpo_eps)[0][:, None] * mask
+    elif estimator == "rloo":
+        advantages = ppo_math.rloo_advantages(scores, g)[:, None] * mask
     else:
         if estimator == "reinforce_pp_baseline":
-            baseline = scores - ppo_math.group_baseline(scores, g)  # the group's mean score
-            last = jnp.maximum(jnp.sum(mask, axis=1).astype(jnp.int32) - 1, 0)
-            rewards = rewards - jax.nn.one_hot(last, rewards.shape[1], dtype=jnp.float32) * mask * baseline[:, None]
-            groups = scores.reshape(-1, g)
-            stats["frac_reward_zero_std"] = jnp.mean(jnp.all(groups == groups[:, :1], axis=1).astype(jnp.float32))
+            group_mean = scores - ppo_math.group_baseline(scores, g)
+            rewards = rewards - ppo_math.at_last_token(group_mean, mask)
         advantages = ppo_math.reinforce_pp_advantages(rewards, mask, config.gamma)
     return advantages, None, stats
 
@@ -115,8 +109,6 @@ def ppo_loss(params, batch, *, apply_fn, config: PPOConfig):
     pg_loss, clip_metrics = ppo_math.clipped_policy_loss(
         log_ratio, batch["advantages"], mask, config.clip_low, config.clip_high, config.dual_clip, agg_mode, r)
     ratio = jnp.exp(log_ratio)
-    advantages = batch["advantages"]
-    clipped = -advantages * jnp.clip(ratio, 1.0 - config.clip_low, 1.0 + config.clip_high)
     loss = pg_loss
     aux = {"policy_loss": pg_loss}
     if config.uses_critic:
@@ -145,8 +137,7 @@ def ppo_loss(params, batch, *, apply_fn, config: PPOConfig):
     aux.update({
         "entropy": ent,
         "approxkl": sg(ppo_math.approx_kl(logprobs, old_logprobs, mask)),
-        # Tokens whose gradient the clip switched off.
-        "clipfrac": sg(ppo_math.masked_mean((clipped > -advantages * ratio).astype(jnp.float32), mask)),
+        "clipfrac": clip_metrics["clipfrac"],
         "ratio": sg(ppo_math.masked_mean(ratio, mask)),
         "ratio_var": sg(ppo_math.masked_var(ratio, mask, unbiased=False)),
         **{k: v for k, v in clip_metrics.items() if k.startswith("clip_ratio/")},

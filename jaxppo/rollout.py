@@ -47,8 +47,8 @@ class RolloutSpec:
       keep_ref_logprobs: put the reference log-probs in the rollout (`ref_logprobs`) for a
         KL term in the loss.
       reward_apply: `reward_apply(reward_params, tokens, mask) -> (B,)` scores, or None.
-      reward_weight: the reward model's weight when host scores (weighted reward functions)
-        are added to its scores.
+      reward_weight: the reward model's weight in the score (weighted reward functions on
+        the host add theirs).
       token_reward_fn: a jittable `fn(prompt_ids, prompt_mask, response_ids, response_mask)
         -> (B,)` scores, or None.
       response_length, temperature, stop_token_ids, pad_token_id: sampling.
@@ -153,8 +153,7 @@ def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompt_
     TRL-named statistics: objective/kl, objective/entropy, objective/non_score_reward,
     objective/rlhf_reward, objective/scores, val/num_eos_tokens, ..., and the (B,) scores
     before penalties and normalisation as `per_row/raw_scores` (the reward model's own as
-    `per_row/model_scores`), and whether each response holds a stop token
-    (`per_row/contains_eos`). Without a reference, `objective/kl` is absent.
+    `per_row/model_scores`). Without a reference, `objective/kl` is absent.
     """
     response_mask = gen.mask
     batch = {"query_tokens": prompt_ids, "query_mask": prompt_mask,
@@ -178,7 +177,7 @@ def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompt_
     model_scores = None
     if spec.reward_apply is not None:
         model_scores = spec.reward_apply(reward_params, tokens, mask).astype(jnp.float32)
-        raw_scores = spec.reward_weight * model_scores if host_scores is not None else model_scores
+        raw_scores = spec.reward_weight * model_scores
     elif spec.token_reward_fn is not None:
         raw_scores = jnp.asarray(spec.token_reward_fn(prompt_ids, prompt_mask, gen.tokens, response_mask), jnp.float32)
     else:
@@ -219,7 +218,6 @@ def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompt_
         "val/num_eos_tokens": jnp.sum(contains_eos.astype(jnp.int32)),
         "val/response_length": jnp.mean(jnp.sum(response_mask, axis=1).astype(jnp.float32)),
         "per_row/raw_scores": raw_scores,
-        "per_row/contains_eos": contains_eos,
     }
     if ref_logprobs is not None:
         stats["objective/kl"] = mean_kl

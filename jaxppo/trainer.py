@@ -277,7 +277,6 @@ class PPOTrainer(CheckpointedRun):
             rollout, stats, moments = finish_rollout(self.spec, self.state.params, self.ref_params, self.reward_params,
                                                      ids, mask, gen, host_scores, self.kl_state, self.score_moments)
         raw_scores = to_host(stats.pop("per_row/raw_scores"))
-        contains_eos = to_host(stats.pop("per_row/contains_eos"))
         model_scores = stats.pop("per_row/model_scores", None)
         bad = nonfinite_rows(raw_scores)
         if bad.size:
@@ -293,7 +292,7 @@ class PPOTrainer(CheckpointedRun):
         if self.mesh is not None:
             rollout = sharding.shard_batch(rollout, self.mesh)
         kl_state = ppo_math.adaptive_kl_update(self.kl_state, stats.get("objective/kl", 0.0), self.config.batch_size)
-        reward_stats = self._reward_statistics(raw_scores, per_function, model_scores, contains_eos, gen)
+        reward_stats = self._reward_statistics(raw_scores, per_function, model_scores, stats)
 
         def finish():
             # The update consumes the current train state (its buffers are donated), so from
@@ -327,7 +326,7 @@ class PPOTrainer(CheckpointedRun):
 
         return finish
 
-    def _reward_statistics(self, raw_scores, per_function, model_scores, contains_eos, gen) -> dict:
+    def _reward_statistics(self, raw_scores, per_function, model_scores, stats) -> dict:
         """TRL's GRPO-style reward and completion metrics of an iteration (host floats):
         reward (mean of the combined scores), reward_std (the mean over prompts of their
         group's std; the batch's std with one completion per prompt),
@@ -346,9 +345,9 @@ class PPOTrainer(CheckpointedRun):
                 out[f"rewards/{name}/mean"] = float(np.mean(values[given]))
                 out[f"rewards/{name}/std"] = float(np.std(values[given], ddof=1)) if given.sum() > 1 else 0.0
             out[f"rewards/{name}/scored_fraction"] = float(np.mean(given))
-        lengths = to_host(gen.mask).sum(axis=1)
-        out["completions/mean_length"] = float(np.mean(lengths))
-        out["completions/clipped_ratio"] = float(np.mean(~contains_eos.astype(bool)))
+        # From the rollout's own statistics: mean response length, responses with a stop token.
+        out["completions/mean_length"] = float(stats["val/response_length"])
+        out["completions/clipped_ratio"] = 1.0 - float(stats["val/num_eos_tokens"]) / len(scores)
         return out
 
     _model_reward_name = "reward_model"
