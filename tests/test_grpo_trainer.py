@@ -155,3 +155,12 @@ def test_ids_past_the_tokenizer_decode_as_unknown():
     mask = np.array([[1, 1, 1, 0]])
     assert decode_responses(TOKENIZER, tokens, mask) == ["hi"]  # ByT5's <unk> is a special token: skipped
     assert unknown_token_count(TOKENIZER, tokens, mask) == 1
+
+
+def test_a_lone_reward_model_entry_keeps_its_weight(tmp_path):
+    model, _ = demo.demo_policy(TOKENIZER, width=32, layers=1, max_len=38)
+    rm = jaxppo.models.Model(model.config, kind="reward")
+    rm_params = rm.init(jax.random.key(1))
+    one = grpo_trainer(tmp_path / "a", reward_fns=[(rm, rm_params)], reward_weights=[1.0]).step()
+    two = grpo_trainer(tmp_path / "b", reward_fns=[(rm, rm_params)], reward_weights=[2.0]).step()
+    assert two["objective/raw_scores"] == pytest.approx(2.0 * one["objective/raw_scores"], rel=1e-6)
