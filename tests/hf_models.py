@@ -26,6 +26,34 @@ def _configs():
                                            num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=128,
                                            tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0),
                   transformers.Qwen2ForCausalLM),
+        # Qwen3: q/k norms, head_dim unlike hidden / heads, untied; the second layer attends
+        # through a sliding window (use_sliding_window, max_window_layers=1).
+        "qwen3": (transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                           max_position_embeddings=128, tie_word_embeddings=False,
+                                           use_sliding_window=True, sliding_window=5, max_window_layers=1,
+                                           bos_token_id=1, eos_token_id=2, pad_token_id=0),
+                  transformers.Qwen3ForCausalLM),
+        # Gemma 3: sliding layers (window 4) around a global one, two rope bases, linear rope
+        # scaling on the global layer, final-logit soft capping (and attention soft capping,
+        # which Hugging Face's Gemma 3 ignores: so must jaxppo).
+        "gemma3": (transformers.Gemma3TextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                                 max_position_embeddings=128, query_pre_attn_scalar=12, sliding_window=4,
+                                                 layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                                 rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                                     "rope_theta": 1000.0},
+                                                                  "sliding_attention": {"rope_type": "default",
+                                                                                        "rope_theta": 50.0}},
+                                                 attn_logit_softcapping=3.0, final_logit_softcapping=5.0,
+                                                 bos_token_id=1, eos_token_id=2, pad_token_id=0),
+                   transformers.Gemma3ForCausalLM),
+        # Mistral: the Llama layout with a sliding window on every layer.
+        "mistral": (transformers.MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                               sliding_window=5, tie_word_embeddings=False, bos_token_id=1,
+                                               eos_token_id=2, pad_token_id=0),
+                    transformers.MistralForCausalLM),
         "gpt2-reward": (transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
                                                 num_labels=1, pad_token_id=0, eos_token_id=2, bos_token_id=1),
                         transformers.GPT2ForSequenceClassification),
@@ -33,10 +61,22 @@ def _configs():
                                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                                                   num_labels=1, pad_token_id=0, eos_token_id=2, bos_token_id=1),
                          transformers.LlamaForSequenceClassification),
+        "qwen3-reward": (transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                                  max_position_embeddings=128, num_labels=1, pad_token_id=0, eos_token_id=2,
+                                                  bos_token_id=1),
+                         transformers.Qwen3ForSequenceClassification),
+        "gemma3-reward": (transformers.Gemma3TextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                        head_dim=16, max_position_embeddings=128, query_pre_attn_scalar=12,
+                                                        sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                                                        num_labels=1, pad_token_id=0, eos_token_id=2, bos_token_id=1),
+                          transformers.Gemma3TextForSequenceClassification),
     }
 
 
-NAMES = tuple(["gpt2", "llama", "qwen2", "gpt2-reward", "llama-reward"])
+NAMES = tuple(["gpt2", "llama", "qwen2", "qwen3", "gemma3", "mistral", "gpt2-reward", "llama-reward", "qwen3-reward",
+               "gemma3-reward"])
 
 
 def build(name, directory, seed=0):
@@ -48,9 +88,11 @@ def build(name, directory, seed=0):
     model = cls(config).eval()
     # Larger-than-default random weights so that logits differ visibly between tokens.
     with torch.no_grad():
-        for p in model.parameters():
+        for name_, p in model.named_parameters():
             if p.ndim >= 2:
                 p.normal_(0.0, 0.2)
+            elif "norm" in name_:  # norm weights away from their initial values, so that they matter
+                p.add_(torch.randn_like(p) * 0.3)
     model.save_pretrained(directory, safe_serialization=True)
     return model
 

@@ -15,8 +15,9 @@ import hf_models
 import jaxppo
 import jaxppo.models as jm
 
-CAUSAL = ("gpt2", "llama", "qwen2")
-REWARD = ("gpt2-reward", "llama-reward")
+CAUSAL = ("gpt2", "llama", "qwen2", "qwen3", "gemma3", "mistral")
+REWARD = ("gpt2-reward", "llama-reward", "qwen3-reward", "gemma3-reward")
+MODEL_TYPE = {"gemma3": "gemma3_text"}
 
 
 def _torch_outputs(torch_model, ids, mask):
@@ -33,7 +34,7 @@ def _torch_outputs(torch_model, ids, mask):
 def test_causal_lm_logits_match_transformers(hf_checkpoints, name, padded, scan):
     path, torch_model = hf_checkpoints[name]
     model, params = jm.from_pretrained(path, scan_layers=scan)
-    assert model.kind == "causal_lm" and model.config.model_type == name
+    assert model.kind == "causal_lm" and model.config.model_type == MODEL_TYPE.get(name, name)
     rng = np.random.default_rng(1)
     if padded:
         ids, mask = hf_models.left_padded_batch(rng, 4, 11)
@@ -202,6 +203,25 @@ def test_value_heads(hf_checkpoints):
     np.testing.assert_allclose(float(metrics["per_minibatch/val/ratio"][0, 0]), 1.0, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["qwen3-reward", "gemma3-reward"])
+def test_critic_from_new_architectures_matches_transformers_per_token(hf_checkpoints, name):
+    """A critic ("value" kind) on a Qwen3 / Gemma 3 trunk: its value at every real token
+    equals the sequence-classification model's score head there (transformers' per-token
+    logits, before it picks the last token)."""
+    path, torch_model = hf_checkpoints[name]
+    critic, params = jm.from_pretrained(path, kind="value", scan_layers=True)
+    ids, mask = hf_models.left_padded_batch(np.random.default_rng(9), 3, 9)
+    values = np.asarray(critic.apply(params, jnp.asarray(ids), jnp.asarray(mask)))
+    positions = np.maximum(np.cumsum(mask, -1) - 1, 0)
+    with torch.no_grad():
+        hidden = torch_model.model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                                   position_ids=torch.tensor(positions)).last_hidden_state
+        ref = torch_model.score(hidden)[..., 0].numpy()
+    real = mask.astype(bool)
+    assert np.abs(ref[real]).max() > 0.1
+    np.testing.assert_allclose(values[real], ref[real], atol=1e-4, rtol=0)
+
+
 def _copy(src, dst):
     shutil.copytree(src, dst)
     return dst
@@ -220,7 +240,12 @@ def test_import_errors(hf_checkpoints, tmp_path):
     cfg = json.load(open(os.path.join(bert, "config.json")))
     cfg["model_type"] = "bert"
     json.dump(cfg, open(os.path.join(bert, "config.json"), "w"))
-    with pytest.raises(ValueError, match="'bert' is not supported; supported model types: gpt2, llama, qwen2"):
+    with pytest.raises(ValueError, match="'bert' is not supported; supported model types: gpt2, llama, mistral, qwen2, "
+                                         "qwen3, gemma3_text"):
+        jm.from_pretrained(bert)
+    cfg["model_type"] = "gemma3"  # the multimodal wrapper: only its text model is supported
+    json.dump(cfg, open(os.path.join(bert, "config.json"), "w"))
+    with pytest.raises(ValueError, match="Gemma3ForConditionalGeneration.*gemma3_text"):
         jm.from_pretrained(bert)
 
     broken = _copy(path, str(tmp_path / "broken"))

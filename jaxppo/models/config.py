@@ -9,19 +9,37 @@ from typing import Optional, Tuple
 
 __all__ = ["ModelConfig", "SUPPORTED_MODEL_TYPES"]
 
-SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "qwen2")
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+# Hugging Face architecture prefixes (`<prefix>ForCausalLM`, `<prefix>ForSequenceClassification`).
+ARCHITECTURE_PREFIX = {"gpt2": "GPT2", "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
+                       "gemma3_text": "Gemma3Text"}
+LAYER_TYPES = ("full_attention", "sliding_attention")
 _ROPE_TYPES = ("default", "linear", "llama3")
 _ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu", "relu", "silu")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a GPT-2 or Llama-family (Llama 2/3, Qwen2) causal transformer.
+    """Architecture of a GPT-2, Llama-family (Llama 2/3, Mistral, Qwen2, Qwen3) or Gemma 3
+    text causal transformer.
 
     `model_type` selects the block: "gpt2" (learned positions, LayerNorm, fused qkv with
-    biases, GELU MLP) or "llama"/"qwen2" (RoPE, RMSNorm, grouped-query attention, SwiGLU
-    MLP; qwen2 adds q/k/v biases). `rope_scaling` is a sorted tuple of (key, value) pairs
-    of Hugging Face's rope parameters (rope_type "default", "linear" or "llama3").
+    biases, GELU MLP), "llama"/"mistral"/"qwen2"/"qwen3" (RoPE, RMSNorm, grouped-query
+    attention, gated MLP; qwen2 adds q/k/v biases, qwen3 RMS-normalises each query and
+    key head), or "gemma3_text" (Gemma 3: embeddings scaled by sqrt(hidden_size), RMSNorm
+    with (1 + weight), q/k norms, norms before and after both attention and MLP, GeGLU).
+    `rope_scaling` is a sorted tuple of (key, value) pairs of Hugging Face's rope
+    parameters (rope_type "default", "linear" or "llama3").
+
+    Attention options (the Llama family and Gemma): `sliding_window` (a key slot s is seen
+    from query slot q when q - window < s <= q, as Hugging Face counts it) applies to the
+    layers whose `layer_types` entry is "sliding_attention" (None: every layer when
+    `sliding_window` is set, as Mistral); `local_rope_theta` is the rope base of the
+    sliding layers when it differs from the global one (Gemma 3); `query_pre_attn_scalar`
+    replaces head_dim in the 1/sqrt scaling of the attention scores;
+    `final_logit_softcapping` caps the output logits at +-cap with cap * tanh(x / cap).
+    (Gemma 3 configs may carry `attn_logit_softcapping`; Hugging Face's Gemma 3 attention
+    does not apply it, and neither does jaxppo.)
     """
 
     model_type: str
@@ -44,6 +62,12 @@ class ModelConfig:
     bos_token_id: Optional[int] = None
     eos_token_ids: Tuple[int, ...] = ()
     num_labels: int = 1
+    qk_norm: bool = False
+    sliding_window: Optional[int] = None
+    layer_types: Optional[Tuple[str, ...]] = None
+    local_rope_theta: Optional[float] = None
+    query_pre_attn_scalar: Optional[float] = None
+    final_logit_softcapping: Optional[float] = None
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -64,6 +88,35 @@ class ModelConfig:
         rope_type = self.rope_params.get("rope_type", "default")
         if rope_type not in _ROPE_TYPES:
             raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(_ROPE_TYPES)}")
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+            bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if bad or len(self.layer_types) != self.num_layers:
+                raise ValueError(f"layer_types must name one of {LAYER_TYPES} for each of the {self.num_layers} layers; "
+                                 f"got {list(self.layer_types)}")
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or self.sliding_window < 1):
+            raise ValueError(f"sliding_window={self.sliding_window!r} is invalid; use None or a positive int")
+        if self.model_type == "gpt2" and (self.sliding_window or self.qk_norm or self.local_rope_theta):
+            raise ValueError("gpt2 models take no sliding_window, qk_norm or local_rope_theta")
+
+    @property
+    def sliding_layers(self) -> Tuple[bool, ...]:
+        """Per layer: does it attend through the sliding window?"""
+        if self.sliding_window is None:
+            return (False,) * self.num_layers
+        if self.layer_types is None:
+            return (True,) * self.num_layers
+        return tuple(t == "sliding_attention" for t in self.layer_types)
+
+    @property
+    def is_gemma(self) -> bool:
+        return self.model_type == "gemma3_text"
+
+    @property
+    def o_proj_bias(self) -> bool:
+        """Does the attention output projection have a bias? (Hugging Face's
+        `attention_bias` covers it, except in Qwen2, whose q/k/v biases are built in.)"""
+        return self.qkv_bias and self.model_type != "qwen2"
 
     @property
     def rope_params(self) -> dict:
@@ -87,7 +140,7 @@ class ModelConfig:
             pad_token_id=d.get("pad_token_id"),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", model_type == "gpt2")),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", model_type in ("gpt2", "gemma3_text"))),
             num_labels=len(d.get("id2label") or {0: 0}) if d.get("num_labels") is None else d["num_labels"],
         )
         if model_type == "gpt2":
@@ -110,16 +163,42 @@ class ModelConfig:
                 mlp_bias=True,
                 **common,
             )
-        if model_type == "qwen2" and d.get("use_sliding_window"):
-            raise ValueError("Qwen2 with use_sliding_window=True is not supported")
+        gemma = model_type == "gemma3_text"
         rope = dict(d.get("rope_parameters") or {})
-        if not rope:  # transformers < 5: rope_theta and rope_scaling are separate
+        local_theta = None
+        if gemma:
+            # transformers >= 5: one rope dict per layer type; earlier: rope_theta,
+            # rope_scaling (global layers) and rope_local_base_freq (sliding layers).
+            local = dict(rope.get("sliding_attention") or {})
+            if local.get("rope_type", "default") != "default":
+                raise ValueError(f"Gemma 3 sliding-layer rope_type {local['rope_type']!r} is not supported; "
+                                 "supported: default")
+            local_theta = float(local.get("rope_theta", d.get("rope_local_base_freq", 10000.0)))
+            rope = dict(rope.get("full_attention") or {})
+            if not rope:
+                rope = dict(d.get("rope_scaling") or {})
+                rope["rope_theta"] = d.get("rope_theta", 1000000.0)
+        elif not rope:  # transformers < 5: rope_theta and rope_scaling are separate
             rope = dict(d.get("rope_scaling") or {})
             rope["rope_theta"] = d.get("rope_theta", 10000.0)
         if "type" in rope and "rope_type" not in rope:
             rope["rope_type"] = rope.pop("type")
         theta = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))
         rope.setdefault("rope_type", "default")
+        # Sliding-window attention: Mistral and Gemma 3 set `sliding_window` (Gemma per
+        # `layer_types`); Qwen2/3 only with use_sliding_window (then per `layer_types`).
+        window = d.get("sliding_window")
+        if model_type in ("qwen2", "qwen3") and not d.get("use_sliding_window"):
+            window = None
+        if model_type == "llama":
+            window = None
+        if gemma and d.get("use_bidirectional_attention"):
+            raise ValueError("Gemma 3 with use_bidirectional_attention=True is not a causal LM; not supported")
+        layer_types = d.get("layer_types") if window is not None else None
+        if gemma and layer_types is None and window is not None:
+            pattern = d.get("sliding_window_pattern", 6)
+            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                           for i in range(d["num_hidden_layers"])]
         return cls(
             model_type=model_type,
             hidden_size=d["hidden_size"],
@@ -130,11 +209,17 @@ class ModelConfig:
             intermediate_size=d["intermediate_size"],
             max_position_embeddings=d["max_position_embeddings"],
             norm_eps=d.get("rms_norm_eps", 1e-6),
-            activation=d.get("hidden_act", "silu"),
+            activation=d.get("hidden_activation") or d.get("hidden_act") or "silu",
             qkv_bias=True if model_type == "qwen2" else bool(d.get("attention_bias", False)),
             mlp_bias=bool(d.get("mlp_bias", False)),
             rope_theta=theta,
             rope_scaling=tuple(sorted((k, _hashable(v)) for k, v in rope.items())),
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            sliding_window=window,
+            layer_types=None if layer_types is None else tuple(layer_types),
+            local_rope_theta=local_theta,
+            query_pre_attn_scalar=d.get("query_pre_attn_scalar") if gemma else None,
+            final_logit_softcapping=d.get("final_logit_softcapping") if gemma else None,
             **common,
         )
 
@@ -176,14 +261,36 @@ class ModelConfig:
             hidden_act=self.activation,
             **common,
         )
+        layer_types = None if self.sliding_window is None else [
+            "sliding_attention" if s else "full_attention" for s in self.sliding_layers]
         if self.model_type == "llama":
             cls = transformers.LlamaConfig
             kwargs.update(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
-        else:
+        elif self.model_type == "mistral":
+            cls = transformers.MistralConfig
+            kwargs.update(sliding_window=self.sliding_window)
+        elif self.model_type == "qwen2":
             cls = transformers.Qwen2Config
+            kwargs.update(use_sliding_window=self.sliding_window is not None, sliding_window=self.sliding_window,
+                          layer_types=layer_types)
+        elif self.model_type == "qwen3":
+            cls = transformers.Qwen3Config
+            kwargs.update(attention_bias=self.qkv_bias, use_sliding_window=self.sliding_window is not None,
+                          sliding_window=self.sliding_window, layer_types=layer_types)
+        else:
+            cls = transformers.Gemma3TextConfig
+            kwargs["hidden_activation"] = kwargs.pop("hidden_act")
+            kwargs.update(attention_bias=self.qkv_bias, sliding_window=self.sliding_window, layer_types=layer_types,
+                          query_pre_attn_scalar=self.query_pre_attn_scalar,
+                          final_logit_softcapping=self.final_logit_softcapping)
+            local = {"rope_type": "default", "rope_theta": self.local_rope_theta or self.rope_theta}
+            rope = {"full_attention": rope, "sliding_attention": local}
         try:
             return cls(rope_parameters=rope, **kwargs)
         except TypeError:  # transformers < 5
+            if self.model_type == "gemma3_text":
+                kwargs["rope_local_base_freq"] = rope["sliding_attention"]["rope_theta"]
+                rope = rope["full_attention"]
             rope_theta = rope.pop("rope_theta")
             scaling = None if rope.get("rope_type", "default") == "default" else rope
             return cls(rope_theta=rope_theta, rope_scaling=scaling, **kwargs)

@@ -17,16 +17,23 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-__all__ = ["LMHead", "token_logprobs"]
+__all__ = ["LMHead", "token_logprobs", "softcap"]
+
+
+def softcap(x, cap):
+    """cap * tanh(x / cap) (Gemma's soft capping); x itself when cap is None."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
 
 
 class LMHead(NamedTuple):
     """The output projection: `weight` (D, V) (an untied `lm_head` kernel) or, when
-    `transposed`, (V, D) (the tied token-embedding table); `dtype` the compute dtype."""
+    `transposed`, (V, D) (the tied token-embedding table); `dtype` the compute dtype;
+    `softcap` the final-logit soft capping (None: none)."""
 
     weight: jax.Array
     transposed: bool
     dtype: jnp.dtype
+    softcap: Optional[float] = None  # Gemma's final-logit soft capping: cap * tanh(logits / cap)
 
     def logits(self, hidden):
         """(..., D) -> (..., V) float32."""
@@ -36,7 +43,8 @@ class LMHead(NamedTuple):
             out = jnp.einsum("...d,vd->...v", h, w, preferred_element_type=jnp.float32)
         else:
             out = jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
-        return out.astype(jnp.float32)
+        out = out.astype(jnp.float32)
+        return softcap(out, self.softcap)
 
 
 def _stats(head: LMHead, hidden, targets, temperature):

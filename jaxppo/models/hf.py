@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from jaxppo.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from jaxppo.models.config import ARCHITECTURE_PREFIX, SUPPORTED_MODEL_TYPES, ModelConfig
 from jaxppo.models.model import KINDS, Model, stack_layers, trunk_name, unstack_layers
 
 __all__ = ["from_pretrained", "save_pretrained", "params_from_hf_tensors", "params_to_hf_tensors", "check_checkpoint_dir"]
@@ -27,6 +27,8 @@ _BLOCK_NAMES = {
     "k_proj": "self_attn.k_proj",
     "v_proj": "self_attn.v_proj",
     "o_proj": "self_attn.o_proj",
+    "q_norm": "self_attn.q_norm",
+    "k_norm": "self_attn.k_norm",
     "gate_proj": "mlp.gate_proj",
     "up_proj": "mlp.up_proj",
     "down_proj": "mlp.down_proj",
@@ -39,8 +41,8 @@ _BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 # jaxppo-only heads, not part of Hugging Face checkpoints.
 _VALUE_HEAD_FILE = "value_head.safetensors"
 
-_ARCH_PREFIX = {"gpt2": "GPT2", "llama": "Llama", "qwen2": "Qwen2"}
-
+# Causal-LM class names that do not follow <prefix>ForCausalLM.
+_CAUSAL_ARCH = {"gpt2": "GPT2LMHeadModel", "gemma3_text": "Gemma3ForCausalLM"}
 
 
 def _hf_name(path, config: ModelConfig):
@@ -106,9 +108,13 @@ def _read_config_dict(path: str) -> dict:
             f"{path!r} asks for code shipped with the checkpoint ({remote}); jaxppo never runs code from a checkpoint. "
             f"Supported model types, built in: {', '.join(SUPPORTED_MODEL_TYPES)}")
     if d.get("model_type") not in SUPPORTED_MODEL_TYPES:
+        hint = ""
+        if d.get("model_type") == "gemma3":
+            hint = ("; this is a multimodal Gemma3ForConditionalGeneration checkpoint: jaxppo loads Gemma 3 text "
+                    "checkpoints (model_type gemma3_text, Gemma3ForCausalLM) only")
         raise ValueError(
             f"{config_file}: model_type {d.get('model_type')!r} is not supported; supported model types: "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}{hint}"
         )
     return d
 
@@ -314,11 +320,11 @@ def save_pretrained(model: Model, params, path: str):
     from safetensors.numpy import save_file
 
     os.makedirs(path, exist_ok=True)
-    arch = _ARCH_PREFIX[model.config.model_type]
+    model_type = model.config.model_type
     if model.is_causal_lm:
-        arch = "GPT2LMHeadModel" if model.config.model_type == "gpt2" else f"{arch}ForCausalLM"
+        arch = _CAUSAL_ARCH.get(model_type, f"{ARCHITECTURE_PREFIX[model_type]}ForCausalLM")
     else:
-        arch = f"{arch}ForSequenceClassification"
+        arch = f"{ARCHITECTURE_PREFIX[model_type]}ForSequenceClassification"
     hf_config = model.config.to_hf(arch)
     import transformers
 

@@ -123,8 +123,8 @@ class Model:
         p = params["params"]
         if self.config.tie_word_embeddings:
             table = p[trunk_name(self.config)]["wte" if self.config.model_type == "gpt2" else "embed_tokens"]["embedding"]
-            return LMHead(table, True, jnp.dtype(self.dtype))
-        return LMHead(p["lm_head"]["kernel"], False, jnp.dtype(self.dtype))
+            return LMHead(table, True, jnp.dtype(self.dtype), self.config.final_logit_softcapping)
+        return LMHead(p["lm_head"]["kernel"], False, jnp.dtype(self.dtype), self.config.final_logit_softcapping)
 
     def hidden(self, params, input_ids, attention_mask):
         """Causal LM: final hidden states (B, L, D) and values (B, L) or None, no LM head."""

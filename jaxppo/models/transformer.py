@@ -1,4 +1,5 @@
-"""Flax (linen) causal transformers: GPT-2 and the Llama family (Llama 2/3, Qwen2).
+"""Flax (linen) causal transformers: GPT-2, the Llama family (Llama 2/3, Mistral, Qwen2,
+Qwen3) and Gemma 3 (text).
 
 Parameter names mirror Hugging Face's module names (`model.layers_0.self_attn.q_proj`,
 `transformer.h_0.attn.c_attn`, ...), so checkpoint conversion is a renaming plus, for
@@ -23,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxppo.models.config import ModelConfig
+from jaxppo.models.heads import softcap
 
 __all__ = ["Transformer", "CausalLMModule", "ScoreModule", "rope_inv_freq", "default_positions"]
 
@@ -33,10 +35,14 @@ def default_positions(attention_mask):
     return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1, 0)
 
 
-def rope_inv_freq(config: ModelConfig):
-    """Inverse frequencies (head_dim // 2,) of rotary embeddings, with rope scaling applied."""
+def rope_inv_freq(config: ModelConfig, local: bool = False):
+    """Inverse frequencies (head_dim // 2,) of rotary embeddings, with rope scaling applied;
+    `local`: those of the sliding-window layers (`local_rope_theta`, no scaling)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    theta = config.local_rope_theta if local else config.rope_theta
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    if local:
+        return inv_freq
     params = config.rope_params
     rope_type = params.get("rope_type", "default")
     if rope_type == "linear":
@@ -66,12 +72,13 @@ def _apply_rope(x, positions, inv_freq):
     return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
-def _attention(q, k, v, mask, dtype):
-    """q (B, Lq, H, D), k/v (B, Lk, KV, D), mask (B, Lq, Lk) bool -> (B, Lq, H * D)."""
+def _attention(q, k, v, mask, dtype, scale_dim=None):
+    """q (B, Lq, H, D), k/v (B, Lk, KV, D), mask (B, Lq, Lk) bool -> (B, Lq, H * D).
+    Scores are scaled by 1 / sqrt(scale_dim or D)."""
     b, lq, h, d = q.shape
     kv = k.shape[2]
     q = q.reshape(b, lq, kv, h // kv, d)
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) / math.sqrt(d)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) / math.sqrt(scale_dim or d)
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
@@ -89,15 +96,23 @@ def _activation(name):
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm over the last axis. `plus_one` (Gemma): the weight is stored as an offset
+    from 1 (initialised at zero) and the product is taken in float32, as Hugging Face's
+    Gemma3RMSNorm does; otherwise (Llama) the normalised input is cast first."""
+
     eps: float
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    plus_one: bool = False
 
     @nn.compact
     def __call__(self, x):
-        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+        init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
+        weight = self.param("weight", init, (x.shape[-1],), self.param_dtype)
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        if self.plus_one:
+            return (x32 * (1.0 + weight.astype(jnp.float32))).astype(self.dtype)
         return weight.astype(self.dtype) * x32.astype(self.dtype)
 
 
@@ -117,8 +132,9 @@ class GPT2Block(nn.Module):
     param_dtype: Any
 
     @nn.compact
-    def __call__(self, x, mask, positions, layer_cache, cache_index):
+    def __call__(self, x, masks, positions, layer_cache, cache_index, sliding=False):
         c = self.config
+        mask = masks[0]
         dense = lambda n, name: nn.Dense(n, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
         ln = lambda name: nn.LayerNorm(epsilon=c.norm_eps, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
         b, l, _ = x.shape
@@ -136,30 +152,43 @@ class GPT2Block(nn.Module):
 
 
 class LlamaBlock(nn.Module):
+    """A Llama-family block (Llama, Mistral, Qwen2, Qwen3) or, for "gemma3_text", a Gemma 3
+    block (norms after attention and MLP too, (1 + weight) norms). `sliding` (a bool, or a
+    traced bool under the layer scan) selects the sliding-window mask and local rope."""
+
     config: ModelConfig
     dtype: Any
     param_dtype: Any
 
     @nn.compact
-    def __call__(self, x, mask, positions, layer_cache, cache_index):
+    def __call__(self, x, masks, positions, layer_cache, cache_index, sliding=False):
         c = self.config
         b, l, _ = x.shape
-        norm = lambda name: RMSNorm(c.norm_eps, self.dtype, self.param_dtype, name=name)
+        norm = lambda name: RMSNorm(c.norm_eps, self.dtype, self.param_dtype, c.is_gemma, name=name)
         proj = lambda n, bias, name: nn.Dense(n, use_bias=bias, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
         h = norm("input_layernorm")(x)
         q = proj(c.num_heads * c.head_dim, c.qkv_bias, "q_proj")(h).reshape(b, l, c.num_heads, c.head_dim)
         k = proj(c.num_kv_heads * c.head_dim, c.qkv_bias, "k_proj")(h).reshape(b, l, c.num_kv_heads, c.head_dim)
         v = proj(c.num_kv_heads * c.head_dim, c.qkv_bias, "v_proj")(h).reshape(b, l, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:  # per head, over head_dim, before the rotation
+            q, k = norm("q_norm")(q), norm("k_norm")(k)
         inv_freq = rope_inv_freq(c)
+        if c.local_rope_theta is not None:
+            inv_freq = jnp.where(sliding, rope_inv_freq(c, local=True), inv_freq)
         q = _apply_rope(q, positions, inv_freq)
         k = _apply_rope(k, positions, inv_freq)
         k, v, layer_cache = _with_cache(layer_cache, k, v, cache_index)
-        attn = _attention(q, k, v, mask, self.dtype)
-        x = x + proj(c.hidden_size, False, "o_proj")(attn)
-        h = norm("post_attention_layernorm")(x)
+        mask = masks[0] if masks[1] is None else jnp.where(sliding, masks[1], masks[0])
+        attn = _attention(q, k, v, mask, self.dtype, c.query_pre_attn_scalar)
+        attn = proj(c.hidden_size, c.o_proj_bias, "o_proj")(attn)
         act = _activation(c.activation)
-        h = act(proj(c.intermediate_size, c.mlp_bias, "gate_proj")(h)) * proj(c.intermediate_size, c.mlp_bias, "up_proj")(h)
-        return x + proj(c.hidden_size, c.mlp_bias, "down_proj")(h), layer_cache
+        mlp = lambda h: proj(c.hidden_size, c.mlp_bias, "down_proj")(
+            act(proj(c.intermediate_size, c.mlp_bias, "gate_proj")(h)) * proj(c.intermediate_size, c.mlp_bias, "up_proj")(h))
+        if c.is_gemma:
+            x = x + norm("post_attention_layernorm")(attn)
+            return x + norm("post_feedforward_layernorm")(mlp(norm("pre_feedforward_layernorm")(x))), layer_cache
+        x = x + attn
+        return x + mlp(norm("post_attention_layernorm")(x)), layer_cache
 
 
 class Transformer(nn.Module):
@@ -185,6 +214,8 @@ class Transformer(nn.Module):
         embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype,
                          name="wte" if gpt2 else "embed_tokens")
         x = embed(input_ids)
+        if c.is_gemma:  # scaled by sqrt(hidden_size), rounded to the parameter dtype as Hugging Face does
+            x = x * jnp.asarray(c.hidden_size ** 0.5, self.param_dtype).astype(x.dtype)
         if gpt2:
             x = x + nn.Embed(c.max_position_embeddings, c.hidden_size, dtype=self.dtype,
                              param_dtype=self.param_dtype, name="wpe")(positions)
@@ -192,6 +223,12 @@ class Transformer(nn.Module):
         query_slots = cache_index + jnp.arange(lq)
         causal = jnp.arange(lk)[None, :] <= query_slots[:, None]  # (Lq, Lk)
         mask = causal[None] & attention_mask.astype(bool)[:, None, :]
+        sliding = c.sliding_layers
+        local_mask = None
+        if any(sliding):  # slots within the window: q - window < s
+            in_window = jnp.arange(lk)[None, :] > query_slots[:, None] - c.sliding_window
+            local_mask = mask & in_window[None]
+        masks = (mask, local_mask)
         block_cls = GPT2Block if gpt2 else LlamaBlock
         if self.remat:
             policy = None if self.remat is True else getattr(jax.checkpoint_policies, self.remat)
@@ -202,20 +239,22 @@ class Transformer(nn.Module):
         if self.scan_layers:
             # Block call: (x, mask, positions, layer_cache, cache_index) -> (x, layer_cache);
             # x is the carry, the cache (stacked on the layer axis, or None) is scanned over.
+            # The per-layer sliding flags are scanned over with the cache.
             stack = nn.scan(block_cls, variable_axes={"params": 0}, split_rngs={"params": True},
-                            in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast), length=c.num_layers)
-            x, new_cache = stack(c, self.dtype, self.param_dtype, name=prefix)(x, mask, positions, cache, cache_index)
+                            in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast, 0), length=c.num_layers)
+            x, new_cache = stack(c, self.dtype, self.param_dtype, name=prefix)(x, masks, positions, cache, cache_index,
+                                                                               jnp.asarray(sliding))
         else:
             new_cache = []
             for i in range(c.num_layers):
                 block = block_cls(c, self.dtype, self.param_dtype, name=f"{prefix}_{i}")
-                x, layer_cache = block(x, mask, positions, None if cache is None else cache[i], cache_index)
+                x, layer_cache = block(x, masks, positions, None if cache is None else cache[i], cache_index, sliding[i])
                 new_cache.append(layer_cache)
             new_cache = tuple(new_cache) if cache is not None else None
         if gpt2:
             x = nn.LayerNorm(epsilon=c.norm_eps, dtype=self.dtype, param_dtype=self.param_dtype, name="ln_f")(x)
         else:
-            x = RMSNorm(c.norm_eps, self.dtype, self.param_dtype, name="norm")(x)
+            x = RMSNorm(c.norm_eps, self.dtype, self.param_dtype, c.is_gemma, name="norm")(x)
         return x, new_cache, embed.embedding
 
 
@@ -249,7 +288,7 @@ class CausalLMModule(nn.Module):
             logits = jnp.einsum("bld,vd->blv", hidden, table.astype(self.dtype))
         else:
             logits = nn.Dense(c.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype, name="lm_head")(hidden)
-        return logits.astype(jnp.float32), values, cache
+        return softcap(logits.astype(jnp.float32), c.final_logit_softcapping), values, cache
 
 
 class ScoreModule(nn.Module):
