@@ -292,3 +292,30 @@ def test_tokenizer_left_pads_and_refuses_overlong_prompts(tmp_path):
     with pytest.raises(ValueError, match="empty"):
         jm.encode_prompts(tok, [], 8)
     assert jm.decode_responses(tok, ids, np.array([[1, 1, 1, 0, 0, 0, 0, 0]])) == ["o w"]
+
+
+@pytest.mark.parametrize("arch", ["llama-attention-bias", "qwen2-sliding"])
+def test_more_llama_family_options_match_transformers(tmp_path, arch):
+    """Llama with attention_bias (o_proj has a bias too) and Qwen2 with use_sliding_window
+    (layers past max_window_layers attend through the window)."""
+    import transformers
+
+    common = dict(vocab_size=hf_models.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    if arch == "llama-attention-bias":
+        torch_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(attention_bias=True, **common))
+    else:
+        torch_model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+            use_sliding_window=True, sliding_window=3, max_window_layers=1, **common))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in torch_model.parameters():
+            p.normal_(0.0, 0.2)
+    torch_model.eval().save_pretrained(str(tmp_path))
+    model, params = jm.from_pretrained(str(tmp_path))
+    assert model.config.sliding_layers == ((False, True) if arch == "qwen2-sliding" else (False, False))
+    ids, mask = hf_models.left_padded_batch(np.random.default_rng(0), 3, 10)
+    ours = np.asarray(model.apply(params, jnp.asarray(ids), jnp.asarray(mask)))
+    ref = _torch_outputs(torch_model, ids, mask)
+    real = mask.astype(bool)
+    np.testing.assert_allclose(ours[real], ref[real], atol=1e-4, rtol=0)
