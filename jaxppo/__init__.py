@@ -8,7 +8,7 @@ program in which the number of mini-batch updates is part of the shape.
 
 from jaxppo import math
 from jaxppo.config import PPOConfig
-from jaxppo.engine import TrainState, minibatch_indices, update_epochs, update_epochs_fn
+from jaxppo.engine import Freeze, TrainState, minibatch_indices, update_epochs, update_epochs_fn
 from jaxppo.rollout_types import Rollout, response_outputs
 from jaxppo.ppo import check_rollout, compute_advantages, ppo_loss, train_step, train_step_fn
 from jaxppo import algorithms, models
@@ -21,6 +21,7 @@ __version__ = "0.2.0"
 __all__ = [
     "PPOConfig",
     "TrainState",
+    "Freeze",
     "Rollout",
     "response_outputs",
     "update_epochs",

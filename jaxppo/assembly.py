@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
 import warnings
 from typing import Any, Callable, Optional
@@ -22,7 +21,8 @@ import jax.numpy as jnp
 import optax
 
 from jaxppo.config import PPOConfig
-from jaxppo.engine import clip_by_global_norm
+from jaxppo.engine import Freeze, clip_by_global_norm
+from jaxppo.models.lora import LoraConfig, add_lora, load_peft_adapter, read_peft_config
 from jaxppo.models import hf as hf_io
 from jaxppo.models.model import Model, PolicyAndCritic, stack_layers, trunk_name, unstack_layers
 from jaxppo.trainer_config import TrainerConfig
@@ -50,7 +50,7 @@ def critic_from(model: Model, params, zero_head: bool, dtype=None):
     """A "value" Model + params whose trunk is a copy of `model`'s trunk, with float32
     parameters (the critic is trained: master weights in float32) and compute `dtype`
     (default: `model`'s)."""
-    critic = dataclasses.replace(model, kind="value", dtype=dtype or model.dtype, param_dtype="float32")
+    critic = dataclasses.replace(model, kind="value", dtype=dtype or model.dtype, param_dtype="float32", lora=None)
     trunk = trunk_name(model.config)
     inner = params["params"]
     # Copies (jnp.array copies, also where no cast is needed): the critic is trained and its
@@ -77,10 +77,12 @@ def describe_model(spec, model, dtype) -> dict:
     if model is None and isinstance(spec, tuple):
         model = spec[0]
     if model is not None:
-        out.update(config=json.loads(model.config.to_json()), kind=model.kind, dtype=str(jnp.dtype(model.dtype)),
+        out.update(config=model.config.settings(), kind=model.kind, dtype=str(jnp.dtype(model.dtype)),
                    param_dtype=str(jnp.dtype(model.param_dtype)))
         if model.scan_layers:  # another parameter layout: its checkpoints do not fit the other
             out["scan_layers"] = True
+        if model.lora is not None:
+            out["lora"] = {"rank": model.lora.rank, "alpha": model.lora.alpha, "targets": list(model.lora.targets)}
     else:
         out["dtype"] = dtype
     return out
@@ -126,10 +128,11 @@ def optimizer(policy_lr, critic_lr, tc: TrainerConfig, shared: bool, critic: boo
         return adam(policy_lr)
 
     if shared:
-        # One model: the value head gets the critic's learning rate.
+        # One model: the value head gets the critic's learning rate (the rest, or the LoRA
+        # adapters when the base is frozen, the policy's).
         def labels(params):
-            return {"params": {k: jax.tree.map(lambda _: "critic" if k == "value_head" else "policy", v)
-                               for k, v in params["params"].items()}}
+            name = lambda path, _: "critic" if "value_head" in {getattr(k, "key", None) for k in path} else "policy"
+            return jax.tree_util.tree_map_with_path(name, params)
         return optax.multi_transform({"policy": adam(policy_lr), "critic": adam(critic_lr)}, labels)
     return optax.multi_transform({"policy": adam(policy_lr), "critic": adam(critic_lr)},
                                  {"policy": "policy", "critic": "critic"})
@@ -158,6 +161,8 @@ class Assembly:
     reward_model: Optional[Model]
     reward_params: Any
     description: dict
+    freeze: Optional[Freeze] = None
+    ref_is_policy: bool = False
 
 
 def needs_reference(config: PPOConfig, tc: TrainerConfig) -> bool:
@@ -168,8 +173,20 @@ def needs_reference(config: PPOConfig, tc: TrainerConfig) -> bool:
 
 def assemble(config: PPOConfig, tc: TrainerConfig, *, policy, reward_model=None, ref_policy=None, critic=None,
              dtype: str = "float32", ref_dtype: Optional[str] = None, reward_dtype: Optional[str] = None,
-             remat=None, scan_layers: Optional[bool] = None, logits_chunk_size: Optional[int] = None) -> Assembly:
-    """Load or adopt the models of a run (see `PPOTrainer` for the arguments)."""
+             remat=None, scan_layers: Optional[bool] = None, logits_chunk_size: Optional[int] = None,
+             lora: Optional[LoraConfig] = None, lora_init: Optional[str] = None) -> Assembly:
+    """Load or adopt the models of a run (see `PPOTrainer` for the arguments).
+
+    With LoRA (`lora`, `lora_init`, or a given policy Model that has adapters) the base
+    weights are frozen (held in `dtype`, loaded from a checkpoint), only the adapters (and
+    a critic) are trained, and the reference is the policy with its adapters off."""
+    if lora is not None and not isinstance(lora, LoraConfig):
+        raise TypeError(f"lora must be a jaxppo.models.LoraConfig or None, got {type(lora).__name__}")
+    if lora_init is not None:
+        init_config = read_peft_config(os.fspath(lora_init))  # checked before any weights load
+        if lora is not None and lora != init_config:
+            raise ValueError(f"lora={lora} differs from the adapter in {os.fspath(lora_init)!r} ({init_config}); give "
+                             "one of them, or the same settings")
     if not config.uses_critic:
         if critic is not None:
             raise ValueError(f"critic was given, but advantage_estimator={config.advantage_estimator!r} has no critic "
@@ -178,19 +195,33 @@ def assemble(config: PPOConfig, tc: TrainerConfig, *, policy, reward_model=None,
             raise ValueError(f"TrainerConfig.shared_trunk=True puts a value head on the policy, but "
                              f"advantage_estimator={config.advantage_estimator!r} has no critic; set shared_trunk=False")
     ref_dtype, reward_dtype = ref_dtype or dtype, reward_dtype or dtype
-    policy_model, policy_params = load_model(policy, "causal_lm", dtype, "float32", scan_layers)
+    use_lora = lora is not None or lora_init is not None
+    # The trained policy is held in float32; a LoRA base is frozen, so it stays in `dtype`.
+    policy_model, policy_params = load_model(policy, "causal_lm", dtype, dtype if use_lora else "float32", scan_layers)
+    if use_lora and policy_model.lora is not None:
+        raise ValueError("the given policy already has LoRA adapters; drop lora / lora_init, or give the base model")
     if remat is not None:
         policy_model = dataclasses.replace(policy_model, remat=remat)
     if logits_chunk_size is not None:
         policy_model = dataclasses.replace(policy_model, logits_chunk_size=logits_chunk_size)
     if policy_model.kind != "causal_lm":
         policy_model = dataclasses.replace(policy_model, kind="causal_lm")
-        policy_params = {"params": {k: v for k, v in policy_params["params"].items() if k != "value_head"}}
+        policy_params = {**policy_params,
+                         "params": {k: v for k, v in policy_params["params"].items() if k != "value_head"}}
+    if lora_init is not None:
+        policy_model, policy_params = load_peft_adapter(policy_model, policy_params, os.fspath(lora_init))
+    elif lora is not None:
+        policy_model, policy_params = add_lora(policy_model, policy_params, lora,
+                                               jax.random.fold_in(jax.random.key(tc.seed), 7))
     ref_model = ref_params = None
+    ref_is_policy = False
     if not needs_reference(config, tc):
         if ref_policy is not None:
             warnings.warn("ref_policy is not used: kl_coef and kl_loss_coef are 0 and there is no kl_target, so no "
                           "KL to a reference is computed (and no reference model is loaded)", UserWarning, stacklevel=3)
+    elif ref_policy is None and policy_model.lora is not None:
+        # The same weights with the adapters switched off: no second copy.
+        ref_model, ref_is_policy = dataclasses.replace(policy_model, adapters=False), True
     elif ref_policy is None:
         # A copy of the initial policy, held in ref_dtype (jnp.array copies even without a cast).
         ref_model = dataclasses.replace(policy_model, dtype=ref_dtype, param_dtype=ref_dtype)
@@ -211,7 +242,7 @@ def assemble(config: PPOConfig, tc: TrainerConfig, *, policy, reward_model=None,
         policy_model = dataclasses.replace(policy_model, kind="causal_lm_value")
         head = {"kernel": jnp.zeros((policy_model.config.hidden_size, 1), jnp.float32),
                 "bias": jnp.zeros((1,), jnp.float32)}
-        params = {"params": dict(policy_params["params"], value_head=head)}
+        params = {**policy_params, "params": dict(policy_params["params"], value_head=head)}
         apply_fn, params_key = policy_model.apply, None
         critic_text = "shared trunk"
     else:
@@ -229,14 +260,22 @@ def assemble(config: PPOConfig, tc: TrainerConfig, *, policy, reward_model=None,
         params = {"policy": policy_params, "critic": critic_params}
         params_key = "policy"
         critic_text = describe_model(critic, None, dtype) if critic is not None else "default"
+    freeze = None
+    if policy_model.lora is not None:  # only the adapters (and the critic or value head) train
+        base = ("params",) if params_key is None else (params_key, "params")
+        freeze = Freeze(prefixes=(base,), unless=((*base, "value_head"),))
     if ref_model is None:
         reference = "none"
+    elif ref_is_policy:
+        reference = "policy base (adapters off)"
     else:
         reference = "initial policy" if ref_policy is None else describe_model(ref_policy, ref_model, dtype)
     description = {"policy": describe_model(policy, policy_model, dtype), "reference": reference,
                    "critic": critic_text}
+    if lora_init is not None:
+        description["policy"]["lora_init"] = os.path.abspath(os.fspath(lora_init))
     return Assembly(policy_model, apply_fn, params, params_key, ref_model, ref_params, reward, reward_params,
-                    description)
+                    description, freeze, ref_is_policy)
 
 
 def prompts_digest(prompts) -> dict:

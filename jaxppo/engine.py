@@ -16,8 +16,9 @@ Nothing here knows about language models.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 
 import chex
 import flax.struct
@@ -27,7 +28,7 @@ import optax
 
 from jaxppo.config import PPOConfig
 
-__all__ = ["TrainState", "update_epochs", "update_epochs_fn", "minibatch_indices", "clip_by_global_norm"]
+__all__ = ["TrainState", "Freeze", "update_epochs", "update_epochs_fn", "minibatch_indices", "clip_by_global_norm"]
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
@@ -51,6 +52,52 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     return optax.GradientTransformation(optax.init_empty_state, update)
 
 
+def _key_name(k) -> str:
+    return str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+
+
+@dataclasses.dataclass(frozen=True)
+class Freeze:
+    """Which parameters a `TrainState` does not train: every leaf whose key path starts with
+    one of `prefixes`, except those under one of `unless` (paths as tuples of dict keys).
+
+    Frozen leaves get no gradient (the loss is differentiated with respect to the trained
+    leaves only, so XLA computes nothing for the others), no optimizer state, and are
+    never written. Example, LoRA adapters on a built-in model (`{"params": base, "lora":
+    adapters}`) with a value head on the same trunk:
+    `Freeze(prefixes=(("params",),), unless=(("params", "value_head"),))`. Hashable (a
+    static part of the state)."""
+
+    prefixes: Tuple[Tuple[str, ...], ...]
+    unless: Tuple[Tuple[str, ...], ...] = ()
+
+    def __post_init__(self):
+        for field in ("prefixes", "unless"):
+            value = getattr(self, field)
+            if isinstance(value, (str, bytes)) or not all(isinstance(p, tuple) and all(isinstance(k, str) for k in p)
+                                                         for p in value):
+                raise ValueError(f"Freeze.{field}={value!r} is invalid; give a tuple of key paths, each a tuple of "
+                                 "str, e.g. (('params',),)")
+            object.__setattr__(self, field, tuple(value))
+
+    def is_frozen(self, path) -> bool:
+        names = tuple(_key_name(k) for k in path)
+        under = lambda prefix: names[: len(prefix)] == prefix
+        return any(map(under, self.prefixes)) and not any(map(under, self.unless))
+
+    def trained(self, params):
+        """`params` with every frozen leaf replaced by None (an empty subtree)."""
+        return jax.tree_util.tree_map_with_path(lambda p, x: None if self.is_frozen(p) else x, params)
+
+    def join(self, trained, params):
+        """The full tree: the leaves of `trained` (as `trained(params)` shapes it) where they
+        are trained, `params`'s own where frozen."""
+        flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+        new = iter(jax.tree.leaves(trained))
+        leaves = [x if self.is_frozen(p) else next(new) for p, x in flat]
+        return treedef.unflatten(leaves)
+
+
 class TrainState(flax.struct.PyTreeNode):
     """Parameters, optimizer state and the count of optimizer updates actually applied.
 
@@ -61,7 +108,8 @@ class TrainState(flax.struct.PyTreeNode):
       params: the parameters (any pytree).
       opt_state: the optax state of `tx`.
       apply_fn: static, the model's pure forward function (used by `train_step`).
-      tx: static, the optax `GradientTransformation`.
+      tx: static, the optax `GradientTransformation` (of the trained params).
+      freeze: static, a `Freeze` naming params that are not trained, or None (all are).
     """
 
     step: jax.Array
@@ -70,24 +118,42 @@ class TrainState(flax.struct.PyTreeNode):
     opt_state: Any
     apply_fn: Callable = flax.struct.field(pytree_node=False)
     tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
+    freeze: Optional[Freeze] = flax.struct.field(pytree_node=False, default=None)
 
     @classmethod
-    def create(cls, *, apply_fn: Callable, params, tx: optax.GradientTransformation) -> "TrainState":
-        """A fresh state: `tx.init(params)`, zero updates applied."""
+    def create(cls, *, apply_fn: Callable, params, tx: optax.GradientTransformation,
+               freeze: Optional[Freeze] = None) -> "TrainState":
+        """A fresh state: `tx.init` of the trained params, zero updates applied."""
+        if freeze is not None and not isinstance(freeze, Freeze):
+            raise TypeError(f"freeze must be a jaxppo.Freeze or None, got {type(freeze).__name__}")
+        trained = params if freeze is None else freeze.trained(params)
+        if freeze is not None and not jax.tree.leaves(trained):
+            raise ValueError(f"{freeze} freezes every parameter: nothing would be trained")
         return cls(
             step=jnp.zeros((), jnp.int32),
             skipped_nonfinite=jnp.zeros((), jnp.int32),
             params=params,
-            opt_state=tx.init(params),
+            opt_state=tx.init(trained),
             apply_fn=apply_fn,
             tx=tx,
+            freeze=freeze,
         )
 
+    def trained_params(self):
+        """The params that are trained (frozen leaves None; all of them without `freeze`)."""
+        return self.params if self.freeze is None else self.freeze.trained(self.params)
+
+    def with_trained(self, trained) -> "TrainState":
+        """This state with the trained params replaced (frozen ones kept)."""
+        return self.replace(params=trained if self.freeze is None else self.freeze.join(trained, self.params))
+
     def apply_gradients(self, grads) -> "TrainState":
-        """One optax update with `grads`; `step` advances by one."""
-        updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
-        params = optax.apply_updates(self.params, updates)
-        return self.replace(step=self.step + 1, params=params, opt_state=opt_state)
+        """One optax update with `grads` (of the trained params: `trained_params()`'s
+        structure); `step` advances by one."""
+        trained = self.trained_params()
+        updates, opt_state = self.tx.update(grads, self.opt_state, trained)
+        state = self.with_trained(optax.apply_updates(trained, updates))
+        return state.replace(step=self.step + 1, opt_state=opt_state)
 
 
 def minibatch_indices(key, config: PPOConfig):
@@ -232,7 +298,10 @@ def update_epochs_fn(
         """One mini-batch update. `stopped` (the KL stop had triggered before this
         mini-batch; always False without target_kl): no gradient is computed, nothing is
         applied, float metrics are NaN."""
-        grad_fn = lambda mb: _grads_and_aux(state.params, mb, loss_fn, weight_fn, config)
+        # Gradients of the trained params only: frozen ones enter the loss as constants.
+        trained_loss = loss_fn if state.freeze is None else (
+            lambda trained, mb: loss_fn(state.freeze.join(trained, state.params), mb))
+        grad_fn = lambda mb: _grads_and_aux(state.trained_params(), mb, trained_loss, weight_fn, config)
         if early_stop:
             shapes = jax.eval_shape(grad_fn, minibatch)
 

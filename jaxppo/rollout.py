@@ -44,6 +44,9 @@ class RolloutSpec:
       ref_apply: `ref_apply(ref_params, tokens, mask) -> logits`; one that offers
         `response_outputs` (a built-in model) scores without full logits. None: no
         reference (no KL in the reward or the loss); the KL is then 0 and not reported.
+      ref_is_policy: the reference runs on the policy's own params (`ref_apply` is the
+        policy's base model: a LoRA policy with `adapters=False`), so no `ref_params` are
+        passed and no second copy of the weights exists.
       keep_ref_logprobs: put the reference log-probs in the rollout (`ref_logprobs`) for a
         KL term in the loss.
       reward_apply: `reward_apply(reward_params, tokens, mask) -> (B,)` scores, or None.
@@ -67,6 +70,7 @@ class RolloutSpec:
     reward_apply: Optional[Callable] = None
     reward_weight: float = 1.0
     keep_ref_logprobs: bool = False
+    ref_is_policy: bool = False
     token_reward_fn: Optional[Callable] = None
     stop_token_ids: Tuple[int, ...] = ()
     pad_token_id: int = 0
@@ -166,6 +170,8 @@ def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompt_
     q, r = prompt_ids.shape[1], gen.tokens.shape[1]
     ref_logprobs = None
     if spec.ref_apply is not None:
+        if spec.ref_is_policy:
+            ref_params = spec.policy_params(params)
         ref_scorer = scorer(spec.ref_apply)
         if ref_scorer is not None:  # a built-in model: no full logits
             ref_logprobs = ref_scorer(ref_params, prompt_ids, prompt_mask, gen.tokens, response_mask,

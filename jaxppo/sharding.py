@@ -29,6 +29,8 @@ AXES = ("data", "fsdp", "tensor")
 # (row-parallel) along the "tensor" axis. Kernels are (in, out).
 _COLUMN_PARALLEL = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "c_attn", "c_fc", "lm_head"}
 _ROW_PARALLEL = {"o_proj", "down_proj", "c_proj", "mlp_c_proj"}
+# LoRA adapter leaves (`jaxppo.models.lora`).
+_ADAPTERS = {"lora_a", "lora_b"}
 # Entries whose leaves lead with a layer axis (`Model(scan_layers=True)`).
 _STACKED = {"layers", "h"}
 
@@ -112,7 +114,9 @@ def param_spec(path: tuple, shape: tuple, mesh: Mesh) -> P:
     remaining dimension that the "fsdp" axis divides is split over "fsdp"; 1-D and scalar
     leaves, and dimensions nothing divides, are replicated. Stacked layers (`scan_layers`:
     leaves under a `layers` / `h` entry, leading with the layer axis) keep the layer axis
-    replicated and split the rest as the per-layer leaf would be split.
+    replicated and split the rest as the per-layer leaf would be split. LoRA adapters
+    (`lora_a` (in, rank), `lora_b` (rank, out)) split their non-rank dimension on "tensor"
+    as the base kernel does, else over "fsdp"; the rank dimension is whole.
     """
     names = {_key_name(k) for k in path}
     if names & _STACKED and len(shape) >= 1:
@@ -121,6 +125,16 @@ def param_spec(path: tuple, shape: tuple, mesh: Mesh) -> P:
     if len(shape) < 2:
         return P(*spec)
     tensor, fsdp = mesh.shape["tensor"], mesh.shape["fsdp"]
+    if names & _ADAPTERS and len(shape) == 2:
+        # LoRA A (in, rank) / B (rank, out): the non-rank dimension is split as the base
+        # kernel splits it on "tensor" (row-parallel input, column-parallel output), else
+        # over "fsdp"; the rank dimension stays whole.
+        dim, parallel = (0, _ROW_PARALLEL) if "lora_a" in names else (1, _COLUMN_PARALLEL)
+        if tensor > 1 and names & parallel and shape[dim] % tensor == 0:
+            spec[dim] = "tensor"
+        elif fsdp > 1 and shape[dim] % fsdp == 0:
+            spec[dim] = "fsdp"
+        return P(*spec)
     if tensor > 1 and len(shape) == 2:
         dim = 1 if names & _COLUMN_PARALLEL else (0 if names & _ROW_PARALLEL else None)
         if "embedding" in names:

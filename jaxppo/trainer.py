@@ -36,6 +36,7 @@ from jaxppo.engine import TrainState
 from jaxppo.interrupts import interrupts_held, interrupts_raise
 from jaxppo.logger import Logger
 from jaxppo.models import hf as hf_io
+from jaxppo.models.lora import save_peft_adapter
 from jaxppo.models.tokenizer import decode_responses, encode_prompts, unknown_token_count
 from jaxppo.ppo import train_step_fn
 from jaxppo.prompts import load_prompt_table, load_prompts, prompt_order, render_prompts
@@ -103,6 +104,14 @@ class PPOTrainer(CheckpointedRun):
       logits_chunk_size: the policy's and reference's LM head runs at response positions
         only (never on full (B, L, V) logits); with this set, that many positions at a
         time, each chunk recomputed in the backward pass (see `jaxppo.models.Model`).
+      lora: a `jaxppo.models.LoraConfig` (rank, alpha, targets): train low-rank adapters on
+        the policy's linear layers instead of all its weights. The base weights are frozen
+        (held in `dtype`; no gradient, no optimizer state), the reference policy is the
+        same weights with the adapters off (no second copy), checkpoints hold the
+        adapters (and critic) and their optimizer state, and the final export writes
+        `final_policy/` (merged) and `final_adapter/` (PEFT format).
+      lora_init: a PEFT LoRA adapter directory to start from (its rank, alpha and targets
+        apply); the reference is then the base model.
       mesh: None (one device), a `jaxppo.sharding.MeshConfig`, or a `jax.sharding.Mesh`
         with axes ("data", "fsdp", "tensor"): parameters and optimizer states are sharded
         by `jaxppo.sharding.tree_shardings`, rollout rows split over the data axes.
@@ -114,7 +123,8 @@ class PPOTrainer(CheckpointedRun):
                  ref_policy=None, critic=None, dtype: str = "float32", ref_dtype: Optional[str] = None,
                  reward_dtype: Optional[str] = None, prompt_column: str = "prompt",
                  callbacks: Sequence[Callable] = (), mesh=None, remat=None, scan_layers: Optional[bool] = None,
-                 logits_chunk_size: Optional[int] = None, chat_template: Optional[bool] = None):
+                 logits_chunk_size: Optional[int] = None, chat_template: Optional[bool] = None,
+                 lora=None, lora_init: Optional[str] = None):
         if not isinstance(config, PPOConfig):
             raise TypeError(f"config must be a jaxppo.PPOConfig, got {type(config).__name__}")
         if not isinstance(trainer_config, TrainerConfig):
@@ -146,7 +156,9 @@ class PPOTrainer(CheckpointedRun):
         # Models.
         built = assemble(config, tc, policy=policy, reward_model=reward_model, ref_policy=ref_policy, critic=critic,
                          dtype=dtype, ref_dtype=ref_dtype, reward_dtype=reward_dtype, remat=remat,
-                         scan_layers=scan_layers, logits_chunk_size=logits_chunk_size)
+                         scan_layers=scan_layers, logits_chunk_size=logits_chunk_size, lora=lora,
+                         lora_init=lora_init)
+        self._policy_source = policy if isinstance(policy, (str, os.PathLike)) else None
         self.policy_model, self.reward_model = built.policy_model, built.reward_model
         self.ref_params, self.reward_params = built.ref_params, built.reward_params
         vocab = self.policy_model.config.vocab_size
@@ -164,6 +176,7 @@ class PPOTrainer(CheckpointedRun):
             apply_fn=built.apply_fn,
             ref_apply=LogitsOf(built.ref_model) if built.ref_model is not None else None,
             keep_ref_logprobs=bool(config.kl_loss_coef),
+            ref_is_policy=built.ref_is_policy,
             response_length=tc.response_length,
             temperature=float(config.temperature),
             policy_params_key=built.params_key,
@@ -184,7 +197,7 @@ class PPOTrainer(CheckpointedRun):
         critic_lr = tc.critic_learning_rate or tc.learning_rate
         tx = optimizer(self.policy_schedule, schedule(critic_lr, tc.lr_schedule, tc.warmup_updates, total_updates),
                        tc, shared=tc.shared_trunk, critic=config.uses_critic)
-        self.state = TrainState.create(apply_fn=built.apply_fn, params=built.params, tx=tx)
+        self.state = TrainState.create(apply_fn=built.apply_fn, params=built.params, tx=tx, freeze=built.freeze)
         kl_target = tc.kl_target if tc.kl_target is not None else 0.0
         self.kl_state = ppo_math.KLControllerState(jnp.float32(config.kl_coef), jnp.float32(kl_target),
                                                    jnp.float32(tc.kl_horizon))
@@ -457,6 +470,8 @@ class PPOTrainer(CheckpointedRun):
             self.save_checkpoint()  # at the end, whatever checkpoint_every says: a finished run is not redone
         if tc.export_final:
             self.export(os.path.join(tc.output_dir, "final_policy"))
+            if self.policy_model.lora is not None:
+                self.export_adapter(os.path.join(tc.output_dir, "final_adapter"))
         if tc.plot:
             logger.plot(os.path.join(tc.output_dir, "metrics.png"))
         print(self.summary())
@@ -465,23 +480,43 @@ class PPOTrainer(CheckpointedRun):
     def policy_params(self):
         return self.spec.policy_params(self.state.params)
 
-    def export(self, path: str):
-        """Save the current policy (and tokenizer) as a Hugging Face directory."""
+    def _policy_for_export(self):
+        """(causal-LM model, its params on the host of process 0), or None on other processes."""
         model = dataclasses.replace(self.policy_model, kind="causal_lm")
         params = self.policy_params()
         if self.tc.shared_trunk:
-            params = {"params": {k: v for k, v in params["params"].items() if k != "value_head"}}
+            params = {**params, "params": {k: v for k, v in params["params"].items() if k != "value_head"}}
         if jax.process_count() > 1:
             params = jax.tree.map(to_host, params)
             if jax.process_index() != 0:
-                return  # one writer
+                return None  # one writer
+        return model, params
+
+    def export(self, path: str):
+        """Save the current policy (and tokenizer) as a Hugging Face directory; a LoRA
+        policy with its adapters merged into the base weights."""
+        exported = self._policy_for_export()
+        if exported is None:
+            return
 
         def write(directory):
-            hf_io.save_pretrained(model, params, directory)
+            hf_io.save_pretrained(*exported, directory)
             if hasattr(self.tokenizer, "save_pretrained"):
                 self.tokenizer.save_pretrained(directory)
 
         atomic_replace_dir(write, path)  # a kill mid-export leaves the old export or the new one, whole
+
+    def export_adapter(self, path: str):
+        """Save a LoRA policy's adapters in PEFT's format (`adapter_config.json`,
+        `adapter_model.safetensors`) for the base checkpoint it was loaded from."""
+        if self.policy_model.lora is None:
+            raise ValueError("export_adapter needs a LoRA policy (PPOTrainer(lora=...) or lora_init=...)")
+        exported = self._policy_for_export()
+        if exported is None:
+            return
+        base = os.path.abspath(os.fspath(self._policy_source)) if self._policy_source is not None else None
+        atomic_replace_dir(lambda directory: save_peft_adapter(*exported, directory, base_model_name_or_path=base),
+                           path)
 
     def summary(self) -> str:
         h = self.history

@@ -30,7 +30,9 @@ class CheckpointedRun:
 
     def _checkpoint_tree(self):
         return {
-            "params": self.state.params,
+            # The trained params only: with LoRA, the adapters (and critic), not the frozen
+            # base, which the run loads again from its checkpoint path.
+            "params": self.state.trained_params(),
             "opt_state": self.state.opt_state,
             "step": self.state.step,
             "skipped_nonfinite": self.state.skipped_nonfinite,
@@ -64,8 +66,8 @@ class CheckpointedRun:
         if not np.array_equal(np.asarray(restored["key"]), np.asarray(template["key"])):
             raise RunError(f"the checkpoint in {self.tc.output_dir!r} was written with another seed; "
                            "use the same seed to resume, or another output_dir")
-        self.state = self.state.replace(params=restored["params"], opt_state=restored["opt_state"],
-                                        step=restored["step"], skipped_nonfinite=restored["skipped_nonfinite"])
+        self.state = self.state.with_trained(restored["params"]).replace(
+            opt_state=restored["opt_state"], step=restored["step"], skipped_nonfinite=restored["skipped_nonfinite"])
         self.kl_state = ppo_math.KLControllerState(*(jnp.asarray(x, jnp.float32) for x in restored["kl"]))
         self.score_moments = ppo_math.RunningMoments(*(jnp.asarray(x, jnp.float32) for x in restored["score_moments"]))
         self.iteration = int(restored["iteration"])

@@ -1,8 +1,10 @@
-"""Built-in language models: GPT-2 and the Llama family (Llama 2/3, Qwen2) in Flax, value and
-score heads, Hugging Face checkpoint import/export, tokenizers, and KV-cache sampling."""
+"""Built-in language models: GPT-2, the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) and
+Gemma 3 in Flax, value and score heads, LoRA adapters (PEFT format), Hugging Face checkpoint
+import/export, tokenizers, and KV-cache sampling."""
 
 from jaxppo.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from jaxppo.models.generate import GenerationOutput, filter_logits, generate
+from jaxppo.models.lora import LoraConfig, add_lora, load_peft_adapter, merge_lora, save_peft_adapter
 from jaxppo.models.hf import from_pretrained, params_from_hf_tensors, params_to_hf_tensors, save_pretrained
 from jaxppo.models.model import KINDS, Model, PolicyAndCritic, stack_layers, unstack_layers
 from jaxppo.models.tokenizer import decode_responses, encode_prompts, load_tokenizer
@@ -10,6 +12,11 @@ from jaxppo.models.transformer import default_positions
 
 __all__ = [
     "ModelConfig",
+    "LoraConfig",
+    "add_lora",
+    "merge_lora",
+    "save_peft_adapter",
+    "load_peft_adapter",
     "SUPPORTED_MODEL_TYPES",
     "Model",
     "KINDS",

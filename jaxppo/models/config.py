@@ -298,8 +298,23 @@ class ModelConfig:
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
 
+    def settings(self) -> dict:
+        """The config as a dict for a run's settings, without the fields added in 0.3
+        (Qwen3 / Gemma 3 / sliding windows) where they hold their defaults, so that runs
+        saved before them still match."""
+        out = dataclasses.asdict(self)
+        for name in ADDED_FIELDS:
+            if out[name] == _DEFAULTS[name]:
+                del out[name]
+        return json.loads(json.dumps(out))
+
 
 def _hashable(value):
     if isinstance(value, list):
         return tuple(value)
     return value
+
+
+ADDED_FIELDS = ("qk_norm", "sliding_window", "layer_types", "local_rope_theta", "query_pre_attn_scalar",
+                "final_logit_softcapping")
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}

@@ -296,7 +296,10 @@ def from_pretrained(
 
 def params_to_hf_tensors(model: Model, params) -> dict:
     """`model`'s params as {Hugging Face name: numpy array}, in Hugging Face layout (one
-    tensor per layer, also from the stacked layout of `scan_layers`)."""
+    tensor per layer, also from the stacked layout of `scan_layers`; LoRA adapters merged)."""
+    from jaxppo.models.lora import merge_lora
+
+    model, params = merge_lora(model, params)
     if model.scan_layers:
         params = unstack_layers(params, model.config)
     out = {}
@@ -313,12 +316,17 @@ def params_to_hf_tensors(model: Model, params) -> dict:
 def save_pretrained(model: Model, params, path: str):
     """Write `params` as a Hugging Face checkpoint directory (config.json + model.safetensors)
     that `transformers.AutoModelForCausalLM` (causal LMs) or
-    `AutoModelForSequenceClassification` (reward and value models) loads.
+    `AutoModelForSequenceClassification` (reward and value models) loads. A model with LoRA
+    adapters is written with them merged into the base weights (`jm.save_peft_adapter`
+    writes the adapters alone).
 
     A "causal_lm_value" model is saved as its causal LM plus `value_head.safetensors`, which
     `from_pretrained(..., kind="causal_lm_value")` reads back."""
     from safetensors.numpy import save_file
 
+    from jaxppo.models.lora import merge_lora
+
+    model, params = merge_lora(model, params)
     os.makedirs(path, exist_ok=True)
     model_type = model.config.model_type
     if model.is_causal_lm:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from jaxppo.models.config import ModelConfig
 from jaxppo.models.heads import LMHead, token_logprobs
+from jaxppo.models.lora import LoraConfig
 from jaxppo.models.transformer import CausalLMModule, ScoreModule, default_positions
 
 __all__ = ["Model", "KINDS", "PolicyAndCritic", "stack_layers", "unstack_layers"]
@@ -56,7 +57,13 @@ class Model:
       loss and rollout scoring use), apply the LM head this many positions at a time, each
       chunk's logits recomputed in the backward pass instead of stored (None: all response
       positions at once). Either way the head is applied only at the positions read, never
-      to the whole (B, L, V) sequence; `apply` still returns full logits."""
+      to the whole (B, L, V) sequence; `apply` still returns full logits.
+    lora: a `LoraConfig` puts low-rank adapters on the blocks' targeted linear layers
+      (`jaxppo.models.lora`); variables are then {"params": base, "lora": adapters}.
+      `jm.add_lora` / `jm.load_peft_adapter` make them; `save_pretrained` writes the
+      merged weights, `jm.save_peft_adapter` the adapters alone.
+    adapters: with `lora`, whether the adapters are applied. False is the base model on
+      the same variables: the reference policy of a LoRA run, with no second copy."""
 
     config: ModelConfig
     kind: str = "causal_lm"
@@ -65,6 +72,8 @@ class Model:
     remat: Union[bool, str] = False
     scan_layers: bool = False
     logits_chunk_size: Optional[int] = None
+    lora: Optional[LoraConfig] = None
+    adapters: bool = True
 
     def __post_init__(self):
         if self.remat == "full":
@@ -79,6 +88,10 @@ class Model:
             raise ValueError(f"Model.logits_chunk_size={k!r} is invalid; use None (no chunking) or a positive int")
         if self.kind not in KINDS:
             raise ValueError(f"Model.kind={self.kind!r} is invalid; valid kinds: {', '.join(KINDS)}")
+        if self.lora is not None:
+            if not isinstance(self.lora, LoraConfig):
+                raise ValueError(f"Model.lora={self.lora!r} is invalid; use None or a jaxppo.models.LoraConfig")
+            self.lora.modules(self.config)  # the targets exist in this architecture
         for field in ("dtype", "param_dtype"):
             name = _dtype_name(getattr(self, field))
             if name not in ("float32", "bfloat16", "float16"):
@@ -88,7 +101,7 @@ class Model:
     @property
     def module(self):
         common = dict(config=self.config, dtype=jnp.dtype(self.dtype), param_dtype=jnp.dtype(self.param_dtype), remat=self.remat,
-                      scan_layers=self.scan_layers)
+                      scan_layers=self.scan_layers, lora=self.lora, adapters=self.adapters)
         if self.kind in ("causal_lm", "causal_lm_value"):
             return CausalLMModule(with_value_head=self.kind == "causal_lm_value", **common)
         return ScoreModule(num_labels=self.config.num_labels if self.kind == "reward" else 1,
@@ -225,24 +238,35 @@ def stack_layers(params, config: ModelConfig):
     them) -> the stacked layout of `Model(scan_layers=True)` (one `layers` entry whose
     leaves lead with a num_layers axis). Other entries are kept as they are."""
     prefix, trunk = _layer_prefix(config), trunk_name(config)
-    inner = dict(params["params"][trunk])
-    names = [f"{prefix}_{i}" for i in range(config.num_layers)]
-    missing = [n for n in names if n not in inner]
-    if missing or prefix in inner:
-        raise ValueError(f"stack_layers needs the per-layer layout ({prefix}_0 ... {prefix}_{config.num_layers - 1}); "
-                         f"missing {missing}" + (f", and {prefix!r} is already stacked" if prefix in inner else ""))
-    layers = [inner.pop(n) for n in names]
-    inner[prefix] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
-    return {**params, "params": {**params["params"], trunk: inner}}
+    out = dict(params)
+    for collection in _trunk_collections(params, trunk):
+        inner = dict(params[collection][trunk])
+        names = [f"{prefix}_{i}" for i in range(config.num_layers)]
+        missing = [n for n in names if n not in inner]
+        if missing or prefix in inner:
+            raise ValueError(f"stack_layers needs the per-layer layout ({prefix}_0 ... {prefix}_{config.num_layers - 1}); "
+                             f"missing {missing}" + (f", and {prefix!r} is already stacked" if prefix in inner else ""))
+        layers = [inner.pop(n) for n in names]
+        inner[prefix] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+        out[collection] = {**params[collection], trunk: inner}
+    return out
+
+
+def _trunk_collections(variables, trunk):
+    """The variable collections ("params", and "lora" for adapters) that hold the trunk."""
+    return [k for k, v in variables.items() if isinstance(v, dict) and trunk in v]
 
 
 def unstack_layers(params, config: ModelConfig):
     """The inverse of `stack_layers`: stacked `layers` -> `layers_0` ... `layers_{n-1}`."""
     prefix, trunk = _layer_prefix(config), trunk_name(config)
-    inner = dict(params["params"][trunk])
-    if prefix not in inner:
-        raise ValueError(f"unstack_layers needs the stacked layout (a {prefix!r} entry under {trunk!r})")
-    stacked = inner.pop(prefix)
-    for i in range(config.num_layers):
-        inner[f"{prefix}_{i}"] = jax.tree.map(lambda x: x[i], stacked)
-    return {**params, "params": {**params["params"], trunk: inner}}
+    out = dict(params)
+    for collection in _trunk_collections(params, trunk):
+        inner = dict(params[collection][trunk])
+        if prefix not in inner:
+            raise ValueError(f"unstack_layers needs the stacked layout (a {prefix!r} entry under {trunk!r})")
+        stacked = inner.pop(prefix)
+        for i in range(config.num_layers):
+            inner[f"{prefix}_{i}"] = jax.tree.map(lambda x: x[i], stacked)
+        out[collection] = {**params[collection], trunk: inner}
+    return out

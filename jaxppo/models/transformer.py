@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from jaxppo.models.config import ModelConfig
 from jaxppo.models.heads import softcap
+from jaxppo.models.lora import LoraConfig, LoraDense
 
 __all__ = ["Transformer", "CausalLMModule", "ScoreModule", "rope_inv_freq", "default_positions"]
 
@@ -126,20 +127,31 @@ def _with_cache(layer_cache, k, v, cache_index):
     return k, v, (k, v)
 
 
+def _dense(block, features, use_bias, name):
+    """The block's linear layer `name`: `nn.Dense`, or `LoraDense` when LoRA targets it."""
+    lora = block.lora
+    if lora is not None and name in lora.modules(block.config):
+        return LoraDense(features, use_bias, block.dtype, block.param_dtype, lora.rank, lora.scale, block.adapters,
+                         name=name)
+    return nn.Dense(features, use_bias=use_bias, dtype=block.dtype, param_dtype=block.param_dtype, name=name)
+
+
 class GPT2Block(nn.Module):
     config: ModelConfig
     dtype: Any
     param_dtype: Any
+    lora: Optional[LoraConfig] = None
+    adapters: bool = True
 
     @nn.compact
     def __call__(self, x, masks, positions, layer_cache, cache_index, sliding=False):
         c = self.config
         mask = masks[0]
-        dense = lambda n, name: nn.Dense(n, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
+        dense = lambda n, name: _dense(self, n, True, name)
         ln = lambda name: nn.LayerNorm(epsilon=c.norm_eps, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
         b, l, _ = x.shape
         h = ln("ln_1")(x)
-        qkv = nn.Dense(3 * c.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype, name="c_attn")(h)
+        qkv = dense(3 * c.hidden_size, "c_attn")(h)
         q, k, v = jnp.split(qkv.reshape(b, l, 3, c.num_heads, c.head_dim), 3, axis=2)
         q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]
         k, v, layer_cache = _with_cache(layer_cache, k, v, cache_index)
@@ -159,13 +171,15 @@ class LlamaBlock(nn.Module):
     config: ModelConfig
     dtype: Any
     param_dtype: Any
+    lora: Optional[LoraConfig] = None
+    adapters: bool = True
 
     @nn.compact
     def __call__(self, x, masks, positions, layer_cache, cache_index, sliding=False):
         c = self.config
         b, l, _ = x.shape
         norm = lambda name: RMSNorm(c.norm_eps, self.dtype, self.param_dtype, c.is_gemma, name=name)
-        proj = lambda n, bias, name: nn.Dense(n, use_bias=bias, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
+        proj = lambda n, bias, name: _dense(self, n, bias, name)
         h = norm("input_layernorm")(x)
         q = proj(c.num_heads * c.head_dim, c.qkv_bias, "q_proj")(h).reshape(b, l, c.num_heads, c.head_dim)
         k = proj(c.num_kv_heads * c.head_dim, c.qkv_bias, "k_proj")(h).reshape(b, l, c.num_kv_heads, c.head_dim)
@@ -206,6 +220,8 @@ class Transformer(nn.Module):
     param_dtype: Any = jnp.float32
     remat: Any = False  # False, True, or a jax.checkpoint_policies name (see Model)
     scan_layers: bool = False
+    lora: Optional[LoraConfig] = None  # adapters on the blocks' linear layers (see jaxppo.models.lora)
+    adapters: bool = True  # with `lora`: apply them (False: the base model)
 
     @nn.compact
     def __call__(self, input_ids, attention_mask, positions, cache=None, cache_index=0):
@@ -240,14 +256,14 @@ class Transformer(nn.Module):
             # Block call: (x, mask, positions, layer_cache, cache_index) -> (x, layer_cache);
             # x is the carry, the cache (stacked on the layer axis, or None) is scanned over.
             # The per-layer sliding flags are scanned over with the cache.
-            stack = nn.scan(block_cls, variable_axes={"params": 0}, split_rngs={"params": True},
+            stack = nn.scan(block_cls, variable_axes={"params": 0, "lora": 0}, split_rngs={"params": True},
                             in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast, 0), length=c.num_layers)
-            x, new_cache = stack(c, self.dtype, self.param_dtype, name=prefix)(x, masks, positions, cache, cache_index,
-                                                                               jnp.asarray(sliding))
+            x, new_cache = stack(c, self.dtype, self.param_dtype, self.lora, self.adapters, name=prefix)(
+                x, masks, positions, cache, cache_index, jnp.asarray(sliding))
         else:
             new_cache = []
             for i in range(c.num_layers):
-                block = block_cls(c, self.dtype, self.param_dtype, name=f"{prefix}_{i}")
+                block = block_cls(c, self.dtype, self.param_dtype, self.lora, self.adapters, name=f"{prefix}_{i}")
                 x, layer_cache = block(x, masks, positions, None if cache is None else cache[i], cache_index, sliding[i])
                 new_cache.append(layer_cache)
             new_cache = tuple(new_cache) if cache is not None else None
@@ -271,11 +287,13 @@ class CausalLMModule(nn.Module):
     remat: Any = False  # False, True, or a jax.checkpoint_policies name (see Model)
     scan_layers: bool = False
     with_value_head: bool = False
+    lora: Optional[LoraConfig] = None
+    adapters: bool = True
 
     @nn.compact
     def __call__(self, input_ids, attention_mask, positions, cache=None, cache_index=0, return_hidden=False):
         c = self.config
-        trunk = Transformer(c, self.dtype, self.param_dtype, self.remat, self.scan_layers,
+        trunk = Transformer(c, self.dtype, self.param_dtype, self.remat, self.scan_layers, self.lora, self.adapters,
                             name="transformer" if c.model_type == "gpt2" else "model")
         hidden, cache, table = trunk(input_ids, attention_mask, positions, cache, cache_index)
         values = None
@@ -304,11 +322,13 @@ class ScoreModule(nn.Module):
     scan_layers: bool = False
     num_labels: int = 1
     zero_init: bool = False
+    lora: Optional[LoraConfig] = None
+    adapters: bool = True
 
     @nn.compact
     def __call__(self, input_ids, attention_mask, positions):
         c = self.config
-        trunk = Transformer(c, self.dtype, self.param_dtype, self.remat, self.scan_layers,
+        trunk = Transformer(c, self.dtype, self.param_dtype, self.remat, self.scan_layers, self.lora, self.adapters,
                             name="transformer" if c.model_type == "gpt2" else "model")
         hidden, _, _ = trunk(input_ids, attention_mask, positions)
         init = nn.initializers.zeros if self.zero_init else nn.initializers.normal(0.02)
