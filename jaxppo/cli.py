@@ -24,7 +24,7 @@ from typing import Optional
 from jaxppo.config import PPOConfig
 from jaxppo.trainer import PPOTrainer, TrainerConfig
 
-__all__ = ["main", "build_parser", "resolve"]
+__all__ = ["main", "build_parser", "resolve", "model_options"]
 
 _EXTRA = {
     "algorithm": (str, "ppo", "ppo, grpo, dr_grpo, dapo, rloo, reinforce_pp or gspo: sets that method's advantage "
@@ -53,6 +53,13 @@ _EXTRA = {
     "logits_chunk_size": (int, None, "apply the LM head this many response positions at a time when scoring (each "
                                      "chunk's logits recomputed in the backward pass): less memory at large "
                                      "vocabularies"),
+    "lora_rank": (int, None, "train LoRA adapters of this rank instead of every policy weight (base frozen in "
+                             "--dtype; the reference is the policy with adapters off; the final export adds "
+                             "final_adapter/ in PEFT's format)"),
+    "lora_alpha": (float, None, "LoRA alpha: the adapters' output is scaled by alpha / rank (default: 2 x rank)"),
+    "lora_targets": (str, "all-linear", "comma-separated module names that get adapters (q_proj,v_proj,...; "
+                                         "GPT-2: c_attn,c_proj,c_fc) or all-linear"),
+    "lora_init": (str, None, "start from this PEFT LoRA adapter directory (its rank, alpha and targets apply)"),
     "config": (str, None, "JSON or TOML file of settings (flags override it)"),
     "mesh_data": (int, None, "devices on the mesh's 'data' axis (pure data parallelism)"),
     "mesh_fsdp": (int, None, "devices on the 'fsdp' axis (data parallel, parameters and optimizer states sharded)"),
@@ -185,6 +192,13 @@ def resolve(argv=None):
         if values[name] is not None and values[name] <= 0:
             raise SystemExit(f"jaxppo: --{name.replace('_', '-')} {values[name]} is invalid: a mesh axis needs at "
                              "least 1 device")
+    if values["lora_rank"] is not None and values["lora_rank"] <= 0:
+        raise SystemExit(f"jaxppo: --lora-rank {values['lora_rank']} is invalid: a positive int (8, 16, 64 ...)")
+    if values["lora_rank"] is None and values["lora_init"] is None:
+        given = [f"--{n.replace('_', '-')}" for n in ("lora_alpha", "lora_targets")
+                 if values[n] != _EXTRA[n][1]]
+        if given:
+            raise SystemExit(f"jaxppo: {' and '.join(given)} need --lora-rank (or --lora-init)")
     extras = {name: values[name] for name in _EXTRA}
     extras["demo"] = is_demo
     return ppo, trainer, extras
@@ -217,19 +231,37 @@ def build_trainer(ppo: PPOConfig, tc: TrainerConfig, extras: dict) -> PPOTrainer
         reward_fn = demo.lowercase_reward
     elif extras["reward"]:
         raise SystemExit("jaxppo: give --reward-model or --reward, not both")
+    return PPOTrainer(ppo, tc, policy=policy, tokenizer=tokenizer, prompts=prompts, reward_model=reward_model,
+                      reward_fn=reward_fn, critic=extras["critic"], ref_policy=extras["ref_model"],
+                      dtype=extras["dtype"], ref_dtype=extras["ref_dtype"], reward_dtype=extras["reward_dtype"],
+                      prompt_column=extras["prompt_column"], **model_options(extras))
+
+
+def model_options(extras: dict) -> dict:
+    """The `PPOTrainer` keyword arguments that the command's flags set for how models run:
+    mesh, remat, scan_layers, logits_chunk_size, chat_template, lora, lora_init (for
+    scripts that build their own trainer from `resolve`)."""
     mesh = None
     axes = (extras["mesh_data"], extras["mesh_fsdp"], extras["mesh_tensor"])
     if any(a is not None for a in axes) or extras["distributed"]:
         from jaxppo.sharding import MeshConfig
 
         mesh = MeshConfig(data=axes[0], fsdp=axes[1], tensor=1 if axes[2] is None else axes[2])
-    return PPOTrainer(ppo, tc, policy=policy, tokenizer=tokenizer, prompts=prompts, reward_model=reward_model,
-                      reward_fn=reward_fn, critic=extras["critic"], ref_policy=extras["ref_model"],
-                      dtype=extras["dtype"], ref_dtype=extras["ref_dtype"], reward_dtype=extras["reward_dtype"],
-                      prompt_column=extras["prompt_column"], mesh=mesh,
-                      remat=False if extras["remat"] == "none" else extras["remat"],
-                      scan_layers=True if extras["scan_layers"] else None,
-                      logits_chunk_size=extras["logits_chunk_size"], chat_template=extras["chat_template"])
+    lora = None
+    if extras["lora_init"] is not None and extras["lora_rank"] is not None:
+        raise SystemExit("jaxppo: --lora-init takes its rank, alpha and targets from the adapter; drop --lora-rank")
+    if extras["lora_rank"] is not None:
+        from jaxppo.models.lora import LoraConfig
+
+        rank = extras["lora_rank"]
+        targets = tuple(t.strip() for t in extras["lora_targets"].split(",") if t.strip())
+        try:
+            lora = LoraConfig(rank=rank, alpha=extras["lora_alpha"] or 2.0 * rank, targets=targets)
+        except ValueError as err:
+            raise SystemExit(f"jaxppo: {err}") from None
+    return dict(mesh=mesh, remat=False if extras["remat"] == "none" else extras["remat"],
+                scan_layers=True if extras["scan_layers"] else None, logits_chunk_size=extras["logits_chunk_size"],
+                chat_template=extras["chat_template"], lora=lora, lora_init=extras["lora_init"])
 
 
 def compilation_cache_dir(setting: Optional[str]) -> Optional[str]:

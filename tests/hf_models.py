@@ -121,3 +121,20 @@ def build_byte_level_pair(directory, tokenizer, width=32, layers=1, positions=48
     tokenizer.save_pretrained(policy)
     transformers.GPT2ForSequenceClassification(transformers.GPT2Config(num_labels=1, **common)).save_pretrained(rm)
     return policy, rm
+
+
+def build_qwen3_with_tokenizer(directory, tokenizer, width=32, layers=2, positions=64, seed=0):
+    """A tiny random Qwen3 causal LM over `tokenizer`'s vocabulary, saved with the tokenizer."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.Qwen3Config(vocab_size=len(tokenizer), hidden_size=width, intermediate_size=2 * width,
+                                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                      head_dim=16, max_position_embeddings=positions, tie_word_embeddings=True,
+                                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                                      bos_token_id=None)
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return model

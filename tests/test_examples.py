@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import os
 import pathlib
 import sys
 
@@ -133,3 +134,32 @@ def test_algorithm_flag_sets_defaults_and_flags_override():
     assert ppo.advantage_estimator == "gae" and ppo.num_generations == 1
     with pytest.raises(SystemExit, match="--algorithm 'grpo2' is invalid; valid: ppo, grpo"):
         resolve(["--algorithm", "grpo2"])
+
+
+def test_lora_qwen3_example_exports_a_peft_adapter_equal_to_the_merged_policy(tmp_path):
+    """The LoRA example on a tiny local Qwen3: it trains, and its two exports agree: peft's
+    model (base checkpoint + final_adapter/) gives the logits of final_policy/ (merged)."""
+    import peft
+    import torch
+    import transformers
+
+    base_dir = str(tmp_path / "qwen3")
+    base = hf_models.build_qwen3_with_tokenizer(base_dir, demo.demo_tokenizer())
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in demo.DEMO_PROMPTS[:8]))
+    run = tmp_path / "run"
+    history = load("lora_qwen3").main([
+        "--model", base_dir, "--prompts", str(prompts), "--iterations", "2", "--batch-size", "8",
+        "--mini-batch-size", "4", "--ppo-epochs", "1", "--lora-rank", "4", "--learning-rate", "1e-2", "--query-length", "32",
+        "--response-length", "6", "--output-dir", str(run), "--no-progress", "--scan-layers"])
+    assert [h["ppo/updates_applied"] for h in history] == [2, 2]
+    assert all(np.isfinite(h["loss/total_avg"]) for h in history)
+    adapter_config = json.load(open(run / "final_adapter" / "adapter_config.json"))
+    assert adapter_config["r"] == 4 and adapter_config["base_model_name_or_path"] == os.path.abspath(base_dir)
+    ids = torch.tensor([[5, 9, 40, 41, 42, 7]])
+    with torch.no_grad():
+        merged = transformers.AutoModelForCausalLM.from_pretrained(str(run / "final_policy")).eval()(ids).logits
+        before = base(ids).logits
+        adapted = peft.PeftModel.from_pretrained(base, str(run / "final_adapter")).eval()(ids).logits
+    assert (merged - before).abs().max() > 1e-3  # training moved the adapters
+    np.testing.assert_allclose(adapted.numpy(), merged.numpy(), atol=1e-4, rtol=0)

@@ -215,3 +215,30 @@ def test_lora_resume_checkpoints_adapters_only(tmp_path):
     with pytest.raises(jaxppo.RunError, match="lora"):
         grpo_trainer(tmp_path / "b", iterations=3, ppo=ppo, lora=jm.LoraConfig(rank=4, alpha=2, targets=("c_attn",)),
                      trainer=dict(checkpoint_every=1, shared_trunk=True)).train()
+
+
+def test_command_line_lora_flags_and_trainer_errors(tmp_path):
+    from jaxppo.cli import model_options, resolve
+
+    _, _, extras = resolve(["--lora-rank", "16", "--lora-targets", "q_proj, v_proj"])
+    assert model_options(extras)["lora"] == jm.LoraConfig(rank=16, alpha=32.0, targets=("q_proj", "v_proj"))
+    with pytest.raises(SystemExit, match="--lora-alpha need --lora-rank"):
+        resolve(["--lora-alpha", "8"])
+    with pytest.raises(SystemExit, match="--lora-rank 0 is invalid"):
+        resolve(["--lora-rank", "0"])
+    with pytest.raises(SystemExit, match="drop --lora-rank"):
+        model_options(resolve(["--lora-rank", "4", "--lora-init", str(tmp_path)])[2])
+    with pytest.raises(SystemExit, match="'all-linear' stands alone"):
+        model_options(resolve(["--lora-rank", "4", "--lora-targets", "all-linear,c_fc"])[2])
+
+    # The trainer: an adapter directory and different LoRA settings; a policy that already
+    # has adapters given with lora=; a target the policy does not have.
+    model, params = demo.demo_policy(demo.demo_tokenizer(), width=32, layers=1, max_len=38)
+    lora_model, variables = jm.add_lora(model, params, jm.LoraConfig(rank=2, targets=("c_attn",)), jax.random.key(0))
+    jm.save_peft_adapter(lora_model, variables, str(tmp_path / "adapter"))
+    with pytest.raises(ValueError, match="differs from the adapter"):
+        grpo_trainer(tmp_path / "a", lora=jm.LoraConfig(rank=4, targets=("c_attn",)), lora_init=str(tmp_path / "adapter"))
+    started = grpo_trainer(tmp_path / "b", lora_init=str(tmp_path / "adapter"))
+    assert started.policy_model.lora == lora_model.lora
+    with pytest.raises(ValueError, match=r"\['q_proj'\] are not linear layers of a gpt2 model"):
+        grpo_trainer(tmp_path / "c", lora=jm.LoraConfig(targets=("q_proj",)))
