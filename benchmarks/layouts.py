@@ -68,6 +68,27 @@ def make_state(config, setup: Setup, abstract=True):
     return jax.eval_shape(build) if abstract else jax.jit(build)()
 
 
+def make_policy_state(config, setup: Setup, lora_rank=0, abstract=True):
+    """The trainer's train state of a critic-free run (GRPO family): the policy alone. With
+    `lora_rank`, LoRA adapters on every linear layer (alpha = 2 x rank) are trained and the
+    base is frozen in the compute dtype (`jaxppo.Freeze`); without, every weight is trained
+    (float32 master weights)."""
+    from jaxppo.models.lora import LoraConfig
+
+    lora = LoraConfig(rank=lora_rank, alpha=2.0 * lora_rank, targets="all-linear") if lora_rank else None
+    policy = Model(config, dtype=setup.dtype, param_dtype=setup.dtype if lora else "float32", remat=setup.remat,
+                   scan_layers=setup.scan_layers, logits_chunk_size=setup.logits_chunk_size, lora=lora)
+    tc = jaxppo.TrainerConfig(learning_rate=1e-5)
+    tx = assembly.optimizer(tc.learning_rate, tc.learning_rate, tc, shared=False, critic=False)
+    freeze = jaxppo.Freeze(prefixes=(("params",),)) if lora else None
+
+    def build():
+        return jaxppo.TrainState.create(apply_fn=policy.apply, params=policy.init(jax.random.key(0), seq_len=2),
+                                        tx=tx, freeze=freeze)
+
+    return (jax.eval_shape(build) if abstract else jax.jit(build)()), policy
+
+
 def abstract_rollout(batch, q, r):
     s = lambda shape, dtype=jnp.float32: jax.ShapeDtypeStruct(shape, dtype)
     return jaxppo.Rollout(query_tokens=s((batch, q), jnp.int32), query_mask=s((batch, q), jnp.int32),

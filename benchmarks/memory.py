@@ -73,6 +73,8 @@ class Row:
     fsdp: int = 1
     layers: int = None  # default: the layout's
     programs: tuple = ("train",)
+    critic_free: bool = False  # GRPO family: the policy alone is trained (no critic, no reward model)
+    lora: int = 0  # LoRA rank on every linear layer (0: full fine-tuning); with critic_free only
 
 
 def _rows():
@@ -102,6 +104,15 @@ def _rows():
         Row("llama8b fsdp8 bf16 scanned chunk128 remat", layout="llama3.1-8b", **big),
         Row("llama8b fsdp8 bf16 scanned full remat", layout="llama3.1-8b", head="full",
             **{**big, "programs": ("train",)}),
+    ]
+    # LoRA against full fine-tuning, GRPO (policy alone, reference scored, reward on the host).
+    grpo = dict(layout="llama3.1-8b", q=512, r=512, batch=64, mini=16, remat=True, dtype="bfloat16",
+                frozen_dtype="bfloat16", critic_free=True, programs=("train", "score"))
+    rows += [
+        Row("llama8b 1 device bf16 grpo lora16", lora=16, **grpo),
+        Row("llama8b 1 device bf16 grpo full fine-tuning", **grpo),
+        Row("llama8b fsdp8 bf16 grpo lora16", lora=16, fsdp=8, **grpo),
+        Row("llama8b fsdp8 bf16 grpo full fine-tuning", fsdp=8, **grpo),
     ]
     return rows
 
@@ -142,14 +153,24 @@ def _timed_compile(lower):
     return compiled, time.perf_counter() - start
 
 
-def train(row):
+def _state(row, remat):
     config = _config(row)
-    setup = layouts.Setup(row.dtype, row.scan, row.remat, _chunk(row.head))
-    state = layouts.make_state(config, setup)
+    setup = layouts.Setup(row.dtype, row.scan, remat, _chunk(row.head))
+    if row.critic_free:
+        return layouts.make_policy_state(config, setup, row.lora)[0]
+    return layouts.make_state(config, setup)
+
+
+def train(row):
+    state = _state(row, row.remat)
     if row.head == "full":
         state = state.replace(apply_fn=FullLogits(state.apply_fn))
-    ppo = jaxppo.PPOConfig(batch_size=row.batch, mini_batch_size=row.mini, ppo_epochs=1)
+    ppo = (jaxppo.PPOConfig.for_algorithm("grpo", batch_size=row.batch, mini_batch_size=row.mini, ppo_epochs=1,
+                                          num_generations=8)
+           if row.critic_free else jaxppo.PPOConfig(batch_size=row.batch, mini_batch_size=row.mini, ppo_epochs=1))
     rollout = layouts.abstract_rollout(row.batch, row.q, row.r)
+    if ppo.kl_loss_coef:
+        rollout = rollout.replace(ref_logprobs=rollout.logprobs)
     key = jax.eval_shape(lambda: jax.random.key(0))
     if row.fsdp > 1:
         mesh = _mesh(row)
@@ -167,24 +188,36 @@ def _frozen(config, row, kind):
 
 def score(row):
     config = _config(row)
-    setup = layouts.Setup(row.dtype, row.scan, False, _chunk(row.head))
-    state = layouts.make_state(config, setup)
-    ref_model, ref_params = _frozen(config, row, "causal_lm")
-    reward_model, reward_params = _frozen(config, row, "reward")
-    spec = RolloutSpec(policy=state.apply_fn.policy, apply_fn=state.apply_fn, ref_apply=assembly.LogitsOf(ref_model),
-                       reward_apply=reward_model.apply, response_length=row.r, policy_params_key="policy")
+    state = _state(row, False)
     b, q, r = row.batch, row.q, row.r
+    host_scores = None
+    if row.critic_free:  # the reference only: a frozen copy, or the policy's base with adapters off
+        policy = state.apply_fn.__self__
+        if row.lora:
+            ref_model, ref_params = dataclasses.replace(policy, adapters=False), None
+        else:
+            ref_model, ref_params = _frozen(config, row, "causal_lm")
+        reward_params = None
+        spec = RolloutSpec(policy=policy, apply_fn=state.apply_fn, ref_apply=assembly.LogitsOf(ref_model),
+                           ref_is_policy=bool(row.lora), keep_ref_logprobs=True, response_length=row.r)
+        host_scores = jax.ShapeDtypeStruct((b,), jnp.float32)
+    else:
+        ref_model, ref_params = _frozen(config, row, "causal_lm")
+        reward_model, reward_params = _frozen(config, row, "reward")
+        spec = RolloutSpec(policy=state.apply_fn.policy, apply_fn=state.apply_fn,
+                           ref_apply=assembly.LogitsOf(ref_model), reward_apply=reward_model.apply,
+                           response_length=row.r, policy_params_key="policy")
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
     gen = GenerationOutput(i32(b, r), jax.ShapeDtypeStruct((b, r), jnp.float32), i32(b, r))
     kl = jax.eval_shape(lambda: ppo_math.fixed_kl_controller(0.05))
     moments = jax.eval_shape(ppo_math.RunningMoments.zeros)
-    args = [state.params, ref_params, reward_params, i32(b, q), i32(b, q), gen]
+    args = [state.params, ref_params, reward_params, i32(b, q), i32(b, q), gen, host_scores]
     if row.fsdp > 1:
         mesh = _mesh(row)
         args = [_with_shardings(a, mesh) for a in args[:3]] + [_rows_sharded(a, mesh) for a in args[3:]]
         with jax.set_mesh(mesh):
-            return _timed_compile(lambda: finish_rollout.lower(spec, *args, None, kl, moments))
-    return _timed_compile(lambda: finish_rollout.lower(spec, *args, None, kl, moments))
+            return _timed_compile(lambda: finish_rollout.lower(spec, *args, kl, moments))
+    return _timed_compile(lambda: finish_rollout.lower(spec, *args, kl, moments))
 
 
 def generate(row):
