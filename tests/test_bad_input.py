@@ -211,7 +211,7 @@ CASES = [
     ("model config not JSON", _model(lambda p: (p / "config.json").write_text("{oops")), ValueError,
      r"config.json is not valid JSON"),
     ("unsupported model_type", _model(lambda p: _edit_config(p, model_type="mamba")), ValueError,
-     r"model_type 'mamba' is not supported; supported model types: gpt2, llama, qwen2"),
+     r"model_type 'mamba' is not supported; supported model types: gpt2, llama, mistral, qwen2, qwen3, gemma3_text"),
     ("config lacks a field", _model(lambda p: _edit_config(p, n_embd=None)), ValueError,
      r"config.json lacks or misstates a field a gpt2 config needs: KeyError\('n_embd'\)"),
     ("missing weights", _model(lambda p: _edit_weights(p, lambda t: t.pop("transformer.h.0.mlp.c_fc.weight"))),

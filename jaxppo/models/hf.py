@@ -89,19 +89,25 @@ class _Tensors:
         return self._handles[self.where[name]].get_tensor(name)
 
 
+def read_json_object(file: str) -> dict:
+    """A JSON file holding an object, as a dict; ValueError naming the file otherwise."""
+    try:
+        with open(file) as f:
+            d = json.load(f)
+    except ValueError as err:
+        raise ValueError(f"{file} is not valid JSON ({err})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{file} holds a {type(d).__name__}; expected a JSON object")
+    return d
+
+
 def _read_config_dict(path: str) -> dict:
     if not os.path.isdir(path):
         raise ValueError(f"{path!r} is not a directory; give the local directory of a Hugging Face checkpoint")
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
         raise ValueError(f"{path!r} is not a Hugging Face checkpoint: it has no config.json")
-    try:
-        with open(config_file) as f:
-            d = json.load(f)
-    except ValueError as err:
-        raise ValueError(f"{config_file} is not valid JSON ({err})") from None
-    if not isinstance(d, dict):
-        raise ValueError(f"{config_file} holds a {type(d).__name__}; expected a JSON object")
+    d = read_json_object(config_file)
     remote = _remote_code(path, d)
     if remote:
         raise ValueError(

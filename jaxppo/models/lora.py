@@ -235,14 +235,12 @@ def save_peft_adapter(model, variables, path: str, base_model_name_or_path: str 
 def read_peft_config(path: str) -> LoraConfig:
     """The `LoraConfig` of a PEFT adapter directory; ValueError for what jaxppo cannot load
     the same way (DoRA, rsLoRA, trained biases, extra saved modules, per-layer ranks)."""
+    from jaxppo.models.hf import read_json_object
+
     file = os.path.join(path, ADAPTER_CONFIG)
     if not os.path.isfile(file):
         raise ValueError(f"{path!r} is not a PEFT adapter directory: it has no {ADAPTER_CONFIG}")
-    try:
-        with open(file) as f:
-            c = json.load(f)
-    except ValueError as err:
-        raise ValueError(f"{file} is not valid JSON ({err})") from None
+    c = read_json_object(file)
     if c.get("peft_type") != "LORA":
         raise ValueError(f"{file}: peft_type {c.get('peft_type')!r} is not supported; only LORA adapters load")
     unsupported = {k: c.get(k) for k in ("use_dora", "use_rslora", "modules_to_save", "layers_to_transform",
@@ -256,7 +254,10 @@ def read_peft_config(path: str) -> LoraConfig:
     targets = c.get("target_modules")
     if isinstance(targets, str):
         targets = (targets,)
-    return LoraConfig(rank=int(c["r"]), alpha=float(c.get("lora_alpha", c["r"])), targets=tuple(sorted(targets or ())))
+    try:
+        return LoraConfig(rank=c.get("r"), alpha=c.get("lora_alpha", c.get("r")), targets=tuple(targets or ()))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{file}: {err}") from None
 
 
 def load_peft_adapter(model, params, path: str):
