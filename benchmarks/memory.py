@@ -6,13 +6,17 @@ on a laptop). For each program (the PPO `train_step`, rollout scoring `finish_ro
 
     python benchmarks/memory.py                    # every row below (about 15 min on 2 cores)
     python benchmarks/memory.py --only qwen-256    # rows whose name contains the text
+    python benchmarks/memory.py --only grpo        # LoRA against full fine-tuning, Llama-3.1-8B
     python benchmarks/memory.py --list
 
 Rows compare today's path ("full": the model's full (B, L, V) logits, sliced, which is what
 a user's own apply_fn gets) with the built-in head ("resp": LM head at response positions
 only; "chunkK": K positions at a time, rematerialised), unrolled with scanned layers, and
 remat off with on. Policy + separate critic are trained (float32 master weights, the
-trainer's clipped Adam); reference and reward model are frozen copies of the layout.
+trainer's clipped Adam); reference and reward model are frozen copies of the layout. The
+"grpo" rows train the policy alone (no critic, no reward model: rewards on the host) with
+LoRA rank 16 on every linear layer (base frozen in bf16, reference = adapters off, no copy)
+against full fine-tuning (float32 master weights, a bf16 reference copy).
 
 What it predicts: how the compiled program's buffers scale with shapes and settings, and
 roughly what one device must hold. What it does not: XLA:CPU's buffer assignment and fusion
