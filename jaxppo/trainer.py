@@ -423,16 +423,19 @@ class PPOTrainer(CheckpointedRun):
         c = self.config
         groups = (f" ({c.prompts_per_batch} prompts x {c.num_generations} completions)" if c.num_generations > 1
                   else "")
-        print(f"jaxppo: {self.iterations} iterations x {c.batch_size} episodes{groups}; updates per iteration = "
-              f"ppo_epochs * batch_size / mini_batch_size = {c.ppo_epochs} * {c.batch_size} / {c.mini_batch_size} = "
-              f"{c.updates_per_step}; advantages: {c.advantage_estimator}", flush=True)
         bar = None
-        if tc.progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=self.iterations, initial=self.iteration, desc=self.config.advantage_estimator, dynamic_ncols=True)
         try:
             with interrupts_raise():
+                # The SIGTERM handler is in place before the first line: a signal from here on
+                # is a checkpoint and a clean exit, never the default kill.
+                print(f"jaxppo: {self.iterations} iterations x {c.batch_size} episodes{groups}; updates per "
+                      f"iteration = ppo_epochs * batch_size / mini_batch_size = {c.ppo_epochs} * {c.batch_size} / "
+                      f"{c.mini_batch_size} = {c.updates_per_step}; advantages: {c.advantage_estimator}", flush=True)
+                if tc.progress:
+                    from tqdm.auto import tqdm
+
+                    bar = tqdm(total=self.iterations, initial=self.iteration, desc=self.config.advantage_estimator,
+                               dynamic_ncols=True)
                 while self.iteration < self.iterations:
                     finish = self._prepare_iteration()
                     with interrupts_held(what="this iteration's update"):  # the new state and its line land together

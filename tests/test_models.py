@@ -78,7 +78,7 @@ def test_greedy_generation_matches_transformers(hf_checkpoints, name, scan):
 
 
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
-@pytest.mark.parametrize("name", CAUSAL + ("gpt2-reward",))
+@pytest.mark.parametrize("name", CAUSAL + ("gpt2-reward", "gemma3-reward"))
 def test_export_then_transformers_load_gives_same_logits(hf_checkpoints, tmp_path, name, scan):
     import transformers
 
