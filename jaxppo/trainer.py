@@ -533,6 +533,12 @@ class PPOTrainer(CheckpointedRun):
             f"batch_size {self.config.batch_size} / mini_batch_size {self.config.mini_batch_size}; "
             f"applied in total: {int(self.state.step)}",
         ]
+        lora = self.policy_model.lora
+        if lora is not None:
+            count = lambda tree: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
+            lines.append(f"LoRA: rank {lora.rank}, alpha {lora.alpha:g}, targets {', '.join(lora.targets)}; "
+                         f"{count(self.policy_params()['lora']):,} adapter parameters trained, "
+                         f"{count(self.policy_params()['params']):,} base parameters frozen")
         # Iterations skipped for non-finite scores (skip_nonfinite_scores) have no scores.
         scored = [m for m in h if "objective/scores" in m]
         if len(scored) < len(h):
