@@ -4,6 +4,7 @@
     python benchmarks/generation.py            # small and medium shapes
     python benchmarks/generation.py --quick    # a smaller smoke run
     python benchmarks/generation.py --early-stop   # jaxppo alone: early stop vs all steps
+    python benchmarks/generation.py --layouts --vocab 1024   # jaxppo alone: unrolled vs scanned layers
 
 With --early-stop, every fourth token id is a stop token, so most rows stop early (a row
 lasts 4 tokens on average); jaxppo's sampler runs with `early_stop=True` (decoding ends once
@@ -119,13 +120,53 @@ def bench_early_stop(name, layers, width, vocab, batch, prompt_len, new_tokens, 
                 longest=longest, early_tps=tokens / t_early, full_tps=tokens / t_full, speedup=t_full / t_early)
 
 
+def bench_layouts(name, layers, width, vocab, batch, prompt_len, new_tokens, repeats):
+    """jaxppo alone: the same checkpoint with unrolled and with scanned layers (whose KV
+    cache is one stacked array), alternating on the same keys."""
+    with tempfile.TemporaryDirectory() as directory:
+        build_checkpoint(directory, layers, width, vocab, prompt_len + new_tokens)
+        models = {scan: jm.from_pretrained(directory, scan_layers=scan) for scan in (False, True)}
+    rng = np.random.default_rng(0)
+    ids, mask = jnp.asarray(rng.integers(1, vocab, size=(batch, prompt_len))), jnp.ones((batch, prompt_len), jnp.int32)
+
+    def run(seed, scan):
+        model, params = models[scan]
+        out = jm.generate(model, params, ids, mask, jax.random.key(seed), response_length=new_tokens,
+                          stop_token_ids=())
+        return np.asarray(jax.block_until_ready(out.tokens))
+
+    assert np.array_equal(run(0, False), run(0, True))  # also compiles both
+    times = {False: [], True: []}
+    for i in range(repeats):
+        for scan in (False, True):
+            start = time.perf_counter()
+            run(i + 1, scan)
+            times[scan].append(time.perf_counter() - start)
+    n = batch * new_tokens
+    cache_mib = 2 * layers * batch * (prompt_len + new_tokens) * width * 4 / 2**20
+    return dict(name=name, layers=layers, width=width, batch=batch, prompt=prompt_len, new=new_tokens,
+                cache_mib=cache_mib, unrolled=n / float(np.median(times[False])),
+                scanned=n / float(np.median(times[True])))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--vocab", type=int, default=50257, help="vocabulary size (GPT-2's by default)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--early-stop", action="store_true", help="jaxppo with and without early stop")
+    parser.add_argument("--layouts", action="store_true", help="jaxppo with unrolled and with scanned layers")
     args = parser.parse_args()
+    if args.layouts:
+        shapes = [("long cache", 8, 256, 32, 512, 32)]
+        rows = [bench_layouts(n, l, w, args.vocab, b, p, t, args.repeats) for n, l, w, b, p, t in shapes]
+        print(f"\n## jaxppo sampling, unrolled vs scanned layers, CPU, GPT-2 layout, vocab {args.vocab}\n")
+        print_markdown(["shape", "layers", "width", "prompts x tokens", "new tokens", "KV cache (MiB)",
+                        "unrolled (tok/s)", "scanned (tok/s)", "scanned / unrolled"],
+                       [[r["name"], r["layers"], r["width"], f"{r['batch']} x {r['prompt']}", r["new"],
+                         f"{r['cache_mib']:.0f}", f"{r['unrolled']:.0f}", f"{r['scanned']:.0f}",
+                         f"{r['scanned'] / r['unrolled']:.2f}"] for r in rows])
+        return
     if args.early_stop:
         shapes = [("small", 2, 128, 64, 16, 32), ("medium", 4, 512, 64, 16, 64)]
         rows = [bench_early_stop(n, l, w, args.vocab, b, p, t, args.repeats) for n, l, w, b, p, t in shapes]

@@ -16,8 +16,9 @@ slots and ignores keys whose attention_mask is 0 (left padding, finished rows).
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import flax.linen as nn
 import jax
@@ -76,13 +77,28 @@ def _apply_rope(x, positions, inv_freq):
 def _attention(q, k, v, mask, dtype, scale_dim=None):
     """q (B, Lq, H, D), k/v (B, Lk, KV, D), mask (B, Lq, Lk) bool -> (B, Lq, H * D).
     Scores are scaled by 1 / sqrt(scale_dim or D)."""
+    return _attention_over(q, ((k, v, mask),), dtype, scale_dim)
+
+
+def _attention_over(q, parts, dtype, scale_dim=None):
+    """Attention of q (B, Lq, H, D) over the keys of several parts, each (k, v, mask) with
+    k/v (B, Lk_i, KV, D) and mask (B, Lq, Lk_i): one softmax over all of them, as if the
+    parts were concatenated on the key axis (without copying them together)."""
     b, lq, h, d = q.shape
-    kv = k.shape[2]
+    kv = parts[0][0].shape[2]
     q = q.reshape(b, lq, kv, h // kv, d)
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) / math.sqrt(scale_dim or d)
-    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
+    scores = []
+    for k, _, mask in parts:
+        s = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) / math.sqrt(scale_dim or d)
+        scores.append(jnp.where(mask[:, None, None], s, jnp.finfo(jnp.float32).min))
+    if len(parts) == 1:
+        probs = jax.nn.softmax(scores[0], axis=-1).astype(dtype)
+        return jnp.einsum("bkgqs,bskd->bqkgd", probs, parts[0][1]).reshape(b, lq, h * d)
+    # One softmax over every part's keys: a shared max, each part's exponentials, one sum.
+    top = functools.reduce(jnp.maximum, [jnp.max(s, axis=-1, keepdims=True) for s in scores])
+    exps = [jnp.exp(s - top) for s in scores]
+    total = sum(jnp.sum(e, axis=-1, keepdims=True) for e in exps)
+    out = sum(jnp.einsum("bkgqs,bskd->bqkgd", (e / total).astype(dtype), v) for e, (_, v, _) in zip(exps, parts))
     return out.reshape(b, lq, h * d)
 
 
@@ -117,14 +133,38 @@ class RMSNorm(nn.Module):
         return weight.astype(self.dtype) * x32.astype(self.dtype)
 
 
-def _with_cache(layer_cache, k, v, cache_index):
-    """Without a cache: (k, v, None). With one: write k/v into it at `cache_index` and
-    attend over the whole cache: (cache_k, cache_v, new cache)."""
+class NewKV(NamedTuple):
+    """A layer's cache under the layer scan: the old (k, v) slice, read only. The block
+    attends over it and over the new tokens' k/v separately and returns only the new k/v;
+    `Transformer` writes them into the stacked cache after the scan. (Returning the whole
+    updated slice would make the scan write out a full copy of the cache at every decode
+    step.)"""
+
+    k: jax.Array
+    v: jax.Array
+
+
+def _attend_with_cache(q, k, v, layer_cache, cache_index, mask, dtype, scale_dim=None):
+    """Attention of the new tokens' q/k/v (B, Lq, ...), given a layer's cache:
+    None (no cache: attend over k/v), a (k, v) pair of buffers (write the new k/v at slot
+    `cache_index` and attend over the buffers; returns them), or a `NewKV` (attend over
+    the old slots before `cache_index` and the new tokens; returns the new k/v only).
+    mask (B, Lq, Lk) is over the cache's slots (or over k/v without a cache).
+    Returns (out (B, Lq, H * D), what goes back into the cache)."""
     if layer_cache is None:
-        return k, v, None
+        return _attention(q, k, v, mask, dtype, scale_dim), None
+    if isinstance(layer_cache, NewKV):
+        lk, lq = mask.shape[-1], q.shape[1]
+        old = mask & (jnp.arange(lk) < cache_index)[None, None, :]
+        new = jax.lax.dynamic_slice_in_dim(mask, cache_index, lq, axis=2)
+        k, v = k.astype(layer_cache.k.dtype), v.astype(layer_cache.v.dtype)
+        if isinstance(cache_index, int) and cache_index == 0:  # a prefill: no old slots to attend to
+            return _attention(q, k, v, new, dtype, scale_dim), (k, v)
+        out = _attention_over(q, ((layer_cache.k, layer_cache.v, old), (k, v, new)), dtype, scale_dim)
+        return out, (k, v)
     write = lambda buf, new: jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), cache_index, axis=1)
     k, v = write(layer_cache[0], k), write(layer_cache[1], v)
-    return k, v, (k, v)
+    return _attention(q, k, v, mask, dtype, scale_dim), (k, v)
 
 
 def _dense(block, features, use_bias, name):
@@ -154,8 +194,7 @@ class GPT2Block(nn.Module):
         qkv = dense(3 * c.hidden_size, "c_attn")(h)
         q, k, v = jnp.split(qkv.reshape(b, l, 3, c.num_heads, c.head_dim), 3, axis=2)
         q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]
-        k, v, layer_cache = _with_cache(layer_cache, k, v, cache_index)
-        attn = _attention(q, k, v, mask, self.dtype)
+        attn, layer_cache = _attend_with_cache(q, k, v, layer_cache, cache_index, mask, self.dtype)
         x = x + dense(c.hidden_size, "c_proj")(attn)
         h = ln("ln_2")(x)
         h = dense(c.intermediate_size, "c_fc")(h)
@@ -191,9 +230,9 @@ class LlamaBlock(nn.Module):
             inv_freq = jnp.where(sliding, rope_inv_freq(c, local=True), inv_freq)
         q = _apply_rope(q, positions, inv_freq)
         k = _apply_rope(k, positions, inv_freq)
-        k, v, layer_cache = _with_cache(layer_cache, k, v, cache_index)
         mask = masks[0] if masks[1] is None else jnp.where(sliding, masks[1], masks[0])
-        attn = _attention(q, k, v, mask, self.dtype, c.query_pre_attn_scalar)
+        attn, layer_cache = _attend_with_cache(q, k, v, layer_cache, cache_index, mask, self.dtype,
+                                               c.query_pre_attn_scalar)
         attn = proj(c.hidden_size, c.o_proj_bias, "o_proj")(attn)
         act = _activation(c.activation)
         mlp = lambda h: proj(c.hidden_size, c.mlp_bias, "down_proj")(
@@ -253,13 +292,18 @@ class Transformer(nn.Module):
             block_cls = nn.remat(block_cls, policy=policy, prevent_cse=not self.scan_layers)
         prefix = "h" if gpt2 else "layers"
         if self.scan_layers:
-            # Block call: (x, mask, positions, layer_cache, cache_index) -> (x, layer_cache);
-            # x is the carry, the cache (stacked on the layer axis, or None) is scanned over.
-            # The per-layer sliding flags are scanned over with the cache.
+            # Block call: (x, masks, positions, layer_cache, cache_index, sliding) -> (x, new k/v);
+            # x is the carry; the cache (stacked on the layer axis, or None) and the per-layer
+            # sliding flags are scanned over.
             stack = nn.scan(block_cls, variable_axes={"params": 0, "lora": 0}, split_rngs={"params": True},
                             in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast, 0), length=c.num_layers)
-            x, new_cache = stack(c, self.dtype, self.param_dtype, self.lora, self.adapters, name=prefix)(
-                x, masks, positions, cache, cache_index, jnp.asarray(sliding))
+            layer_cache = None if cache is None else NewKV(*cache)
+            x, new_kv = stack(c, self.dtype, self.param_dtype, self.lora, self.adapters, name=prefix)(
+                x, masks, positions, layer_cache, cache_index, jnp.asarray(sliding))
+            new_cache = None
+            if cache is not None:  # the new tokens' k/v of every layer, written in place
+                new_cache = tuple(jax.lax.dynamic_update_slice_in_dim(buf, new, cache_index, axis=2)
+                                  for buf, new in zip(cache, new_kv))
         else:
             new_cache = []
             for i in range(c.num_layers):
