@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxppo.config import PPOConfig
-from jaxppo.engine import Freeze, clip_by_global_norm
+from jaxppo.engine import Freeze, clip_by_global_norm, key_names
 from jaxppo.models.lora import LoraConfig, add_lora, load_peft_adapter, read_peft_config
 from jaxppo.models import hf as hf_io
 from jaxppo.models.model import Model, PolicyAndCritic, stack_layers, trunk_name, unstack_layers
@@ -131,7 +131,7 @@ def optimizer(policy_lr, critic_lr, tc: TrainerConfig, shared: bool, critic: boo
         # One model: the value head gets the critic's learning rate (the rest, or the LoRA
         # adapters when the base is frozen, the policy's).
         def labels(params):
-            name = lambda path, _: "critic" if "value_head" in {getattr(k, "key", None) for k in path} else "policy"
+            name = lambda path, _: "critic" if "value_head" in key_names(path) else "policy"
             return jax.tree_util.tree_map_with_path(name, params)
         return optax.multi_transform({"policy": adam(policy_lr), "critic": adam(critic_lr)}, labels)
     return optax.multi_transform({"policy": adam(policy_lr), "critic": adam(critic_lr)},

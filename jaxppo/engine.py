@@ -52,8 +52,10 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     return optax.GradientTransformation(optax.init_empty_state, update)
 
 
-def _key_name(k) -> str:
-    return str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+def key_names(path) -> Tuple[str, ...]:
+    """A pytree key path (`jax.tree_util` keys: dict keys, attributes, sequence indices) as
+    a tuple of str."""
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +83,7 @@ class Freeze:
             object.__setattr__(self, field, tuple(value))
 
     def is_frozen(self, path) -> bool:
-        names = tuple(_key_name(k) for k in path)
+        names = key_names(path)
         under = lambda prefix: names[: len(prefix)] == prefix
         return any(map(under, self.prefixes)) and not any(map(under, self.unless))
 

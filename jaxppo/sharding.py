@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxppo.config import PPOConfig
+from jaxppo.engine import key_names
 
 __all__ = ["MeshConfig", "make_mesh", "batch_sharding", "shard_batch", "param_spec", "tree_shardings", "shard_state",
            "sharded_train_step", "global_batch",
@@ -33,10 +34,6 @@ _ROW_PARALLEL = {"o_proj", "down_proj", "c_proj", "mlp_c_proj"}
 _ADAPTERS = {"lora_a", "lora_b"}
 # Entries whose leaves lead with a layer axis (`Model(scan_layers=True)`).
 _STACKED = {"layers", "h"}
-
-
-def _key_name(k) -> str:
-    return str(getattr(k, "key", getattr(k, "name", k)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,9 +115,9 @@ def param_spec(path: tuple, shape: tuple, mesh: Mesh) -> P:
     (`lora_a` (in, rank), `lora_b` (rank, out)) split their non-rank dimension on "tensor"
     as the base kernel does, else over "fsdp"; the rank dimension is whole.
     """
-    names = {_key_name(k) for k in path}
+    names = set(key_names(path))
     if names & _STACKED and len(shape) >= 1:
-        return P(None, *param_spec(tuple(k for k in path if _key_name(k) not in _STACKED), shape[1:], mesh))
+        return P(None, *param_spec(tuple(k for k, n in zip(path, key_names(path)) if n not in _STACKED), shape[1:], mesh))
     spec = [None] * len(shape)
     if len(shape) < 2:
         return P(*spec)

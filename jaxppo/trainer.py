@@ -483,27 +483,29 @@ class PPOTrainer(CheckpointedRun):
     def policy_params(self):
         return self.spec.policy_params(self.state.params)
 
-    def _policy_for_export(self):
-        """(causal-LM model, its params on the host of process 0), or None on other processes."""
-        model = dataclasses.replace(self.policy_model, kind="causal_lm")
-        params = self.policy_params()
-        if self.tc.shared_trunk:
-            params = {**params, "params": {k: v for k, v in params["params"].items() if k != "value_head"}}
+    @staticmethod
+    def _for_writer(tree):
+        """`tree` for the one process that writes exports (gathered to its host in
+        multi-host runs), or None on the others."""
         if jax.process_count() > 1:
-            params = jax.tree.map(to_host, params)
+            tree = jax.tree.map(to_host, tree)
             if jax.process_index() != 0:
-                return None  # one writer
-        return model, params
+                return None
+        return tree
 
     def export(self, path: str):
         """Save the current policy (and tokenizer) as a Hugging Face directory; a LoRA
         policy with its adapters merged into the base weights."""
-        exported = self._policy_for_export()
-        if exported is None:
+        model = dataclasses.replace(self.policy_model, kind="causal_lm")
+        params = self.policy_params()
+        if self.tc.shared_trunk:
+            params = {**params, "params": {k: v for k, v in params["params"].items() if k != "value_head"}}
+        params = self._for_writer(params)
+        if params is None:
             return
 
         def write(directory):
-            hf_io.save_pretrained(*exported, directory)
+            hf_io.save_pretrained(model, params, directory)
             if hasattr(self.tokenizer, "save_pretrained"):
                 self.tokenizer.save_pretrained(directory)
 
@@ -514,12 +516,12 @@ class PPOTrainer(CheckpointedRun):
         `adapter_model.safetensors`) for the base checkpoint it was loaded from."""
         if self.policy_model.lora is None:
             raise ValueError("export_adapter needs a LoRA policy (PPOTrainer(lora=...) or lora_init=...)")
-        exported = self._policy_for_export()
-        if exported is None:
+        adapters = self._for_writer({"lora": self.policy_params()["lora"]})  # the adapters alone, not the base
+        if adapters is None:
             return
         base = os.path.abspath(os.fspath(self._policy_source)) if self._policy_source is not None else None
-        atomic_replace_dir(lambda directory: save_peft_adapter(*exported, directory, base_model_name_or_path=base),
-                           path)
+        atomic_replace_dir(lambda directory: save_peft_adapter(self.policy_model, adapters, directory,
+                                                               base_model_name_or_path=base), path)
 
     def summary(self) -> str:
         h = self.history
@@ -536,9 +538,10 @@ class PPOTrainer(CheckpointedRun):
         lora = self.policy_model.lora
         if lora is not None:
             count = lambda tree: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
+            frozen = count(self.state.params) - count(self.state.trained_params())  # not the value head or critic
             lines.append(f"LoRA: rank {lora.rank}, alpha {lora.alpha:g}, targets {', '.join(lora.targets)}; "
                          f"{count(self.policy_params()['lora']):,} adapter parameters trained, "
-                         f"{count(self.policy_params()['params']):,} base parameters frozen")
+                         f"{frozen:,} base parameters frozen")
         # Iterations skipped for non-finite scores (skip_nonfinite_scores) have no scores.
         scored = [m for m in h if "objective/scores" in m]
         if len(scored) < len(h):
