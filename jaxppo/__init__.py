@@ -6,6 +6,7 @@ rollout -> algorithm (ppo: advantages + loss) and trainer. The update loop (`tra
 program in which the number of mini-batch updates is part of the shape.
 """
 
+from jaxppo.version import __version__
 from jaxppo import math
 from jaxppo.config import PPOConfig
 from jaxppo.engine import Freeze, TrainState, minibatch_indices, update_epochs, update_epochs_fn
@@ -16,7 +17,6 @@ from jaxppo.models import GenerationOutput, generate
 from jaxppo.rollout import RolloutSpec, finish_rollout, sample_responses
 from jaxppo.trainer import PPOTrainer, RewardError, RunError, TrainerConfig, load_prompts
 
-__version__ = "0.2.0"
 
 __all__ = [
     "PPOConfig",

@@ -22,7 +22,9 @@ import optax
 
 from jaxppo.config import PPOConfig
 from jaxppo.engine import Freeze, clip_by_global_norm, key_names
-from jaxppo.models.lora import LoraConfig, add_lora, load_peft_adapter, read_peft_config
+from jaxppo.models.adapters import add_lora
+from jaxppo.models.lora import LoraConfig
+from jaxppo.models.peft import load_peft_adapter, read_peft_config
 from jaxppo.models import hf as hf_io
 from jaxppo.models.model import Model, PolicyAndCritic, stack_layers, trunk_name, unstack_layers
 from jaxppo.trainer_config import TrainerConfig

@@ -23,6 +23,7 @@ from typing import Any, Optional, Tuple
 import jax
 
 from jaxppo import failpoints
+from jaxppo.version import __version__
 from jaxppo.rundir import RunError
 
 __all__ = ["LAYOUT", "save", "restore_latest", "steps"]
@@ -59,7 +60,6 @@ def save(directory: str, step: int, tree: Any, *, keep: int = 2):
     `keep`. A write error (full disk, quota, permissions) is a `RunError` that names the
     directory; the checkpoints saved before stay intact."""
     import orbax.checkpoint as ocp
-    from jaxppo import __version__
 
     manager = _manager(directory, keep)
     try:
@@ -109,7 +109,6 @@ def restore_latest(directory: str, template: Any) -> Optional[Tuple[int, Any]]:
     skipped. Raises `RunError` when checkpoints exist but none is readable, or when one was
     written in another checkpoint layout."""
     import orbax.checkpoint as ocp
-    from jaxppo import __version__
 
     if not os.path.isdir(directory):
         return None

@@ -12,9 +12,12 @@ from typing import Optional
 
 __all__ = ["PPOConfig", "ADVANTAGE_ESTIMATORS", "LOSS_AGGREGATIONS"]
 
-ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")
-LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+from jaxppo.algorithms import ESTIMATORS
+from jaxppo.critic_free import GRPO_SCALES, IMPORTANCE_RATIOS, LOSS_AGGREGATIONS
+from jaxppo.kl import KL_LOSS_ESTIMATORS
+
+# The registered advantage estimators (`jaxppo.algorithms.ESTIMATORS`).
+ADVANTAGE_ESTIMATORS = tuple(ESTIMATORS)
 # Fields added after runs were first saved: a run's settings record them only when they
 # differ from these defaults, so runs saved before they existed still resume.
 ALGORITHM_FIELDS = ("advantage_estimator", "num_generations", "grpo_scale", "grpo_eps", "loss_aggregation",
@@ -22,12 +25,12 @@ ALGORITHM_FIELDS = ("advantage_estimator", "num_generations", "grpo_scale", "grp
                     "kl_loss_estimator")
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
     # bool is a subclass of int; a bool where a count is due is a mistake, not a 0/1.
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_real(value) -> bool:
+def is_real(value) -> bool:
     return (isinstance(value, (int, float)) and not isinstance(value, bool)) and math.isfinite(value)
 
 
@@ -89,8 +92,11 @@ class PPOConfig:
         clip-higher); None means `cliprange`.
       dual_clip: None, or a constant c > 1: for negative advantages the loss is capped at
         -A * c (dual-clip PPO).
-      importance_ratio: "token" (per-token ratios) or "sequence" (GSPO: exp of the mean
-        per-token log-ratio of the completion, shared by its tokens).
+      importance_ratio: "token" (per-token ratios), "sequence" (GSPO: exp of the mean
+        per-token log-ratio of the completion, shared by its tokens) or "sequence_sum"
+        (TRL RLOOTrainer's: exp of the summed log-ratio, the whole completion as one
+        action). The sequence-level ratios need one advantage per completion: they are
+        refused with the per-token estimators ("gae", "reinforce_pp", "reinforce_pp_baseline").
       kl_loss_coef: beta of a KL(policy || reference) term in the loss (GRPO's), >= 0;
         kl_loss_estimator: "k1", "k2" or "k3". When kl_coef, kl_loss_coef are 0 and the
         trainer has no kl_target, no reference model is built or run at all.
@@ -126,7 +132,7 @@ class PPOConfig:
     def __post_init__(self):
         for name in ("batch_size", "mini_batch_size", "ppo_epochs", "gradient_accumulation_steps", "num_generations"):
             value = getattr(self, name)
-            if not _is_int(value):
+            if not is_int(value):
                 _fail(name, value, f"a positive int (got type {type(value).__name__})")
             if value <= 0:
                 _fail(name, value, "a positive int")
@@ -151,40 +157,46 @@ class PPOConfig:
                 f"num_generations of them per prompt. Valid num_generations values for this "
                 f"batch_size: {_divisors(self.batch_size)}."
             )
-        choices = {"advantage_estimator": ADVANTAGE_ESTIMATORS, "grpo_scale": ("group", "batch", "none"),
-                   "loss_aggregation": LOSS_AGGREGATIONS, "importance_ratio": ("token", "sequence"),
-                   "kl_loss_estimator": ("k1", "k2", "k3")}
+        choices = {"advantage_estimator": ADVANTAGE_ESTIMATORS, "grpo_scale": GRPO_SCALES,
+                   "loss_aggregation": LOSS_AGGREGATIONS, "importance_ratio": IMPORTANCE_RATIOS,
+                   "kl_loss_estimator": KL_LOSS_ESTIMATORS}
         for name, valid in choices.items():
             if getattr(self, name) not in valid:
                 _fail(name, getattr(self, name), "one of " + ", ".join(repr(v) for v in valid))
-        if self.advantage_estimator in GROUP_ESTIMATORS and self.num_generations < 2:
+        estimator = ESTIMATORS[self.advantage_estimator]
+        if self.num_generations < estimator.min_generations:
             _fail("num_generations", self.num_generations,
-                  f">= 2 with advantage_estimator={self.advantage_estimator!r}, which compares the completions of "
-                  "each prompt (a group of one has no baseline)")
+                  f">= {estimator.min_generations} with advantage_estimator={self.advantage_estimator!r}, which "
+                  "compares the completions of each prompt (a group of one has no baseline)")
+        if self.importance_ratio != "token" and estimator.per_token:
+            _fail("importance_ratio", self.importance_ratio,
+                  f"'token' with advantage_estimator={self.advantage_estimator!r}: its advantages vary along a "
+                  "completion, and a sequence-level ratio weighs one number per completion (use an estimator with "
+                  f"one advantage per completion: {', '.join(n for n, e in ESTIMATORS.items() if not e.per_token)})")
         for name in ("cliprange_low", "cliprange_high"):
             value = getattr(self, name)
-            if value is not None and (not _is_real(value) or value < 0 or (name == "cliprange_low" and value > 1)):
+            if value is not None and (not is_real(value) or value < 0 or (name == "cliprange_low" and value > 1)):
                 _fail(name, value, "None (use cliprange) or a finite real number >= 0"
                       + (" and <= 1" if name == "cliprange_low" else ""))
-        if self.dual_clip is not None and (not _is_real(self.dual_clip) or self.dual_clip <= 1):
+        if self.dual_clip is not None and (not is_real(self.dual_clip) or self.dual_clip <= 1):
             _fail("dual_clip", self.dual_clip, "None (no dual clip) or a finite real number > 1")
-        if not _is_real(self.grpo_eps) or self.grpo_eps <= 0:
+        if not is_real(self.grpo_eps) or self.grpo_eps <= 0:
             _fail("grpo_eps", self.grpo_eps, "a finite real number > 0")
         for name in ("cliprange", "cliprange_value", "vf_coef", "ent_coef", "kl_coef", "kl_loss_coef"):
             value = getattr(self, name)
-            if not _is_real(value) or value < 0:
+            if not is_real(value) or value < 0:
                 _fail(name, value, "a finite real number >= 0")
         for name in ("gamma", "lam"):
             value = getattr(self, name)
-            if not _is_real(value) or not 0.0 <= value <= 1.0:
+            if not is_real(value) or not 0.0 <= value <= 1.0:
                 _fail(name, value, "a real number in [0, 1]")
         for name in ("whiten_advantages", "whiten_rewards"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 _fail(name, value, "a bool (True or False)")
-        if not _is_real(self.temperature) or self.temperature <= 0:
+        if not is_real(self.temperature) or self.temperature <= 0:
             _fail("temperature", self.temperature, "a finite real number > 0")
-        if self.target_kl is not None and (not _is_real(self.target_kl) or self.target_kl <= 0):
+        if self.target_kl is not None and (not is_real(self.target_kl) or self.target_kl <= 0):
             _fail("target_kl", self.target_kl, "None (no early stopping) or a finite real number > 0")
 
     @property
@@ -204,8 +216,14 @@ class PPOConfig:
 
     @property
     def uses_critic(self) -> bool:
-        """Whether the algorithm has a critic (value model): only GAE does."""
-        return self.advantage_estimator == "gae"
+        """Whether the algorithm has a critic (value model): its advantage estimator says
+        (of the built-in ones, only GAE)."""
+        return ESTIMATORS[self.advantage_estimator].uses_critic
+
+    @property
+    def estimator(self):
+        """The `jaxppo.algorithms.AdvantageEstimator` this config uses."""
+        return ESTIMATORS[self.advantage_estimator]
 
     @property
     def clip_low(self) -> float:

@@ -1,7 +1,7 @@
 """The math of critic-free RL (GRPO, Dr. GRPO, DAPO, RLOO, REINFORCE++, GSPO): advantage
 estimators, loss aggregation modes, asymmetric / dual clipping, sequence-level importance
 ratios and KL-as-loss estimators. Pure functions on arrays, part of the math layer (they
-import nothing above `jaxppo.math`, and `jaxppo.math` re-exports them); `jaxppo.ppo`'s
+import only `jaxppo.stats` and `jaxppo.kl`, and `jaxppo.math` re-exports them); `jaxppo.ppo`'s
 `train_step` and loss put them on the engine.
 
 Shapes: B completions (rows), T response tokens, G completions per prompt
@@ -14,8 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxppo.config import LOSS_AGGREGATIONS
-from jaxppo.math import masked_mean, masked_sum, masked_whiten
+from jaxppo.kl import KL_LOSS_ESTIMATORS, kl_loss_per_token
+from jaxppo.stats import masked_mean, masked_sum, masked_whiten
 
 __all__ = [
     "GRPO_SCALES",
@@ -28,12 +28,16 @@ __all__ = [
     "LOSS_AGGREGATIONS",
     "aggregate_loss",
     "sequence_log_ratio",
+    "IMPORTANCE_RATIOS",
+    "log_importance_ratio",
     "clipped_policy_loss",
     "KL_LOSS_ESTIMATORS",
     "kl_loss_per_token",
 ]
 
 GRPO_SCALES = ("group", "batch", "none")
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+IMPORTANCE_RATIOS = ("token", "sequence", "sequence_sum")
 
 
 def _groups(scores, num_generations: int):
@@ -120,8 +124,6 @@ def reinforce_pp_advantages(rewards, mask, gamma: float = 1.0):
     return masked_whiten(discounted_returns(rewards, mask, gamma), mask, shift_mean=True)
 
 
-
-
 def aggregate_loss(per_token, mask, mode: str, max_length: int = None):
     """Reduce a per-token loss (B, T) to a scalar.
 
@@ -145,12 +147,25 @@ def aggregate_loss(per_token, mask, mode: str, max_length: int = None):
     raise ValueError(f"loss aggregation {mode!r} is invalid; valid: {', '.join(LOSS_AGGREGATIONS)}")
 
 
-def sequence_log_ratio(logprobs, old_logprobs, mask):
-    """GSPO's sequence-level log importance ratio, broadcast over the row's tokens:
-    mean over real tokens of (logprobs - old_logprobs), as (B, T). Its gradient flows to
-    every token of the row equally."""
-    seq = masked_mean(logprobs - old_logprobs, mask, axis=1)
+def sequence_log_ratio(logprobs, old_logprobs, mask, reduce: str = "mean"):
+    """A sequence-level log importance ratio, broadcast over the row's tokens, (B, T):
+    over the real tokens of each row, the mean of (logprobs - old_logprobs) (GSPO,
+    `reduce="mean"`) or their sum (TRL RLOOTrainer's ratio of whole-completion
+    probabilities, `reduce="sum"`). Its gradient flows to every token of the row equally."""
+    if reduce not in ("mean", "sum"):
+        raise ValueError(f"reduce={reduce!r} is invalid; valid: 'mean', 'sum'")
+    seq = (masked_mean if reduce == "mean" else masked_sum)(logprobs - old_logprobs, mask, axis=1)
     return jnp.broadcast_to(seq[:, None], logprobs.shape)
+
+
+def log_importance_ratio(logprobs, old_logprobs, mask, level: str = "token"):
+    """The log importance ratio the loss clips, (B, T): per token ("token"), or one per
+    completion ("sequence": GSPO's mean, "sequence_sum": the summed log-ratio)."""
+    if level == "token":
+        return logprobs - old_logprobs
+    if level in ("sequence", "sequence_sum"):
+        return sequence_log_ratio(logprobs, old_logprobs, mask, "mean" if level == "sequence" else "sum")
+    raise ValueError(f"importance ratio level {level!r} is invalid; valid: {', '.join(IMPORTANCE_RATIOS)}")
 
 
 def clipped_policy_loss(log_ratio, advantages, mask, cliprange_low: float, cliprange_high: float,
@@ -188,21 +203,3 @@ def clipped_policy_loss(log_ratio, advantages, mask, cliprange_low: float, clipr
                "clip_ratio/region_mean": frac(low | high), "dual_clip_fraction": frac(dual),
                "clipfrac": frac(clipped > unclipped)}
     return loss, metrics
-
-
-KL_LOSS_ESTIMATORS = ("k1", "k2", "k3")
-
-
-def kl_loss_per_token(logprobs, ref_logprobs, estimator: str = "k3"):
-    """KL(policy || reference) per token as a loss term (differentiated through `logprobs`):
-      k1: logprobs - ref_logprobs
-      k2: 0.5 * (logprobs - ref_logprobs)^2
-      k3: exp(ref - logprobs) - (ref - logprobs) - 1 (GRPO's; >= 0)"""
-    diff = logprobs - ref_logprobs
-    if estimator == "k1":
-        return diff
-    if estimator == "k2":
-        return 0.5 * jnp.square(diff)
-    if estimator == "k3":
-        return jnp.expm1(-diff) + diff
-    raise ValueError(f"KL loss estimator {estimator!r} is invalid; valid: {', '.join(KL_LOSS_ESTIMATORS)}")

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxppo import math as ppo_math
-from jaxppo.config import GROUP_ESTIMATORS, PPOConfig
+from jaxppo.config import PPOConfig
 from jaxppo.engine import TrainState, update_epochs_fn
 from jaxppo.rollout_types import Rollout, response_outputs
 
@@ -31,50 +31,14 @@ def compute_advantages(rollout: Rollout, config: PPOConfig):
     """Advantages (B, R) for the whole rollout, zero at padding, and the critic's returns
     (B, R) (None for the critic-free estimators).
 
-    "gae": rewards are whitened (scale only) first if `config.whiten_rewards`; GAE uses
-    `config.gamma` and `config.lam`; advantages are whitened over all real response tokens
-    of the rollout if `config.whiten_advantages`. Returns are GAE advantages + values,
-    before advantage whitening (the critic's regression target).
-
-    Critic-free, with a completion's score s_i = the sum of its rewards (its sequence score
-    plus any KL penalty in the reward), completions grouped by prompt (G consecutive rows):
-      "grpo": `jaxppo.math.grpo_advantages(s, G, config.grpo_scale, config.grpo_eps)`;
-      "rloo": `jaxppo.math.rloo_advantages(s, G)`;
-    each broadcast over the completion's tokens;
-      "reinforce_pp": per-token returns of the rewards (`config.gamma`), whitened over the
-        batch (`jaxppo.math.reinforce_pp_advantages`);
-      "reinforce_pp_baseline": the same after subtracting the group's mean of s at each
-        completion's last token.
+    Computed by the config's registered estimator (`config.estimator`, see
+    `jaxppo.algorithms.ESTIMATORS`): "gae" (PPO: GAE over the critic's values, with the
+    whitening settings), "grpo", "rloo" (group-relative: from each completion's sequence
+    score, `rollout.scores` or the sum of its rewards, completions grouped by prompt in G
+    consecutive rows, broadcast over its tokens), "reinforce_pp" and
+    "reinforce_pp_baseline" (whitened per-token returns).
     """
-    return _advantages(rollout, config)[:2]
-
-
-def _advantages(rollout: Rollout, config: PPOConfig):
-    """(advantages, returns or None, statistics) for `compute_advantages` and `train_step`."""
-    mask = rollout.response_mask.astype(jnp.float32)
-    rewards = rollout.rewards.astype(jnp.float32)
-    estimator, g = config.advantage_estimator, config.num_generations
-    if estimator == "gae":
-        if config.whiten_rewards:
-            rewards = ppo_math.masked_whiten(rewards, mask, shift_mean=False)
-        advantages, returns = ppo_math.gae(rewards, rollout.values.astype(jnp.float32), mask, config.gamma, config.lam)
-        if config.whiten_advantages:
-            advantages = ppo_math.masked_whiten(advantages, mask, shift_mean=True)
-        return advantages, returns, {}
-    scores = ppo_math.masked_sum(rewards, mask, axis=1)
-    stats = {}
-    if estimator in GROUP_ESTIMATORS:
-        stats["frac_reward_zero_std"] = jnp.mean(ppo_math.zero_std_groups(scores, g).astype(jnp.float32))
-    if estimator == "grpo":
-        advantages = ppo_math.grpo_advantages(scores, g, config.grpo_scale, config.grpo_eps)[0][:, None] * mask
-    elif estimator == "rloo":
-        advantages = ppo_math.rloo_advantages(scores, g)[:, None] * mask
-    else:
-        if estimator == "reinforce_pp_baseline":
-            group_mean = scores - ppo_math.group_baseline(scores, g)
-            rewards = rewards - ppo_math.at_last_token(group_mean, mask)
-        advantages = ppo_math.reinforce_pp_advantages(rewards, mask, config.gamma)
-    return advantages, None, stats
+    return config.estimator.compute(rollout, config)[:2]
 
 
 def ppo_loss(params, batch, *, apply_fn, config: PPOConfig):
@@ -102,25 +66,15 @@ def ppo_loss(params, batch, *, apply_fn, config: PPOConfig):
 
     logprobs, values, entropy = response_outputs(apply_fn, params, batch, config.temperature)
     old_logprobs = batch["logprobs"].astype(jnp.float32)
-    if config.importance_ratio == "sequence":
-        log_ratio = ppo_math.sequence_log_ratio(logprobs, old_logprobs, mask)
-    else:
-        log_ratio = logprobs - old_logprobs
+    log_ratio = ppo_math.log_importance_ratio(logprobs, old_logprobs, mask, config.importance_ratio)
     pg_loss, clip_metrics = ppo_math.clipped_policy_loss(
         log_ratio, batch["advantages"], mask, config.clip_low, config.clip_high, config.dual_clip, agg_mode, r)
     ratio = jnp.exp(log_ratio)
     loss = pg_loss
     aux = {"policy_loss": pg_loss}
     if config.uses_critic:
-        if agg_mode == "token_mean":
-            vf_loss, vf_clipfrac = ppo_math.value_loss(
-                values, batch["values"].astype(jnp.float32), batch["returns"], mask, config.cliprange_value)
-        else:
-            old_values = batch["values"].astype(jnp.float32)
-            clipped_values = old_values + jnp.clip(values - old_values, -config.cliprange_value, config.cliprange_value)
-            err, err_clipped = jnp.square(values - batch["returns"]), jnp.square(clipped_values - batch["returns"])
-            vf_loss = 0.5 * aggregate(jnp.maximum(err, err_clipped))
-            vf_clipfrac = ppo_math.masked_mean((err_clipped > err).astype(jnp.float32), mask)
+        vf_loss, vf_clipfrac = ppo_math.value_loss(values, batch["values"].astype(jnp.float32), batch["returns"],
+                                                   mask, config.cliprange_value, agg_mode, r)
         loss = loss + config.vf_coef * vf_loss
         aux.update(value_loss=vf_loss, vf_clipfrac=vf_clipfrac)
     ent = ppo_math.masked_mean(entropy, mask)
@@ -218,7 +172,7 @@ def train_step_fn(state: TrainState, rollout: Rollout, key, config: PPOConfig, m
     """
     _check_rollout_structure(rollout, config)
 
-    advantages, returns, adv_stats = _advantages(rollout, config)
+    advantages, returns, adv_stats = config.estimator.compute(rollout, config)
     batch = {
         "query_tokens": rollout.query_tokens,
         "query_mask": rollout.query_mask,

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxppo import math as ppo_math
+from jaxppo.kl import check_kl_estimator
 from jaxppo.models.generate import GenerationOutput, generate
 from jaxppo.models.model import Model
 from jaxppo.rollout_types import Rollout, response_outputs, scorer
@@ -80,8 +81,7 @@ class RolloutSpec:
     score_clip: Optional[float] = None
 
     def __post_init__(self):
-        if self.kl_estimator not in ppo_math.KL_ESTIMATORS:
-            raise ValueError(f"kl_estimator={self.kl_estimator!r} is invalid; valid: {', '.join(ppo_math.KL_ESTIMATORS)}")
+        check_kl_estimator("kl_estimator=", self.kl_estimator)
 
     def policy_params(self, params):
         return params if self.policy_params_key is None else params[self.policy_params_key]

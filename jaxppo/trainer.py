@@ -36,7 +36,7 @@ from jaxppo.engine import TrainState
 from jaxppo.interrupts import interrupts_held, interrupts_raise
 from jaxppo.logger import Logger
 from jaxppo.models import hf as hf_io
-from jaxppo.models.lora import save_peft_adapter
+from jaxppo.models.peft import save_peft_adapter
 from jaxppo.models.tokenizer import decode_responses, encode_prompts, unknown_token_count
 from jaxppo.ppo import train_step_fn
 from jaxppo.prompts import load_prompt_table, load_prompts, prompt_order, render_prompts

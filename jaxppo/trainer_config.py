@@ -7,8 +7,8 @@ import dataclasses
 import math
 from typing import Optional
 
-from jaxppo import math as ppo_math
-from jaxppo.config import _is_int
+from jaxppo.kl import check_kl_estimator
+from jaxppo.config import is_int
 
 __all__ = ["TrainerConfig"]
 
@@ -79,24 +79,22 @@ class TrainerConfig:
         if not isinstance(self.output_dir, str) or not self.output_dir:
             raise ValueError(f"TrainerConfig.output_dir={self.output_dir!r} is invalid: output_dir must be a non-empty "
                              "path string")
-        if self.total_episodes is not None and (not _is_int(self.total_episodes) or self.total_episodes <= 0):
+        if self.total_episodes is not None and (not is_int(self.total_episodes) or self.total_episodes <= 0):
             raise ValueError(f"TrainerConfig.total_episodes={self.total_episodes!r} is invalid: total_episodes must be "
                              "None or a positive int")
-        if self.stop_token_id is not None and (not _is_int(self.stop_token_id) or self.stop_token_id < 0):
+        if self.stop_token_id is not None and (not is_int(self.stop_token_id) or self.stop_token_id < 0):
             raise ValueError(f"TrainerConfig.stop_token_id={self.stop_token_id!r} is invalid: stop_token_id must be "
                              "None or a token id >= 0")
         positive = ("iterations", "query_length", "response_length", "kl_horizon", "log_every", "keep_checkpoints")
         for name in positive:
             value = getattr(self, name)
-            if not _is_int(value) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise ValueError(f"TrainerConfig.{name}={value!r} is invalid: {name} must be a positive int")
         for name in ("sample_every", "num_samples", "checkpoint_every", "warmup_updates", "seed"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 0:
+            if not is_int(value) or value < 0:
                 raise ValueError(f"TrainerConfig.{name}={value!r} is invalid: {name} must be an int >= 0")
-        if self.kl_estimator not in ppo_math.KL_ESTIMATORS:
-            raise ValueError(f"TrainerConfig.kl_estimator={self.kl_estimator!r} is invalid; valid: "
-                             f"{', '.join(ppo_math.KL_ESTIMATORS)}")
+        check_kl_estimator("TrainerConfig.kl_estimator=", self.kl_estimator)
         if self.lr_schedule not in ("constant", "linear", "cosine"):
             raise ValueError(f"TrainerConfig.lr_schedule={self.lr_schedule!r} is invalid; valid: constant, linear, cosine")
         for name in ("learning_rate", "adam_eps"):

@@ -4,7 +4,9 @@ import/export, tokenizers, and KV-cache sampling."""
 
 from jaxppo.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from jaxppo.models.generate import GenerationOutput, filter_logits, generate
-from jaxppo.models.lora import LoraConfig, add_lora, load_peft_adapter, merge_lora, save_peft_adapter
+from jaxppo.models.lora import LoraConfig
+from jaxppo.models.adapters import add_lora, merge_lora
+from jaxppo.models.peft import load_peft_adapter, save_peft_adapter
 from jaxppo.models.hf import from_pretrained, params_from_hf_tensors, params_to_hf_tensors, save_pretrained
 from jaxppo.models.model import KINDS, Model, PolicyAndCritic, stack_layers, unstack_layers
 from jaxppo.models.tokenizer import decode_responses, encode_prompts, load_tokenizer

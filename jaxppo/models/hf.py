@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from jaxppo.models.adapters import merge_lora
 from jaxppo.models.config import ARCHITECTURE_PREFIX, SUPPORTED_MODEL_TYPES, ModelConfig
 from jaxppo.models.model import KINDS, Model, stack_layers, trunk_name, unstack_layers
 
@@ -45,7 +46,7 @@ _VALUE_HEAD_FILE = "value_head.safetensors"
 _CAUSAL_ARCH = {"gpt2": "GPT2LMHeadModel", "gemma3_text": "Gemma3ForCausalLM"}
 
 
-def _hf_name(path, config: ModelConfig):
+def hf_name(path, config: ModelConfig):
     """Our flat param path (without the 'params' root) -> (HF tensor name, transpose?), or
     None for jaxppo-only parameters (the value head)."""
     if path[0] == "value_head":
@@ -210,7 +211,7 @@ def params_from_hf_tensors(model: Model, get_tensor, names, *, strict: bool = Tr
     out, used, missing, mismatched = {}, set(), [], []
     param_dtype = jnp.dtype(model.param_dtype)
     for path, spec in flat.items():
-        mapped = _hf_name(path, c)
+        mapped = hf_name(path, c)
         if mapped is None or (model.kind == "value" and path[0] == "score" and "score.weight" not in names):
             out[path] = np.zeros(spec.shape, param_dtype)  # zero-initialised head
             continue
@@ -303,14 +304,13 @@ def from_pretrained(
 def params_to_hf_tensors(model: Model, params) -> dict:
     """`model`'s params as {Hugging Face name: numpy array}, in Hugging Face layout (one
     tensor per layer, also from the stacked layout of `scan_layers`; LoRA adapters merged)."""
-    from jaxppo.models.lora import merge_lora
 
     model, params = merge_lora(model, params)
     if model.scan_layers:
         params = unstack_layers(params, model.config)
     out = {}
     for path, value in traverse_util.flatten_dict(params["params"]).items():
-        mapped = _hf_name(path, model.config)
+        mapped = hf_name(path, model.config)
         if mapped is None:
             continue
         name, transpose = mapped
@@ -330,7 +330,6 @@ def save_pretrained(model: Model, params, path: str):
     `from_pretrained(..., kind="causal_lm_value")` reads back."""
     from safetensors.numpy import save_file
 
-    from jaxppo.models.lora import merge_lora
 
     model, params = merge_lora(model, params)
     os.makedirs(path, exist_ok=True)

@@ -1,0 +1,58 @@
+"""The algorithms, as values, and their registry.
+
+Each algorithm is an advantage estimator plus a loss on the same compiled engine. An
+`AdvantageEstimator` says how advantages (and a critic's returns) come from a rollout,
+whether it needs a critic, how many completions per prompt it compares and which metrics
+it adds; an `Algorithm` preset holds the `PPOConfig` fields that define a published method
+and where they come from. `PPOConfig` validates its fields against this registry, and the
+command line, the demo and the docs read it.
+
+    PPOConfig.for_algorithm("grpo", batch_size=64, mini_batch_size=16)
+    jaxppo --algorithm dapo --cliprange-high 0.3 ...
+
+Adding an estimator: one file in this package defining an `AdvantageEstimator`, and one row
+in `ESTIMATORS` below (and a preset row in `presets.py` if it is a named method).
+"""
+
+from __future__ import annotations
+
+from jaxppo.algorithms import gae, grpo, reinforce_pp, rloo
+from jaxppo.algorithms.base import Advantages, AdvantageEstimator, Algorithm, loss_terms, sequence_scores
+from jaxppo.algorithms.presets import PRESETS
+
+__all__ = ["ESTIMATORS", "REGISTRY", "ALGORITHMS", "Advantages", "AdvantageEstimator", "Algorithm",
+           "algorithm_defaults", "get_algorithm", "get_estimator", "loss_terms", "sequence_scores"]
+
+# The advantage estimators by `PPOConfig.advantage_estimator`.
+ESTIMATORS = {e.name: e for e in (
+    gae.ESTIMATOR,
+    grpo.ESTIMATOR,
+    rloo.ESTIMATOR,
+    reinforce_pp.ESTIMATOR,
+    reinforce_pp.BASELINE,
+)}
+
+# The named methods (presets) by name, with their sources.
+REGISTRY = {a.name: a for a in PRESETS}
+
+# {name: the PPOConfig fields it sets} (a read-only view of the presets' settings).
+ALGORITHMS = {name: dict(a.settings) for name, a in REGISTRY.items()}
+
+
+def get_estimator(name: str) -> AdvantageEstimator:
+    """The `AdvantageEstimator` called `name`; ValueError listing the valid names."""
+    if name not in ESTIMATORS:
+        raise ValueError(f"advantage estimator {name!r} is unknown; valid: {', '.join(ESTIMATORS)}")
+    return ESTIMATORS[name]
+
+
+def get_algorithm(name: str) -> Algorithm:
+    """The `Algorithm` preset called `name`; ValueError listing the valid names."""
+    if name not in REGISTRY:
+        raise ValueError(f"algorithm {name!r} is unknown; valid: {', '.join(REGISTRY)}")
+    return REGISTRY[name]
+
+
+def algorithm_defaults(name: str) -> dict:
+    """The `PPOConfig` fields that algorithm `name` sets (a copy)."""
+    return dict(get_algorithm(name).settings)

@@ -1,0 +1,99 @@
+"""What an algorithm is, as a value: an advantage estimator (how advantages, and a
+critic's returns, come from a rollout) and a preset (the `PPOConfig` fields that define a
+published method, with its source). The registry in `jaxppo.algorithms` maps names to them;
+`PPOConfig` validates against it, and the CLI help, the demo and the docs read it."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Mapping, NamedTuple, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxppo.stats import masked_sum
+
+__all__ = ["Advantages", "AdvantageEstimator", "Algorithm", "loss_terms", "sequence_scores"]
+
+
+class Advantages(NamedTuple):
+    """What an estimator returns for a whole rollout.
+
+    advantages: (B, R) float32, 0 at padding. returns: (B, R), the critic's regression
+    target, or None without a critic. stats: scalar metrics of the rollout (e.g.
+    `frac_reward_zero_std`)."""
+
+    advantages: jax.Array
+    returns: Optional[jax.Array]
+    stats: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageEstimator:
+    """One way of turning a rollout into advantages.
+
+    Attributes:
+      name: the value of `PPOConfig.advantage_estimator`.
+      compute: `compute(rollout, config) -> Advantages`, pure and jittable; reads the
+        rollout's `rewards`, `response_mask`, and `scores` / `values` as it needs.
+      uses_critic: needs a value model (`values` in the rollout, a value loss, returns).
+      min_generations: the least `num_generations` it accepts (2 for the estimators that
+        compare the completions of a prompt).
+      per_token: advantages vary along a completion (GAE, REINFORCE++ returns) rather
+        than one number per completion; a sequence-level importance ratio (GSPO) needs
+        one number per completion and refuses these.
+      config_fields: the `PPOConfig` fields it reads (documentation, and the CLI help).
+      metrics: names of the statistics it adds to `train_step`'s metrics.
+      summary: one line for tables and help.
+    """
+
+    name: str
+    compute: Callable
+    summary: str
+    uses_critic: bool = False
+    min_generations: int = 1
+    per_token: bool = False
+    config_fields: Tuple[str, ...] = ()
+    metrics: Tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+    """A published method: the `PPOConfig` fields that define it (everything else, such as
+    the batch sizes, stays the user's; every field may be overridden), and where its
+    defaults come from.
+
+    `estimator` names its `AdvantageEstimator`; `settings` includes
+    `advantage_estimator=estimator`. Which loss terms apply follows from a config
+    (`loss_terms`), and so do the models it needs (`needs_critic`, `needs_reference`)."""
+
+    name: str
+    settings: Mapping
+    source: str
+    summary: str
+
+    @property
+    def estimator(self) -> str:
+        return self.settings["advantage_estimator"]
+
+
+def loss_terms(config) -> Tuple[str, ...]:
+    """The terms of the loss a config trains with, in the order the loss adds them:
+    "policy" (always), "value" (a critic), "entropy" (ent_coef > 0), "kl" (kl_loss_coef > 0)."""
+    terms = ["policy"]
+    if config.uses_critic:
+        terms.append("value")
+    if config.ent_coef:
+        terms.append("entropy")
+    if config.kl_loss_coef:
+        terms.append("kl")
+    return tuple(terms)
+
+
+def sequence_scores(rollout):
+    """(B,) each completion's score: `rollout.scores` when the rollout carries it (the
+    trainer's rollouts: the sequence score plus any per-token KL penalty), else the sum of
+    its per-token rewards over real tokens (rollouts built by hand)."""
+    if getattr(rollout, "scores", None) is not None:
+        return rollout.scores.astype(jnp.float32)
+    return masked_sum(rollout.rewards.astype(jnp.float32), rollout.response_mask.astype(jnp.float32), axis=1)

@@ -1,0 +1,143 @@
+"""PEFT's LoRA adapter format: `adapter_config.json` + `adapter_model.safetensors`, which
+`peft.PeftModel.from_pretrained(base, dir)` loads onto the base checkpoint. Tensor names
+are the Hugging Face names of the targeted kernels (`jaxppo.models.hf.hf_name`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import traverse_util
+
+from jaxppo.models.adapters import add_lora, check_model
+from jaxppo.models.hf import hf_name, read_json_object
+from jaxppo.models.lora import LoraConfig
+from jaxppo.models.model import stack_layers, unstack_layers
+
+__all__ = ["save_peft_adapter", "load_peft_adapter", "read_peft_config", "peft_name", "ADAPTER_CONFIG",
+           "ADAPTER_WEIGHTS"]
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def peft_name(path, config):
+    """Our adapter path (without the "lora" root) -> PEFT's tensor name of lora_A / lora_B."""
+    name, _ = hf_name(path[:-1] + ("kernel",), config)  # e.g. model.layers.0.self_attn.q_proj.weight
+    which = "lora_A" if path[-1] == "lora_a" else "lora_B"
+    return f"base_model.model.{name[: -len('.weight')]}.{which}.weight"
+
+
+def _per_layer_adapters(model, adapters):
+    """The "lora" collection in the per-layer layout, flattened."""
+    if model.scan_layers:
+        adapters = unstack_layers({"params": adapters}, model.config)["params"]
+    return traverse_util.flatten_dict(jax.device_get(adapters))
+
+
+def save_peft_adapter(model, variables, path: str, base_model_name_or_path: str = None):
+    """Write the adapters in PEFT's format: `adapter_config.json` and
+    `adapter_model.safetensors` (lora_A (rank, in), lora_B (out, rank) per module), for a
+    causal LM. `peft.PeftModel.from_pretrained(base, path)` loads it onto the base model."""
+    from safetensors.numpy import save_file
+
+    check_model(model)
+    if model.lora is None:
+        raise ValueError("the model has no LoRA adapters to save")
+    tensors = {}
+    for p, value in _per_layer_adapters(model, variables["lora"]).items():
+        tensors[peft_name(p, model.config)] = np.ascontiguousarray(np.asarray(value, np.float32).T)
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": model.lora.rank,
+        "lora_alpha": model.lora.alpha,
+        "target_modules": model.lora.hf_targets(model.config),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": model.config.model_type == "gpt2",  # GPT-2's Conv1D stores (in, out)
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "base_model_name_or_path": base_model_name_or_path,
+    }
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, ADAPTER_CONFIG), "w") as f:
+        json.dump(config, f, indent=2)
+    save_file(tensors, os.path.join(path, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+
+
+def read_peft_config(path: str) -> LoraConfig:
+    """The `LoraConfig` of a PEFT adapter directory; ValueError for what jaxppo cannot load
+    the same way (DoRA, rsLoRA, trained biases, extra saved modules, per-layer ranks)."""
+    file = os.path.join(path, ADAPTER_CONFIG)
+    if not os.path.isfile(file):
+        raise ValueError(f"{path!r} is not a PEFT adapter directory: it has no {ADAPTER_CONFIG}")
+    c = read_json_object(file)
+    if c.get("peft_type") != "LORA":
+        raise ValueError(f"{file}: peft_type {c.get('peft_type')!r} is not supported; only LORA adapters load")
+    unsupported = {k: c.get(k) for k in ("use_dora", "use_rslora", "modules_to_save", "layers_to_transform",
+                                         "rank_pattern", "alpha_pattern")
+                   if c.get(k)}
+    if c.get("bias", "none") != "none":
+        unsupported["bias"] = c["bias"]
+    if unsupported:
+        raise ValueError(f"{file}: options {unsupported} are not supported; jaxppo loads plain LoRA (one rank and "
+                         "alpha, no bias, no extra saved modules)")
+    targets = c.get("target_modules")
+    if isinstance(targets, str):
+        targets = (targets,)
+    try:
+        return LoraConfig(rank=c.get("r"), alpha=c.get("lora_alpha", c.get("r")), targets=tuple(targets or ()))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{file}: {err}") from None
+
+
+def load_peft_adapter(model, params, path: str):
+    """(model with LoRA, variables) from a model without adapters and a PEFT adapter
+    directory saved for the same base architecture. ValueError lists missing, unexpected
+    and mis-shaped tensors."""
+    from safetensors.numpy import load_file
+
+
+    check_model(model)
+    lora = read_peft_config(path)
+    weights = os.path.join(path, ADAPTER_WEIGHTS)
+    if not os.path.isfile(weights):
+        raise ValueError(f"{path!r} has no {ADAPTER_WEIGHTS} (jaxppo reads safetensors adapters only; never "
+                         "adapter_model.bin, whose unpickling can run code)")
+    lora_model, variables = add_lora(model, params, lora, jax.random.key(0))
+    plain = dataclasses.replace(lora_model, scan_layers=False)
+    template = traverse_util.flatten_dict(jax.eval_shape(lambda: plain.init(jax.random.key(0), seq_len=2))["lora"])
+    tensors = load_file(weights)
+    out, missing, mismatched, used = {}, [], [], set()
+    for p, spec in template.items():
+        name = peft_name(p, model.config)
+        alt = name.replace(".weight", ".default.weight")
+        name = name if name in tensors else (alt if alt in tensors else name)
+        if name not in tensors:
+            missing.append(name)
+            continue
+        used.add(name)
+        value = np.asarray(tensors[name], np.float32).T
+        if value.shape != tuple(spec.shape):
+            mismatched.append(f"{name}: adapter {tuple(value.shape[::-1])} vs model {tuple(spec.shape[::-1])}")
+            continue
+        out[p] = jnp.asarray(value)
+    unexpected = sorted(set(tensors) - used)
+    problems = ([f"missing tensors: {missing}"] if missing else []) + (
+        [f"shape mismatches: {mismatched}"] if mismatched else []) + (
+        [f"unexpected tensors: {unexpected}"] if unexpected else [])
+    if problems:
+        raise ValueError(f"{path!r} does not fit this {model.config.model_type} model: " + "; ".join(problems))
+    adapters = traverse_util.unflatten_dict(out)
+    if model.scan_layers:
+        adapters = stack_layers({"params": adapters}, model.config)["params"]
+    return lora_model, {**variables, "lora": adapters}

@@ -1,0 +1,56 @@
+"""Masked statistics: sums, means, variances and whitening over the entries a mask selects.
+
+A leaf of the package (it imports nothing from jaxppo): the math, the estimators and the
+losses all count real tokens through these. `mask` is 1 (or True) at the entries that
+count and 0 elsewhere; entries outside the mask are never read into a result, so a NaN or
+inf there does not leak.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["masked_sum", "masked_mean", "masked_var", "masked_whiten"]
+
+
+def masked_sum(x, mask, axis=None):
+    """Sum of x where mask is set, over `axis` (all axes when None). Entries outside the
+    mask are never read into the sum (a NaN or inf there does not leak)."""
+    return jnp.sum(jnp.where(mask.astype(bool), x, jnp.zeros_like(x)), axis=axis)
+
+
+def masked_mean(x, mask, axis=None):
+    """masked_sum(x) / sum(mask) over `axis`; 0 where the mask is empty (no NaN)."""
+    count = jnp.sum(mask.astype(x.dtype), axis=axis)
+    return masked_sum(x, mask, axis=axis) / jnp.maximum(count, 1.0)
+
+
+def masked_var(x, mask, unbiased: bool = True):
+    """Variance of the masked entries of `x` (all axes).
+
+    var = mean_m((x - mean_m(x))^2), times n / (n - 1) (Bessel) when `unbiased`, where
+    n = sum(mask). With n <= 1 the Bessel factor is skipped (the variance is then 0).
+    """
+    mask = mask.astype(x.dtype)
+    mean = masked_mean(x, mask)
+    var = masked_mean(jnp.square(x - mean), mask)
+    if unbiased:
+        n = jnp.sum(mask)
+        var = jnp.where(n > 1, var * n / jnp.maximum(n - 1.0, 1.0), var)
+    return var
+
+
+def masked_whiten(x, mask, shift_mean: bool = True, eps: float = 1e-8):
+    """(x - mean) / sqrt(var + eps) with mean and (unbiased) variance over masked entries.
+
+    With `shift_mean=False` the mean is added back: only the scale changes (used for
+    rewards, whose sign carries meaning). Masked-out entries are returned as 0.
+    """
+    mask = mask.astype(x.dtype)
+    mean = masked_mean(x, mask)
+    var = masked_var(x, mask)
+    white = (x - mean) * jax.lax.rsqrt(var + eps)
+    if not shift_mean:
+        white = white + mean
+    return white * mask
