@@ -26,13 +26,20 @@ class Rollout(flax.struct.PyTreeNode):
         token), 0 after; a prefix of ones per row.
       logprobs: float (B, R), log-probs of the response tokens under the sampling policy,
         from temperature-scaled logits (`config.temperature`).
-      values: float (B, R), the critic's values at sampling time, V(s_t) before token t.
+      values: float (B, R), the critic's values at sampling time, V(s_t) before token t;
+        None (or any array, unread) for the critic-free algorithms.
       rewards: float (B, R), per-token rewards: typically -beta * KL(policy || reference)
         per token, with the sequence score added at the last real response token (the
-        rollout layer builds these). Only these enter the advantages; critic-free
-        estimators take a completion's score as the sum of its rewards.
+        rollout layer builds these). GAE and REINFORCE++ read these.
       ref_logprobs: float (B, R) or None: the reference policy's log-probs of the response
         tokens, needed only for a KL term in the loss (`PPOConfig.kl_loss_coef` > 0).
+      scores: float (B,) or None: each completion's sequence score, the sum of its
+        `rewards` (the score plus any per-token KL penalty), which the group estimators
+        (GRPO, RLOO, the REINFORCE++ baseline) read. None: they sum `rewards` themselves.
+      sampler_logprobs: float (B, R) or None: the log-probs of the response tokens as the
+        sampler computed them while generating (the behaviour policy), temperature-scaled,
+        0 at padding. The loss's old log-probs are `logprobs` (the scoring pass); these
+        are kept to measure or correct a mismatch between sampler and trainer.
     """
 
     query_tokens: jax.Array
@@ -40,13 +47,11 @@ class Rollout(flax.struct.PyTreeNode):
     response_tokens: jax.Array
     response_mask: jax.Array
     logprobs: jax.Array
-    values: jax.Array
+    values: Optional[jax.Array]
     rewards: jax.Array
     ref_logprobs: Optional[jax.Array] = None
-
-    @property
-    def batch_size(self) -> int:
-        return self.query_tokens.shape[0]
+    scores: Optional[jax.Array] = None
+    sampler_logprobs: Optional[jax.Array] = None
 
 
 def scorer(fn):

@@ -135,3 +135,31 @@ def test_finish_rollout_against_direct_computation(tiny_policy):
             expected = -0.25 * kl + (score if t == n - 1 else 0.0)
             assert float(rollout.rewards[i, t]) == pytest.approx(expected, abs=1e-4), (i, t)
     assert float(stats["val/num_eos_tokens"]) == sum(bool((toks[i][m[i] > 0] == 2).any()) for i in range(8))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_rollout_carries_sampler_logprobs_and_sequence_scores(tiny_policy, temperature):
+    """The sampler's own log-probs of the sampled tokens (behaviour policy) ride in the
+    rollout, equal to the scoring pass's within float32 rounding; critic-free rollouts carry
+    each completion's sequence score (score + summed KL penalty = the sum of its rewards)
+    and no values."""
+    model, params = tiny_policy
+    spec = RolloutSpec(policy=model, apply_fn=model.apply, ref_apply=model.apply, response_length=7,
+                       temperature=temperature, stop_token_ids=(2,), kl_estimator="k1", uses_critic=False)
+    ids = jnp.asarray(np.random.default_rng(3).integers(3, 32, size=(8, 5)))
+    mask = jnp.asarray(np.arange(5)[None] >= np.arange(8)[:, None] % 3, jnp.int32)  # some left padding
+    gen = sample_responses(spec, params, ids, mask, jax.random.key(4))
+    ref_params = jax.tree.map(lambda x: x * 0.9, params)
+    host_scores = jnp.asarray(np.random.default_rng(5).normal(size=8), jnp.float32)
+    rollout, _, _ = finish_rollout(spec, params, ref_params, None, ids, mask, gen, host_scores,
+                                   pm.fixed_kl_controller(0.1), pm.RunningMoments.zeros())
+    m = np.asarray(gen.mask)
+    assert rollout.values is None
+    np.testing.assert_array_equal(np.asarray(rollout.sampler_logprobs), np.asarray(gen.logprobs))
+    sampler, scored = np.asarray(rollout.sampler_logprobs) * m, np.asarray(rollout.logprobs) * m
+    # float32 rounding: a few ulps of log-probs below 8 in magnitude (measured: 2 ulps).
+    assert np.abs(scored).max() < 8
+    np.testing.assert_allclose(sampler, scored, rtol=0, atol=4 * float(np.spacing(np.float32(8))))
+    np.testing.assert_allclose(np.asarray(rollout.scores), (np.asarray(rollout.rewards) * m).sum(axis=1),
+                               rtol=1e-6, atol=1e-6)
+    assert not np.allclose(np.asarray(rollout.scores), np.asarray(host_scores), atol=1e-4)  # the KL penalty counts
