@@ -27,7 +27,7 @@ import numpy as np
 
 import jaxppo
 import layouts
-from jaxppo.models.generate import _generate
+from jaxppo.models.generate import generate_jit
 from tables import print_markdown
 
 
@@ -88,7 +88,7 @@ def bench_generate(config, setup, batch, q, r, repeats, peak):
                   early_stop=False)
     one = jnp.float32(1.0)
     start = time.perf_counter()
-    compiled = _generate.lower(policy, params, ids, mask, jax.random.key(0), one, one, **static).compile()
+    compiled = generate_jit.lower(policy, params, ids, mask, jax.random.key(0), one, one, **static).compile()
     first_s = time.perf_counter() - start
     call = lambda key: compiled(params, ids, mask, key, one, one).tokens
     seconds, _ = _timed(lambda: call(jax.random.key(1)), repeats)

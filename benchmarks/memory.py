@@ -44,7 +44,7 @@ from jaxppo import math as ppo_math
 from jaxppo import sharding as sh
 from jaxppo import assembly
 from jaxppo.models import Model
-from jaxppo.models.generate import GenerationOutput, _generate
+from jaxppo.models.generate import GenerationOutput, generate_jit
 from jaxppo.rollout import RolloutSpec, finish_rollout
 from tables import print_markdown
 
@@ -237,7 +237,7 @@ def generate(row):
     if row.fsdp > 1:
         mesh = _mesh(row)
         params, ids = _with_shardings(params, mesh), _rows_sharded(ids, mesh)
-    return _timed_compile(lambda: _generate.lower(policy, params, ids, ids, key, f32, f32, **static))
+    return _timed_compile(lambda: generate_jit.lower(policy, params, ids, ids, key, f32, f32, **static))
 
 
 PROGRAMS = {"train": train, "score": score, "generate": generate}

@@ -21,8 +21,8 @@ import numpy as np
 import optax
 
 import jaxppo
-from jaxppo.engine import _grads_and_aux
-from jaxppo.ppo import _loss_for, _token_count, compute_advantages, train_step_jit
+from jaxppo.engine import grads_and_aux
+from jaxppo.ppo import loss_for, token_count, compute_advantages, train_step_jit
 from jaxppo.toy import make_toy
 
 Q, R = 16, 32
@@ -71,8 +71,8 @@ def make_update(config):
 
     @jax.jit
     def update(state, minibatch):
-        loss_fn = _loss_for(state.apply_fn, config)
-        loss, _, grads = _grads_and_aux(state.params, minibatch, loss_fn, _token_count, config)
+        loss_fn = loss_for(state.apply_fn, config)
+        loss, _, grads = grads_and_aux(state.params, minibatch, loss_fn, token_count, config)
         return state.apply_gradients(grads), loss
 
     return update

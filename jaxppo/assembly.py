@@ -182,86 +182,19 @@ def assemble(config: PPOConfig, tc: TrainerConfig, *, policy, reward_model=None,
     With LoRA (`lora`, `lora_init`, or a given policy Model that has adapters) the base
     weights are frozen (held in `dtype`, loaded from a checkpoint), only the adapters (and
     a critic) are trained, and the reference is the policy with its adapters off."""
-    if lora is not None and not isinstance(lora, LoraConfig):
-        raise TypeError(f"lora must be a jaxppo.models.LoraConfig or None, got {type(lora).__name__}")
-    if lora_init is not None:
-        init_config = read_peft_config(os.fspath(lora_init))  # checked before any weights load
-        if lora is not None and lora != init_config:
-            raise ValueError(f"lora={lora} differs from the adapter in {os.fspath(lora_init)!r} ({init_config}); give "
-                             "one of them, or the same settings")
-    if not config.uses_critic:
-        if critic is not None:
-            raise ValueError(f"critic was given, but advantage_estimator={config.advantage_estimator!r} has no critic "
-                             "(only 'gae', PPO, does); drop critic or use advantage_estimator='gae'")
-        if tc.shared_trunk:
-            raise ValueError(f"TrainerConfig.shared_trunk=True puts a value head on the policy, but "
-                             f"advantage_estimator={config.advantage_estimator!r} has no critic; set shared_trunk=False")
+    _check_arguments(config, tc, critic, lora, lora_init)
     ref_dtype, reward_dtype = ref_dtype or dtype, reward_dtype or dtype
-    use_lora = lora is not None or lora_init is not None
-    # The trained policy is held in float32; a LoRA base is frozen, so it stays in `dtype`.
-    policy_model, policy_params = load_model(policy, "causal_lm", dtype, dtype if use_lora else "float32", scan_layers)
-    if use_lora and policy_model.lora is not None:
-        raise ValueError("the given policy already has LoRA adapters; drop lora / lora_init, or give the base model")
-    if remat is not None:
-        policy_model = dataclasses.replace(policy_model, remat=remat)
-    if logits_chunk_size is not None:
-        policy_model = dataclasses.replace(policy_model, logits_chunk_size=logits_chunk_size)
-    if policy_model.kind != "causal_lm":
-        policy_model = dataclasses.replace(policy_model, kind="causal_lm")
-        policy_params = {**policy_params,
-                         "params": {k: v for k, v in policy_params["params"].items() if k != "value_head"}}
-    if lora_init is not None:
-        policy_model, policy_params = load_peft_adapter(policy_model, policy_params, os.fspath(lora_init))
-    elif lora is not None:
-        policy_model, policy_params = add_lora(policy_model, policy_params, lora,
-                                               jax.random.fold_in(jax.random.key(tc.seed), 7))
-    ref_model = ref_params = None
-    ref_is_policy = False
-    if not needs_reference(config, tc):
-        if ref_policy is not None:
-            warnings.warn("ref_policy is not used: kl_coef and kl_loss_coef are 0 and there is no kl_target, so no "
-                          "KL to a reference is computed (and no reference model is loaded)", UserWarning, stacklevel=3)
-    elif ref_policy is None and policy_model.lora is not None:
-        # The same weights with the adapters switched off: no second copy.
-        ref_model, ref_is_policy = dataclasses.replace(policy_model, adapters=False), True
-    elif ref_policy is None:
-        # A copy of the initial policy, held in ref_dtype (jnp.array copies even without a cast).
-        ref_model = dataclasses.replace(policy_model, dtype=ref_dtype, param_dtype=ref_dtype)
-        ref_params = jax.tree.map(lambda x: jnp.array(x, dtype=jnp.dtype(ref_dtype)), policy_params)
-    else:
-        ref_model, ref_params = load_model(ref_policy, "causal_lm", ref_dtype, scan_layers=scan_layers)
-        if logits_chunk_size is not None:
-            ref_model = dataclasses.replace(ref_model, logits_chunk_size=logits_chunk_size)
+    policy_model, policy_params = _load_policy(policy, tc, dtype, remat, scan_layers, logits_chunk_size, lora,
+                                               lora_init)
+    ref_model, ref_params, ref_is_policy = _reference(config, tc, policy_model, policy_params, ref_policy, ref_dtype,
+                                                      scan_layers, logits_chunk_size)
     reward = reward_params = None
     if reward_model is not None:
         reward, reward_params = load_model(reward_model, "reward", reward_dtype, scan_layers=scan_layers)
         if reward.kind != "reward":
             raise ValueError(f"reward_model must be of kind 'reward', got {reward.kind!r}")
-    if not config.uses_critic:
-        apply_fn, params, params_key = policy_model.apply, policy_params, None
-        critic_text = "none"
-    elif tc.shared_trunk:
-        policy_model = dataclasses.replace(policy_model, kind="causal_lm_value")
-        head = {"kernel": jnp.zeros((policy_model.config.hidden_size, 1), jnp.float32),
-                "bias": jnp.zeros((1,), jnp.float32)}
-        params = {**policy_params, "params": dict(policy_params["params"], value_head=head)}
-        apply_fn, params_key = policy_model.apply, None
-        critic_text = "shared trunk"
-    else:
-        if critic is not None:
-            critic_model, critic_params = load_model(critic, "value", dtype, "float32", scan_layers)
-            if critic_model.kind != "value":
-                critic_model, critic_params = critic_from(critic_model, critic_params, zero_head=False)
-        elif reward is not None:
-            critic_model, critic_params = critic_from(reward, reward_params, zero_head=False, dtype=dtype)
-        else:
-            critic_model, critic_params = critic_from(policy_model, policy_params, zero_head=True)
-        if remat is not None:
-            critic_model = dataclasses.replace(critic_model, remat=remat)
-        apply_fn = PolicyAndCritic(policy_model, critic_model)
-        params = {"policy": policy_params, "critic": critic_params}
-        params_key = "policy"
-        critic_text = describe_model(critic, None, dtype) if critic is not None else "default"
+    policy_model, apply_fn, params, params_key, critic_text = _trained(
+        config, tc, policy_model, policy_params, critic, reward, reward_params, dtype, remat, scan_layers)
     freeze = None
     if policy_model.lora is not None:  # only the adapters (and the critic or value head) train
         base = ("params",) if params_key is None else (params_key, "params")
@@ -278,6 +211,96 @@ def assemble(config: PPOConfig, tc: TrainerConfig, *, policy, reward_model=None,
         description["policy"]["lora_init"] = os.path.abspath(os.fspath(lora_init))
     return Assembly(policy_model, apply_fn, params, params_key, ref_model, ref_params, reward, reward_params,
                     description, freeze, ref_is_policy)
+
+
+def _check_arguments(config: PPOConfig, tc: TrainerConfig, critic, lora, lora_init):
+    """Errors in the model arguments, before any weights load."""
+    if lora is not None and not isinstance(lora, LoraConfig):
+        raise TypeError(f"lora must be a jaxppo.models.LoraConfig or None, got {type(lora).__name__}")
+    if lora_init is not None:
+        init_config = read_peft_config(os.fspath(lora_init))  # checked before any weights load
+        if lora is not None and lora != init_config:
+            raise ValueError(f"lora={lora} differs from the adapter in {os.fspath(lora_init)!r} ({init_config}); give "
+                             "one of them, or the same settings")
+    if not config.uses_critic:
+        if critic is not None:
+            raise ValueError(f"critic was given, but advantage_estimator={config.advantage_estimator!r} has no critic "
+                             "(only 'gae', PPO, does); drop critic or use advantage_estimator='gae'")
+        if tc.shared_trunk:
+            raise ValueError(f"TrainerConfig.shared_trunk=True puts a value head on the policy, but "
+                             f"advantage_estimator={config.advantage_estimator!r} has no critic; set shared_trunk=False")
+
+
+def _load_policy(policy, tc: TrainerConfig, dtype, remat, scan_layers, logits_chunk_size, lora, lora_init):
+    """The policy as a causal LM with its settings, and with LoRA adapters when asked."""
+    use_lora = lora is not None or lora_init is not None
+    # The trained policy is held in float32; a LoRA base is frozen, so it stays in `dtype`.
+    policy_model, policy_params = load_model(policy, "causal_lm", dtype, dtype if use_lora else "float32", scan_layers)
+    if use_lora and policy_model.lora is not None:
+        raise ValueError("the given policy already has LoRA adapters; drop lora / lora_init, or give the base model")
+    if remat is not None:
+        policy_model = dataclasses.replace(policy_model, remat=remat)
+    if logits_chunk_size is not None:
+        policy_model = dataclasses.replace(policy_model, logits_chunk_size=logits_chunk_size)
+    if policy_model.kind != "causal_lm":
+        policy_model = dataclasses.replace(policy_model, kind="causal_lm")
+        policy_params = {**policy_params,
+                         "params": {k: v for k, v in policy_params["params"].items() if k != "value_head"}}
+    if lora_init is not None:
+        return load_peft_adapter(policy_model, policy_params, os.fspath(lora_init))
+    if lora is not None:
+        return add_lora(policy_model, policy_params, lora, jax.random.fold_in(jax.random.key(tc.seed), 7))
+    return policy_model, policy_params
+
+
+def _reference(config: PPOConfig, tc: TrainerConfig, policy_model, policy_params, ref_policy, ref_dtype, scan_layers,
+               logits_chunk_size):
+    """(reference model or None, its params or None, whether it runs on the policy's own
+    params: a LoRA policy with its adapters off)."""
+    if not needs_reference(config, tc):
+        if ref_policy is not None:
+            warnings.warn("ref_policy is not used: kl_coef and kl_loss_coef are 0 and there is no kl_target, so no "
+                          "KL to a reference is computed (and no reference model is loaded)", UserWarning, stacklevel=4)
+        return None, None, False
+    if ref_policy is None and policy_model.lora is not None:
+        # The same weights with the adapters switched off: no second copy.
+        return dataclasses.replace(policy_model, adapters=False), None, True
+    if ref_policy is None:
+        # A copy of the initial policy, held in ref_dtype (jnp.array copies even without a cast).
+        ref_model = dataclasses.replace(policy_model, dtype=ref_dtype, param_dtype=ref_dtype)
+        return ref_model, jax.tree.map(lambda x: jnp.array(x, dtype=jnp.dtype(ref_dtype)), policy_params), False
+    ref_model, ref_params = load_model(ref_policy, "causal_lm", ref_dtype, scan_layers=scan_layers)
+    if logits_chunk_size is not None:
+        ref_model = dataclasses.replace(ref_model, logits_chunk_size=logits_chunk_size)
+    return ref_model, ref_params, False
+
+
+def _trained(config: PPOConfig, tc: TrainerConfig, policy_model, policy_params, critic, reward, reward_params, dtype,
+             remat, scan_layers):
+    """What the train state trains: (policy model, apply_fn, params, where the policy's
+    params sit in them, the critic's description): the policy alone (critic-free), the
+    policy with a value head (`shared_trunk`), or the policy and a separate critic."""
+    if not config.uses_critic:
+        return policy_model, policy_model.apply, policy_params, None, "none"
+    if tc.shared_trunk:
+        policy_model = dataclasses.replace(policy_model, kind="causal_lm_value")
+        head = {"kernel": jnp.zeros((policy_model.config.hidden_size, 1), jnp.float32),
+                "bias": jnp.zeros((1,), jnp.float32)}
+        params = {**policy_params, "params": dict(policy_params["params"], value_head=head)}
+        return policy_model, policy_model.apply, params, None, "shared trunk"
+    if critic is not None:
+        critic_model, critic_params = load_model(critic, "value", dtype, "float32", scan_layers)
+        if critic_model.kind != "value":
+            critic_model, critic_params = critic_from(critic_model, critic_params, zero_head=False)
+    elif reward is not None:
+        critic_model, critic_params = critic_from(reward, reward_params, zero_head=False, dtype=dtype)
+    else:
+        critic_model, critic_params = critic_from(policy_model, policy_params, zero_head=True)
+    if remat is not None:
+        critic_model = dataclasses.replace(critic_model, remat=remat)
+    critic_text = describe_model(critic, None, dtype) if critic is not None else "default"
+    return (policy_model, PolicyAndCritic(policy_model, critic_model), {"policy": policy_params, "critic": critic_params},
+            "policy", critic_text)
 
 
 def prompts_digest(prompts) -> dict:

@@ -21,15 +21,16 @@ import sys
 import typing
 from typing import Optional
 
+from jaxppo.algorithms import REGISTRY
 from jaxppo.config import PPOConfig
 from jaxppo.trainer import PPOTrainer, TrainerConfig
 
 __all__ = ["main", "build_parser", "resolve", "model_options"]
 
 _EXTRA = {
-    "algorithm": (str, "ppo", "ppo, grpo, dr_grpo, dapo, rloo, reinforce_pp or gspo: sets that method's advantage "
-                              "estimator, loss aggregation, clipping and KL defaults (see jaxppo.algorithms); any "
-                              "of them can still be set by its own flag"),
+    "algorithm": (str, "ppo", f"{', '.join(REGISTRY)}: sets that method's advantage estimator, loss aggregation, "
+                              "clipping and KL defaults (see jaxppo.algorithms); any of them can still be set by "
+                              "its own flag"),
     "model": (str, None, "local Hugging Face causal-LM directory (policy); default: the demo's tiny policy"),
     "reward_model": (str, None, "local ...ForSequenceClassification directory (reward model)"),
     "reward": (str, None, "built-in reward function instead of a model: 'lowercase' (the demo's)"),
@@ -175,7 +176,7 @@ def resolve(argv=None):
         value = values[name]
         if value is not None and not (isinstance(value, kind) and (kind is not int or not isinstance(value, bool))):
             raise SystemExit(f"jaxppo: setting {name}={value!r} is invalid: {name} must be a {kind.__name__}")
-    from jaxppo.models.model import REMAT_POLICIES
+    from jaxppo.models.model import DTYPES, REMAT_POLICIES
 
     if values["logits_chunk_size"] is not None and values["logits_chunk_size"] <= 0:
         raise SystemExit(f"jaxppo: --logits-chunk-size {values['logits_chunk_size']} is invalid; give a positive "
@@ -185,9 +186,9 @@ def resolve(argv=None):
         raise SystemExit(f"jaxppo: --remat {values['remat']!r} is invalid; valid: none, full, "
                          f"{', '.join(REMAT_POLICIES)}")
     for name in ("dtype", "ref_dtype", "reward_dtype"):
-        if values[name] is not None and values[name] not in ("float32", "bfloat16", "float16"):
-            raise SystemExit(f"jaxppo: --{name.replace('_', '-')} {values[name]!r} is invalid; valid: float32, "
-                             "bfloat16, float16")
+        if values[name] is not None and values[name] not in DTYPES:
+            raise SystemExit(f"jaxppo: --{name.replace('_', '-')} {values[name]!r} is invalid; valid: "
+                             f"{', '.join(DTYPES)}")
     for name in ("mesh_data", "mesh_fsdp", "mesh_tensor"):
         if values[name] is not None and values[name] <= 0:
             raise SystemExit(f"jaxppo: --{name.replace('_', '-')} {values[name]} is invalid: a mesh axis needs at "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 
+from jaxppo.algorithms import ESTIMATORS, REGISTRY
 from jaxppo.models.config import ModelConfig
 from jaxppo.models.model import Model
 
@@ -37,9 +38,8 @@ DEMO_TRAINER = dict(iterations=80, query_length=32, response_length=16, learning
 
 # The demo's settings per critic-free algorithm, over that algorithm's own defaults: the
 # same 64 completions per iteration (8 prompts x 8), no critic learning rate to set.
-DEMO_ALGORITHM = {
-    name: dict(critic_learning_rate=None) for name in ("grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "gspo")
-}
+DEMO_ALGORITHM = {name: dict(critic_learning_rate=None) for name, algorithm in REGISTRY.items()
+                  if not ESTIMATORS[algorithm.estimator].uses_critic}
 
 
 def demo_tokenizer():

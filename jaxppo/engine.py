@@ -178,7 +178,7 @@ def _global_norm(tree):
     return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
 
 
-def _grads_and_aux(params, minibatch, loss_fn, weight_fn, config: PPOConfig):
+def grads_and_aux(params, minibatch, loss_fn, weight_fn, config: PPOConfig):
     """Loss, aux and gradients of one mini-batch, accumulated over micro-batches if asked.
 
     Without a `weight_fn`, micro-batches count equally (the mean of their losses, which
@@ -229,6 +229,75 @@ def _approxkl(aux, approxkl_key: str, config: PPOConfig):
     return kl
 
 
+def _check_batch(batch, config: PPOConfig):
+    """Trace-time checks of `update_epochs_fn`'s arguments."""
+    if not isinstance(config, PPOConfig):
+        raise TypeError(f"config must be a jaxppo.PPOConfig, got {type(config).__name__}")
+    leaves = jax.tree.leaves(batch)
+    if not leaves:
+        raise ValueError("batch is an empty pytree: it needs at least one array leading with batch_size")
+    chex.assert_tree_shape_prefix(
+        batch,
+        (config.batch_size,),
+        custom_message=(
+            f"every leaf of the batch must lead with PPOConfig.batch_size={config.batch_size} "
+            f"(rows of one rollout); shapes given: {jax.tree.map(jnp.shape, batch)}"
+        ),
+    )
+
+
+def minibatch_update(state: "TrainState", minibatch, stopped, loss_fn: Callable, config: PPOConfig, *,
+                 weight_fn: Optional[Callable] = None, approxkl_key: str = "approxkl"):
+    """One optimizer update on one mini-batch: gradients of `loss_fn` (accumulated over
+    micro-batches), then the update unless it is withheld. `stopped` (the KL stop had
+    triggered before this mini-batch; always False without target_kl): no gradient is
+    computed, nothing is applied, float metrics are NaN. Returns (state, metrics) as one
+    row of `update_epochs_fn`'s metrics."""
+    early_stop = config.target_kl is not None
+    # Gradients of the trained params only: frozen ones enter the loss as constants.
+    trained_loss = loss_fn if state.freeze is None else (
+        lambda trained, mb: loss_fn(state.freeze.join(trained, state.params), mb))
+    grad_fn = lambda mb: grads_and_aux(state.trained_params(), mb, trained_loss, weight_fn, config)
+    if early_stop:
+        shapes = jax.eval_shape(grad_fn, minibatch)
+
+        def skipped(mb):
+            fill = lambda s: jnp.full(s.shape, jnp.nan if jnp.issubdtype(s.dtype, jnp.inexact) else 0, s.dtype)
+            loss, aux, grads = shapes
+            return fill(loss), jax.tree.map(fill, aux), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), grads)
+
+        # A branch on the gradient only: the train state goes through one branch below
+        # (a second, nested branch over the state would copy it).
+        loss, aux, grads = jax.lax.cond(stopped, skipped, grad_fn, minibatch)
+    else:
+        loss, aux, grads = grad_fn(minibatch)
+    finite = (jnp.isfinite(loss) & _tree_all_finite(grads)) | stopped
+    grad_norm = jnp.where(stopped, jnp.nan, _global_norm(grads))
+    if early_stop:
+        # The KL is measured before this update: once it is past the target, this
+        # update is withheld too, and so is every later one of this call.
+        kl_exceeded = stopped | (_approxkl(aux, approxkl_key, config) > config.target_kl)
+    else:
+        kl_exceeded = jnp.array(False)
+    apply = finite & ~kl_exceeded
+    # A withheld update (non-finite, or past the KL target) leaves parameters and
+    # optimizer state untouched. A branch, not a select of new against old: a select
+    # keeps both whole states alive (one more state-sized buffer); the branch lets the
+    # update write in place.
+    new_state = jax.lax.cond(apply, lambda s: s.apply_gradients(grads), lambda s: s, state)
+    new_state = new_state.replace(skipped_nonfinite=state.skipped_nonfinite + (~finite).astype(jnp.int32))
+    metrics = {
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "applied": apply,
+        "nonfinite": ~finite,
+        "aux": aux,
+    }
+    if early_stop:
+        metrics["early_stopped"] = kl_exceeded
+    return new_state, metrics
+
+
 def update_epochs_fn(
     state: TrainState,
     batch,
@@ -272,76 +341,18 @@ def update_epochs_fn(
           NaN for mini-batches skipped by the early stop.
 
     Raises:
-      AssertionError (chex) at trace time if a batch leaf does not lead with `batch_size`.
+      AssertionError: (chex) at trace time, if a batch leaf does not lead with `batch_size`.
 
     `update_epochs` is this function under `jax.jit` (static: loss_fn, config, weight_fn,
     approxkl_key, minibatch_sharding); `update_epochs_fn` is the plain function, to jit
     with your own options (buffer donation, shardings) or to call inside your own jit.
     """
-    if not isinstance(config, PPOConfig):
-        raise TypeError(f"config must be a jaxppo.PPOConfig, got {type(config).__name__}")
-    leaves = jax.tree.leaves(batch)
-    if not leaves:
-        raise ValueError("batch is an empty pytree: it needs at least one array leading with batch_size")
-    chex.assert_tree_shape_prefix(
-        batch,
-        (config.batch_size,),
-        custom_message=(
-            f"every leaf of the batch must lead with PPOConfig.batch_size={config.batch_size} "
-            f"(rows of one rollout); shapes given: {jax.tree.map(jnp.shape, batch)}"
-        ),
-    )
+    _check_batch(batch, config)
     indices = minibatch_indices(key, config)
     chex.assert_shape(indices, (config.ppo_epochs, config.num_minibatches, config.mini_batch_size))
-
     early_stop = config.target_kl is not None
-
-    def do_update(state, minibatch, stopped):
-        """One mini-batch update. `stopped` (the KL stop had triggered before this
-        mini-batch; always False without target_kl): no gradient is computed, nothing is
-        applied, float metrics are NaN."""
-        # Gradients of the trained params only: frozen ones enter the loss as constants.
-        trained_loss = loss_fn if state.freeze is None else (
-            lambda trained, mb: loss_fn(state.freeze.join(trained, state.params), mb))
-        grad_fn = lambda mb: _grads_and_aux(state.trained_params(), mb, trained_loss, weight_fn, config)
-        if early_stop:
-            shapes = jax.eval_shape(grad_fn, minibatch)
-
-            def skipped(mb):
-                fill = lambda s: jnp.full(s.shape, jnp.nan if jnp.issubdtype(s.dtype, jnp.inexact) else 0, s.dtype)
-                loss, aux, grads = shapes
-                return fill(loss), jax.tree.map(fill, aux), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), grads)
-
-            # A branch on the gradient only: the train state goes through one branch below
-            # (a second, nested branch over the state would copy it).
-            loss, aux, grads = jax.lax.cond(stopped, skipped, grad_fn, minibatch)
-        else:
-            loss, aux, grads = grad_fn(minibatch)
-        finite = (jnp.isfinite(loss) & _tree_all_finite(grads)) | stopped
-        grad_norm = jnp.where(stopped, jnp.nan, _global_norm(grads))
-        if early_stop:
-            # The KL is measured before this update: once it is past the target, this
-            # update is withheld too, and so is every later one of this call.
-            kl_exceeded = stopped | (_approxkl(aux, approxkl_key, config) > config.target_kl)
-        else:
-            kl_exceeded = jnp.array(False)
-        apply = finite & ~kl_exceeded
-        # A withheld update (non-finite, or past the KL target) leaves parameters and
-        # optimizer state untouched. A branch, not a select of new against old: a select
-        # keeps both whole states alive (one more state-sized buffer); the branch lets the
-        # update write in place.
-        new_state = jax.lax.cond(apply, lambda s: s.apply_gradients(grads), lambda s: s, state)
-        new_state = new_state.replace(skipped_nonfinite=state.skipped_nonfinite + (~finite).astype(jnp.int32))
-        metrics = {
-            "loss": loss,
-            "grad_norm": grad_norm,
-            "applied": apply,
-            "nonfinite": ~finite,
-            "aux": aux,
-        }
-        if early_stop:
-            metrics["early_stopped"] = kl_exceeded
-        return new_state, metrics
+    do_update = functools.partial(minibatch_update, loss_fn=loss_fn, config=config, weight_fn=weight_fn,
+                                  approxkl_key=approxkl_key)
 
     def minibatch_step(carry, idx):
         state, stopped = carry

@@ -24,7 +24,8 @@ from jaxppo.config import PPOConfig
 from jaxppo.engine import TrainState, update_epochs_fn
 from jaxppo.rollout_types import Rollout, response_outputs
 
-__all__ = ["Rollout", "train_step", "train_step_fn", "ppo_loss", "compute_advantages", "response_outputs", "check_rollout"]
+__all__ = ["Rollout", "train_step", "train_step_fn", "jit_train_step", "ppo_loss", "compute_advantages", "response_outputs",
+           "check_rollout"]
 
 
 def compute_advantages(rollout: Rollout, config: PPOConfig):
@@ -45,8 +46,10 @@ def ppo_loss(params, batch, *, apply_fn, config: PPOConfig):
     """The loss of one (mini- or micro-) batch for every algorithm: a dict of rollout fields
     plus `advantages` (and `returns` with a critic), each leading with the rows.
 
-    loss = policy_loss [+ vf_coef * value_loss] [- ent_coef * entropy]
-           [+ kl_loss_coef * KL(policy || reference)]
+        loss = policy_loss (+ vf_coef * value_loss) (- ent_coef * entropy)
+               (+ kl_loss_coef * KL(policy || reference))
+
+    (each bracketed term only when it applies: `jaxppo.algorithms.loss_terms(config)`)
     policy_loss: the clipped surrogate with the ratio per token (or per completion, GSPO:
     `config.importance_ratio`) clipped to [1 - clip_low, 1 + clip_high], optionally dual
     clipped (`jaxppo.math.clipped_policy_loss`). Every term is reduced by
@@ -55,7 +58,8 @@ def ppo_loss(params, batch, *, apply_fn, config: PPOConfig):
 
     Returns (loss, aux) with scalar aux entries: policy_loss, entropy, approxkl, clipfrac,
     ratio, ratio_var, clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean;
-    value_loss and vf_clipfrac with a critic; kl with a KL term.
+    value_loss and vf_clipfrac with a critic; kl with a KL term; clip_ratio/dual_mean (tokens
+    whose loss the dual clip capped) with `dual_clip`.
     """
     mask = batch["response_mask"].astype(jnp.float32)
     r = batch["response_tokens"].shape[1]
@@ -96,18 +100,21 @@ def ppo_loss(params, batch, *, apply_fn, config: PPOConfig):
         "ratio_var": sg(ppo_math.masked_var(ratio, mask, unbiased=False)),
         **{k: v for k, v in clip_metrics.items() if k.startswith("clip_ratio/")},
     })
+    if config.dual_clip is not None:
+        aux["clip_ratio/dual_mean"] = clip_metrics["dual_clip_fraction"]
     return loss, aux
 
 
-def _token_count(batch):
+def token_count(batch):
+    """Real response tokens of a (micro-)batch: the token-mean loss's weight."""
     return jnp.sum(batch["response_mask"].astype(jnp.float32))
 
 
-def _micro_batch_weight(config: PPOConfig):
+def micro_batch_weight(config: PPOConfig):
     """How micro-batches are weighted under gradient accumulation, so that they add up to
     exactly the whole mini-batch's loss: by real tokens for a token mean; equally (they
     hold equal numbers of completions) for the per-completion means."""
-    return _token_count if config.loss_aggregation == "token_mean" else None
+    return token_count if config.loss_aggregation == "token_mean" else None
 
 
 # TRL's metric names for the aux entries: (average over updates, per-mini-batch array).
@@ -123,14 +130,15 @@ _TRL_NAMES = {
     "clip_ratio/low_mean": ("clip_ratio/low_mean", "per_minibatch/clip_ratio/low_mean"),
     "clip_ratio/high_mean": ("clip_ratio/high_mean", "per_minibatch/clip_ratio/high_mean"),
     "clip_ratio/region_mean": ("clip_ratio/region_mean", "per_minibatch/clip_ratio/region_mean"),
+    "clip_ratio/dual_mean": ("clip_ratio/dual_mean", "per_minibatch/clip_ratio/dual_mean"),
     "kl": ("kl", "per_minibatch/kl"),
 }
 
 
 @functools.lru_cache(maxsize=None)
-def _loss_for(apply_fn, config: PPOConfig):
-    # One loss function object per (apply_fn, config), so the engine's static argument
-    # is the same object on every call and nothing is traced twice.
+def loss_for(apply_fn, config: PPOConfig):
+    """`ppo_loss` with `apply_fn` and `config` bound: one function object per pair, so the
+    engine's static argument is the same object on every call and nothing is traced twice."""
     return functools.partial(ppo_loss, apply_fn=apply_fn, config=config)
 
 
@@ -187,7 +195,7 @@ def train_step_fn(state: TrainState, rollout: Rollout, key, config: PPOConfig, m
         batch["ref_logprobs"] = rollout.ref_logprobs
     step_before = state.step
     state, engine_metrics = update_epochs_fn(
-        state, batch, key, _loss_for(state.apply_fn, config), config, weight_fn=_micro_batch_weight(config),
+        state, batch, key, loss_for(state.apply_fn, config), config, weight_fn=micro_batch_weight(config),
         minibatch_sharding=minibatch_sharding,
     )
     metrics = _summarise(engine_metrics, state.step - step_before, rollout, advantages, returns, config)
@@ -211,11 +219,15 @@ def _check_rollout_structure(rollout, config: PPOConfig):
     if config.kl_loss_coef and rollout.ref_logprobs is None:
         raise ValueError(f"PPOConfig.kl_loss_coef={config.kl_loss_coef} needs the reference policy's log-probs in "
                          "rollout.ref_logprobs (batch, response_len); the rollout has none")
-    fields = ("response_mask", "logprobs", "values", "rewards") + (("ref_logprobs",) if config.kl_loss_coef else ())
-    for name in fields:
+    if config.uses_critic and rollout.values is None:
+        raise ValueError(f"advantage_estimator={config.advantage_estimator!r} uses a critic: rollout.values must hold "
+                         "its values (batch, response_len); the rollout has none")
+    for name in _token_fields(rollout, config):
         shape = getattr(rollout, name).shape
         if shape != (b, r):
             raise ValueError(f"rollout.{name} has shape {shape}; expected (batch, response_len) = {(b, r)}")
+    if rollout.scores is not None and tuple(rollout.scores.shape) != (b,):
+        raise ValueError(f"rollout.scores has shape {tuple(rollout.scores.shape)}; expected (batch,) = ({b},)")
     if (len(rollout.query_tokens.shape) != 2 or rollout.query_mask.shape != rollout.query_tokens.shape
             or rollout.query_tokens.shape[0] != b):
         raise ValueError(
@@ -230,10 +242,23 @@ def _check_rollout_structure(rollout, config: PPOConfig):
         dtype = jnp.dtype(getattr(rollout, name).dtype)
         if not (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating) or dtype == jnp.bool_):
             raise TypeError(f"rollout.{name} has dtype {dtype}; a mask must be int, bool or float holding 0/1")
-    for name in ("logprobs", "values", "rewards"):
+    for name in _float_fields(rollout):
         dtype = jnp.dtype(getattr(rollout, name).dtype)
         if not jnp.issubdtype(dtype, jnp.floating):
             raise TypeError(f"rollout.{name} has dtype {dtype}; it must be a float array (float32)")
+
+
+def _token_fields(rollout, config):
+    """The (B, R) fields the update reads, plus the optional ones the rollout has."""
+    names = ["response_mask", "logprobs", "rewards"]
+    if config.kl_loss_coef:
+        names.append("ref_logprobs")
+    names += [n for n in ("values", "sampler_logprobs") if getattr(rollout, n) is not None]
+    return names
+
+
+def _float_fields(rollout):
+    return [n for n in ("logprobs", "values", "rewards", "scores", "sampler_logprobs") if getattr(rollout, n) is not None]
 
 
 def check_rollout(rollout: Rollout, config: PPOConfig):
@@ -264,11 +289,11 @@ def check_rollout(rollout: Rollout, config: PPOConfig):
             row = int(np.flatnonzero(np.any(t < 0, axis=1))[0])
             raise ValueError(f"rollout.{name} row {row} holds negative token ids; ids must be >= 0")
     mask = np.asarray(rollout.response_mask) > 0
-    for name in ("logprobs", "values", "rewards"):
+    for name in _float_fields(rollout):
         x = np.asarray(getattr(rollout, name), np.float64)
-        bad = ~np.isfinite(x) & mask
+        bad = ~np.isfinite(x) & (mask if x.ndim == 2 else True)
         if bad.any():
-            row = int(np.flatnonzero(bad.any(axis=1))[0])
+            row = int(np.flatnonzero(bad.any(axis=1) if bad.ndim == 2 else bad)[0])
             raise ValueError(f"rollout.{name} row {row} has non-finite values at real response tokens; they must be "
                              "finite")
 
@@ -310,6 +335,23 @@ def _summarise(engine_metrics, applied, rollout, advantages, returns, config):
     return metrics
 
 
-train_step = jax.jit(train_step_fn, static_argnames=("config", "minibatch_sharding"))
+def jit_train_step(config: PPOConfig = None, *, donate: bool = False, **jit_options):
+    """`train_step_fn` under `jax.jit`: with `config` bound (then `jit_options`, such as
+    shardings, apply to (state, rollout, key) alone), else with `config` and
+    `minibatch_sharding` static. `donate=True` donates the train state's buffers (the state
+    passed in is invalid afterwards; the new one reuses its memory)."""
+    donate_argnums = (0,) if donate else ()
+    if config is None:
+        return jax.jit(train_step_fn, static_argnames=("config", "minibatch_sharding"), donate_argnums=donate_argnums,
+                       **jit_options)
+    minibatch_sharding = jit_options.pop("minibatch_sharding", None)
+    fn = functools.partial(train_step_fn, config=config, minibatch_sharding=minibatch_sharding)
+    return jax.jit(fn, donate_argnums=donate_argnums, **jit_options)
+
+
+train_step = jit_train_step()
 train_step_jit = train_step  # the jitted object; `_cache_size()` counts its compiles
+# With the old train state donated (one train state in memory during the update instead of
+# two). Module-level, so every trainer in a process shares its compiled programs.
+train_step_donating = jit_train_step(donate=True)
 

@@ -41,34 +41,7 @@ def load_prompt_table(source, prompt_column: str = "prompt"):
         if not os.path.isfile(path):
             raise ValueError(f"prompts file {path!r} does not exist (give a .txt, .jsonl or .json file)")
         where = path
-        if path.endswith(".jsonl"):
-            rows, labels = [], []
-            with open(path) as f:
-                for n, line in enumerate(f, start=1):
-                    if not line.strip():
-                        continue
-                    try:
-                        rows.append(json.loads(line))
-                    except ValueError as err:
-                        raise ValueError(f"{path} line {n} is not valid JSON ({err}): {line.strip()[:60]!r}; each "
-                                         f'line must be an object such as {{"{prompt_column}": "..."}}') from None
-                    labels.append(f"{path} line {n}")
-        elif path.endswith(".json"):
-            with open(path) as f:
-                try:
-                    rows = json.load(f)
-                except ValueError as err:
-                    raise ValueError(f"{path} is not valid JSON ({err}); expected a list of strings or of objects "
-                                     f"with a {prompt_column!r} field") from None
-            if not isinstance(rows, list):
-                raise ValueError(f"{path} holds a {type(rows).__name__}; expected a list of strings or of objects "
-                                 f"with a {prompt_column!r} field")
-            labels = [f"{path} item {i}" for i in range(len(rows))]
-        else:
-            with open(path) as f:
-                numbered = [(n, line.rstrip("\n")) for n, line in enumerate(f, start=1) if line.strip()]
-            rows = [line for _, line in numbered]
-            labels = [f"{path} line {n}" for n, _ in numbered]
+        rows, labels = _read_records(path, prompt_column)
         prompts = [_prompt_of(row, prompt_column, label) for row, label in zip(rows, labels)]
     elif hasattr(source, "column_names"):
         if prompt_column == "prompt" and "prompt" not in source.column_names and "messages" in source.column_names:
@@ -88,6 +61,53 @@ def load_prompt_table(source, prompt_column: str = "prompt"):
         prompts = [_prompt_of(row, prompt_column, label) for row, label in zip(rows, labels)]
     if not prompts:
         raise ValueError(f"no prompts: {where} is empty")
+    prompts = _checked_prompts(prompts, labels)
+    if rows is not None:
+        used = {"messages"} if any(isinstance(r, dict) and prompt_column not in r for r in rows) else set()
+        names = sorted({k for row in rows if isinstance(row, dict) for k in row if k != prompt_column} - used)
+        columns = {name: [row.get(name) if isinstance(row, dict) else None for row in rows] for name in names}
+    elif not hasattr(source, "column_names"):
+        columns = {}
+    return prompts, columns
+
+
+def _read_records(path: str, prompt_column: str):
+    """(rows, labels) of a prompts file: .jsonl objects, a .json list, or .txt lines (blank
+    lines skipped); each label names the file and line or item, for errors."""
+    if path.endswith(".jsonl"):
+        rows, labels = [], []
+        with open(path) as f:
+            for n, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except ValueError as err:
+                    raise ValueError(f"{path} line {n} is not valid JSON ({err}): {line.strip()[:60]!r}; each "
+                                     f'line must be an object such as {{"{prompt_column}": "..."}}') from None
+                labels.append(f"{path} line {n}")
+    elif path.endswith(".json"):
+        with open(path) as f:
+            try:
+                rows = json.load(f)
+            except ValueError as err:
+                raise ValueError(f"{path} is not valid JSON ({err}); expected a list of strings or of objects "
+                                 f"with a {prompt_column!r} field") from None
+        if not isinstance(rows, list):
+            raise ValueError(f"{path} holds a {type(rows).__name__}; expected a list of strings or of objects "
+                             f"with a {prompt_column!r} field")
+        labels = [f"{path} item {i}" for i in range(len(rows))]
+    else:
+        with open(path) as f:
+            numbered = [(n, line.rstrip("\n")) for n, line in enumerate(f, start=1) if line.strip()]
+        rows = [line for _, line in numbered]
+        labels = [f"{path} line {n}" for n, _ in numbered]
+    return rows, labels
+
+
+def _checked_prompts(prompts: list, labels: list) -> list:
+    """The prompts, each a string or a list of chat messages (tuples become lists); a
+    TypeError naming the first bad row otherwise, or a mix of both kinds."""
     chat = [i for i, p in enumerate(prompts) if isinstance(p, (list, tuple))]
     if chat:
         for i in chat:
@@ -104,13 +124,7 @@ def load_prompt_table(source, prompt_column: str = "prompt"):
         raise TypeError(f"prompts must be strings; {labels[i]} is a {type(prompts[i]).__name__} ({prompts[i]!r:.60})"
                         + (f" ({len(bad)} such rows)" if len(bad) > 1 else "")
                         + " (a prompt may also be a list of {\"role\", \"content\"} chat messages)")
-    if rows is not None:
-        used = {"messages"} if any(isinstance(r, dict) and prompt_column not in r for r in rows) else set()
-        names = sorted({k for row in rows if isinstance(row, dict) for k in row if k != prompt_column} - used)
-        columns = {name: [row.get(name) if isinstance(row, dict) else None for row in rows] for name in names}
-    elif not hasattr(source, "column_names"):
-        columns = {}
-    return prompts, columns
+    return prompts
 
 
 def _check_messages(messages, label: str):

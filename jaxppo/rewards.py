@@ -15,14 +15,16 @@ and row.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
-from typing import Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
+from jaxppo.assembly import describe_model, is_model_spec, qualified_name
 from jaxppo.rollout import RewardError, check_scores
 
-__all__ = ["RewardFunction", "HostRewards", "reward_name"]
+__all__ = ["RewardFunction", "HostRewards", "reward_name", "RewardSetup", "sort_rewards"]
 
 
 def reward_name(fn) -> str:
@@ -91,3 +93,104 @@ def _accepted_columns(fn):
                                                   inspect.Parameter.POSITIONAL_OR_KEYWORD)]
     named = positional[2:] + [p for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
     return {p.name for p in named}
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardSetup:
+    """The rewards of a run, sorted: the reward model (a checkpoint path or `(Model,
+    params)`, or None) and its weight, the text functions (scored on the host), a jittable
+    token function (or None), what `reward_fn` was called on ("text" or "tokens"), and
+    whether the run used the single-reward arguments (`legacy`: its settings keep their
+    older layout, so such runs resume)."""
+
+    model_spec: Any
+    host: tuple
+    token_fn: Optional[Callable]
+    model_weight: float
+    on: str
+    legacy: bool
+
+    def host_rewards(self) -> Optional["HostRewards"]:
+        return HostRewards(self.host) if self.host else None
+
+    def describe(self, model, dtype) -> dict:
+        """The reward's identity for the run settings."""
+        if self.legacy:
+            if model is not None:
+                return describe_model(self.model_spec, model, dtype)
+            fn = self.token_fn if self.token_fn is not None else self.host[0].fn
+            return {"function": qualified_name(fn), "on": self.on}
+        out = {"functions": [{"function": qualified_name(f.fn), "name": f.name, "weight": f.weight}
+                             for f in self.host]}
+        if model is not None:
+            out["model"] = describe_model(self.model_spec, model, dtype)
+            out["model_weight"] = self.model_weight
+        return out
+
+    def source(self) -> str:
+        """What produced the scores, for error messages."""
+        if self.model_spec is not None and not self.host:
+            return "the reward model"
+        if self.host:
+            names = [f.name for f in self.host]
+            what = (f"reward function {qualified_name(self.host[0].fn)!r}" if len(names) == 1
+                    else f"the reward functions {names}")
+            return what + (" with the reward model" if self.model_spec is not None else "")
+        return f"token reward function {qualified_name(self.token_fn)!r}"
+
+
+def sort_rewards(reward_model, reward_fn, reward_fn_on: str, reward_fns, reward_weights) -> "RewardSetup":
+    """Sort the trainer's reward arguments into a `RewardSetup`. Errors name what was
+    wrong."""
+    if reward_fn_on not in ("text", "tokens"):
+        raise ValueError(f"reward_fn_on={reward_fn_on!r} is invalid; valid: 'text', 'tokens'")
+    if reward_fns is not None:
+        if reward_fn is not None:
+            raise ValueError("give reward_fn or reward_fns, not both (reward_fns=[f] is reward_fn=f)")
+        if isinstance(reward_fns, (str, bytes)) or not isinstance(reward_fns, (list, tuple)) or not reward_fns:
+            raise ValueError(f"reward_fns must be a non-empty list of functions (one may be a reward model); got "
+                             f"{reward_fns!r:.80}")
+        if reward_fn_on != "text":
+            raise ValueError("reward_fns are called on text; token-level reward functions go in reward_fn with "
+                             "reward_fn_on='tokens'")
+    entries = list(reward_fns) if reward_fns is not None else ([reward_fn] if reward_fn is not None else [])
+    if reward_weights is None:
+        weights = [1.0] * len(entries)
+    else:
+        if reward_fns is None:
+            raise ValueError("reward_weights needs reward_fns (one weight per entry)")
+        weights = list(reward_weights)
+        if len(weights) != len(entries):
+            raise ValueError(f"reward_weights has {len(weights)} weights for {len(entries)} reward_fns; give one "
+                             "weight per entry, in the same order")
+        for i, w in enumerate(weights):
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not np.isfinite(w):
+                raise ValueError(f"reward_weights[{i}]={w!r} is invalid: a weight must be a finite number")
+    model_weight = 1.0
+    fns = []
+    for entry, weight in zip(entries, weights):
+        if is_model_spec(entry):
+            if reward_model is not None:
+                raise ValueError("one reward model at most: reward_model and a model in reward_fns were both given")
+            reward_model, model_weight = entry, weight
+        elif callable(entry):
+            fns.append((entry, weight))
+        else:
+            raise ValueError(f"reward_fns entry {entry!r:.60} is neither a function nor a reward model (a checkpoint "
+                             "path or a (Model, params) pair)")
+    if reward_model is None and not fns:
+        raise ValueError("give exactly one of reward_model (a reward model), reward_fn (a function) or reward_fns (a "
+                         "list of functions, one of which may be a reward model)")
+    if reward_fns is None and reward_model is not None and reward_fn is not None:
+        raise ValueError("give exactly one of reward_model (a reward model) or reward_fn (a function); to combine "
+                         "them, list both in reward_fns")
+    token_fn = None
+    if reward_fn_on == "tokens":
+        token_fn, fns = fns[0][0], []
+    names = {}
+    host = []
+    for fn, weight in fns:
+        name = reward_name(fn)
+        names[name] = names.get(name, 0) + 1
+        host.append(RewardFunction(name if names[name] == 1 else f"{name}_{names[name]}", fn, float(weight)))
+    return RewardSetup(reward_model, tuple(host), token_fn, float(model_weight), reward_fn_on, legacy=reward_fns is None)

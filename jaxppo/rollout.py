@@ -60,6 +60,7 @@ class RolloutSpec:
       missing_eos_penalty: subtracted from the score of responses without a stop token.
       normalize_scores: standardise scores by running mean/std before use.
       score_clip: clip (normalised) scores to [-score_clip, score_clip].
+      uses_critic: the rollout carries the critic's values (PPO); False: `values` is None.
     """
 
     policy: Model
@@ -79,6 +80,7 @@ class RolloutSpec:
     missing_eos_penalty: Optional[float] = None
     normalize_scores: bool = False
     score_clip: Optional[float] = None
+    uses_critic: bool = True
 
     def __post_init__(self):
         check_kl_estimator("kl_estimator=", self.kl_estimator)
@@ -146,6 +148,44 @@ def nonfinite_rows(scores) -> np.ndarray:
     return np.flatnonzero(~np.isfinite(np.asarray(scores, np.float64)))
 
 
+def _reference_logprobs(spec: RolloutSpec, ref_params, batch):
+    """The reference policy's log-probs of the response tokens, (B, R)."""
+    ref_scorer = scorer(spec.ref_apply)
+    if ref_scorer is not None:  # a built-in model: no full logits
+        return ref_scorer(ref_params, batch["query_tokens"], batch["query_mask"], batch["response_tokens"],
+                          batch["response_mask"], spec.temperature)[0]
+    q, r = batch["query_tokens"].shape[1], batch["response_tokens"].shape[1]
+    tokens, mask = _joined(batch)
+    ref_logits = spec.ref_apply(ref_params, tokens, mask)[:, q - 1 : q - 1 + r]
+    return ppo_math.logprobs_from_logits(ref_logits, batch["response_tokens"], spec.temperature)
+
+
+def _joined(batch):
+    """Query + response tokens and mask, (B, Q + R)."""
+    return (jnp.concatenate([batch["query_tokens"], batch["response_tokens"]], axis=1),
+            jnp.concatenate([batch["query_mask"], batch["response_mask"]], axis=1))
+
+
+def _raw_scores(spec: RolloutSpec, reward_params, batch, host_scores):
+    """(B,) scores before penalties and normalisation: the reward model's (weighted) or the
+    token function's, plus the host's; and the reward model's own (or None)."""
+    b = batch["query_tokens"].shape[0]
+    model_scores = None
+    if spec.reward_apply is not None:
+        model_scores = spec.reward_apply(reward_params, *_joined(batch)).astype(jnp.float32)
+        raw_scores = spec.reward_weight * model_scores
+    elif spec.token_reward_fn is not None:
+        raw_scores = jnp.asarray(spec.token_reward_fn(batch["query_tokens"], batch["query_mask"],
+                                                      batch["response_tokens"], batch["response_mask"]), jnp.float32)
+    else:
+        raw_scores = jnp.zeros((b,), jnp.float32)
+    if host_scores is not None:
+        raw_scores = raw_scores + host_scores.astype(jnp.float32)
+    if raw_scores.shape != (b,):
+        raise ValueError(f"scores have shape {raw_scores.shape}; expected ({b},)")
+    return raw_scores, model_scores
+
+
 @functools.partial(jax.jit, static_argnames=("spec",))
 def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompt_ids, prompt_mask,
                    gen: GenerationOutput, host_scores, kl_state: ppo_math.KLControllerState,
@@ -163,35 +203,13 @@ def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompt_
     batch = {"query_tokens": prompt_ids, "query_mask": prompt_mask,
              "response_tokens": gen.tokens, "response_mask": response_mask}
     logprobs, values, _ = response_outputs(spec.apply_fn, params, batch, spec.temperature)
-    if values is None:  # no critic
-        values = jnp.zeros_like(logprobs)
-    tokens = jnp.concatenate([prompt_ids, gen.tokens], axis=1)
-    mask = jnp.concatenate([prompt_mask, response_mask], axis=1)
-    q, r = prompt_ids.shape[1], gen.tokens.shape[1]
+    if not spec.uses_critic:
+        values = None  # the critic-free algorithms carry no values
     ref_logprobs = None
     if spec.ref_apply is not None:
-        if spec.ref_is_policy:
-            ref_params = spec.policy_params(params)
-        ref_scorer = scorer(spec.ref_apply)
-        if ref_scorer is not None:  # a built-in model: no full logits
-            ref_logprobs = ref_scorer(ref_params, prompt_ids, prompt_mask, gen.tokens, response_mask,
-                                      spec.temperature)[0]
-        else:
-            ref_logits = spec.ref_apply(ref_params, tokens, mask)[:, q - 1 : q - 1 + r]
-            ref_logprobs = ppo_math.logprobs_from_logits(ref_logits, gen.tokens, spec.temperature)
-
-    model_scores = None
-    if spec.reward_apply is not None:
-        model_scores = spec.reward_apply(reward_params, tokens, mask).astype(jnp.float32)
-        raw_scores = spec.reward_weight * model_scores
-    elif spec.token_reward_fn is not None:
-        raw_scores = jnp.asarray(spec.token_reward_fn(prompt_ids, prompt_mask, gen.tokens, response_mask), jnp.float32)
-    else:
-        raw_scores = jnp.zeros((prompt_ids.shape[0],), jnp.float32)
-    if host_scores is not None:
-        raw_scores = raw_scores + host_scores.astype(jnp.float32)
-    if raw_scores.shape != (prompt_ids.shape[0],):
-        raise ValueError(f"scores have shape {raw_scores.shape}; expected ({prompt_ids.shape[0]},)")
+        ref_logprobs = _reference_logprobs(spec, spec.policy_params(params) if spec.ref_is_policy else ref_params,
+                                           batch)
+    raw_scores, model_scores = _raw_scores(spec, reward_params, batch, host_scores)
 
     stop_ids = jnp.asarray(spec.stop_token_ids or (-1,), jnp.int32)
     contains_eos = jnp.any(jnp.isin(gen.tokens, stop_ids) & (response_mask > 0), axis=1)
@@ -209,9 +227,13 @@ def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompt_
     else:
         kl = jnp.zeros_like(logprobs)
     rewards, non_score = ppo_math.kl_shaped_rewards(kl, scores, response_mask, kl_state.beta)
+    # A completion's sequence score for the group estimators: the score plus its summed KL
+    # penalty (the sum of its rewards), kept as a field rather than recovered from `rewards`.
+    sequence_scores = scores + ppo_math.masked_sum(non_score, response_mask.astype(jnp.float32), axis=1)
     rollout = Rollout(query_tokens=prompt_ids, query_mask=prompt_mask, response_tokens=gen.tokens,
                       response_mask=response_mask, logprobs=logprobs, values=values, rewards=rewards,
-                      ref_logprobs=ref_logprobs if spec.keep_ref_logprobs else None)
+                      ref_logprobs=ref_logprobs if spec.keep_ref_logprobs else None, scores=sequence_scores,
+                      sampler_logprobs=gen.logprobs)
     mean_kl = jnp.mean(jnp.sum(kl, axis=1))
     mean_non_score = jnp.mean(jnp.sum(non_score, axis=1))
     stats = {

@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxppo.config import PPOConfig
 from jaxppo.engine import key_names
+from jaxppo.ppo import jit_train_step
 
 __all__ = ["MeshConfig", "make_mesh", "batch_sharding", "shard_batch", "param_spec", "tree_shardings", "shard_state",
            "sharded_train_step", "global_batch",
@@ -178,17 +179,24 @@ def sharded_train_step(state, config: PPOConfig, mesh: Mesh, *, donate: bool = F
     update count and the math are those of the single-device `train_step`. `donate=True`
     lets XLA reuse the old state's buffers (the passed state is invalid afterwards).
     """
-    import functools
-
-    from jaxppo.ppo import train_step_fn
-
     check_batch_divides(config, mesh)
     state_sharding = tree_shardings(state, mesh)
     rows = batch_sharding(mesh)
     replicated = NamedSharding(mesh, P())
-    fn = functools.partial(train_step_fn, config=config, minibatch_sharding=rows)
-    return MeshBound(jax.jit(fn, in_shardings=(state_sharding, rows, replicated),
-                             out_shardings=(state_sharding, replicated), donate_argnums=(0,) if donate else ()), mesh)
+    return MeshBound(jit_train_step(config, donate=donate, minibatch_sharding=rows,
+                                    in_shardings=(state_sharding, rows, replicated),
+                                    out_shardings=(state_sharding, replicated)), mesh)
+
+
+def place_run(mesh, config: PPOConfig, run, ref_params, reward_params):
+    """A trainer's state on `mesh` (a `MeshConfig` or `Mesh`): (the mesh, the run state with
+    its train state sharded, the sharded frozen parameters (None stays None), the train
+    step for that mesh, donating the old state)."""
+    mesh = mesh if isinstance(mesh, Mesh) else make_mesh(mesh)
+    check_batch_divides(config, mesh)
+    run = run.replace(train=shard_state(run.train, mesh))
+    ref_params, reward_params = (None if p is None else shard_state(p, mesh) for p in (ref_params, reward_params))
+    return mesh, run, ref_params, reward_params, sharded_train_step(run.train, config, mesh, donate=True)
 
 
 class MeshBound:

@@ -7,7 +7,7 @@ import pytest
 from scipy import stats
 
 import jaxppo.models as jm
-from jaxppo.models.generate import _generate
+from jaxppo.models.generate import generate_jit
 
 V = 24
 
@@ -162,14 +162,14 @@ def test_early_stop_equals_the_full_decode(tiny, stops, kwargs):
 def test_deterministic_per_key_and_one_compile_per_shape(tiny):
     model, params = tiny
     prompt, mask = _prompts(4, seed=5)
-    before = _generate._cache_size()
+    before = generate_jit._cache_size()
     a = jm.generate(model, params, prompt, mask, jax.random.key(7), response_length=5)
     b = jm.generate(model, params, prompt, mask, jax.random.key(7), response_length=5)
     c = jm.generate(model, params, prompt, mask, jax.random.key(8), response_length=5, temperature=0.9)
     for x, y in zip(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert not np.array_equal(np.asarray(a.tokens), np.asarray(c.tokens))
-    assert _generate._cache_size() == before + 1  # a new key or temperature does not recompile
+    assert generate_jit._cache_size() == before + 1  # a new key or temperature does not recompile
 
 
 def test_bad_arguments(tiny):

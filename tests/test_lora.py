@@ -209,7 +209,7 @@ def test_lora_resume_checkpoints_adapters_only(tmp_path):
     straight = grpo_trainer(tmp_path / "a", iterations=3, **kw).train()
     grpo_trainer(tmp_path / "b", iterations=2, **kw).train()
     resumed_trainer = grpo_trainer(tmp_path / "b", iterations=3, **kw)
-    saved = resumed_trainer._checkpoint_tree()["params"]
+    saved = resumed_trainer.run.checkpoint_tree()["params"]
     names = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(saved)}
     assert names and all("lora" in n or "value_head" in n for n in names), names
     resumed = resumed_trainer.train()

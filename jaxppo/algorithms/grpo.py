@@ -9,9 +9,12 @@ from jaxppo.algorithms.base import AdvantageEstimator, Advantages, sequence_scor
 from jaxppo.math import grpo_advantages, zero_std_groups
 
 
-def zero_std_stats(scores, num_generations: int) -> dict:
-    """`frac_reward_zero_std`: the fraction of groups whose scores are all equal."""
-    return {"frac_reward_zero_std": jnp.mean(zero_std_groups(scores, num_generations).astype(jnp.float32))}
+def zero_std_stats(scores, num_generations: int, zero_std=None) -> dict:
+    """`frac_reward_zero_std`: the fraction of groups whose scores are all equal (`zero_std`,
+    (B / G,) bool, when already computed)."""
+    if zero_std is None:
+        zero_std = zero_std_groups(scores, num_generations)
+    return {"frac_reward_zero_std": jnp.mean(zero_std.astype(jnp.float32))}
 
 
 def compute(rollout, config) -> Advantages:
@@ -19,8 +22,8 @@ def compute(rollout, config) -> Advantages:
     broadcast over each completion's real tokens."""
     scores = sequence_scores(rollout)
     mask = rollout.response_mask.astype(jnp.float32)
-    advantages = grpo_advantages(scores, config.num_generations, config.grpo_scale, config.grpo_eps)[0]
-    return Advantages(advantages[:, None] * mask, None, zero_std_stats(scores, config.num_generations))
+    advantages, zero_std = grpo_advantages(scores, config.num_generations, config.grpo_scale, config.grpo_eps)
+    return Advantages(advantages[:, None] * mask, None, zero_std_stats(scores, config.num_generations, zero_std))
 
 
 ESTIMATOR = AdvantageEstimator(

@@ -126,102 +126,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf) -> "ModelConfig":
-        """From a transformers `PretrainedConfig` (or its dict)."""
-        d = hf if isinstance(hf, dict) else hf.to_dict()
-        model_type = d.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"model_type {model_type!r} is not supported; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        eos = d.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-        common = dict(
-            vocab_size=d["vocab_size"],
-            pad_token_id=d.get("pad_token_id"),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", model_type in ("gpt2", "gemma3_text"))),
-            num_labels=len(d.get("id2label") or {0: 0}) if d.get("num_labels") is None else d["num_labels"],
-        )
-        if model_type == "gpt2":
-            if d.get("scale_attn_by_inverse_layer_idx") or d.get("reorder_and_upcast_attn"):
-                raise ValueError("GPT-2 options scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported")
-            if not d.get("scale_attn_weights", True):
-                raise ValueError("GPT-2 with scale_attn_weights=False is not supported")
-            n_embd = d["n_embd"]
-            return cls(
-                model_type="gpt2",
-                hidden_size=n_embd,
-                num_layers=d["n_layer"],
-                num_heads=d["n_head"],
-                num_kv_heads=d["n_head"],
-                intermediate_size=d.get("n_inner") or 4 * n_embd,
-                max_position_embeddings=d["n_positions"],
-                norm_eps=d.get("layer_norm_epsilon", 1e-5),
-                activation=d.get("activation_function", "gelu_new"),
-                qkv_bias=True,
-                mlp_bias=True,
-                **common,
-            )
-        gemma = model_type == "gemma3_text"
-        rope = dict(d.get("rope_parameters") or {})
-        local_theta = None
-        if gemma:
-            # transformers >= 5: one rope dict per layer type; earlier: rope_theta,
-            # rope_scaling (global layers) and rope_local_base_freq (sliding layers).
-            local = dict(rope.get("sliding_attention") or {})
-            if local.get("rope_type", "default") != "default":
-                raise ValueError(f"Gemma 3 sliding-layer rope_type {local['rope_type']!r} is not supported; "
-                                 "supported: default")
-            local_theta = float(local.get("rope_theta", d.get("rope_local_base_freq", 10000.0)))
-            rope = dict(rope.get("full_attention") or {})
-            if not rope:
-                rope = dict(d.get("rope_scaling") or {})
-                rope["rope_theta"] = d.get("rope_theta", 1000000.0)
-        elif not rope:  # transformers < 5: rope_theta and rope_scaling are separate
-            rope = dict(d.get("rope_scaling") or {})
-            rope["rope_theta"] = d.get("rope_theta", 10000.0)
-        if "type" in rope and "rope_type" not in rope:
-            rope["rope_type"] = rope.pop("type")
-        theta = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))
-        rope.setdefault("rope_type", "default")
-        # Sliding-window attention: Mistral and Gemma 3 set `sliding_window` (Gemma per
-        # `layer_types`); Qwen2/3 only with use_sliding_window (then per `layer_types`).
-        window = d.get("sliding_window")
-        if model_type in ("qwen2", "qwen3") and not d.get("use_sliding_window"):
-            window = None
-        if model_type == "llama":
-            window = None
-        if gemma and d.get("use_bidirectional_attention"):
-            raise ValueError("Gemma 3 with use_bidirectional_attention=True is not a causal LM; not supported")
-        layer_types = d.get("layer_types") if window is not None else None
-        if gemma and layer_types is None and window is not None:
-            pattern = d.get("sliding_window_pattern", 6)
-            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
-                           for i in range(d["num_hidden_layers"])]
-        return cls(
-            model_type=model_type,
-            hidden_size=d["hidden_size"],
-            num_layers=d["num_hidden_layers"],
-            num_heads=d["num_attention_heads"],
-            num_kv_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
-            head_dim=d.get("head_dim"),
-            intermediate_size=d["intermediate_size"],
-            max_position_embeddings=d["max_position_embeddings"],
-            norm_eps=d.get("rms_norm_eps", 1e-6),
-            activation=d.get("hidden_activation") or d.get("hidden_act") or "silu",
-            qkv_bias=True if model_type == "qwen2" else bool(d.get("attention_bias", False)),
-            mlp_bias=bool(d.get("mlp_bias", False)),
-            rope_theta=theta,
-            rope_scaling=tuple(sorted((k, _hashable(v)) for k, v in rope.items())),
-            qk_norm=model_type in ("qwen3", "gemma3_text"),
-            sliding_window=window,
-            layer_types=None if layer_types is None else tuple(layer_types),
-            local_rope_theta=local_theta,
-            query_pre_attn_scalar=d.get("query_pre_attn_scalar") if gemma else None,
-            final_logit_softcapping=d.get("final_logit_softcapping") if gemma else None,
-            **common,
-        )
+        """From a transformers `PretrainedConfig` (or its dict): see `config_from_hf`."""
+        return config_from_hf(hf)
 
     def to_hf(self, architecture: str):
         """A transformers config object for this architecture (e.g. "LlamaForCausalLM")."""
@@ -307,6 +213,106 @@ class ModelConfig:
             if out[name] == _DEFAULTS[name]:
                 del out[name]
         return json.loads(json.dumps(out))
+
+
+def config_from_hf(hf) -> ModelConfig:
+    """The `ModelConfig` of a transformers `PretrainedConfig` (or its dict): the mapping of
+    each supported architecture's Hugging Face fields."""
+    d = hf if isinstance(hf, dict) else hf.to_dict()
+    model_type = d.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model_type {model_type!r} is not supported; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    eos = d.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+    common = dict(
+        vocab_size=d["vocab_size"],
+        pad_token_id=d.get("pad_token_id"),
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", model_type in ("gpt2", "gemma3_text"))),
+        num_labels=len(d.get("id2label") or {0: 0}) if d.get("num_labels") is None else d["num_labels"],
+    )
+    if model_type == "gpt2":
+        if d.get("scale_attn_by_inverse_layer_idx") or d.get("reorder_and_upcast_attn"):
+            raise ValueError("GPT-2 options scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported")
+        if not d.get("scale_attn_weights", True):
+            raise ValueError("GPT-2 with scale_attn_weights=False is not supported")
+        n_embd = d["n_embd"]
+        return ModelConfig(
+            model_type="gpt2",
+            hidden_size=n_embd,
+            num_layers=d["n_layer"],
+            num_heads=d["n_head"],
+            num_kv_heads=d["n_head"],
+            intermediate_size=d.get("n_inner") or 4 * n_embd,
+            max_position_embeddings=d["n_positions"],
+            norm_eps=d.get("layer_norm_epsilon", 1e-5),
+            activation=d.get("activation_function", "gelu_new"),
+            qkv_bias=True,
+            mlp_bias=True,
+            **common,
+        )
+    gemma = model_type == "gemma3_text"
+    rope = dict(d.get("rope_parameters") or {})
+    local_theta = None
+    if gemma:
+        # transformers >= 5: one rope dict per layer type; earlier: rope_theta,
+        # rope_scaling (global layers) and rope_local_base_freq (sliding layers).
+        local = dict(rope.get("sliding_attention") or {})
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"Gemma 3 sliding-layer rope_type {local['rope_type']!r} is not supported; "
+                             "supported: default")
+        local_theta = float(local.get("rope_theta", d.get("rope_local_base_freq", 10000.0)))
+        rope = dict(rope.get("full_attention") or {})
+        if not rope:
+            rope = dict(d.get("rope_scaling") or {})
+            rope["rope_theta"] = d.get("rope_theta", 1000000.0)
+    elif not rope:  # transformers < 5: rope_theta and rope_scaling are separate
+        rope = dict(d.get("rope_scaling") or {})
+        rope["rope_theta"] = d.get("rope_theta", 10000.0)
+    if "type" in rope and "rope_type" not in rope:
+        rope["rope_type"] = rope.pop("type")
+    theta = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))
+    rope.setdefault("rope_type", "default")
+    # Sliding-window attention: Mistral and Gemma 3 set `sliding_window` (Gemma per
+    # `layer_types`); Qwen2/3 only with use_sliding_window (then per `layer_types`).
+    window = d.get("sliding_window")
+    if model_type in ("qwen2", "qwen3") and not d.get("use_sliding_window"):
+        window = None
+    if model_type == "llama":
+        window = None
+    if gemma and d.get("use_bidirectional_attention"):
+        raise ValueError("Gemma 3 with use_bidirectional_attention=True is not a causal LM; not supported")
+    layer_types = d.get("layer_types") if window is not None else None
+    if gemma and layer_types is None and window is not None:
+        pattern = d.get("sliding_window_pattern", 6)
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                       for i in range(d["num_hidden_layers"])]
+    return ModelConfig(
+        model_type=model_type,
+        hidden_size=d["hidden_size"],
+        num_layers=d["num_hidden_layers"],
+        num_heads=d["num_attention_heads"],
+        num_kv_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
+        head_dim=d.get("head_dim"),
+        intermediate_size=d["intermediate_size"],
+        max_position_embeddings=d["max_position_embeddings"],
+        norm_eps=d.get("rms_norm_eps", 1e-6),
+        activation=d.get("hidden_activation") or d.get("hidden_act") or "silu",
+        qkv_bias=True if model_type == "qwen2" else bool(d.get("attention_bias", False)),
+        mlp_bias=bool(d.get("mlp_bias", False)),
+        rope_theta=theta,
+        rope_scaling=tuple(sorted((k, _hashable(v)) for k, v in rope.items())),
+        qk_norm=model_type in ("qwen3", "gemma3_text"),
+        sliding_window=window,
+        layer_types=None if layer_types is None else tuple(layer_types),
+        local_rope_theta=local_theta,
+        query_pre_attn_scalar=d.get("query_pre_attn_scalar") if gemma else None,
+        final_logit_softcapping=d.get("final_logit_softcapping") if gemma else None,
+        **common,
+    )
 
 
 def _hashable(value):

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jaxppo.models.model import Model
 from jaxppo.models.transformer import default_positions
 
-__all__ = ["generate", "GenerationOutput", "filter_logits"]
+__all__ = ["generate", "generate_jit", "GenerationOutput", "filter_logits"]
 
 
 class GenerationOutput(NamedTuple):
@@ -63,8 +63,10 @@ def _sample_inverse_cdf(key, logits):
     static_argnames=("model", "response_length", "top_k", "use_top_p", "greedy", "stop_token_ids", "pad_token_id",
                      "early_stop"),
 )
-def _generate(model, params, prompt_ids, prompt_mask, key, temperature, top_p, *, response_length, top_k,
-              use_top_p, greedy, stop_token_ids, pad_token_id, early_stop):
+def generate_jit(model, params, prompt_ids, prompt_mask, key, temperature, top_p, *, response_length, top_k,
+                 use_top_p, greedy, stop_token_ids, pad_token_id, early_stop):
+    """The compiled sampler behind `generate` (static: the model and every size and
+    switch), for ahead-of-time lowering (`generate_jit.lower(...)`) and compile counts."""
     b, q = prompt_ids.shape
     r = response_length
     cache = model.init_cache(b, q + r)
@@ -193,7 +195,7 @@ def generate(
         pad_token_id = model.config.pad_token_id
         if pad_token_id is None:
             pad_token_id = model.config.eos_token_ids[0] if model.config.eos_token_ids else 0
-    return _generate(
+    return generate_jit(
         model, params, jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_mask, jnp.int32), key,
         jnp.float32(temperature), jnp.float32(1.0 if top_p is None else top_p),
         response_length=response_length, top_k=top_k, use_top_p=top_p is not None, greedy=bool(greedy),

@@ -26,6 +26,8 @@ from jaxppo.models.transformer import CausalLMModule, ScoreModule, default_posit
 __all__ = ["Model", "KINDS", "PolicyAndCritic", "stack_layers", "unstack_layers"]
 
 KINDS = ("causal_lm", "causal_lm_value", "reward", "value")
+# The compute and storage dtypes a model may use (by name).
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _dtype_name(dtype) -> str:
@@ -94,8 +96,8 @@ class Model:
             self.lora.modules(self.config)  # the targets exist in this architecture
         for field in ("dtype", "param_dtype"):
             name = _dtype_name(getattr(self, field))
-            if name not in ("float32", "bfloat16", "float16"):
-                raise ValueError(f"Model.{field}={name!r} is invalid; use float32, bfloat16 or float16")
+            if name not in DTYPES:
+                raise ValueError(f"Model.{field}={name!r} is invalid; use {', '.join(DTYPES[:-1])} or {DTYPES[-1]}")
             object.__setattr__(self, field, name)
 
     @property

@@ -1,0 +1,176 @@
+"""One iteration as a chain of stages, each a function of its inputs:
+
+    select_prompts(table, key, iteration, config)          -> PromptBatch      (host)
+    sample(spec, params, batch, key)                        -> GenerationOutput (device)
+    score(rewards, tokenizer, table, batch, gen, iteration) -> HostScores       (host: text rewards)
+    build_rollout(spec, params, frozen, batch, gen, scores, run) -> Built       (device)
+    update(run, built, key, train_step, config)             -> (RunState, device metrics)
+
+`sample` and `build_rollout` read a parameters snapshot (`params`) and write nothing, so a
+producer may run them for iteration i + 1 while `update` of iteration i runs. The trainer
+is the loop around these (progress, signals, logging, checkpoints); a research loop can
+call them directly. The host waits for the device only where it needs the data: decoded
+text for text rewards, the scores for the non-finite check, the metrics at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxppo import sharding
+from jaxppo.config import PPOConfig
+from jaxppo.kl import adaptive_kl_update
+from jaxppo.models.tokenizer import decode_responses, unknown_token_count
+from jaxppo.prompts import prompt_order
+from jaxppo.rewards import HostRewards
+from jaxppo.rollout import RewardError, RolloutSpec, finish_rollout, nonfinite_rows, sample_responses
+from jaxppo.rollout_types import Rollout
+from jaxppo.run_state import RunState
+from jaxppo.sharding import to_host
+
+__all__ = ["PromptTable", "PromptBatch", "HostScores", "Built", "select_prompts", "sample", "score", "build_rollout",
+           "update", "skip", "bad_rows", "nonfinite_error", "prompt_rows", "mesh_context"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptTable:
+    """The run's prompts, tokenised once: `prompts` as given (text or chat messages),
+    `columns` (the dataset's other columns, for reward functions), `texts` (rendered),
+    `ids` / `mask` (int32 (N, Q), left-padded)."""
+
+    prompts: list
+    columns: dict
+    texts: list
+    ids: np.ndarray
+    mask: np.ndarray
+
+
+class PromptBatch(NamedTuple):
+    """An iteration's prompt rows (numpy (B,): each prompt repeated `num_generations` times
+    in consecutive rows) and their ids and mask on the device (split over the mesh's data
+    axes under a mesh)."""
+
+    rows: np.ndarray
+    ids: jax.Array
+    mask: jax.Array
+
+
+class HostScores(NamedTuple):
+    """Scores from the text reward functions: float32 (B,) on the device (or None without
+    text rewards), and per function {name: (values (B,), given (B,))} on the host."""
+
+    scores: Optional[jax.Array]
+    per_function: dict
+    unknown_tokens: int
+
+
+class Built(NamedTuple):
+    """A rollout and what came with it: the rollout's statistics (device scalars), the new
+    score moments, the combined raw scores and the reward model's own on the host."""
+
+    rollout: Rollout
+    stats: dict
+    score_moments: Any
+    raw_scores: np.ndarray
+    model_scores: Any
+
+
+def mesh_context(mesh):
+    """The mesh in context for compiled calls (axis names resolve inside them)."""
+    return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
+
+
+def prompt_rows(num_prompts: int, key, iteration: int, config: PPOConfig) -> np.ndarray:
+    """Rows of the prompt set behind the `batch_size` completions of `iteration`: its
+    `batch_size / num_generations` prompts (walked in an order reshuffled every dataset
+    epoch, see `jaxppo.prompts.prompt_order`), each repeated `num_generations` times in
+    consecutive rows (a prompt's group)."""
+    return np.repeat(prompt_order(key, num_prompts, config.prompts_per_batch, iteration), config.num_generations)
+
+
+def select_prompts(table: PromptTable, key, iteration: int, config: PPOConfig, mesh=None) -> PromptBatch:
+    """The `batch_size / num_generations` prompts of `iteration` (walked in an order
+    reshuffled every dataset epoch from `key`, see `jaxppo.prompts.prompt_order`), each
+    repeated `num_generations` times. Under a mesh each process materialises only its rows."""
+    rows = prompt_rows(len(table.prompts), key, iteration, config)
+    if mesh is None:
+        return PromptBatch(rows, jnp.asarray(table.ids[rows]), jnp.asarray(table.mask[rows]))
+    return PromptBatch(rows, sharding.global_batch(table.ids[rows], mesh), sharding.global_batch(table.mask[rows], mesh))
+
+
+def sample(spec: RolloutSpec, params, batch: PromptBatch, key, mesh=None):
+    """Sample `spec.response_length` tokens per row from the policy in `params` (compiled;
+    returns without waiting for the device)."""
+    with mesh_context(mesh):
+        return sample_responses(spec, params, batch.ids, batch.mask, key)
+
+
+def score(rewards: Optional[HostRewards], tokenizer, table: PromptTable, batch: PromptBatch, gen,
+          iteration: int) -> HostScores:
+    """Score the completions with the text reward functions (on the host: the one place the
+    host waits for the sampled tokens). Without text rewards, nothing to do here: the
+    reward model or token function scores on the device in `build_rollout`."""
+    if rewards is None:
+        return HostScores(None, {}, 0)
+    tokens, token_mask = to_host(gen.tokens), to_host(gen.mask)
+    completions = decode_responses(tokenizer, tokens, token_mask)
+    prompts = [table.prompts[r] for r in batch.rows]
+    columns = {name: [values[r] for r in batch.rows] for name, values in table.columns.items()}
+    scores, per_function = rewards(iteration, prompts, completions, columns)
+    return HostScores(jnp.asarray(scores), per_function, unknown_token_count(tokenizer, tokens, token_mask))
+
+
+def build_rollout(spec: RolloutSpec, params, ref_params, reward_params, batch: PromptBatch, gen, scores: HostScores,
+                  run: RunState, mesh=None) -> Built:
+    """The rollout (log-probs of the scoring pass, reference, values with a critic, scores,
+    KL-shaped rewards; see `jaxppo.rollout.finish_rollout`), its statistics, and the raw
+    scores on the host (the host needs them: non-finite scores stop the iteration before
+    any update)."""
+    with mesh_context(mesh):
+        rollout, stats, moments = finish_rollout(spec, params, ref_params, reward_params, batch.ids, batch.mask, gen,
+                                                 scores.scores, run.kl, run.score_moments)
+    raw_scores = to_host(stats.pop("per_row/raw_scores"))
+    model_scores = stats.pop("per_row/model_scores", None)
+    if mesh is not None:
+        rollout = sharding.shard_batch(rollout, mesh)
+    return Built(rollout, stats, moments, raw_scores, model_scores)
+
+
+def bad_rows(built: Built) -> np.ndarray:
+    """Rows whose raw score is not finite."""
+    return nonfinite_rows(built.raw_scores)
+
+
+def nonfinite_error(iteration: int, source: str, built: Built, bad, prompts) -> RewardError:
+    """The error for non-finite scores at rows `bad` (`prompts`: the batch's prompt texts)."""
+    raw = built.raw_scores
+    return RewardError(
+        f"iteration {iteration}: {source} gave non-finite scores {raw[bad[:5]].tolist()} at rows {bad[:5].tolist()}"
+        + (f" (and {bad.size - 5} more)" if bad.size > 5 else "") +
+        f" (prompts {[prompts[i][:40] for i in bad[:3]]}); nothing was updated. Fix the reward, or set "
+        "skip_nonfinite_scores (--skip-nonfinite-scores) to skip such iterations")
+
+
+def update(run: RunState, built: Built, key, train_step, config: PPOConfig):
+    """The update of one iteration: `train_step` on the rollout (the old train state's
+    buffers are donated), the KL controller's step, the new score moments, the iteration
+    counted. Returns (new run state, device metrics: the rollout's statistics and the
+    update's, without the per-mini-batch arrays)."""
+    state, metrics = train_step(run.train, built.rollout, key)
+    kl = adaptive_kl_update(run.kl, built.stats.get("objective/kl", 0.0), config.batch_size)
+    run = run.replace(train=state, kl=kl, score_moments=built.score_moments, iteration=run.iteration + 1)
+    device = {**built.stats, **{k: v for k, v in metrics.items() if not k.startswith("per_minibatch/")}}
+    device["ppo/updates_total"] = state.step
+    return run, device
+
+
+def skip(run: RunState) -> RunState:
+    """An iteration skipped for non-finite scores: no update, no KL or score-statistics
+    change; the iteration (and so the data position) advances and the skip is counted."""
+    return run.replace(iteration=run.iteration + 1, skipped_iterations=run.skipped_iterations + 1)
