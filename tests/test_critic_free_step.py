@@ -114,6 +114,8 @@ def ref_loss(params, apply_fn, mb, config):
     diff = logp - mb["lp"]
     if config.importance_ratio == "sequence":
         diff = jnp.stack([jnp.full((R,), jnp.sum(diff[i] * m[i]) / lengths[i]) for i in range(rows)])
+    elif config.importance_ratio == "sequence_sum":  # TRL RLOOTrainer: the whole completion as one action
+        diff = jnp.stack([jnp.full((R,), jnp.sum(diff[i] * m[i])) for i in range(rows)])
     ratio = jnp.exp(diff)
     lo, hi = config.clip_low, config.clip_high
     per_token = jnp.maximum(-mb["adv"] * ratio, -mb["adv"] * jnp.clip(ratio, 1 - lo, 1 + hi))
@@ -156,9 +158,13 @@ def reference_train_step(model, rollout, key, config, tx):
 # ---------------------------------------------------------------- tests
 
 
-@pytest.mark.parametrize("name", CRITIC_FREE)
-def test_advantages_match_loops(model, name):
-    config = config_for(name)
+BASELINE = dict(advantage_estimator="reinforce_pp_baseline", num_generations=4)  # an estimator without a preset
+
+
+@pytest.mark.parametrize("name,changes", [(n, {}) for n in CRITIC_FREE] + [("reinforce_pp", BASELINE)],
+                         ids=CRITIC_FREE + ["reinforce_pp_baseline"])
+def test_advantages_match_loops(model, name, changes):
+    config = config_for(name, **changes)
     rollout = make_rollout(model, config.batch_size)
     adv, returns = jaxppo.compute_advantages(rollout, config)
     assert returns is None  # no critic, no returns
@@ -168,7 +174,10 @@ def test_advantages_match_loops(model, name):
 @pytest.mark.parametrize("name,changes", [(n, {}) for n in CRITIC_FREE] + [
     ("grpo", dict(grpo_scale="batch", kl_loss_estimator="k2", dual_clip=3.0)),
     ("dr_grpo", dict(kl_loss_coef=0.1, kl_loss_estimator="k1")),
-], ids=CRITIC_FREE + ["grpo-batch-k2-dual", "dr_grpo-k1"])
+    ("reinforce_pp", BASELINE),
+    # TRL RLOOTrainer's loss: one summed log-ratio per completion, clipped, mean over completions.
+    ("rloo", dict(importance_ratio="sequence_sum", loss_aggregation="seq_mean_token_mean")),
+], ids=CRITIC_FREE + ["grpo-batch-k2-dual", "dr_grpo-k1", "reinforce_pp_baseline", "rloo-trl"])
 def test_train_step_equals_a_python_loop_of_updates(model, name, changes):
     """Every algorithm's whole train_step (advantages, loss, aggregation, clipping, KL term,
     permutations, updates) equals the reference loop."""
@@ -240,6 +249,10 @@ def test_kl_term_needs_reference_logprobs(model):
     (dict(cliprange_low=1.5), "cliprange_low=1.5 is invalid"),
     (dict(importance_ratio="seq"), "importance_ratio='seq' is invalid"),
     (dict(kl_loss_coef=-1.0), "kl_loss_coef=-1.0 is invalid"),
+    # A sequence-level ratio weighs one advantage per completion; GAE's vary along it.
+    (dict(importance_ratio="sequence"), "importance_ratio='sequence' is invalid.*'token' with "
+                                        "advantage_estimator='gae'.*grpo, rloo"),
+    (dict(advantage_estimator="reinforce_pp", importance_ratio="sequence_sum"), "importance_ratio='sequence_sum'"),
 ])
 def test_bad_algorithm_settings_are_refused(changes, message):
     with pytest.raises(ValueError, match=message):

@@ -11,9 +11,9 @@ import pytest
 import jaxppo
 import jaxppo.models as jm
 from jaxppo import sharding as sh
-from trainer_setup import run_small
+from trainer_setup import require_devices, run_small
 
-pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (XLA_FLAGS set in conftest)")
+pytestmark = require_devices(8)
 
 Q, R, V = 4, 6, 64
 MESHES = [sh.MeshConfig(data=8, fsdp=1), sh.MeshConfig(data=2, fsdp=4), sh.MeshConfig(data=1, fsdp=8),

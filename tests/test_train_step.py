@@ -86,11 +86,20 @@ def _ref_loss(params, apply_fn, mb, config):
     logp = jnp.take_along_axis(logp_all, mb["rt"][..., None], axis=-1)[..., 0]
     m = mb["rm"].astype(jnp.float32)
     n = jnp.sum(m)
+    rows = m.shape[0]
+
+    def agg(x):  # each aggregation mode written out over rows
+        if config.loss_aggregation == "token_mean":
+            return jnp.sum(x * m) / n
+        if config.loss_aggregation == "seq_mean_token_mean":
+            return sum(jnp.sum(x[i] * m[i]) / jnp.sum(m[i]) for i in range(rows)) / rows
+        return sum(jnp.sum(x[i] * m[i]) / R for i in range(rows)) / rows
+
     ratio = jnp.exp(logp - mb["lp"])
-    pg = jnp.sum(jnp.maximum(-mb["adv"] * ratio, -mb["adv"] * jnp.clip(ratio, 1 - config.cliprange, 1 + config.cliprange)) * m) / n
+    pg = agg(jnp.maximum(-mb["adv"] * ratio, -mb["adv"] * jnp.clip(ratio, 1 - config.cliprange, 1 + config.cliprange)))
     vclip = mb["v"] + jnp.clip(values - mb["v"], -config.cliprange_value, config.cliprange_value)
-    vf = 0.5 * jnp.sum(jnp.maximum((values - mb["ret"]) ** 2, (vclip - mb["ret"]) ** 2) * m) / n
-    ent = jnp.sum(-jnp.sum(jnp.exp(logp_all) * logp_all, -1) * m) / n
+    vf = 0.5 * agg(jnp.maximum((values - mb["ret"]) ** 2, (vclip - mb["ret"]) ** 2))
+    ent = agg(-jnp.sum(jnp.exp(logp_all) * logp_all, -1))
     return pg + config.vf_coef * vf - config.ent_coef * ent
 
 
@@ -149,8 +158,11 @@ def test_update_count_and_metric_shapes(model, config):
     [
         PPOConfig(batch_size=8, mini_batch_size=4, ppo_epochs=2, ent_coef=0.01, temperature=0.7),
         PPOConfig(batch_size=8, mini_batch_size=4, ppo_epochs=2, gamma=0.9, whiten_rewards=True, whiten_advantages=False),
+        # PPO's value loss (and entropy) under the per-completion aggregations.
+        PPOConfig(batch_size=8, mini_batch_size=4, ppo_epochs=2, ent_coef=0.01, loss_aggregation="seq_mean_token_mean"),
+        PPOConfig(batch_size=8, mini_batch_size=4, ppo_epochs=2, vf_coef=0.5, loss_aggregation="seq_mean_token_sum_norm"),
     ],
-    ids=["whiten-adv", "whiten-rewards"],
+    ids=["whiten-adv", "whiten-rewards", "seq-mean-token-mean", "seq-mean-token-sum-norm"],
 )
 def test_train_step_equals_reference_python_loop(model, config):
     tx = optax.adam(3e-3)
