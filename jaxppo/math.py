@@ -15,51 +15,26 @@ import jax.numpy as jnp
 # One home per idea: the masked statistics, the KL estimators and controller, and the
 # critic-free estimators and aggregation live in their own modules; `jaxppo.math` is the
 # whole math layer under one name.
-from jaxppo.critic_free import (GRPO_SCALES, LOSS_AGGREGATIONS, aggregate_loss, clipped_policy_loss,
-                                discounted_returns, group_baseline, grpo_advantages, reinforce_pp_advantages,
-                                rloo_advantages, sequence_log_ratio, zero_std_groups,
-                                IMPORTANCE_RATIOS, log_importance_ratio)
-from jaxppo.kl import (KL_ESTIMATORS, KL_LOSS_ESTIMATORS, KLControllerState, adaptive_kl_update, at_last_token,
-                      fixed_kl_controller, kl_controller, kl_loss_per_token, kl_per_token, kl_shaped_rewards)
-from jaxppo.stats import masked_mean, masked_sum, masked_var, masked_whiten
+from jaxppo import critic_free, kl, stats
+from jaxppo.critic_free import *  # noqa: F401,F403 - the critic-free math, re-exported
+from jaxppo.kl import *  # noqa: F401,F403 - KL estimators, shaped rewards, the controller
+from jaxppo.stats import *  # noqa: F401,F403 - masked statistics
+from jaxppo.critic_free import aggregate_loss, clipped_policy_loss
+from jaxppo.stats import masked_mean
 
-__all__ = [
-    "masked_sum",
-    "masked_mean",
-    "masked_var",
-    "masked_whiten",
+__all__ = list(dict.fromkeys([  # each name once: critic_free re-exports two of kl's
     "gae",
     "logprobs_from_logits",
     "entropy_from_logits",
     "policy_loss",
     "value_loss",
     "approx_kl",
-    "KL_ESTIMATORS",
-    "kl_per_token",
-    "kl_shaped_rewards",
-    "at_last_token",
-    "KLControllerState",
-    "fixed_kl_controller",
-    "adaptive_kl_update",
     "RunningMoments",
     "running_moments_update",
-    "kl_controller",
-    "KL_LOSS_ESTIMATORS",
-    "kl_loss_per_token",
-    "GRPO_SCALES",
-    "LOSS_AGGREGATIONS",
-    "grpo_advantages",
-    "zero_std_groups",
-    "rloo_advantages",
-    "group_baseline",
-    "discounted_returns",
-    "reinforce_pp_advantages",
-    "aggregate_loss",
-    "sequence_log_ratio",
-    "clipped_policy_loss",
-    "IMPORTANCE_RATIOS",
-    "log_importance_ratio",
-]
+    *stats.__all__,
+    *kl.__all__,
+    *critic_free.__all__,
+]))
 
 
 def gae(rewards, values, mask, gamma: float, lam: float):
