@@ -13,6 +13,7 @@ from typing import Optional
 __all__ = ["PPOConfig", "ADVANTAGE_ESTIMATORS", "LOSS_AGGREGATIONS"]
 
 from jaxppo.algorithms import ESTIMATORS
+from jaxppo.correction import ROLLOUT_CORRECTIONS
 from jaxppo.critic_free import GRPO_SCALES, IMPORTANCE_RATIOS, LOSS_AGGREGATIONS
 from jaxppo.kl import KL_LOSS_ESTIMATORS
 
@@ -22,7 +23,7 @@ ADVANTAGE_ESTIMATORS = tuple(ESTIMATORS)
 # differ from these defaults, so runs saved before they existed still resume.
 ALGORITHM_FIELDS = ("advantage_estimator", "num_generations", "grpo_scale", "grpo_eps", "loss_aggregation",
                     "cliprange_low", "cliprange_high", "dual_clip", "importance_ratio", "kl_loss_coef",
-                    "kl_loss_estimator")
+                    "kl_loss_estimator", "rollout_correction", "rollout_correction_cap")
 
 
 def is_int(value) -> bool:
@@ -100,6 +101,18 @@ class PPOConfig:
       kl_loss_coef: beta of a KL(policy || reference) term in the loss (GRPO's), >= 0;
         kl_loss_estimator: "k1", "k2" or "k3". When kl_coef, kl_loss_coef are 0 and the
         trainer has no kl_target, no reference model is built or run at all.
+
+    Sampler mismatch (applies to rollouts that carry the sampler's log-probs,
+    `Rollout.sampler_logprobs`, as the trainer's do):
+      rollout_correction: how the policy loss corrects for the sampler's distribution
+        differing from the trainer's (`jaxppo.correction`): "token_truncate" (default:
+        each token's loss weighted by min(pi_old / pi_sampler, C), truncated importance
+        sampling), "token_mask" (tokens whose ratio lies outside [1/C, C] get weight 0),
+        "sequence_truncate" / "sequence_mask" (the same with the completion's ratio, the
+        product of its tokens'), or "none". With the built-in sampler in float32 the
+        ratios are 1 within rounding and the default changes nothing measurable; in bf16,
+        or with another engine, it is the correction the samples need.
+      rollout_correction_cap: C, > 1.
     """
 
     batch_size: int = 64
@@ -128,6 +141,8 @@ class PPOConfig:
     importance_ratio: str = "token"
     kl_loss_coef: float = 0.0
     kl_loss_estimator: str = "k3"
+    rollout_correction: str = "token_truncate"
+    rollout_correction_cap: float = 2.0
 
     def __post_init__(self):
         for name in ("batch_size", "mini_batch_size", "ppo_epochs", "gradient_accumulation_steps", "num_generations"):
@@ -159,7 +174,7 @@ class PPOConfig:
             )
         choices = {"advantage_estimator": ADVANTAGE_ESTIMATORS, "grpo_scale": GRPO_SCALES,
                    "loss_aggregation": LOSS_AGGREGATIONS, "importance_ratio": IMPORTANCE_RATIOS,
-                   "kl_loss_estimator": KL_LOSS_ESTIMATORS}
+                   "kl_loss_estimator": KL_LOSS_ESTIMATORS, "rollout_correction": ROLLOUT_CORRECTIONS}
         for name, valid in choices.items():
             if getattr(self, name) not in valid:
                 _fail(name, getattr(self, name), "one of " + ", ".join(repr(v) for v in valid))
@@ -180,6 +195,8 @@ class PPOConfig:
                       + (" and <= 1" if name == "cliprange_low" else ""))
         if self.dual_clip is not None and (not is_real(self.dual_clip) or self.dual_clip <= 1):
             _fail("dual_clip", self.dual_clip, "None (no dual clip) or a finite real number > 1")
+        if not is_real(self.rollout_correction_cap) or self.rollout_correction_cap <= 1:
+            _fail("rollout_correction_cap", self.rollout_correction_cap, "a finite real number > 1")
         if not is_real(self.grpo_eps) or self.grpo_eps <= 0:
             _fail("grpo_eps", self.grpo_eps, "a finite real number > 0")
         for name in ("cliprange", "cliprange_value", "vf_coef", "ent_coef", "kl_coef", "kl_loss_coef"):

@@ -169,14 +169,17 @@ def log_importance_ratio(logprobs, old_logprobs, mask, level: str = "token"):
 
 
 def clipped_policy_loss(log_ratio, advantages, mask, cliprange_low: float, cliprange_high: float,
-                        dual_clip: float = None, aggregation: str = "token_mean", max_length: int = None):
+                        dual_clip: float = None, aggregation: str = "token_mean", max_length: int = None,
+                        weights=None):
     """Clipped surrogate with an asymmetric range and an optional dual clip.
 
     ratio = exp(log_ratio) (token-level: logprobs - old_logprobs; GSPO:
     `sequence_log_ratio`); advantages (B, T) or (B,) (broadcast over tokens).
       per_token = max(-A * ratio, -A * clip(ratio, 1 - low, 1 + high))
       dual clip c > 1: where A < 0, per_token = min(per_token, -A * c)
-    reduced by `aggregate_loss(..., aggregation, max_length)`.
+    times `weights` (B, T) when given (the sampler-mismatch correction,
+    `jaxppo.correction.correction_weights`), reduced by
+    `aggregate_loss(..., aggregation, max_length)`.
 
     Returns (loss, metrics) with the token fractions (token mean over the batch):
     clip_ratio/low_mean (ratio < 1 - low with A < 0), clip_ratio/high_mean (ratio > 1 + high
@@ -195,6 +198,8 @@ def clipped_policy_loss(log_ratio, advantages, mask, cliprange_low: float, clipr
         cap = -advantages * dual_clip
         dual = (advantages < 0) & (per_token > cap)
         per_token = jnp.where(advantages < 0, jnp.minimum(per_token, cap), per_token)
+    if weights is not None:
+        per_token = per_token * jax.lax.stop_gradient(weights)
     loss = aggregate_loss(per_token, mask, aggregation, max_length)
     low = (ratio < 1.0 - cliprange_low) & (advantages < 0)
     high = (ratio > 1.0 + cliprange_high) & (advantages > 0)

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 # One home per idea: the masked statistics, the KL estimators and controller, and the
 # critic-free estimators and aggregation live in their own modules; `jaxppo.math` is the
 # whole math layer under one name.
-from jaxppo import critic_free, kl, stats
+from jaxppo import correction, critic_free, kl, stats
+from jaxppo.correction import *  # noqa: F401,F403 - the sampler-mismatch correction
 from jaxppo.critic_free import *  # noqa: F401,F403 - the critic-free math, re-exported
 from jaxppo.kl import *  # noqa: F401,F403 - KL estimators, shaped rewards, the controller
 from jaxppo.stats import *  # noqa: F401,F403 - masked statistics
@@ -34,6 +35,7 @@ __all__ = list(dict.fromkeys([  # each name once: critic_free re-exports two of 
     *stats.__all__,
     *kl.__all__,
     *critic_free.__all__,
+    *correction.__all__,
 ]))
 
 

@@ -72,7 +72,8 @@ def ppo_loss(params, batch, *, apply_fn, config: PPOConfig):
     old_logprobs = batch["logprobs"].astype(jnp.float32)
     log_ratio = ppo_math.log_importance_ratio(logprobs, old_logprobs, mask, config.importance_ratio)
     pg_loss, clip_metrics = ppo_math.clipped_policy_loss(
-        log_ratio, batch["advantages"], mask, config.clip_low, config.clip_high, config.dual_clip, agg_mode, r)
+        log_ratio, batch["advantages"], mask, config.clip_low, config.clip_high, config.dual_clip, agg_mode, r,
+        weights=batch.get("correction_weights"))
     ratio = jnp.exp(log_ratio)
     loss = pg_loss
     aux = {"policy_loss": pg_loss}
@@ -151,7 +152,11 @@ def train_step_fn(state: TrainState, rollout: Rollout, key, config: PPOConfig, m
     `state.apply_fn(params, tokens, mask) -> (logits, values)` (values are not read without
     a critic). Under gradient accumulation, micro-batches are weighted (by real response
     tokens for a token mean, equally for the per-completion means), so the update equals
-    the one on the whole mini-batch. Critic-free metrics add `frac_reward_zero_std`
+    the one on the whole mini-batch. A rollout that carries the sampler's log-probs
+    (`sampler_logprobs`) adds the mismatch metrics `sampling/...`
+    (`jaxppo.correction.mismatch_metrics`) and, unless `config.rollout_correction` is
+    "none", weights the policy loss per token for that mismatch
+    (`jaxppo.correction.correction_weights`). Critic-free metrics add `frac_reward_zero_std`
     (group estimators), `clip_ratio/*` and, with a KL term, `kl`; value metrics exist only
     with a critic.
 
@@ -193,6 +198,13 @@ def train_step_fn(state: TrainState, rollout: Rollout, key, config: PPOConfig, m
         batch.update(values=rollout.values, returns=returns)
     if config.kl_loss_coef:
         batch["ref_logprobs"] = rollout.ref_logprobs
+    mismatch = {}
+    if rollout.sampler_logprobs is not None:
+        mismatch = ppo_math.mismatch_metrics(rollout.logprobs, rollout.sampler_logprobs, rollout.response_mask)
+        if config.rollout_correction != "none":
+            batch["correction_weights"] = ppo_math.correction_weights(
+                rollout.logprobs, rollout.sampler_logprobs, rollout.response_mask, config.rollout_correction,
+                config.rollout_correction_cap)
     step_before = state.step
     state, engine_metrics = update_epochs_fn(
         state, batch, key, loss_for(state.apply_fn, config), config, weight_fn=micro_batch_weight(config),
@@ -200,6 +212,7 @@ def train_step_fn(state: TrainState, rollout: Rollout, key, config: PPOConfig, m
     )
     metrics = _summarise(engine_metrics, state.step - step_before, rollout, advantages, returns, config)
     metrics.update(adv_stats)
+    metrics.update(mismatch)
     return state, metrics
 
 

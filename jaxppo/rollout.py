@@ -28,7 +28,7 @@ from jaxppo import math as ppo_math
 from jaxppo.kl import check_kl_estimator
 from jaxppo.models.generate import GenerationOutput, generate
 from jaxppo.models.model import Model
-from jaxppo.rollout_types import Rollout, response_outputs, scorer
+from jaxppo.rollout_types import Rollout, joined, response_outputs, scorer
 
 __all__ = ["RolloutSpec", "sample_responses", "finish_rollout", "check_scores", "nonfinite_rows", "RewardError"]
 
@@ -155,15 +155,9 @@ def _reference_logprobs(spec: RolloutSpec, ref_params, batch):
         return ref_scorer(ref_params, batch["query_tokens"], batch["query_mask"], batch["response_tokens"],
                           batch["response_mask"], spec.temperature)[0]
     q, r = batch["query_tokens"].shape[1], batch["response_tokens"].shape[1]
-    tokens, mask = _joined(batch)
+    tokens, mask = joined(batch)
     ref_logits = spec.ref_apply(ref_params, tokens, mask)[:, q - 1 : q - 1 + r]
     return ppo_math.logprobs_from_logits(ref_logits, batch["response_tokens"], spec.temperature)
-
-
-def _joined(batch):
-    """Query + response tokens and mask, (B, Q + R)."""
-    return (jnp.concatenate([batch["query_tokens"], batch["response_tokens"]], axis=1),
-            jnp.concatenate([batch["query_mask"], batch["response_mask"]], axis=1))
 
 
 def _raw_scores(spec: RolloutSpec, reward_params, batch, host_scores):
@@ -172,7 +166,7 @@ def _raw_scores(spec: RolloutSpec, reward_params, batch, host_scores):
     b = batch["query_tokens"].shape[0]
     model_scores = None
     if spec.reward_apply is not None:
-        model_scores = spec.reward_apply(reward_params, *_joined(batch)).astype(jnp.float32)
+        model_scores = spec.reward_apply(reward_params, *joined(batch)).astype(jnp.float32)
         raw_scores = spec.reward_weight * model_scores
     elif spec.token_reward_fn is not None:
         raw_scores = jnp.asarray(spec.token_reward_fn(batch["query_tokens"], batch["query_mask"],

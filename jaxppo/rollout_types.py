@@ -11,8 +11,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxppo import math as ppo_math
+from jaxppo.models.model import join_sequences
 
-__all__ = ["Rollout", "response_outputs", "scorer"]
+__all__ = ["Rollout", "response_outputs", "scorer", "joined"]
 
 
 class Rollout(flax.struct.PyTreeNode):
@@ -66,6 +67,12 @@ def scorer(fn):
     return method if callable(method) else None
 
 
+def joined(batch):
+    """The batch's query + response tokens and mask, (B, Q + R) each."""
+    return join_sequences(batch["query_tokens"], batch["query_mask"], batch["response_tokens"],
+                          batch["response_mask"])
+
+
 def response_outputs(apply_fn, params, batch, temperature: float):
     """Run the model on query + response; return the response tokens' log-probs,
     values and per-token entropies, each (B, R).
@@ -80,8 +87,7 @@ def response_outputs(apply_fn, params, batch, temperature: float):
                       batch["response_mask"], temperature)
     q = batch["query_tokens"].shape[1]
     r = batch["response_tokens"].shape[1]
-    tokens = jnp.concatenate([batch["query_tokens"], batch["response_tokens"]], axis=1)
-    mask = jnp.concatenate([batch["query_mask"], batch["response_mask"]], axis=1)
+    tokens, mask = joined(batch)
     logits, values = apply_fn(params, tokens, mask)
     # Position q - 1 + t predicts response token t.
     logits = logits[:, q - 1 : q - 1 + r]

@@ -157,8 +157,7 @@ class Model:
         of `logits_chunk_size` positions when set. This is the protocol by which built-in
         models opt in to scoring without full logits (see `jaxppo.response_outputs`)."""
         q, r = query_tokens.shape[1], response_tokens.shape[1]
-        tokens = jnp.concatenate([query_tokens, response_tokens], axis=1)
-        mask = jnp.concatenate([query_mask, response_mask], axis=1)
+        tokens, mask = join_sequences(query_tokens, query_mask, response_tokens, response_mask)
         hidden, values = self.hidden(params, tokens, mask)
         # Position q - 1 + t predicts response token t.
         logprobs, entropy = token_logprobs(hidden[:, q - 1 : q - 1 + r], self.lm_head(params), response_tokens,
@@ -220,10 +219,16 @@ class PolicyAndCritic:
         logprobs, _, entropy = self.policy.response_outputs(params["policy"], query_tokens, query_mask,
                                                             response_tokens, response_mask, temperature)
         q, r = query_tokens.shape[1], response_tokens.shape[1]
-        tokens = jnp.concatenate([query_tokens, response_tokens], axis=1)
-        mask = jnp.concatenate([query_mask, response_mask], axis=1)
+        tokens, mask = join_sequences(query_tokens, query_mask, response_tokens, response_mask)
         values = self.critic.apply(params["critic"], tokens, mask)[:, q - 1 : q - 1 + r].astype(jnp.float32)
         return logprobs, values, entropy
+
+
+def join_sequences(query_tokens, query_mask, response_tokens, response_mask):
+    """(tokens, mask), each (B, Q + R): the left-padded queries followed by the responses.
+    Position Q - 1 + t of the joined sequence predicts response token t."""
+    return (jnp.concatenate([query_tokens, response_tokens], axis=1),
+            jnp.concatenate([query_mask, response_mask], axis=1))
 
 
 def _layer_prefix(config: ModelConfig) -> str:
