@@ -5,6 +5,7 @@
     python benchmarks/generation.py --quick    # a smaller smoke run
     python benchmarks/generation.py --early-stop   # jaxppo alone: early stop vs all steps
     python benchmarks/generation.py --layouts --vocab 1024   # jaxppo alone: unrolled vs scanned layers
+    python benchmarks/generation.py --shared-prefix --vocab 1024   # jaxppo alone: G = 8 with shared prefixes vs without
 
 With --early-stop, every fourth token id is a stop token, so most rows stop early (a row
 lasts 4 tokens on average); jaxppo's sampler runs with `early_stop=True` (decoding ends once
@@ -149,6 +150,34 @@ def bench_layouts(name, layers, width, vocab, batch, prompt_len, new_tokens, rep
                 scanned=n / float(np.median(times[True])))
 
 
+def bench_shared_prefix(name, layers, width, vocab, prompts, g, prompt_len, new_tokens, repeats):
+    """jaxppo alone: `prompts` prompts x G completions each, the prompt prefilled once per
+    group and its KV cache shared (`num_generations=G`) vs prefilled for every row,
+    alternating on the same keys (same tokens, checked)."""
+    with tempfile.TemporaryDirectory() as directory:
+        build_checkpoint(directory, layers, width, vocab, prompt_len + new_tokens)
+        model, params = jm.from_pretrained(directory, scan_layers=True)
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(np.repeat(rng.integers(1, vocab, size=(prompts, prompt_len)), g, axis=0))
+    mask = jnp.ones(ids.shape, jnp.int32)
+
+    def run(seed, shared):
+        out = jm.generate(model, params, ids, mask, jax.random.key(seed), response_length=new_tokens,
+                          stop_token_ids=(), num_generations=g if shared else 1)
+        return np.asarray(jax.block_until_ready(out.tokens))
+
+    assert np.array_equal(run(0, False), run(0, True))  # also compiles both
+    times = {False: [], True: []}
+    for i in range(repeats):
+        for shared in (False, True):
+            start = time.perf_counter()
+            run(i + 1, shared)
+            times[shared].append(time.perf_counter() - start)
+    n = prompts * g * new_tokens
+    return dict(name=name, layers=layers, width=width, prompts=prompts, g=g, prompt=prompt_len, new=new_tokens,
+                unshared=n / float(np.median(times[False])), shared=n / float(np.median(times[True])))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -156,7 +185,19 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--early-stop", action="store_true", help="jaxppo with and without early stop")
     parser.add_argument("--layouts", action="store_true", help="jaxppo with unrolled and with scanned layers")
+    parser.add_argument("--shared-prefix", action="store_true", help="jaxppo, G = 8: shared prefixes vs not")
     args = parser.parse_args()
+    if args.shared_prefix:
+        shapes = [("256-token prompts", 4, 256, 4, 8, 256, 32), ("256-token prompts, longer responses", 4, 256, 4, 8,
+                                                                  256, 128)]
+        rows = [bench_shared_prefix(n, l, w, args.vocab, p, g, q, t, args.repeats) for n, l, w, p, g, q, t in shapes]
+        print(f"\n## jaxppo sampling, G completions per prompt, shared prefixes, CPU, GPT-2 layout, vocab {args.vocab}\n")
+        print_markdown(["shape", "layers", "width", "prompts x G", "prompt tokens", "new tokens",
+                        "prefill per row (tok/s)", "shared prefix (tok/s)", "shared / per row"],
+                       [[r["name"], r["layers"], r["width"], f"{r['prompts']} x {r['g']}", r["prompt"], r["new"],
+                         f"{r['unshared']:.0f}", f"{r['shared']:.0f}", f"{r['shared'] / r['unshared']:.2f}"]
+                        for r in rows])
+        return
     if args.layouts:
         shapes = [("long cache", 8, 256, 32, 512, 32)]
         rows = [bench_layouts(n, l, w, args.vocab, b, p, t, args.repeats) for n, l, w, b, p, t in shapes]

@@ -61,6 +61,8 @@ class RolloutSpec:
       normalize_scores: standardise scores by running mean/std before use.
       score_clip: clip (normalised) scores to [-score_clip, score_clip].
       uses_critic: the rollout carries the critic's values (PPO); False: `values` is None.
+      num_generations: G, rows per prompt (consecutive): each prompt is prefilled once
+        and its KV cache shared by its G rows (`jaxppo.models.generate`).
     """
 
     policy: Model
@@ -81,6 +83,7 @@ class RolloutSpec:
     normalize_scores: bool = False
     score_clip: Optional[float] = None
     uses_critic: bool = True
+    num_generations: int = 1
 
     def __post_init__(self):
         check_kl_estimator("kl_estimator=", self.kl_estimator)
@@ -93,7 +96,8 @@ def sample_responses(spec: RolloutSpec, params, prompt_ids, prompt_mask, key) ->
     """Sample `spec.response_length` tokens per prompt from the current policy (compiled)."""
     return generate(spec.policy, spec.policy_params(params), prompt_ids, prompt_mask, key,
                     response_length=spec.response_length, temperature=spec.temperature,
-                    stop_token_ids=spec.stop_token_ids, pad_token_id=spec.pad_token_id)
+                    stop_token_ids=spec.stop_token_ids, pad_token_id=spec.pad_token_id,
+                    num_generations=spec.num_generations)
 
 
 class RewardError(ValueError):

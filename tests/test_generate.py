@@ -183,3 +183,38 @@ def test_bad_arguments(tiny):
         jm.generate(model, params, prompt, mask, jax.random.key(0), response_length=2, top_k=0)
     with pytest.raises(ValueError, match="causal-LM"):
         jm.generate(jm.Model(model.config, kind="reward"), params, prompt, mask, jax.random.key(0), response_length=2)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+@pytest.mark.parametrize("kwargs", [dict(), dict(greedy=True), dict(temperature=0.7, top_k=8)],
+                         ids=["sample", "greedy", "top-k"])
+def test_shared_prefixes_equal_the_unshared_sampler(tiny, scan_layers, kwargs):
+    """Groups of G rows with the same (left-padded) prompt: prefilling each prompt once and
+    sharing its KV cache gives the tokens and mask of prefilling every row, for the same key,
+    and the log-probs within float32 rounding (the prefill's matmuls have 1/G of the rows)."""
+    model, params = tiny
+    if scan_layers:
+        model, params = jm.Model(model.config, scan_layers=True), jm.stack_layers(params, model.config)
+    g = 4
+    ids, mask = _prompts(3, q=6, seed=5)
+    ids, mask = jnp.repeat(ids, g, axis=0), jnp.repeat(mask, g, axis=0)
+    unshared = jm.generate(model, params, ids, mask, jax.random.key(3), response_length=10, stop_token_ids=(2,),
+                           **kwargs)
+    shared = jm.generate(model, params, ids, mask, jax.random.key(3), response_length=10, stop_token_ids=(2,),
+                         num_generations=g, **kwargs)
+    np.testing.assert_array_equal(np.asarray(shared.tokens), np.asarray(unshared.tokens))
+    np.testing.assert_array_equal(np.asarray(shared.mask), np.asarray(unshared.mask))
+    np.testing.assert_allclose(np.asarray(shared.logprobs), np.asarray(unshared.logprobs), rtol=0, atol=4e-6)
+    if not kwargs.get("greedy"):
+        assert (np.asarray(unshared.mask).sum(axis=1) < 10).any()  # some rows stopped early
+    if not kwargs:  # the rows of a group sample independently
+        assert len({tuple(r) for r in np.asarray(shared.tokens)[:g]}) > 1
+
+
+def test_shared_prefixes_refuse_groups_that_differ(tiny):
+    model, params = tiny
+    ids, mask = _prompts(4)
+    with pytest.raises(ValueError, match=r"num_generations=2: the prompts of group 0 \(rows 0 to 1\) differ"):
+        jm.generate(model, params, ids, mask, jax.random.key(0), response_length=4, num_generations=2)
+    with pytest.raises(ValueError, match="num_generations=3 must divide the batch of 4"):
+        jm.generate(model, params, ids, mask, jax.random.key(0), response_length=4, num_generations=3)

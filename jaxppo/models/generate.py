@@ -8,11 +8,12 @@ from typing import NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxppo.models.model import Model
 from jaxppo.models.transformer import default_positions
 
-__all__ = ["generate", "generate_jit", "GenerationOutput", "filter_logits"]
+__all__ = ["generate", "generate_jit", "prefill", "GenerationOutput", "filter_logits"]
 
 
 class GenerationOutput(NamedTuple):
@@ -58,23 +59,40 @@ def _sample_inverse_cdf(key, logits):
     return token.astype(jnp.int32)
 
 
+def prefill(model, params, prompt_ids, prompt_mask, max_len: int, num_generations: int = 1):
+    """The KV cache of `max_len` slots after the left-padded prompts, and the logits of each
+    row's next token, (B, V). With `num_generations` G > 1 the rows come in groups of G
+    equal prompts (consecutive rows): each group's prompt is run once and its cache shared
+    by its G rows."""
+    b, g = prompt_ids.shape[0], num_generations
+    ids, mask = (prompt_ids, prompt_mask) if g == 1 else (prompt_ids[::g], prompt_mask[::g])
+    cache = model.init_cache(ids.shape[0], max_len)
+    kv_mask = jnp.concatenate([mask.astype(jnp.int32), jnp.zeros((ids.shape[0], max_len - ids.shape[1]), jnp.int32)],
+                              axis=1)
+    # The LM head runs at the last prompt position only.
+    logits, cache = model.decode(params, ids, kv_mask, default_positions(mask), cache, 0, last_only=True)
+    if g > 1:
+        batch_axis = 1 if model.scan_layers else 0  # scanned caches lead with the layer axis
+        cache = jax.tree.map(lambda x: jnp.repeat(x, g, axis=batch_axis), cache)
+        logits = jnp.repeat(logits, g, axis=0)
+    assert logits.shape[0] == b
+    # Left padding: the last slot holds every row's last prompt token.
+    return cache, logits[:, -1]
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("model", "response_length", "top_k", "use_top_p", "greedy", "stop_token_ids", "pad_token_id",
-                     "early_stop"),
+                     "early_stop", "num_generations"),
 )
 def generate_jit(model, params, prompt_ids, prompt_mask, key, temperature, top_p, *, response_length, top_k,
-                 use_top_p, greedy, stop_token_ids, pad_token_id, early_stop):
+                 use_top_p, greedy, stop_token_ids, pad_token_id, early_stop, num_generations=1):
     """The compiled sampler behind `generate` (static: the model and every size and
     switch), for ahead-of-time lowering (`generate_jit.lower(...)`) and compile counts."""
     b, q = prompt_ids.shape
     r = response_length
-    cache = model.init_cache(b, q + r)
     kv_mask = jnp.concatenate([prompt_mask.astype(jnp.int32), jnp.zeros((b, r), jnp.int32)], axis=1)
-    # Prefill; the LM head runs at the last prompt position only.
-    logits, cache = model.decode(params, prompt_ids, kv_mask, default_positions(prompt_mask), cache, 0, last_only=True)
-    # Left padding: the last slot holds every row's last prompt token.
-    next_logits = logits[:, -1]
+    cache, next_logits = prefill(model, params, prompt_ids, prompt_mask, q + r, num_generations)
     next_position = jnp.sum(prompt_mask.astype(jnp.int32), axis=1)
     stop_ids = jnp.asarray(stop_token_ids if stop_token_ids else (-1,), jnp.int32)
 
@@ -147,6 +165,7 @@ def generate(
     stop_token_ids: Optional[Sequence[int]] = None,
     pad_token_id: Optional[int] = None,
     early_stop: bool = True,
+    num_generations: int = 1,
 ) -> GenerationOutput:
     """Sample `response_length` tokens after left-padded prompts, with a KV cache.
 
@@ -166,6 +185,11 @@ def generate(
       early_stop: stop decoding once every row has hit a stop token (a `lax.while_loop`;
         the outputs equal those of `early_stop=False`, which always runs all R steps as a
         `lax.scan`). Rollouts whose responses end early then cost less.
+      num_generations: G; rows come in groups of G consecutive rows with the same prompt
+        (as a group-sampling trainer lays them out). Each group's prompt is prefilled
+        once and its KV cache shared by its G rows, which then sample independently: the
+        same tokens as G = 1 for the same key, with 1/G of the prefill work. The prompts
+        must be equal within each group (checked when the arrays are concrete).
 
     Returns:
       `GenerationOutput(tokens, logprobs, mask)`, each (B, R).
@@ -188,6 +212,7 @@ def generate(
         raise ValueError(f"top_k={top_k!r} must be None or a positive int")
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p={top_p!r} must be None or in (0, 1]")
+    _check_groups(prompt_ids, prompt_mask, num_generations)
     if stop_token_ids is None:
         stop_token_ids = model.config.eos_token_ids
     stop_token_ids = tuple(int(t) for t in stop_token_ids)
@@ -200,4 +225,28 @@ def generate(
         jnp.float32(temperature), jnp.float32(1.0 if top_p is None else top_p),
         response_length=response_length, top_k=top_k, use_top_p=top_p is not None, greedy=bool(greedy),
         stop_token_ids=stop_token_ids, pad_token_id=int(pad_token_id), early_stop=bool(early_stop),
+        num_generations=num_generations,
     )
+
+
+def _check_groups(prompt_ids, prompt_mask, g):
+    """ValueError unless the rows form groups of `g` equal prompts (values are checked only
+    when they are concrete, not while tracing)."""
+    if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+        raise ValueError(f"num_generations={g!r} must be a positive int")
+    if g == 1:
+        return
+    b = prompt_ids.shape[0]
+    if b % g:
+        raise ValueError(f"num_generations={g} must divide the batch of {b} prompt rows (groups of G equal prompts)")
+    if not getattr(prompt_ids, "is_fully_addressable", True):
+        return  # a multi-host array: each process holds part of the rows
+    try:
+        ids, mask = np.asarray(prompt_ids).reshape(b // g, g, -1), np.asarray(prompt_mask).reshape(b // g, g, -1)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return  # traced: the values are not known yet
+    unequal = np.flatnonzero(~((ids == ids[:, :1]).all(axis=(1, 2)) & (mask == mask[:, :1]).all(axis=(1, 2))))
+    if unequal.size:
+        raise ValueError(f"num_generations={g}: the prompts of group {int(unequal[0])} (rows {int(unequal[0]) * g} to "
+                         f"{int(unequal[0]) * g + g - 1}) differ; with shared prefixes each group of {g} consecutive "
+                         "rows must hold the same prompt")
