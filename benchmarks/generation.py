@@ -6,6 +6,7 @@
     python benchmarks/generation.py --early-stop   # jaxppo alone: early stop vs all steps
     python benchmarks/generation.py --layouts --vocab 1024   # jaxppo alone: unrolled vs scanned layers
     python benchmarks/generation.py --shared-prefix --vocab 1024   # jaxppo alone: G = 8 with shared prefixes vs without
+    python benchmarks/generation.py --continuous --vocab 1024   # jaxppo alone: continuous batching vs static, long tail
 
 With --early-stop, every fourth token id is a stop token, so most rows stop early (a row
 lasts 4 tokens on average); jaxppo's sampler runs with `early_stop=True` (decoding ends once
@@ -178,6 +179,42 @@ def bench_shared_prefix(name, layers, width, vocab, prompts, g, prompt_len, new_
                 unshared=n / float(np.median(times[False])), shared=n / float(np.median(times[True])))
 
 
+def bench_continuous(name, layers, width, vocab, requests, slots, prompt_len, short, long, long_share, repeats):
+    """jaxppo alone: a long-tailed length mix (each request's budget `short` tokens, or
+    `long` for a `long_share` of them; no stop token), the static sampler (early stop on:
+    it runs until the longest row ends) against the continuous-batching engine with
+    `slots` slots, alternating on the same keys (same tokens, checked)."""
+    from jaxppo.models.continuous import generate_continuous
+
+    with tempfile.TemporaryDirectory() as directory:
+        build_checkpoint(directory, layers, width, vocab, prompt_len + long)
+        model, params = jm.from_pretrained(directory, scan_layers=True)
+    rng = np.random.default_rng(0)
+    ids, mask = jnp.asarray(rng.integers(1, vocab, size=(requests, prompt_len))), jnp.ones((requests, prompt_len),
+                                                                                          jnp.int32)
+    budgets = np.full(requests, short)
+    budgets[rng.permutation(requests)[: int(round(long_share * requests))]] = long
+    budgets = jnp.asarray(budgets)
+
+    def run(seed, engine):
+        kw = dict(response_length=long, stop_token_ids=(), max_lengths=budgets)
+        out = (generate_continuous(model, params, ids, mask, jax.random.key(seed), num_slots=slots, **kw) if engine
+               else jm.generate(model, params, ids, mask, jax.random.key(seed), **kw))
+        return np.asarray(jax.block_until_ready(out.tokens))
+
+    assert np.array_equal(run(0, False), run(0, True))  # also compiles both
+    times = {False: [], True: []}
+    for i in range(repeats):
+        for engine in (False, True):
+            start = time.perf_counter()
+            run(i + 1, engine)
+            times[engine].append(time.perf_counter() - start)
+    n = int(np.asarray(budgets).sum())
+    return dict(name=name, layers=layers, width=width, requests=requests, slots=slots, prompt=prompt_len,
+                mix=f"{1 - long_share:.0%} x {short}, {long_share:.0%} x {long}", tokens=n,
+                static=n / float(np.median(times[False])), engine=n / float(np.median(times[True])))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -186,7 +223,19 @@ def main():
     parser.add_argument("--early-stop", action="store_true", help="jaxppo with and without early stop")
     parser.add_argument("--layouts", action="store_true", help="jaxppo with unrolled and with scanned layers")
     parser.add_argument("--shared-prefix", action="store_true", help="jaxppo, G = 8: shared prefixes vs not")
+    parser.add_argument("--continuous", action="store_true", help="jaxppo: continuous batching vs static, long tail")
     args = parser.parse_args()
+    if args.continuous:
+        shapes = [("long tail", 2, 128, 64, 16, 16, 32, 512, 0.1)]
+        rows = [bench_continuous(n, l, w, args.vocab, b, s, q, a, z, f, args.repeats) for n, l, w, b, s, q, a, z, f
+                in shapes]
+        print(f"\n## jaxppo sampling, continuous batching vs static, CPU, GPT-2 layout, vocab {args.vocab}\n")
+        print_markdown(["shape", "layers", "width", "requests", "slots", "prompt tokens", "budgets", "tokens",
+                        "static (tok/s)", "continuous (tok/s)", "continuous / static"],
+                       [[r["name"], r["layers"], r["width"], r["requests"], r["slots"], r["prompt"], r["mix"],
+                         r["tokens"], f"{r['static']:.0f}", f"{r['engine']:.0f}", f"{r['engine'] / r['static']:.2f}"]
+                        for r in rows])
+        return
     if args.shared_prefix:
         shapes = [("256-token prompts", 4, 256, 4, 8, 256, 32), ("256-token prompts, longer responses", 4, 256, 4, 8,
                                                                   256, 128)]

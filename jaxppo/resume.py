@@ -22,7 +22,8 @@ __all__ = ["checkpoint_dir", "log_dir", "run_settings", "save", "restore", "open
 _PPO_DEFAULTS = {f.name: f.default for f in dataclasses.fields(PPOConfig)}
 # TrainerConfig fields that only change output, never results: they may differ on resume.
 _FREE = {"output_dir", "resume", "progress", "log_every", "sample_every", "num_samples", "tensorboard", "plot",
-         "export_final", "keep_checkpoints", "checkpoint_every", "iterations", "total_episodes"}
+         "export_final", "keep_checkpoints", "checkpoint_every", "iterations", "total_episodes",
+         "num_slots"}  # the sampler's engine: the same tokens either way
 
 
 def checkpoint_dir(tc: TrainerConfig) -> str:

@@ -26,6 +26,7 @@ import numpy as np
 
 from jaxppo import math as ppo_math
 from jaxppo.kl import check_kl_estimator
+from jaxppo.models.continuous import generate_continuous
 from jaxppo.models.generate import GenerationOutput, generate
 from jaxppo.models.model import Model
 from jaxppo.rollout_types import Rollout, joined, response_outputs, scorer
@@ -63,6 +64,8 @@ class RolloutSpec:
       uses_critic: the rollout carries the critic's values (PPO); False: `values` is None.
       num_generations: G, rows per prompt (consecutive): each prompt is prefilled once
         and its KV cache shared by its G rows (`jaxppo.models.generate`).
+      num_slots: None (the static sampler) or the slots of the continuous-batching engine
+        (`jaxppo.models.continuous`); the same tokens either way.
     """
 
     policy: Model
@@ -84,6 +87,7 @@ class RolloutSpec:
     score_clip: Optional[float] = None
     uses_critic: bool = True
     num_generations: int = 1
+    num_slots: Optional[int] = None
 
     def __post_init__(self):
         check_kl_estimator("kl_estimator=", self.kl_estimator)
@@ -94,10 +98,13 @@ class RolloutSpec:
 
 def sample_responses(spec: RolloutSpec, params, prompt_ids, prompt_mask, key) -> GenerationOutput:
     """Sample `spec.response_length` tokens per prompt from the current policy (compiled)."""
+    common = dict(response_length=spec.response_length, temperature=spec.temperature,
+                  stop_token_ids=spec.stop_token_ids, pad_token_id=spec.pad_token_id)
+    if spec.num_slots is not None:
+        return generate_continuous(spec.policy, spec.policy_params(params), prompt_ids, prompt_mask, key,
+                                   num_slots=spec.num_slots, **common)
     return generate(spec.policy, spec.policy_params(params), prompt_ids, prompt_mask, key,
-                    response_length=spec.response_length, temperature=spec.temperature,
-                    stop_token_ids=spec.stop_token_ids, pad_token_id=spec.pad_token_id,
-                    num_generations=spec.num_generations)
+                    num_generations=spec.num_generations, **common)
 
 
 class RewardError(ValueError):

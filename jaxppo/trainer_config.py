@@ -33,6 +33,11 @@ class TrainerConfig:
       resume (continue from the latest checkpoint in output_dir; False refuses a directory
       that already holds a run); tensorboard; progress; export_final (policy as a Hugging
       Face directory); plot (PNG of score, KL, reward).
+    Sampling: num_slots (None: the static sampler, every row of the batch decoded together
+      until the last ends, each prompt prefilled once per group; an int: the
+      continuous-batching engine with that many slots, a finished row's slot refilled at
+      once: `jaxppo.models.continuous`; the same tokens either way, so it may change
+      between a run and its resume).
     Faults: skip_nonfinite_scores (an iteration whose scores include NaN or inf is skipped
       and counted in `objective/skipped_nonfinite_scores` instead of stopping the run with
       an error naming the rows).
@@ -70,12 +75,16 @@ class TrainerConfig:
     export_final: bool = True
     plot: bool = True
     skip_nonfinite_scores: bool = False
+    num_slots: Optional[int] = None
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
             if field.type in (bool, "bool") and not isinstance(getattr(self, field.name), bool):
                 raise ValueError(f"TrainerConfig.{field.name}={getattr(self, field.name)!r} is invalid: "
                                  f"{field.name} must be a bool (True or False)")
+        if self.num_slots is not None and (not is_int(self.num_slots) or self.num_slots <= 0):
+            raise ValueError(f"TrainerConfig.num_slots={self.num_slots!r} is invalid: num_slots must be None (the static "
+                             "sampler) or a positive int (rows the continuous-batching engine decodes together)")
         if not isinstance(self.output_dir, str) or not self.output_dir:
             raise ValueError(f"TrainerConfig.output_dir={self.output_dir!r} is invalid: output_dir must be a non-empty "
                              "path string")

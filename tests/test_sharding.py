@@ -206,6 +206,11 @@ def test_trainer_under_mesh_matches_single_device(tmp_path):
     # A sharded checkpoint restores with its shardings.
     again, resumed = run_small(tmp_path / "mesh", mesh=sh.MeshConfig(data=2, fsdp=4))
     assert resumed.iteration == 2 and len(again) == 2
+    # The continuous-batching engine (5 slots for 16 rows) under the same mesh: the same run.
+    slots, _ = run_small(tmp_path / "slots", mesh=sh.MeshConfig(data=2, fsdp=4), num_slots=5)
+    for a, b in zip(single, slots):
+        assert a["objective/scores"] == b["objective/scores"]
+        assert a["loss/total_avg"] == pytest.approx(b["loss/total_avg"], rel=1e-4, abs=1e-6)
 
 
 def test_grpo_trainer_under_mesh_matches_single_device(tmp_path):

@@ -22,8 +22,8 @@ def small_trainer(output_dir, iterations=2, mesh=None, reward_fn=demo.lowercase_
                              callbacks=callbacks, mesh=mesh, lora=lora)
 
 
-def run_small(output_dir, iterations=2, mesh=None):
-    trainer = small_trainer(output_dir, iterations=iterations, mesh=mesh)
+def run_small(output_dir, iterations=2, mesh=None, **trainer_settings):
+    trainer = small_trainer(output_dir, iterations=iterations, mesh=mesh, **trainer_settings)
     return trainer.train(), trainer
 
 

@@ -13,7 +13,8 @@ import numpy as np
 from jaxppo.models.model import Model
 from jaxppo.models.transformer import default_positions
 
-__all__ = ["generate", "generate_jit", "prefill", "GenerationOutput", "filter_logits"]
+__all__ = ["generate", "generate_jit", "prefill", "GenerationOutput", "filter_logits", "pick_tokens", "step_keys",
+           "check_sampler_arguments", "check_max_lengths"]
 
 
 class GenerationOutput(NamedTuple):
@@ -47,16 +48,35 @@ def filter_logits(logits, top_k: Optional[int], top_p):
     return logits
 
 
-def _sample_inverse_cdf(key, logits):
+def _sample_inverse_cdf(keys, logits):
     """One draw per row from softmax(logits) (B, V) by inverting the CDF with a single
-    uniform per row. Exact in distribution, and far cheaper than Gumbel-max, which needs a
-    random number per vocabulary entry (V of them per row and step)."""
+    uniform per row, drawn from that row's key (`keys`: (B,) typed keys). Exact in
+    distribution, and far cheaper than Gumbel-max, which needs a random number per
+    vocabulary entry (V of them per row and step)."""
     probs = jax.nn.softmax(logits, axis=-1)
     cdf = jnp.cumsum(probs, axis=-1)
-    u = jax.random.uniform(key, (logits.shape[0], 1), jnp.float32) * cdf[:, -1:]
+    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)[:, None] * cdf[:, -1:]
     # The first index whose CDF exceeds u; zero-probability tokens never qualify.
     token = jnp.argmax(cdf > u, axis=-1)
     return token.astype(jnp.int32)
+
+
+def pick_tokens(next_logits, keys, temperature, top_k, top_p, greedy):
+    """Each row's next token and its temperature-scaled log-prob (unfiltered: the
+    distribution the loss uses). Row i's randomness comes from keys[i] alone, so a row's
+    tokens do not depend on which other rows are decoded beside it."""
+    scaled = next_logits.astype(jnp.float32) / temperature
+    if greedy:
+        token = jnp.argmax(next_logits, axis=-1).astype(jnp.int32)
+    else:
+        token = _sample_inverse_cdf(keys, filter_logits(scaled, top_k, top_p))
+    logprob = jnp.take_along_axis(jax.nn.log_softmax(scaled, axis=-1), token[:, None], axis=-1)[:, 0]
+    return token, logprob
+
+
+def step_keys(row_keys, t):
+    """The keys of decode step `t` (a scalar or (B,)), one per row: fold_in(row key, t)."""
+    return jax.vmap(jax.random.fold_in)(row_keys, jnp.broadcast_to(t, row_keys.shape))
 
 
 def prefill(model, params, prompt_ids, prompt_mask, max_len: int, num_generations: int = 1):
@@ -85,8 +105,9 @@ def prefill(model, params, prompt_ids, prompt_mask, max_len: int, num_generation
     static_argnames=("model", "response_length", "top_k", "use_top_p", "greedy", "stop_token_ids", "pad_token_id",
                      "early_stop", "num_generations"),
 )
-def generate_jit(model, params, prompt_ids, prompt_mask, key, temperature, top_p, *, response_length, top_k,
-                 use_top_p, greedy, stop_token_ids, pad_token_id, early_stop, num_generations=1):
+def generate_jit(model, params, prompt_ids, prompt_mask, key, temperature, top_p, max_lengths=None, *,
+                 response_length, top_k, use_top_p, greedy, stop_token_ids, pad_token_id, early_stop,
+                 num_generations=1):
     """The compiled sampler behind `generate` (static: the model and every size and
     switch), for ahead-of-time lowering (`generate_jit.lower(...)`) and compile counts."""
     b, q = prompt_ids.shape
@@ -95,34 +116,30 @@ def generate_jit(model, params, prompt_ids, prompt_mask, key, temperature, top_p
     cache, next_logits = prefill(model, params, prompt_ids, prompt_mask, q + r, num_generations)
     next_position = jnp.sum(prompt_mask.astype(jnp.int32), axis=1)
     stop_ids = jnp.asarray(stop_token_ids if stop_token_ids else (-1,), jnp.int32)
+    row_keys = jax.random.split(key, b)  # row i samples from row_keys[i] alone
 
-    def choose(next_logits, done, key):
+    def choose(next_logits, done, t):
         """Pick each row's next token; rows already done get pad (masked out, log-prob 0)."""
-        scaled = next_logits.astype(jnp.float32) / temperature
-        if greedy:
-            token = jnp.argmax(next_logits, axis=-1).astype(jnp.int32)
-        else:
-            filtered = filter_logits(scaled, top_k, top_p if use_top_p else None)
-            token = _sample_inverse_cdf(key, filtered)
-        logprob = jnp.take_along_axis(jax.nn.log_softmax(scaled, axis=-1), token[:, None], axis=-1)[:, 0]
+        token, logprob = pick_tokens(next_logits, step_keys(row_keys, t), temperature, top_k,
+                               top_p if use_top_p else None, greedy)
         live = ~done
         token = jnp.where(live, token, pad_token_id)
         logprob = jnp.where(live, logprob, 0.0)
-        done = done | (live & jnp.isin(token, stop_ids))
+        ended = jnp.isin(token, stop_ids) if max_lengths is None else jnp.isin(token, stop_ids) | (t + 1 >= max_lengths)
+        done = done | (live & ended)
         return token, logprob, live, done
 
     def step(carry, t):
-        cache, next_logits, kv_mask, done, key = carry
-        key, sub = jax.random.split(key)
-        token, logprob, live, done = choose(next_logits, done, sub)
+        cache, next_logits, kv_mask, done = carry
+        token, logprob, live, done = choose(next_logits, done, t)
         kv_mask = jax.lax.dynamic_update_index_in_dim(kv_mask, live.astype(jnp.int32), q + t, axis=1)
         logits, cache = model.decode(params, token[:, None], kv_mask, (next_position + t)[:, None], cache, q + t)
-        return (cache, logits[:, 0], kv_mask, done, key), (token, logprob, live.astype(jnp.int32))
+        return (cache, logits[:, 0], kv_mask, done), (token, logprob, live.astype(jnp.int32))
 
     # R - 1 steps that feed their token back, then the last token, which needs no forward.
-    init = (cache, next_logits, kv_mask, jnp.zeros((b,), bool), key)
+    init = (cache, next_logits, kv_mask, jnp.zeros((b,), bool))
     if not early_stop or r == 1:  # (R = 1: no step to take)
-        (_, last_logits, _, done, key), (tokens, logprobs, mask) = jax.lax.scan(step, init, jnp.arange(r - 1))
+        (_, last_logits, _, done), (tokens, logprobs, mask) = jax.lax.scan(step, init, jnp.arange(r - 1))
     else:
         # The same steps in a while loop that ends once every row has stopped. The outputs
         # are preset to what a finished row emits (pad, log-prob 0, mask 0), so the steps not
@@ -141,9 +158,9 @@ def generate_jit(model, params, prompt_ids, prompt_mask, key, temperature, top_p
                          for o, e in zip(outs, emitted))
             return t + 1, carry, outs
 
-        _, (_, last_logits, _, done, key), (tokens, logprobs, mask) = jax.lax.while_loop(
+        _, (_, last_logits, _, done), (tokens, logprobs, mask) = jax.lax.while_loop(
             cond, body, (jnp.int32(0), init, outputs))
-    token, logprob, live, _ = choose(last_logits, done, jax.random.split(key)[1])
+    token, logprob, live, _ = choose(last_logits, done, r - 1)
     tokens = jnp.concatenate([tokens, token[None]], axis=0)
     logprobs = jnp.concatenate([logprobs, logprob[None]], axis=0)
     mask = jnp.concatenate([mask, live.astype(jnp.int32)[None]], axis=0)
@@ -166,6 +183,7 @@ def generate(
     pad_token_id: Optional[int] = None,
     early_stop: bool = True,
     num_generations: int = 1,
+    max_lengths=None,
 ) -> GenerationOutput:
     """Sample `response_length` tokens after left-padded prompts, with a KV cache.
 
@@ -190,10 +208,30 @@ def generate(
         once and its KV cache shared by its G rows, which then sample independently: the
         same tokens as G = 1 for the same key, with 1/G of the prefill work. The prompts
         must be equal within each group (checked when the arrays are concrete).
+      max_lengths: optional int (B,): row i ends after max_lengths[i] tokens (at most
+        `response_length`) if no stop token ended it before: per-request budgets.
 
     Returns:
       `GenerationOutput(tokens, logprobs, mask)`, each (B, R).
     """
+    stop_token_ids, pad_token_id = check_sampler_arguments(model, prompt_ids, prompt_mask, response_length, temperature,
+                                                    top_k, top_p, stop_token_ids, pad_token_id)
+    _check_groups(prompt_ids, prompt_mask, num_generations)
+    return generate_jit(
+        model, params, jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_mask, jnp.int32), key,
+        jnp.float32(temperature), jnp.float32(1.0 if top_p is None else top_p),
+        check_max_lengths(max_lengths, prompt_ids.shape[0], response_length),
+        response_length=response_length, top_k=top_k, use_top_p=top_p is not None, greedy=bool(greedy),
+        stop_token_ids=stop_token_ids, pad_token_id=int(pad_token_id), early_stop=bool(early_stop),
+        num_generations=num_generations,
+    )
+
+
+def check_sampler_arguments(model, prompt_ids, prompt_mask, response_length, temperature, top_k, top_p, stop_token_ids,
+                     pad_token_id):
+    """Errors in a sampler's arguments, before anything compiles; returns the stop ids
+    (default: the model's EOS ids) and the pad id (default: the config's pad, else the
+    first EOS, else 0)."""
     if not isinstance(model, Model) or not model.is_causal_lm:
         raise ValueError(f"generate needs a causal-LM jaxppo Model, got {model!r:.80}")
     if not isinstance(response_length, int) or response_length <= 0:
@@ -212,7 +250,6 @@ def generate(
         raise ValueError(f"top_k={top_k!r} must be None or a positive int")
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p={top_p!r} must be None or in (0, 1]")
-    _check_groups(prompt_ids, prompt_mask, num_generations)
     if stop_token_ids is None:
         stop_token_ids = model.config.eos_token_ids
     stop_token_ids = tuple(int(t) for t in stop_token_ids)
@@ -220,13 +257,25 @@ def generate(
         pad_token_id = model.config.pad_token_id
         if pad_token_id is None:
             pad_token_id = model.config.eos_token_ids[0] if model.config.eos_token_ids else 0
-    return generate_jit(
-        model, params, jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_mask, jnp.int32), key,
-        jnp.float32(temperature), jnp.float32(1.0 if top_p is None else top_p),
-        response_length=response_length, top_k=top_k, use_top_p=top_p is not None, greedy=bool(greedy),
-        stop_token_ids=stop_token_ids, pad_token_id=int(pad_token_id), early_stop=bool(early_stop),
-        num_generations=num_generations,
-    )
+    return stop_token_ids, pad_token_id
+
+
+def check_max_lengths(max_lengths, rows: int, response_length: int):
+    """`max_lengths` as int32 (rows,), or None; ValueError for another shape or a length
+    outside [1, response_length] (checked when the values are concrete)."""
+    if max_lengths is None:
+        return None
+    lengths = jnp.asarray(max_lengths, jnp.int32)
+    if lengths.shape != (rows,):
+        raise ValueError(f"max_lengths has shape {lengths.shape}; expected ({rows},): one budget per row")
+    try:
+        low, high = int(lengths.min()), int(lengths.max())
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError, TypeError):
+        return lengths
+    if low < 1 or high > response_length:
+        raise ValueError(f"max_lengths range over [{low}, {high}]; each must be in [1, response_length="
+                         f"{response_length}]")
+    return lengths
 
 
 def _check_groups(prompt_ids, prompt_mask, g):

@@ -9,7 +9,9 @@ All modules take
   input_ids (B, Lq) int, attention_mask (B, Lk) {0, 1} over the key slots,
   positions (B, Lq) int (position ids of the query tokens),
   cache: None, or a tuple per layer of (k, v), each (B, Lmax, num_kv_heads, head_dim),
-  cache_index: slot of the first query token in the cache (scalar int).
+  cache_index: slot of the first query token in the cache: a scalar (every row), or (B,)
+    int, one slot per row (rows at different points of their sequences, as a
+    continuous-batching engine decodes them).
 Without a cache Lk = Lq and the query tokens are slots 0..Lq-1. Attention is causal over
 slots and ignores keys whose attention_mask is 0 (left padding, finished rows).
 """
@@ -155,16 +157,38 @@ def _attend_with_cache(q, k, v, layer_cache, cache_index, mask, dtype, scale_dim
         return _attention(q, k, v, mask, dtype, scale_dim), None
     if isinstance(layer_cache, NewKV):
         lk, lq = mask.shape[-1], q.shape[1]
-        old = mask & (jnp.arange(lk) < cache_index)[None, None, :]
-        new = jax.lax.dynamic_slice_in_dim(mask, cache_index, lq, axis=2)
+        old = mask & (jnp.arange(lk)[None, None, :] < _per_row(cache_index))
+        new = _slice_slots(mask, cache_index, lq)
         k, v = k.astype(layer_cache.k.dtype), v.astype(layer_cache.v.dtype)
         if isinstance(cache_index, int) and cache_index == 0:  # a prefill: no old slots to attend to
             return _attention(q, k, v, new, dtype, scale_dim), (k, v)
         out = _attention_over(q, ((layer_cache.k, layer_cache.v, old), (k, v, new)), dtype, scale_dim)
         return out, (k, v)
-    write = lambda buf, new: jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), cache_index, axis=1)
-    k, v = write(layer_cache[0], k), write(layer_cache[1], v)
+    k, v = (write_slots(layer_cache[0], k, cache_index, axis=1), write_slots(layer_cache[1], v, cache_index, axis=1))
     return _attention(q, k, v, mask, dtype, scale_dim), (k, v)
+
+
+def _per_row(cache_index):
+    """The cache index broadcastable against (B, Lq, Lk): a scalar, or (B, 1, 1)."""
+    return cache_index[:, None, None] if jnp.ndim(cache_index) == 1 else cache_index
+
+
+def _slice_slots(mask, cache_index, length):
+    """mask (B, Lq, Lk) at slots cache_index ... cache_index + length - 1: (B, Lq, length)."""
+    if jnp.ndim(cache_index) == 1:
+        return jax.vmap(lambda m, i: jax.lax.dynamic_slice_in_dim(m, i, length, axis=1))(mask, cache_index)
+    return jax.lax.dynamic_slice_in_dim(mask, cache_index, length, axis=2)
+
+
+def write_slots(buf, new, cache_index, axis):
+    """`new` written into the cache buffer `buf` along its slot `axis`, starting at
+    `cache_index` (a scalar, or (B,): each row at its own slot; the batch axis is the one
+    before `axis`)."""
+    new = new.astype(buf.dtype)
+    if jnp.ndim(cache_index) == 1:
+        write = lambda b, n, i: jax.lax.dynamic_update_slice_in_dim(b, n, i, axis=axis - 1)
+        return jax.vmap(write, in_axes=(axis - 1, axis - 1, 0), out_axes=axis - 1)(buf, new, cache_index)
+    return jax.lax.dynamic_update_slice_in_dim(buf, new, cache_index, axis=axis)
 
 
 def _dense(block, features, use_bias, name):
@@ -275,14 +299,16 @@ class Transformer(nn.Module):
             x = x + nn.Embed(c.max_position_embeddings, c.hidden_size, dtype=self.dtype,
                              param_dtype=self.param_dtype, name="wpe")(positions)
         lq, lk = input_ids.shape[1], attention_mask.shape[1]
-        query_slots = cache_index + jnp.arange(lq)
-        causal = jnp.arange(lk)[None, :] <= query_slots[:, None]  # (Lq, Lk)
-        mask = causal[None] & attention_mask.astype(bool)[:, None, :]
+        # The query tokens' slots, (1, Lq) or per row (B, Lq).
+        query_slots = (cache_index[:, None] if jnp.ndim(cache_index) == 1 else jnp.asarray(cache_index)[None, None]
+                       ) + jnp.arange(lq)[None, :]
+        causal = jnp.arange(lk)[None, None, :] <= query_slots[:, :, None]  # (1 or B, Lq, Lk)
+        mask = causal & attention_mask.astype(bool)[:, None, :]
         sliding = c.sliding_layers
         local_mask = None
         if any(sliding):  # slots within the window: q - window < s
-            in_window = jnp.arange(lk)[None, :] > query_slots[:, None] - c.sliding_window
-            local_mask = mask & in_window[None]
+            in_window = jnp.arange(lk)[None, None, :] > query_slots[:, :, None] - c.sliding_window
+            local_mask = mask & in_window
         masks = (mask, local_mask)
         block_cls = GPT2Block if gpt2 else LlamaBlock
         if self.remat:
@@ -302,8 +328,7 @@ class Transformer(nn.Module):
                 x, masks, positions, layer_cache, cache_index, jnp.asarray(sliding))
             new_cache = None
             if cache is not None:  # the new tokens' k/v of every layer, written in place
-                new_cache = tuple(jax.lax.dynamic_update_slice_in_dim(buf, new, cache_index, axis=2)
-                                  for buf, new in zip(cache, new_kv))
+                new_cache = tuple(write_slots(buf, new, cache_index, axis=2) for buf, new in zip(cache, new_kv))
         else:
             new_cache = []
             for i in range(c.num_layers):
