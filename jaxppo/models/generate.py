@@ -34,11 +34,16 @@ def filter_logits(logits, top_k: Optional[int], top_p):
     top-p keeps the smallest set of most likely tokens whose probability reaches top_p (the
     most likely token always stays)."""
     neg_inf = jnp.finfo(logits.dtype).min
+    sorted_logits = None
     if top_k is not None and top_k < logits.shape[-1]:
-        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
-        logits = jnp.where(logits < kth, neg_inf, logits)
+        # lax.top_k returns the k largest in descending order: with top-p too, these are the
+        # only candidates, and no sort over the whole vocabulary is needed.
+        top = jax.lax.top_k(logits, top_k)[0]
+        logits = jnp.where(logits < top[..., -1:], neg_inf, logits)
+        sorted_logits = top
     if top_p is not None:
-        sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
+        if sorted_logits is None:
+            sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
         probs = jax.nn.softmax(sorted_logits, axis=-1)
         mass_before = jnp.cumsum(probs, axis=-1) - probs
         keep = mass_before < top_p
