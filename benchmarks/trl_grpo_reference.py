@@ -75,7 +75,9 @@ def bench(loss_type, beta, vocab, batches, directory):
                       num_generations=GENERATIONS, max_completion_length=RESPONSE,
                       generation_kwargs={"min_new_tokens": RESPONSE}, temperature=1.0, beta=beta, loss_type=loss_type,
                       disable_dropout=True, learning_rate=1e-5, max_steps=steps_per_batch * batches, report_to=[],
-                      save_strategy="no", disable_tqdm=True, logging_steps=10**9, use_cpu=True, seed=0)
+                      save_strategy="no", disable_tqdm=True, logging_steps=10**9, use_cpu=True, seed=0,
+                      # float32 against jaxppo's float32, no activation recomputation on either side
+                      bf16=False, fp16=False, gradient_checkpointing=False)
     policy = transformers.GPT2LMHeadModel.from_pretrained(f"{directory}/policy")
     trainer = Timed(model=policy, reward_funcs=[lowercase], args=args, train_dataset=dataset,
                     processing_class=tokenizer)

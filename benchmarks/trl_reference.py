@@ -85,7 +85,9 @@ def bench(name, layers, width, response_length, vocab, iterations, jax_temperatu
                          response_length=response_length, temperature=jax_temperature, stop_token=None,
                          local_rollout_forward_batch_size=64, num_sample_generations=0, report_to=[],
                          save_strategy="no", disable_tqdm=True, logging_steps=10**9, learning_rate=1e-5,
-                         use_cpu=True, seed=0)
+                         use_cpu=True, seed=0,
+                         # float32 against jaxppo's float32, no activation recomputation on either side
+                         bf16=False, fp16=False, gradient_checkpointing=False)
         trainer = PPOTrainer(args=args, processing_class=tokenizer, model=policy, ref_model=ref, reward_model=reward,
                              value_model=value, train_dataset=dataset, eval_dataset=dataset, callbacks=[Clock()])
         accumulate = trainer.accelerator.accumulate
