@@ -92,6 +92,18 @@ def bench_shape(name, layers, width, vocab, batch, prompt_len, new_tokens, repea
                 jax_tps=n_tokens / t_jax, torch_tps=n_tokens / t_torch, speedup=t_torch / t_jax, compile_s=compile_s)
 
 
+def alternate(run, repeats):
+    """{False: [seconds], True: [seconds]}: `run(seed, flag)` timed `repeats` times for each
+    flag, alternating, seeds 1, 2, ... (the same keys for both)."""
+    times = {False: [], True: []}
+    for i in range(repeats):
+        for flag in (False, True):
+            start = time.perf_counter()
+            run(i + 1, flag)
+            times[flag].append(time.perf_counter() - start)
+    return times
+
+
 def bench_early_stop(name, layers, width, vocab, batch, prompt_len, new_tokens, repeats):
     with tempfile.TemporaryDirectory() as directory:
         build_checkpoint(directory, layers, width, vocab, prompt_len + new_tokens)
@@ -138,12 +150,7 @@ def bench_layouts(name, layers, width, vocab, batch, prompt_len, new_tokens, rep
         return np.asarray(jax.block_until_ready(out.tokens))
 
     assert np.array_equal(run(0, False), run(0, True))  # also compiles both
-    times = {False: [], True: []}
-    for i in range(repeats):
-        for scan in (False, True):
-            start = time.perf_counter()
-            run(i + 1, scan)
-            times[scan].append(time.perf_counter() - start)
+    times = alternate(run, repeats)
     n = batch * new_tokens
     cache_mib = 2 * layers * batch * (prompt_len + new_tokens) * width * 4 / 2**20
     return dict(name=name, layers=layers, width=width, batch=batch, prompt=prompt_len, new=new_tokens,
@@ -168,12 +175,7 @@ def bench_shared_prefix(name, layers, width, vocab, prompts, g, prompt_len, new_
         return np.asarray(jax.block_until_ready(out.tokens))
 
     assert np.array_equal(run(0, False), run(0, True))  # also compiles both
-    times = {False: [], True: []}
-    for i in range(repeats):
-        for shared in (False, True):
-            start = time.perf_counter()
-            run(i + 1, shared)
-            times[shared].append(time.perf_counter() - start)
+    times = alternate(run, repeats)
     n = prompts * g * new_tokens
     return dict(name=name, layers=layers, width=width, prompts=prompts, g=g, prompt=prompt_len, new=new_tokens,
                 unshared=n / float(np.median(times[False])), shared=n / float(np.median(times[True])))
@@ -203,12 +205,7 @@ def bench_continuous(name, layers, width, vocab, requests, slots, prompt_len, sh
         return np.asarray(jax.block_until_ready(out.tokens))
 
     assert np.array_equal(run(0, False), run(0, True))  # also compiles both
-    times = {False: [], True: []}
-    for i in range(repeats):
-        for engine in (False, True):
-            start = time.perf_counter()
-            run(i + 1, engine)
-            times[engine].append(time.perf_counter() - start)
+    times = alternate(run, repeats)
     n = int(np.asarray(budgets).sum())
     return dict(name=name, layers=layers, width=width, requests=requests, slots=slots, prompt=prompt_len,
                 mix=f"{1 - long_share:.0%} x {short}, {long_share:.0%} x {long}", tokens=n,
