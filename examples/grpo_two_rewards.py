@@ -26,8 +26,11 @@ def main(argv=None):
     parser.add_argument("--output-dir", default="runs/grpo_two_rewards")
     args = parser.parse_args(argv)
     tokenizer = demo.demo_tokenizer()
+    # The toy task rewards long lowercase completions, which run to the 16-token budget: DAPO's
+    # masking of truncated completions and its overlong punishment would leave nothing to learn.
     config = jaxppo.PPOConfig.for_algorithm("dapo", batch_size=64, mini_batch_size=16, ppo_epochs=2,
-                                            num_generations=8)
+                                            num_generations=8, mask_truncated_completions=False,
+                                            overlong_penalty_factor=0.0)
     trainer_config = jaxppo.TrainerConfig(iterations=args.iterations, query_length=32, response_length=16,
                                           learning_rate=1e-3, output_dir=args.output_dir, sample_every=10,
                                           progress=False, export_final=False)

@@ -23,7 +23,8 @@ ADVANTAGE_ESTIMATORS = tuple(ESTIMATORS)
 # differ from these defaults, so runs saved before they existed still resume.
 ALGORITHM_FIELDS = ("advantage_estimator", "num_generations", "grpo_scale", "grpo_eps", "loss_aggregation",
                     "cliprange_low", "cliprange_high", "dual_clip", "importance_ratio", "kl_loss_coef",
-                    "kl_loss_estimator", "rollout_correction", "rollout_correction_cap")
+                    "kl_loss_estimator", "rollout_correction", "rollout_correction_cap", "top_entropy_quantile",
+                    "overlong_buffer", "overlong_penalty_factor", "mask_truncated_completions")
 
 
 def is_int(value) -> bool:
@@ -113,6 +114,25 @@ class PPOConfig:
         ratios are 1 within rounding and the default changes nothing measurable; in bf16,
         or with another engine, it is the correction the samples need.
       rollout_correction_cap: C, > 1.
+
+    Token selection and overlong completions:
+      top_entropy_quantile: train the policy term only on this fraction of the response
+        tokens, those of highest entropy under the current policy (Wang et al. 2025,
+        "Beyond the 80/20 rule": 0.2; TRL's `top_entropy_quantile`): a token counts when
+        its entropy is >= the (1 - q)-quantile of the entropies of the real response
+        tokens of the (micro-)batch the loss sees. In (0, 1]; 1.0 (default) keeps all.
+        The other terms (value, entropy bonus, KL) keep every token.
+      overlong_penalty_factor: DAPO's soft overlong punishment, added to each completion's
+        score by the rollout layer: 0 for length L <= Lmax - buffer, falling linearly to
+        -factor at L = Lmax, where Lmax is the response budget (the rollout's width) and
+        buffer `overlong_buffer`. >= 0; 0 (default) turns it off.
+      overlong_buffer: the buffer in tokens, a positive int no longer than the response
+        budget; None (default) means a fifth of the budget (DAPO's 4096 of 20480). Only
+        read when overlong_penalty_factor > 0.
+      mask_truncated_completions: completions that reach the budget without a stop token
+        are left out of the loss (their response mask is zeroed in the rollout; their
+        scores still count in their group's statistics), as DAPO's overlong filtering and
+        TRL's `mask_truncated_completions`. Needs a stop token.
     """
 
     batch_size: int = 64
@@ -143,78 +163,15 @@ class PPOConfig:
     kl_loss_estimator: str = "k3"
     rollout_correction: str = "token_truncate"
     rollout_correction_cap: float = 2.0
+    top_entropy_quantile: float = 1.0
+    overlong_penalty_factor: float = 0.0
+    overlong_buffer: Optional[int] = None
+    mask_truncated_completions: bool = False
 
     def __post_init__(self):
-        for name in ("batch_size", "mini_batch_size", "ppo_epochs", "gradient_accumulation_steps", "num_generations"):
-            value = getattr(self, name)
-            if not is_int(value):
-                _fail(name, value, f"a positive int (got type {type(value).__name__})")
-            if value <= 0:
-                _fail(name, value, "a positive int")
-        if self.batch_size % self.mini_batch_size != 0:
-            raise ValueError(
-                f"PPOConfig.batch_size={self.batch_size} is not divisible by "
-                f"PPOConfig.mini_batch_size={self.mini_batch_size}: every rollout row must "
-                f"land in exactly one mini-batch per epoch. Valid mini_batch_size values for "
-                f"this batch_size: {_divisors(self.batch_size)}."
-            )
-        if self.mini_batch_size % self.gradient_accumulation_steps != 0:
-            raise ValueError(
-                f"PPOConfig.mini_batch_size={self.mini_batch_size} is not divisible by "
-                f"PPOConfig.gradient_accumulation_steps={self.gradient_accumulation_steps}: "
-                f"a mini-batch must split into equal micro-batches. Valid "
-                f"gradient_accumulation_steps values: {_divisors(self.mini_batch_size)}."
-            )
-        if self.batch_size % self.num_generations != 0:
-            raise ValueError(
-                f"PPOConfig.batch_size={self.batch_size} is not a multiple of "
-                f"PPOConfig.num_generations={self.num_generations}: batch_size counts completions, "
-                f"num_generations of them per prompt. Valid num_generations values for this "
-                f"batch_size: {_divisors(self.batch_size)}."
-            )
-        choices = {"advantage_estimator": ADVANTAGE_ESTIMATORS, "grpo_scale": GRPO_SCALES,
-                   "loss_aggregation": LOSS_AGGREGATIONS, "importance_ratio": IMPORTANCE_RATIOS,
-                   "kl_loss_estimator": KL_LOSS_ESTIMATORS, "rollout_correction": ROLLOUT_CORRECTIONS}
-        for name, valid in choices.items():
-            if getattr(self, name) not in valid:
-                _fail(name, getattr(self, name), "one of " + ", ".join(repr(v) for v in valid))
-        estimator = ESTIMATORS[self.advantage_estimator]
-        if self.num_generations < estimator.min_generations:
-            _fail("num_generations", self.num_generations,
-                  f">= {estimator.min_generations} with advantage_estimator={self.advantage_estimator!r}, which "
-                  "compares the completions of each prompt (a group of one has no baseline)")
-        if self.importance_ratio != "token" and estimator.per_token:
-            _fail("importance_ratio", self.importance_ratio,
-                  f"'token' with advantage_estimator={self.advantage_estimator!r}: its advantages vary along a "
-                  "completion, and a sequence-level ratio weighs one number per completion (use an estimator with "
-                  f"one advantage per completion: {', '.join(n for n, e in ESTIMATORS.items() if not e.per_token)})")
-        for name in ("cliprange_low", "cliprange_high"):
-            value = getattr(self, name)
-            if value is not None and (not is_real(value) or value < 0 or (name == "cliprange_low" and value > 1)):
-                _fail(name, value, "None (use cliprange) or a finite real number >= 0"
-                      + (" and <= 1" if name == "cliprange_low" else ""))
-        if self.dual_clip is not None and (not is_real(self.dual_clip) or self.dual_clip <= 1):
-            _fail("dual_clip", self.dual_clip, "None (no dual clip) or a finite real number > 1")
-        if not is_real(self.rollout_correction_cap) or self.rollout_correction_cap <= 1:
-            _fail("rollout_correction_cap", self.rollout_correction_cap, "a finite real number > 1")
-        if not is_real(self.grpo_eps) or self.grpo_eps <= 0:
-            _fail("grpo_eps", self.grpo_eps, "a finite real number > 0")
-        for name in ("cliprange", "cliprange_value", "vf_coef", "ent_coef", "kl_coef", "kl_loss_coef"):
-            value = getattr(self, name)
-            if not is_real(value) or value < 0:
-                _fail(name, value, "a finite real number >= 0")
-        for name in ("gamma", "lam"):
-            value = getattr(self, name)
-            if not is_real(value) or not 0.0 <= value <= 1.0:
-                _fail(name, value, "a real number in [0, 1]")
-        for name in ("whiten_advantages", "whiten_rewards"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                _fail(name, value, "a bool (True or False)")
-        if not is_real(self.temperature) or self.temperature <= 0:
-            _fail("temperature", self.temperature, "a finite real number > 0")
-        if self.target_kl is not None and (not is_real(self.target_kl) or self.target_kl <= 0):
-            _fail("target_kl", self.target_kl, "None (no early stopping) or a finite real number > 0")
+        _check_sizes(self)
+        _check_algorithm(self)
+        _check_numbers(self)
 
     @property
     def num_minibatches(self) -> int:
@@ -266,6 +223,102 @@ class PPOConfig:
     def replace(self, **changes) -> "PPOConfig":
         """A copy with `changes` applied (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+def _check_sizes(c: "PPOConfig"):
+    """The counts and how they divide one another."""
+    for name in ("batch_size", "mini_batch_size", "ppo_epochs", "gradient_accumulation_steps", "num_generations"):
+        value = getattr(c, name)
+        if not is_int(value):
+            _fail(name, value, f"a positive int (got type {type(value).__name__})")
+        if value <= 0:
+            _fail(name, value, "a positive int")
+    if c.batch_size % c.mini_batch_size != 0:
+        raise ValueError(
+            f"PPOConfig.batch_size={c.batch_size} is not divisible by "
+            f"PPOConfig.mini_batch_size={c.mini_batch_size}: every rollout row must "
+            f"land in exactly one mini-batch per epoch. Valid mini_batch_size values for "
+            f"this batch_size: {_divisors(c.batch_size)}."
+        )
+    if c.mini_batch_size % c.gradient_accumulation_steps != 0:
+        raise ValueError(
+            f"PPOConfig.mini_batch_size={c.mini_batch_size} is not divisible by "
+            f"PPOConfig.gradient_accumulation_steps={c.gradient_accumulation_steps}: "
+            f"a mini-batch must split into equal micro-batches. Valid "
+            f"gradient_accumulation_steps values: {_divisors(c.mini_batch_size)}."
+        )
+    if c.batch_size % c.num_generations != 0:
+        raise ValueError(
+            f"PPOConfig.batch_size={c.batch_size} is not a multiple of "
+            f"PPOConfig.num_generations={c.num_generations}: batch_size counts completions, "
+            f"num_generations of them per prompt. Valid num_generations values for this "
+            f"batch_size: {_divisors(c.batch_size)}."
+        )
+
+
+def _check_algorithm(c: "PPOConfig"):
+    """The choices against the registry, and what the estimator accepts."""
+    choices = {"advantage_estimator": ADVANTAGE_ESTIMATORS, "grpo_scale": GRPO_SCALES,
+               "loss_aggregation": LOSS_AGGREGATIONS, "importance_ratio": IMPORTANCE_RATIOS,
+               "kl_loss_estimator": KL_LOSS_ESTIMATORS, "rollout_correction": ROLLOUT_CORRECTIONS}
+    for name, valid in choices.items():
+        if getattr(c, name) not in valid:
+            _fail(name, getattr(c, name), "one of " + ", ".join(repr(v) for v in valid))
+    estimator = ESTIMATORS[c.advantage_estimator]
+    if c.num_generations < estimator.min_generations:
+        _fail("num_generations", c.num_generations,
+              f">= {estimator.min_generations} with advantage_estimator={c.advantage_estimator!r}, which "
+              "compares the completions of each prompt (a group of one has no baseline)")
+    if c.importance_ratio != "token" and estimator.per_token:
+        _fail("importance_ratio", c.importance_ratio,
+              f"'token' with advantage_estimator={c.advantage_estimator!r}: its advantages vary along a "
+              "completion, and a sequence-level ratio weighs one number per completion (use an estimator with "
+              f"one advantage per completion: {', '.join(n for n, e in ESTIMATORS.items() if not e.per_token)})")
+    for name in ("cliprange_low", "cliprange_high"):
+        value = getattr(c, name)
+        if value is not None and (not is_real(value) or value < 0 or (name == "cliprange_low" and value > 1)):
+            _fail(name, value, "None (use cliprange) or a finite real number >= 0"
+                  + (" and <= 1" if name == "cliprange_low" else ""))
+    if c.dual_clip is not None and (not is_real(c.dual_clip) or c.dual_clip <= 1):
+        _fail("dual_clip", c.dual_clip, "None (no dual clip) or a finite real number > 1")
+    if not is_real(c.rollout_correction_cap) or c.rollout_correction_cap <= 1:
+        _fail("rollout_correction_cap", c.rollout_correction_cap, "a finite real number > 1")
+
+
+def _check_numbers(c: "PPOConfig"):
+    """Coefficients, ranges and flags."""
+    if not is_real(c.grpo_eps) or c.grpo_eps <= 0:
+        _fail("grpo_eps", c.grpo_eps, "a finite real number > 0")
+    for name in ("cliprange", "cliprange_value", "vf_coef", "ent_coef", "kl_coef", "kl_loss_coef"):
+        value = getattr(c, name)
+        if not is_real(value) or value < 0:
+            _fail(name, value, "a finite real number >= 0")
+    for name in ("gamma", "lam"):
+        value = getattr(c, name)
+        if not is_real(value) or not 0.0 <= value <= 1.0:
+            _fail(name, value, "a real number in [0, 1]")
+    if not is_real(c.top_entropy_quantile) or not 0 < c.top_entropy_quantile <= 1:
+        _fail("top_entropy_quantile", c.top_entropy_quantile,
+              "a real number in (0, 1]: the fraction of response tokens, by highest entropy, the policy term "
+              "trains on (1.0 keeps all)")
+    if not is_real(c.overlong_penalty_factor) or c.overlong_penalty_factor < 0:
+        _fail("overlong_penalty_factor", c.overlong_penalty_factor, "a finite real number >= 0 (0: off)")
+    if c.overlong_buffer is not None:
+        if not is_int(c.overlong_buffer) or c.overlong_buffer <= 0:
+            _fail("overlong_buffer", c.overlong_buffer,
+                  "None (a fifth of the response budget) or a positive int (tokens)")
+        if not c.overlong_penalty_factor:
+            _fail("overlong_buffer", c.overlong_buffer,
+                  "None while overlong_penalty_factor is 0 (the buffer is only read with a penalty: set "
+                  "overlong_penalty_factor > 0, DAPO's is 1.0)")
+    for name in ("whiten_advantages", "whiten_rewards", "mask_truncated_completions"):
+        value = getattr(c, name)
+        if not isinstance(value, bool):
+            _fail(name, value, "a bool (True or False)")
+    if not is_real(c.temperature) or c.temperature <= 0:
+        _fail("temperature", c.temperature, "a finite real number > 0")
+    if c.target_kl is not None and (not is_real(c.target_kl) or c.target_kl <= 0):
+        _fail("target_kl", c.target_kl, "None (no early stopping) or a finite real number > 0")
 
 
 def _divisors(n: int) -> list:

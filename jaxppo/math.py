@@ -15,10 +15,11 @@ import jax.numpy as jnp
 # One home per idea: the masked statistics, the KL estimators and controller, and the
 # critic-free estimators and aggregation live in their own modules; `jaxppo.math` is the
 # whole math layer under one name.
-from jaxppo import correction, critic_free, kl, stats
+from jaxppo import correction, critic_free, kl, shaping, stats
 from jaxppo.correction import *  # noqa: F401,F403 - the sampler-mismatch correction
 from jaxppo.critic_free import *  # noqa: F401,F403 - the critic-free math, re-exported
 from jaxppo.kl import *  # noqa: F401,F403 - KL estimators, shaped rewards, the controller
+from jaxppo.shaping import *  # noqa: F401,F403 - overlong punishment, the high-entropy token mask
 from jaxppo.stats import *  # noqa: F401,F403 - masked statistics
 from jaxppo.critic_free import aggregate_loss, clipped_policy_loss
 from jaxppo.stats import masked_mean
@@ -36,6 +37,7 @@ __all__ = list(dict.fromkeys([  # each name once: critic_free re-exports two of 
     *kl.__all__,
     *critic_free.__all__,
     *correction.__all__,
+    *shaping.__all__,
 ]))
 
 

@@ -59,7 +59,8 @@ def ppo_loss(params, batch, *, apply_fn, config: PPOConfig):
     Returns (loss, aux) with scalar aux entries: policy_loss, entropy, approxkl, clipfrac,
     ratio, ratio_var, clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean;
     value_loss and vf_clipfrac with a critic; kl with a KL term; clip_ratio/dual_mean (tokens
-    whose loss the dual clip capped) with `dual_clip`.
+    whose loss the dual clip capped) with `dual_clip`; entropy_mask_fraction (the share of
+    real tokens the policy term trains on) with `top_entropy_quantile` < 1.
     """
     mask = batch["response_mask"].astype(jnp.float32)
     r = batch["response_tokens"].shape[1]
@@ -71,12 +72,18 @@ def ppo_loss(params, batch, *, apply_fn, config: PPOConfig):
     logprobs, values, entropy = response_outputs(apply_fn, params, batch, config.temperature)
     old_logprobs = batch["logprobs"].astype(jnp.float32)
     log_ratio = ppo_math.log_importance_ratio(logprobs, old_logprobs, mask, config.importance_ratio)
+    weights = batch.get("correction_weights")
+    aux = {}
+    if config.top_entropy_quantile < 1.0:  # the policy term on the highest-entropy tokens only
+        selected = ppo_math.high_entropy_mask(entropy, mask, config.top_entropy_quantile)
+        weights = selected if weights is None else weights * selected
+        aux["entropy_mask_fraction"] = ppo_math.masked_mean(selected, mask)
     pg_loss, clip_metrics = ppo_math.clipped_policy_loss(
         log_ratio, batch["advantages"], mask, config.clip_low, config.clip_high, config.dual_clip, agg_mode, r,
-        weights=batch.get("correction_weights"))
+        weights=weights)
     ratio = jnp.exp(log_ratio)
     loss = pg_loss
-    aux = {"policy_loss": pg_loss}
+    aux["policy_loss"] = pg_loss
     if config.uses_critic:
         vf_loss, vf_clipfrac = ppo_math.value_loss(values, batch["values"].astype(jnp.float32), batch["returns"],
                                                    mask, config.cliprange_value, agg_mode, r)
@@ -133,6 +140,7 @@ _TRL_NAMES = {
     "clip_ratio/region_mean": ("clip_ratio/region_mean", "per_minibatch/clip_ratio/region_mean"),
     "clip_ratio/dual_mean": ("clip_ratio/dual_mean", "per_minibatch/clip_ratio/dual_mean"),
     "kl": ("kl", "per_minibatch/kl"),
+    "entropy_mask_fraction": ("policy/entropy_mask_fraction", "per_minibatch/policy/entropy_mask_fraction"),
 }
 
 

@@ -10,8 +10,9 @@ function on decoded text:
 `finish` recomputes the policy's log-probs and the critic's values with the same function
 the PPO loss uses (so the first update sees ratio 1), the reference log-probs, the scores
 (reward model, token-level reward function, or the host scores), the missing-EOS penalty,
-score normalisation and clipping, per-token KL, and rewards = -beta * KL with the score
-added at the last real response token.
+DAPO's overlong punishment, score normalisation and clipping, per-token KL, and rewards =
+-beta * KL with the score added at the last real response token; with
+`mask_truncated`, completions without a stop token get a zero response mask.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from jaxppo.models.continuous import generate_continuous
 from jaxppo.models.generate import GenerationOutput, generate
 from jaxppo.models.model import Model
 from jaxppo.rollout_types import Rollout, joined, response_outputs, scorer
+from jaxppo.shaping import default_overlong_buffer, overlong_penalty
 
 __all__ = ["RolloutSpec", "sample_responses", "finish_rollout", "check_scores", "nonfinite_rows", "RewardError"]
 
@@ -66,6 +68,11 @@ class RolloutSpec:
         and its KV cache shared by its G rows (`jaxppo.models.generate`).
       num_slots: None (the static sampler) or the slots of the continuous-batching engine
         (`jaxppo.models.continuous`); the same tokens either way.
+      overlong_penalty_factor, overlong_buffer: DAPO's soft overlong punishment of the
+        scores (`jaxppo.shaping.overlong_penalty`; factor 0: off; buffer None: a fifth of
+        `response_length`), from `PPOConfig`.
+      mask_truncated: zero the rollout's response mask of completions without a stop token
+        (`PPOConfig.mask_truncated_completions`), so the loss leaves them out.
     """
 
     policy: Model
@@ -88,9 +95,25 @@ class RolloutSpec:
     uses_critic: bool = True
     num_generations: int = 1
     num_slots: Optional[int] = None
+    overlong_penalty_factor: float = 0.0
+    overlong_buffer: Optional[int] = None
+    mask_truncated: bool = False
 
     def __post_init__(self):
         check_kl_estimator("kl_estimator=", self.kl_estimator)
+        if self.overlong_buffer is not None and self.overlong_buffer > self.response_length:
+            raise ValueError(f"PPOConfig.overlong_buffer={self.overlong_buffer} is longer than the response budget "
+                             f"(response_length={self.response_length}); it must be in [1, {self.response_length}] "
+                             "(None: a fifth of the budget)")
+        if self.mask_truncated and not self.stop_token_ids:
+            raise ValueError("PPOConfig.mask_truncated_completions=True needs a stop token (TrainerConfig."
+                             "stop_token_id, or a tokenizer with an eos_token_id): without one every completion "
+                             "is truncated and nothing would be trained")
+
+    @property
+    def buffer(self) -> int:
+        """The overlong buffer in tokens (the configured one, or a fifth of the budget)."""
+        return self.overlong_buffer or default_overlong_buffer(self.response_length)
 
     def policy_params(self, params):
         return params if self.policy_params_key is None else params[self.policy_params_key]
@@ -221,6 +244,10 @@ def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompt_
     scores = raw_scores
     if spec.missing_eos_penalty is not None:
         scores = jnp.where(contains_eos, scores, scores - spec.missing_eos_penalty)
+    lengths = jnp.sum(response_mask, axis=1)
+    if spec.overlong_penalty_factor:
+        penalty = overlong_penalty(lengths, gen.tokens.shape[1], spec.buffer, spec.overlong_penalty_factor)
+        scores = scores + penalty
     if spec.normalize_scores:
         score_moments = ppo_math.running_moments_update(score_moments, scores)
         scores = (scores - score_moments.mean) / jnp.sqrt(score_moments.var + 1e-8)
@@ -235,8 +262,13 @@ def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompt_
     # A completion's sequence score for the group estimators: the score plus its summed KL
     # penalty (the sum of its rewards), kept as a field rather than recovered from `rewards`.
     sequence_scores = scores + ppo_math.masked_sum(non_score, response_mask.astype(jnp.float32), axis=1)
+    # Truncated completions still count in their group's statistics (their scores above);
+    # a zero mask leaves them out of every loss term.
+    train_mask = response_mask
+    if spec.mask_truncated:
+        train_mask = response_mask * contains_eos[:, None].astype(response_mask.dtype)
     rollout = Rollout(query_tokens=prompt_ids, query_mask=prompt_mask, response_tokens=gen.tokens,
-                      response_mask=response_mask, logprobs=logprobs, values=values, rewards=rewards,
+                      response_mask=train_mask, logprobs=logprobs, values=values, rewards=rewards,
                       ref_logprobs=ref_logprobs if spec.keep_ref_logprobs else None, scores=sequence_scores,
                       sampler_logprobs=gen.logprobs)
     mean_kl = jnp.mean(jnp.sum(kl, axis=1))
@@ -249,9 +281,13 @@ def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompt_
         "objective/raw_scores": jnp.mean(raw_scores),
         "objective/kl_coef": kl_state.beta,
         "val/num_eos_tokens": jnp.sum(contains_eos.astype(jnp.int32)),
-        "val/response_length": jnp.mean(jnp.sum(response_mask, axis=1).astype(jnp.float32)),
+        "val/response_length": jnp.mean(lengths.astype(jnp.float32)),
         "per_row/raw_scores": raw_scores,
     }
+    if spec.overlong_penalty_factor:
+        stats["objective/overlong_penalty"] = jnp.mean(penalty)
+    if spec.mask_truncated:
+        stats["val/num_truncated_masked"] = jnp.sum((~contains_eos).astype(jnp.int32))
     if ref_logprobs is not None:
         stats["objective/kl"] = mean_kl
     if model_scores is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["masked_sum", "masked_mean", "masked_var", "masked_whiten"]
+__all__ = ["masked_sum", "masked_mean", "masked_var", "masked_whiten", "masked_quantile"]
 
 
 def masked_sum(x, mask, axis=None):
@@ -54,3 +54,20 @@ def masked_whiten(x, mask, shift_mean: bool = True, eps: float = 1e-8):
     if not shift_mean:
         white = white + mean
     return white * mask
+
+
+def masked_quantile(x, mask, q: float):
+    """The q-quantile (0 <= q <= 1) of the masked entries of `x` (all axes), interpolated
+    linearly between the two nearest order statistics (numpy's and torch's default
+    "linear" rule). 0 when the mask is empty."""
+    flat = x.reshape(-1).astype(jnp.float32)
+    keep = mask.reshape(-1).astype(bool)
+    n = jnp.sum(keep.astype(jnp.int32))
+    ordered = jnp.sort(jnp.where(keep, flat, jnp.inf))  # the n real entries first, ascending
+    last = jnp.maximum(n - 1, 0)
+    position = q * last.astype(jnp.float32)
+    below = jnp.floor(position).astype(jnp.int32)
+    above = jnp.minimum(below + 1, last)
+    frac = position - below.astype(jnp.float32)
+    value = ordered[below] + frac * (ordered[above] - ordered[below])
+    return jnp.where(n > 0, value, 0.0)

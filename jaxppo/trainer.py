@@ -349,7 +349,9 @@ def _rollout_spec(config: PPOConfig, tc: TrainerConfig, built, tokenizer, reward
         reward_weight=float(rewards.model_weight), token_reward_fn=rewards.token_fn,
         stop_token_ids=() if stop is None else (int(stop),), pad_token_id=int(pad), kl_estimator=tc.kl_estimator,
         missing_eos_penalty=tc.missing_eos_penalty, normalize_scores=tc.normalize_scores, score_clip=tc.score_clip,
-        uses_critic=config.uses_critic, num_generations=config.num_generations, num_slots=tc.num_slots)
+        uses_critic=config.uses_critic, num_generations=config.num_generations, num_slots=tc.num_slots,
+        overlong_penalty_factor=float(config.overlong_penalty_factor), overlong_buffer=config.overlong_buffer,
+        mask_truncated=config.mask_truncated_completions)
 
 
 def _optimizer(config: PPOConfig, tc: TrainerConfig, iterations: int):

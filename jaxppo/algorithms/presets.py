@@ -26,11 +26,15 @@ PRESETS = (
         source="Liu et al. 2025 (Understanding R1-Zero-Like Training); TRL loss_type='dr_grpo'",
         summary="no std division; token sums over a constant (the response length); no KL"),
     Algorithm(
-        # Its dynamic sampling and overlong reward shaping are not part of this preset.
+        # The paper's Table 1 adds, in turn, overlong filtering (masking truncated completions),
+        # clip-higher, the soft overlong punishment (factor 1.0, buffer 4096 of 20480: a fifth
+        # of the budget here) and the token-level loss; its dynamic sampling is not built yet.
         "dapo", dict(_CRITIC_FREE, advantage_estimator="grpo", num_generations=8, grpo_scale="group",
-                     loss_aggregation="token_mean", cliprange_low=0.2, cliprange_high=0.28, kl_loss_coef=0.0),
+                     loss_aggregation="token_mean", cliprange_low=0.2, cliprange_high=0.28, kl_loss_coef=0.0,
+                     mask_truncated_completions=True, overlong_penalty_factor=1.0),
         source="Yu et al. 2025 (DAPO); TRL loss_type='dapo' with one update per generation batch",
-        summary="clip-higher (0.2 / 0.28), token mean over the mini-batch, no KL"),
+        summary="clip-higher (0.2 / 0.28), token mean over the mini-batch, no KL, truncated completions masked, "
+                "soft overlong punishment"),
     Algorithm(
         # KL in the reward as TRL's RLOOTrainer (beta 0.05); G = 4 (the paper's k = 4). The loss
         # clips per token with a token mean (verl's form); TRL's RLOOTrainer clips one
