@@ -4,6 +4,7 @@ split into generation, scoring and update; the side-by-side reference is
 
     python benchmarks/grpo_iteration.py                 # vocab 384 and 50257
     python benchmarks/grpo_iteration.py --vocab 384     # one vocabulary
+    python benchmarks/grpo_iteration.py --bf16          # bfloat16 compute (TRL: bf16=True)
 
 Shape (issue 9): GPT-2 layout, random weights built locally (2 layers, width 128), byte
 tokenizer, 16 prompts x 4 generations = 64 completions of 32 tokens (16-token prompts),
@@ -35,18 +36,21 @@ def lowercase(prompts, completions, **_):
     return [float(sum(c.isascii() and c.islower() for c in text)) for text in completions]
 
 
-def bench(algorithm, beta, vocab, iterations, directory, chunk=None):
+def bench(algorithm, beta, vocab, iterations, directory, chunk=None, dtype="float32"):
     from jaxppo import demo
 
     tokenizer = demo.demo_tokenizer()
+    # TRL's loss_type="dapo" neither masks truncated completions nor punishes overlong ones
+    # by default: the dapo preset's overlong settings are off here, so both sides do the same.
     config = jaxppo.PPOConfig.for_algorithm(algorithm, batch_size=PROMPTS * GENERATIONS, mini_batch_size=16,
-                                            ppo_epochs=4, num_generations=GENERATIONS, kl_loss_coef=beta)
+                                            ppo_epochs=4, num_generations=GENERATIONS, kl_loss_coef=beta,
+                                            mask_truncated_completions=False, overlong_penalty_factor=0.0)
     tc = jaxppo.TrainerConfig(iterations=iterations, query_length=QUERY, response_length=RESPONSE,
                               output_dir=f"{directory}/run-{algorithm}", progress=False, export_final=False, plot=False,
                               tensorboard=False, sample_every=0, truncate_prompts=True, log_every=10**9)
     trainer = jaxppo.PPOTrainer(config, tc, policy=f"{directory}/policy", tokenizer=tokenizer,
                                 prompts=demo.DEMO_PROMPTS, reward_fns=[lowercase],
-                                logits_chunk_size=chunk)
+                                logits_chunk_size=chunk, dtype=dtype)
     assert (trainer.ref_params is None) == (beta == 0)
     rows = [trainer.step() for _ in range(iterations)]
     assert all(r["ppo/updates_applied"] == 16 for r in rows)
@@ -72,7 +76,9 @@ def main():
     parser.add_argument("--vocab", type=int, nargs="*", default=[384, 50257])
     parser.add_argument("--iterations", type=int, default=8)
     parser.add_argument("--logits-chunk-size", type=int, default=None)
+    parser.add_argument("--bf16", action="store_true", help="bfloat16 compute, float32 parameters and optimizer")
     args = parser.parse_args()
+    dtype = "bfloat16" if args.bf16 else "float32"
     import jax
 
     from jaxppo import demo
@@ -82,8 +88,8 @@ def main():
     for vocab in args.vocab:
         with tempfile.TemporaryDirectory() as d:
             build(d, 2, 128, vocab, QUERY + RESPONSE + 8, demo.demo_tokenizer())
-            rows += [bench(a, b, vocab, args.iterations, d, args.logits_chunk_size) for a, b in CASES]
-    print_table(f"jaxppo seconds per generation batch, {jax.devices()[0].platform.upper()}, GPT-2 layout 2x128, "
+            rows += [bench(a, b, vocab, args.iterations, d, args.logits_chunk_size, dtype) for a, b in CASES]
+    print_table(f"jaxppo seconds per generation batch, {jax.devices()[0].platform.upper()}, {dtype}, GPT-2 layout 2x128, "
                 f"{PROMPTS} prompts x {GENERATIONS} generations x {RESPONSE} tokens, mini-batch 16, 16 updates",
                 rows, "first batch incl. compile")
 

@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 from grpo_iteration import CASES, GENERATIONS, PROMPTS, QUERY, RESPONSE, lowercase, print_table  # noqa: E402
 
 
-def bench(loss_type, beta, vocab, batches, directory):
+def bench(loss_type, beta, vocab, batches, directory, bf16=False):
     import datasets
     import transformers
     from trl import GRPOConfig, GRPOTrainer
@@ -76,8 +76,9 @@ def bench(loss_type, beta, vocab, batches, directory):
                       generation_kwargs={"min_new_tokens": RESPONSE}, temperature=1.0, beta=beta, loss_type=loss_type,
                       disable_dropout=True, learning_rate=1e-5, max_steps=steps_per_batch * batches, report_to=[],
                       save_strategy="no", disable_tqdm=True, logging_steps=10**9, use_cpu=True, seed=0,
-                      # float32 against jaxppo's float32, no activation recomputation on either side
-                      bf16=False, fp16=False, gradient_checkpointing=False)
+                      # float32 against jaxppo's float32 (or bf16 autocast against its bfloat16 compute, with
+                      # --bf16), no activation recomputation on either side
+                      bf16=bf16, fp16=False, gradient_checkpointing=False)
     policy = transformers.GPT2LMHeadModel.from_pretrained(f"{directory}/policy")
     trainer = Timed(model=policy, reward_funcs=[lowercase], args=args, train_dataset=dataset,
                     processing_class=tokenizer)
@@ -102,6 +103,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vocab", type=int, nargs="*", default=[384, 50257])
     parser.add_argument("--batches", type=int, default=6, help="generation batches per case")
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast (jaxppo: grpo_iteration.py --bf16)")
     args = parser.parse_args()
     import torch
     import trl
@@ -114,8 +116,9 @@ def main():
     for vocab in args.vocab:
         with tempfile.TemporaryDirectory() as d:
             build(d, 2, 128, vocab, QUERY + RESPONSE + 8, demo.demo_tokenizer())
-            rows += [bench(a, b, vocab, args.batches, d) for a, b in CASES]
+            rows += [bench(a, b, vocab, args.batches, d, args.bf16) for a, b in CASES]
     print_table(f"TRL {trl.__version__} GRPOTrainer, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+                f"{'bf16 autocast' if args.bf16 else 'float32'}, "
                 f"GPT-2 layout 2x128, {PROMPTS} prompts x {GENERATIONS} generations x {RESPONSE} tokens, "
                 "16 optimizer steps per generation batch", rows, "first batch")
 

@@ -42,10 +42,12 @@ def run_loop(trainer) -> Logger:
                     with interrupts_held():  # a signal now would tear the save; it is served after
                         trainer.save_checkpoint()
     except KeyboardInterrupt:
-        logger.close()
-        progress and progress.close()
-        print(f"\ninterrupted: saving a checkpoint at iteration {trainer.iteration} ...", flush=True)
+        # Held from the first line: a second Ctrl-C after the message below (a user presses
+        # twice) must wait for the checkpoint, not abort it.
         with interrupts_held(reraise=False):  # a KeyboardInterrupt is on its way out already
+            logger.close()
+            progress and progress.close()
+            print(f"\ninterrupted: saving a checkpoint at iteration {trainer.iteration} ...", flush=True)
             trainer.save_checkpoint()
         print(f"checkpoint saved at iteration {trainer.iteration}; run the same command again to resume", flush=True)
         raise
