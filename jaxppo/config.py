@@ -24,7 +24,8 @@ ADVANTAGE_ESTIMATORS = tuple(ESTIMATORS)
 ALGORITHM_FIELDS = ("advantage_estimator", "num_generations", "grpo_scale", "grpo_eps", "loss_aggregation",
                     "cliprange_low", "cliprange_high", "dual_clip", "importance_ratio", "kl_loss_coef",
                     "kl_loss_estimator", "rollout_correction", "rollout_correction_cap", "top_entropy_quantile",
-                    "overlong_buffer", "overlong_penalty_factor", "mask_truncated_completions")
+                    "overlong_buffer", "overlong_penalty_factor", "mask_truncated_completions", "entropy_target",
+                    "entropy_coef_step")
 
 
 def is_int(value) -> bool:
@@ -115,6 +116,15 @@ class PPOConfig:
         or with another engine, it is the correction the samples need.
       rollout_correction_cap: C, > 1.
 
+    Adaptive entropy coefficient:
+      entropy_target: None (default: `ent_coef` stays fixed), or a per-token entropy in nats
+        (> 0) that the entropy bonus steers toward: `ent_coef` is then the starting
+        coefficient, and after every iteration it moves by `entropy_coef_step`, up when the
+        update's mean per-token entropy (`policy/entropy_avg`) was below the target, down
+        otherwise, never below 0 (`jaxppo.shaping.adaptive_entropy_coef`; Skywork-OR1's
+        adaptive entropy control). The coefficient is part of the run state (checkpointed)
+        and reaches the loss as `Rollout.entropy_coef`. entropy_coef_step: > 0.
+
     Token selection and overlong completions:
       top_entropy_quantile: train the policy term only on this fraction of the response
         tokens, those of highest entropy under the current policy (Wang et al. 2025,
@@ -167,6 +177,8 @@ class PPOConfig:
     overlong_penalty_factor: float = 0.0
     overlong_buffer: Optional[int] = None
     mask_truncated_completions: bool = False
+    entropy_target: Optional[float] = None
+    entropy_coef_step: float = 0.005
 
     def __post_init__(self):
         _check_sizes(self)
@@ -311,6 +323,10 @@ def _check_numbers(c: "PPOConfig"):
             _fail("overlong_buffer", c.overlong_buffer,
                   "None while overlong_penalty_factor is 0 (the buffer is only read with a penalty: set "
                   "overlong_penalty_factor > 0, DAPO's is 1.0)")
+    if c.entropy_target is not None and (not is_real(c.entropy_target) or c.entropy_target <= 0):
+        _fail("entropy_target", c.entropy_target, "None (a fixed ent_coef) or a finite real number > 0 (nats per token)")
+    if not is_real(c.entropy_coef_step) or c.entropy_coef_step <= 0:
+        _fail("entropy_coef_step", c.entropy_coef_step, "a finite real number > 0")
     for name in ("whiten_advantages", "whiten_rewards", "mask_truncated_completions"):
         value = getattr(c, name)
         if not isinstance(value, bool):

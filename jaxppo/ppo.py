@@ -49,7 +49,9 @@ def ppo_loss(params, batch, *, apply_fn, config: PPOConfig):
         loss = policy_loss (+ vf_coef * value_loss) (- ent_coef * entropy)
                (+ kl_loss_coef * KL(policy || reference))
 
-    (each bracketed term only when it applies: `jaxppo.algorithms.loss_terms(config)`)
+    (each bracketed term only when it applies: `jaxppo.algorithms.loss_terms(config)`; with
+    an `entropy_coef` column in the batch, the rollout's per-completion coefficients weigh
+    the entropy instead of `ent_coef`)
     policy_loss: the clipped surrogate with the ratio per token (or per completion, GSPO:
     `config.importance_ratio`) clipped to [1 - clip_low, 1 + clip_high], optionally dual
     clipped (`jaxppo.math.clipped_policy_loss`). Every term is reduced by
@@ -90,7 +92,9 @@ def ppo_loss(params, batch, *, apply_fn, config: PPOConfig):
         loss = loss + config.vf_coef * vf_loss
         aux.update(value_loss=vf_loss, vf_clipfrac=vf_clipfrac)
     ent = ppo_math.masked_mean(entropy, mask)
-    if config.ent_coef:
+    if "entropy_coef" in batch:  # a coefficient per completion (the adaptive one)
+        loss = loss - aggregate(entropy * batch["entropy_coef"].astype(jnp.float32)[:, None])
+    elif config.ent_coef:
         loss = loss - config.ent_coef * (ent if agg_mode == "token_mean" else aggregate(entropy))
     else:
         ent = jax.lax.stop_gradient(ent)  # a metric only: no backward pass through the (B, R, V) entropy
@@ -206,6 +210,8 @@ def train_step_fn(state: TrainState, rollout: Rollout, key, config: PPOConfig, m
         batch.update(values=rollout.values, returns=returns)
     if config.kl_loss_coef:
         batch["ref_logprobs"] = rollout.ref_logprobs
+    if rollout.entropy_coef is not None:
+        batch["entropy_coef"] = rollout.entropy_coef
     mismatch = {}
     if rollout.sampler_logprobs is not None:
         mismatch = ppo_math.mismatch_metrics(rollout.logprobs, rollout.sampler_logprobs, rollout.response_mask)
@@ -247,8 +253,10 @@ def _check_rollout_structure(rollout, config: PPOConfig):
         shape = getattr(rollout, name).shape
         if shape != (b, r):
             raise ValueError(f"rollout.{name} has shape {shape}; expected (batch, response_len) = {(b, r)}")
-    if rollout.scores is not None and tuple(rollout.scores.shape) != (b,):
-        raise ValueError(f"rollout.scores has shape {tuple(rollout.scores.shape)}; expected (batch,) = ({b},)")
+    for name in ("scores", "entropy_coef"):
+        field = getattr(rollout, name)
+        if field is not None and tuple(field.shape) != (b,):
+            raise ValueError(f"rollout.{name} has shape {tuple(field.shape)}; expected (batch,) = ({b},)")
     if (len(rollout.query_tokens.shape) != 2 or rollout.query_mask.shape != rollout.query_tokens.shape
             or rollout.query_tokens.shape[0] != b):
         raise ValueError(
@@ -279,7 +287,8 @@ def _token_fields(rollout, config):
 
 
 def _float_fields(rollout):
-    return [n for n in ("logprobs", "values", "rewards", "scores", "sampler_logprobs") if getattr(rollout, n) is not None]
+    return [n for n in ("logprobs", "values", "rewards", "scores", "sampler_logprobs", "entropy_coef")
+            if getattr(rollout, n) is not None]
 
 
 def check_rollout(rollout: Rollout, config: PPOConfig):

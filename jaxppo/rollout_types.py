@@ -41,6 +41,9 @@ class Rollout(flax.struct.PyTreeNode):
         sampler computed them while generating (the behaviour policy), temperature-scaled,
         0 at padding. The loss's old log-probs are `logprobs` (the scoring pass); these
         are kept to measure or correct a mismatch between sampler and trainer.
+      entropy_coef: float (B,) or None: the entropy bonus's coefficient for each
+        completion, used instead of `config.ent_coef` when given (the trainer fills it
+        with the adaptive coefficient when `PPOConfig.entropy_target` is set).
     """
 
     query_tokens: jax.Array
@@ -53,6 +56,7 @@ class Rollout(flax.struct.PyTreeNode):
     ref_logprobs: Optional[jax.Array] = None
     scores: Optional[jax.Array] = None
     sampler_logprobs: Optional[jax.Array] = None
+    entropy_coef: Optional[jax.Array] = None
 
 
 def scorer(fn):

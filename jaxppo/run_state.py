@@ -1,6 +1,6 @@
 """`RunState`: everything a run carries from one iteration to the next, as one pytree.
 
-    RunState(train, kl, score_moments, iteration, skipped_iterations, key)
+    RunState(train, kl, score_moments, iteration, skipped_iterations, key, entropy_coef)
 
 It is what a checkpoint holds (`checkpoint_tree`), with one exception: with LoRA the
 frozen base weights are left out of the checkpoint (they are loaded again from the policy's
@@ -10,7 +10,7 @@ determines everything a resumed run does next.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import flax.struct
 import jax
@@ -34,6 +34,8 @@ class RunState(flax.struct.PyTreeNode):
       iteration: iterations completed (a Python int; the next iteration's index).
       skipped_iterations: iterations skipped for non-finite scores (`skip_nonfinite_scores`).
       key: the run's base PRNG key (typed); iteration i uses `fold_in(key, i)`.
+      entropy_coef: the adaptive entropy coefficient (float32 scalar) with
+        `PPOConfig.entropy_target`, else None.
     """
 
     train: TrainState
@@ -42,14 +44,17 @@ class RunState(flax.struct.PyTreeNode):
     iteration: Any
     skipped_iterations: Any
     key: jax.Array
+    entropy_coef: Any = None
 
     @classmethod
     def create(cls, train: TrainState, *, seed: int, kl_coef: float, kl_target: float = 0.0,
-               kl_horizon: float = 1.0) -> "RunState":
+               kl_horizon: float = 1.0, entropy_coef: Optional[float] = None) -> "RunState":
         """A run at iteration 0: `train`, a KL controller at `kl_coef` (adaptive toward
-        `kl_target` when > 0), empty score moments, the key of `seed`."""
+        `kl_target` when > 0), empty score moments, the key of `seed`, and the adaptive
+        entropy coefficient's start (None: no adaptive coefficient)."""
         return cls(train=train, kl=kl_controller(kl_coef, kl_target, kl_horizon), score_moments=RunningMoments.zeros(),
-                   iteration=0, skipped_iterations=0, key=jax.random.key(seed))
+                   iteration=0, skipped_iterations=0, key=jax.random.key(seed),
+                   entropy_coef=None if entropy_coef is None else jnp.float32(entropy_coef))
 
     def iteration_keys(self, iteration: int):
         """(sampling key, update key) of `iteration`."""
@@ -60,8 +65,9 @@ class RunState(flax.struct.PyTreeNode):
         (with LoRA, the adapters and a critic, not the frozen base), optimizer state,
         counters, KL controller, score moments, iteration, skipped count and key data. Small
         host values are numpy: every process holds them whole (orbax cannot save
-        process-local jax arrays in multi-host runs)."""
-        return {
+        process-local jax arrays in multi-host runs). With an adaptive entropy coefficient
+        the tree also holds it ("entropy_coef"); without one it is the 0.2.0 tree."""
+        tree = {
             "params": self.train.trained_params(),
             "opt_state": self.train.opt_state,
             "step": self.train.step,
@@ -72,6 +78,9 @@ class RunState(flax.struct.PyTreeNode):
             "skipped_iterations": np.asarray(self.skipped_iterations, np.int32),
             "key": np.asarray(jax.random.key_data(self.key)),
         }
+        if self.entropy_coef is not None:
+            tree["entropy_coef"] = np.asarray(self.entropy_coef, np.float32)
+        return tree
 
     def restored(self, tree: dict) -> "RunState":
         """This state with a checkpoint's tree (as `checkpoint_tree` lays it out) put in."""
@@ -82,4 +91,5 @@ class RunState(flax.struct.PyTreeNode):
             kl=KLControllerState(*(jnp.asarray(x, jnp.float32) for x in tree["kl"])),
             score_moments=RunningMoments(*(jnp.asarray(x, jnp.float32) for x in tree["score_moments"])),
             iteration=int(tree["iteration"]),
-            skipped_iterations=int(tree["skipped_iterations"]))
+            skipped_iterations=int(tree["skipped_iterations"]),
+            entropy_coef=jnp.float32(tree["entropy_coef"]) if "entropy_coef" in tree else self.entropy_coef)

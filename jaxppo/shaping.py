@@ -1,6 +1,7 @@
 """Shaping what the update learns from, beyond the advantage estimators: DAPO's soft
-overlong punishment of scores (applied by the rollout layer), and the selection of the
-highest-entropy response tokens for the policy term (applied by the loss).
+overlong punishment of scores (applied by the rollout layer), the selection of the
+highest-entropy response tokens for the policy term (applied by the loss), and the
+adaptive entropy coefficient (a controller between iterations).
 
 Depends on the masked statistics only (`jaxppo.stats`).
 """
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 
 from jaxppo.stats import masked_quantile
 
-__all__ = ["overlong_penalty", "default_overlong_buffer", "high_entropy_mask"]
+__all__ = ["overlong_penalty", "default_overlong_buffer", "high_entropy_mask", "adaptive_entropy_coef"]
 
 
 def default_overlong_buffer(budget: int) -> int:
@@ -43,3 +44,14 @@ def high_entropy_mask(entropy, mask, top_fraction: float):
     entropy = jax.lax.stop_gradient(entropy).astype(jnp.float32)
     threshold = masked_quantile(entropy, mask, 1.0 - top_fraction)
     return ((entropy >= threshold) & mask.astype(bool)).astype(jnp.float32)
+
+
+def adaptive_entropy_coef(coef, entropy, target: float, step: float):
+    """One step of the adaptive entropy coefficient (Skywork-OR1's adaptive entropy
+    control): `coef + step` when the measured per-token entropy is below `target`, else
+    `coef - step`, never below 0. A non-finite entropy (no update was applied) leaves the
+    coefficient as it is. float32 scalar."""
+    coef = jnp.asarray(coef, jnp.float32)
+    entropy = jnp.asarray(entropy, jnp.float32)
+    moved = jnp.maximum(jnp.where(entropy < target, coef + step, coef - step), 0.0)
+    return jnp.where(jnp.isfinite(entropy), moved, coef).astype(jnp.float32)

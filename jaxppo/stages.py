@@ -32,6 +32,7 @@ from jaxppo.rewards import HostRewards
 from jaxppo.rollout import RewardError, RolloutSpec, finish_rollout, nonfinite_rows, sample_responses
 from jaxppo.rollout_types import Rollout
 from jaxppo.run_state import RunState
+from jaxppo.shaping import adaptive_entropy_coef
 from jaxppo.sharding import to_host
 
 __all__ = ["PromptTable", "PromptBatch", "HostScores", "Built", "select_prompts", "sample", "score", "build_rollout",
@@ -137,6 +138,8 @@ def build_rollout(spec: RolloutSpec, params, ref_params, reward_params, batch: P
                                                  scores.scores, run.kl, run.score_moments)
     raw_scores = to_host(stats.pop("per_row/raw_scores"))
     model_scores = stats.pop("per_row/model_scores", None)
+    if run.entropy_coef is not None:  # the adaptive coefficient reaches the loss with the rollout
+        rollout = rollout.replace(entropy_coef=jnp.full(rollout.response_tokens.shape[:1], run.entropy_coef))
     if mesh is not None:
         rollout = sharding.shard_batch(rollout, mesh)
     return Built(rollout, stats, moments, raw_scores, model_scores)
@@ -159,14 +162,20 @@ def nonfinite_error(iteration: int, source: str, built: Built, bad, prompts) -> 
 
 def update(run: RunState, built: Built, key, train_step, config: PPOConfig):
     """The update of one iteration: `train_step` on the rollout (the old train state's
-    buffers are donated), the KL controller's step, the new score moments, the iteration
-    counted. Returns (new run state, device metrics: the rollout's statistics and the
+    buffers are donated), the KL controller's step, the adaptive entropy coefficient's step
+    (with `entropy_target`), the new score moments, the iteration counted. Returns (new run state, device metrics: the rollout's statistics and the
     update's, without the per-mini-batch arrays)."""
     state, metrics = train_step(run.train, built.rollout, key)
     kl = adaptive_kl_update(run.kl, built.stats.get("objective/kl", 0.0), config.batch_size)
-    run = run.replace(train=state, kl=kl, score_moments=built.score_moments, iteration=run.iteration + 1)
     device = {**built.stats, **{k: v for k, v in metrics.items() if not k.startswith("per_minibatch/")}}
     device["ppo/updates_total"] = state.step
+    entropy_coef = run.entropy_coef
+    if entropy_coef is not None:  # this iteration's coefficient; the next one follows the entropy it measured
+        device["objective/entropy_coef"] = entropy_coef
+        entropy_coef = adaptive_entropy_coef(entropy_coef, metrics["policy/entropy_avg"], config.entropy_target,
+                                             config.entropy_coef_step)
+    run = run.replace(train=state, kl=kl, score_moments=built.score_moments, iteration=run.iteration + 1,
+                      entropy_coef=entropy_coef)
     return run, device
 
 

@@ -140,8 +140,7 @@ class Trainer:
         self.spec = _rollout_spec(config, trainer_config, built, tokenizer, self.rewards)
         self.policy_schedule, tx = _optimizer(config, trainer_config, self.iterations)
         train = TrainState.create(apply_fn=built.apply_fn, params=built.params, tx=tx, freeze=built.freeze)
-        self.run = RunState.create(train, seed=trainer_config.seed, kl_coef=config.kl_coef,
-                                   kl_target=trainer_config.kl_target or 0.0, kl_horizon=trainer_config.kl_horizon)
+        self.run = _run_state(config, trainer_config, train)
         self.mesh, self._train_step = None, functools.partial(train_step_donating, config=config)
         if mesh is not None:
             self.mesh, self.run, self.ref_params, self.reward_params, self._train_step = sharding.place_run(
@@ -352,6 +351,14 @@ def _rollout_spec(config: PPOConfig, tc: TrainerConfig, built, tokenizer, reward
         uses_critic=config.uses_critic, num_generations=config.num_generations, num_slots=tc.num_slots,
         overlong_penalty_factor=float(config.overlong_penalty_factor), overlong_buffer=config.overlong_buffer,
         mask_truncated=config.mask_truncated_completions)
+
+
+def _run_state(config: PPOConfig, tc: TrainerConfig, train: TrainState) -> RunState:
+    """Iteration 0: the KL controller (adaptive with `kl_target`), and the entropy
+    coefficient as run state when it adapts (`entropy_target`)."""
+    return RunState.create(train, seed=tc.seed, kl_coef=config.kl_coef, kl_target=tc.kl_target or 0.0,
+                           kl_horizon=tc.kl_horizon,
+                           entropy_coef=config.ent_coef if config.entropy_target is not None else None)
 
 
 def _optimizer(config: PPOConfig, tc: TrainerConfig, iterations: int):

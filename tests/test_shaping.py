@@ -189,3 +189,55 @@ def test_the_settings_are_flags():
                          "--no-mask-truncated-completions"])
     assert (ppo.overlong_buffer, ppo.top_entropy_quantile, ppo.mask_truncated_completions,
             ppo.overlong_penalty_factor) == (4, 0.2, False, 1.0)
+
+
+def test_adaptive_entropy_coef_follows_the_rule():
+    coef, target, step = 0.01, 2.0, 0.004
+    # up, up, down x 4 (the last one floored at 0), unchanged (no update), up, down (at the target)
+    for entropy in [1.0, 1.5, 2.5, 3.0, 3.0, 3.0, 3.0, float("nan"), 1.9, 2.0]:
+        want = coef if entropy != entropy else max(coef + step if entropy < target else coef - step, 0.0)
+        got = float(pm.adaptive_entropy_coef(coef, entropy, target, step))
+        assert got == pytest.approx(want, abs=1e-7), (entropy, coef)
+        coef = got
+    assert coef == 0.0
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
+def test_entropy_coef_column_equals_the_fixed_coefficient(toy, aggregation):
+    """A rollout's per-completion entropy coefficients, all c, give the update of
+    `ent_coef=c` (whose entropy term the reference loops test); other values differ."""
+    apply_fn, params = toy
+    rollout = _rollout(toy)
+    config = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=8, mini_batch_size=4, ppo_epochs=1, num_generations=4,
+                                            kl_loss_coef=0.0, loss_aggregation=aggregation)
+    state = jaxppo.TrainState.create(apply_fn=apply_fn, params=params, tx=optax.sgd(0.5))
+    fixed, _ = jaxppo.train_step(state, rollout, jax.random.key(1), config.replace(ent_coef=0.3))
+    column, _ = jaxppo.train_step(state, rollout.replace(entropy_coef=jnp.full((8,), 0.3)), jax.random.key(1), config)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), column.params, fixed.params)
+    other, _ = jaxppo.train_step(state, rollout.replace(entropy_coef=jnp.full((8,), 0.0)), jax.random.key(1), config)
+    assert not all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(jnp.allclose(a, b, atol=1e-7)), other.params,
+                                                column.params)))
+    with pytest.raises(ValueError, match=r"rollout.entropy_coef has shape \(4,\); expected \(batch,\) = \(8,\)"):
+        jaxppo.train_step(state, rollout.replace(entropy_coef=jnp.zeros((4,))), jax.random.key(1), config)
+
+
+def test_adaptive_entropy_coefficient_through_the_trainer_and_resume(tmp_path):
+    """The logged coefficients follow the rule from the start value and the logged
+    entropies; the coefficient is run state: a resumed run equals the uninterrupted one."""
+    from trainer_setup import run_small
+
+    ppo = jaxppo.PPOConfig(batch_size=16, mini_batch_size=8, ppo_epochs=2, kl_coef=0.1, ent_coef=0.01,
+                           entropy_target=5.9, entropy_coef_step=0.004)
+    straight, _ = run_small(tmp_path / "a", iterations=4, ppo=ppo, export_final=False)
+    coef = 0.01
+    for row in straight:
+        assert row["objective/entropy_coef"] == pytest.approx(coef, abs=1e-7)
+        coef = max(coef + 0.004 if row["policy/entropy_avg"] < 5.9 else coef - 0.004, 0.0)
+    assert len({round(r["objective/entropy_coef"], 6) for r in straight}) > 1
+    run_small(tmp_path / "b", iterations=2, ppo=ppo, export_final=False)
+    resumed, _ = run_small(tmp_path / "b", iterations=4, ppo=ppo, export_final=False)
+    drop = lambda r: {k: v for k, v in r.items() if not k.startswith("time/") and k != "eps"}
+    assert [drop(r) for r in resumed] == [drop(r) for r in straight]
+    for field, value in (("entropy_target", 0.0), ("entropy_coef_step", 0.0)):
+        with pytest.raises(ValueError, match=rf"PPOConfig\.{field}={value!r} is invalid"):
+            jaxppo.PPOConfig(**{field: value})

@@ -79,11 +79,12 @@ class Algorithm:
 
 def loss_terms(config) -> Tuple[str, ...]:
     """The terms of the loss a config trains with, in the order the loss adds them:
-    "policy" (always), "value" (a critic), "entropy" (ent_coef > 0), "kl" (kl_loss_coef > 0)."""
+    "policy" (always), "value" (a critic), "entropy" (ent_coef > 0, or an adaptive
+    coefficient: `entropy_target`), "kl" (kl_loss_coef > 0)."""
     terms = ["policy"]
     if config.uses_critic:
         terms.append("value")
-    if config.ent_coef:
+    if config.ent_coef or config.entropy_target is not None:
         terms.append("entropy")
     if config.kl_loss_coef:
         terms.append("kl")
