@@ -324,7 +324,8 @@ def _check_numbers(c: "PPOConfig"):
                   "None while overlong_penalty_factor is 0 (the buffer is only read with a penalty: set "
                   "overlong_penalty_factor > 0, DAPO's is 1.0)")
     if c.entropy_target is not None and (not is_real(c.entropy_target) or c.entropy_target <= 0):
-        _fail("entropy_target", c.entropy_target, "None (a fixed ent_coef) or a finite real number > 0 (nats per token)")
+        _fail("entropy_target", c.entropy_target,
+              "None (a fixed ent_coef) or a finite real number > 0 (nats per token)")
     if not is_real(c.entropy_coef_step) or c.entropy_coef_step <= 0:
         _fail("entropy_coef_step", c.entropy_coef_step, "a finite real number > 0")
     for name in ("whiten_advantages", "whiten_rewards", "mask_truncated_completions"):

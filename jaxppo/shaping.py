@@ -27,13 +27,12 @@ def overlong_penalty(lengths, budget: int, buffer: int, factor: float):
 
     With L the completion's length in tokens (its stop token included) and Lmax `budget`:
     0 for L <= Lmax - buffer, then falling linearly, (Lmax - buffer - L) / buffer * factor,
-    to -factor at L = Lmax (a completion cut at the budget). Lengths past the budget, which
-    a rollout cannot hold, are punished -factor * (L - Lmax + buffer) / buffer (the same line
-    continued), as verl's reward manager does."""
+    to -factor at L = Lmax (a completion cut at the budget), and -factor past it (which a
+    rollout cannot hold), as the paper's equation 13."""
     if not 0 < buffer <= budget:
         raise ValueError(f"overlong buffer {buffer} must be in [1, {budget}] (the response budget)")
     excess = jnp.asarray(lengths, jnp.float32) - (budget - buffer)
-    return jnp.minimum(-excess / buffer * factor, 0.0)
+    return jnp.clip(-excess / buffer * factor, -factor, 0.0)
 
 
 def high_entropy_mask(entropy, mask, top_fraction: float):

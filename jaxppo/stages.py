@@ -163,8 +163,9 @@ def nonfinite_error(iteration: int, source: str, built: Built, bad, prompts) -> 
 def update(run: RunState, built: Built, key, train_step, config: PPOConfig):
     """The update of one iteration: `train_step` on the rollout (the old train state's
     buffers are donated), the KL controller's step, the adaptive entropy coefficient's step
-    (with `entropy_target`), the new score moments, the iteration counted. Returns (new run state, device metrics: the rollout's statistics and the
-    update's, without the per-mini-batch arrays)."""
+    (with `entropy_target`), the new score moments, the iteration counted. Returns (new run
+    state, device metrics: the rollout's statistics and the update's, without the
+    per-mini-batch arrays)."""
     state, metrics = train_step(run.train, built.rollout, key)
     kl = adaptive_kl_update(run.kl, built.stats.get("objective/kl", 0.0), config.batch_size)
     device = {**built.stats, **{k: v for k, v in metrics.items() if not k.startswith("per_minibatch/")}}

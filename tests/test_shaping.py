@@ -26,11 +26,11 @@ def dapo_penalty(length, budget, buffer, factor):
 
 @pytest.mark.parametrize("buffer,factor", [(4, 1.0), (1, 0.5), (16, 2.0)])
 def test_overlong_penalty_equals_the_paper_case_by_case(buffer, factor):
-    lengths = np.arange(0, 17)
+    lengths = np.arange(0, 20)
     got = np.asarray(pm.overlong_penalty(jnp.asarray(lengths), 16, buffer, factor))
     want = [dapo_penalty(int(n), 16, buffer, factor) for n in lengths]
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
-    assert got[-1] == -factor and got[16 - buffer] == 0.0
+    assert got[16] == -factor and got[16 - buffer] == 0.0
 
 
 def test_masked_quantile_and_high_entropy_mask_equal_numpy():
