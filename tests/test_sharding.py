@@ -272,3 +272,21 @@ def test_lora_trainer_under_mesh_matches_single_device(tmp_path, mesh):
         assert tuple(block["mlp_c_proj"]["lora_a"].sharding.spec) == ("tensor", None)  # row-parallel: A's input
     else:
         assert a_spec == ("fsdp", None) and b_spec == (None, "fsdp")
+
+
+def test_dapo_shaping_and_adaptive_entropy_under_mesh_match_single_device(tmp_path):
+    """Issue 20's options that live in the run state and the rollout (the adaptive entropy
+    coefficient, the per-completion coefficient column; DAPO's overlong punishment and
+    truncation mask; the high-entropy token selection over the global batch) give the
+    single-device metrics on a 2x4 mesh."""
+    ppo = jaxppo.PPOConfig.for_algorithm("dapo", batch_size=16, mini_batch_size=8, ppo_epochs=2, num_generations=4,
+                                         ent_coef=0.01, entropy_target=5.9, entropy_coef_step=0.004,
+                                         top_entropy_quantile=0.5)
+    single, _ = run_small(tmp_path / "single", ppo=ppo, export_final=False)
+    sharded, _ = run_small(tmp_path / "mesh", ppo=ppo, export_final=False, mesh=sh.MeshConfig(data=2, fsdp=4))
+    assert [r["objective/entropy_coef"] for r in sharded] == [r["objective/entropy_coef"] for r in single]
+    for a, b in zip(single, sharded):
+        for name in ("objective/scores", "objective/overlong_penalty", "val/num_truncated_masked"):
+            assert a[name] == b[name], name
+        for name in ("loss/total_avg", "policy/entropy_avg", "policy/entropy_mask_fraction"):
+            assert a[name] == pytest.approx(b[name], rel=1e-4, abs=1e-6), name
