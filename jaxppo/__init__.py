@@ -18,6 +18,7 @@ from jaxppo.models import GenerationOutput, generate
 from jaxppo.rollout import RolloutSpec, finish_rollout, sample_responses
 from jaxppo.run_state import RunState
 from jaxppo.trainer import PPOTrainer, RewardError, RunError, Trainer, TrainerConfig, load_prompts
+from jaxppo.environments import EpisodeError, StepResult
 
 
 __all__ = [
@@ -49,4 +50,6 @@ __all__ = [
     "RolloutSpec",
     "sample_responses",
     "finish_rollout",
+    "StepResult",
+    "EpisodeError",
 ]

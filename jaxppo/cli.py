@@ -4,6 +4,8 @@
     jaxppo --model DIR --reward-model DIR --prompts prompts.jsonl --batch-size 64 ...
     jaxppo --config run.toml --iterations 200
     jaxppo --algorithm grpo                  # the demo with GRPO (no critic, 8 completions per prompt)
+    jaxppo --demo multiturn                  # the multi-turn demo: guess a hidden digit from feedback
+    jaxppo --model DIR --prompts p.jsonl --environment mypkg.envs:make_env   # multi-turn episodes
 
 Every `PPOConfig` and `TrainerConfig` field is a flag (`--mini-batch-size 8`,
 `--no-whiten-advantages`, `--target-kl none`, ...). Values come from, lowest first: the
@@ -34,6 +36,12 @@ _EXTRA = {
     "model": (str, None, "local Hugging Face causal-LM directory (policy); default: the demo's tiny policy"),
     "reward_model": (str, None, "local ...ForSequenceClassification directory (reward model)"),
     "reward": (str, None, "built-in reward function instead of a model: 'lowercase' (the demo's)"),
+    "demo": (str, "lowercase", "which embedded demo runs without --model: 'lowercase' (PPO; the score counts "
+                               "lowercase letters) or 'multiturn' (GRPO unless --algorithm; guess a hidden digit over "
+                               "several turns from the environment's 'higher'/'lower' replies)"),
+    "environment": (str, None, "MODULE:FACTORY of a multi-turn environment (jaxppo.environments): factory() -> an "
+                               "object with reset(prompt, **columns) and step(text) -> jaxppo.StepResult; its rewards "
+                               "score the episodes (with --reward-model or --reward they add)"),
     "critic": (str, None, "local directory to initialise the critic from (default: the reward model)"),
     "ref_model": (str, None, "local directory of the reference policy (default: the initial policy)"),
     "prompts": (str, None, "prompts file: .txt (one per line), .jsonl or .json; default: the demo's prompts"),
@@ -149,10 +157,14 @@ def resolve(argv=None):
     from_file = _read_config_file(args["config"]) if args.get("config") else {}
     values = {name: default for name, (_, default, _) in _EXTRA.items()}
     is_demo = "model" not in args and "model" not in from_file
+    task = args.get("demo", from_file.get("demo", "lowercase"))
+    if task not in ("lowercase", "multiturn"):
+        raise SystemExit(f"jaxppo: --demo {task!r} is invalid; valid: lowercase, multiturn")
     if is_demo:
         values.update(demo.DEMO_PPO)
         values.update(demo.DEMO_TRAINER)
-    algorithm = args.get("algorithm", from_file.get("algorithm", "ppo"))
+        values.update(demo.DEMO_MULTITURN if task == "multiturn" else {})
+    algorithm = args.get("algorithm", from_file.get("algorithm", "grpo" if is_demo and task == "multiturn" else "ppo"))
     from jaxppo.algorithms import ALGORITHMS, algorithm_defaults
 
     if algorithm not in ALGORITHMS:
@@ -201,7 +213,7 @@ def resolve(argv=None):
         if given:
             raise SystemExit(f"jaxppo: {' and '.join(given)} need --lora-rank (or --lora-init)")
     extras = {name: values[name] for name in _EXTRA}
-    extras["demo"] = is_demo
+    extras["is_demo"] = is_demo
     return ppo, trainer, extras
 
 
@@ -210,10 +222,13 @@ def build_trainer(ppo: PPOConfig, tc: TrainerConfig, extras: dict) -> PPOTrainer
     from jaxppo.models.hf import check_checkpoint_dir
     from jaxppo.models.tokenizer import load_tokenizer
 
-    if extras["demo"]:
+    environment = None if extras["environment"] is None else _load_environment(extras["environment"])
+    multiturn = extras["is_demo"] and extras["demo"] == "multiturn"
+    if extras["is_demo"]:
         tokenizer = demo.demo_tokenizer()
         policy = demo.demo_policy(tokenizer, seed=tc.seed, max_len=tc.query_length + tc.response_length)
-        prompts = extras["prompts"] or demo.DEMO_PROMPTS
+        prompts = extras["prompts"] or (demo.multiturn_prompts() if multiturn else demo.DEMO_PROMPTS)
+        environment = environment or (demo.GuessTheDigit if multiturn else None)
     else:
         if not extras["prompts"]:
             raise SystemExit("jaxppo: --prompts is required with --model")
@@ -225,7 +240,9 @@ def build_trainer(ppo: PPOConfig, tc: TrainerConfig, extras: dict) -> PPOTrainer
         prompts = extras["prompts"]
     reward_fn = None
     reward_model = extras["reward_model"]
-    if reward_model is None:
+    if reward_model is None and environment is not None and not extras["reward"]:
+        pass  # the environment's rewards score the episodes
+    elif reward_model is None:
         name = extras["reward"] or "lowercase"
         if name != "lowercase":
             raise SystemExit(f"jaxppo: --reward {name!r} is not a built-in reward; built-in: 'lowercase'")
@@ -235,7 +252,16 @@ def build_trainer(ppo: PPOConfig, tc: TrainerConfig, extras: dict) -> PPOTrainer
     return PPOTrainer(ppo, tc, policy=policy, tokenizer=tokenizer, prompts=prompts, reward_model=reward_model,
                       reward_fn=reward_fn, critic=extras["critic"], ref_policy=extras["ref_model"],
                       dtype=extras["dtype"], ref_dtype=extras["ref_dtype"], reward_dtype=extras["reward_dtype"],
-                      prompt_column=extras["prompt_column"], **model_options(extras))
+                      prompt_column=extras["prompt_column"], environment=environment, **model_options(extras))
+
+
+def _load_environment(text: str):
+    from jaxppo.environments import load_factory
+
+    try:
+        return load_factory(text)
+    except ValueError as err:
+        raise SystemExit(f"jaxppo: {err}") from None
 
 
 def model_options(extras: dict) -> dict:
@@ -306,6 +332,7 @@ def main(argv=None) -> int:
         trainer = build_trainer(ppo, tc, extras)
     except (ValueError, TypeError) as err:
         raise SystemExit(f"jaxppo: {err}") from None
+    from jaxppo.environments import EpisodeError
     from jaxppo.rollout import RewardError
     from jaxppo.rundir import RunError
 
@@ -313,7 +340,7 @@ def main(argv=None) -> int:
         trainer.train()
     except KeyboardInterrupt:
         return 130
-    except (RunError, RewardError) as err:
+    except (RunError, RewardError, EpisodeError) as err:
         print(f"jaxppo: error: {err}", file=sys.stderr)
         return 1
     return 0

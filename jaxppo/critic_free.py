@@ -103,16 +103,19 @@ def group_baseline(scores, num_generations: int):
 
 
 def discounted_returns(rewards, mask, gamma: float = 1.0):
-    """Per-token returns G_t = sum_{s >= t} gamma^(s - t) r_s over real tokens (reverse
-    `lax.scan`), 0 at padding. rewards, mask: (B, T)."""
+    """Per-token returns G_t = sum over the real tokens s >= t of gamma^k r_s, with k the
+    number of real tokens between t and s (reverse `lax.scan`); 0 at padding. Masked
+    positions inside a row (a multi-turn episode's environment tokens) are skipped, not
+    discounted. rewards, mask: (B, T)."""
     mask = mask.astype(jnp.float32)
     rewards = rewards.astype(jnp.float32) * mask
 
-    def back(carry, r_t):
-        carry = r_t + gamma * carry
-        return carry, carry
+    def back(carry, inputs):
+        r_t, m_t = inputs
+        g_t = r_t + gamma * carry
+        return jnp.where(m_t > 0, g_t, carry), g_t
 
-    _, out = jax.lax.scan(back, jnp.zeros(rewards.shape[0], jnp.float32), rewards.T, reverse=True)
+    _, out = jax.lax.scan(back, jnp.zeros(rewards.shape[0], jnp.float32), (rewards.T, mask.T), reverse=True)
     return out.T * mask
 
 

@@ -60,3 +60,37 @@ def demo_policy(tokenizer, seed: int = 0, width: int = 64, layers: int = 2, max_
 def lowercase_reward(prompts, responses):
     """Number of lowercase ASCII letters in each response."""
     return [float(sum(c.isascii() and c.islower() for c in text)) for text in responses]
+
+
+# ---------------------------------------------------------------- the multi-turn demo
+
+# Each prompt hides a digit (its `target` column); the policy guesses, the environment
+# answers "higher" or "lower", and a right guess ends the episode.
+MULTITURN_PROMPTS = [f"Guess my digit #{i}:" for i in range(40)]
+MULTITURN_TARGETS = [(7 * i + 3) % 10 for i in range(40)]
+DEMO_MULTITURN = dict(query_length=24, response_length=40, turn_length=3, max_turns=4, output_dir="runs/demo_multiturn")
+
+
+class GuessTheDigit:
+    """The multi-turn demo's environment: the policy has `max_turns` turns to name a
+    hidden digit. A turn's first digit is its guess. Rewards: 1 for the right digit (the
+    episode ends), 0.1 for a wrong one (the reply says " higher:" or " lower:"), 0 for a
+    turn without a digit (the reply says " a digit:")."""
+
+    def reset(self, prompt, target):
+        self.target = int(target)
+
+    def step(self, completion: str):
+        from jaxppo.environments import StepResult
+
+        guess = next((int(c) for c in completion if c in "0123456789"), None)
+        if guess is None:
+            return StepResult(" a digit:", 0.0, False)
+        if guess == self.target:
+            return StepResult(None, 1.0, True)
+        return StepResult(" higher:" if guess < self.target else " lower:", 0.1, False)
+
+
+def multiturn_prompts():
+    """The multi-turn demo's prompt rows: {"prompt", "target"}."""
+    return [{"prompt": p, "target": t} for p, t in zip(MULTITURN_PROMPTS, MULTITURN_TARGETS)]

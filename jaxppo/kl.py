@@ -60,16 +60,17 @@ def kl_loss_per_token(logprobs, ref_logprobs, estimator: str = "k3"):
 
 
 def at_last_token(values, mask):
-    """(B,) values placed at each row's last real token of a (B, T) prefix mask, 0 elsewhere
-    (and everywhere in a row without real tokens)."""
+    """(B,) values placed at each row's last real token of a (B, T) mask, 0 elsewhere (and
+    everywhere in a row without real tokens). The mask need not be a prefix: in a
+    multi-turn episode the last real token is the model's last one."""
     mask = mask.astype(jnp.float32)
-    last = jnp.maximum(jnp.sum(mask, axis=1).astype(jnp.int32) - 1, 0)
+    last = mask.shape[1] - 1 - jnp.argmax(mask[:, ::-1] > 0, axis=1)
     return jax.nn.one_hot(last, mask.shape[1], dtype=jnp.float32) * mask * values[:, None]
 
 
 def kl_shaped_rewards(kl, scores, mask, beta):
     """Per-token rewards: -beta * kl at each real token, plus the sequence score at the last
-    real token. kl (B, T), scores (B,), mask (B, T) prefix of ones -> (B, T), 0 at padding.
+    real token. kl (B, T), scores (B,), mask (B, T) -> (B, T), 0 at padding.
 
     Returns (rewards, non_score_rewards)."""
     mask = mask.astype(jnp.float32)

@@ -47,34 +47,35 @@ def gae(rewards, values, mask, gamma: float, lam: float):
     Args:
       rewards: (B, T) per-token rewards r_t.
       values: (B, T) value estimates V(s_t) of the state before token t.
-      mask: (B, T) 1 at real response tokens. The episode ends after the last real
-        token: V(s_{t+1}) counts only where mask[t + 1] is 1.
+      mask: (B, T) 1 at the tokens the policy produced. The chain runs over these only:
+        masked positions inside a row (the environment's tokens in a multi-turn episode)
+        are skipped, so V(s_{t'}) of the row's next real token t' bootstraps token t, and
+        the episode ends after the row's last real token. With a prefix mask this is the
+        usual GAE over the response.
       gamma, lam: discount and GAE lambda.
 
     Returns:
-      (advantages, returns), each (B, T), zero at masked-out tokens:
-        delta_t = r_t + gamma * m_{t+1} * V_{t+1} - V_t
-        A_t = delta_t + gamma * lam * m_{t+1} * A_{t+1}
+      (advantages, returns), each (B, T), zero at masked-out tokens; with t' the next real
+      token after t (none after the last):
+        delta_t = r_t + gamma * V_{t'} - V_t
+        A_t = delta_t + gamma * lam * A_{t'}
         returns_t = A_t + V_t
     """
     dtype = jnp.result_type(rewards, values, jnp.float32)
     mask = mask.astype(dtype)
     rewards = rewards.astype(dtype) * mask
     values = values.astype(dtype) * mask
-    # m_{t+1} * V_{t+1}: shift left by one token; nothing follows the last token.
-    next_mask = jnp.concatenate([mask[:, 1:], jnp.zeros_like(mask[:, :1])], axis=1)
-    next_values = jnp.concatenate([values[:, 1:], jnp.zeros_like(values[:, :1])], axis=1)
-    deltas = rewards + gamma * next_mask * next_values - values
 
     def backward(carry, inputs):
-        delta_t, next_mask_t = inputs
-        adv_t = delta_t + gamma * lam * next_mask_t * carry
-        return adv_t, adv_t
+        next_value, next_adv = carry  # of the next real token (0 after the last one)
+        r_t, v_t, m_t = inputs
+        adv_t = r_t + gamma * next_value - v_t + gamma * lam * next_adv
+        real = m_t > 0
+        return (jnp.where(real, v_t, next_value), jnp.where(real, adv_t, next_adv)), adv_t
 
     # Scan over time (axis 0 after the transpose), last token first.
-    _, adv_t_major = jax.lax.scan(
-        backward, jnp.zeros(rewards.shape[0], dtype), (deltas.T, next_mask.T), reverse=True
-    )
+    zeros = jnp.zeros(rewards.shape[0], dtype)
+    _, adv_t_major = jax.lax.scan(backward, (zeros, zeros), (rewards.T, values.T, mask.T), reverse=True)
     advantages = adv_t_major.T * mask
     returns = (advantages + values) * mask
     return advantages, returns

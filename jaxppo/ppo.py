@@ -212,6 +212,8 @@ def train_step_fn(state: TrainState, rollout: Rollout, key, config: PPOConfig, m
         batch["ref_logprobs"] = rollout.ref_logprobs
     if rollout.entropy_coef is not None:
         batch["entropy_coef"] = rollout.entropy_coef
+    if rollout.response_attention_mask is not None:  # a multi-turn episode's environment tokens
+        batch["response_attention_mask"] = rollout.response_attention_mask
     mismatch = {}
     if rollout.sampler_logprobs is not None:
         mismatch = ppo_math.mismatch_metrics(rollout.logprobs, rollout.sampler_logprobs, rollout.response_mask)
@@ -267,7 +269,9 @@ def _check_rollout_structure(rollout, config: PPOConfig):
         dtype = jnp.dtype(getattr(rollout, name).dtype)
         if not jnp.issubdtype(dtype, jnp.integer):
             raise TypeError(f"rollout.{name} has dtype {dtype}; token ids must be integers (int32)")
-    for name in ("query_mask", "response_mask"):
+    for name in ("query_mask", "response_mask", "response_attention_mask"):
+        if getattr(rollout, name) is None:
+            continue
         dtype = jnp.dtype(getattr(rollout, name).dtype)
         if not (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating) or dtype == jnp.bool_):
             raise TypeError(f"rollout.{name} has dtype {dtype}; a mask must be int, bool or float holding 0/1")
@@ -282,7 +286,7 @@ def _token_fields(rollout, config):
     names = ["response_mask", "logprobs", "rewards"]
     if config.kl_loss_coef:
         names.append("ref_logprobs")
-    names += [n for n in ("values", "sampler_logprobs") if getattr(rollout, n) is not None]
+    names += [n for n in ("values", "sampler_logprobs", "response_attention_mask") if getattr(rollout, n) is not None]
     return names
 
 
@@ -295,24 +299,38 @@ def check_rollout(rollout: Rollout, config: PPOConfig):
     """Check a rollout on the host before `train_step`: shapes and dtypes (as `train_step`
     does while tracing), and the values jit cannot check: masks hold only 0 and 1,
     `query_mask` is left padding (zeros, then ones) and `response_mask` a prefix of ones
-    per row, token ids are >= 0, log-probs/values/rewards are finite where the mask is 1.
+    per row (with `response_attention_mask`, that one is the prefix and `response_mask`
+    lies inside it), token ids are >= 0, log-probs/values/rewards are finite where the mask is 1.
     Raises ValueError/TypeError naming the field, the first bad row and what is valid.
     The trainer's rollouts are correct by construction; call this on rollouts you build."""
     import numpy as np
 
     _check_rollout_structure(rollout, config)
-    for name, want in (("query_mask", "non-decreasing (left padding: zeros, then ones)"),
-                       ("response_mask", "non-increasing (a prefix of ones, then zeros)")):
+    multi_turn = rollout.response_attention_mask is not None
+    prefix = ("response_attention_mask" if multi_turn else "response_mask")
+    checks = [("query_mask", "non-decreasing (left padding: zeros, then ones)"),
+              (prefix, "non-increasing (a prefix of ones, then zeros)")] + ([("response_mask", None)] if multi_turn
+                                                                         else [])
+    for name, want in checks:
         m = np.asarray(getattr(rollout, name)).astype(np.float64)
         bad = np.flatnonzero(np.any((m != 0) & (m != 1), axis=1))
         if bad.size:
             raise ValueError(f"rollout.{name} row {bad[0]} holds values other than 0 and 1: "
                              f"{sorted(set(np.unique(m[bad[0]]).tolist()))}; a mask holds only 0 and 1")
+        if want is None:
+            continue
         steps = np.diff(m, axis=1)
         wrong = np.any(steps < 0, axis=1) if name == "query_mask" else np.any(steps > 0, axis=1)
         if wrong.any():
             row = int(np.flatnonzero(wrong)[0])
             raise ValueError(f"rollout.{name} row {row} is {m[row].astype(int).tolist()}; each row must be {want}")
+    if multi_turn:
+        outside = np.any((np.asarray(rollout.response_mask) > 0) & (np.asarray(rollout.response_attention_mask) == 0),
+                         axis=1)
+        if outside.any():
+            raise ValueError(f"rollout.response_mask row {int(np.flatnonzero(outside)[0])} marks tokens that "
+                             "rollout.response_attention_mask leaves out; the policy's tokens must be inside the "
+                             "sequence it attends to")
     for name in ("query_tokens", "response_tokens"):
         t = np.asarray(getattr(rollout, name))
         if (t < 0).any():

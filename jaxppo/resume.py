@@ -23,7 +23,12 @@ _PPO_DEFAULTS = {f.name: f.default for f in dataclasses.fields(PPOConfig)}
 # TrainerConfig fields that only change output, never results: they may differ on resume.
 _FREE = {"output_dir", "resume", "progress", "log_every", "sample_every", "num_samples", "tensorboard", "plot",
          "export_final", "keep_checkpoints", "checkpoint_every", "iterations", "total_episodes",
-         "num_slots"}  # the sampler's engine: the same tokens either way
+         "num_slots",  # the sampler's engine: the same tokens either way
+         "environment_workers"}  # threads stepping environments: the same episodes either way
+# Recorded only when a run differs from their defaults, so runs saved before they existed
+# still resume.
+_TRAINER_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainerConfig)
+                     if f.name in ("max_turns", "turn_length", "environment_timeout", "environment_errors")}
 
 
 def checkpoint_dir(tc: TrainerConfig) -> str:
@@ -42,7 +47,8 @@ def run_settings(config: PPOConfig, tc: TrainerConfig, iterations: int, descript
     layout, every `PPOConfig` field, the `TrainerConfig` fields that shape the run, and
     `description` (models, reward, tokenizer, prompts). Output-only fields may change; so
     may `iterations`/`total_episodes` under a constant learning rate (extending a run)."""
-    trainer = {k: v for k, v in dataclasses.asdict(tc).items() if k not in _FREE}
+    trainer = {k: v for k, v in dataclasses.asdict(tc).items()
+               if k not in _FREE and not (k in _TRAINER_DEFAULTS and v == _TRAINER_DEFAULTS[k])}
     if tc.lr_schedule != "constant":
         trainer["iterations"] = iterations
     ppo = dataclasses.asdict(config)

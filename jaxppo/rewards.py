@@ -24,7 +24,7 @@ import numpy as np
 from jaxppo.assembly import describe_model, is_model_spec, qualified_name
 from jaxppo.rollout import RewardError, check_scores
 
-__all__ = ["RewardFunction", "HostRewards", "reward_name", "RewardSetup", "sort_rewards"]
+__all__ = ["RewardFunction", "HostRewards", "reward_name", "RewardSetup", "sort_rewards", "accepted_columns"]
 
 
 def reward_name(fn) -> str:
@@ -47,7 +47,7 @@ class HostRewards:
 
     def __init__(self, functions: Sequence[RewardFunction]):
         self.functions = list(functions)
-        self._accepts = {f.name: _accepted_columns(f.fn) for f in self.functions}
+        self._accepts = {f.name: accepted_columns(f.fn) for f in self.functions}
 
     def __call__(self, iteration: int, prompts: list, completions: list, columns: dict):
         total = np.zeros(len(prompts), np.float32)
@@ -80,9 +80,10 @@ class HostRewards:
         return total, per_function
 
 
-def _accepted_columns(fn):
-    """The keyword names `fn` takes besides (prompts, completions); None: all (**kwargs or
-    a signature that cannot be read)."""
+def accepted_columns(fn, skip: int = 2):
+    """The keyword names `fn` takes besides its first `skip` positional parameters
+    ((prompts, completions) for a reward function, (prompt,) for an environment's `reset`);
+    None: all (**kwargs or a signature that cannot be read)."""
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
@@ -91,7 +92,7 @@ def _accepted_columns(fn):
         return None
     positional = [p for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
                                                   inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-    named = positional[2:] + [p for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    named = positional[skip:] + [p for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
     return {p.name for p in named}
 
 
@@ -136,12 +137,15 @@ class RewardSetup:
             what = (f"reward function {qualified_name(self.host[0].fn)!r}" if len(names) == 1
                     else f"the reward functions {names}")
             return what + (" with the reward model" if self.model_spec is not None else "")
-        return f"token reward function {qualified_name(self.token_fn)!r}"
+        if self.token_fn is not None:
+            return f"token reward function {qualified_name(self.token_fn)!r}"
+        return "the environment"
 
 
-def sort_rewards(reward_model, reward_fn, reward_fn_on: str, reward_fns, reward_weights) -> "RewardSetup":
+def sort_rewards(reward_model, reward_fn, reward_fn_on: str, reward_fns, reward_weights,
+                 environment: bool = False) -> "RewardSetup":
     """Sort the trainer's reward arguments into a `RewardSetup`. Errors name what was
-    wrong."""
+    wrong. With an `environment` (whose rewards score the episodes) none is needed."""
     if reward_fn_on not in ("text", "tokens"):
         raise ValueError(f"reward_fn_on={reward_fn_on!r} is invalid; valid: 'text', 'tokens'")
     if reward_fns is not None:
@@ -178,7 +182,7 @@ def sort_rewards(reward_model, reward_fn, reward_fn_on: str, reward_fns, reward_
         else:
             raise ValueError(f"reward_fns entry {entry!r:.60} is neither a function nor a reward model (a checkpoint "
                              "path or a (Model, params) pair)")
-    if reward_model is None and not fns:
+    if reward_model is None and not fns and not environment:
         raise ValueError("give exactly one of reward_model (a reward model), reward_fn (a function) or reward_fns (a "
                          "list of functions, one of which may be a reward model)")
     if reward_fns is None and reward_model is not None and reward_fn is not None:
@@ -193,4 +197,5 @@ def sort_rewards(reward_model, reward_fn, reward_fn_on: str, reward_fns, reward_
         name = reward_name(fn)
         names[name] = names.get(name, 0) + 1
         host.append(RewardFunction(name if names[name] == 1 else f"{name}_{names[name]}", fn, float(weight)))
-    return RewardSetup(reward_model, tuple(host), token_fn, float(model_weight), reward_fn_on, legacy=reward_fns is None)
+    legacy = reward_fns is None and (reward_model is not None or token_fn is not None or bool(host))
+    return RewardSetup(reward_model, tuple(host), token_fn, float(model_weight), reward_fn_on, legacy=legacy)

@@ -30,7 +30,7 @@ from jaxppo.kl import check_kl_estimator
 from jaxppo.models.continuous import generate_continuous
 from jaxppo.models.generate import GenerationOutput, generate
 from jaxppo.models.model import Model
-from jaxppo.rollout_types import Rollout, joined, response_outputs, scorer
+from jaxppo.rollout_types import Rollout, joined, response_attention, response_outputs, scorer
 from jaxppo.shaping import default_overlong_buffer, overlong_penalty
 
 __all__ = ["RolloutSpec", "sample_responses", "finish_rollout", "check_scores", "nonfinite_rows", "RewardError"]
@@ -187,7 +187,7 @@ def _reference_logprobs(spec: RolloutSpec, ref_params, batch):
     ref_scorer = scorer(spec.ref_apply)
     if ref_scorer is not None:  # a built-in model: no full logits
         return ref_scorer(ref_params, batch["query_tokens"], batch["query_mask"], batch["response_tokens"],
-                          batch["response_mask"], spec.temperature)[0]
+                          response_attention(batch), spec.temperature)[0]
     q, r = batch["query_tokens"].shape[1], batch["response_tokens"].shape[1]
     tokens, mask = joined(batch)
     ref_logits = spec.ref_apply(ref_params, tokens, mask)[:, q - 1 : q - 1 + r]
@@ -204,7 +204,8 @@ def _raw_scores(spec: RolloutSpec, reward_params, batch, host_scores):
         raw_scores = spec.reward_weight * model_scores
     elif spec.token_reward_fn is not None:
         raw_scores = jnp.asarray(spec.token_reward_fn(batch["query_tokens"], batch["query_mask"],
-                                                      batch["response_tokens"], batch["response_mask"]), jnp.float32)
+                                                      batch["response_tokens"], response_attention(batch)),
+                                 jnp.float32)
     else:
         raw_scores = jnp.zeros((b,), jnp.float32)
     if host_scores is not None:
@@ -212,6 +213,30 @@ def _raw_scores(spec: RolloutSpec, reward_params, batch, host_scores):
     if raw_scores.shape != (b,):
         raise ValueError(f"scores have shape {raw_scores.shape}; expected ({b},)")
     return raw_scores, model_scores
+
+
+def _statistics(spec: RolloutSpec, logprobs, response_mask, kl, non_score, scores, raw_scores, kl_state,
+                contains_eos, lengths, penalty, with_kl: bool) -> dict:
+    """The rollout's TRL-named statistics (device scalars) and the raw scores per row."""
+    mean_non_score = jnp.mean(jnp.sum(non_score, axis=1))
+    stats = {
+        "objective/entropy": jnp.mean(jnp.sum(-logprobs * response_mask, axis=1)),
+        "objective/non_score_reward": mean_non_score,
+        "objective/rlhf_reward": jnp.mean(scores) + mean_non_score,
+        "objective/scores": jnp.mean(scores),
+        "objective/raw_scores": jnp.mean(raw_scores),
+        "objective/kl_coef": kl_state.beta,
+        "val/num_eos_tokens": jnp.sum(contains_eos.astype(jnp.int32)),
+        "val/response_length": jnp.mean(lengths.astype(jnp.float32)),
+        "per_row/raw_scores": raw_scores,
+    }
+    if penalty is not None:
+        stats["objective/overlong_penalty"] = jnp.mean(penalty)
+    if spec.mask_truncated:
+        stats["val/num_truncated_masked"] = jnp.sum((~contains_eos).astype(jnp.int32))
+    if with_kl:
+        stats["objective/kl"] = jnp.mean(jnp.sum(kl, axis=1))
+    return stats
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
@@ -227,9 +252,15 @@ def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompt_
     before penalties and normalisation as `per_row/raw_scores` (the reward model's own as
     `per_row/model_scores`). Without a reference, `objective/kl` is absent.
     """
-    response_mask = gen.mask
+    response_mask = gen.mask  # the policy's tokens
+    # A multi-turn episode (`jaxppo.environments.EpisodeOutput`) also has the environment's
+    # tokens in the sequence, and says which episodes ran out of budget.
+    attention = getattr(gen, "attention_mask", None)
+    truncated = getattr(gen, "truncated", None)
     batch = {"query_tokens": prompt_ids, "query_mask": prompt_mask,
              "response_tokens": gen.tokens, "response_mask": response_mask}
+    if attention is not None:
+        batch["response_attention_mask"] = attention
     logprobs, values, _ = response_outputs(spec.apply_fn, params, batch, spec.temperature)
     if not spec.uses_critic:
         values = None  # the critic-free algorithms carry no values
@@ -241,10 +272,12 @@ def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompt_
 
     stop_ids = jnp.asarray(spec.stop_token_ids or (-1,), jnp.int32)
     contains_eos = jnp.any(jnp.isin(gen.tokens, stop_ids) & (response_mask > 0), axis=1)
+    if truncated is not None:  # an episode ends without running out of budget, stop token or not
+        contains_eos = ~truncated
     scores = raw_scores
     if spec.missing_eos_penalty is not None:
         scores = jnp.where(contains_eos, scores, scores - spec.missing_eos_penalty)
-    lengths = jnp.sum(response_mask, axis=1)
+    lengths = jnp.sum(response_mask if attention is None else attention, axis=1)
     if spec.overlong_penalty_factor:
         penalty = overlong_penalty(lengths, gen.tokens.shape[1], spec.buffer, spec.overlong_penalty_factor)
         scores = scores + penalty
@@ -270,26 +303,9 @@ def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompt_
     rollout = Rollout(query_tokens=prompt_ids, query_mask=prompt_mask, response_tokens=gen.tokens,
                       response_mask=train_mask, logprobs=logprobs, values=values, rewards=rewards,
                       ref_logprobs=ref_logprobs if spec.keep_ref_logprobs else None, scores=sequence_scores,
-                      sampler_logprobs=gen.logprobs)
-    mean_kl = jnp.mean(jnp.sum(kl, axis=1))
-    mean_non_score = jnp.mean(jnp.sum(non_score, axis=1))
-    stats = {
-        "objective/entropy": jnp.mean(jnp.sum(-logprobs * response_mask, axis=1)),
-        "objective/non_score_reward": mean_non_score,
-        "objective/rlhf_reward": jnp.mean(scores) + mean_non_score,
-        "objective/scores": jnp.mean(scores),
-        "objective/raw_scores": jnp.mean(raw_scores),
-        "objective/kl_coef": kl_state.beta,
-        "val/num_eos_tokens": jnp.sum(contains_eos.astype(jnp.int32)),
-        "val/response_length": jnp.mean(lengths.astype(jnp.float32)),
-        "per_row/raw_scores": raw_scores,
-    }
-    if spec.overlong_penalty_factor:
-        stats["objective/overlong_penalty"] = jnp.mean(penalty)
-    if spec.mask_truncated:
-        stats["val/num_truncated_masked"] = jnp.sum((~contains_eos).astype(jnp.int32))
-    if ref_logprobs is not None:
-        stats["objective/kl"] = mean_kl
+                      sampler_logprobs=gen.logprobs, response_attention_mask=attention)
+    stats = _statistics(spec, logprobs, response_mask, kl, non_score, scores, raw_scores, kl_state, contains_eos,
+                        lengths, penalty if spec.overlong_penalty_factor else None, ref_logprobs is not None)
     if model_scores is not None:
         stats["per_row/model_scores"] = model_scores
     return rollout, stats, score_moments

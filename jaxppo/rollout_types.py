@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jaxppo import math as ppo_math
 from jaxppo.models.model import join_sequences
 
-__all__ = ["Rollout", "response_outputs", "scorer", "joined"]
+__all__ = ["Rollout", "response_outputs", "scorer", "joined", "response_attention"]
 
 
 class Rollout(flax.struct.PyTreeNode):
@@ -23,8 +23,10 @@ class Rollout(flax.struct.PyTreeNode):
       query_tokens: int (B, Q), prompts, left-padded.
       query_mask: (B, Q), 1 at real prompt tokens, 0 at left padding.
       response_tokens: int (B, R), sampled responses, padded after the stop token.
-      response_mask: (B, R), 1 at real response tokens (up to and including the stop
-        token), 0 after; a prefix of ones per row.
+      response_mask: (B, R), 1 at the response tokens the policy produced (up to and
+        including the stop token), 0 after: a prefix of ones per row. In a multi-turn
+        episode it is 0 at the environment's tokens too (see `response_attention_mask`):
+        only the policy's tokens get loss, KL, entropy and value targets.
       logprobs: float (B, R), log-probs of the response tokens under the sampling policy,
         from temperature-scaled logits (`config.temperature`).
       values: float (B, R), the critic's values at sampling time, V(s_t) before token t;
@@ -44,6 +46,10 @@ class Rollout(flax.struct.PyTreeNode):
       entropy_coef: float (B,) or None: the entropy bonus's coefficient for each
         completion, used instead of `config.ent_coef` when given (the trainer fills it
         with the adaptive coefficient when `PPOConfig.entropy_target` is set).
+      response_attention_mask: (B, R) or None: 1 at every real token of the response
+        region, the policy's and the environment's (a multi-turn episode's observations),
+        a prefix of ones; the sequence the policy conditions on. None: `response_mask`
+        (one turn: every real response token is the policy's).
     """
 
     query_tokens: jax.Array
@@ -57,6 +63,7 @@ class Rollout(flax.struct.PyTreeNode):
     scores: Optional[jax.Array] = None
     sampler_logprobs: Optional[jax.Array] = None
     entropy_coef: Optional[jax.Array] = None
+    response_attention_mask: Optional[jax.Array] = None
 
 
 def scorer(fn):
@@ -71,15 +78,24 @@ def scorer(fn):
     return method if callable(method) else None
 
 
+def response_attention(batch):
+    """The response region's attention mask: `response_attention_mask` where the batch has
+    one (a multi-turn episode), else `response_mask`."""
+    mask = batch.get("response_attention_mask")
+    return batch["response_mask"] if mask is None else mask
+
+
 def joined(batch):
-    """The batch's query + response tokens and mask, (B, Q + R) each."""
+    """The batch's query + response tokens and attention mask, (B, Q + R) each."""
     return join_sequences(batch["query_tokens"], batch["query_mask"], batch["response_tokens"],
-                          batch["response_mask"])
+                          response_attention(batch))
 
 
 def response_outputs(apply_fn, params, batch, temperature: float):
     """Run the model on query + response; return the response tokens' log-probs,
-    values and per-token entropies, each (B, R).
+    values and per-token entropies, each (B, R). The model attends to every real token of
+    the response region (`response_attention`); the caller masks the outputs with
+    `response_mask`.
 
     Models that offer `response_outputs` (the built-in ones, see `scorer`) apply the LM
     head at response positions only, in chunks when configured. Any other `apply_fn(params,
@@ -88,7 +104,7 @@ def response_outputs(apply_fn, params, batch, temperature: float):
     method = scorer(apply_fn)
     if method is not None:
         return method(params, batch["query_tokens"], batch["query_mask"], batch["response_tokens"],
-                      batch["response_mask"], temperature)
+                      response_attention(batch), temperature)
     q = batch["query_tokens"].shape[1]
     r = batch["response_tokens"].shape[1]
     tokens, mask = joined(batch)

@@ -113,18 +113,28 @@ def sample(spec: RolloutSpec, params, batch: PromptBatch, key, mesh=None):
 
 
 def score(rewards: Optional[HostRewards], tokenizer, table: PromptTable, batch: PromptBatch, gen,
-          iteration: int) -> HostScores:
+          iteration: int, episodes=None) -> HostScores:
     """Score the completions with the text reward functions (on the host: the one place the
     host waits for the sampled tokens). Without text rewards, nothing to do here: the
-    reward model or token function scores on the device in `build_rollout`."""
-    if rewards is None:
+    reward model or token function scores on the device in `build_rollout`.
+
+    With `episodes` (`jaxppo.environments.Episodes`, multi-turn), the reward functions
+    receive each row's whole conversation (the decoded response region, observations
+    included), the environments' rewards are added (`rewards/environment/...`), and
+    failed episodes score 0."""
+    if rewards is None and episodes is None:
         return HostScores(None, {}, 0)
     tokens, token_mask = to_host(gen.tokens), to_host(gen.mask)
-    completions = decode_responses(tokenizer, tokens, token_mask)
-    prompts = [table.prompts[r] for r in batch.rows]
-    columns = {name: [values[r] for r in batch.rows] for name, values in table.columns.items()}
-    scores, per_function = rewards(iteration, prompts, completions, columns)
-    return HostScores(jnp.asarray(scores), per_function, unknown_token_count(tokenizer, tokens, token_mask))
+    completions = episodes.conversations if episodes is not None else decode_responses(tokenizer, tokens, token_mask)
+    total, per_function = np.zeros(len(batch.rows), np.float32), {}
+    if rewards is not None:
+        prompts = [table.prompts[r] for r in batch.rows]
+        columns = {name: [values[r] for r in batch.rows] for name, values in table.columns.items()}
+        total, per_function = rewards(iteration, prompts, completions, columns)
+    if episodes is not None:
+        total = np.where(episodes.failed, 0.0, total + episodes.rewards).astype(np.float32)
+        per_function = {**per_function, "environment": (episodes.rewards, ~episodes.failed)}
+    return HostScores(jnp.asarray(total), per_function, unknown_token_count(tokenizer, tokens, token_mask))
 
 
 def build_rollout(spec: RolloutSpec, params, ref_params, reward_params, batch: PromptBatch, gen, scores: HostScores,

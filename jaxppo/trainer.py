@@ -37,6 +37,7 @@ from jaxppo import report, resume, sharding, stages
 from jaxppo.assembly import LogitsOf, assemble, optimizer, prompts_digest, schedule
 from jaxppo.config import PPOConfig
 from jaxppo.engine import TrainState
+from jaxppo.environments import EnvironmentSpec, run_episodes
 from jaxppo.loop import finish_run, run_loop
 from jaxppo.models.tokenizer import decode_responses, encode_prompts
 from jaxppo.ppo import train_step_donating
@@ -109,6 +110,11 @@ class Trainer:
       mesh: None (one device), a `jaxppo.sharding.MeshConfig`, or a `jax.sharding.Mesh`
         with axes ("data", "fsdp", "tensor"): parameters and optimizer states are sharded
         by `jaxppo.sharding.tree_shardings`, rollout rows split over the data axes.
+      environment: a factory of multi-turn environments (`jaxppo.environments`): each
+        episode calls `factory()`, `reset(prompt, **columns)`, then `step(turn text) ->
+        jaxppo.StepResult(observation, reward, done)` after every model turn; the
+        environments' rewards add to the score (no other reward is then needed). Turns,
+        timeouts and faults: `TrainerConfig.max_turns` and neighbours.
     """
 
     def __init__(self, config: PPOConfig, trainer_config: TrainerConfig, *, policy, tokenizer, prompts,
@@ -118,12 +124,14 @@ class Trainer:
                  reward_dtype: Optional[str] = None, prompt_column: str = "prompt",
                  callbacks: Sequence[Callable] = (), mesh=None, remat=None, scan_layers: Optional[bool] = None,
                  logits_chunk_size: Optional[int] = None, chat_template: Optional[bool] = None,
-                 lora=None, lora_init: Optional[str] = None):
+                 lora=None, lora_init: Optional[str] = None, environment: Optional[Callable] = None):
         if not isinstance(config, PPOConfig):
             raise TypeError(f"config must be a jaxppo.PPOConfig, got {type(config).__name__}")
         if not isinstance(trainer_config, TrainerConfig):
             raise TypeError(f"trainer_config must be a jaxppo.TrainerConfig, got {type(trainer_config).__name__}")
-        self.rewards = sort_rewards(reward_model, reward_fn, reward_fn_on, reward_fns, reward_weights)
+        self.rewards = sort_rewards(reward_model, reward_fn, reward_fn_on, reward_fns, reward_weights,
+                                    environment=environment is not None)
+        self.environment = _environment(environment, trainer_config)
         self.config, self.tc, self.tokenizer, self.callbacks = config, trainer_config, tokenizer, list(callbacks)
         self.iterations = _iterations(config, trainer_config)
         self.table = _prompt_table(tokenizer, prompts, prompt_column, chat_template, trainer_config)
@@ -148,7 +156,8 @@ class Trainer:
         self.history, self._warned_unknown = [], False
         self._describe = {**built.description, "reward": self.rewards.describe(self.reward_model, dtype),
                           "tokenizer": {"class": type(tokenizer).__name__, "size": len(tokenizer)},
-                          "prompts": prompts_digest(self.table.texts), "prompt_column": prompt_column}
+                          "prompts": prompts_digest(self.table.texts), "prompt_column": prompt_column,
+                          **({} if environment is None else {"environment": self.environment.name})}
 
     # The run state's parts, by the names they have always had.
     state = property(lambda self: self.run.train, doc="The `TrainState` (parameters, optimizer, update counters).")
@@ -180,8 +189,8 @@ class Trainer:
         k_sample, k_train = run.iteration_keys(it)
         t0 = time.perf_counter()
         batch = stages.select_prompts(self.table, run.key, it, self.config, self.mesh)
-        gen = stages.sample(self.spec, run.train.params, batch, k_sample, self.mesh)
-        scores = stages.score(self.host_rewards, self.tokenizer, self.table, batch, gen, it)
+        gen, episodes = _sample(self, run, batch, k_sample, it)
+        scores = stages.score(self.host_rewards, self.tokenizer, self.table, batch, gen, it, episodes)
         self._warn_unknown(it, scores.unknown_tokens)
         t1 = time.perf_counter()
         built = stages.build_rollout(self.spec, run.train.params, self.ref_params, self.reward_params, batch, gen,
@@ -189,11 +198,12 @@ class Trainer:
         t2 = time.perf_counter()
         bad = stages.bad_rows(built)
         if bad.size:
-            return self._skipping(it, batch, gen, built, bad, t0)
+            return _skipping(self, it, batch, gen, built, bad, t0)
 
         def finish():
             new_run, device = stages.update(run, built, k_train, self._train_step, self.config)
             host = jax.device_get(device)  # every metric of the iteration in one transfer
+            host.update(episodes.metrics if episodes is not None else {})
             t3 = time.perf_counter()
             self.run, self._last_samples = new_run, (batch.rows, gen)
             return report.iteration_metrics(self, it, host, built.raw_scores, scores.per_function, built.model_scores,
@@ -207,28 +217,11 @@ class Trainer:
             warnings.warn(_unknown_tokens_message(it, unknown, self.tokenizer, self.policy_model), RuntimeWarning,
                           stacklevel=4)
 
-    def _skipping(self, it, batch, gen, built, bad, t0):
-        """Non-finite scores: a `RewardError` (nothing updated), or with
-        skip_nonfinite_scores a `finish` that skips the iteration (`jaxppo.stages.skip`)."""
-        source = self.rewards.source()
-        if not self.tc.skip_nonfinite_scores:
-            raise stages.nonfinite_error(it, source, built, bad, [self.table.texts[r] for r in batch.rows])
-        warnings.warn(f"iteration {it} skipped: {source} gave non-finite scores at rows {bad[:5].tolist()}",
-                      RuntimeWarning, stacklevel=4)
-
-        def finish():
-            self.run, self._last_samples = stages.skip(self.run), (batch.rows, gen)
-            return {"iteration": it, "episode": (it + 1) * self.config.batch_size, "ppo/updates_applied": 0,
-                    "ppo/updates_total": int(self.state.step), "objective/nonfinite_score_rows": int(bad.size),
-                    "objective/skipped_nonfinite_scores": self.skipped_iterations,
-                    "time/generation": time.perf_counter() - t0}
-
-        return finish
-
     def samples(self, n: int):
         """(prompt, response) texts of the first `n` rows of the last iteration."""
         rows, gen = self._last_samples
-        responses = decode_responses(self.tokenizer, to_host(gen.tokens)[:n], to_host(gen.mask)[:n])
+        mask = getattr(gen, "attention_mask", gen.mask)  # a multi-turn episode: the whole conversation
+        responses = decode_responses(self.tokenizer, to_host(gen.tokens)[:n], to_host(mask)[:n])
         return [(self.table.texts[r], text) for r, text in zip(rows[:n], responses)]
 
     # ------------------------------------------------------------------ the loop
@@ -303,6 +296,45 @@ class Trainer:
 
 
 PPOTrainer = Trainer  # the documented name since 0.1: the same class, for PPO and every critic-free method
+
+
+def _skipping(trainer: Trainer, it, batch, gen, built, bad, t0):
+    """Non-finite scores: a `RewardError` (nothing updated), or with
+    skip_nonfinite_scores a `finish` that skips the iteration (`jaxppo.stages.skip`)."""
+    source = trainer.rewards.source()
+    if not trainer.tc.skip_nonfinite_scores:
+        raise stages.nonfinite_error(it, source, built, bad, [trainer.table.texts[r] for r in batch.rows])
+    warnings.warn(f"iteration {it} skipped: {source} gave non-finite scores at rows {bad[:5].tolist()}",
+                  RuntimeWarning, stacklevel=4)
+
+    def finish():
+        trainer.run, trainer._last_samples = stages.skip(trainer.run), (batch.rows, gen)
+        return {"iteration": it, "episode": (it + 1) * trainer.config.batch_size, "ppo/updates_applied": 0,
+                "ppo/updates_total": int(trainer.state.step), "objective/nonfinite_score_rows": int(bad.size),
+                "objective/skipped_nonfinite_scores": trainer.skipped_iterations,
+                "time/generation": time.perf_counter() - t0}
+
+    return finish
+
+
+def _sample(trainer: Trainer, run: RunState, batch, key, it: int):
+    """(the iteration's sampled responses, None), or with an environment (its episodes'
+    `EpisodeOutput`, the `Episodes`)."""
+    if trainer.environment is None:
+        return stages.sample(trainer.spec, run.train.params, batch, key, trainer.mesh), None
+    episodes = run_episodes(trainer.environment, trainer.spec, run.train.params, trainer.table, batch, key,
+                            trainer.tokenizer, it, trainer.mesh)
+    return episodes.output, episodes
+
+
+def _environment(factory, tc: TrainerConfig) -> Optional[EnvironmentSpec]:
+    if factory is None:
+        return None
+    if not callable(factory):
+        raise TypeError(f"environment must be a factory (a callable returning an environment with reset and step), "
+                        f"got {type(factory).__name__} {factory!r:.60}")
+    return EnvironmentSpec(factory, max_turns=tc.max_turns, turn_length=tc.turn_length, timeout=tc.environment_timeout,
+                           on_error=tc.environment_errors, workers=tc.environment_workers)
 
 
 def _unknown_tokens_message(it, unknown, tokenizer, policy_model) -> str:

@@ -38,6 +38,14 @@ class TrainerConfig:
       continuous-batching engine with that many slots, a finished row's slot refilled at
       once: `jaxppo.models.continuous`; the same tokens either way, so it may change
       between a run and its resume).
+    Environments (multi-turn episodes; used only with `Trainer(environment=...)`, see
+      `jaxppo.environments`): max_turns (model turns per episode at most); turn_length
+      (tokens per model turn at most; None: the rest of the response budget);
+      environment_timeout (seconds one reset or step may take); environment_errors
+      ("raise": an environment that raises, returns the wrong type or times out stops
+      the iteration with an error before any update; "end": that episode is ended, scored
+      0 and counted in `env/failed_episodes`); environment_workers (threads stepping
+      environments in parallel).
     Faults: skip_nonfinite_scores (an iteration whose scores include NaN or inf is skipped
       and counted in `objective/skipped_nonfinite_scores` instead of stopping the run with
       an error naming the rows).
@@ -76,6 +84,11 @@ class TrainerConfig:
     plot: bool = True
     skip_nonfinite_scores: bool = False
     num_slots: Optional[int] = None
+    max_turns: int = 4
+    turn_length: Optional[int] = None
+    environment_timeout: float = 60.0
+    environment_errors: str = "raise"
+    environment_workers: int = 8
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -94,7 +107,8 @@ class TrainerConfig:
         if self.stop_token_id is not None and (not is_int(self.stop_token_id) or self.stop_token_id < 0):
             raise ValueError(f"TrainerConfig.stop_token_id={self.stop_token_id!r} is invalid: stop_token_id must be "
                              "None or a token id >= 0")
-        positive = ("iterations", "query_length", "response_length", "kl_horizon", "log_every", "keep_checkpoints")
+        positive = ("iterations", "query_length", "response_length", "kl_horizon", "log_every", "keep_checkpoints",
+                    "max_turns", "environment_workers")
         for name in positive:
             value = getattr(self, name)
             if not is_int(value) or value <= 0:
@@ -104,6 +118,7 @@ class TrainerConfig:
             if not is_int(value) or value < 0:
                 raise ValueError(f"TrainerConfig.{name}={value!r} is invalid: {name} must be an int >= 0")
         check_kl_estimator("TrainerConfig.kl_estimator=", self.kl_estimator)
+        self._check_environment()
         if self.lr_schedule not in ("constant", "linear", "cosine"):
             raise ValueError(f"TrainerConfig.lr_schedule={self.lr_schedule!r} is invalid; valid: constant, linear, cosine")
         for name in ("learning_rate", "adam_eps"):
@@ -117,3 +132,18 @@ class TrainerConfig:
                 raise ValueError(f"TrainerConfig.{name}={value!r} is invalid: {name} must be None or a finite number"
                                  + ("" if name == "missing_eos_penalty" else " > 0"))
 
+    def _check_environment(self):
+        if self.turn_length is not None and (not is_int(self.turn_length) or not
+                                             0 < self.turn_length <= self.response_length):
+            raise ValueError(f"TrainerConfig.turn_length={self.turn_length!r} is invalid: turn_length must be None (a "
+                             f"turn may use the rest of the budget) or an int in [1, response_length="
+                             f"{self.response_length}]")
+        timeout = self.environment_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (math.isfinite(timeout)
+                                                                                      and timeout > 0):
+            raise ValueError(f"TrainerConfig.environment_timeout={timeout!r} is invalid: it must be a finite number of "
+                             "seconds > 0")
+        if self.environment_errors not in ("raise", "end"):
+            raise ValueError(f"TrainerConfig.environment_errors={self.environment_errors!r} is invalid; valid: 'raise' "
+                             "(stop with an error naming the environment, row and turn) or 'end' (end that episode "
+                             "with score 0 and count it)")

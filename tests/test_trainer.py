@@ -177,13 +177,13 @@ def test_nonfinite_losses_skip_updates_and_warn(tokenizer, tmp_path):
 
 def test_cli_flags_config_file_and_errors(tmp_path):
     ppo, tc, extras = resolve([])
-    assert extras["demo"] and ppo.batch_size == demo.DEMO_PPO["batch_size"] and tc.iterations == demo.DEMO_TRAINER["iterations"]
+    assert extras["is_demo"] and ppo.batch_size == demo.DEMO_PPO["batch_size"] and tc.iterations == demo.DEMO_TRAINER["iterations"]
     config_file = tmp_path / "run.toml"
     config_file.write_text('mini-batch-size = 8\nppo_epochs = 3\nkl_estimator = "k3"\ntarget_kl = 0.5\n')
     ppo, tc, extras = resolve(["--config", str(config_file), "--ppo-epochs", "2", "--no-whiten-advantages",
                                "--target-kl", "none", "--score-clip", "3", "--model", "/some/dir"])
     assert (ppo.mini_batch_size, ppo.ppo_epochs, ppo.whiten_advantages, ppo.target_kl) == (8, 2, False, None)
-    assert tc.kl_estimator == "k3" and tc.score_clip == 3.0 and extras["model"] == "/some/dir" and not extras["demo"]
+    assert tc.kl_estimator == "k3" and tc.score_clip == 3.0 and extras["model"] == "/some/dir" and not extras["is_demo"]
     assert ppo.batch_size == jaxppo.PPOConfig().batch_size  # library defaults, not the demo's, with --model
     with pytest.raises(SystemExit, match="mini_batch_size=7"):
         resolve(["--mini-batch-size", "7"])

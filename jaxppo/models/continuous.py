@@ -122,7 +122,7 @@ def generate_continuous(
     if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
         raise ValueError(f"num_slots={num_slots!r} must be a positive int (rows decoded together)")
     stop_token_ids, pad_token_id = check_sampler_arguments(model, prompt_ids, prompt_mask, response_length, temperature,
-                                                    top_k, top_p, stop_token_ids, pad_token_id)
+                                                    top_k, top_p, stop_token_ids, pad_token_id, max_lengths)
     return continuous_jit(
         model, params, jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_mask, jnp.int32), key,
         jnp.float32(temperature), jnp.float32(1.0 if top_p is None else top_p),

@@ -220,7 +220,7 @@ def generate(
       `GenerationOutput(tokens, logprobs, mask)`, each (B, R).
     """
     stop_token_ids, pad_token_id = check_sampler_arguments(model, prompt_ids, prompt_mask, response_length, temperature,
-                                                    top_k, top_p, stop_token_ids, pad_token_id)
+                                                    top_k, top_p, stop_token_ids, pad_token_id, max_lengths)
     _check_groups(prompt_ids, prompt_mask, num_generations)
     return generate_jit(
         model, params, jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_mask, jnp.int32), key,
@@ -233,10 +233,12 @@ def generate(
 
 
 def check_sampler_arguments(model, prompt_ids, prompt_mask, response_length, temperature, top_k, top_p, stop_token_ids,
-                     pad_token_id):
+                     pad_token_id, max_lengths=None):
     """Errors in a sampler's arguments, before anything compiles; returns the stop ids
     (default: the model's EOS ids) and the pad id (default: the config's pad, else the
-    first EOS, else 0)."""
+    first EOS, else 0). Learned positions (GPT-2) must cover the longest row: its real
+    prompt tokens plus its budget (`max_lengths`, else `response_length`); when the mask
+    is not concrete, the padded width plus `response_length`."""
     if not isinstance(model, Model) or not model.is_causal_lm:
         raise ValueError(f"generate needs a causal-LM jaxppo Model, got {model!r:.80}")
     if not isinstance(response_length, int) or response_length <= 0:
@@ -244,6 +246,8 @@ def check_sampler_arguments(model, prompt_ids, prompt_mask, response_length, tem
     if prompt_ids.ndim != 2 or prompt_ids.shape != prompt_mask.shape:
         raise ValueError(f"prompt_ids {prompt_ids.shape} and prompt_mask {prompt_mask.shape} must both be (batch, prompt_len)")
     total = prompt_ids.shape[1] + response_length
+    if model.config.model_type == "gpt2" and total > model.config.max_position_embeddings:
+        total = _longest_row(prompt_mask, max_lengths, response_length, total)
     if model.config.model_type == "gpt2" and total > model.config.max_position_embeddings:
         raise ValueError(
             f"prompt_len + response_length = {total} exceeds the model's "
@@ -263,6 +267,16 @@ def check_sampler_arguments(model, prompt_ids, prompt_mask, response_length, tem
         if pad_token_id is None:
             pad_token_id = model.config.eos_token_ids[0] if model.config.eos_token_ids else 0
     return stop_token_ids, pad_token_id
+
+
+def _longest_row(prompt_mask, max_lengths, response_length: int, default: int) -> int:
+    """Real prompt tokens plus budget of the longest row, or `default` while tracing."""
+    try:
+        real = np.asarray(prompt_mask).astype(np.int64).sum(axis=1)
+        budget = response_length if max_lengths is None else np.asarray(max_lengths).astype(np.int64)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError, TypeError):
+        return default
+    return int(np.max(real + budget, initial=0))
 
 
 def check_max_lengths(max_lengths, rows: int, response_length: int):
