@@ -11,6 +11,7 @@ import pytest
 import jaxppo
 import jaxppo.models as jm
 from jaxppo import sharding as sh
+from jaxppo import demo
 from trainer_setup import require_devices, run_small
 
 pytestmark = require_devices(8)
@@ -289,4 +290,23 @@ def test_dapo_shaping_and_adaptive_entropy_under_mesh_match_single_device(tmp_pa
         for name in ("objective/scores", "objective/overlong_penalty", "val/num_truncated_masked"):
             assert a[name] == b[name], name
         for name in ("loss/total_avg", "policy/entropy_avg", "policy/entropy_mask_fraction"):
+            assert a[name] == pytest.approx(b[name], rel=1e-4, abs=1e-6), name
+
+
+def test_multiturn_lora_trainer_under_mesh_matches_single_device(tmp_path):
+    """Multi-turn episodes (the demo's environment: observations inside the sequence, the
+    policy's tokens only in the loss) with a LoRA policy on a 2x4 mesh give the
+    single-device metrics."""
+    from trainer_setup import small_trainer
+
+    ppo = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=16, mini_batch_size=8, ppo_epochs=1, num_generations=4)
+    lora = jm.LoraConfig(rank=4, alpha=8, targets="all-linear")
+    settings = dict(ppo=ppo, lora=lora, export_final=False, environment=demo.GuessTheDigit, reward_fn=None,
+                    prompts=demo.multiturn_prompts(), response_length=16, turn_length=3, max_len=48)
+    single = small_trainer(tmp_path / "single", **settings).train()
+    sharded = small_trainer(tmp_path / "mesh", mesh=sh.MeshConfig(data=2, fsdp=4), **settings).train()
+    for a, b in zip(single, sharded):
+        for name in ("reward", "env/turns_mean", "env/observation_tokens", "env/truncated_episodes"):
+            assert a[name] == b[name], name
+        for name in ("loss/total_avg", "kl", "policy/approxkl_avg"):
             assert a[name] == pytest.approx(b[name], rel=1e-4, abs=1e-6), name
