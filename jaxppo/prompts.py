@@ -137,7 +137,7 @@ def _check_messages(messages, label: str):
                              "a string \"content\"")
 
 
-def render_prompts(tokenizer, prompts: list, chat_template: Optional[bool] = None):
+def render_prompts(tokenizer, prompts: list, chat_template: Optional[bool] = None, tools=None):
     """(texts, is_chat): the prompts as the text the policy continues.
 
     Prompts given as chat messages are rendered with the tokenizer's chat template
@@ -145,7 +145,7 @@ def render_prompts(tokenizer, prompts: list, chat_template: Optional[bool] = Non
     holds the template's special tokens, so it is encoded without adding more (`is_chat`).
     `chat_template`: None (render messages when there are any) or True need a tokenizer
     with a template, else a clear error; False refuses message prompts. Plain strings are
-    used as they are."""
+    used as they are. `tools`: JSON schemas the template shows the model (`tools=`)."""
     is_chat = bool(prompts) and isinstance(prompts[0], list)
     if not is_chat:
         return list(prompts), False
@@ -157,7 +157,8 @@ def render_prompts(tokenizer, prompts: list, chat_template: Optional[bool] = Non
                          "template to render them with; use a tokenizer that has one (tokenizer_config.json "
                          "chat_template or chat_template.jinja), set tokenizer.chat_template, or give the prompts as "
                          "plain strings")
-    texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in prompts]
+    extra = {} if tools is None else {"tools": list(tools)}
+    texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True, **extra) for m in prompts]
     return texts, True
 
 

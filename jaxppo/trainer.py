@@ -38,6 +38,7 @@ from jaxppo.assembly import LogitsOf, assemble, optimizer, prompts_digest, sched
 from jaxppo.config import PPOConfig
 from jaxppo.engine import TrainState
 from jaxppo.environments import EnvironmentSpec, run_episodes
+from jaxppo.tools import check_tools, tool_environment
 from jaxppo.loop import finish_run, run_loop
 from jaxppo.models.tokenizer import decode_responses, encode_prompts
 from jaxppo.ppo import train_step_donating
@@ -115,6 +116,10 @@ class Trainer:
         jaxppo.StepResult(observation, reward, done)` after every model turn; the
         environments' rewards add to the score (no other reward is then needed). Turns,
         timeouts and faults: `TrainerConfig.max_turns` and neighbours.
+      tools: functions the policy may call (`jaxppo.tools`; instead of `environment`):
+        shown to the model through the chat template (`tools=`), called when a turn holds
+        tool calls, their results returned as "tool" messages; a turn without a call ends
+        the episode. Needs chat-message prompts.
     """
 
     def __init__(self, config: PPOConfig, trainer_config: TrainerConfig, *, policy, tokenizer, prompts,
@@ -124,17 +129,19 @@ class Trainer:
                  reward_dtype: Optional[str] = None, prompt_column: str = "prompt",
                  callbacks: Sequence[Callable] = (), mesh=None, remat=None, scan_layers: Optional[bool] = None,
                  logits_chunk_size: Optional[int] = None, chat_template: Optional[bool] = None,
-                 lora=None, lora_init: Optional[str] = None, environment: Optional[Callable] = None):
+                 lora=None, lora_init: Optional[str] = None, environment: Optional[Callable] = None,
+                 tools: Optional[Sequence[Callable]] = None):
         if not isinstance(config, PPOConfig):
             raise TypeError(f"config must be a jaxppo.PPOConfig, got {type(config).__name__}")
         if not isinstance(trainer_config, TrainerConfig):
             raise TypeError(f"trainer_config must be a jaxppo.TrainerConfig, got {type(trainer_config).__name__}")
+        self.environment = _environment(environment, tools, trainer_config)
         self.rewards = sort_rewards(reward_model, reward_fn, reward_fn_on, reward_fns, reward_weights,
-                                    environment=environment is not None)
-        self.environment = _environment(environment, trainer_config)
+                                    environment=self.environment is not None)
         self.config, self.tc, self.tokenizer, self.callbacks = config, trainer_config, tokenizer, list(callbacks)
         self.iterations = _iterations(config, trainer_config)
-        self.table = _prompt_table(tokenizer, prompts, prompt_column, chat_template, trainer_config)
+        self.table = _prompt_table(tokenizer, prompts, prompt_column, chat_template, trainer_config,
+                                   self.environment and self.environment.tools)
         self.prompt_ids, self.prompt_mask = self.table.ids, self.table.mask
         built = assemble(config, trainer_config, policy=policy, reward_model=self.rewards.model_spec,
                          ref_policy=ref_policy, critic=critic, dtype=dtype, ref_dtype=ref_dtype,
@@ -157,7 +164,7 @@ class Trainer:
         self._describe = {**built.description, "reward": self.rewards.describe(self.reward_model, dtype),
                           "tokenizer": {"class": type(tokenizer).__name__, "size": len(tokenizer)},
                           "prompts": prompts_digest(self.table.texts), "prompt_column": prompt_column,
-                          **({} if environment is None else {"environment": self.environment.name})}
+                          **({} if self.environment is None else {"environment": self.environment.name})}
 
     # The run state's parts, by the names they have always had.
     state = property(lambda self: self.run.train, doc="The `TrainState` (parameters, optimizer, update counters).")
@@ -327,14 +334,20 @@ def _sample(trainer: Trainer, run: RunState, batch, key, it: int):
     return episodes.output, episodes
 
 
-def _environment(factory, tc: TrainerConfig) -> Optional[EnvironmentSpec]:
+def _environment(factory, tools, tc: TrainerConfig) -> Optional[EnvironmentSpec]:
+    schemas = None
+    if tools is not None:
+        if factory is not None:
+            raise ValueError("give environment or tools, not both (tools= builds the environment that calls them)")
+        schemas = check_tools(tools)
+        factory = tool_environment(tools, timeout=tc.environment_timeout)
     if factory is None:
         return None
     if not callable(factory):
         raise TypeError(f"environment must be a factory (a callable returning an environment with reset and step), "
                         f"got {type(factory).__name__} {factory!r:.60}")
     return EnvironmentSpec(factory, max_turns=tc.max_turns, turn_length=tc.turn_length, timeout=tc.environment_timeout,
-                           on_error=tc.environment_errors, workers=tc.environment_workers)
+                           on_error=tc.environment_errors, workers=tc.environment_workers, tools=schemas)
 
 
 def _unknown_tokens_message(it, unknown, tokenizer, policy_model) -> str:
@@ -352,9 +365,13 @@ def _iterations(config: PPOConfig, tc: TrainerConfig) -> int:
     return tc.total_episodes // config.batch_size
 
 
-def _prompt_table(tokenizer, prompts, prompt_column, chat_template, tc: TrainerConfig) -> stages.PromptTable:
+def _prompt_table(tokenizer, prompts, prompt_column, chat_template, tc: TrainerConfig,
+                  tools=None) -> stages.PromptTable:
     table, columns = load_prompt_table(prompts, prompt_column)
-    texts, is_chat = render_prompts(tokenizer, table, chat_template)
+    texts, is_chat = render_prompts(tokenizer, table, chat_template, tools)
+    if tools and not is_chat:
+        raise ValueError("tools are shown to the model through the chat template: give the prompts as chat messages "
+                         "(lists of {role, content} dicts), or use an environment with plain-text prompts")
     ids, mask = encode_prompts(tokenizer, texts, tc.query_length, truncate=tc.truncate_prompts,
                                add_special_tokens=not is_chat)
     return stages.PromptTable(table, columns, texts, ids, mask)
