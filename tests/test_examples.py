@@ -163,3 +163,14 @@ def test_lora_qwen3_example_exports_a_peft_adapter_equal_to_the_merged_policy(tm
         adapted = peft.PeftModel.from_pretrained(base, str(run / "final_adapter")).eval()(ids).logits
     assert (merged - before).abs().max() > 1e-3  # training moved the adapters
     np.testing.assert_allclose(adapted.numpy(), merged.numpy(), atol=1e-4, rtol=0)
+
+
+def test_tool_calculator_learns_to_use_the_tool(tmp_path):
+    """After the warm start, GRPO with the calculator tool raises exact match on the
+    questions the warm start never showed, and the episodes call the tool."""
+    result = load("tool_calculator").main(["--output-dir", str(tmp_path)])
+    (_, unseen_before, _), (_, unseen_after, calls) = result["before"], result["after"]
+    assert unseen_after > unseen_before + 0.2, result
+    rewards = [r["reward"] for r in result["history"]]
+    assert np.mean(rewards[-5:]) > np.mean(rewards[:5]) + 0.2
+    assert calls > 0.9 and result["history"][-1]["env/tool_errors/parse"] < 8
