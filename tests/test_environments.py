@@ -108,6 +108,16 @@ def test_multiturn_iteration_scores_the_sampled_tokens_on_policy(tmp_path):
     assert metrics["ppo/updates_applied"] == 2
 
 
+def test_continuous_engine_plays_the_same_episodes(tmp_path):
+    """Turns sampled by the continuous-batching engine (3 slots for 8 rows; an ended row
+    takes one token of a slot) give the static sampler's episodes."""
+    static = trainer_with(tmp_path / "static", TwoTurns).step()
+    slots = trainer_with(tmp_path / "slots", TwoTurns, num_slots=3).step()
+    for name in ("reward", "env/turns_mean", "env/observation_tokens", "completions/mean_length"):
+        assert static[name] == slots[name], name
+    assert static["loss/total_avg"] == pytest.approx(slots["loss/total_avg"], rel=1e-6, abs=1e-7)
+
+
 def test_one_turn_episodes_equal_the_single_turn_path(tmp_path):
     """PPO (GAE, critic) where every episode ends after its first turn, scored by the
     environment, equals the single-turn trainer scored by the same function: the same
@@ -273,6 +283,43 @@ def test_multiturn_resume_equals_the_uninterrupted_run(tmp_path):
     resumed = trainer_with(tmp_path / "b", demo.GuessTheDigit, iterations=3, prompts=demo.multiturn_prompts()).train()
     drop = lambda r: {k: v for k, v in r.items() if not k.startswith("time/") and k != "eps"}
     assert len(resumed) == 3 and [drop(r) for r in resumed] == [drop(r) for r in straight]
+
+
+class KilledMidEpisode(demo.GuessTheDigit):
+    """SIGTERM from inside a step of iteration 2's episodes (the first time only)."""
+
+    calls = [0]
+
+    def step(self, completion):
+        KilledMidEpisode.calls[0] += 1
+        if KilledMidEpisode.calls[0] == 1:
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.5)
+        return super().step(completion)
+
+
+def test_a_kill_mid_episode_resumes_to_the_uninterrupted_run(tmp_path):
+    """A SIGTERM while iteration 2's environments are stepping: a checkpoint of the two
+    finished iterations, KeyboardInterrupt; the resumed run replays iteration 2's episodes
+    from reset and ends with the uninterrupted metrics."""
+    kwargs = dict(iterations=4, prompts=demo.multiturn_prompts())
+    straight = trainer_with(tmp_path / "a", demo.GuessTheDigit, **kwargs).train()
+
+    def arm(iteration, metrics):
+        if iteration == 1:
+            KilledMidEpisode.calls[0] = 0
+
+    KilledMidEpisode.calls[0] = -10**9  # disarmed until iteration 1 ends
+    interrupted = trainer_with(tmp_path / "b", KilledMidEpisode, callbacks=[arm], **kwargs)
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.train()
+    assert interrupted.iteration == 2
+    resumed = trainer_with(tmp_path / "b", KilledMidEpisode, **kwargs).train()
+    drop = lambda r: {k: v for k, v in r.items() if not k.startswith("time/") and k != "eps"}
+    assert [drop(r) for r in resumed] == [drop(r) for r in straight]
 
 
 def test_multiturn_demo_learns(tmp_path):
