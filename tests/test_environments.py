@@ -97,10 +97,13 @@ def test_two_turn_episode_is_the_hand_built_sequence(tmp_path):
     assert episodes.metrics["env/turns_mean"] == 2.0 and episodes.metrics["env/observation_tokens"] == 2.0
 
 
-def test_multiturn_iteration_scores_the_sampled_tokens_on_policy(tmp_path):
-    """Through the trainer: the scoring pass over prompt + turns + observations gives the
-    sampler's log-probs at the model's tokens (f32 rounding), and the metrics are logged."""
-    trainer = trainer_with(tmp_path, TwoTurns)
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_multiturn_iteration_scores_the_sampled_tokens_on_policy(tmp_path, algorithm):
+    """Through the trainer (GRPO; PPO with its critic and GAE across the turns): the scoring
+    pass over prompt + turns + observations gives the sampler's log-probs at the model's
+    tokens (f32 rounding), and the metrics are logged."""
+    ppo = None if algorithm == "grpo" else jaxppo.PPOConfig(batch_size=8, mini_batch_size=4, ppo_epochs=1)
+    trainer = trainer_with(tmp_path, TwoTurns, ppo=ppo)
     metrics = trainer.step()
     assert metrics["sampling/sampling_logp_difference/max"] < 1e-4
     assert metrics["env/turns_mean"] == 2.0 and metrics["env/failed_episodes"] == 0
