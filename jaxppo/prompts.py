@@ -14,7 +14,7 @@ from typing import Optional
 import jax
 import numpy as np
 
-__all__ = ["load_prompts", "load_prompt_table", "prompt_order", "render_prompts"]
+__all__ = ["load_prompts", "load_prompt_table", "prompt_order", "prompt_stream", "render_prompts"]
 
 
 def load_prompts(source, prompt_column: str = "prompt") -> list:
@@ -176,12 +176,19 @@ def _prompt_of(row, column: str, label: str):
 def prompt_order(base_key, num_prompts: int, per_iteration: int, iteration: int) -> np.ndarray:
     """Rows of the prompt set that `iteration` uses (`per_iteration` of them): the prompts
     are walked in an order reshuffled every dataset epoch (epoch e: a permutation with
-    fold_in(data key, e), the data key being fold_in(base_key, 2**30))."""
-    n, b = num_prompts, per_iteration
+    fold_in(data key, e), the data key being fold_in(base_key, 2**30)); iteration i takes
+    positions [i * per_iteration, (i + 1) * per_iteration) of that stream."""
+    return prompt_stream(base_key, num_prompts, iteration * per_iteration, per_iteration)
+
+
+def prompt_stream(base_key, num_prompts: int, start: int, count: int) -> np.ndarray:
+    """Rows at positions [start, start + count) of the stream of prompts walked in an
+    order reshuffled every dataset epoch (see `prompt_order`). Dynamic sampling reads it by
+    the number of prompts consumed so far."""
+    n = num_prompts
     data_key = jax.random.fold_in(base_key, 1 << 30)
-    start = iteration * b
-    out = np.empty(b, np.int64)
-    for j in range(b):
+    out = np.empty(count, np.int64)
+    for j in range(count):
         g = start + j
         epoch = g // n
         if j == 0 or g % n == 0:

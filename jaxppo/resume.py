@@ -28,7 +28,8 @@ _FREE = {"output_dir", "resume", "progress", "log_every", "sample_every", "num_s
 # Recorded only when a run differs from their defaults, so runs saved before they existed
 # still resume.
 _TRAINER_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainerConfig)
-                     if f.name in ("max_turns", "turn_length", "environment_timeout", "environment_errors")}
+                     if f.name in ("max_turns", "turn_length", "environment_timeout", "environment_errors",
+                                   "dynamic_sampling", "dynamic_sampling_rounds")}
 
 
 def checkpoint_dir(tc: TrainerConfig) -> str:

@@ -1,6 +1,7 @@
 """`RunState`: everything a run carries from one iteration to the next, as one pytree.
 
-    RunState(train, kl, score_moments, iteration, skipped_iterations, key, entropy_coef)
+    RunState(train, kl, score_moments, iteration, skipped_iterations, key, entropy_coef,
+             prompts_consumed)
 
 It is what a checkpoint holds (`checkpoint_tree`), with one exception: with LoRA the
 frozen base weights are left out of the checkpoint (they are loaded again from the policy's
@@ -36,6 +37,9 @@ class RunState(flax.struct.PyTreeNode):
       key: the run's base PRNG key (typed); iteration i uses `fold_in(key, i)`.
       entropy_coef: the adaptive entropy coefficient (float32 scalar) with
         `PPOConfig.entropy_target`, else None.
+      prompts_consumed: with dynamic sampling (`TrainerConfig.dynamic_sampling`), the
+        prompts taken from the data stream so far (a Python int; the next iteration starts
+        there); None otherwise (iteration i then takes the i-th slice of the stream).
     """
 
     train: TrainState
@@ -45,16 +49,20 @@ class RunState(flax.struct.PyTreeNode):
     skipped_iterations: Any
     key: jax.Array
     entropy_coef: Any = None
+    prompts_consumed: Any = None
 
     @classmethod
     def create(cls, train: TrainState, *, seed: int, kl_coef: float, kl_target: float = 0.0,
-               kl_horizon: float = 1.0, entropy_coef: Optional[float] = None) -> "RunState":
+               kl_horizon: float = 1.0, entropy_coef: Optional[float] = None,
+               dynamic_sampling: bool = False) -> "RunState":
         """A run at iteration 0: `train`, a KL controller at `kl_coef` (adaptive toward
         `kl_target` when > 0), empty score moments, the key of `seed`, and the adaptive
-        entropy coefficient's start (None: no adaptive coefficient)."""
+        entropy coefficient's start (None: no adaptive coefficient), and the prompts
+        consumed (0) with dynamic sampling."""
         return cls(train=train, kl=kl_controller(kl_coef, kl_target, kl_horizon), score_moments=RunningMoments.zeros(),
                    iteration=0, skipped_iterations=0, key=jax.random.key(seed),
-                   entropy_coef=None if entropy_coef is None else jnp.float32(entropy_coef))
+                   entropy_coef=None if entropy_coef is None else jnp.float32(entropy_coef),
+                   prompts_consumed=0 if dynamic_sampling else None)
 
     def iteration_keys(self, iteration: int):
         """(sampling key, update key) of `iteration`."""
@@ -66,7 +74,8 @@ class RunState(flax.struct.PyTreeNode):
         counters, KL controller, score moments, iteration, skipped count and key data. Small
         host values are numpy: every process holds them whole (orbax cannot save
         process-local jax arrays in multi-host runs). With an adaptive entropy coefficient
-        the tree also holds it ("entropy_coef"); without one it is the 0.2.0 tree."""
+        the tree also holds it ("entropy_coef"), with dynamic sampling the prompts consumed
+        ("prompts_consumed"); without either it is the 0.2.0 tree."""
         tree = {
             "params": self.train.trained_params(),
             "opt_state": self.train.opt_state,
@@ -80,6 +89,8 @@ class RunState(flax.struct.PyTreeNode):
         }
         if self.entropy_coef is not None:
             tree["entropy_coef"] = np.asarray(self.entropy_coef, np.float32)
+        if self.prompts_consumed is not None:
+            tree["prompts_consumed"] = np.asarray(self.prompts_consumed, np.int64)
         return tree
 
     def restored(self, tree: dict) -> "RunState":
@@ -92,4 +103,5 @@ class RunState(flax.struct.PyTreeNode):
             score_moments=RunningMoments(*(jnp.asarray(x, jnp.float32) for x in tree["score_moments"])),
             iteration=int(tree["iteration"]),
             skipped_iterations=int(tree["skipped_iterations"]),
-            entropy_coef=jnp.float32(tree["entropy_coef"]) if "entropy_coef" in tree else self.entropy_coef)
+            entropy_coef=jnp.float32(tree["entropy_coef"]) if "entropy_coef" in tree else self.entropy_coef,
+            prompts_consumed=int(tree["prompts_consumed"]) if "prompts_consumed" in tree else self.prompts_consumed)

@@ -33,7 +33,7 @@ import jax
 import numpy as np
 
 from jaxppo import export as exporting
-from jaxppo import report, resume, sharding, stages
+from jaxppo import dynamic, report, resume, sharding, stages
 from jaxppo.assembly import LogitsOf, assemble, optimizer, prompts_digest, schedule
 from jaxppo.config import PPOConfig
 from jaxppo.engine import TrainState
@@ -138,6 +138,7 @@ class Trainer:
         self.environment = _environment(environment, tools, trainer_config)
         self.rewards = sort_rewards(reward_model, reward_fn, reward_fn_on, reward_fns, reward_weights,
                                     environment=self.environment is not None)
+        _check_dynamic_sampling(config, trainer_config, self.rewards)
         self.config, self.tc, self.tokenizer, self.callbacks = config, trainer_config, tokenizer, list(callbacks)
         self.iterations = _iterations(config, trainer_config)
         self.table = _prompt_table(tokenizer, prompts, prompt_column, chat_template, trainer_config,
@@ -195,9 +196,7 @@ class Trainer:
         it = run.iteration
         k_sample, k_train = run.iteration_keys(it)
         t0 = time.perf_counter()
-        batch = stages.select_prompts(self.table, run.key, it, self.config, self.mesh)
-        gen, episodes = _sample(self, run, batch, k_sample, it)
-        scores = stages.score(self.host_rewards, self.tokenizer, self.table, batch, gen, it, episodes)
+        batch, gen, episodes, scores, extra, consumed = _collect(self, run, it, k_sample)
         self._warn_unknown(it, scores.unknown_tokens)
         t1 = time.perf_counter()
         built = stages.build_rollout(self.spec, run.train.params, self.ref_params, self.reward_params, batch, gen,
@@ -205,14 +204,14 @@ class Trainer:
         t2 = time.perf_counter()
         bad = stages.bad_rows(built)
         if bad.size:
-            return _skipping(self, it, batch, gen, built, bad, t0)
+            return _skipping(self, it, batch, gen, built, bad, t0, consumed)
 
         def finish():
             new_run, device = stages.update(run, built, k_train, self._train_step, self.config)
             host = jax.device_get(device)  # every metric of the iteration in one transfer
-            host.update(episodes.metrics if episodes is not None else {})
+            host.update({**(episodes.metrics if episodes is not None else {}), **extra})
             t3 = time.perf_counter()
-            self.run, self._last_samples = new_run, (batch.rows, gen)
+            self.run, self._last_samples = new_run.replace(prompts_consumed=consumed), (batch.rows, gen)
             return report.iteration_metrics(self, it, host, built.raw_scores, scores.per_function, built.model_scores,
                                             (t0, t1, t2, t3))
 
@@ -305,7 +304,7 @@ class Trainer:
 PPOTrainer = Trainer  # the documented name since 0.1: the same class, for PPO and every critic-free method
 
 
-def _skipping(trainer: Trainer, it, batch, gen, built, bad, t0):
+def _skipping(trainer: Trainer, it, batch, gen, built, bad, t0, consumed):
     """Non-finite scores: a `RewardError` (nothing updated), or with
     skip_nonfinite_scores a `finish` that skips the iteration (`jaxppo.stages.skip`)."""
     source = trainer.rewards.source()
@@ -315,13 +314,28 @@ def _skipping(trainer: Trainer, it, batch, gen, built, bad, t0):
                   RuntimeWarning, stacklevel=4)
 
     def finish():
-        trainer.run, trainer._last_samples = stages.skip(trainer.run), (batch.rows, gen)
+        run = stages.skip(trainer.run).replace(prompts_consumed=consumed)
+        trainer.run, trainer._last_samples = run, (batch.rows, gen)
         return {"iteration": it, "episode": (it + 1) * trainer.config.batch_size, "ppo/updates_applied": 0,
                 "ppo/updates_total": int(trainer.state.step), "objective/nonfinite_score_rows": int(bad.size),
                 "objective/skipped_nonfinite_scores": trainer.skipped_iterations,
                 "time/generation": time.perf_counter() - t0}
 
     return finish
+
+
+def _collect(trainer: Trainer, run: RunState, it: int, key) -> dynamic.Collected:
+    """The iteration's prompts, samples (or episodes) and host scores: one batch of the
+    iteration's prompts, or with dynamic sampling the rounds of `jaxppo.dynamic.collect`."""
+    def score(batch, gen, episodes):
+        return stages.score(trainer.host_rewards, trainer.tokenizer, trainer.table, batch, gen, it, episodes)
+
+    if trainer.tc.dynamic_sampling:
+        return dynamic.collect(trainer.table, key, run, it, trainer.config, trainer.tc,
+                               lambda batch, k: _sample(trainer, run, batch, k, it), score, trainer.mesh)
+    batch = stages.select_prompts(trainer.table, run.key, it, trainer.config, trainer.mesh)
+    gen, episodes = _sample(trainer, run, batch, key, it)
+    return dynamic.Collected(batch, gen, episodes, score(batch, gen, episodes), {}, None)
 
 
 def _sample(trainer: Trainer, run: RunState, batch, key, it: int):
@@ -332,6 +346,19 @@ def _sample(trainer: Trainer, run: RunState, batch, key, it: int):
     episodes = run_episodes(trainer.environment, trainer.spec, run.train.params, trainer.table, batch, key,
                             trainer.tokenizer, it, trainer.mesh)
     return episodes.output, episodes
+
+
+def _check_dynamic_sampling(config: PPOConfig, tc: TrainerConfig, rewards):
+    if not tc.dynamic_sampling:
+        return
+    if config.num_generations < 2:
+        raise ValueError(f"TrainerConfig.dynamic_sampling=True needs groups: PPOConfig.num_generations="
+                         f"{config.num_generations}; give num_generations >= 2 (a group's scores must be able to "
+                         "differ), or turn dynamic sampling off")
+    if rewards.model_spec is not None or rewards.token_fn is not None:
+        raise ValueError("TrainerConfig.dynamic_sampling=True filters groups on scores computed on the host (reward "
+                         "functions on text, environments); a reward model or a token-level reward function scores "
+                         "on the device after the filter would run. Score with reward functions, or turn it off")
 
 
 def _environment(factory, tools, tc: TrainerConfig) -> Optional[EnvironmentSpec]:
@@ -407,7 +434,8 @@ def _run_state(config: PPOConfig, tc: TrainerConfig, train: TrainState) -> RunSt
     coefficient as run state when it adapts (`entropy_target`)."""
     return RunState.create(train, seed=tc.seed, kl_coef=config.kl_coef, kl_target=tc.kl_target or 0.0,
                            kl_horizon=tc.kl_horizon,
-                           entropy_coef=config.ent_coef if config.entropy_target is not None else None)
+                           entropy_coef=config.ent_coef if config.entropy_target is not None else None,
+                           dynamic_sampling=tc.dynamic_sampling)
 
 
 def _optimizer(config: PPOConfig, tc: TrainerConfig, iterations: int):

@@ -46,6 +46,12 @@ class TrainerConfig:
       the iteration with an error before any update; "end": that episode is ended, scored
       0 and counted in `env/failed_episodes`); environment_workers (threads stepping
       environments in parallel).
+    Dynamic sampling (DAPO): dynamic_sampling (groups of `num_generations` completions
+      whose scores are all equal carry no signal: they are dropped and replaced by groups
+      of further prompts, so every update still sees `batch_size` completions; see
+      `jaxppo.dynamic`); dynamic_sampling_rounds (generation rounds per iteration at most,
+      the first included; when they do not fill the batch, the rest is filled with dropped
+      groups whose response mask is zero: counted in `dynamic/masked_groups`).
     Faults: skip_nonfinite_scores (an iteration whose scores include NaN or inf is skipped
       and counted in `objective/skipped_nonfinite_scores` instead of stopping the run with
       an error naming the rows).
@@ -89,6 +95,8 @@ class TrainerConfig:
     environment_timeout: float = 60.0
     environment_errors: str = "raise"
     environment_workers: int = 8
+    dynamic_sampling: bool = False
+    dynamic_sampling_rounds: int = 3
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -108,7 +116,7 @@ class TrainerConfig:
             raise ValueError(f"TrainerConfig.stop_token_id={self.stop_token_id!r} is invalid: stop_token_id must be "
                              "None or a token id >= 0")
         positive = ("iterations", "query_length", "response_length", "kl_horizon", "log_every", "keep_checkpoints",
-                    "max_turns", "environment_workers")
+                    "max_turns", "environment_workers", "dynamic_sampling_rounds")
         for name in positive:
             value = getattr(self, name)
             if not is_int(value) or value <= 0:

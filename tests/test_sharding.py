@@ -310,3 +310,19 @@ def test_multiturn_lora_trainer_under_mesh_matches_single_device(tmp_path):
             assert a[name] == b[name], name
         for name in ("loss/total_avg", "kl", "policy/approxkl_avg"):
             assert a[name] == pytest.approx(b[name], rel=1e-4, abs=1e-6), name
+
+
+def test_dynamic_sampling_under_mesh_matches_single_device(tmp_path):
+    """Dynamic sampling's rounds, picks and masked fill on a 2x4 mesh give the
+    single-device run."""
+    import test_dynamic as td
+
+    single_trainer, single = td.run(tmp_path / "single", td.scripted, dynamic_sampling=True,
+                                    dynamic_sampling_rounds=1)
+    mesh_trainer, sharded = td.run(tmp_path / "mesh", td.scripted, dynamic_sampling=True, dynamic_sampling_rounds=1,
+                                   mesh=sh.MeshConfig(data=2, fsdp=4))
+    for a, b in zip(single, sharded):
+        for name in ("reward", "dynamic/rounds", "dynamic/groups_dropped", "dynamic/masked_groups"):
+            assert a[name] == b[name], name
+        assert a["loss/total_avg"] == pytest.approx(b["loss/total_avg"], rel=1e-4, abs=1e-6)
+    assert mesh_trainer.run.prompts_consumed == single_trainer.run.prompts_consumed
