@@ -256,6 +256,15 @@ CASES = [
         _rollout(response_attention_mask=jnp.asarray(np.tile([1, 0, 1, 0, 0, 0], (16, 1)), jnp.int32)),
         jaxppo.PPOConfig(batch_size=16, mini_batch_size=8)), ValueError,
      r"rollout.response_attention_mask row 0 is \[1, 0, 1, 0, 0, 0\]; each row must be non-increasing"),
+    # dynamic sampling
+    ("dynamic sampling without groups", lambda ctx: small_trainer(ctx["tmp"], dynamic_sampling=True), ValueError,
+     r"dynamic_sampling=True needs groups: PPOConfig.num_generations=1; give num_generations >= 2"),
+    ("dynamic sampling with device scores", lambda ctx: small_trainer(
+        ctx["tmp"], dynamic_sampling=True, reward_fn_on="tokens",
+        ppo=jaxppo.PPOConfig.for_algorithm("grpo", batch_size=16, mini_batch_size=8, num_generations=4)),
+     ValueError, r"dynamic_sampling=True filters groups on scores computed on the host"),
+    ("dynamic sampling rounds < 1", lambda ctx: jaxppo.TrainerConfig(dynamic_sampling_rounds=0), ValueError,
+     r"TrainerConfig.dynamic_sampling_rounds=0 is invalid: dynamic_sampling_rounds must be a positive int"),
     ("query mask right-padded", lambda ctx: jaxppo.check_rollout(
         _rollout(query_mask=jnp.asarray(np.tile([1, 1, 0, 0], (16, 1)), jnp.int32)),
         jaxppo.PPOConfig(batch_size=16, mini_batch_size=8)), ValueError,

@@ -9,7 +9,7 @@ from jaxppo import demo
 
 
 def small_trainer(output_dir, iterations=2, mesh=None, reward_fn=demo.lowercase_reward, callbacks=(), prompts=None,
-                  ppo=None, lora=None, environment=None, max_len=40, tools=None, **trainer):
+                  ppo=None, lora=None, environment=None, max_len=40, tools=None, reward_fn_on="text", **trainer):
     tokenizer = demo.demo_tokenizer()
     ppo = ppo or jaxppo.PPOConfig(batch_size=16, mini_batch_size=8, ppo_epochs=2, kl_coef=0.1)
     settings = dict(iterations=iterations, query_length=32, response_length=6, learning_rate=1e-3,
@@ -19,7 +19,8 @@ def small_trainer(output_dir, iterations=2, mesh=None, reward_fn=demo.lowercase_
     return jaxppo.PPOTrainer(ppo, jaxppo.TrainerConfig(**settings),
                              policy=demo.demo_policy(tokenizer, width=32, layers=1, max_len=max_len),
                              tokenizer=tokenizer, prompts=demo.DEMO_PROMPTS if prompts is None else prompts,
-                             reward_fn=reward_fn, callbacks=callbacks, mesh=mesh, lora=lora, environment=environment,
+                             reward_fn=reward_fn, reward_fn_on=reward_fn_on, callbacks=callbacks, mesh=mesh,
+                             lora=lora, environment=environment,
                              tools=tools)
 
 
