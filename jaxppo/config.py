@@ -25,7 +25,7 @@ ALGORITHM_FIELDS = ("advantage_estimator", "num_generations", "grpo_scale", "grp
                     "cliprange_low", "cliprange_high", "dual_clip", "importance_ratio", "kl_loss_coef",
                     "kl_loss_estimator", "rollout_correction", "rollout_correction_cap", "top_entropy_quantile",
                     "overlong_buffer", "overlong_penalty_factor", "mask_truncated_completions", "entropy_target",
-                    "entropy_coef_step")
+                    "entropy_coef_step", "loss_norm_length", "kl_loss_bias_correction")
 
 
 def is_int(value) -> bool:
@@ -90,7 +90,13 @@ class PPOConfig:
       loss_aggregation: "token_mean" (every real token of the mini-batch counts equally:
         PPO, DAPO), "seq_mean_token_mean" (mean over completions of their token means:
         GRPO), "seq_mean_token_sum_norm" (mean over completions of their token sums divided
-        by the response length: Dr. GRPO). Applies to every term of the loss.
+        by `loss_norm_length`, default the response length: Dr. GRPO), or
+        "token_sum_batch_norm" (the mini-batch's token sum divided by the rollout batch's
+        real tokens / `num_minibatches`: TRL's `loss_type="dapo"` with `steps_per_generation`
+        = num_minibatches; equal to "token_mean" with one mini-batch). Applies to every term
+        of the loss.
+      loss_norm_length: the constant "seq_mean_token_sum_norm" divides by (TRL's
+        `max_completion_length`); None: the rollout's response width. A positive int.
       cliprange_low, cliprange_high: the ratio is clipped to [1 - low, 1 + high] (DAPO's
         clip-higher); None means `cliprange`.
       dual_clip: None, or a constant c > 1: for negative advantages the loss is capped at
@@ -103,6 +109,9 @@ class PPOConfig:
       kl_loss_coef: beta of a KL(policy || reference) term in the loss (GRPO's), >= 0;
         kl_loss_estimator: "k1", "k2" or "k3". When kl_coef, kl_loss_coef are 0 and the
         trainer has no kl_target, no reference model is built or run at all.
+        kl_loss_bias_correction: multiply each token's KL term by its importance ratio
+        pi / pi_old (gradient through the ratio too): TRL's `use_bias_correction_kl`, on by
+        default there, off here (as in verl and the GRPO paper).
 
     Sampler mismatch (applies to rollouts that carry the sampler's log-probs,
     `Rollout.sampler_logprobs`, as the trainer's do):
@@ -179,6 +188,8 @@ class PPOConfig:
     mask_truncated_completions: bool = False
     entropy_target: Optional[float] = None
     entropy_coef_step: float = 0.005
+    loss_norm_length: Optional[int] = None
+    kl_loss_bias_correction: bool = False
 
     def __post_init__(self):
         _check_sizes(self)
@@ -328,6 +339,9 @@ def _check_numbers(c: "PPOConfig"):
               "None (a fixed ent_coef) or a finite real number > 0 (nats per token)")
     if not is_real(c.entropy_coef_step) or c.entropy_coef_step <= 0:
         _fail("entropy_coef_step", c.entropy_coef_step, "a finite real number > 0")
+    if c.loss_norm_length is not None and (not is_int(c.loss_norm_length) or c.loss_norm_length <= 0):
+        _fail("loss_norm_length", c.loss_norm_length,
+              "None (the response width) or a positive int (TRL's max_completion_length)")
     for name in ("whiten_advantages", "whiten_rewards", "mask_truncated_completions"):
         value = getattr(c, name)
         if not isinstance(value, bool):

@@ -36,7 +36,7 @@ __all__ = [
 ]
 
 GRPO_SCALES = ("group", "batch", "none")
-LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "token_sum_batch_norm")
 IMPORTANCE_RATIOS = ("token", "sequence", "sequence_sum")
 
 
@@ -134,9 +134,13 @@ def aggregate_loss(per_token, mask, mode: str, max_length: int = None):
       seq_mean_token_mean      mean over rows of each row's token mean (GRPO as published)
       seq_mean_token_sum_norm  mean over rows of each row's token sum / max_length
                                (Dr. GRPO; max_length: the configured response length)
+      token_sum_batch_norm     sum over all real tokens / max_length, here a token count
+                               given from outside (a scalar, may be traced): the rollout
+                               batch's real tokens per mini-batch (TRL's "dapo")
 
-    Names follow verl's `loss_agg_mode` (with underscores); TRL's `loss_type` "dapo",
-    "grpo" and "dr_grpo" are these three modes in this order."""
+    Names follow verl's `loss_agg_mode` (with underscores). TRL's `loss_type` "bnpo",
+    "grpo" and "dr_grpo" are the first three; its "dapo" is "token_sum_batch_norm" (equal
+    to "token_mean" when one mini-batch is the whole batch)."""
     mask = mask.astype(jnp.float32)
     if mode == "token_mean":
         return masked_mean(per_token, mask)
@@ -147,6 +151,10 @@ def aggregate_loss(per_token, mask, mode: str, max_length: int = None):
             raise ValueError(f"aggregation {mode!r} needs max_length, a positive int (the response length); "
                              f"got {max_length!r}")
         return jnp.mean(masked_sum(per_token, mask, axis=1) / max_length)
+    if mode == "token_sum_batch_norm":
+        if max_length is None:
+            raise ValueError(f"aggregation {mode!r} needs the token count to divide by (max_length)")
+        return masked_sum(per_token, mask) / max_length
     raise ValueError(f"loss aggregation {mode!r} is invalid; valid: {', '.join(LOSS_AGGREGATIONS)}")
 
 

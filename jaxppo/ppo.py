@@ -65,7 +65,7 @@ def ppo_loss(params, batch, *, apply_fn, config: PPOConfig):
     real tokens the policy term trains on) with `top_entropy_quantile` < 1.
     """
     mask = batch["response_mask"].astype(jnp.float32)
-    r = batch["response_tokens"].shape[1]
+    r = loss_normaliser(batch, config)
     agg_mode = config.loss_aggregation
 
     def aggregate(per_token):
@@ -99,8 +99,11 @@ def ppo_loss(params, batch, *, apply_fn, config: PPOConfig):
     else:
         ent = jax.lax.stop_gradient(ent)  # a metric only: no backward pass through the (B, R, V) entropy
     if config.kl_loss_coef:
-        kl = aggregate(ppo_math.kl_loss_per_token(logprobs, batch["ref_logprobs"].astype(jnp.float32),
-                                                  config.kl_loss_estimator))
+        per_token_kl = ppo_math.kl_loss_per_token(logprobs, batch["ref_logprobs"].astype(jnp.float32),
+                                                  config.kl_loss_estimator)
+        if config.kl_loss_bias_correction:  # TRL's use_bias_correction_kl: weighted by pi / pi_old
+            per_token_kl = per_token_kl * ratio
+        kl = aggregate(per_token_kl)
         loss = loss + config.kl_loss_coef * kl
         aux["kl"] = jax.lax.stop_gradient(kl)
     sg = jax.lax.stop_gradient
@@ -115,6 +118,16 @@ def ppo_loss(params, batch, *, apply_fn, config: PPOConfig):
     if config.dual_clip is not None:
         aux["clip_ratio/dual_mean"] = clip_metrics["dual_clip_fraction"]
     return loss, aux
+
+
+def loss_normaliser(batch, config: PPOConfig):
+    """What the aggregation divides by, besides its own counts: the response length for
+    "seq_mean_token_sum_norm" (`loss_norm_length`, else the batch's width); the rollout's
+    real tokens per mini-batch for "token_sum_batch_norm" (`train_step` puts it in the
+    batch as `loss_token_norm`)."""
+    if config.loss_aggregation == "token_sum_batch_norm":
+        return batch["loss_token_norm"][0]
+    return config.loss_norm_length or batch["response_tokens"].shape[1]
 
 
 def token_count(batch):
@@ -214,6 +227,11 @@ def train_step_fn(state: TrainState, rollout: Rollout, key, config: PPOConfig, m
         batch["entropy_coef"] = rollout.entropy_coef
     if rollout.response_attention_mask is not None:  # a multi-turn episode's environment tokens
         batch["response_attention_mask"] = rollout.response_attention_mask
+    if config.loss_aggregation == "token_sum_batch_norm":  # TRL's dapo: the batch's tokens per mini-batch
+        tokens = jnp.maximum(jnp.sum(rollout.response_mask.astype(jnp.float32)), 1.0)
+        # Micro-batches are averaged (no weight_fn): each one's sum counts k times over.
+        norm = tokens / (config.num_minibatches * config.gradient_accumulation_steps)
+        batch["loss_token_norm"] = jnp.full((config.batch_size,), norm, jnp.float32)
     mismatch = {}
     if rollout.sampler_logprobs is not None:
         mismatch = ppo_math.mismatch_metrics(rollout.logprobs, rollout.sampler_logprobs, rollout.response_mask)

@@ -111,7 +111,8 @@ def test_clipped_policy_loss_matches_a_loop(aggregation, dual_clip, level):
     counts = [mask[i].sum() for i in range(b)]
     want = {"token_mean": sum(sums) / sum(counts),
             "seq_mean_token_mean": sum(s / c for s, c in zip(sums, counts)) / b,
-            "seq_mean_token_sum_norm": sum(s / max_length for s in sums) / b}[aggregation]
+            "seq_mean_token_sum_norm": sum(s / max_length for s in sums) / b,
+            "token_sum_batch_norm": sum(sums) / max_length}[aggregation]  # here: the token count given
     log_ratio = cf.sequence_log_ratio(logp, old, mask) if level == "sequence" else jnp.asarray(logp - old)
     loss, metrics = cf.clipped_policy_loss(log_ratio, jnp.asarray(adv), mask, low, high, dual_clip, aggregation,
                                            max_length)

@@ -127,12 +127,16 @@ def ref_loss(params, apply_fn, mb, config):
             return jnp.sum(x * m) / jnp.sum(m)
         if config.loss_aggregation == "seq_mean_token_mean":
             return sum(jnp.sum(x[i] * m[i]) / lengths[i] for i in range(rows)) / rows
-        return sum(jnp.sum(x[i] * m[i]) / R for i in range(rows)) / rows
+        if config.loss_aggregation == "token_sum_batch_norm":  # TRL's dapo: the whole batch's tokens per mini-batch
+            return jnp.sum(x * m) / (mb["batch_tokens"][0] / config.num_minibatches)
+        return sum(jnp.sum(x[i] * m[i]) / (config.loss_norm_length or R) for i in range(rows)) / rows
 
     loss = aggregate(per_token)
     if config.kl_loss_coef:
         d = mb["ref"] - logp
         kl = {"k1": -d, "k2": 0.5 * d ** 2, "k3": jnp.exp(d) - d - 1}[config.kl_loss_estimator]
+        if config.kl_loss_bias_correction:  # TRL's use_bias_correction_kl
+            kl = kl * ratio
         loss = loss + config.kl_loss_coef * aggregate(kl)
     return loss
 
@@ -141,7 +145,8 @@ def reference_train_step(model, rollout, key, config, tx):
     apply_fn, params = model
     adv = jnp.asarray(ref_advantages(rollout, config), jnp.float32)
     data = dict(qt=rollout.query_tokens, qm=rollout.query_mask, rt=rollout.response_tokens, rm=rollout.response_mask,
-                lp=rollout.logprobs, adv=adv, ref=rollout.ref_logprobs)
+                lp=rollout.logprobs, adv=adv, ref=rollout.ref_logprobs,
+                batch_tokens=jnp.full((config.batch_size,), jnp.sum(rollout.response_mask)))
     opt_state = tx.init(params)
     keys = jax.random.split(key, config.ppo_epochs)
     grad = jax.jit(jax.grad(lambda p, mb: ref_loss(p, apply_fn, mb, config)))
@@ -177,7 +182,13 @@ def test_advantages_match_loops(model, name, changes):
     ("reinforce_pp", BASELINE),
     # TRL RLOOTrainer's loss: one summed log-ratio per completion, clipped, mean over completions.
     ("rloo", dict(importance_ratio="sequence_sum", loss_aggregation="seq_mean_token_mean")),
-], ids=CRITIC_FREE + ["grpo-batch-k2-dual", "dr_grpo-k1", "reinforce_pp_baseline", "rloo-trl"])
+    # TRL's semantics as options: its dapo normalisation, Dr. GRPO's constant, the bias-corrected KL.
+    ("dapo", dict(loss_aggregation="token_sum_batch_norm", kl_loss_coef=0.1)),
+    ("dr_grpo", dict(loss_norm_length=11, kl_loss_coef=0.1)),
+    ("grpo", dict(kl_loss_bias_correction=True, kl_loss_coef=0.1)),
+    ("gspo", dict(kl_loss_bias_correction=True, kl_loss_coef=0.1)),
+], ids=CRITIC_FREE + ["grpo-batch-k2-dual", "dr_grpo-k1", "reinforce_pp_baseline", "rloo-trl", "dapo-trl",
+                      "dr_grpo-norm-length", "grpo-bias-corrected-kl", "gspo-bias-corrected-kl"])
 def test_train_step_equals_a_python_loop_of_updates(model, name, changes):
     """Every algorithm's whole train_step (advantages, loss, aggregation, clipping, KL term,
     permutations, updates) equals the reference loop."""
@@ -208,7 +219,8 @@ def test_update_count_is_pinned_for_every_algorithm(model, name, accumulate):
     chex.assert_tree_shape_prefix(per_mb, (3, 2))
 
 
-@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm",
+                                         "token_sum_batch_norm"])
 def test_accumulation_gives_the_whole_mini_batch_gradient(model, aggregation):
     """Under gradient accumulation every aggregation mode adds up to exactly the update of
     the whole mini-batch (rows of different lengths, so a wrong weighting would show)."""
