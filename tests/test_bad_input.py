@@ -256,6 +256,8 @@ CASES = [
         _rollout(response_attention_mask=jnp.asarray(np.tile([1, 0, 1, 0, 0, 0], (16, 1)), jnp.int32)),
         jaxppo.PPOConfig(batch_size=16, mini_batch_size=8)), ValueError,
      r"rollout.response_attention_mask row 0 is \[1, 0, 1, 0, 0, 0\]; each row must be non-increasing"),
+    ("loss_norm_length not positive", lambda ctx: jaxppo.PPOConfig(loss_norm_length=0), ValueError,
+     r"PPOConfig.loss_norm_length=0 is invalid.*None \(the response width\) or a positive int"),
     # dynamic sampling
     ("dynamic sampling without groups", lambda ctx: small_trainer(ctx["tmp"], dynamic_sampling=True), ValueError,
      r"dynamic_sampling=True needs groups: PPOConfig.num_generations=1; give num_generations >= 2"),
