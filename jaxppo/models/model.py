@@ -13,6 +13,7 @@ and a `TrainState.apply_fn`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Optional, Union
 
 import jax
@@ -114,10 +115,9 @@ class Model:
         return self.kind in ("causal_lm", "causal_lm_value")
 
     def init(self, key, seq_len: int = 8):
-        """Random parameters (value heads start at zero)."""
-        ids = jnp.zeros((1, seq_len), jnp.int32)
-        mask = jnp.ones_like(ids)
-        return self.module.init(key, ids, mask, default_positions(mask))
+        """Random parameters (value heads start at zero), as one compiled program (run op by
+        op, the initialisers would compile a hundred small programs at start-up)."""
+        return _init(self, key, seq_len)
 
     def apply(self, params, input_ids, attention_mask):
         """Pure forward on a (left-)padded batch; output depends on `kind` (module doc)."""
@@ -222,6 +222,13 @@ class PolicyAndCritic:
         tokens, mask = join_sequences(query_tokens, query_mask, response_tokens, response_mask)
         values = self.critic.apply(params["critic"], tokens, mask)[:, q - 1 : q - 1 + r].astype(jnp.float32)
         return logprobs, values, entropy
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _init(model: Model, key, seq_len: int):
+    ids = jnp.zeros((1, seq_len), jnp.int32)
+    mask = jnp.ones_like(ids)
+    return model.module.init(key, ids, mask, default_positions(mask))
 
 
 def join_sequences(query_tokens, query_mask, response_tokens, response_mask):
