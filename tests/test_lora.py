@@ -189,8 +189,11 @@ def test_engine_trains_only_what_freeze_leaves_and_accumulates_equally():
                                                             jax.tree.leaves(one["lora"])))
     assert moved > 1e-3
     two = run(lora_model, variables, 2)
+    # Accumulating 2 micro-batches sums the gradient in another order than 1; Adam (lr 1e-2)
+    # divides by sqrt(v), so where a gradient is near zero that rounding difference grows to
+    # ~1e-5 after 4 updates. A wrong micro-batch weighting moves adapters by ~1e-3.
     for a, b_ in zip(jax.tree.leaves(one["lora"]), jax.tree.leaves(two["lora"])):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b_), atol=2e-6)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b_), atol=2e-5)
     scanned = run(dataclasses.replace(lora_model, scan_layers=True), jm.stack_layers(variables, cfg), 1)
     back = jm.unstack_layers(scanned, cfg)
     for a, b_ in zip(jax.tree.leaves(one["lora"]), jax.tree.leaves(back["lora"])):
