@@ -197,7 +197,8 @@ def test_engine_trains_only_what_freeze_leaves_and_accumulates_equally():
     scanned = run(dataclasses.replace(lora_model, scan_layers=True), jm.stack_layers(variables, cfg), 1)
     back = jm.unstack_layers(scanned, cfg)
     for a, b_ in zip(jax.tree.leaves(one["lora"]), jax.tree.leaves(back["lora"])):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b_), atol=2e-6)
+        # The scanned forward rounds differently; through Adam as above (seen: 8e-6 at one element).
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b_), atol=2e-5)
     rematted = run(dataclasses.replace(lora_model, scan_layers=True, remat=True), jm.stack_layers(variables, cfg), 1)
     for a, b_ in zip(jax.tree.leaves(scanned["lora"]), jax.tree.leaves(rematted["lora"])):
         # Rounding of the recomputed forward, through 4 Adam steps of 1e-2 (the moves are ~4e-2).
