@@ -59,10 +59,6 @@ def informative_groups(scores: np.ndarray, group_size: int) -> np.ndarray:
     return ~finite | (s.max(axis=1, initial=-np.inf) > s.min(axis=1, initial=np.inf))
 
 
-def _place(array, mesh):
-    return sharding.global_batch(array, mesh) if mesh is not None else jnp.asarray(array)
-
-
 def _take(gens: list, picks: list, mesh, masked: set) -> dict:
     """The fields of the sampler's output (dicts of host arrays, one per round) at rows
     `picks` [(round, row)], placed on the device; `mask` zeroed at the rows in `masked`."""
@@ -71,7 +67,7 @@ def _take(gens: list, picks: list, mesh, masked: set) -> dict:
         value = np.stack([gens[r][name][i] for r, i in picks])
         if name == "mask" and masked:
             value[sorted(masked)] = 0
-        fields[name] = _place(value, mesh)
+        fields[name] = sharding.place_rows(value, mesh)
     return fields
 
 
@@ -85,13 +81,13 @@ def collect(table, key, run, it: int, config, tc, sample: Callable, score: Calla
     for r in range(tc.dynamic_sampling_rounds):
         rows = np.repeat(prompt_stream(run.key, len(table.prompts), start, groups), g)
         start += groups
-        batch = stages.PromptBatch(rows, _place(table.ids[rows], mesh), _place(table.mask[rows], mesh))
+        batch = stages.prompt_batch(table, rows, mesh)
         gen, episodes = sample(batch, key if r == 0 else jax.random.fold_in(key, r))
         scores = score(batch, gen, episodes)
         unknown += scores.unknown_tokens
         values = to_host(scores.scores)
-        rounds.append(dict(rows=rows, gen={k: to_host(v) for k, v in gen._asdict().items()}, gen_type=type(gen),
-                           values=values, per_function=scores.per_function, episodes=episodes))
+        rounds.append(dict(rows=rows, gen={k: to_host(v) for k, v in gen._asdict().items()}, values=values,
+                           per_function=scores.per_function, episodes=episodes))
         for j, informative in enumerate(informative_groups(values, g)):
             (kept if informative else dropped).append((r, j))
         if len(kept) >= groups:
@@ -100,9 +96,8 @@ def collect(table, key, run, it: int, config, tc, sample: Callable, score: Calla
     fill = dropped[:groups - len(chosen)]
     picks = [(r, j * g + i) for r, j in chosen + fill for i in range(g)]
     masked = set(range(len(chosen) * g, len(picks)))
-    gen = rounds[0]["gen_type"](**_take([rd["gen"] for rd in rounds], picks, mesh, masked))
-    rows = np.asarray([rounds[r]["rows"][i] for r, i in picks])
-    batch = stages.PromptBatch(rows, _place(table.ids[rows], mesh), _place(table.mask[rows], mesh))
+    gen = type(gen)(**_take([rd["gen"] for rd in rounds], picks, mesh, masked))  # the sampler's output type
+    batch = stages.prompt_batch(table, np.asarray([rounds[r]["rows"][i] for r, i in picks]), mesh)
     values = np.asarray([rounds[r]["values"][i] for r, i in picks], np.float32)
     per_function = {name: tuple(np.asarray([rounds[r]["per_function"][name][k][i] for r, i in picks])
                                 for k in range(2)) for name in rounds[0]["per_function"]}

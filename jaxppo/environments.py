@@ -28,13 +28,13 @@ on the host in parallel threads (`environment_workers`), each call bounded by
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import threading
 import time
-from typing import Any, Callable, NamedTuple, Optional, Union
+from typing import Callable, NamedTuple, Optional, Union
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxppo import sharding
@@ -350,11 +350,10 @@ class _Play:
         return out
 
 
-def _sample_turn(env: EnvironmentSpec, spec, params, ids, mask, key, budgets, num_generations: int, mesh):
-    """One turn for every row: at most `budgets[i]` tokens for row i (static shapes: the
-    turn's length is fixed, the budgets are data)."""
-    length = min(env.turn_length or spec.response_length, spec.response_length)
-    place = (lambda x: sharding.global_batch(x, mesh)) if mesh is not None else jnp.asarray
+def _sample_turn(spec, params, ids, mask, key, length: int, budgets, num_generations: int, mesh):
+    """One turn for every row: `length` tokens, at most `budgets[i]` for row i (static
+    shapes: the turn's length is fixed, the budgets are data)."""
+    place = functools.partial(sharding.place_rows, mesh=mesh)
     common = dict(response_length=length, temperature=spec.temperature, stop_token_ids=spec.stop_token_ids,
                   pad_token_id=spec.pad_token_id, max_lengths=place(np.asarray(budgets, np.int32)))
     policy_params = spec.policy_params(params)
@@ -384,15 +383,15 @@ def run_episodes(env: EnvironmentSpec, spec, params, table, batch, key, tokenize
         budgets = np.where(play.live, np.minimum(length, r - play.used), 1)
         if turn == 0:
             ids, mask = table.ids[batch.rows], table.mask[batch.rows]
-            out = _sample_turn(env, spec, params, ids, mask, key, budgets, spec.num_generations, mesh)
+            out = _sample_turn(spec, params, ids, mask, key, length, budgets, spec.num_generations, mesh)
         else:
             ids, mask = play.context()
-            out = _sample_turn(env, spec, params, ids, mask, jax.random.fold_in(key, turn), budgets, 1, mesh)
+            out = _sample_turn(spec, params, ids, mask, jax.random.fold_in(key, turn), length, budgets, 1, mesh)
         live = np.flatnonzero(play.live)
         stopped = play.add_turn(*out)
         texts = decode_responses(tokenizer, out[0][live], out[2][live])
         play.step(turn, dict(zip(live.tolist(), texts)), stopped)
-    place = (lambda x: sharding.global_batch(x, mesh)) if mesh is not None else jnp.asarray
+    place = functools.partial(sharding.place_rows, mesh=mesh)
     attention = (np.arange(r)[None, :] < play.used[:, None]).astype(np.int32)
     output = EpisodeOutput(place(play.tokens), place(play.logprobs), place(play.policy), place(attention),
                            place(play.truncated))

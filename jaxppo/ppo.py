@@ -325,17 +325,18 @@ def check_rollout(rollout: Rollout, config: PPOConfig):
 
     _check_rollout_structure(rollout, config)
     multi_turn = rollout.response_attention_mask is not None
-    prefix = ("response_attention_mask" if multi_turn else "response_mask")
-    checks = [("query_mask", "non-decreasing (left padding: zeros, then ones)"),
-              (prefix, "non-increasing (a prefix of ones, then zeros)")] + ([("response_mask", None)] if multi_turn
-                                                                         else [])
-    for name, want in checks:
+    # The response region's prefix is the attention mask of a multi-turn episode; the
+    # policy's own mask then has gaps (the environment's tokens) and must lie inside it.
+    prefix = "response_attention_mask" if multi_turn else "response_mask"
+    masks = {"query_mask": "non-decreasing (left padding: zeros, then ones)", "response_mask": None}
+    masks[prefix] = "non-increasing (a prefix of ones, then zeros)"
+    for name, want in masks.items():
         m = np.asarray(getattr(rollout, name)).astype(np.float64)
         bad = np.flatnonzero(np.any((m != 0) & (m != 1), axis=1))
         if bad.size:
             raise ValueError(f"rollout.{name} row {bad[0]} holds values other than 0 and 1: "
                              f"{sorted(set(np.unique(m[bad[0]]).tolist()))}; a mask holds only 0 and 1")
-        if want is None:
+        if want is None:  # only 0/1 asked of it
             continue
         steps = np.diff(m, axis=1)
         wrong = np.any(steps < 0, axis=1) if name == "query_mask" else np.any(steps > 0, axis=1)

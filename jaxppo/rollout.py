@@ -271,8 +271,9 @@ def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompt_
     raw_scores, model_scores = _raw_scores(spec, reward_params, batch, host_scores)
 
     stop_ids = jnp.asarray(spec.stop_token_ids or (-1,), jnp.int32)
-    contains_eos = jnp.any(jnp.isin(gen.tokens, stop_ids) & (response_mask > 0), axis=1)
-    if truncated is not None:  # an episode ends without running out of budget, stop token or not
+    if truncated is None:
+        contains_eos = jnp.any(jnp.isin(gen.tokens, stop_ids) & (response_mask > 0), axis=1)
+    else:  # an episode ends without running out of budget, stop token or not
         contains_eos = ~truncated
     scores = raw_scores
     if spec.missing_eos_penalty is not None:

@@ -15,6 +15,7 @@ import dataclasses
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -23,7 +24,7 @@ from jaxppo.engine import key_names
 from jaxppo.ppo import jit_train_step
 
 __all__ = ["MeshConfig", "make_mesh", "batch_sharding", "shard_batch", "param_spec", "tree_shardings", "shard_state",
-           "sharded_train_step", "global_batch",
+           "sharded_train_step", "global_batch", "place_rows",
            "check_batch_divides", "initialize_distributed", "MeshBound", "to_host"]
 
 AXES = ("data", "fsdp", "tensor")
@@ -223,6 +224,12 @@ def global_batch(array, mesh: Mesh):
     array = np.asarray(array)
     sharding = batch_sharding(mesh)
     return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
+def place_rows(array, mesh=None):
+    """A host array of rows on the device: as it is without a mesh, else split over the
+    mesh's data axes (`global_batch`)."""
+    return jnp.asarray(array) if mesh is None else global_batch(array, mesh)
 
 
 def to_host(array) -> np.ndarray:

@@ -36,7 +36,7 @@ from jaxppo.shaping import adaptive_entropy_coef
 from jaxppo.sharding import to_host
 
 __all__ = ["PromptTable", "PromptBatch", "HostScores", "Built", "select_prompts", "sample", "score", "build_rollout",
-           "update", "skip", "bad_rows", "nonfinite_error", "prompt_rows", "mesh_context"]
+           "update", "skip", "bad_rows", "nonfinite_error", "prompt_rows", "prompt_batch", "mesh_context"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,10 +99,13 @@ def select_prompts(table: PromptTable, key, iteration: int, config: PPOConfig, m
     """The `batch_size / num_generations` prompts of `iteration` (walked in an order
     reshuffled every dataset epoch from `key`, see `jaxppo.prompts.prompt_order`), each
     repeated `num_generations` times. Under a mesh each process materialises only its rows."""
-    rows = prompt_rows(len(table.prompts), key, iteration, config)
-    if mesh is None:
-        return PromptBatch(rows, jnp.asarray(table.ids[rows]), jnp.asarray(table.mask[rows]))
-    return PromptBatch(rows, sharding.global_batch(table.ids[rows], mesh), sharding.global_batch(table.mask[rows], mesh))
+    return prompt_batch(table, prompt_rows(len(table.prompts), key, iteration, config), mesh)
+
+
+def prompt_batch(table: PromptTable, rows: np.ndarray, mesh=None) -> PromptBatch:
+    """The `PromptBatch` of the table's `rows` (ids and mask on the device, split over the
+    mesh's data axes under a mesh)."""
+    return PromptBatch(rows, sharding.place_rows(table.ids[rows], mesh), sharding.place_rows(table.mask[rows], mesh))
 
 
 def sample(spec: RolloutSpec, params, batch: PromptBatch, key, mesh=None):

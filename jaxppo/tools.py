@@ -103,8 +103,8 @@ def _bind(fn: Callable, arguments: dict):
     hints = getattr(fn, "__annotations__", {})
     for name, value in bound.arguments.items():
         hint = hints.get(name)
-        if isinstance(hint, str):
-            hint = {"int": int, "float": float, "str": str, "bool": bool, "list": list, "dict": dict}.get(hint)
+        if isinstance(hint, str):  # postponed annotations
+            hint = {t.__name__: t for t in _BASIC}.get(hint)
         allowed = _BASIC.get(hint)
         if allowed and (not isinstance(value, allowed) or (bool not in allowed and isinstance(value, bool))):
             raise ToolCallError("bad_arguments", f"argument {name!r} of {fn.__name__} must be a {hint.__name__}, got "
