@@ -103,6 +103,9 @@ class LogitsOf:
     def response_outputs(self, params, *args):
         return self.model.response_outputs(params, *args)
 
+    def packed_outputs(self, params, *args):
+        return self.model.packed_outputs(params, *args)
+
 
 def schedule(lr, kind, warmup, total):
     """A learning-rate schedule over `total` updates: constant, linear decay to 0 or cosine,

@@ -152,6 +152,20 @@ class PPOConfig:
         are left out of the loss (their response mask is zeroed in the rollout; their
         scores still count in their group's statistics), as DAPO's overlong filtering and
         TRL's `mask_truncated_completions`. Needs a stop token.
+
+    Packed sequences (`jaxppo.packing`; the same losses and gradients, up to float rounding):
+      pack_sequences: run the loss's forward on each micro-batch's rows of real tokens
+        packed into `pack_streams` streams of `pack_length` tokens (segment ids: attention
+        and positions restart per row) instead of the padded (rows, Q + R) batch. Needs a
+        built-in model (`jaxppo.models.Model` or `PolicyAndCritic`). The mini-batches and
+        the update count are those of the padded path. A micro-batch whose rows need more
+        streams runs padded (counted: `packing/overflow`).
+      pack_streams: streams per micro-batch, a positive int no larger than the micro-batch.
+        None: `train_step` refuses it; the `Trainer` chooses it per iteration with
+        `jaxppo.packing.minibatch_streams` (the fewest that every micro-batch fits in,
+        rounded up to 1, 2, 3, 4, 6, 8, 12, ...), so nothing falls back.
+      pack_length: tokens per stream, >= the padded width Q + R (checked while tracing);
+        None: Q + R.
     """
 
     batch_size: int = 64
@@ -190,6 +204,9 @@ class PPOConfig:
     entropy_coef_step: float = 0.005
     loss_norm_length: Optional[int] = None
     kl_loss_bias_correction: bool = False
+    pack_sequences: bool = False
+    pack_streams: Optional[int] = None
+    pack_length: Optional[int] = None
 
     def __post_init__(self):
         _check_sizes(self)
@@ -342,7 +359,8 @@ def _check_numbers(c: "PPOConfig"):
     if c.loss_norm_length is not None and (not is_int(c.loss_norm_length) or c.loss_norm_length <= 0):
         _fail("loss_norm_length", c.loss_norm_length,
               "None (the response width) or a positive int (TRL's max_completion_length)")
-    for name in ("whiten_advantages", "whiten_rewards", "mask_truncated_completions"):
+    _check_packing(c)
+    for name in ("whiten_advantages", "whiten_rewards", "mask_truncated_completions", "pack_sequences"):
         value = getattr(c, name)
         if not isinstance(value, bool):
             _fail(name, value, "a bool (True or False)")
@@ -350,6 +368,18 @@ def _check_numbers(c: "PPOConfig"):
         _fail("temperature", c.temperature, "a finite real number > 0")
     if c.target_kl is not None and (not is_real(c.target_kl) or c.target_kl <= 0):
         _fail("target_kl", c.target_kl, "None (no early stopping) or a finite real number > 0")
+
+
+def _check_packing(c: "PPOConfig"):
+    if c.pack_streams is not None and (not is_int(c.pack_streams) or not 0 < c.pack_streams <= c.micro_batch_size):
+        _fail("pack_streams", c.pack_streams,
+              f"None (chosen per iteration by the Trainer) or an int in [1, micro_batch_size={c.micro_batch_size}] "
+              "(streams per micro-batch)")
+    if c.pack_length is not None and (not is_int(c.pack_length) or c.pack_length <= 0):
+        _fail("pack_length", c.pack_length, "None (the padded width Q + R) or a positive int (tokens per stream)")
+    for name in ("pack_streams", "pack_length"):
+        if getattr(c, name) is not None and c.pack_sequences is not True:
+            _fail(name, getattr(c, name), "None unless pack_sequences=True (it sizes the packed streams)")
 
 
 def _divisors(n: int) -> list:

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxppo import math as ppo_math
+from jaxppo import packing
 from jaxppo.config import PPOConfig
 from jaxppo.engine import TrainState, update_epochs_fn
 from jaxppo.rollout_types import Rollout, response_outputs
@@ -71,11 +72,10 @@ def ppo_loss(params, batch, *, apply_fn, config: PPOConfig):
     def aggregate(per_token):
         return ppo_math.aggregate_loss(per_token, mask, agg_mode, r)
 
-    logprobs, values, entropy = response_outputs(apply_fn, params, batch, config.temperature)
+    (logprobs, values, entropy), aux = _outputs(apply_fn, params, batch, config)
     old_logprobs = batch["logprobs"].astype(jnp.float32)
     log_ratio = ppo_math.log_importance_ratio(logprobs, old_logprobs, mask, config.importance_ratio)
     weights = batch.get("correction_weights")
-    aux = {}
     if config.top_entropy_quantile < 1.0:  # the policy term on the highest-entropy tokens only
         selected = ppo_math.high_entropy_mask(entropy, mask, config.top_entropy_quantile)
         weights = selected if weights is None else weights * selected
@@ -120,6 +120,18 @@ def ppo_loss(params, batch, *, apply_fn, config: PPOConfig):
     return loss, aux
 
 
+def _outputs(apply_fn, params, batch, config: PPOConfig):
+    """The response tokens' (log-probs, values, entropies), and the aux entries this adds:
+    with `pack_sequences`, computed on the rows packed into streams, and whether they
+    did not fit (then the padded forward ran)."""
+    if not config.pack_sequences:
+        return response_outputs(apply_fn, params, batch, config.temperature), {}
+    outputs = packing.response_outputs(apply_fn, params, batch, config.temperature, config.pack_streams,
+                                       config.pack_length)
+    overflow = 1.0 - packing.fits(batch, config.pack_streams, config.pack_length).astype(jnp.float32)
+    return outputs, {"packing_overflow": overflow}
+
+
 def loss_normaliser(batch, config: PPOConfig):
     """What the aggregation divides by, besides its own counts: the response length for
     "seq_mean_token_sum_norm" (`loss_norm_length`, else the batch's width); the rollout's
@@ -158,6 +170,7 @@ _TRL_NAMES = {
     "clip_ratio/dual_mean": ("clip_ratio/dual_mean", "per_minibatch/clip_ratio/dual_mean"),
     "kl": ("kl", "per_minibatch/kl"),
     "entropy_mask_fraction": ("policy/entropy_mask_fraction", "per_minibatch/policy/entropy_mask_fraction"),
+    "packing_overflow": ("packing/overflow", "per_minibatch/packing/overflow"),
 }
 
 
@@ -209,7 +222,7 @@ def train_step_fn(state: TrainState, rollout: Rollout, key, config: PPOConfig, m
     which jit cannot see, are checked by `check_rollout` on rollouts you build yourself.
     """
     _check_rollout_structure(rollout, config)
-
+    _check_packing(state.apply_fn, rollout, config)
     advantages, returns, adv_stats = config.estimator.compute(rollout, config)
     batch = {
         "query_tokens": rollout.query_tokens,
@@ -297,6 +310,25 @@ def _check_rollout_structure(rollout, config: PPOConfig):
         dtype = jnp.dtype(getattr(rollout, name).dtype)
         if not jnp.issubdtype(dtype, jnp.floating):
             raise TypeError(f"rollout.{name} has dtype {dtype}; it must be a float array (float32)")
+
+
+def _check_packing(apply_fn, rollout, config: PPOConfig):
+    """With `pack_sequences`: a stream count, a stream length that holds the widest row, a
+    model that can run packed (at trace time: before compiling)."""
+    if not config.pack_sequences:
+        return
+    width = rollout.query_tokens.shape[1] + rollout.response_tokens.shape[1]
+    if config.pack_streams is None:
+        raise ValueError("PPOConfig.pack_sequences=True needs PPOConfig.pack_streams (streams per micro-batch) in "
+                         "train_step; jaxppo.packing.minibatch_streams computes the fewest that every micro-batch "
+                         "of an update fits in (the Trainer does this every iteration)")
+    if config.pack_length is not None and config.pack_length < width:
+        raise ValueError(f"PPOConfig.pack_length={config.pack_length} is shorter than the rollout's padded width "
+                         f"Q + R = {width}: a row of that many tokens could not be packed; use pack_length >= "
+                         f"{width} or None")
+    if packing.packer(apply_fn) is None:
+        raise ValueError("PPOConfig.pack_sequences=True needs a built-in model (jaxppo.models.Model or "
+                         f"PolicyAndCritic) as the train state's apply_fn; got {apply_fn!r}")
 
 
 def _token_fields(rollout, config):

@@ -20,6 +20,8 @@ from jaxppo.trainer_config import TrainerConfig
 __all__ = ["checkpoint_dir", "log_dir", "run_settings", "save", "restore", "open_run"]
 
 _PPO_DEFAULTS = {f.name: f.default for f in dataclasses.fields(PPOConfig)}
+# PPOConfig fields that change how the update computes, not what: they may differ on resume.
+_PPO_FREE = ("pack_sequences", "pack_streams", "pack_length")
 # TrainerConfig fields that only change output, never results: they may differ on resume.
 _FREE = {"output_dir", "resume", "progress", "log_every", "sample_every", "num_samples", "tensorboard", "plot",
          "export_final", "keep_checkpoints", "checkpoint_every", "iterations", "total_episodes",
@@ -52,7 +54,7 @@ def run_settings(config: PPOConfig, tc: TrainerConfig, iterations: int, descript
                if k not in _FREE and not (k in _TRAINER_DEFAULTS and v == _TRAINER_DEFAULTS[k])}
     if tc.lr_schedule != "constant":
         trainer["iterations"] = iterations
-    ppo = dataclasses.asdict(config)
+    ppo = {k: v for k, v in dataclasses.asdict(config).items() if k not in _PPO_FREE}
     for name in ALGORITHM_FIELDS:  # recorded only when set: runs saved before they existed still resume
         if ppo[name] == _PPO_DEFAULTS[name]:
             del ppo[name]

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxppo import math as ppo_math
+from jaxppo import packing
 from jaxppo.kl import check_kl_estimator
 from jaxppo.models.continuous import generate_continuous
 from jaxppo.models.generate import GenerationOutput, generate
@@ -73,6 +74,10 @@ class RolloutSpec:
         `response_length`), from `PPOConfig`.
       mask_truncated: zero the rollout's response mask of completions without a stop token
         (`PPOConfig.mask_truncated_completions`), so the loss leaves them out.
+      pack_sequences, pack_streams, pack_length: score the batch packed (`jaxppo.packing`:
+        the policy's, critic's and reference's forwards over `pack_streams` streams of
+        `pack_length` tokens, None: Q + R); `jaxppo.stages.build_rollout` sets the streams
+        for each batch from its lengths. The reward model still scores padded rows.
     """
 
     policy: Model
@@ -98,6 +103,9 @@ class RolloutSpec:
     overlong_penalty_factor: float = 0.0
     overlong_buffer: Optional[int] = None
     mask_truncated: bool = False
+    pack_sequences: bool = False
+    pack_streams: Optional[int] = None
+    pack_length: Optional[int] = None
 
     def __post_init__(self):
         check_kl_estimator("kl_estimator=", self.kl_estimator)
@@ -182,8 +190,19 @@ def nonfinite_rows(scores) -> np.ndarray:
     return np.flatnonzero(~np.isfinite(np.asarray(scores, np.float64)))
 
 
+def _outputs(spec: RolloutSpec, apply_fn, params, batch):
+    """(log-probs, values, entropies) of the response tokens: packed when the spec says
+    so, else padded."""
+    if spec.pack_streams is not None:
+        return packing.response_outputs(apply_fn, params, batch, spec.temperature, spec.pack_streams,
+                                        spec.pack_length)
+    return response_outputs(apply_fn, params, batch, spec.temperature)
+
+
 def _reference_logprobs(spec: RolloutSpec, ref_params, batch):
     """The reference policy's log-probs of the response tokens, (B, R)."""
+    if spec.pack_streams is not None:
+        return _outputs(spec, spec.ref_apply, ref_params, batch)[0]
     ref_scorer = scorer(spec.ref_apply)
     if ref_scorer is not None:  # a built-in model: no full logits
         return ref_scorer(ref_params, batch["query_tokens"], batch["query_mask"], batch["response_tokens"],
@@ -261,7 +280,7 @@ def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompt_
              "response_tokens": gen.tokens, "response_mask": response_mask}
     if attention is not None:
         batch["response_attention_mask"] = attention
-    logprobs, values, _ = response_outputs(spec.apply_fn, params, batch, spec.temperature)
+    logprobs, values, _ = _outputs(spec, spec.apply_fn, params, batch)
     if not spec.uses_critic:
         values = None  # the critic-free algorithms carry no values
     ref_logprobs = None

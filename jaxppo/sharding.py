@@ -191,13 +191,14 @@ def sharded_train_step(state, config: PPOConfig, mesh: Mesh, *, donate: bool = F
 
 def place_run(mesh, config: PPOConfig, run, ref_params, reward_params):
     """A trainer's state on `mesh` (a `MeshConfig` or `Mesh`): (the mesh, the run state with
-    its train state sharded, the sharded frozen parameters (None stays None), the train
-    step for that mesh, donating the old state)."""
+    its train state sharded, the sharded frozen parameters (None stays None), and
+    `make_step(config)`: the train step of a config on that mesh, donating the old state)."""
     mesh = mesh if isinstance(mesh, Mesh) else make_mesh(mesh)
     check_batch_divides(config, mesh)
     run = run.replace(train=shard_state(run.train, mesh))
     ref_params, reward_params = (None if p is None else shard_state(p, mesh) for p in (ref_params, reward_params))
-    return mesh, run, ref_params, reward_params, sharded_train_step(run.train, config, mesh, donate=True)
+    state = run.train
+    return mesh, run, ref_params, reward_params, lambda c: sharded_train_step(state, c, mesh, donate=True)
 
 
 class MeshBound:

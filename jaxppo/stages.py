@@ -23,8 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxppo import sharding
+from jaxppo import packing, sharding
 from jaxppo.config import PPOConfig
+from jaxppo.engine import minibatch_indices
 from jaxppo.kl import adaptive_kl_update
 from jaxppo.models.tokenizer import decode_responses, unknown_token_count
 from jaxppo.prompts import prompt_order
@@ -36,7 +37,7 @@ from jaxppo.shaping import adaptive_entropy_coef
 from jaxppo.sharding import to_host
 
 __all__ = ["PromptTable", "PromptBatch", "HostScores", "Built", "select_prompts", "sample", "score", "build_rollout",
-           "update", "skip", "bad_rows", "nonfinite_error", "prompt_rows", "prompt_batch", "mesh_context"]
+           "update", "skip", "bad_rows", "update_step", "PackedSteps", "scoring_streams", "nonfinite_error", "prompt_rows", "prompt_batch", "mesh_context"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +147,8 @@ def build_rollout(spec: RolloutSpec, params, ref_params, reward_params, batch: P
     KL-shaped rewards; see `jaxppo.rollout.finish_rollout`), its statistics, and the raw
     scores on the host (the host needs them: non-finite scores stop the iteration before
     any update)."""
+    if spec.pack_sequences:
+        spec = scoring_streams(spec, batch, gen)
     with mesh_context(mesh):
         rollout, stats, moments = finish_rollout(spec, params, ref_params, reward_params, batch.ids, batch.mask, gen,
                                                  scores.scores, run.kl, run.score_moments)
@@ -156,6 +159,51 @@ def build_rollout(spec: RolloutSpec, params, ref_params, reward_params, batch: P
     if mesh is not None:
         rollout = sharding.shard_batch(rollout, mesh)
     return Built(rollout, stats, moments, raw_scores, model_scores)
+
+
+def scoring_streams(spec: RolloutSpec, batch: PromptBatch, gen) -> RolloutSpec:
+    """The spec with the streams that this batch's rows fit in when packed for scoring
+    (`jaxppo.packing`: the fewest, rounded up by `round_streams`)."""
+    attention = getattr(gen, "attention_mask", None)
+    lengths = to_host(batch.mask).sum(axis=1) + to_host(gen.mask if attention is None else attention).sum(axis=1)
+    rows, width = batch.ids.shape[0], batch.ids.shape[1] + gen.tokens.shape[1]
+    needed = packing.streams_needed(lengths, spec.pack_length or width)
+    return dataclasses.replace(spec, pack_streams=packing.round_streams(needed, rows))
+
+
+class PackedSteps:
+    """The update with packed sequences and the streams chosen per iteration
+    (`PPOConfig.pack_streams` None): from the rollout's row lengths and the update's
+    mini-batch permutations (`jaxppo.engine.minibatch_indices` of the same key), the fewest
+    streams every micro-batch fits in, rounded up to 1, 2, 3, 4, 6, 8, 12, ...
+    (`jaxppo.packing.minibatch_streams`), so that nothing falls back to padding and a run
+    compiles for a few stream counts at most. `make_step(config)` builds the compiled step
+    for a config; one per stream count is kept. Adds `packing/streams` and `packing/fill`
+    (the share of the streams' slots that hold real tokens) to the metrics."""
+
+    def __init__(self, make_step, config: PPOConfig):
+        self.make_step, self.config, self.steps = make_step, config, {}
+
+    def __call__(self, state, rollout: Rollout, key):
+        c = self.config
+        width = rollout.query_tokens.shape[1] + rollout.response_tokens.shape[1]
+        length = c.pack_length or width
+        attention = rollout.response_mask if rollout.response_attention_mask is None else rollout.response_attention_mask
+        lengths = to_host(rollout.query_mask).sum(axis=1) + to_host(attention).sum(axis=1)
+        streams = packing.minibatch_streams(lengths, np.asarray(minibatch_indices(key, c)), c.micro_batch_size, length)
+        if streams not in self.steps:
+            self.steps[streams] = self.make_step(c.replace(pack_streams=streams))
+        state, metrics = self.steps[streams](state, rollout, key)
+        slots = c.num_minibatches * c.gradient_accumulation_steps * streams * length
+        return state, {**metrics, "packing/streams": streams, "packing/fill": float(lengths.sum()) / slots}
+
+
+def update_step(make_step, config: PPOConfig):
+    """The trainer's compiled update for `config`: `make_step(config)`, or with packed
+    sequences whose streams are left to the trainer, a `PackedSteps` that chooses them."""
+    if config.pack_sequences and config.pack_streams is None:
+        return PackedSteps(make_step, config)
+    return make_step(config)
 
 
 def bad_rows(built: Built) -> np.ndarray:

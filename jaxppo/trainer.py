@@ -157,10 +157,11 @@ class Trainer:
         self.policy_schedule, tx = _optimizer(config, trainer_config, self.iterations)
         train = TrainState.create(apply_fn=built.apply_fn, params=built.params, tx=tx, freeze=built.freeze)
         self.run = _run_state(config, trainer_config, train)
-        self.mesh, self._train_step = None, functools.partial(train_step_donating, config=config)
+        self.mesh, make_step = None, lambda c: functools.partial(train_step_donating, config=c)
         if mesh is not None:
-            self.mesh, self.run, self.ref_params, self.reward_params, self._train_step = sharding.place_run(
+            self.mesh, self.run, self.ref_params, self.reward_params, make_step = sharding.place_run(
                 mesh, config, self.run, self.ref_params, self.reward_params)
+        self._train_step = stages.update_step(make_step, config)
         self.history, self._warned_unknown = [], False
         self._describe = {**built.description, "reward": self.rewards.describe(self.reward_model, dtype),
                           "tokenizer": {"class": type(tokenizer).__name__, "size": len(tokenizer)},
@@ -426,7 +427,8 @@ def _rollout_spec(config: PPOConfig, tc: TrainerConfig, built, tokenizer, reward
         missing_eos_penalty=tc.missing_eos_penalty, normalize_scores=tc.normalize_scores, score_clip=tc.score_clip,
         uses_critic=config.uses_critic, num_generations=config.num_generations, num_slots=tc.num_slots,
         overlong_penalty_factor=float(config.overlong_penalty_factor), overlong_buffer=config.overlong_buffer,
-        mask_truncated=config.mask_truncated_completions)
+        mask_truncated=config.mask_truncated_completions, pack_sequences=config.pack_sequences,
+        pack_length=config.pack_length)
 
 
 def _run_state(config: PPOConfig, tc: TrainerConfig, train: TrainState) -> RunState:

@@ -312,6 +312,26 @@ def test_multiturn_lora_trainer_under_mesh_matches_single_device(tmp_path):
             assert a[name] == pytest.approx(b[name], rel=1e-4, abs=1e-6), name
 
 
+def test_packed_multiturn_lora_trainer_under_mesh_matches_single_device_padded(tmp_path):
+    """Packed sequences (streams chosen per iteration, scoring and update) for multi-turn
+    episodes with a LoRA policy on a 2x4 mesh give the padded single-device run."""
+    from trainer_setup import small_trainer
+
+    base = dict(batch_size=16, mini_batch_size=8, ppo_epochs=1, num_generations=4, kl_loss_coef=0.05)
+    packed = jaxppo.PPOConfig.for_algorithm("grpo", pack_sequences=True, pack_length=96, **base)
+    lora = jm.LoraConfig(rank=4, alpha=8, targets="all-linear")
+    settings = dict(lora=lora, export_final=False, environment=demo.GuessTheDigit, reward_fn=None,
+                    prompts=demo.multiturn_prompts(), response_length=16, turn_length=3, max_len=48)
+    single = small_trainer(tmp_path / "single", ppo=jaxppo.PPOConfig.for_algorithm("grpo", **base), **settings).train()
+    sharded = small_trainer(tmp_path / "mesh", ppo=packed, mesh=sh.MeshConfig(data=2, fsdp=4), **settings).train()
+    for a, b in zip(single, sharded):
+        for name in ("reward", "env/turns_mean", "env/observation_tokens"):
+            assert a[name] == b[name], name
+        for name in ("loss/total_avg", "kl", "policy/approxkl_avg"):
+            assert a[name] == pytest.approx(b[name], rel=1e-4, abs=1e-6), name
+        assert b["packing/overflow"] == 0.0 and b["packing/streams"] < 8
+
+
 def test_dynamic_sampling_under_mesh_matches_single_device(tmp_path):
     """Dynamic sampling's rounds, picks and masked fill on a 2x4 mesh give the
     single-device run."""

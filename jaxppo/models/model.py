@@ -166,6 +166,23 @@ class Model:
             values = values[:, q - 1 : q - 1 + r].astype(jnp.float32)
         return logprobs, values, entropy
 
+    def packed_outputs(self, params, tokens, segment_ids, positions, targets, temperature=1.0):
+        """Outputs over packed streams (`jaxppo.packing`): tokens, segment_ids (0 at the
+        unused tail), positions and targets, each (S, T). A causal LM gives the log-probs of
+        `targets` (the token each position predicts), entropies and values (or None); a
+        "value" model gives (None, values, None). Each (S, T) float32; a token attends only
+        to its own segment."""
+        mask = segment_ids > 0
+        if self.kind == "value":
+            values = self.module.apply(params, tokens, mask, positions, segment_ids=segment_ids)[..., 0]
+            return None, values.astype(jnp.float32), None
+        if not self.is_causal_lm:
+            raise ValueError(f"packed_outputs needs a causal LM or a value model; this model's kind is {self.kind!r}")
+        hidden, values, _ = self.module.apply(params, tokens, mask, positions, return_hidden=True,
+                                              segment_ids=segment_ids)
+        logprobs, entropy = token_logprobs(hidden, self.lm_head(params), targets, temperature, self.logits_chunk_size)
+        return logprobs, None if values is None else values.astype(jnp.float32), entropy
+
     def init_cache(self, batch: int, max_len: int):
         """Zeroed KV cache: per layer (k, v), each (batch, max_len, num_kv_heads, head_dim);
         with `scan_layers` one (k, v) pair, each (num_layers, batch, max_len, ...)."""
@@ -221,6 +238,14 @@ class PolicyAndCritic:
         q, r = query_tokens.shape[1], response_tokens.shape[1]
         tokens, mask = join_sequences(query_tokens, query_mask, response_tokens, response_mask)
         values = self.critic.apply(params["critic"], tokens, mask)[:, q - 1 : q - 1 + r].astype(jnp.float32)
+        return logprobs, values, entropy
+
+
+    def packed_outputs(self, params, tokens, segment_ids, positions, targets, temperature=1.0):
+        """(log-probs, values, entropies) over packed streams (see `Model.packed_outputs`)."""
+        logprobs, _, entropy = self.policy.packed_outputs(params["policy"], tokens, segment_ids, positions, targets,
+                                                          temperature)
+        values = self.critic.packed_outputs(params["critic"], tokens, segment_ids, positions, targets)[1]
         return logprobs, values, entropy
 
 

@@ -11,7 +11,10 @@ All modules take
   cache: None, or a tuple per layer of (k, v), each (B, Lmax, num_kv_heads, head_dim),
   cache_index: slot of the first query token in the cache: a scalar (every row), or (B,)
     int, one slot per row (rows at different points of their sequences, as a
-    continuous-batching engine decodes them).
+    continuous-batching engine decodes them),
+  segment_ids: None, or (B, L) int without a cache: packed sequences, several rows laid
+    end to end in one stream; a token attends only to earlier tokens of its own segment
+    (positions then restart per segment: the caller passes them).
 Without a cache Lk = Lq and the query tokens are slots 0..Lq-1. Attention is causal over
 slots and ignores keys whose attention_mask is 0 (left padding, finished rows).
 """
@@ -287,7 +290,7 @@ class Transformer(nn.Module):
     adapters: bool = True  # with `lora`: apply them (False: the base model)
 
     @nn.compact
-    def __call__(self, input_ids, attention_mask, positions, cache=None, cache_index=0):
+    def __call__(self, input_ids, attention_mask, positions, cache=None, cache_index=0, segment_ids=None):
         c = self.config
         gpt2 = c.model_type == "gpt2"
         embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype,
@@ -304,6 +307,8 @@ class Transformer(nn.Module):
                        ) + jnp.arange(lq)[None, :]
         causal = jnp.arange(lk)[None, None, :] <= query_slots[:, :, None]  # (1 or B, Lq, Lk)
         mask = causal & attention_mask.astype(bool)[:, None, :]
+        if segment_ids is not None:  # packed rows: a token attends within its own segment only
+            mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
         sliding = c.sliding_layers
         local_mask = None
         if any(sliding):  # slots within the window: q - window < s
@@ -360,11 +365,12 @@ class CausalLMModule(nn.Module):
     adapters: bool = True
 
     @nn.compact
-    def __call__(self, input_ids, attention_mask, positions, cache=None, cache_index=0, return_hidden=False):
+    def __call__(self, input_ids, attention_mask, positions, cache=None, cache_index=0, return_hidden=False,
+                 segment_ids=None):
         c = self.config
         trunk = Transformer(c, self.dtype, self.param_dtype, self.remat, self.scan_layers, self.lora, self.adapters,
                             name="transformer" if c.model_type == "gpt2" else "model")
-        hidden, cache, table = trunk(input_ids, attention_mask, positions, cache, cache_index)
+        hidden, cache, table = trunk(input_ids, attention_mask, positions, cache, cache_index, segment_ids)
         values = None
         if self.with_value_head:
             values = nn.Dense(1, dtype=jnp.float32, param_dtype=self.param_dtype, kernel_init=nn.initializers.zeros,
@@ -395,11 +401,11 @@ class ScoreModule(nn.Module):
     adapters: bool = True
 
     @nn.compact
-    def __call__(self, input_ids, attention_mask, positions):
+    def __call__(self, input_ids, attention_mask, positions, segment_ids=None):
         c = self.config
         trunk = Transformer(c, self.dtype, self.param_dtype, self.remat, self.scan_layers, self.lora, self.adapters,
                             name="transformer" if c.model_type == "gpt2" else "model")
-        hidden, _, _ = trunk(input_ids, attention_mask, positions)
+        hidden, _, _ = trunk(input_ids, attention_mask, positions, segment_ids=segment_ids)
         init = nn.initializers.zeros if self.zero_init else nn.initializers.normal(0.02)
         return nn.Dense(self.num_labels, use_bias=False, dtype=jnp.float32, param_dtype=self.param_dtype,
                         kernel_init=init, name="score")(hidden.astype(jnp.float32))
