@@ -13,7 +13,7 @@ from jaxppo.config import PPOConfig
 from jaxppo.engine import Freeze, TrainState, minibatch_indices, update_epochs, update_epochs_fn
 from jaxppo.rollout_types import Rollout, response_outputs
 from jaxppo.ppo import check_rollout, compute_advantages, ppo_loss, train_step, train_step_fn
-from jaxppo import algorithms, models
+from jaxppo import algorithms, models, packing
 from jaxppo.models import GenerationOutput, generate
 from jaxppo.rollout import RolloutSpec, finish_rollout, sample_responses
 from jaxppo.run_state import RunState
@@ -38,6 +38,7 @@ __all__ = [
     "math",
     "algorithms",
     "models",
+    "packing",
     "generate",
     "GenerationOutput",
     "Trainer",

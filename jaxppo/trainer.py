@@ -153,7 +153,7 @@ class Trainer:
         self.ref_params, self.reward_params = built.ref_params, built.reward_params
         _check_vocabulary(tokenizer, self.policy_model)
         self.host_rewards = self.rewards.host_rewards()
-        self.spec = _rollout_spec(config, trainer_config, built, tokenizer, self.rewards)
+        self.spec = _rollout_spec(config, trainer_config, built, tokenizer, self.rewards, self.table.ids.shape[1])
         self.policy_schedule, tx = _optimizer(config, trainer_config, self.iterations)
         train = TrainState.create(apply_fn=built.apply_fn, params=built.params, tx=tx, freeze=built.freeze)
         self.run = _run_state(config, trainer_config, train)
@@ -413,7 +413,12 @@ def _check_vocabulary(tokenizer, policy_model):
                          "tokenizer saved with the policy, or resize the policy's embeddings")
 
 
-def _rollout_spec(config: PPOConfig, tc: TrainerConfig, built, tokenizer, rewards) -> RolloutSpec:
+def _rollout_spec(config: PPOConfig, tc: TrainerConfig, built, tokenizer, rewards, query_width: int) -> RolloutSpec:
+    width = query_width + tc.response_length
+    if config.pack_length is not None and config.pack_length < width:
+        raise ValueError(f"PPOConfig.pack_length={config.pack_length} is shorter than a row can be: the prompts are "
+                         f"padded to {query_width} tokens and responses get up to response_length="
+                         f"{tc.response_length}; use pack_length >= {width} or None (that width)")
     stop = tc.stop_token_id if tc.stop_token_id is not None else tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stop or 0)
     return RolloutSpec(

@@ -267,6 +267,15 @@ CASES = [
      ValueError, r"dynamic_sampling=True filters groups on scores computed on the host"),
     ("dynamic sampling rounds < 1", lambda ctx: jaxppo.TrainerConfig(dynamic_sampling_rounds=0), ValueError,
      r"TrainerConfig.dynamic_sampling_rounds=0 is invalid: dynamic_sampling_rounds must be a positive int"),
+    # packed sequences
+    ("pack_length shorter than a row", lambda ctx: small_trainer(
+        ctx["tmp"], ppo=jaxppo.PPOConfig(batch_size=16, mini_batch_size=8, pack_sequences=True, pack_length=30)),
+     ValueError, r"PPOConfig.pack_length=30 is shorter than a row can be: .*use pack_length >= 38"),
+    ("pack_streams above the micro-batch", lambda ctx: jaxppo.PPOConfig(
+        batch_size=16, mini_batch_size=8, pack_sequences=True, pack_streams=9), ValueError,
+     r"PPOConfig.pack_streams=9 is invalid: .*an int in \[1, micro_batch_size=8\]"),
+    ("pack_streams without packing", lambda ctx: jaxppo.PPOConfig(pack_streams=2), ValueError,
+     r"PPOConfig.pack_streams=2 is invalid: .*None unless pack_sequences=True"),
     ("query mask right-padded", lambda ctx: jaxppo.check_rollout(
         _rollout(query_mask=jnp.asarray(np.tile([1, 1, 0, 0], (16, 1)), jnp.int32)),
         jaxppo.PPOConfig(batch_size=16, mini_batch_size=8)), ValueError,
