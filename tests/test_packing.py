@@ -83,9 +83,9 @@ def model_config(model_type, **changes):
     return jm.ModelConfig(**{**base, **changes})
 
 
-def value_model(model_type="llama", scan=False, lora=None):
+def value_model(model_type="llama", scan=False, lora=None, chunk=None):
     """A causal LM with a value head whose weights are not zero, and its params."""
-    model = jm.Model(model_config(model_type), kind="causal_lm_value", scan_layers=scan)
+    model = jm.Model(model_config(model_type), kind="causal_lm_value", scan_layers=scan, logits_chunk_size=chunk)
     params = model.init(jax.random.key(0))
     params["params"]["value_head"]["kernel"] = 0.3 * jax.random.normal(jax.random.key(1), (16, 1))
     if lora is not None:
@@ -167,8 +167,9 @@ def test_minibatch_streams_is_the_largest_need_rounded_to_a_power_of_two():
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
 def test_packed_outputs_equal_the_padded_forward(model_type, scan):
     """Log-probs, entropies and values at the response tokens: packed (several rows per
-    stream, sliding windows and restarted positions inside segments) = padded."""
-    model, params = value_model(model_type, scan)
+    stream, sliding windows and restarted positions inside segments; the scanned layout
+    with the LM head in chunks) = padded."""
+    model, params = value_model(model_type, scan, chunk=5 if scan else None)
     batch = make_batch(6, seed=3, gaps=model_type == "llama")
     streams = packing.streams_needed(np.asarray(packing.row_lengths(batch)), Q + R)
     assert streams < 6  # rows really share streams
