@@ -31,7 +31,7 @@ _FREE = {"output_dir", "resume", "progress", "log_every", "sample_every", "num_s
 # still resume.
 _TRAINER_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainerConfig)
                      if f.name in ("max_turns", "turn_length", "environment_timeout", "environment_errors",
-                                   "dynamic_sampling", "dynamic_sampling_rounds")}
+                                   "dynamic_sampling", "dynamic_sampling_rounds", "rollout_engine")}
 
 
 def checkpoint_dir(tc: TrainerConfig) -> str:

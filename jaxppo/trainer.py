@@ -41,6 +41,7 @@ from jaxppo.environments import EnvironmentSpec, run_episodes
 from jaxppo.tools import check_tools, tool_environment
 from jaxppo.loop import finish_run, run_loop
 from jaxppo.models.tokenizer import decode_responses, encode_prompts
+from jaxppo import vllm_engine
 from jaxppo.ppo import train_step_donating
 from jaxppo.prompts import load_prompt_table, load_prompts, render_prompts
 from jaxppo.rewards import sort_rewards
@@ -138,7 +139,7 @@ class Trainer:
         self.environment = _environment(environment, tools, trainer_config)
         self.rewards = sort_rewards(reward_model, reward_fn, reward_fn_on, reward_fns, reward_weights,
                                     environment=self.environment is not None)
-        _check_dynamic_sampling(config, trainer_config, self.rewards)
+        _check_settings(config, trainer_config, self.rewards, self.environment, mesh)
         self.config, self.tc, self.tokenizer, self.callbacks = config, trainer_config, tokenizer, list(callbacks)
         self.iterations = _iterations(config, trainer_config)
         self.table = _prompt_table(tokenizer, prompts, prompt_column, chat_template, trainer_config,
@@ -154,6 +155,7 @@ class Trainer:
         _check_vocabulary(tokenizer, self.policy_model)
         self.host_rewards = self.rewards.host_rewards()
         self.spec = _rollout_spec(config, trainer_config, built, tokenizer, self.rewards, self.table.ids.shape[1])
+        self.engine = vllm_engine.create(trainer_config, self.spec, built.params, self.table.ids.shape[1])
         self.policy_schedule, tx = _optimizer(config, trainer_config, self.iterations)
         train = TrainState.create(apply_fn=built.apply_fn, params=built.params, tx=tx, freeze=built.freeze)
         self.run = _run_state(config, trainer_config, train)
@@ -342,11 +344,19 @@ def _collect(trainer: Trainer, run: RunState, it: int, key) -> dynamic.Collected
 def _sample(trainer: Trainer, run: RunState, batch, key, it: int):
     """(the iteration's sampled responses, None), or with an environment (its episodes'
     `EpisodeOutput`, the `Episodes`)."""
+    if trainer.engine is not None:  # vLLM, with the policy's weights as of this update
+        return trainer.engine.sample(trainer.spec, run.train.params, int(run.train.step), batch), None
     if trainer.environment is None:
         return stages.sample(trainer.spec, run.train.params, batch, key, trainer.mesh), None
     episodes = run_episodes(trainer.environment, trainer.spec, run.train.params, trainer.table, batch, key,
                             trainer.tokenizer, it, trainer.mesh)
     return episodes.output, episodes
+
+
+def _check_settings(config: PPOConfig, tc: TrainerConfig, rewards, environment, mesh):
+    _check_dynamic_sampling(config, tc, rewards)
+    if tc.rollout_engine == "vllm":
+        vllm_engine.check_settings(tc, environment is not None, mesh)
 
 
 def _check_dynamic_sampling(config: PPOConfig, tc: TrainerConfig, rewards):

@@ -37,7 +37,10 @@ class TrainerConfig:
       until the last ends, each prompt prefilled once per group; an int: the
       continuous-batching engine with that many slots, a finished row's slot refilled at
       once: `jaxppo.models.continuous`; the same tokens either way, so it may change
-      between a run and its resume).
+      between a run and its resume); rollout_engine ("jaxppo": the built-in sampler;
+      "vllm": vLLM in this process, the policy's weights pushed into it after every update
+      (`jaxppo.vllm_engine`; its log-probs are the rollout's sampler log-probs, which
+      `PPOConfig.rollout_correction` corrects for); one device, single-turn rollouts).
     Environments (multi-turn episodes; used only with `Trainer(environment=...)`, see
       `jaxppo.environments`): max_turns (model turns per episode at most); turn_length
       (tokens per model turn at most; None: the rest of the response budget);
@@ -97,6 +100,7 @@ class TrainerConfig:
     environment_workers: int = 8
     dynamic_sampling: bool = False
     dynamic_sampling_rounds: int = 3
+    rollout_engine: str = "jaxppo"
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -151,6 +155,9 @@ class TrainerConfig:
                                                                                       and timeout > 0):
             raise ValueError(f"TrainerConfig.environment_timeout={timeout!r} is invalid: it must be a finite number of "
                              "seconds > 0")
+        if self.rollout_engine not in ("jaxppo", "vllm"):
+            raise ValueError(f"TrainerConfig.rollout_engine={self.rollout_engine!r} is invalid; valid: 'jaxppo' (the "
+                             "built-in sampler) or 'vllm' (vLLM in this process)")
         if self.environment_errors not in ("raise", "end"):
             raise ValueError(f"TrainerConfig.environment_errors={self.environment_errors!r} is invalid; valid: 'raise' "
                              "(stop with an error naming the environment, row and turn) or 'end' (end that episode "

@@ -4,6 +4,7 @@ generation). The README's troubleshooting section lists these cases."""
 
 import json
 import os
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -142,6 +143,19 @@ def _rm_missing(path):
     os.remove(path / "config.json")
 
 
+def _without_vllm(make):
+    """`make()` with `import vllm` failing, as where vLLM is not installed."""
+    saved = sys.modules.get("vllm", "absent")
+    sys.modules["vllm"] = None  # a None entry makes the import raise ImportError
+    try:
+        return make()
+    finally:
+        if saved == "absent":
+            del sys.modules["vllm"]
+        else:
+            sys.modules["vllm"] = saved
+
+
 CASES = [
     # PPOConfig
     ("ppo batch_size 0", _ppo(batch_size=0), ValueError, r"PPOConfig.batch_size=0 is invalid: batch_size must be a positive int"),
@@ -276,6 +290,15 @@ CASES = [
      r"PPOConfig.pack_streams=9 is invalid: .*an int in \[1, micro_batch_size=8\]"),
     ("pack_streams without packing", lambda ctx: jaxppo.PPOConfig(pack_streams=2), ValueError,
      r"PPOConfig.pack_streams=2 is invalid: .*None unless pack_sequences=True"),
+    # the vLLM engine (not installed in the main test environment; tests/test_vllm.py runs with it)
+    ("unknown rollout engine", lambda ctx: jaxppo.TrainerConfig(rollout_engine="sglang"), ValueError,
+     r"TrainerConfig.rollout_engine='sglang' is invalid; valid: 'jaxppo' .* or 'vllm'"),
+    ("vllm with an environment", lambda ctx: small_trainer(
+        ctx["tmp"], rollout_engine="vllm", environment=__import__("jaxppo.demo").demo.GuessTheDigit, reward_fn=None,
+        prompts=__import__("jaxppo.demo").demo.multiturn_prompts()), ValueError,
+     r"rollout_engine='vllm' samples single-turn rollouts; multi-turn episodes"),
+    ("vllm not installed", lambda ctx: _without_vllm(lambda: small_trainer(ctx["tmp"], rollout_engine="vllm")),
+     ImportError, r"rollout_engine='vllm' needs vLLM in this environment: pip install 'jaxppo\[vllm\]'"),
     ("query mask right-padded", lambda ctx: jaxppo.check_rollout(
         _rollout(query_mask=jnp.asarray(np.tile([1, 1, 0, 0], (16, 1)), jnp.int32)),
         jaxppo.PPOConfig(batch_size=16, mini_batch_size=8)), ValueError,

@@ -16,7 +16,7 @@ from jaxppo.models.adapters import merge_lora
 from jaxppo.models.config import ARCHITECTURE_PREFIX, SUPPORTED_MODEL_TYPES, ModelConfig
 from jaxppo.models.model import KINDS, Model, stack_layers, trunk_name, unstack_layers
 
-__all__ = ["from_pretrained", "save_pretrained", "params_from_hf_tensors", "params_to_hf_tensors", "check_checkpoint_dir"]
+__all__ = ["from_pretrained", "save_pretrained", "params_from_hf_tensors", "params_to_hf_tensors", "hf_arrays", "check_checkpoint_dir"]
 
 # Our block-level module names -> Hugging Face's sub-module paths.
 _BLOCK_NAMES = {
@@ -301,19 +301,27 @@ def from_pretrained(
     return model, params
 
 
-def params_to_hf_tensors(model: Model, params) -> dict:
-    """`model`'s params as {Hugging Face name: numpy array}, in Hugging Face layout (one
-    tensor per layer, also from the stacked layout of `scan_layers`; LoRA adapters merged)."""
-
+def hf_arrays(model: Model, params):
+    """`model`'s params as [(Hugging Face name, array, transpose?)]: the arrays as they are
+    held (device arrays, or host arrays where LoRA adapters were merged), one per layer also
+    from the stacked layout of `scan_layers`; `transpose` where Hugging Face stores the
+    transpose (torch `Linear` weights). jaxppo-only parameters (the value head) are left out."""
     model, params = merge_lora(model, params)
     if model.scan_layers:
         params = unstack_layers(params, model.config)
-    out = {}
+    out = []
     for path, value in traverse_util.flatten_dict(params["params"]).items():
         mapped = hf_name(path, model.config)
-        if mapped is None:
-            continue
-        name, transpose = mapped
+        if mapped is not None:
+            out.append((mapped[0], value, mapped[1]))
+    return out
+
+
+def params_to_hf_tensors(model: Model, params) -> dict:
+    """`model`'s params as {Hugging Face name: numpy array}, in Hugging Face layout (one
+    tensor per layer, also from the stacked layout of `scan_layers`; LoRA adapters merged)."""
+    out = {}
+    for name, value, transpose in hf_arrays(model, params):
         array = np.asarray(jax.device_get(value))
         out[name] = np.ascontiguousarray(array.T if transpose else array)
     return out

