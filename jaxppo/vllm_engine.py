@@ -113,8 +113,9 @@ class VLLMEngine:
 
     def push(self, params, step: int):
         """Load `params` into vLLM (unless `step` is the one already there), then drop
-        vLLM's cached prefix blocks. A failed load raises RuntimeError: the update stays,
-        but no sample is drawn from a half-loaded policy."""
+        vLLM's cached prefix blocks. A failed load raises RuntimeError naming the update;
+        vLLM may then hold a half-loaded policy, so the engine refuses to sample from then
+        on (the run stops before another update; its checkpoints are intact)."""
         if step == self.pushed_step:
             return
         weights = hf_weights(self.model, params)

@@ -98,6 +98,13 @@ def test_vllm_output_is_laid_out_like_the_built_in_sampler(engine_and_model):
         assert not np.any(np.isin(tokens[row, : lengths[row] - 1], stop))
 
 
+def test_a_head_size_the_cpu_kernel_lacks_is_refused_before_vllm_starts():
+    model = jm.Model(tiny_config(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16))
+    with pytest.raises(ValueError, match=r"vLLM's CPU attention takes head_dim in \(32, 64, .*this policy's head_dim "
+                                         r"is 16"):
+        vllm_engine.VLLMEngine(model, model.init(jax.random.key(0)), seed=0, max_model_len=32)
+
+
 def run_trainer(tmp_path, push=True):
     tokenizer = demo.demo_tokenizer()
     model = jm.Model(tiny_config())
@@ -124,3 +131,18 @@ def test_trainer_samples_with_vllm_and_keeps_it_in_step_with_the_updates(tmp_pat
     stale = run_trainer(tmp_path / "stale", push=False)
     assert stale[0]["sampling/sampling_logp_difference/max"] < 1e-4
     assert stale[1]["sampling/sampling_logp_difference/max"] > 1e-3
+
+
+def test_a_failed_push_is_an_error_and_nothing_samples_after_it(engine_and_model):
+    """A push vLLM rejects (a tensor of the wrong shape) is an error naming the update, and
+    no later sample is drawn from whatever vLLM holds after it."""
+    engine, model, params = engine_and_model
+    broken = jax.tree.map(lambda x: x, params)
+    table = broken["params"]["model"]["embed_tokens"]
+    table["embedding"] = table["embedding"][:, :64]  # the wrong width
+    with pytest.raises(RuntimeError, match=r"pushing the policy's weights \(update 7\) into vLLM failed"):
+        engine.push(broken, 7)
+    # vLLM may hold a half-loaded policy now: nothing samples from it. (vLLM's state in this process
+    # may not recover from a rejected load either, so this test runs last.)
+    with pytest.raises(RuntimeError, match="the last weight push into vLLM failed"):
+        sample_and_score(engine, model, params)
