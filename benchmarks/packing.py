@@ -14,7 +14,6 @@ stream length Q + R). Each time is the median of `--repeats` calls after one com
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +25,7 @@ import jaxppo.models as jm
 from jaxppo import packing
 from jaxppo.engine import minibatch_indices
 from jaxppo.rollout_types import response_outputs
-from tables import print_markdown
+from tables import median_time, print_markdown
 
 
 def make_rollout(b, q, r, short, vocab, seed=0):
@@ -51,15 +50,7 @@ def make_rollout(b, q, r, short, vocab, seed=0):
 
 def timed(fn, repeats):
     """(median seconds per call, seconds of the first call: compiling included)."""
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    first = time.perf_counter() - start
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return float(np.median(times)), first
+    return median_time(lambda: jax.block_until_ready(fn()), repeats)
 
 
 def main():

@@ -27,19 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxppo.models as jm  # noqa: E402
-from tables import print_markdown  # noqa: E402
-
-
-def median_time(fn, repeats):
-    start = time.perf_counter()
-    fn()
-    first = time.perf_counter() - start
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times)), first
+from tables import median_time, print_markdown  # noqa: E402
 
 
 def main():
