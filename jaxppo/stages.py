@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -37,7 +38,8 @@ from jaxppo.shaping import adaptive_entropy_coef
 from jaxppo.sharding import to_host
 
 __all__ = ["PromptTable", "PromptBatch", "HostScores", "Built", "select_prompts", "sample", "score", "build_rollout",
-           "update", "skip", "bad_rows", "update_step", "PackedSteps", "scoring_streams", "nonfinite_error", "prompt_rows", "prompt_batch", "mesh_context"]
+           "update", "skip", "bad_rows", "update_step", "PackedSteps", "scoring_streams",
+           "Precompiled", "precompile", "abstract_rollout", "nonfinite_error", "prompt_rows", "prompt_batch", "mesh_context"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,6 +206,69 @@ def update_step(make_step, config: PPOConfig):
     if config.pack_sequences and config.pack_streams is None:
         return PackedSteps(make_step, config)
     return make_step(config)
+
+
+class Precompiled:
+    """The update's `train_step`, compiled ahead of time in a background thread while the
+    first iteration samples and scores (XLA compiles without holding Python's lock, so on a
+    machine with more than one core the two overlap; the update's compile is the largest
+    of a run's start). `step` is `functools.partial(jitted, config=...)`; `args` what to
+    lower it with: the train state, an abstract rollout (`abstract_rollout`), a key.
+
+    Calls wait for the compile and run the compiled program. If lowering or compiling fails,
+    or the rollout given does not match the one it was compiled for, the call falls back to
+    `step` itself (which compiles, or raises, as it would have without this)."""
+
+    def __init__(self, step, args):
+        import concurrent.futures
+
+        self.step, self.compiled = step, None
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxppo-compile")
+        self.future = pool.submit(lambda: step.func.lower(*args, **step.keywords).compile())
+        pool.shutdown(wait=False)
+
+    def __call__(self, state, rollout, key):
+        if self.future is not None:
+            future, self.future = self.future, None
+            try:
+                self.compiled = future.result()
+            except Exception:  # the plain call below compiles, or raises the same error in this thread
+                self.compiled = None
+        if self.compiled is not None:
+            try:
+                return self.compiled(state, rollout, key)
+            except (TypeError, ValueError):  # inputs unlike the ones compiled for (checked before running)
+                self.compiled = None
+        return self.step(state, rollout, key)
+
+
+def abstract_rollout(spec: RolloutSpec, run: RunState, ref_params, reward_params, rows: int, query_width: int,
+                     host_scores: bool) -> Rollout:
+    """The shapes and dtypes of the rollout that `build_rollout` will produce for `rows` rows
+    of prompts `query_width` wide (`jax.eval_shape` of `finish_rollout`: nothing runs)."""
+    from jaxppo.models.generate import GenerationOutput
+
+    tokens = jax.ShapeDtypeStruct((rows, spec.response_length), jnp.int32)
+    gen = GenerationOutput(tokens, jax.ShapeDtypeStruct(tokens.shape, jnp.float32), tokens)
+    ids = jax.ShapeDtypeStruct((rows, query_width), jnp.int32)
+    scores = jax.ShapeDtypeStruct((rows,), jnp.float32) if host_scores else None
+    shapes = jax.eval_shape(lambda *a: finish_rollout(spec, *a), run.train.params, ref_params, reward_params, ids, ids,
+                            gen, scores, run.kl, run.score_moments)
+    return shapes[0]
+
+
+def precompile(train_step, spec: RolloutSpec, run: RunState, ref_params, reward_params, table: PromptTable,
+               config: PPOConfig, host_scores: bool, key):
+    """`train_step` as a `Precompiled` (its compile started now) where the rollout's form is
+    known before sampling: a plain compiled step (one device, no per-iteration choice of
+    packed streams; a `Precompiled` is returned as it is, so this starts one compile at
+    most), single-turn (the caller's part), no adaptive entropy coefficient; else
+    `train_step` unchanged."""
+    if not isinstance(train_step, functools.partial) or run.entropy_coef is not None:
+        return train_step
+    rollout = abstract_rollout(spec, run, ref_params, reward_params, config.batch_size, table.ids.shape[1],
+                               host_scores)
+    return Precompiled(train_step, (run.train, rollout, key))
 
 
 def bad_rows(built: Built) -> np.ndarray:

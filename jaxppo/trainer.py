@@ -333,6 +333,11 @@ def _collect(trainer: Trainer, run: RunState, it: int, key) -> dynamic.Collected
     def score(batch, gen, episodes):
         return stages.score(trainer.host_rewards, trainer.tokenizer, trainer.table, batch, gen, it, episodes)
 
+    if trainer.environment is None:  # the update compiles while this iteration samples (once: see precompile)
+        trainer._train_step = stages.precompile(trainer._train_step, trainer.spec, run, trainer.ref_params,
+                                                trainer.reward_params, trainer.table, trainer.config,
+                                                trainer.host_rewards is not None, key)
+
     if trainer.tc.dynamic_sampling:
         return dynamic.collect(trainer.table, key, run, it, trainer.config, trainer.tc,
                                lambda batch, k: _sample(trainer, run, batch, k, it), score, trainer.mesh)

@@ -271,3 +271,47 @@ def test_bfloat16_compute_keeps_float32_master_weights(tokenizer, tmp_path):
     metrics = trainer.step()
     assert metrics["ppo/updates_applied"] == ppo.updates_per_step and np.isfinite(metrics["loss/total_avg"])
     assert dtypes(trainer.state.params) == {"float32"}
+
+
+def test_the_update_compiles_in_the_background_once_and_that_program_runs(tmp_path):
+    """The first iteration's `train_step` is compiled ahead of time from the rollout's
+    abstract form while the iteration samples; that compiled program runs every update (the
+    jitted path never compiles), and a rollout unlike the abstract one falls back to it."""
+    import functools
+
+    import optax
+
+    from jaxppo import stages
+    from jaxppo.ppo import train_step_donating, train_step_jit
+    from trainer_setup import small_trainer
+
+    before = train_step_donating._cache_size()
+    trainer = small_trainer(tmp_path, iterations=2)
+    history = trainer.train()
+    assert isinstance(trainer._train_step, stages.Precompiled) and trainer._train_step.compiled is not None
+    assert train_step_donating._cache_size() == before  # the plain path compiled nothing
+    assert [r["ppo/updates_applied"] for r in history] == [trainer.config.updates_per_step] * 2
+
+    model = jm.Model(jm.ModelConfig(model_type="llama", vocab_size=40, hidden_size=16, num_layers=1, num_heads=2,
+                                    num_kv_heads=1, intermediate_size=32, max_position_embeddings=32))
+    params = model.init(jax.random.key(0))
+    config = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=4, mini_batch_size=4, ppo_epochs=1, num_generations=2,
+                                            kl_loss_coef=0.0)
+    state = jaxppo.TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.1))
+    rng = np.random.default_rng(0)
+
+    def rollout(r):
+        return jaxppo.Rollout(query_tokens=jnp.asarray(rng.integers(0, 40, (4, 3)), jnp.int32),
+                              query_mask=jnp.ones((4, 3), jnp.int32),
+                              response_tokens=jnp.asarray(rng.integers(0, 40, (4, r)), jnp.int32),
+                              response_mask=jnp.ones((4, r), jnp.int32), logprobs=jnp.full((4, r), -3.7),
+                              values=None, rewards=jnp.zeros((4, r)), scores=jnp.asarray([0.0, 1.0, 1.0, 0.0]))
+
+    step = functools.partial(train_step_jit, config=config)
+    real = rollout(5)
+    wrong = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), rollout(6))  # another response width
+    precompiled = stages.Precompiled(step, (state, wrong, jax.random.key(1)))
+    got, _ = precompiled(state, real, jax.random.key(1))
+    assert precompiled.compiled is None  # it fell back
+    want, _ = step(state, real, jax.random.key(1))
+    np.testing.assert_array_equal(jax.tree.leaves(got.params)[0], jax.tree.leaves(want.params)[0])
