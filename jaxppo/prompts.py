@@ -7,6 +7,8 @@ a pure function of the seed and the iteration (so a resumed run sees the same pr
 
 from __future__ import annotations
 
+import functools
+
 import json
 import os
 from typing import Optional
@@ -186,12 +188,19 @@ def prompt_stream(base_key, num_prompts: int, start: int, count: int) -> np.ndar
     order reshuffled every dataset epoch (see `prompt_order`). Dynamic sampling reads it by
     the number of prompts consumed so far."""
     n = num_prompts
-    data_key = jax.random.fold_in(base_key, 1 << 30)
     out = np.empty(count, np.int64)
     for j in range(count):
         g = start + j
         epoch = g // n
         if j == 0 or g % n == 0:
-            perm = np.asarray(jax.random.permutation(jax.random.fold_in(data_key, epoch), n))
+            perm = np.asarray(_epoch_permutation(base_key, epoch, n))
         out[j] = perm[g % n]
     return out
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _epoch_permutation(base_key, epoch, n: int):
+    """The prompt order of dataset epoch `epoch`: a permutation of range(n) with
+    fold_in(data key, epoch), the data key fold_in(base_key, 2**30). One compiled program
+    (run op by op, its few random ops each compiled and dispatched on their own)."""
+    return jax.random.permutation(jax.random.fold_in(jax.random.fold_in(base_key, 1 << 30), epoch), n)

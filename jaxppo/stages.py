@@ -213,7 +213,8 @@ class Precompiled:
     first iteration samples and scores (XLA compiles without holding Python's lock, so on a
     machine with more than one core the two overlap; the update's compile is the largest
     of a run's start). `step` is `functools.partial(jitted, config=...)`; `args` what to
-    lower it with: the train state, an abstract rollout (`abstract_rollout`), a key.
+    lower it with (the train state, an abstract rollout from `abstract_rollout`, a key), or
+    a function returning them, called in the background thread too.
 
     Calls wait for the compile and run the compiled program. If lowering or compiling fails,
     or the rollout given does not match the one it was compiled for, the call falls back to
@@ -224,7 +225,8 @@ class Precompiled:
 
         self.step, self.compiled = step, None
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxppo-compile")
-        self.future = pool.submit(lambda: step.func.lower(*args, **step.keywords).compile())
+        self.future = pool.submit(lambda: step.func.lower(*(args() if callable(args) else args),
+                                                          **step.keywords).compile())
         pool.shutdown(wait=False)
 
     def __call__(self, state, rollout, key):
@@ -266,9 +268,9 @@ def precompile(train_step, spec: RolloutSpec, run: RunState, ref_params, reward_
     `train_step` unchanged."""
     if not isinstance(train_step, functools.partial) or run.entropy_coef is not None:
         return train_step
-    rollout = abstract_rollout(spec, run, ref_params, reward_params, config.batch_size, table.ids.shape[1],
-                               host_scores)
-    return Precompiled(train_step, (run.train, rollout, key))
+    width = table.ids.shape[1]
+    return Precompiled(train_step, lambda: (run.train, abstract_rollout(spec, run, ref_params, reward_params,
+                                                                        config.batch_size, width, host_scores), key))
 
 
 def bad_rows(built: Built) -> np.ndarray:
