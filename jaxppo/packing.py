@@ -26,11 +26,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxppo.rollout_types import response_attention
+from jaxppo.rollout_types import model_method, response_attention
 from jaxppo.rollout_types import response_outputs as padded_outputs
 
-__all__ = ["Packed", "plan", "pack", "fits", "packer", "response_outputs", "streams_needed", "row_lengths",
-           "minibatch_streams", "round_streams"]
+__all__ = ["Packed", "plan", "pack", "packer", "response_outputs", "response_outputs_and_fit", "streams_needed", "row_lengths",
+           "minibatch_streams", "round_streams", "host_row_lengths", "stream_length"]
 
 
 class Packed(NamedTuple):
@@ -115,20 +115,11 @@ def pack(batch, streams: int, length: int) -> Packed:
     return Packed(tokens, segment_ids, positions, targets, index.astype(jnp.int32), valid, fits)
 
 
-def fits(batch, streams: int, length: Optional[int] = None):
-    """Whether the rows of `batch` fit in `streams` streams of `length` tokens (bool scalar)."""
-    return plan(row_lengths(batch), streams, stream_length(batch, length))[2]
-
-
 def packer(apply_fn) -> Optional[Callable]:
     """The `packed_outputs(params, tokens, segment_ids, positions, targets, temperature)`
     method that `apply_fn` offers (the built-in `Model`, `PolicyAndCritic`, or a bound
     `Model.apply`), or None: other models cannot be packed."""
-    owner = getattr(apply_fn, "__self__", None)
-    if owner is not None and getattr(apply_fn, "__name__", "") == "apply":
-        apply_fn = owner
-    method = getattr(apply_fn, "packed_outputs", None)
-    return method if callable(method) else None
+    return model_method(apply_fn, "packed_outputs")
 
 
 def _unpack(packed: Packed, x):
@@ -143,6 +134,13 @@ def response_outputs(apply_fn, params, batch, temperature: float, streams: int, 
     batch packed into `streams` streams of `length` tokens (None: the padded width Q + R).
     If the rows do not fit, the padded forward runs instead (`jax.lax.cond`; same results).
     Outputs at positions outside the response region are 0."""
+    return response_outputs_and_fit(apply_fn, params, batch, temperature, streams, length)[0]
+
+
+def response_outputs_and_fit(apply_fn, params, batch, temperature: float, streams: int,
+                             length: Optional[int] = None):
+    """(`response_outputs`'s outputs, whether the rows fitted: a bool scalar; False means
+    the padded forward ran)."""
     method = packer(apply_fn)
     if method is None:
         raise ValueError("packed sequences need a built-in model (jaxppo.models.Model or PolicyAndCritic) as the "
@@ -158,7 +156,7 @@ def response_outputs(apply_fn, params, batch, temperature: float, streams: int, 
         outputs = padded_outputs(apply_fn, params, batch, temperature)
         return tuple(None if x is None else jnp.where(packed.valid, x.astype(jnp.float32), 0.0) for x in outputs)
 
-    return jax.lax.cond(packed.fits, run_packed, run_padded, params)
+    return jax.lax.cond(packed.fits, run_packed, run_padded, params), packed.fits
 
 
 def streams_needed(lengths, length: int) -> int:
@@ -203,14 +201,15 @@ def minibatch_streams(lengths, indices, micro_batch_size: int, length: int) -> i
     return round_streams(needed, micro_batch_size)
 
 
-def padded_fraction(lengths, width: int) -> float:
-    """The share of a padded (M, width) batch that is padding (host)."""
-    lengths = np.asarray(lengths, np.float64)
-    return 1.0 - float(lengths.sum()) / max(lengths.size * width, 1)
+def host_row_lengths(query_mask, response_attention_mask) -> np.ndarray:
+    """Real tokens per row (M,) from host masks: the prompt's plus the response region's
+    (`row_lengths` on the host, where the stream counts are chosen)."""
+    return np.asarray(query_mask).sum(axis=1) + np.asarray(response_attention_mask).sum(axis=1)
 
 
-def stream_length(batch_or_shapes, length: Optional[int]) -> int:
-    """The stream length: `length`, or the padded width Q + R of the batch."""
-    q, r = batch_or_shapes["query_tokens"].shape[1], batch_or_shapes["response_tokens"].shape[1]
-    return length or q + r
+def stream_length(batch, length: Optional[int]) -> int:
+    """The stream length: `length`, or the padded width Q + R of `batch` (a dict of the
+    rollout's fields, or the `Rollout` itself)."""
+    get = batch.__getitem__ if isinstance(batch, dict) else lambda name: getattr(batch, name)
+    return length or get("query_tokens").shape[1] + get("response_tokens").shape[1]
 

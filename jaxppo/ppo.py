@@ -126,10 +126,9 @@ def _outputs(apply_fn, params, batch, config: PPOConfig):
     did not fit (then the padded forward ran)."""
     if not config.pack_sequences:
         return response_outputs(apply_fn, params, batch, config.temperature), {}
-    outputs = packing.response_outputs(apply_fn, params, batch, config.temperature, config.pack_streams,
-                                       config.pack_length)
-    overflow = 1.0 - packing.fits(batch, config.pack_streams, config.pack_length).astype(jnp.float32)
-    return outputs, {"packing_overflow": overflow}
+    outputs, fits = packing.response_outputs_and_fit(apply_fn, params, batch, config.temperature,
+                                                     config.pack_streams, config.pack_length)
+    return outputs, {"packing_overflow": 1.0 - fits.astype(jnp.float32)}
 
 
 def loss_normaliser(batch, config: PPOConfig):
@@ -317,7 +316,7 @@ def _check_packing(apply_fn, rollout, config: PPOConfig):
     model that can run packed (at trace time: before compiling)."""
     if not config.pack_sequences:
         return
-    width = rollout.query_tokens.shape[1] + rollout.response_tokens.shape[1]
+    width = packing.stream_length(rollout, None)
     if config.pack_streams is None:
         raise ValueError("PPOConfig.pack_sequences=True needs PPOConfig.pack_streams (streams per micro-batch) in "
                          "train_step; jaxppo.packing.minibatch_streams computes the fewest that every micro-batch "

@@ -8,7 +8,6 @@ a pure function of the seed and the iteration (so a resumed run sees the same pr
 from __future__ import annotations
 
 import functools
-
 import json
 import os
 from typing import Optional

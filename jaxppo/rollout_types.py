@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jaxppo import math as ppo_math
 from jaxppo.models.model import join_sequences
 
-__all__ = ["Rollout", "response_outputs", "scorer", "joined", "response_attention"]
+__all__ = ["Rollout", "response_outputs", "scorer", "model_method", "joined", "response_attention"]
 
 
 class Rollout(flax.struct.PyTreeNode):
@@ -66,16 +66,23 @@ class Rollout(flax.struct.PyTreeNode):
     response_attention_mask: Optional[jax.Array] = None
 
 
+def model_method(fn, name: str):
+    """The method `name` that the model behind `fn` offers (`fn` itself, or the `Model`
+    whose `apply` it is bound to), or None: how built-in models opt in to the protocols
+    other models do not have (`scorer`, `jaxppo.packing.packer`)."""
+    owner = getattr(fn, "__self__", None)
+    if owner is not None and getattr(fn, "__name__", "") == "apply":
+        fn = owner  # a bound `Model.apply`
+    method = getattr(fn, name, None)
+    return method if callable(method) else None
+
+
 def scorer(fn):
     """The `response_outputs(params, query_tokens, query_mask, response_tokens,
     response_mask, temperature) -> (logprobs, values, entropy)` method that `fn` offers, or
     None. Built-in models opt in this way (`jaxppo.models.Model`, `PolicyAndCritic`, also
     as a bound `model.apply`); they score without materialising (B, L, V) logits."""
-    owner = getattr(fn, "__self__", None)
-    if owner is not None and getattr(fn, "__name__", "") == "apply":
-        fn = owner  # a bound `Model.apply`
-    method = getattr(fn, "response_outputs", None)
-    return method if callable(method) else None
+    return model_method(fn, "response_outputs")
 
 
 def response_attention(batch):

@@ -166,11 +166,11 @@ def build_rollout(spec: RolloutSpec, params, ref_params, reward_params, batch: P
 def scoring_streams(spec: RolloutSpec, batch: PromptBatch, gen) -> RolloutSpec:
     """The spec with the streams that this batch's rows fit in when packed for scoring
     (`jaxppo.packing`: the fewest, rounded up by `round_streams`)."""
-    attention = getattr(gen, "attention_mask", None)
-    lengths = to_host(batch.mask).sum(axis=1) + to_host(gen.mask if attention is None else attention).sum(axis=1)
-    rows, width = batch.ids.shape[0], batch.ids.shape[1] + gen.tokens.shape[1]
+    attention = getattr(gen, "attention_mask", None)  # a multi-turn episode's response region
+    lengths = packing.host_row_lengths(to_host(batch.mask), to_host(gen.mask if attention is None else attention))
+    width = batch.ids.shape[1] + gen.tokens.shape[1]
     needed = packing.streams_needed(lengths, spec.pack_length or width)
-    return dataclasses.replace(spec, pack_streams=packing.round_streams(needed, rows))
+    return dataclasses.replace(spec, pack_streams=packing.round_streams(needed, len(lengths)))
 
 
 class PackedSteps:
@@ -188,10 +188,9 @@ class PackedSteps:
 
     def __call__(self, state, rollout: Rollout, key):
         c = self.config
-        width = rollout.query_tokens.shape[1] + rollout.response_tokens.shape[1]
-        length = c.pack_length or width
+        length = packing.stream_length(rollout, c.pack_length)
         attention = rollout.response_mask if rollout.response_attention_mask is None else rollout.response_attention_mask
-        lengths = to_host(rollout.query_mask).sum(axis=1) + to_host(attention).sum(axis=1)
+        lengths = packing.host_row_lengths(to_host(rollout.query_mask), to_host(attention))
         streams = packing.minibatch_streams(lengths, np.asarray(minibatch_indices(key, c)), c.micro_batch_size, length)
         if streams not in self.steps:
             self.steps[streams] = self.make_step(c.replace(pack_streams=streams))

@@ -33,7 +33,7 @@ import jax
 import numpy as np
 
 from jaxppo import export as exporting
-from jaxppo import dynamic, report, resume, sharding, stages
+from jaxppo import dynamic, report, resume, sharding, stages, vllm_engine
 from jaxppo.assembly import LogitsOf, assemble, optimizer, prompts_digest, schedule
 from jaxppo.config import PPOConfig
 from jaxppo.engine import TrainState
@@ -41,7 +41,6 @@ from jaxppo.environments import EnvironmentSpec, run_episodes
 from jaxppo.tools import check_tools, tool_environment
 from jaxppo.loop import finish_run, run_loop
 from jaxppo.models.tokenizer import decode_responses, encode_prompts
-from jaxppo import vllm_engine
 from jaxppo.ppo import train_step_donating
 from jaxppo.prompts import load_prompt_table, load_prompts, render_prompts
 from jaxppo.rewards import sort_rewards

@@ -105,8 +105,7 @@ class VLLMEngine:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
         self._dir = tempfile.mkdtemp(prefix="jaxppo-vllm-")
         weakref.finalize(self, shutil.rmtree, self._dir, True)  # the starting checkpoint goes with the engine
-        value_free = {**params, "params": {k: v for k, v in params["params"].items() if k != "value_head"}}
-        hf_io.save_pretrained(self.model, value_free, self._dir)
+        hf_io.save_pretrained(self.model, params, self._dir)  # as a causal LM: a value head is not written
         self.llm = vllm.LLM(model=self._dir, skip_tokenizer_init=True, dtype=self.model.param_dtype, seed=seed,
                             max_model_len=max_model_len, logprobs_mode="processed_logprobs")
         self.pushed_step = step

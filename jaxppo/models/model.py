@@ -240,7 +240,6 @@ class PolicyAndCritic:
         values = self.critic.apply(params["critic"], tokens, mask)[:, q - 1 : q - 1 + r].astype(jnp.float32)
         return logprobs, values, entropy
 
-
     def packed_outputs(self, params, tokens, segment_ids, positions, targets, temperature=1.0):
         """(log-probs, values, entropies) over packed streams (see `Model.packed_outputs`)."""
         logprobs, _, entropy = self.policy.packed_outputs(params["policy"], tokens, segment_ids, positions, targets,
