@@ -11,6 +11,7 @@ built.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import os
 import warnings
@@ -55,14 +56,22 @@ def critic_from(model: Model, params, zero_head: bool, dtype=None):
     critic = dataclasses.replace(model, kind="value", dtype=dtype or model.dtype, param_dtype="float32", lora=None)
     trunk = trunk_name(model.config)
     inner = params["params"]
-    # Copies (jnp.array copies, also where no cast is needed): the critic is trained and its
-    # buffers donated; the model it comes from is not.
-    as_master = lambda x: jnp.array(x, dtype=jnp.float32)
+    # Copies (also where no cast is needed): the critic is trained and its buffers donated;
+    # the model it comes from is not.
     if zero_head or "score" not in inner:
+        trunk_params = copy_as({trunk: inner[trunk]}, "float32")
         head = {"kernel": jnp.zeros((model.config.hidden_size, 1), jnp.float32)}
     else:
-        head = {"kernel": as_master(inner["score"]["kernel"][:, :1])}
-    return critic, {"params": {trunk: jax.tree.map(as_master, inner[trunk]), "score": head}}
+        trunk_params = copy_as({trunk: inner[trunk], "score": inner["score"]["kernel"][:, :1]}, "float32")
+        head = {"kernel": trunk_params.pop("score")}
+    return critic, {"params": {**trunk_params, "score": head}}
+
+
+@functools.partial(jax.jit, static_argnames="dtype")
+def copy_as(tree, dtype):
+    """A copy of every leaf of `tree` in `dtype` (`jnp.array` copies even where no cast is
+    needed), as one compiled program (op by op, each leaf's copy would compile on its own)."""
+    return jax.tree.map(lambda x: jnp.array(x, dtype=jnp.dtype(dtype)), tree)
 
 
 def qualified_name(fn) -> str:
@@ -271,7 +280,7 @@ def _reference(config: PPOConfig, tc: TrainerConfig, policy_model, policy_params
     if ref_policy is None:
         # A copy of the initial policy, held in ref_dtype (jnp.array copies even without a cast).
         ref_model = dataclasses.replace(policy_model, dtype=ref_dtype, param_dtype=ref_dtype)
-        return ref_model, jax.tree.map(lambda x: jnp.array(x, dtype=jnp.dtype(ref_dtype)), policy_params), False
+        return ref_model, copy_as(policy_params, ref_dtype), False
     ref_model, ref_params = load_model(ref_policy, "causal_lm", ref_dtype, scan_layers=scan_layers)
     if logits_chunk_size is not None:
         ref_model = dataclasses.replace(ref_model, logits_chunk_size=logits_chunk_size)

@@ -135,7 +135,7 @@ class TrainState(flax.struct.PyTreeNode):
             step=jnp.zeros((), jnp.int32),
             skipped_nonfinite=jnp.zeros((), jnp.int32),
             params=params,
-            opt_state=tx.init(trained),
+            opt_state=_init_optimizer(tx, trained),
             apply_fn=apply_fn,
             tx=tx,
             freeze=freeze,
@@ -156,6 +156,15 @@ class TrainState(flax.struct.PyTreeNode):
         updates, opt_state = self.tx.update(grads, self.opt_state, trained)
         state = self.with_trained(optax.apply_updates(trained, updates))
         return state.replace(step=self.step + 1, opt_state=opt_state)
+
+
+def _init_optimizer(tx: optax.GradientTransformation, trained):
+    """`tx.init(trained)`; for parameters on one device as one compiled program (op by op,
+    every distinct leaf shape's zeros compile on their own), else op by op, where each
+    leaf's state follows its parameter's sharding."""
+    if all(isinstance(x, jax.Array) and len(x.sharding.device_set) == 1 for x in jax.tree.leaves(trained)):
+        return jax.jit(tx.init)(trained)
+    return tx.init(trained)
 
 
 def minibatch_indices(key, config: PPOConfig):

@@ -98,9 +98,11 @@ def fixed_kl_controller(beta: float) -> KLControllerState:
     return kl_controller(beta)
 
 
+@jax.jit
 def adaptive_kl_update(state: KLControllerState, current_kl, n_steps) -> KLControllerState:
     """Ziegler et al. (2019) adaptive KL: beta *= 1 + clip(kl / target - 1, -0.2, 0.2) *
-    n_steps / horizon. A state with target <= 0 is fixed and returned unchanged."""
+    n_steps / horizon. A state with target <= 0 is fixed and returned unchanged. One
+    compiled program (op by op, each of its few ops would compile and dispatch on its own)."""
     error = jnp.clip(current_kl / jnp.where(state.target > 0, state.target, 1.0) - 1.0, -0.2, 0.2)
     mult = 1.0 + error * n_steps / state.horizon
     beta = jnp.where(state.target > 0, state.beta * mult, state.beta)

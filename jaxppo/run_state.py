@@ -66,7 +66,7 @@ class RunState(flax.struct.PyTreeNode):
 
     def iteration_keys(self, iteration: int):
         """(sampling key, update key) of `iteration`."""
-        return tuple(jax.random.split(jax.random.fold_in(self.key, iteration)))
+        return _iteration_keys(self.key, iteration)
 
     def checkpoint_tree(self) -> dict:
         """The tree a checkpoint saves (the 0.2.0 layout, unchanged): the trained parameters
@@ -105,3 +105,10 @@ class RunState(flax.struct.PyTreeNode):
             skipped_iterations=int(tree["skipped_iterations"]),
             entropy_coef=jnp.float32(tree["entropy_coef"]) if "entropy_coef" in tree else self.entropy_coef,
             prompts_consumed=int(tree["prompts_consumed"]) if "prompts_consumed" in tree else self.prompts_consumed)
+
+
+@jax.jit
+def _iteration_keys(key, iteration):
+    """The two halves of split(fold_in(key, iteration)), as one compiled program."""
+    keys = jax.random.split(jax.random.fold_in(key, iteration))
+    return keys[0], keys[1]

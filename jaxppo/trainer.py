@@ -332,10 +332,7 @@ def _collect(trainer: Trainer, run: RunState, it: int, key) -> dynamic.Collected
     def score(batch, gen, episodes):
         return stages.score(trainer.host_rewards, trainer.tokenizer, trainer.table, batch, gen, it, episodes)
 
-    if trainer.environment is None:  # the update compiles while this iteration samples (once: see precompile)
-        trainer._train_step = stages.precompile(trainer._train_step, trainer.spec, run, trainer.ref_params,
-                                                trainer.reward_params, trainer.table, trainer.config,
-                                                trainer.host_rewards is not None, key)
+    _precompile(trainer, run)  # where train() has not started it already
 
     if trainer.tc.dynamic_sampling:
         return dynamic.collect(trainer.table, key, run, it, trainer.config, trainer.tc,
@@ -343,6 +340,15 @@ def _collect(trainer: Trainer, run: RunState, it: int, key) -> dynamic.Collected
     batch = stages.select_prompts(trainer.table, run.key, it, trainer.config, trainer.mesh)
     gen, episodes = _sample(trainer, run, batch, key, it)
     return dynamic.Collected(batch, gen, episodes, score(batch, gen, episodes), {}, None)
+
+
+def _precompile(trainer: Trainer, run: RunState):
+    """Start the update's compile in the background (once: see `stages.precompile`), so
+    that it overlaps the first iteration's sampling and scoring; single-turn only."""
+    if trainer.environment is None:
+        trainer._train_step = stages.precompile(trainer._train_step, trainer.spec, run, trainer.ref_params,
+                                                trainer.reward_params, trainer.table, trainer.config,
+                                                trainer.host_rewards is not None, run.key)
 
 
 def _sample(trainer: Trainer, run: RunState, batch, key, it: int):
