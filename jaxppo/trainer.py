@@ -245,6 +245,7 @@ class Trainer:
         the checkpoint is complete) and raises KeyboardInterrupt."""
         os.makedirs(self.tc.output_dir, exist_ok=True)
         self.open_run()
+        _precompile(self, self.run)  # from here the update compiles beside the run's other start-up work
         try:
             logger = run_loop(self)
         finally:
