@@ -108,10 +108,10 @@ def restore_latest(directory: str, template: Any) -> Optional[Tuple[int, Any]]:
     Unreadable checkpoints are warned about by path, moved to `<directory>.corrupt/` and
     skipped. Raises `RunError` when checkpoints exist but none is readable, or when one was
     written in another checkpoint layout."""
+    if not os.path.isdir(directory):  # a new run: orbax is not even imported (0.2 s of start-up)
+        return None
     import orbax.checkpoint as ocp
 
-    if not os.path.isdir(directory):
-        return None
     manager = _manager(directory)
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x,
