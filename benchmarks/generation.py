@@ -22,6 +22,7 @@ the compile time is reported separately).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import tempfile
 import time
 
@@ -92,12 +93,12 @@ def bench_shape(name, layers, width, vocab, batch, prompt_len, new_tokens, repea
                 jax_tps=n_tokens / t_jax, torch_tps=n_tokens / t_torch, speedup=t_torch / t_jax, compile_s=compile_s)
 
 
-def alternate(run, repeats):
-    """{False: [seconds], True: [seconds]}: `run(seed, flag)` timed `repeats` times for each
-    flag, alternating, seeds 1, 2, ... (the same keys for both)."""
-    times = {False: [], True: []}
+def alternate(run, repeats, flags=(False, True)):
+    """{flag: [seconds]}: `run(seed, flag)` timed `repeats` times for each flag (False and
+    True unless given), alternating, seeds 1, 2, ... (the same keys for each)."""
+    times = {flag: [] for flag in flags}
     for i in range(repeats):
-        for flag in (False, True):
+        for flag in flags:
             start = time.perf_counter()
             run(i + 1, flag)
             times[flag].append(time.perf_counter() - start)
@@ -135,27 +136,31 @@ def bench_early_stop(name, layers, width, vocab, batch, prompt_len, new_tokens, 
 
 
 def bench_layouts(name, layers, width, vocab, batch, prompt_len, new_tokens, repeats):
-    """jaxppo alone: the same checkpoint with unrolled and with scanned layers (whose KV
-    cache is one stacked array), alternating on the same keys."""
+    """jaxppo alone: the same checkpoint with unrolled layers, with scanned layers (whose KV
+    cache is one stacked array), and scanned with `hoist_layers` (each layer's weights
+    sliced out once per call, not at every decode step), alternating on the same keys."""
     with tempfile.TemporaryDirectory() as directory:
         build_checkpoint(directory, layers, width, vocab, prompt_len + new_tokens)
         models = {scan: jm.from_pretrained(directory, scan_layers=scan) for scan in (False, True)}
+    model, params = models[True]
+    models["hoisted"] = (dataclasses.replace(model, hoist_layers=True), params)
     rng = np.random.default_rng(0)
     ids, mask = jnp.asarray(rng.integers(1, vocab, size=(batch, prompt_len))), jnp.ones((batch, prompt_len), jnp.int32)
 
-    def run(seed, scan):
-        model, params = models[scan]
+    def run(seed, layout):
+        model, params = models[layout]
         out = jm.generate(model, params, ids, mask, jax.random.key(seed), response_length=new_tokens,
                           stop_token_ids=())
         return np.asarray(jax.block_until_ready(out.tokens))
 
-    assert np.array_equal(run(0, False), run(0, True))  # also compiles both
-    times = alternate(run, repeats)
+    first = {layout: run(0, layout) for layout in models}  # also compiles each
+    assert np.array_equal(first["hoisted"], first[False])  # the hoisted sampler decodes as the unrolled layout
+    times = alternate(run, repeats, flags=(False, True, "hoisted"))
     n = batch * new_tokens
     cache_mib = 2 * layers * batch * (prompt_len + new_tokens) * width * 4 / 2**20
     return dict(name=name, layers=layers, width=width, batch=batch, prompt=prompt_len, new=new_tokens,
                 cache_mib=cache_mib, unrolled=n / float(np.median(times[False])),
-                scanned=n / float(np.median(times[True])))
+                scanned=n / float(np.median(times[True])), hoisted=n / float(np.median(times["hoisted"])))
 
 
 def bench_shared_prefix(name, layers, width, vocab, prompts, g, prompt_len, new_tokens, repeats):
@@ -245,14 +250,16 @@ def main():
                         for r in rows])
         return
     if args.layouts:
-        shapes = [("long cache", 8, 256, 32, 512, 32)]
+        shapes = [("long cache", 8, 256, 32, 512, 32), ("decode-heavy", 4, 512, 32, 64, 128)]
         rows = [bench_layouts(n, l, w, args.vocab, b, p, t, args.repeats) for n, l, w, b, p, t in shapes]
-        print(f"\n## jaxppo sampling, unrolled vs scanned layers, CPU, GPT-2 layout, vocab {args.vocab}\n")
+        print(f"\n## jaxppo sampling, unrolled vs scanned layers (plain and hoisted), CPU, GPT-2 layout, "
+              f"vocab {args.vocab}\n")
         print_markdown(["shape", "layers", "width", "prompts x tokens", "new tokens", "KV cache (MiB)",
-                        "unrolled (tok/s)", "scanned (tok/s)", "scanned / unrolled"],
+                        "unrolled (tok/s)", "scanned (tok/s)", "scanned, hoisted (tok/s)", "scanned / unrolled",
+                        "hoisted / scanned"],
                        [[r["name"], r["layers"], r["width"], f"{r['batch']} x {r['prompt']}", r["new"],
-                         f"{r['cache_mib']:.0f}", f"{r['unrolled']:.0f}", f"{r['scanned']:.0f}",
-                         f"{r['scanned'] / r['unrolled']:.2f}"] for r in rows])
+                         f"{r['cache_mib']:.0f}", f"{r['unrolled']:.0f}", f"{r['scanned']:.0f}", f"{r['hoisted']:.0f}",
+                         f"{r['scanned'] / r['unrolled']:.2f}", f"{r['hoisted'] / r['scanned']:.2f}"] for r in rows])
         return
     if args.early_stop:
         shapes = [("small", 2, 128, 64, 16, 32), ("medium", 4, 512, 64, 16, 64)]

@@ -27,7 +27,8 @@ from jaxppo.models.adapters import add_lora
 from jaxppo.models.lora import LoraConfig
 from jaxppo.models.peft import load_peft_adapter, read_peft_config
 from jaxppo.models import hf as hf_io
-from jaxppo.models.model import Model, PolicyAndCritic, stack_layers, trunk_name, unstack_layers
+from jaxppo.models.model import (Model, PolicyAndCritic, check_attention_backend, stack_layers, trunk_name,
+                                 unstack_layers)
 from jaxppo.trainer_config import TrainerConfig
 
 __all__ = ["Assembly", "assemble", "load_model", "critic_from", "LogitsOf", "describe_model", "qualified_name",
@@ -194,7 +195,7 @@ def assemble(config: PPOConfig, tc: TrainerConfig, *, policy, reward_model=None,
     With LoRA (`lora`, `lora_init`, or a given policy Model that has adapters) the base
     weights are frozen (held in `dtype`, loaded from a checkpoint), only the adapters (and
     a critic) are trained, and the reference is the policy with its adapters off."""
-    _check_arguments(config, tc, critic, lora, lora_init)
+    _check_arguments(config, tc, critic, lora, lora_init, dtype)
     ref_dtype, reward_dtype = ref_dtype or dtype, reward_dtype or dtype
     policy_model, policy_params = _load_policy(policy, tc, dtype, remat, scan_layers, logits_chunk_size, lora,
                                                lora_init)
@@ -203,10 +204,12 @@ def assemble(config: PPOConfig, tc: TrainerConfig, *, policy, reward_model=None,
     reward = reward_params = None
     if reward_model is not None:
         reward, reward_params = load_model(reward_model, "reward", reward_dtype, scan_layers=scan_layers)
+        reward = _with_attention(reward, tc)
         if reward.kind != "reward":
             raise ValueError(f"reward_model must be of kind 'reward', got {reward.kind!r}")
     policy_model, apply_fn, params, params_key, critic_text = _trained(
         config, tc, policy_model, policy_params, critic, reward, reward_params, dtype, remat, scan_layers)
+    check_attention_backend([policy_model, ref_model, reward, getattr(apply_fn, "critic", None)])
     freeze = None
     if policy_model.lora is not None:  # only the adapters (and the critic or value head) train
         base = ("params",) if params_key is None else (params_key, "params")
@@ -225,8 +228,14 @@ def assemble(config: PPOConfig, tc: TrainerConfig, *, policy, reward_model=None,
                     description, freeze, ref_is_policy)
 
 
-def _check_arguments(config: PPOConfig, tc: TrainerConfig, critic, lora, lora_init):
+def _check_arguments(config: PPOConfig, tc: TrainerConfig, critic, lora, lora_init, dtype):
     """Errors in the model arguments, before any weights load."""
+    if tc.attention == "cudnn":
+        if jnp.dtype(dtype).name not in ("bfloat16", "float16"):
+            raise ValueError(f"TrainerConfig.attention='cudnn' needs a bfloat16 or float16 compute dtype (cuDNN's flash "
+                             f"attention takes no float32), got dtype={jnp.dtype(dtype).name!r}; use dtype='bfloat16', "
+                             "or attention='xla'")
+        check_attention_backend([tc.attention])
     if lora is not None and not isinstance(lora, LoraConfig):
         raise TypeError(f"lora must be a jaxppo.models.LoraConfig or None, got {type(lora).__name__}")
     if lora_init is not None:
@@ -254,6 +263,9 @@ def _load_policy(policy, tc: TrainerConfig, dtype, remat, scan_layers, logits_ch
         policy_model = dataclasses.replace(policy_model, remat=remat)
     if logits_chunk_size is not None:
         policy_model = dataclasses.replace(policy_model, logits_chunk_size=logits_chunk_size)
+    policy_model = _with_attention(policy_model, tc)
+    if tc.hoist_layers:
+        policy_model = dataclasses.replace(policy_model, hoist_layers=True)
     if policy_model.kind != "causal_lm":
         policy_model = dataclasses.replace(policy_model, kind="causal_lm")
         policy_params = {**policy_params,
@@ -282,6 +294,7 @@ def _reference(config: PPOConfig, tc: TrainerConfig, policy_model, policy_params
         ref_model = dataclasses.replace(policy_model, dtype=ref_dtype, param_dtype=ref_dtype)
         return ref_model, copy_as(policy_params, ref_dtype), False
     ref_model, ref_params = load_model(ref_policy, "causal_lm", ref_dtype, scan_layers=scan_layers)
+    ref_model = _with_attention(ref_model, tc)
     if logits_chunk_size is not None:
         ref_model = dataclasses.replace(ref_model, logits_chunk_size=logits_chunk_size)
     return ref_model, ref_params, False
@@ -302,6 +315,7 @@ def _trained(config: PPOConfig, tc: TrainerConfig, policy_model, policy_params, 
         return policy_model, policy_model.apply, params, None, "shared trunk"
     if critic is not None:
         critic_model, critic_params = load_model(critic, "value", dtype, "float32", scan_layers)
+        critic_model = _with_attention(critic_model, tc)
         if critic_model.kind != "value":
             critic_model, critic_params = critic_from(critic_model, critic_params, zero_head=False)
     elif reward is not None:
@@ -313,6 +327,11 @@ def _trained(config: PPOConfig, tc: TrainerConfig, policy_model, policy_params, 
     critic_text = describe_model(critic, None, dtype) if critic is not None else "default"
     return (policy_model, PolicyAndCritic(policy_model, critic_model), {"policy": policy_params, "critic": critic_params},
             "policy", critic_text)
+
+
+def _with_attention(model: Model, tc: TrainerConfig) -> Model:
+    """`model` with the run's `attention` (TrainerConfig.attention; None keeps its own)."""
+    return model if tc.attention is None else dataclasses.replace(model, attention=tc.attention)
 
 
 def prompts_digest(prompts) -> dict:

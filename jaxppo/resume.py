@@ -26,6 +26,7 @@ _PPO_FREE = ("pack_sequences", "pack_streams", "pack_length")
 _FREE = {"output_dir", "resume", "progress", "log_every", "sample_every", "num_samples", "tensorboard", "plot",
          "export_final", "keep_checkpoints", "checkpoint_every", "iterations", "total_episodes",
          "num_slots",  # the sampler's engine: the same tokens either way
+         "attention", "hoist_layers",  # how attention and decoding compute: the same results up to rounding
          "environment_workers"}  # threads stepping environments: the same episodes either way
 # Recorded only when a run differs from their defaults, so runs saved before they existed
 # still resume.

@@ -9,6 +9,7 @@ from typing import Optional
 
 from jaxppo.kl import check_kl_estimator
 from jaxppo.config import is_int
+from jaxppo.models.transformer import ATTENTION
 
 __all__ = ["TrainerConfig"]
 
@@ -41,6 +42,15 @@ class TrainerConfig:
       "vllm": vLLM in this process, the policy's weights pushed into it after every update
       (`jaxppo.vllm_engine`; its log-probs are the rollout's sampler log-probs, which
       `PPOConfig.rollout_correction` corrects for); one device, single-turn rollouts).
+    Models: attention (None: each model as given, `Model.attention`, "einsum" by default;
+      "einsum", "xla" or "cudnn": every model of the run computes attention over whole
+      sequences that way, `jaxppo.models.Model`; "cudnn" is cuDNN's flash attention on
+      NVIDIA GPUs, for bfloat16/float16 `dtype`; the same results up to rounding, so it
+      may change between a run and its resume); hoist_layers (with scanned layers, the
+      sampler slices each layer's weights out once per call instead of at every decode
+      step: faster sampling for a second copy of the weights while sampling,
+      `Model.hoist_layers`; the unrolled layout's tokens, equal up to rounding, so it too
+      may change on resume).
     Environments (multi-turn episodes; used only with `Trainer(environment=...)`, see
       `jaxppo.environments`): max_turns (model turns per episode at most); turn_length
       (tokens per model turn at most; None: the rest of the response budget);
@@ -101,6 +111,8 @@ class TrainerConfig:
     dynamic_sampling: bool = False
     dynamic_sampling_rounds: int = 3
     rollout_engine: str = "jaxppo"
+    attention: Optional[str] = None
+    hoist_layers: bool = False
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -155,6 +167,9 @@ class TrainerConfig:
                                                                                       and timeout > 0):
             raise ValueError(f"TrainerConfig.environment_timeout={timeout!r} is invalid: it must be a finite number of "
                              "seconds > 0")
+        if self.attention is not None and self.attention not in ATTENTION:
+            raise ValueError(f"TrainerConfig.attention={self.attention!r} is invalid; valid: None (each model as "
+                             f"given), {', '.join(map(repr, ATTENTION))}")
         if self.rollout_engine not in ("jaxppo", "vllm"):
             raise ValueError(f"TrainerConfig.rollout_engine={self.rollout_engine!r} is invalid; valid: 'jaxppo' (the "
                              "built-in sampler) or 'vllm' (vLLM in this process)")

@@ -299,6 +299,15 @@ CASES = [
      r"rollout_engine='vllm' samples single-turn rollouts; multi-turn episodes"),
     ("vllm not installed", lambda ctx: _without_vllm(lambda: small_trainer(ctx["tmp"], rollout_engine="vllm")),
      ImportError, r"rollout_engine='vllm' needs vLLM in this environment: pip install 'jaxppo\[vllm\]'"),
+    # how attention is computed (Model.attention, TrainerConfig.attention)
+    ("unknown attention", lambda ctx: jaxppo.TrainerConfig(attention="flash"), ValueError,
+     r"TrainerConfig.attention='flash' is invalid; valid: None \(each model as given\), 'einsum', 'xla', 'cudnn'"),
+    ("cudnn attention in float32", lambda ctx: small_trainer(ctx["tmp"], attention="cudnn"), ValueError,
+     r"TrainerConfig.attention='cudnn' needs a bfloat16 or float16 compute dtype .* got dtype='float32'"),
+    ("cudnn attention with an odd head size", lambda ctx: jm.Model(jm.ModelConfig(
+        model_type="llama", vocab_size=64, hidden_size=36, num_layers=1, num_heads=3, num_kv_heads=3,
+        intermediate_size=64, max_position_embeddings=32), dtype="bfloat16", attention="cudnn"), ValueError,
+     r"Model.attention='cudnn' needs a head size that is a multiple of 8 and at most 256 .* this model's is 12"),
     ("query mask right-padded", lambda ctx: jaxppo.check_rollout(
         _rollout(query_mask=jnp.asarray(np.tile([1, 1, 0, 0], (16, 1)), jnp.int32)),
         jaxppo.PPOConfig(batch_size=16, mini_batch_size=8)), ValueError,

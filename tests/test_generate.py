@@ -218,3 +218,40 @@ def test_shared_prefixes_refuse_groups_that_differ(tiny):
         jm.generate(model, params, ids, mask, jax.random.key(0), response_length=4, num_generations=2)
     with pytest.raises(ValueError, match="num_generations=3 must divide the batch of 4"):
         jm.generate(model, params, ids, mask, jax.random.key(0), response_length=4, num_generations=3)
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(greedy=True, num_generations=2)], ids=["sample", "greedy-groups"])
+def test_hoisted_layers_decode_as_the_unrolled_layout(tiny, kwargs):
+    """`Model.hoist_layers`: a scanned model's samplers slice each layer's weights out once
+    and decode through the unrolled layers: bit for bit the unrolled layout's tokens,
+    log-probs and mask (static sampler and continuous engine alike)."""
+    from jaxppo.models.continuous import generate_continuous
+
+    model, params = tiny
+    config = jm.ModelConfig(**{**model.config.__dict__, "num_layers": 2})
+    unrolled = jm.Model(config)
+    params = unrolled.init(jax.random.key(1))
+    scanned = jm.Model(config, scan_layers=True, hoist_layers=True)
+    stacked = jm.stack_layers(params, config)
+    ids, mask = _prompts(4, q=6, seed=7)
+    ids, mask = jnp.repeat(ids[::2], 2, axis=0), jnp.repeat(mask[::2], 2, axis=0)  # groups of two rows
+    settings = dict(response_length=9, stop_token_ids=(2,), **kwargs)
+    want = jm.generate(unrolled, params, ids, mask, jax.random.key(3), **settings)
+    got = jm.generate(scanned, stacked, ids, mask, jax.random.key(3), **settings)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    settings.pop("num_generations", None)
+    want = generate_continuous(unrolled, params, ids, mask, jax.random.key(5), num_slots=3, **settings)
+    got = generate_continuous(scanned, stacked, ids, mask, jax.random.key(5), num_slots=3, **settings)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # The hoisted sampler's program decodes layer by layer: no loop over the stacked layers.
+    text = generate_jit.lower(scanned, stacked, ids, mask, jax.random.key(3), jnp.float32(1.0), jnp.float32(1.0),
+                              response_length=9, top_k=None, use_top_p=False, greedy=False, stop_token_ids=(2,),
+                              pad_token_id=0, early_stop=False).as_text()
+    plain = generate_jit.lower(jm.Model(config, scan_layers=True), stacked, ids, mask, jax.random.key(3),
+                               jnp.float32(1.0), jnp.float32(1.0), response_length=9, top_k=None, use_top_p=False,
+                               greedy=False, stop_token_ids=(2,), pad_token_id=0, early_stop=False).as_text()
+    assert text.count("stablehlo.while") < plain.count("stablehlo.while")
+    with pytest.raises(ValueError, match="Model.hoist_layers='yes' is invalid; use True or False"):
+        jm.Model(config, hoist_layers="yes")

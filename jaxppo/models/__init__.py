@@ -8,9 +8,9 @@ from jaxppo.models.lora import LoraConfig
 from jaxppo.models.adapters import add_lora, merge_lora
 from jaxppo.models.peft import load_peft_adapter, save_peft_adapter
 from jaxppo.models.hf import from_pretrained, params_from_hf_tensors, params_to_hf_tensors, save_pretrained
-from jaxppo.models.model import KINDS, Model, PolicyAndCritic, stack_layers, unstack_layers
+from jaxppo.models.model import KINDS, Model, PolicyAndCritic, check_attention_backend, stack_layers, unstack_layers
 from jaxppo.models.tokenizer import decode_responses, encode_prompts, load_tokenizer
-from jaxppo.models.transformer import default_positions
+from jaxppo.models.transformer import ATTENTION, default_positions
 
 __all__ = [
     "ModelConfig",
@@ -36,4 +36,6 @@ __all__ = [
     "encode_prompts",
     "decode_responses",
     "default_positions",
+    "ATTENTION",
+    "check_attention_backend",
 ]

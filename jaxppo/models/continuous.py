@@ -37,6 +37,7 @@ __all__ = ["generate_continuous", "continuous_jit"]
 def continuous_jit(model, params, prompt_ids, prompt_mask, key, temperature, top_p, max_lengths=None, *,
                    response_length, num_slots, top_k, use_top_p, greedy, stop_token_ids, pad_token_id):
     """The compiled engine behind `generate_continuous`."""
+    model, params = model.for_decoding(params)  # `Model.hoist_layers`
     n, q = prompt_ids.shape
     r, s = response_length, num_slots
     prompt_mask = prompt_mask.astype(jnp.int32)

@@ -115,6 +115,7 @@ def generate_jit(model, params, prompt_ids, prompt_mask, key, temperature, top_p
                  num_generations=1):
     """The compiled sampler behind `generate` (static: the model and every size and
     switch), for ahead-of-time lowering (`generate_jit.lower(...)`) and compile counts."""
+    model, params = model.for_decoding(params)  # `Model.hoist_layers`
     b, q = prompt_ids.shape
     r = response_length
     kv_mask = jnp.concatenate([prompt_mask.astype(jnp.int32), jnp.zeros((b, r), jnp.int32)], axis=1)

@@ -22,9 +22,9 @@ import jax.numpy as jnp
 from jaxppo.models.config import ModelConfig
 from jaxppo.models.heads import LMHead, token_logprobs
 from jaxppo.models.lora import LoraConfig
-from jaxppo.models.transformer import CausalLMModule, ScoreModule, default_positions
+from jaxppo.models.transformer import ATTENTION, CausalLMModule, ScoreModule, default_positions
 
-__all__ = ["Model", "KINDS", "PolicyAndCritic", "stack_layers", "unstack_layers"]
+__all__ = ["Model", "KINDS", "PolicyAndCritic", "stack_layers", "unstack_layers", "check_attention_backend"]
 
 KINDS = ("causal_lm", "causal_lm_value", "reward", "value")
 # The compute and storage dtypes a model may use (by name).
@@ -38,6 +38,33 @@ def _dtype_name(dtype) -> str:
 # Rematerialisation policies by name (`jax.checkpoint_policies`): what a block keeps from its
 # forward pass for the backward pass; the rest is recomputed.
 REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", "everything_saveable")
+
+
+def _check_attention(model: "Model"):
+    """`Model.attention` is one of `ATTENTION`; "cudnn" with a compute dtype and head size
+    cuDNN's flash attention takes. (Whether a GPU is there is checked where a run starts:
+    `check_attention_backend`.)"""
+    if model.attention not in ATTENTION:
+        raise ValueError(f"Model.attention={model.attention!r} is invalid; valid: {', '.join(map(repr, ATTENTION))}")
+    if model.attention != "cudnn":
+        return
+    if model.dtype not in ("bfloat16", "float16"):
+        raise ValueError(f"Model.attention='cudnn' needs a bfloat16 or float16 compute dtype (cuDNN's flash attention "
+                         f"takes no float32), got dtype={model.dtype!r}; use dtype='bfloat16', or attention='xla'")
+    head_dim = model.config.head_dim
+    if head_dim % 8 or head_dim > 256:
+        raise ValueError(f"Model.attention='cudnn' needs a head size that is a multiple of 8 and at most 256 (at most "
+                         f"128 before Hopper GPUs); this model's is {head_dim}; use attention='xla'")
+
+
+def check_attention_backend(models):
+    """Refuse attention="cudnn" (among `models`: Models, others ignored, or attention
+    names) where JAX's default backend is not a GPU, before anything compiles (cuDNN would
+    fail only when a program is traced)."""
+    names = [m.attention if isinstance(m, Model) else m for m in models]
+    if "cudnn" in names and jax.default_backend() != "gpu":
+        raise ValueError(f"attention='cudnn' (cuDNN flash attention) needs an NVIDIA GPU; JAX's backend here is "
+                         f"{jax.default_backend()!r}. Use attention='xla' or 'einsum'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +93,20 @@ class Model:
       `jm.add_lora` / `jm.load_peft_adapter` make them; `save_pretrained` writes the
       merged weights, `jm.save_peft_adapter` the adapters alone.
     adapters: with `lora`, whether the adapters are applied. False is the base model on
-      the same variables: the reference policy of a LoRA run, with no second copy."""
+      the same variables: the reference policy of a LoRA run, with no second copy.
+    attention: how attention over a whole sequence (training, scoring, the prefill) is
+      computed: "einsum" (jaxppo's own, the default), "xla" or "cudnn"
+      (`jax.nn.dot_product_attention` with that implementation; "cudnn" is cuDNN's fused
+      flash attention on NVIDIA GPUs and needs a bfloat16 or float16 `dtype` and a head
+      size that is a multiple of 8, at most 256). Decode steps always use "einsum". The
+      same outputs and gradients up to rounding.
+    hoist_layers: with `scan_layers`, the samplers (`generate`, `generate_continuous`)
+      slice each layer's weights out of the stacked arrays once per call and decode
+      through the unrolled layers, instead of slicing every layer at every decode step
+      inside the layer scan. Faster decoding (`benchmarks/generation.py --layouts`), for
+      a second copy of the weights held while sampling and a decode step compiled per
+      layer. The tokens are the unrolled layout's, which equal the scanned layout's up to
+      rounding. No effect without `scan_layers` or outside the samplers."""
 
     config: ModelConfig
     kind: str = "causal_lm"
@@ -77,6 +117,8 @@ class Model:
     logits_chunk_size: Optional[int] = None
     lora: Optional[LoraConfig] = None
     adapters: bool = True
+    attention: str = "einsum"
+    hoist_layers: bool = False
 
     def __post_init__(self):
         if self.remat == "full":
@@ -84,8 +126,9 @@ class Model:
         if not isinstance(self.remat, bool) and self.remat not in REMAT_POLICIES:
             raise ValueError(f"Model.remat={self.remat!r} is invalid; valid: False, True (or 'full'), or a policy "
                              f"name: {', '.join(REMAT_POLICIES)}")
-        if not isinstance(self.scan_layers, bool):
-            raise ValueError(f"Model.scan_layers={self.scan_layers!r} is invalid; use True or False")
+        for flag in ("scan_layers", "hoist_layers"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"Model.{flag}={getattr(self, flag)!r} is invalid; use True or False")
         k = self.logits_chunk_size
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k <= 0):
             raise ValueError(f"Model.logits_chunk_size={k!r} is invalid; use None (no chunking) or a positive int")
@@ -100,15 +143,23 @@ class Model:
             if name not in DTYPES:
                 raise ValueError(f"Model.{field}={name!r} is invalid; use {', '.join(DTYPES[:-1])} or {DTYPES[-1]}")
             object.__setattr__(self, field, name)
+        _check_attention(self)
 
     @property
     def module(self):
         common = dict(config=self.config, dtype=jnp.dtype(self.dtype), param_dtype=jnp.dtype(self.param_dtype), remat=self.remat,
-                      scan_layers=self.scan_layers, lora=self.lora, adapters=self.adapters)
+                      scan_layers=self.scan_layers, lora=self.lora, adapters=self.adapters, attention=self.attention)
         if self.kind in ("causal_lm", "causal_lm_value"):
             return CausalLMModule(with_value_head=self.kind == "causal_lm_value", **common)
         return ScoreModule(num_labels=self.config.num_labels if self.kind == "reward" else 1,
                            zero_init=self.kind == "value", **common)
+
+    def for_decoding(self, params):
+        """(model, params) the samplers decode with: with `hoist_layers` and scanned layers,
+        the unrolled layout, its per-layer weights sliced out here once; else as they are."""
+        if self.hoist_layers and self.scan_layers:
+            return dataclasses.replace(self, scan_layers=False), unstack_layers(params, self.config)
+        return self, params
 
     @property
     def is_causal_lm(self) -> bool:

@@ -33,7 +33,14 @@ from jaxppo.models.config import ModelConfig
 from jaxppo.models.heads import softcap
 from jaxppo.models.lora import LoraConfig, LoraDense
 
-__all__ = ["Transformer", "CausalLMModule", "ScoreModule", "rope_inv_freq", "default_positions"]
+__all__ = ["Transformer", "CausalLMModule", "ScoreModule", "rope_inv_freq", "default_positions", "ATTENTION"]
+
+# How attention over a whole sequence is computed (training, scoring, the prefill):
+# "einsum", jaxppo's own two einsums around a float32 softmax (the default); "xla" and
+# "cudnn", `jax.nn.dot_product_attention` with that implementation ("cudnn": cuDNN's fused
+# flash attention on NVIDIA GPUs, for bfloat16/float16 compute). A decode step (one query
+# token per row, over the KV cache) always uses "einsum".
+ATTENTION = ("einsum", "xla", "cudnn")
 
 
 def default_positions(attention_mask):
@@ -79,10 +86,17 @@ def _apply_rope(x, positions, inv_freq):
     return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
-def _attention(q, k, v, mask, dtype, scale_dim=None):
+def _attention(q, k, v, mask, dtype, scale_dim=None, impl="einsum"):
     """q (B, Lq, H, D), k/v (B, Lk, KV, D), mask (B, Lq, Lk) bool -> (B, Lq, H * D).
-    Scores are scaled by 1 / sqrt(scale_dim or D)."""
-    return _attention_over(q, ((k, v, mask),), dtype, scale_dim)
+    Scores are scaled by 1 / sqrt(scale_dim or D). `impl`: see `ATTENTION` (one query token
+    always takes "einsum")."""
+    if impl == "einsum" or q.shape[1] == 1:
+        return _attention_over(q, ((k, v, mask),), dtype, scale_dim)
+    b, lq, h, d = q.shape
+    q = q.astype(dtype)
+    out = jax.nn.dot_product_attention(q, k.astype(dtype), v.astype(dtype), mask=mask[:, None],
+                                       scale=1.0 / math.sqrt(scale_dim or d), implementation=impl)
+    return out.reshape(b, lq, h * d)
 
 
 def _attention_over(q, parts, dtype, scale_dim=None):
@@ -149,7 +163,7 @@ class NewKV(NamedTuple):
     v: jax.Array
 
 
-def _attend_with_cache(q, k, v, layer_cache, cache_index, mask, dtype, scale_dim=None):
+def _attend_with_cache(q, k, v, layer_cache, cache_index, mask, dtype, scale_dim=None, impl="einsum"):
     """Attention of the new tokens' q/k/v (B, Lq, ...), given a layer's cache:
     None (no cache: attend over k/v), a (k, v) pair of buffers (write the new k/v at slot
     `cache_index` and attend over the buffers; returns them), or a `NewKV` (attend over
@@ -157,18 +171,18 @@ def _attend_with_cache(q, k, v, layer_cache, cache_index, mask, dtype, scale_dim
     mask (B, Lq, Lk) is over the cache's slots (or over k/v without a cache).
     Returns (out (B, Lq, H * D), what goes back into the cache)."""
     if layer_cache is None:
-        return _attention(q, k, v, mask, dtype, scale_dim), None
+        return _attention(q, k, v, mask, dtype, scale_dim, impl), None
     if isinstance(layer_cache, NewKV):
         lk, lq = mask.shape[-1], q.shape[1]
         old = mask & (jnp.arange(lk)[None, None, :] < _per_row(cache_index))
         new = _slice_slots(mask, cache_index, lq)
         k, v = k.astype(layer_cache.k.dtype), v.astype(layer_cache.v.dtype)
         if isinstance(cache_index, int) and cache_index == 0:  # a prefill: no old slots to attend to
-            return _attention(q, k, v, new, dtype, scale_dim), (k, v)
+            return _attention(q, k, v, new, dtype, scale_dim, impl), (k, v)
         out = _attention_over(q, ((layer_cache.k, layer_cache.v, old), (k, v, new)), dtype, scale_dim)
         return out, (k, v)
     k, v = (write_slots(layer_cache[0], k, cache_index, axis=1), write_slots(layer_cache[1], v, cache_index, axis=1))
-    return _attention(q, k, v, mask, dtype, scale_dim), (k, v)
+    return _attention(q, k, v, mask, dtype, scale_dim, impl), (k, v)
 
 
 def _per_row(cache_index):
@@ -209,6 +223,7 @@ class GPT2Block(nn.Module):
     param_dtype: Any
     lora: Optional[LoraConfig] = None
     adapters: bool = True
+    attention: str = "einsum"
 
     @nn.compact
     def __call__(self, x, masks, positions, layer_cache, cache_index, sliding=False):
@@ -221,7 +236,8 @@ class GPT2Block(nn.Module):
         qkv = dense(3 * c.hidden_size, "c_attn")(h)
         q, k, v = jnp.split(qkv.reshape(b, l, 3, c.num_heads, c.head_dim), 3, axis=2)
         q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]
-        attn, layer_cache = _attend_with_cache(q, k, v, layer_cache, cache_index, mask, self.dtype)
+        attn, layer_cache = _attend_with_cache(q, k, v, layer_cache, cache_index, mask, self.dtype,
+                                               impl=self.attention)
         x = x + dense(c.hidden_size, "c_proj")(attn)
         h = ln("ln_2")(x)
         h = dense(c.intermediate_size, "c_fc")(h)
@@ -239,6 +255,7 @@ class LlamaBlock(nn.Module):
     param_dtype: Any
     lora: Optional[LoraConfig] = None
     adapters: bool = True
+    attention: str = "einsum"
 
     @nn.compact
     def __call__(self, x, masks, positions, layer_cache, cache_index, sliding=False):
@@ -259,7 +276,7 @@ class LlamaBlock(nn.Module):
         k = _apply_rope(k, positions, inv_freq)
         mask = masks[0] if masks[1] is None else jnp.where(sliding, masks[1], masks[0])
         attn, layer_cache = _attend_with_cache(q, k, v, layer_cache, cache_index, mask, self.dtype,
-                                               c.query_pre_attn_scalar)
+                                               c.query_pre_attn_scalar, self.attention)
         attn = proj(c.hidden_size, c.o_proj_bias, "o_proj")(attn)
         act = _activation(c.activation)
         mlp = lambda h: proj(c.hidden_size, c.mlp_bias, "down_proj")(
@@ -288,6 +305,7 @@ class Transformer(nn.Module):
     scan_layers: bool = False
     lora: Optional[LoraConfig] = None  # adapters on the blocks' linear layers (see jaxppo.models.lora)
     adapters: bool = True  # with `lora`: apply them (False: the base model)
+    attention: str = "einsum"  # see ATTENTION
 
     @nn.compact
     def __call__(self, input_ids, attention_mask, positions, cache=None, cache_index=0, segment_ids=None):
@@ -329,7 +347,7 @@ class Transformer(nn.Module):
             stack = nn.scan(block_cls, variable_axes={"params": 0, "lora": 0}, split_rngs={"params": True},
                             in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast, 0), length=c.num_layers)
             layer_cache = None if cache is None else NewKV(*cache)
-            x, new_kv = stack(c, self.dtype, self.param_dtype, self.lora, self.adapters, name=prefix)(
+            x, new_kv = stack(c, self.dtype, self.param_dtype, self.lora, self.adapters, self.attention, name=prefix)(
                 x, masks, positions, layer_cache, cache_index, jnp.asarray(sliding))
             new_cache = None
             if cache is not None:  # the new tokens' k/v of every layer, written in place
@@ -337,7 +355,8 @@ class Transformer(nn.Module):
         else:
             new_cache = []
             for i in range(c.num_layers):
-                block = block_cls(c, self.dtype, self.param_dtype, self.lora, self.adapters, name=f"{prefix}_{i}")
+                block = block_cls(c, self.dtype, self.param_dtype, self.lora, self.adapters, self.attention,
+                                  name=f"{prefix}_{i}")
                 x, layer_cache = block(x, masks, positions, None if cache is None else cache[i], cache_index, sliding[i])
                 new_cache.append(layer_cache)
             new_cache = tuple(new_cache) if cache is not None else None
@@ -363,13 +382,14 @@ class CausalLMModule(nn.Module):
     with_value_head: bool = False
     lora: Optional[LoraConfig] = None
     adapters: bool = True
+    attention: str = "einsum"
 
     @nn.compact
     def __call__(self, input_ids, attention_mask, positions, cache=None, cache_index=0, return_hidden=False,
                  segment_ids=None):
         c = self.config
         trunk = Transformer(c, self.dtype, self.param_dtype, self.remat, self.scan_layers, self.lora, self.adapters,
-                            name="transformer" if c.model_type == "gpt2" else "model")
+                            self.attention, name="transformer" if c.model_type == "gpt2" else "model")
         hidden, cache, table = trunk(input_ids, attention_mask, positions, cache, cache_index, segment_ids)
         values = None
         if self.with_value_head:
@@ -399,12 +419,13 @@ class ScoreModule(nn.Module):
     zero_init: bool = False
     lora: Optional[LoraConfig] = None
     adapters: bool = True
+    attention: str = "einsum"
 
     @nn.compact
     def __call__(self, input_ids, attention_mask, positions, segment_ids=None):
         c = self.config
         trunk = Transformer(c, self.dtype, self.param_dtype, self.remat, self.scan_layers, self.lora, self.adapters,
-                            name="transformer" if c.model_type == "gpt2" else "model")
+                            self.attention, name="transformer" if c.model_type == "gpt2" else "model")
         hidden, _, _ = trunk(input_ids, attention_mask, positions, segment_ids=segment_ids)
         init = nn.initializers.zeros if self.zero_init else nn.initializers.normal(0.02)
         return nn.Dense(self.num_labels, use_bias=False, dtype=jnp.float32, param_dtype=self.param_dtype,
