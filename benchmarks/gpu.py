@@ -8,8 +8,12 @@ weights (no downloads); the shapes and the compiled programs are those of the re
     python benchmarks/gpu.py --tiny               # a 2-layer, small-vocab smoke run (CPU)
 
 MFU = model FLOPs (`layouts.train_flops` / `decode_flops`) / time / --peak-tflops (default
-989, the H100/H200 SXM dense bf16 datasheet figure). Each section is timed after a warm-up
-call; a failing section is reported and the rest still run.
+989, the H100/H200 SXM dense bf16 datasheet figure); for sampling also HBM % = bytes a
+decode must read (`layouts.decode_bytes`) / time / --peak-tbps (default 4.8, H200). The
+sections cover the plain and the hoisted sampler (`hoist_layers`) at --batch and 4 x
+--batch rows, and the update with cuDNN flash attention (`attention="cudnn"`). Each
+section is timed after a warm-up call; a failing section is reported and the rest still
+run.
 """
 
 from __future__ import annotations
@@ -78,7 +82,11 @@ def bench_train(config, setup, batch, mini, q, r, repeats, peak):
             "program_gib": _program_gib(compiled)}
 
 
-def bench_generate(config, setup, batch, q, r, repeats, peak):
+def bench_generate(config, setup, batch, q, r, repeats, peak, peak_bw=None):
+    """`generate_jit` compiled once, then timed. With `peak_bw` (bytes/s) also the decode's
+    HBM-bandwidth utilisation: `layouts.decode_bytes` (weights read once per step in the
+    compute dtype, the KV cache of the attended slots) / generate time / peak (the prefill
+    is counted in the time, not in the bytes: a lower bound)."""
     policy, _ = setup.models(config)
     params = jax.jit(lambda: policy.init(jax.random.key(0), seq_len=2))()
     rng = np.random.default_rng(0)
@@ -93,8 +101,12 @@ def bench_generate(config, setup, batch, q, r, repeats, peak):
     call = lambda key: compiled(params, ids, mask, key, one, one).tokens
     seconds, _ = _timed(lambda: call(jax.random.key(1)), repeats)
     flops = layouts.decode_flops(config, batch, q, r)
-    return {"first_call_s": first_s, "generate_s": seconds, "tokens_per_s": batch * r / seconds,
-            "mfu": flops / seconds / (peak * 1e12), "program_gib": _program_gib(compiled)}
+    out = {"first_call_s": first_s, "generate_s": seconds, "tokens_per_s": batch * r / seconds,
+           "mfu": flops / seconds / (peak * 1e12), "program_gib": _program_gib(compiled)}
+    if peak_bw:
+        size = jnp.dtype(setup.dtype).itemsize
+        out["hbm_util"] = layouts.decode_bytes(config, batch, q, r, size, size) / seconds / peak_bw
+    return out
 
 
 def _even_token_reward(prompt_ids, prompt_mask, response_ids, response_mask):
@@ -165,6 +177,7 @@ def main(argv=None):
     p.add_argument("--response", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--peak-tflops", type=float, default=989.0)
+    p.add_argument("--peak-tbps", type=float, default=4.8, help="HBM bandwidth, TB/s (H200: 4.8; H100 SXM: 3.35)")
     p.add_argument("--budget-s", type=float, default=420.0, help="skip the sections left once this much time passed")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
@@ -188,7 +201,16 @@ def main(argv=None):
             args.response, args.repeats, args.peak_tflops)),
         ("generate bf16 scan", functools.partial(
             bench_generate, config, layouts.Setup("bfloat16", True), args.batch, args.query, args.response,
-            args.repeats, args.peak_tflops)),
+            args.repeats, args.peak_tflops, args.peak_tbps * 1e12)),
+        ("generate bf16 scan hoisted", functools.partial(
+            bench_generate, config, layouts.Setup("bfloat16", True, hoist_layers=True), args.batch, args.query,
+            args.response, args.repeats, args.peak_tflops, args.peak_tbps * 1e12)),
+        ("generate bf16 scan hoisted 256 rows", functools.partial(
+            bench_generate, config, layouts.Setup("bfloat16", True, hoist_layers=True), 4 * args.batch, args.query,
+            args.response, args.repeats, args.peak_tflops, args.peak_tbps * 1e12)),
+        ("train bf16 scan remat chunk128 cudnn attention", functools.partial(
+            bench_train, config, layouts.Setup("bfloat16", True, True, 128, attention="cudnn"), args.batch,
+            args.mini_batch, args.query, args.response, args.repeats, args.peak_tflops)),
         ("trainer iteration bf16 scan remat chunk128", functools.partial(
             bench_trainer, config, layouts.Setup("bfloat16", True, True, 128), args.batch, args.mini_batch, args.query,
             args.response, 4 if not args.tiny else 2, args.peak_tflops)),
@@ -209,6 +231,9 @@ def main(argv=None):
         if time.perf_counter() - t0 > args.budget_s:
             results["sections"][name] = {"skipped": "time budget"}
             continue
+        if "cudnn" in name and jax.default_backend() != "gpu":
+            results["sections"][name] = {"skipped": "cuDNN attention needs an NVIDIA GPU"}
+            continue
         try:
             out = fn()
         except Exception as err:  # report and go on: one failing section must not lose the others
@@ -225,8 +250,10 @@ def main(argv=None):
             first = out.get("compile_s", out.get("first_call_s", out.get("first_iteration_s")))
             each = out.get("step_s", out.get("generate_s", out.get("iteration_s")))
             rows.append([name, f"{first:.1f}", f"{each:.3f}", f'{out["tokens_per_s"]:.0f}', f'{100 * out["mfu"]:.1f}',
+                         f'{100 * out["hbm_util"]:.1f}' if "hbm_util" in out else "",
                          f'{out.get("program_gib", float("nan")):.1f}'])
-    print_markdown(["section", "compile / first call (s)", "time per call (s)", "tokens/s", "MFU %", "program GiB"], rows)
+    print_markdown(["section", "compile / first call (s)", "time per call (s)", "tokens/s", "MFU %", "HBM %",
+                    "program GiB"], rows)
     print(f"total {time.perf_counter() - t0:.0f} s")
     return 0
 

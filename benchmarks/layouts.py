@@ -47,9 +47,12 @@ class Setup:
     scan_layers: bool = True
     remat: object = False
     logits_chunk_size: object = None
+    attention: str = "einsum"
+    hoist_layers: bool = False
 
     def models(self, config):
-        kw = dict(dtype=self.dtype, param_dtype="float32", remat=self.remat, scan_layers=self.scan_layers)
+        kw = dict(dtype=self.dtype, param_dtype="float32", remat=self.remat, scan_layers=self.scan_layers,
+                  attention=self.attention, hoist_layers=self.hoist_layers)
         return (Model(config, logits_chunk_size=self.logits_chunk_size, **kw), Model(config, kind="value", **kw))
 
 
@@ -127,6 +130,17 @@ def train_flops(config, batch, q, r, epochs=1):
     per_token_trunk = 6 * trunk_params(c) + 12 * c.num_layers * c.num_heads * c.head_dim * s
     head = 6 * c.hidden_size * c.vocab_size * r
     return epochs * batch * (2 * per_token_trunk * s + head)
+
+
+def decode_bytes(config, batch, q, r, weight_bytes=2, cache_bytes=2):
+    """HBM bytes the r decode steps of sampling must read at least: every weight once per
+    step (trunk, final norm aside, and the LM head, tied or not: hidden x vocab) at
+    `weight_bytes` each, plus the KV cache of the slots each step attends to (q + t at step
+    t, every layer's k and v) at `cache_bytes` each. The prefill is left out."""
+    c = config
+    weights = (trunk_params(c) + c.hidden_size * c.vocab_size) * weight_bytes
+    kv_per_slot = 2 * c.num_layers * c.num_kv_heads * c.head_dim * cache_bytes * batch
+    return sum(weights + kv_per_slot * (q + t) for t in range(r))
 
 
 def decode_flops(config, batch, q, r):
