@@ -255,3 +255,33 @@ def test_hoisted_layers_decode_as_the_unrolled_layout(tiny, kwargs):
     assert text.count("stablehlo.while") < plain.count("stablehlo.while")
     with pytest.raises(ValueError, match="Model.hoist_layers='yes' is invalid; use True or False"):
         jm.Model(config, hoist_layers="yes")
+
+
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "scanned"])
+def test_grouped_prompt_slots_are_kept_once_per_group(scan_layers):
+    """With groups the prefill keeps each prompt's slots once per group (`GroupedKV`) and a
+    decode step reads them once for the group's rows; on Gemma 3 with a sliding window
+    shorter than the prompt (so the window cuts into the shared slots) the tokens equal
+    those of prefilling every row."""
+    from jaxppo.models.generate import prefill
+    from jaxppo.models.transformer import GroupedKV
+
+    config = jm.ModelConfig(model_type="gemma3_text", vocab_size=V, hidden_size=16, num_layers=2, num_heads=2,
+                            num_kv_heads=1, intermediate_size=32, max_position_embeddings=64, eos_token_ids=(2,),
+                            pad_token_id=0, sliding_window=4, layer_types=("sliding_attention", "full_attention"))
+    model = jm.Model(config, scan_layers=scan_layers)
+    params = model.init(jax.random.key(2))
+    g = 3
+    ids, mask = _prompts(2, q=7, seed=9)
+    ids, mask = jnp.repeat(ids, g, axis=0), jnp.repeat(mask, g, axis=0)
+    cache, _ = prefill(model, params, ids, mask, 7 + 6, num_generations=g)
+    layers = [cache] if scan_layers else list(cache)
+    for layer in layers:
+        assert isinstance(layer, GroupedKV)
+        assert layer.prefix_k.shape[-4:-2] == (2, 7) and layer.k.shape[-4:-2] == (6, 6)  # (rows, slots)
+    settings = dict(response_length=6, stop_token_ids=(2,))
+    unshared = jm.generate(model, params, ids, mask, jax.random.key(4), **settings)
+    shared = jm.generate(model, params, ids, mask, jax.random.key(4), num_generations=g, **settings)
+    np.testing.assert_array_equal(np.asarray(shared.tokens), np.asarray(unshared.tokens))
+    np.testing.assert_array_equal(np.asarray(shared.mask), np.asarray(unshared.mask))
+    np.testing.assert_allclose(np.asarray(shared.logprobs), np.asarray(unshared.logprobs), rtol=0, atol=4e-6)

@@ -87,18 +87,19 @@ def step_keys(row_keys, t):
 def prefill(model, params, prompt_ids, prompt_mask, max_len: int, num_generations: int = 1):
     """The KV cache of `max_len` slots after the left-padded prompts, and the logits of each
     row's next token, (B, V). With `num_generations` G > 1 the rows come in groups of G
-    equal prompts (consecutive rows): each group's prompt is run once and its cache shared
-    by its G rows."""
+    equal prompts (consecutive rows): each group's prompt is run once, and its slots are
+    kept once and shared by its G rows (a `GroupedKV`: each decode step reads them once
+    per group), beside each row's own response slots."""
     b, g = prompt_ids.shape[0], num_generations
     ids, mask = (prompt_ids, prompt_mask) if g == 1 else (prompt_ids[::g], prompt_mask[::g])
-    cache = model.init_cache(ids.shape[0], max_len)
-    kv_mask = jnp.concatenate([mask.astype(jnp.int32), jnp.zeros((ids.shape[0], max_len - ids.shape[1]), jnp.int32)],
+    width = max_len if g == 1 else ids.shape[1]  # groups: the prompt slots only
+    cache = model.init_cache(ids.shape[0], width)
+    kv_mask = jnp.concatenate([mask.astype(jnp.int32), jnp.zeros((ids.shape[0], width - ids.shape[1]), jnp.int32)],
                               axis=1)
     # The LM head runs at the last prompt position only.
     logits, cache = model.decode(params, ids, kv_mask, default_positions(mask), cache, 0, last_only=True)
     if g > 1:
-        batch_axis = 1 if model.scan_layers else 0  # scanned caches lead with the layer axis
-        cache = jax.tree.map(lambda x: jnp.repeat(x, g, axis=batch_axis), cache)
+        cache = model.grouped_cache(cache, b, max_len - ids.shape[1])
         logits = jnp.repeat(logits, g, axis=0)
     assert logits.shape[0] == b
     # Left padding: the last slot holds every row's last prompt token.

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jaxppo.models.config import ModelConfig
 from jaxppo.models.heads import LMHead, token_logprobs
 from jaxppo.models.lora import LoraConfig
-from jaxppo.models.transformer import ATTENTION, CausalLMModule, ScoreModule, default_positions
+from jaxppo.models.transformer import ATTENTION, CausalLMModule, GroupedKV, ScoreModule, default_positions
 
 __all__ = ["Model", "KINDS", "PolicyAndCritic", "stack_layers", "unstack_layers", "check_attention_backend"]
 
@@ -243,6 +243,18 @@ class Model:
             shape = (c.num_layers,) + shape
             return jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)
         return tuple((jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)) for _ in range(c.num_layers))
+
+    def grouped_cache(self, prefix_cache, batch: int, response_len: int):
+        """A cache for `batch` rows in groups sharing a prompt (`GroupedKV`): `prefix_cache`,
+        an `init_cache`-shaped cache of the groups' prompt slots (after their prefill), kept
+        once per group, and zeroed response slots, `response_len` per row."""
+        c = self.config
+        shape = (batch, response_len, c.num_kv_heads, c.head_dim)
+        if self.scan_layers:
+            zeros = jnp.zeros((c.num_layers,) + shape, self.dtype)
+            return GroupedKV(prefix_cache[0], prefix_cache[1], zeros, zeros)
+        zeros = jnp.zeros(shape, self.dtype)
+        return tuple(GroupedKV(k, v, zeros, zeros) for k, v in prefix_cache)
 
     def decode(self, params, input_ids, attention_mask, positions, cache, cache_index, last_only=False):
         """Causal-LM forward of new tokens against a KV cache -> (logits (B, Lq, V), cache);

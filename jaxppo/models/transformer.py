@@ -33,7 +33,8 @@ from jaxppo.models.config import ModelConfig
 from jaxppo.models.heads import softcap
 from jaxppo.models.lora import LoraConfig, LoraDense
 
-__all__ = ["Transformer", "CausalLMModule", "ScoreModule", "rope_inv_freq", "default_positions", "ATTENTION"]
+__all__ = ["Transformer", "CausalLMModule", "ScoreModule", "rope_inv_freq", "default_positions", "ATTENTION",
+           "GroupedKV"]
 
 # How attention over a whole sequence is computed (training, scoring, the prefill):
 # "einsum", jaxppo's own two einsums around a float32 softmax (the default); "xla" and
@@ -102,14 +103,24 @@ def _attention(q, k, v, mask, dtype, scale_dim=None, impl="einsum"):
 def _attention_over(q, parts, dtype, scale_dim=None):
     """Attention of q (B, Lq, H, D) over the keys of several parts, each (k, v, mask) with
     k/v (B, Lk_i, KV, D) and mask (B, Lq, Lk_i): one softmax over all of them, as if the
-    parts were concatenated on the key axis (without copying them together)."""
+    parts were concatenated on the key axis (without copying them together). A part may be
+    (k, v, mask, G) with k/v (B/G, Lk_i, KV, D) and mask (B/G, Lq, Lk_i), shared by each
+    group of G consecutive rows: its keys are read once per group, not once per row."""
     b, lq, h, d = q.shape
     kv = parts[0][0].shape[2]
+    scale = math.sqrt(scale_dim or d)
     q = q.reshape(b, lq, kv, h // kv, d)
     scores = []
-    for k, _, mask in parts:
-        s = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) / math.sqrt(scale_dim or d)
-        scores.append(jnp.where(mask[:, None, None], s, jnp.finfo(jnp.float32).min))
+    for k, _, mask, *groups in parts:
+        if groups:  # the rows of a group as one block of queries against the group's keys
+            g = groups[0]
+            qg = q.reshape(b // g, g, lq, kv, h // kv, d)
+            s = jnp.einsum("bjqkhd,bskd->bjkhqs", qg, k, preferred_element_type=jnp.float32) / scale
+            s = jnp.where(mask[:, None, None, None], s, jnp.finfo(jnp.float32).min)
+            scores.append(s.reshape(b, kv, h // kv, lq, k.shape[1]))
+        else:
+            s = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) / scale
+            scores.append(jnp.where(mask[:, None, None], s, jnp.finfo(jnp.float32).min))
     if len(parts) == 1:
         probs = jax.nn.softmax(scores[0], axis=-1).astype(dtype)
         return jnp.einsum("bkgqs,bskd->bqkgd", probs, parts[0][1]).reshape(b, lq, h * d)
@@ -117,7 +128,15 @@ def _attention_over(q, parts, dtype, scale_dim=None):
     top = functools.reduce(jnp.maximum, [jnp.max(s, axis=-1, keepdims=True) for s in scores])
     exps = [jnp.exp(s - top) for s in scores]
     total = sum(jnp.sum(e, axis=-1, keepdims=True) for e in exps)
-    out = sum(jnp.einsum("bkgqs,bskd->bqkgd", (e / total).astype(dtype), v) for e, (_, v, _) in zip(exps, parts))
+    out = 0
+    for e, (_, v, _, *groups) in zip(exps, parts):
+        probs = (e / total).astype(dtype)
+        if groups:
+            g = groups[0]
+            probs = probs.reshape(b // g, g, kv, h // kv, lq, v.shape[1])
+            out = out + jnp.einsum("bjkhqs,bskd->bjqkhd", probs, v).reshape(b, lq, kv, h // kv, d)
+        else:
+            out = out + jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
     return out.reshape(b, lq, h * d)
 
 
@@ -163,15 +182,44 @@ class NewKV(NamedTuple):
     v: jax.Array
 
 
+class GroupedKV(NamedTuple):
+    """A layer's cache when rows come in groups of G consecutive rows with one prompt
+    (`generate(..., num_generations=G)`): the prompt's slots once per group, `prefix_k` /
+    `prefix_v` (B/G, P, KV, D), and each row's own response slots, `k` / `v` (B, R, KV, D);
+    the cache's slot s < P is a prompt slot, s >= P response slot s - P. Under the layer
+    scan each leaf leads with the layer axis. A decode step reads each group's prompt keys
+    and values once for its G rows (`_attention_over`'s grouped part), not once per row.
+    Blocks treat it as read only and return the new tokens' k/v, which `Transformer`
+    writes into the response slots."""
+
+    prefix_k: jax.Array
+    prefix_v: jax.Array
+    k: jax.Array
+    v: jax.Array
+
+
 def _attend_with_cache(q, k, v, layer_cache, cache_index, mask, dtype, scale_dim=None, impl="einsum"):
     """Attention of the new tokens' q/k/v (B, Lq, ...), given a layer's cache:
     None (no cache: attend over k/v), a (k, v) pair of buffers (write the new k/v at slot
     `cache_index` and attend over the buffers; returns them), or a `NewKV` (attend over
-    the old slots before `cache_index` and the new tokens; returns the new k/v only).
+    the old slots before `cache_index` and the new tokens; returns the new k/v only), or a
+    `GroupedKV` (attend over the group's prompt slots, the row's earlier response slots and
+    the new tokens; returns the new k/v only).
     mask (B, Lq, Lk) is over the cache's slots (or over k/v without a cache).
     Returns (out (B, Lq, H * D), what goes back into the cache)."""
     if layer_cache is None:
         return _attention(q, k, v, mask, dtype, scale_dim, impl), None
+    if isinstance(layer_cache, GroupedKV):
+        p, lq = layer_cache.prefix_k.shape[1], q.shape[1]
+        g = q.shape[0] // layer_cache.prefix_k.shape[0]
+        response = mask[:, :, p:]  # the rows' response slots
+        old = response & (jnp.arange(response.shape[-1])[None, None, :] < _per_row(cache_index - p))
+        new = _slice_slots(response, cache_index - p, lq)
+        k, v = k.astype(layer_cache.k.dtype), v.astype(layer_cache.v.dtype)
+        # A group's rows see the same prompt slots: its first row's mask stands for all.
+        parts = ((layer_cache.prefix_k, layer_cache.prefix_v, mask[::g, :, :p], g), (layer_cache.k, layer_cache.v, old),
+                 (k, v, new))
+        return _attention_over(q, parts, dtype, scale_dim), (k, v)
     if isinstance(layer_cache, NewKV):
         lk, lq = mask.shape[-1], q.shape[1]
         old = mask & (jnp.arange(lk)[None, None, :] < _per_row(cache_index))
@@ -183,6 +231,14 @@ def _attend_with_cache(q, k, v, layer_cache, cache_index, mask, dtype, scale_dim
         return out, (k, v)
     k, v = (write_slots(layer_cache[0], k, cache_index, axis=1), write_slots(layer_cache[1], v, cache_index, axis=1))
     return _attention(q, k, v, mask, dtype, scale_dim, impl), (k, v)
+
+
+def _write_response(cache: GroupedKV, new_kv, cache_index, axis):
+    """`cache` with the new tokens' (k, v) written at their response slots (cache slot
+    `cache_index` is response slot cache_index - P; `axis` is the slot axis)."""
+    p = cache.prefix_k.shape[axis]
+    k, v = (write_slots(buf, new, cache_index - p, axis=axis) for buf, new in zip((cache.k, cache.v), new_kv))
+    return cache._replace(k=k, v=v)
 
 
 def _per_row(cache_index):
@@ -346,19 +402,24 @@ class Transformer(nn.Module):
             # sliding flags are scanned over.
             stack = nn.scan(block_cls, variable_axes={"params": 0, "lora": 0}, split_rngs={"params": True},
                             in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast, 0), length=c.num_layers)
-            layer_cache = None if cache is None else NewKV(*cache)
+            layer_cache = None if cache is None else cache if isinstance(cache, GroupedKV) else NewKV(*cache)
             x, new_kv = stack(c, self.dtype, self.param_dtype, self.lora, self.adapters, self.attention, name=prefix)(
                 x, masks, positions, layer_cache, cache_index, jnp.asarray(sliding))
             new_cache = None
-            if cache is not None:  # the new tokens' k/v of every layer, written in place
+            if isinstance(cache, GroupedKV):  # the new tokens' k/v into every layer's response slots
+                new_cache = _write_response(cache, new_kv, cache_index, axis=2)
+            elif cache is not None:  # the new tokens' k/v of every layer, written in place
                 new_cache = tuple(write_slots(buf, new, cache_index, axis=2) for buf, new in zip(cache, new_kv))
         else:
             new_cache = []
             for i in range(c.num_layers):
                 block = block_cls(c, self.dtype, self.param_dtype, self.lora, self.adapters, self.attention,
                                   name=f"{prefix}_{i}")
-                x, layer_cache = block(x, masks, positions, None if cache is None else cache[i], cache_index, sliding[i])
-                new_cache.append(layer_cache)
+                layer_cache = None if cache is None else cache[i]
+                x, new_kv = block(x, masks, positions, layer_cache, cache_index, sliding[i])
+                if isinstance(layer_cache, GroupedKV):
+                    new_kv = _write_response(layer_cache, new_kv, cache_index, axis=1)
+                new_cache.append(new_kv)
             new_cache = tuple(new_cache) if cache is not None else None
         if gpt2:
             x = nn.LayerNorm(epsilon=c.norm_eps, dtype=self.dtype, param_dtype=self.param_dtype, name="ln_f")(x)
