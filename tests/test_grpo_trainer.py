@@ -27,10 +27,27 @@ def grpo_trainer(tmp_path, name="grpo", iterations=1, ppo=None, prompts=None, re
                              tokenizer=TOKENIZER, prompts=prompts or demo.DEMO_PROMPTS, **rewards, **kwargs)
 
 
+EPS = float(np.finfo(np.float32).eps)
+# The ulp of a log-prob at the scale of these tiny models' (about -6 over 384 tokens; at most
+# 16 in magnitude here): a per-token log-ratio of a few of these is rounding.
+LOGPROB_ULP = float(np.spacing(np.float32(16.0)))
+
+
+def assert_on_policy(row):
+    """The first update's mean ratio within 4 ulps of 1, and its approxkl (half the mean
+    squared per-token log-ratio) within that of a log-ratio of 4 log-prob ulps."""
+    assert abs(row["val/ratio"] - 1.0) <= 4 * EPS, row["val/ratio"]
+    assert 0.0 <= row["policy/approxkl_avg"] <= 0.5 * (4 * LOGPROB_ULP) ** 2, row["policy/approxkl_avg"]
+
+
 @pytest.mark.parametrize("name", list(ALGORITHMS))
-def test_first_update_is_exactly_on_policy(tmp_path, name):
+def test_first_update_is_on_policy(tmp_path, name):
     """Sampler, rollout scoring and loss agree on positions (left-padded prompts of
-    different lengths): with one update per iteration, its ratio is exactly 1."""
+    different lengths): with one update per iteration, its ratio is 1 within float32
+    rounding. Not bit for bit: the rollout's scoring pass and the loss's forward (inside the
+    gradient) are different compiled programs, and XLA may fuse and round their log-softmax
+    differently (on this AVX2 CPU they differ by an ulp on a few tokens; a position off by
+    one would move the ratio by far more)."""
     ppo = jaxppo.PPOConfig.for_algorithm(name, batch_size=8, mini_batch_size=8, ppo_epochs=1,
                                          num_generations=1 if name in ("ppo", "reinforce_pp") else 4,
                                          # 6-token completions rarely stop: DAPO's masking of truncated ones
@@ -40,7 +57,7 @@ def test_first_update_is_exactly_on_policy(tmp_path, name):
     trainer = grpo_trainer(tmp_path, ppo=ppo)
     assert trainer.prompt_mask.min(axis=1).max() == 0  # the prompts are left-padded
     row = trainer.step()
-    assert row["val/ratio"] == 1.0 and row["policy/approxkl_avg"] == 0.0, (row["val/ratio"], row["policy/approxkl_avg"])
+    assert_on_policy(row)
     assert row["ppo/updates_applied"] == 1
     has_critic = name == "ppo"
     assert ("loss/value_avg" in row) == has_critic
