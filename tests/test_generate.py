@@ -7,7 +7,7 @@ import pytest
 from scipy import stats
 
 import jaxppo.models as jm
-from jaxppo.models.generate import generate_jit
+from jaxppo.models.generate import generate_jit, inverse_cdf_index
 
 V = 24
 
@@ -82,6 +82,36 @@ def test_logprobs_are_temperature_scaled_and_match_full_forward(tiny):
     expected = np.take_along_axis(np.asarray(logp), np.asarray(out.tokens)[..., None], axis=-1)[..., 0]
     np.testing.assert_allclose(np.asarray(out.logprobs), expected, atol=1e-5)
     assert np.asarray(out.mask).all()
+
+
+@pytest.mark.parametrize("vocab", [24, 1000, 20000])
+def test_inverse_cdf_index_equals_a_float64_reference(vocab):
+    """The two-level inverse CDF (blocks, then entries) against numpy's in float64 over the
+    whole vocabulary: the same index wherever u * total is not within rounding of a CDF
+    boundary, never an index of probability 0 (whole blocks of zeros included, as top-k
+    and top-p leave them), and the ends: u = 0 the first index of positive probability,
+    u = 1 (past the last boundary, as rounding can put it) the last."""
+    rng = np.random.default_rng(vocab)
+    rows = 512
+    logits = rng.normal(size=(rows, vocab)) * 3
+    logits[rng.random((rows, vocab)) < 0.3] = -np.inf  # scattered zeros
+    logits[: rows // 2, : vocab // 2] = -np.inf  # half the vocabulary (whole blocks) at zero
+    logits[:, rng.integers(vocab)] = 0.0  # at least one finite entry per row
+    probs = np.asarray(jax.nn.softmax(jnp.asarray(logits, jnp.float32), axis=-1))
+    u = rng.random(rows).astype(np.float32)
+    got = np.asarray(inverse_cdf_index(jnp.asarray(probs), jnp.asarray(u)))
+    cdf = np.cumsum(probs.astype(np.float64), axis=1)
+    target = u.astype(np.float64) * cdf[:, -1]
+    want = np.argmax(cdf > target[:, None], axis=1)
+    clear = np.min(np.abs(cdf - target[:, None]), axis=1) > 1e-5 * cdf[:, -1]
+    assert clear.sum() > 0.9 * rows
+    np.testing.assert_array_equal(got[clear], want[clear])
+    assert (probs[np.arange(rows), got] > 0).all()
+    positive = probs > 0
+    first, last = np.argmax(positive, axis=1), vocab - 1 - np.argmax(positive[:, ::-1], axis=1)
+    ends = [np.asarray(inverse_cdf_index(jnp.asarray(probs), jnp.full(rows, x, jnp.float32))) for x in (0.0, 1.0)]
+    np.testing.assert_array_equal(ends[0], first)
+    np.testing.assert_array_equal(ends[1], last)
 
 
 @pytest.mark.parametrize("top_k, top_p", [(3, None), (None, 0.5), (5, 0.7)])
