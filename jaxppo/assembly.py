@@ -27,8 +27,8 @@ from jaxppo.models.adapters import add_lora
 from jaxppo.models.lora import LoraConfig
 from jaxppo.models.peft import load_peft_adapter, read_peft_config
 from jaxppo.models import hf as hf_io
-from jaxppo.models.model import (Model, PolicyAndCritic, check_attention_backend, stack_layers, trunk_name,
-                                 unstack_layers)
+from jaxppo.models.model import (Model, PolicyAndCritic, check_attention_backend, check_cudnn_dtype, stack_layers,
+                                 trunk_name, unstack_layers)
 from jaxppo.trainer_config import TrainerConfig
 
 __all__ = ["Assembly", "assemble", "load_model", "critic_from", "LogitsOf", "describe_model", "qualified_name",
@@ -231,10 +231,7 @@ def assemble(config: PPOConfig, tc: TrainerConfig, *, policy, reward_model=None,
 def _check_arguments(config: PPOConfig, tc: TrainerConfig, critic, lora, lora_init, dtype):
     """Errors in the model arguments, before any weights load."""
     if tc.attention == "cudnn":
-        if jnp.dtype(dtype).name not in ("bfloat16", "float16"):
-            raise ValueError(f"TrainerConfig.attention='cudnn' needs a bfloat16 or float16 compute dtype (cuDNN's flash "
-                             f"attention takes no float32), got dtype={jnp.dtype(dtype).name!r}; use dtype='bfloat16', "
-                             "or attention='xla'")
+        check_cudnn_dtype("TrainerConfig", dtype)
         check_attention_backend([tc.attention])
     if lora is not None and not isinstance(lora, LoraConfig):
         raise TypeError(f"lora must be a jaxppo.models.LoraConfig or None, got {type(lora).__name__}")

@@ -24,7 +24,8 @@ from jaxppo.models.heads import LMHead, token_logprobs
 from jaxppo.models.lora import LoraConfig
 from jaxppo.models.transformer import ATTENTION, CausalLMModule, GroupedKV, ScoreModule, default_positions
 
-__all__ = ["Model", "KINDS", "PolicyAndCritic", "stack_layers", "unstack_layers", "check_attention_backend"]
+__all__ = ["Model", "KINDS", "PolicyAndCritic", "stack_layers", "unstack_layers", "check_attention_backend",
+           "check_cudnn_dtype"]
 
 KINDS = ("causal_lm", "causal_lm_value", "reward", "value")
 # The compute and storage dtypes a model may use (by name).
@@ -48,13 +49,20 @@ def _check_attention(model: "Model"):
         raise ValueError(f"Model.attention={model.attention!r} is invalid; valid: {', '.join(map(repr, ATTENTION))}")
     if model.attention != "cudnn":
         return
-    if model.dtype not in ("bfloat16", "float16"):
-        raise ValueError(f"Model.attention='cudnn' needs a bfloat16 or float16 compute dtype (cuDNN's flash attention "
-                         f"takes no float32), got dtype={model.dtype!r}; use dtype='bfloat16', or attention='xla'")
+    check_cudnn_dtype("Model", model.dtype)
     head_dim = model.config.head_dim
     if head_dim % 8 or head_dim > 256:
         raise ValueError(f"Model.attention='cudnn' needs a head size that is a multiple of 8 and at most 256 (at most "
                          f"128 before Hopper GPUs); this model's is {head_dim}; use attention='xla'")
+
+
+def check_cudnn_dtype(owner: str, dtype):
+    """Refuse attention="cudnn" (set on `owner`: "Model", "TrainerConfig") with a compute
+    dtype cuDNN's flash attention does not take."""
+    name = jnp.dtype(dtype).name
+    if name not in ("bfloat16", "float16"):
+        raise ValueError(f"{owner}.attention='cudnn' needs a bfloat16 or float16 compute dtype (cuDNN's flash "
+                         f"attention takes no float32), got dtype={name!r}; use dtype='bfloat16', or attention='xla'")
 
 
 def check_attention_backend(models):
