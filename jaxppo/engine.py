@@ -159,10 +159,15 @@ class TrainState(flax.struct.PyTreeNode):
 
 
 def _init_optimizer(tx: optax.GradientTransformation, trained):
-    """`tx.init(trained)`; for parameters on one device as one compiled program (op by op,
-    every distinct leaf shape's zeros compile on their own), else op by op, where each
-    leaf's state follows its parameter's sharding."""
-    if all(isinstance(x, jax.Array) and len(x.sharding.device_set) == 1 for x in jax.tree.leaves(trained)):
+    """`tx.init(trained)`; for concrete parameters on one device as one compiled program (op
+    by op, every distinct leaf shape's zeros compile on their own), else op by op: under the
+    caller's transformation (`jit`, `vmap`, `eval_shape`, `scan`: the leaves are tracers,
+    whose sharding cannot be read, and the caller's program holds the init anyway), or where
+    each leaf's state follows its parameter's sharding."""
+    leaves = jax.tree.leaves(trained)
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+        return tx.init(trained)
+    if all(isinstance(x, jax.Array) and len(x.sharding.device_set) == 1 for x in leaves):
         return jax.jit(tx.init)(trained)
     return tx.init(trained)
 

@@ -363,3 +363,63 @@ def test_scalar_clipping_matches_optax():
             else:
                 np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
         assert float(optax.tree.norm(ours)) == pytest.approx(min(max_norm, float(optax.tree.norm(tree))), rel=1e-5)
+
+
+# --- Inside the caller's transformations: PureJaxRL creates its train state inside its own
+# jitted, seed-vmapped `train`; memory planning creates it under `eval_shape`.
+
+def _train_from_seed(seed_key, batch, key, config, learning_rate=0.05):
+    """A whole update phase that creates its own state: parameters drawn from `seed_key`."""
+    params = {"w": jax.random.normal(seed_key, (D,)), "b": jnp.zeros((), jnp.float32)}
+    tx = optax.inject_hyperparams(optax.adam)(learning_rate=learning_rate)
+    state = TrainState.create(apply_fn=None, params=params, tx=tx)
+    return update_epochs_fn(state, batch, key, regression_loss, config)
+
+
+TRANSFORM_CONFIG = PPOConfig(batch_size=16, mini_batch_size=4, ppo_epochs=2)
+
+
+def _eager_runs(seeds, learning_rates):
+    batch = _batch(16, seed=1)
+    return [_train_from_seed(jax.random.key(s), batch, jax.random.key(100), TRANSFORM_CONFIG, lr)
+            for s, lr in zip(seeds, learning_rates)]
+
+
+def _assert_runs_equal(stacked, runs):
+    for i, (state, metrics) in enumerate(runs):
+        row = jax.tree.map(lambda x: x[i], stacked)
+        chex.assert_trees_all_close(row[0].params, state.params, rtol=1e-6, atol=1e-7)
+        chex.assert_trees_all_close(row[1]["loss"], metrics["loss"], rtol=1e-6, atol=1e-7)
+        assert int(row[0].step) == TRANSFORM_CONFIG.updates_per_step
+
+
+def test_train_state_is_created_inside_jit_vmap_and_scan():
+    batch, key = _batch(16, seed=1), jax.random.key(100)
+    seeds, lrs = [0, 1, 2], [0.05, 0.01, 0.2]
+    runs = _eager_runs(seeds, lrs)
+    assert int(runs[0][0].step) == TRANSFORM_CONFIG.updates_per_step
+    seed_keys = jnp.stack([jax.random.key(s) for s in seeds])
+
+    # jit: the state is created from traced parameters.
+    jitted = jax.jit(lambda k: _train_from_seed(k, batch, key, TRANSFORM_CONFIG))(seed_keys[0])
+    chex.assert_trees_all_close(jitted[0].params, runs[0][0].params, rtol=1e-6, atol=1e-7)
+    # vmap over seeds and over a traced hyper-parameter (the learning rate), inside jit.
+    vmapped = jax.jit(jax.vmap(lambda k, lr: _train_from_seed(k, batch, key, TRANSFORM_CONFIG, lr)))(
+        seed_keys, jnp.asarray(lrs))
+    _assert_runs_equal(vmapped, runs)
+    # lax.scan over seeds, one state created per step of the scan.
+    _, scanned = jax.lax.scan(
+        lambda c, xs: (c, _train_from_seed(xs[0], batch, key, TRANSFORM_CONFIG, xs[1])), None,
+        (seed_keys, jnp.asarray(lrs)))
+    _assert_runs_equal(scanned, runs)
+
+
+def test_train_state_and_update_phase_under_eval_shape():
+    params = jax.ShapeDtypeStruct((D,), jnp.float32)
+    abstract = jax.eval_shape(lambda w: TrainState.create(apply_fn=None, params={"w": w}, tx=optax.adam(0.1)), params)
+    assert abstract.params["w"].shape == (D,)
+    assert abstract.opt_state[0].mu["w"].shape == (D,) and abstract.step.dtype == jnp.int32
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), _batch(16))
+    state, metrics = jax.eval_shape(lambda k, b: _train_from_seed(k, b, k, TRANSFORM_CONFIG), jax.random.key(0), batch)
+    assert metrics["loss"].shape == (TRANSFORM_CONFIG.ppo_epochs, TRANSFORM_CONFIG.num_minibatches)
+    assert state.params["w"].shape == (D,)
