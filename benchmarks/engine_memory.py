@@ -22,9 +22,10 @@ import jax
 import jax.numpy as jnp
 
 import jaxppo
-from jaxppo import assembly
 from jaxppo.models import Model, ModelConfig
 from jaxppo.models.model import PolicyAndCritic
+from jaxppo.run import assembly
+
 from tables import print_markdown
 
 

@@ -30,8 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxppo
-import layouts
 from jaxppo.models.generate import generate_jit
+
+import layouts
 from tables import print_markdown
 
 
@@ -161,7 +162,7 @@ def check_chunked_head_on_device():
                                         ro.response_mask, 0.7)
     logits = model.apply(params, jnp.concatenate([ro.query_tokens, ro.response_tokens], 1),
                          jnp.concatenate([ro.query_mask, ro.response_mask], 1))[:, 31:71]
-    want = jaxppo.math.logprobs_from_logits(logits, ro.response_tokens, 0.7)
+    want = jaxppo.update.losses.logprobs_from_logits(logits, ro.response_tokens, 0.7)
     return float(jnp.max(jnp.abs(lp - want)))
 
 

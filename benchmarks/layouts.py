@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxppo
-from jaxppo import assembly
 from jaxppo.models import Model, ModelConfig
 from jaxppo.models.model import PolicyAndCritic
+from jaxppo.run import assembly
 
 
 def qwen25_05b(layers=24):

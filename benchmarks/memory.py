@@ -39,13 +39,15 @@ import jax
 import jax.numpy as jnp
 
 import jaxppo
-import layouts
-from jaxppo import math as ppo_math
 from jaxppo import sharding as sh
-from jaxppo import assembly
+from jaxppo import update as ppo_math
 from jaxppo.models import Model
 from jaxppo.models.generate import GenerationOutput, generate_jit
-from jaxppo.rollout import RolloutSpec, finish_rollout
+from jaxppo.rollout.sampling import RolloutSpec
+from jaxppo.rollout.scoring import finish_rollout
+from jaxppo.run import assembly
+
+import layouts
 from tables import print_markdown
 
 GIB = 2**30

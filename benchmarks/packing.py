@@ -7,7 +7,7 @@ padded batch, on a long-tailed length mix, back to back in one process.
 The rows: prompts of 24-32 real tokens (left-padded to 32), responses of 32 tokens, except a
 tenth that run to the 512-token budget. Both paths run the same GRPO update (same
 mini-batches, same permutation, same number of optimizer updates) on a small Qwen2-layout
-model; packing uses the streams the trainer would choose (`jaxppo.packing.minibatch_streams`,
+model; packing uses the streams the trainer would choose (`jaxppo.update.packing.minibatch_streams`,
 stream length Q + R). Each time is the median of `--repeats` calls after one compiling call.
 """
 
@@ -22,9 +22,10 @@ import optax
 
 import jaxppo
 import jaxppo.models as jm
-from jaxppo import packing
-from jaxppo.engine import minibatch_indices
-from jaxppo.rollout_types import response_outputs
+from jaxppo.update import packing
+from jaxppo.update.batch import response_outputs
+from jaxppo.update.engine import minibatch_indices
+
 from tables import median_time, print_markdown
 
 

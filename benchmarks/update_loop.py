@@ -21,9 +21,9 @@ import numpy as np
 import optax
 
 import jaxppo
-from jaxppo.engine import grads_and_aux
-from jaxppo.ppo import loss_for, token_count, compute_advantages, train_step_jit
-from jaxppo.toy import make_toy
+from jaxppo.testing.toy import make_toy
+from jaxppo.update.engine import grads_and_aux
+from jaxppo.update.ppo import compute_advantages, loss_for, token_count, train_step_jit
 
 Q, R = 16, 32
 

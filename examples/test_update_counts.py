@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import jaxppo
-from jaxppo.toy import make_toy
+from jaxppo.testing.toy import make_toy
 
 Q, R = 4, 6
 

@@ -25,9 +25,9 @@ import numpy as np
 import optax
 
 import jaxppo
-from jaxppo.environments import chat_continuation
 from jaxppo.models.config import ModelConfig
 from jaxppo.models.model import Model
+from jaxppo.rollout.environments import chat_continuation
 
 CALL_OPEN = '<tool_call>{"name": "calculator", "arguments": {"expression": "'
 CALL_CLOSE = '"}}</tool_call>'
@@ -127,8 +127,8 @@ def warm_start(model, params, tok, rows, tools, steps, length):
 def evaluate(trainer, rows, samples=8):
     """Sampled exact match on the first and second half of the questions (each asked
     `samples` times) and tool calls per episode, with the trainer's current policy."""
-    from jaxppo.environments import run_episodes
-    from jaxppo.stages import PromptBatch
+    from jaxppo.rollout.environments import run_episodes
+    from jaxppo.rollout.prompts import PromptBatch
 
     index = np.repeat(np.arange(len(rows)), samples)
     batch = PromptBatch(index, jnp.asarray(trainer.table.ids[index]), jnp.asarray(trainer.table.mask[index]))
@@ -147,7 +147,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     tok = calculator_tokenizer()
     rows = questions()
-    tools = [jaxppo.tools.tool_schema(calculator)]
+    tools = [jaxppo.rollout.tools.tool_schema(calculator)]
     query, response = 24, 16
     config = ModelConfig(model_type="gpt2", vocab_size=len(tok), hidden_size=64, num_layers=2, num_heads=4,
                          num_kv_heads=4, intermediate_size=256, max_position_embeddings=query + response,

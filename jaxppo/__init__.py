@@ -1,28 +1,38 @@
 """jaxppo: PPO for language models (RLHF) and its critic-free relatives (GRPO, Dr. GRPO,
 DAPO, RLOO, REINFORCE++, GSPO) in JAX/Flax, with a compiled, shape-checked update loop.
 
-Layers (each imports only those below it; docs/architecture.md): statistics -> math ->
-algorithms (the registry) -> config -> engine -> models -> rollout -> update (ppo) ->
-the run (RunState, stages) -> the loop (Trainer). The update loop (`train_step`, `update_epochs`) is one compiled
-program in which the number of mini-batch updates is part of the shape.
+The package, from the bottom (each part imports only those before it; docs/architecture.md):
+`update` (masked statistics, KL, advantages, losses, the engine, the `Rollout` batch,
+`train_step`), `algorithms` (the registry of advantage estimators and presets), `models`
+(the built-in transformers, LoRA, Hugging Face import and export, the samplers), `config`
+(`PPOConfig`, `TrainerConfig`), `rollout` (prompts, sampling, rewards, scoring,
+environments, tools), `sharding` (meshes), and `run` (the `Trainer` and its stages).
+The update loop (`train_step`, `update_epochs`) is one compiled program in which the number
+of mini-batch updates is part of the shape.
 """
 
-from jaxppo.version import __version__  # noqa: F401
-from jaxppo import math
+from jaxppo import _moved, algorithms, models, update
 from jaxppo.config import PPOConfig
-from jaxppo.engine import Freeze, TrainState, minibatch_indices, update_epochs, update_epochs_fn
-from jaxppo.rollout_types import Rollout, response_outputs
-from jaxppo.ppo import check_rollout, compute_advantages, ppo_loss, train_step, train_step_fn
-from jaxppo import algorithms, models, packing
+from jaxppo.errors import EpisodeError, RewardError, RunError, ToolCallError
 from jaxppo.models import GenerationOutput, generate
-from jaxppo.rollout import RolloutSpec, finish_rollout, sample_responses
-from jaxppo.run_state import RunState
-from jaxppo.trainer import PPOTrainer, RewardError, RunError, Trainer, TrainerConfig, load_prompts
-from jaxppo.environments import EpisodeError, StepResult
+from jaxppo.rollout.environments import StepResult
+from jaxppo.rollout.prompts import load_prompts
+from jaxppo.rollout.sampling import RolloutSpec, sample_responses
+from jaxppo.rollout.scoring import finish_rollout
+from jaxppo.run.state import RunState
+from jaxppo.run.trainer import PPOTrainer, Trainer
+from jaxppo.trainer_config import TrainerConfig
+from jaxppo.update import packing
+from jaxppo.update.batch import Rollout, response_outputs
+from jaxppo.update.engine import EngineConfig, Freeze, TrainState, minibatch_indices, update_epochs, update_epochs_fn
+from jaxppo.update.ppo import check_rollout, compute_advantages, ppo_loss, train_step, train_step_fn
+from jaxppo.version import __version__  # noqa: F401
 
+_moved.install()  # jaxppo 0.3's module paths (jaxppo.engine, ...) keep working, with a DeprecationWarning
 
 __all__ = [
     "PPOConfig",
+    "EngineConfig",
     "TrainState",
     "Freeze",
     "Rollout",
@@ -35,7 +45,7 @@ __all__ = [
     "compute_advantages",
     "check_rollout",
     "ppo_loss",
-    "math",
+    "update",
     "algorithms",
     "models",
     "packing",
@@ -48,9 +58,19 @@ __all__ = [
     "load_prompts",
     "RunError",
     "RewardError",
+    "EpisodeError",
+    "ToolCallError",
     "RolloutSpec",
     "sample_responses",
     "finish_rollout",
     "StepResult",
-    "EpisodeError",
 ]
+
+
+def __getattr__(name):
+    """`jaxppo.math`, `jaxppo.engine`, ...: the 0.3 module paths, through `jaxppo._moved`."""
+    if name in _moved.MOVED:
+        import importlib
+
+        return importlib.import_module(f"jaxppo.{name}")
+    raise AttributeError(f"module 'jaxppo' has no attribute {name!r}")

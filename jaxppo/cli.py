@@ -25,7 +25,7 @@ from typing import Optional
 
 from jaxppo.algorithms import REGISTRY
 from jaxppo.config import PPOConfig
-from jaxppo.trainer import PPOTrainer, TrainerConfig
+from jaxppo.run.trainer import PPOTrainer, TrainerConfig
 
 __all__ = ["main", "build_parser", "resolve", "model_options"]
 
@@ -39,7 +39,7 @@ _EXTRA = {
     "demo": (str, "lowercase", "which embedded demo runs without --model: 'lowercase' (PPO; the score counts "
                                "lowercase letters) or 'multiturn' (GRPO unless --algorithm; guess a hidden digit over "
                                "several turns from the environment's 'higher'/'lower' replies)"),
-    "environment": (str, None, "MODULE:FACTORY of a multi-turn environment (jaxppo.environments): factory() -> an "
+    "environment": (str, None, "MODULE:FACTORY of a multi-turn environment (jaxppo.rollout.environments): factory() -> an "
                                "object with reset(prompt, **columns) and step(text) -> jaxppo.StepResult; its rewards "
                                "score the episodes (with --reward-model or --reward they add)"),
     "critic": (str, None, "local directory to initialise the critic from (default: the reward model)"),
@@ -256,7 +256,7 @@ def build_trainer(ppo: PPOConfig, tc: TrainerConfig, extras: dict) -> PPOTrainer
 
 
 def _load_environment(text: str):
-    from jaxppo.environments import load_factory
+    from jaxppo.rollout.environments import load_factory
 
     try:
         return load_factory(text)
@@ -332,9 +332,7 @@ def main(argv=None) -> int:
         trainer = build_trainer(ppo, tc, extras)
     except (ValueError, TypeError) as err:
         raise SystemExit(f"jaxppo: {err}") from None
-    from jaxppo.environments import EpisodeError
-    from jaxppo.rollout import RewardError
-    from jaxppo.rundir import RunError
+    from jaxppo.errors import EpisodeError, RewardError, RunError
 
     try:
         trainer.train()

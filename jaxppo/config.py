@@ -10,22 +10,37 @@ import dataclasses
 import math
 from typing import Optional
 
-__all__ = ["PPOConfig", "ADVANTAGE_ESTIMATORS", "LOSS_AGGREGATIONS"]
+__all__ = ["PPOConfig", "ADVANTAGE_ESTIMATORS", "LOSS_AGGREGATIONS", "setting", "on_resume", "ON_RESUME"]
 
 from jaxppo.algorithms import ESTIMATORS
-from jaxppo.correction import ROLLOUT_CORRECTIONS
-from jaxppo.critic_free import GRPO_SCALES, IMPORTANCE_RATIOS, LOSS_AGGREGATIONS
-from jaxppo.kl import KL_LOSS_ESTIMATORS
+from jaxppo.update.advantages import GRPO_SCALES
+from jaxppo.update.correction import ROLLOUT_CORRECTIONS
+from jaxppo.update.engine import EngineConfig, check_sizes
+from jaxppo.update.kl import KL_LOSS_ESTIMATORS
+from jaxppo.update.losses import IMPORTANCE_RATIOS, LOSS_AGGREGATIONS
 
 # The registered advantage estimators (`jaxppo.algorithms.ESTIMATORS`).
 ADVANTAGE_ESTIMATORS = tuple(ESTIMATORS)
-# Fields added after runs were first saved: a run's settings record them only when they
-# differ from these defaults, so runs saved before they existed still resume.
-ALGORITHM_FIELDS = ("advantage_estimator", "num_generations", "grpo_scale", "grpo_eps", "loss_aggregation",
-                    "cliprange_low", "cliprange_high", "dual_clip", "importance_ratio", "kl_loss_coef",
-                    "kl_loss_estimator", "rollout_correction", "rollout_correction_cap", "top_entropy_quantile",
-                    "overlong_buffer", "overlong_penalty_factor", "mask_truncated_completions", "entropy_target",
-                    "entropy_coef_step", "loss_norm_length", "kl_loss_bias_correction")
+# How a field is treated when a run resumes (`setting(..., on_resume=...)`; plain fields are "same").
+ON_RESUME = {
+    "same": "recorded in the run's settings; a resumed run must match it",
+    "same_if_set": "recorded only when it differs from its default (a field added after runs were first saved, "
+                   "so runs saved before it existed still resume); a resumed run must match it",
+    "free": "may differ on resume: it changes how the run computes or what it writes, not its results",
+}
+
+
+def setting(default, *, on_resume: str = "same"):
+    """A config field with a default and its rule on resume (one of `ON_RESUME`'s keys),
+    which `jaxppo.run.resume.run_settings` reads: adding a setting is one field."""
+    if on_resume not in ON_RESUME:
+        raise ValueError(f"on_resume={on_resume!r} is invalid; valid: {', '.join(ON_RESUME)}")
+    return dataclasses.field(default=default, metadata={"on_resume": on_resume})
+
+
+def on_resume(cls, name: str) -> str:
+    """The resume rule of field `name` of the config class `cls` ("same" unless it says)."""
+    return {f.name: f for f in dataclasses.fields(cls)}[name].metadata.get("on_resume", "same")
 
 
 def is_int(value) -> bool:
@@ -116,7 +131,7 @@ class PPOConfig:
     Sampler mismatch (applies to rollouts that carry the sampler's log-probs,
     `Rollout.sampler_logprobs`, as the trainer's do):
       rollout_correction: how the policy loss corrects for the sampler's distribution
-        differing from the trainer's (`jaxppo.correction`): "token_truncate" (default:
+        differing from the trainer's (`jaxppo.update.correction`): "token_truncate" (default:
         each token's loss weighted by min(pi_old / pi_sampler, C), truncated importance
         sampling), "token_mask" (tokens whose ratio lies outside [1/C, C] get weight 0),
         "sequence_truncate" / "sequence_mask" (the same with the completion's ratio, the
@@ -130,7 +145,7 @@ class PPOConfig:
         (> 0) that the entropy bonus steers toward: `ent_coef` is then the starting
         coefficient, and after every iteration it moves by `entropy_coef_step`, up when the
         update's mean per-token entropy (`policy/entropy_avg`) was below the target, down
-        otherwise, never below 0 (`jaxppo.shaping.adaptive_entropy_coef`; Skywork-OR1's
+        otherwise, never below 0 (`jaxppo.update.shaping.adaptive_entropy_coef`; Skywork-OR1's
         adaptive entropy control). The coefficient is part of the run state (checkpointed)
         and reaches the loss as `Rollout.entropy_coef`. entropy_coef_step: > 0.
 
@@ -153,7 +168,7 @@ class PPOConfig:
         scores still count in their group's statistics), as DAPO's overlong filtering and
         TRL's `mask_truncated_completions`. Needs a stop token.
 
-    Packed sequences (`jaxppo.packing`; the same losses and gradients, up to float rounding):
+    Packed sequences (`jaxppo.update.packing`; the same losses and gradients, up to float rounding):
       pack_sequences: run the loss's forward on each micro-batch's rows of real tokens
         packed into `pack_streams` streams of `pack_length` tokens (segment ids: attention
         and positions restart per row) instead of the padded (rows, Q + R) batch. Needs a
@@ -162,7 +177,7 @@ class PPOConfig:
         streams runs padded (counted: `packing/overflow`).
       pack_streams: streams per micro-batch, a positive int no larger than the micro-batch.
         None: `train_step` refuses it; the `Trainer` chooses it per iteration with
-        `jaxppo.packing.minibatch_streams` (the fewest that every micro-batch fits in,
+        `jaxppo.update.packing.minibatch_streams` (the fewest that every micro-batch fits in,
         rounded up to 1, 2, 3, 4, 6, 8, 12, ...), so nothing falls back.
       pack_length: tokens per stream, >= the padded width Q + R (checked while tracing);
         None: Q + R.
@@ -183,30 +198,30 @@ class PPOConfig:
     temperature: float = 1.0
     target_kl: Optional[float] = None
     kl_coef: float = 0.05
-    advantage_estimator: str = "gae"
-    num_generations: int = 1
-    grpo_scale: str = "group"
-    grpo_eps: float = 1e-4
-    loss_aggregation: str = "token_mean"
-    cliprange_low: Optional[float] = None
-    cliprange_high: Optional[float] = None
-    dual_clip: Optional[float] = None
-    importance_ratio: str = "token"
-    kl_loss_coef: float = 0.0
-    kl_loss_estimator: str = "k3"
-    rollout_correction: str = "token_truncate"
-    rollout_correction_cap: float = 2.0
-    top_entropy_quantile: float = 1.0
-    overlong_penalty_factor: float = 0.0
-    overlong_buffer: Optional[int] = None
-    mask_truncated_completions: bool = False
-    entropy_target: Optional[float] = None
-    entropy_coef_step: float = 0.005
-    loss_norm_length: Optional[int] = None
-    kl_loss_bias_correction: bool = False
-    pack_sequences: bool = False
-    pack_streams: Optional[int] = None
-    pack_length: Optional[int] = None
+    advantage_estimator: str = setting("gae", on_resume="same_if_set")
+    num_generations: int = setting(1, on_resume="same_if_set")
+    grpo_scale: str = setting("group", on_resume="same_if_set")
+    grpo_eps: float = setting(1e-4, on_resume="same_if_set")
+    loss_aggregation: str = setting("token_mean", on_resume="same_if_set")
+    cliprange_low: Optional[float] = setting(None, on_resume="same_if_set")
+    cliprange_high: Optional[float] = setting(None, on_resume="same_if_set")
+    dual_clip: Optional[float] = setting(None, on_resume="same_if_set")
+    importance_ratio: str = setting("token", on_resume="same_if_set")
+    kl_loss_coef: float = setting(0.0, on_resume="same_if_set")
+    kl_loss_estimator: str = setting("k3", on_resume="same_if_set")
+    rollout_correction: str = setting("token_truncate", on_resume="same_if_set")
+    rollout_correction_cap: float = setting(2.0, on_resume="same_if_set")
+    top_entropy_quantile: float = setting(1.0, on_resume="same_if_set")
+    overlong_penalty_factor: float = setting(0.0, on_resume="same_if_set")
+    overlong_buffer: Optional[int] = setting(None, on_resume="same_if_set")
+    mask_truncated_completions: bool = setting(False, on_resume="same_if_set")
+    entropy_target: Optional[float] = setting(None, on_resume="same_if_set")
+    entropy_coef_step: float = setting(0.005, on_resume="same_if_set")
+    loss_norm_length: Optional[int] = setting(None, on_resume="same_if_set")
+    kl_loss_bias_correction: bool = setting(False, on_resume="same_if_set")
+    pack_sequences: bool = setting(False, on_resume="free")
+    pack_streams: Optional[int] = setting(None, on_resume="free")
+    pack_length: Optional[int] = setting(None, on_resume="free")
 
     def __post_init__(self):
         _check_sizes(self)
@@ -227,6 +242,13 @@ class PPOConfig:
     def updates_per_step(self) -> int:
         """Optimizer updates planned per `train_step`: `ppo_epochs * num_minibatches`."""
         return self.ppo_epochs * self.num_minibatches
+
+    @property
+    def engine(self) -> EngineConfig:
+        """What the update engine reads of this config (`jaxppo.update.engine.EngineConfig`):
+        the sizes, epochs, accumulation and `target_kl`."""
+        return EngineConfig(self.batch_size, self.mini_batch_size, self.ppo_epochs, self.gradient_accumulation_steps,
+                            self.target_kl, owner="PPOConfig")
 
     @property
     def uses_critic(self) -> bool:
@@ -266,27 +288,11 @@ class PPOConfig:
 
 
 def _check_sizes(c: "PPOConfig"):
-    """The counts and how they divide one another."""
-    for name in ("batch_size", "mini_batch_size", "ppo_epochs", "gradient_accumulation_steps", "num_generations"):
-        value = getattr(c, name)
-        if not is_int(value):
-            _fail(name, value, f"a positive int (got type {type(value).__name__})")
-        if value <= 0:
-            _fail(name, value, "a positive int")
-    if c.batch_size % c.mini_batch_size != 0:
-        raise ValueError(
-            f"PPOConfig.batch_size={c.batch_size} is not divisible by "
-            f"PPOConfig.mini_batch_size={c.mini_batch_size}: every rollout row must "
-            f"land in exactly one mini-batch per epoch. Valid mini_batch_size values for "
-            f"this batch_size: {_divisors(c.batch_size)}."
-        )
-    if c.mini_batch_size % c.gradient_accumulation_steps != 0:
-        raise ValueError(
-            f"PPOConfig.mini_batch_size={c.mini_batch_size} is not divisible by "
-            f"PPOConfig.gradient_accumulation_steps={c.gradient_accumulation_steps}: "
-            f"a mini-batch must split into equal micro-batches. Valid "
-            f"gradient_accumulation_steps values: {_divisors(c.mini_batch_size)}."
-        )
+    """The counts and how they divide one another (the engine's, then the groups')."""
+    check_sizes("PPOConfig", c.batch_size, c.mini_batch_size, c.ppo_epochs, c.gradient_accumulation_steps)
+    if not is_int(c.num_generations) or c.num_generations <= 0:
+        kind = "" if is_int(c.num_generations) else f" (got type {type(c.num_generations).__name__})"
+        _fail("num_generations", c.num_generations, "a positive int" + kind)
     if c.batch_size % c.num_generations != 0:
         raise ValueError(
             f"PPOConfig.batch_size={c.batch_size} is not a multiple of "

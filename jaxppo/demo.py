@@ -81,7 +81,7 @@ class GuessTheDigit:
         self.target = int(target)
 
     def step(self, completion: str):
-        from jaxppo.environments import StepResult
+        from jaxppo.rollout.environments import StepResult
 
         guess = next((int(c) for c in completion if c in "0123456789"), None)
         if guess is None:

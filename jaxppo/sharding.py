@@ -17,11 +17,12 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxppo.config import PPOConfig
-from jaxppo.engine import key_names
-from jaxppo.ppo import jit_train_step
+from jaxppo.update.engine import key_names
+from jaxppo.update.ppo import jit_train_step
 
 __all__ = ["MeshConfig", "make_mesh", "batch_sharding", "shard_batch", "param_spec", "tree_shardings", "shard_state",
            "sharded_train_step", "global_batch", "place_rows",

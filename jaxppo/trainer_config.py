@@ -7,9 +7,9 @@ import dataclasses
 import math
 from typing import Optional
 
-from jaxppo.kl import check_kl_estimator
-from jaxppo.config import is_int
+from jaxppo.config import is_int, setting
 from jaxppo.models.transformer import ATTENTION
+from jaxppo.update.kl import check_kl_estimator
 
 __all__ = ["TrainerConfig"]
 
@@ -40,7 +40,7 @@ class TrainerConfig:
       once: `jaxppo.models.continuous`; the same tokens either way, so it may change
       between a run and its resume); rollout_engine ("jaxppo": the built-in sampler;
       "vllm": vLLM in this process, the policy's weights pushed into it after every update
-      (`jaxppo.vllm_engine`; its log-probs are the rollout's sampler log-probs, which
+      (`jaxppo.rollout.vllm`; its log-probs are the rollout's sampler log-probs, which
       `PPOConfig.rollout_correction` corrects for); one device, single-turn rollouts).
     Models: attention (None: each model as given, `Model.attention`, "einsum" by default;
       "einsum", "xla" or "cudnn": every model of the run computes attention over whole
@@ -52,7 +52,7 @@ class TrainerConfig:
       `Model.hoist_layers`; the unrolled layout's tokens, equal up to rounding, so it too
       may change on resume).
     Environments (multi-turn episodes; used only with `Trainer(environment=...)`, see
-      `jaxppo.environments`): max_turns (model turns per episode at most); turn_length
+      `jaxppo.rollout.environments`): max_turns (model turns per episode at most); turn_length
       (tokens per model turn at most; None: the rest of the response budget);
       environment_timeout (seconds one reset or step may take); environment_errors
       ("raise": an environment that raises, returns the wrong type or times out stops
@@ -62,7 +62,7 @@ class TrainerConfig:
     Dynamic sampling (DAPO): dynamic_sampling (groups of `num_generations` completions
       whose scores are all equal carry no signal: they are dropped and replaced by groups
       of further prompts, so every update still sees `batch_size` completions; see
-      `jaxppo.dynamic`); dynamic_sampling_rounds (generation rounds per iteration at most,
+      `jaxppo.rollout.dynamic`); dynamic_sampling_rounds (generation rounds per iteration at most,
       the first included; when they do not fill the batch, the rest is filled with dropped
       groups whose response mask is zero: counted in `dynamic/masked_groups`).
     Faults: skip_nonfinite_scores (an iteration whose scores include NaN or inf is skipped
@@ -71,8 +71,8 @@ class TrainerConfig:
     """
 
     seed: int = 0
-    iterations: int = 100
-    total_episodes: Optional[int] = None
+    iterations: int = setting(100, on_resume="free")
+    total_episodes: Optional[int] = setting(None, on_resume="free")
     query_length: int = 32
     response_length: int = 32
     truncate_prompts: bool = False
@@ -90,29 +90,29 @@ class TrainerConfig:
     max_grad_norm: Optional[float] = 1.0
     adam_eps: float = 1e-5
     shared_trunk: bool = False
-    output_dir: str = "runs/jaxppo"
-    log_every: int = 1
-    sample_every: int = 10
-    num_samples: int = 2
-    checkpoint_every: int = 0
-    keep_checkpoints: int = 2
-    resume: bool = True
-    tensorboard: bool = True
-    progress: bool = True
-    export_final: bool = True
-    plot: bool = True
+    output_dir: str = setting("runs/jaxppo", on_resume="free")
+    log_every: int = setting(1, on_resume="free")
+    sample_every: int = setting(10, on_resume="free")
+    num_samples: int = setting(2, on_resume="free")
+    checkpoint_every: int = setting(0, on_resume="free")
+    keep_checkpoints: int = setting(2, on_resume="free")
+    resume: bool = setting(True, on_resume="free")
+    tensorboard: bool = setting(True, on_resume="free")
+    progress: bool = setting(True, on_resume="free")
+    export_final: bool = setting(True, on_resume="free")
+    plot: bool = setting(True, on_resume="free")
     skip_nonfinite_scores: bool = False
-    num_slots: Optional[int] = None
-    max_turns: int = 4
-    turn_length: Optional[int] = None
-    environment_timeout: float = 60.0
-    environment_errors: str = "raise"
-    environment_workers: int = 8
-    dynamic_sampling: bool = False
-    dynamic_sampling_rounds: int = 3
-    rollout_engine: str = "jaxppo"
-    attention: Optional[str] = None
-    hoist_layers: bool = False
+    num_slots: Optional[int] = setting(None, on_resume="free")
+    max_turns: int = setting(4, on_resume="same_if_set")
+    turn_length: Optional[int] = setting(None, on_resume="same_if_set")
+    environment_timeout: float = setting(60.0, on_resume="same_if_set")
+    environment_errors: str = setting("raise", on_resume="same_if_set")
+    environment_workers: int = setting(8, on_resume="free")
+    dynamic_sampling: bool = setting(False, on_resume="same_if_set")
+    dynamic_sampling_rounds: int = setting(3, on_resume="same_if_set")
+    rollout_engine: str = setting("jaxppo", on_resume="same_if_set")
+    attention: Optional[str] = setting(None, on_resume="free")
+    hoist_layers: bool = setting(False, on_resume="free")
 
     def __post_init__(self):
         for field in dataclasses.fields(self):

@@ -14,6 +14,7 @@ import jaxppo
 import jaxppo.models as jm
 from jaxppo import demo
 from jaxppo.cli import main, resolve
+
 from trainer_setup import small_trainer
 
 
@@ -69,8 +70,9 @@ def _rollout(b=16, q=4, r=6, **changes):
 
 
 def _train_step(rollout):
-    from jaxppo.toy import make_toy
     import optax
+
+    from jaxppo.testing.toy import make_toy
 
     apply_fn, params = make_toy(jaxppo_key(), vocab_size=8, width=8, depth=1, heads=1, max_len=10, seq_len=10)
     state = jaxppo.TrainState.create(apply_fn=apply_fn, params=params, tx=optax.sgd(0.1))

@@ -8,7 +8,7 @@ import pytest
 
 import jaxppo
 from jaxppo import demo
-from jaxppo.prompts import load_prompt_table, render_prompts
+from jaxppo.rollout.prompts import load_prompt_table, render_prompts
 
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")

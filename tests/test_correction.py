@@ -1,4 +1,4 @@
-"""The sampler-mismatch correction (`jaxppo.correction`) against numpy, and through
+"""The sampler-mismatch correction (`jaxppo.update.correction`) against numpy, and through
 `train_step` and the trainer: weights 1 change nothing, a perturbed sampler shows a
 mismatch and its weights equal the numpy reference, the float32 built-in sampler matches
 the trainer within rounding."""
@@ -10,9 +10,11 @@ import optax
 import pytest
 
 import jaxppo
-from jaxppo import correction, demo, stages
-from jaxppo.rollout import RolloutSpec
-from jaxppo.toy import make_toy
+from jaxppo import demo
+from jaxppo.rollout.sampling import RolloutSpec
+from jaxppo.run import stages
+from jaxppo.testing.toy import make_toy
+from jaxppo.update import correction
 
 Q, R, V = 4, 6, 32
 
@@ -71,9 +73,9 @@ def test_unit_weights_leave_the_loss_unchanged():
     log_ratio = jnp.asarray(rng.normal(scale=0.2, size=(8, R)), jnp.float32)
     adv = jnp.asarray(rng.normal(size=(8,)), jnp.float32)
     _, _, mask = random_logprobs(seed=2)
-    for agg in jaxppo.math.LOSS_AGGREGATIONS:
-        plain = jaxppo.math.clipped_policy_loss(log_ratio, adv, jnp.asarray(mask), 0.2, 0.28, 3.0, agg, R)[0]
-        ones = jaxppo.math.clipped_policy_loss(log_ratio, adv, jnp.asarray(mask), 0.2, 0.28, 3.0, agg, R,
+    for agg in jaxppo.update.losses.LOSS_AGGREGATIONS:
+        plain = jaxppo.update.losses.clipped_policy_loss(log_ratio, adv, jnp.asarray(mask), 0.2, 0.28, 3.0, agg, R)[0]
+        ones = jaxppo.update.losses.clipped_policy_loss(log_ratio, adv, jnp.asarray(mask), 0.2, 0.28, 3.0, agg, R,
                                                weights=jnp.ones((8, R)))[0]
         assert float(plain) == float(ones), agg
 
@@ -119,7 +121,7 @@ def test_train_step_weights_the_policy_loss(toy, mode):
         batch = dict(query_tokens=rollout.query_tokens, query_mask=rollout.query_mask,
                      response_tokens=rollout.response_tokens, response_mask=rollout.response_mask)
         lp = jaxppo.response_outputs(apply_fn, p, batch, 1.0)[0]
-        return jaxppo.math.clipped_policy_loss(lp - rollout.logprobs, adv, rollout.response_mask, 0.2, 0.2,
+        return jaxppo.update.losses.clipped_policy_loss(lp - rollout.logprobs, adv, rollout.response_mask, 0.2, 0.2,
                                                aggregation="seq_mean_token_mean", max_length=R, weights=w)[0]
 
     expected = jax.tree.map(lambda p, g: p - 0.5 * g, params, jax.grad(loss)(params))

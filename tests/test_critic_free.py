@@ -1,11 +1,11 @@
-"""Critic-free RL math (jaxppo.critic_free) against plain Python loops written here."""
+"""Critic-free RL math (jaxppo.update) against plain Python loops written here."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxppo import critic_free as cf
+from jaxppo import update as cf
 
 G = 4
 

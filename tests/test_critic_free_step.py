@@ -13,7 +13,7 @@ import pytest
 import jaxppo
 from jaxppo import PPOConfig, Rollout, TrainState, train_step
 from jaxppo.algorithms import ALGORITHMS
-from jaxppo.toy import make_toy
+from jaxppo.testing.toy import make_toy
 
 Q, R, V = 4, 6, 32
 CRITIC_FREE = [name for name in ALGORITHMS if name != "ppo"]

@@ -8,8 +8,9 @@ import pytest
 
 import jaxppo
 from jaxppo import demo
-from jaxppo.dynamic import informative_groups
-from jaxppo.prompts import prompt_stream
+from jaxppo.rollout.dynamic import informative_groups
+from jaxppo.rollout.prompts import prompt_stream
+
 from trainer_setup import small_trainer
 
 G, GROUPS = 4, 4  # completions per prompt, prompts per batch
@@ -54,7 +55,7 @@ def test_the_batch_is_what_a_loop_over_the_stream_picks(tmp_path, rounds_cap):
         assert row["dynamic/masked_groups"] == fill and row["dynamic/prompts_consumed"] == position
         assert row["ppo/updates_applied"] == 2  # ppo_epochs * batch_size / mini_batch_size, always
     assert trainer.run.prompts_consumed == position
-    rows, gen = trainer._last_samples  # the last iteration's batch: live groups first, then the fill
+    rows, gen = trainer.last_samples  # the last iteration's batch: live groups first, then the fill
     expected = (live[:GROUPS] + dropped[:fill])
     np.testing.assert_array_equal(rows, np.repeat(expected, G))
     mask = np.asarray(gen.mask)
@@ -101,7 +102,7 @@ def test_with_multiturn_episodes(tmp_path):
     with their episodes' tokens, rewards and conversations."""
     trainer, history = run(tmp_path, None, iterations=2, dynamic_sampling=True, environment=demo.GuessTheDigit,
                            prompts=demo.multiturn_prompts(), response_length=16, turn_length=3, max_len=48)
-    rows, gen = trainer._last_samples
+    rows, gen = trainer.last_samples
     assert gen.attention_mask.shape == (G * GROUPS, 16) and len(rows) == G * GROUPS
     assert all(r["ppo/updates_applied"] == 2 and "env/turns_mean" in r for r in history)
     assert history[-1]["dynamic/prompts_consumed"] == trainer.run.prompts_consumed

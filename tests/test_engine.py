@@ -9,7 +9,7 @@ import optax
 import pytest
 
 from jaxppo import PPOConfig, TrainState, update_epochs, update_epochs_fn
-from jaxppo.engine import update_epochs_jit
+from jaxppo.update.engine import update_epochs_jit
 
 D = 5
 
@@ -325,8 +325,8 @@ def test_a_withheld_update_costs_no_second_copy_of_the_state(optimizer, target_k
     clipped copy of the gradient."""
     import functools
 
-    from jaxppo import assembly
-    from jaxppo.trainer import TrainerConfig
+    from jaxppo.run import assembly
+    from jaxppo.run.trainer import TrainerConfig
 
     width = 256
     params = {part: {f"w{i}": jnp.zeros((width, width)) for i in range(4)} for part in ("policy", "critic")}
@@ -350,7 +350,7 @@ def test_a_withheld_update_costs_no_second_copy_of_the_state(optimizer, target_k
 
 
 def test_scalar_clipping_matches_optax():
-    from jaxppo.engine import clip_by_global_norm
+    from jaxppo.update.engine import clip_by_global_norm
 
     rng = np.random.default_rng(0)
     tree = {"a": jnp.asarray(rng.normal(size=(5, 3)), jnp.float32), "b": jnp.asarray(rng.normal(size=(7,)), jnp.float32)}
@@ -423,3 +423,58 @@ def test_train_state_and_update_phase_under_eval_shape():
     state, metrics = jax.eval_shape(lambda k, b: _train_from_seed(k, b, k, TRANSFORM_CONFIG), jax.random.key(0), batch)
     assert metrics["loss"].shape == (TRANSFORM_CONFIG.ppo_epochs, TRANSFORM_CONFIG.num_minibatches)
     assert state.params["w"].shape == (D,)
+
+
+def test_fields_the_engine_never_reads_do_not_retrace_it():
+    """The engine's static argument is the `EngineConfig` of what it reads: PPO configs that
+    differ only in fields it never reads (kl_coef, cliprange, the algorithm) share one
+    compiled program; a field it reads (ppo_epochs) compiles another."""
+    from jaxppo import EngineConfig
+
+    traces = []
+
+    def counting_loss(params, mb):
+        traces.append(1)
+        return regression_loss(params, mb)
+
+    base = PPOConfig(batch_size=16, mini_batch_size=4, ppo_epochs=2)
+    same_engine = [base, base.replace(kl_coef=0.3), base.replace(cliprange=0.1, vf_coef=0.5),
+                   PPOConfig.for_algorithm("grpo", batch_size=16, mini_batch_size=4, ppo_epochs=2, num_generations=4),
+                   EngineConfig(batch_size=16, mini_batch_size=4, ppo_epochs=2)]
+    assert len({c if isinstance(c, EngineConfig) else c.engine for c in same_engine}) == 1
+    state, batch = _state(), _batch(16)
+    for config in same_engine:
+        state, _ = update_epochs(state, batch, jax.random.key(0), counting_loss, config)
+    assert len(traces) == 1
+    state, _ = update_epochs(state, batch, jax.random.key(0), counting_loss, base.replace(ppo_epochs=3))
+    assert len(traces) == 2
+
+
+def test_engine_config_is_checked_like_ppo_config():
+    from jaxppo import EngineConfig
+
+    with pytest.raises(ValueError, match=r"EngineConfig.batch_size=10 is not divisible by "
+                                         r"EngineConfig.mini_batch_size=4: .* \[1, 2, 5, 10\]"):
+        EngineConfig(batch_size=10, mini_batch_size=4)
+    with pytest.raises(ValueError, match=r"EngineConfig.target_kl=0 is invalid"):
+        EngineConfig(batch_size=8, mini_batch_size=4, target_kl=0)
+    with pytest.raises(ValueError, match=r"EngineConfig.skip_nonfinite='no' is invalid"):
+        EngineConfig(batch_size=8, mini_batch_size=4, skip_nonfinite="no")
+    with pytest.raises(TypeError, match=r"config must be a jaxppo.EngineConfig or have one as .engine"):
+        update_epochs(_state(), _batch(8), jax.random.key(0), regression_loss, {"batch_size": 8})
+
+
+def test_without_the_nonfinite_check_every_update_applies():
+    """`skip_nonfinite=False`: no check, every update applied (a NaN reaches the parameters,
+    as it would in a loop without the check); with the check the same batch skips."""
+    from jaxppo import EngineConfig
+
+    batch = _batch(16)
+    batch["y"] = batch["y"].at[5].set(jnp.nan)
+    config = EngineConfig(batch_size=16, mini_batch_size=4, ppo_epochs=1, skip_nonfinite=False)
+    state, metrics = update_epochs(_state(optax.sgd(0.01)), batch, jax.random.key(2), regression_loss, config)
+    assert int(state.step) == 4 and bool(jnp.all(metrics["applied"]))
+    assert int(state.skipped_nonfinite) == 0 and bool(jnp.isnan(state.params["w"]).any())
+    checked, _ = update_epochs(_state(optax.sgd(0.01)), batch, jax.random.key(2), regression_loss,
+                               config.replace(skip_nonfinite=True))
+    assert int(checked.step) == 3 and bool(jnp.isfinite(checked.params["w"]).all())

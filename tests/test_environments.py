@@ -11,10 +11,11 @@ import pytest
 
 import jaxppo
 from jaxppo import demo
-from jaxppo import math as pm
-from jaxppo.environments import StepResult, chat_continuation, run_episodes
+from jaxppo import update as pm
 from jaxppo.models.generate import generate
-from jaxppo.stages import select_prompts
+from jaxppo.rollout.environments import StepResult, chat_continuation, run_episodes
+from jaxppo.run.stages import select_prompts
+
 from trainer_setup import small_trainer
 
 Q, R, L = 32, 16, 4  # prompt width, response budget, tokens per turn

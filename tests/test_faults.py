@@ -22,10 +22,12 @@ import numpy as np
 import pytest
 
 import jaxppo
-from jaxppo import checkpoint, demo
-from jaxppo.logger import Logger, read_metrics
-from jaxppo.rollout import RewardError
-from jaxppo.rundir import RunError, atomic_write_text
+from jaxppo import demo
+from jaxppo.errors import RewardError, RunError
+from jaxppo.run import checkpoints as checkpoint
+from jaxppo.run.directory import atomic_write_text
+from jaxppo.run.logger import Logger, read_metrics
+
 from trainer_setup import small_trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

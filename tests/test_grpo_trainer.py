@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 import jaxppo
-from jaxppo import demo, stages
+from jaxppo import demo
 from jaxppo.algorithms import ALGORITHMS
+from jaxppo.run import stages
 
 TOKENIZER = demo.demo_tokenizer()
 

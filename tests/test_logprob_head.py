@@ -10,8 +10,8 @@ import pytest
 
 import jaxppo
 import jaxppo.models as jm
-from jaxppo.ppo import ppo_loss
-from jaxppo.rollout_types import scorer
+from jaxppo.update.batch import scorer
+from jaxppo.update.ppo import ppo_loss
 
 Q, R, V = 5, 6, 61
 
@@ -118,7 +118,7 @@ def test_reference_scoring_and_prefill_use_no_full_logits_and_agree():
     tokens = jnp.concatenate([b["query_tokens"], b["response_tokens"]], axis=1)
     mask = jnp.concatenate([b["query_mask"], b["response_mask"]], axis=1)
     full = model.apply(params, tokens, mask)
-    want = jaxppo.math.logprobs_from_logits(full[:, Q - 1 : Q - 1 + R], b["response_tokens"], 0.8)
+    want = jaxppo.update.losses.logprobs_from_logits(full[:, Q - 1 : Q - 1 + R], b["response_tokens"], 0.8)
     np.testing.assert_allclose(np.asarray(lp), np.asarray(want), atol=1e-5)
     cache = model.init_cache(4, Q + 2)
     kv = jnp.concatenate([b["query_mask"], jnp.zeros((4, 2), jnp.int32)], axis=1)

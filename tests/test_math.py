@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxppo import math as pm
+from jaxppo import update as pm
 
 
 def _rng(seed=0):

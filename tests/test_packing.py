@@ -1,4 +1,4 @@
-"""Packed sequences (`jaxppo.packing`, `PPOConfig.pack_sequences`): the placement against a
+"""Packed sequences (`jaxppo.update.packing`, `PPOConfig.pack_sequences`): the placement against a
 plain first-fit-decreasing loop, the packed streams against rows laid out by hand, every
 architecture's packed outputs against its padded forward, and `train_step` packed against
 `train_step` padded for every algorithm, every aggregation mode, both critics, LoRA, the
@@ -13,12 +13,13 @@ import pytest
 
 import jaxppo
 import jaxppo.models as jm
-import jaxppo.resume
-from jaxppo import PPOConfig, Rollout, TrainState, packing, train_step
+import jaxppo.run.resume
+from jaxppo import PPOConfig, Rollout, TrainState, train_step
 from jaxppo.algorithms import ALGORITHMS
-from jaxppo.critic_free import LOSS_AGGREGATIONS
-from jaxppo.engine import minibatch_indices
-from jaxppo.rollout_types import response_outputs
+from jaxppo.update import packing
+from jaxppo.update.batch import response_outputs
+from jaxppo.update.engine import minibatch_indices
+from jaxppo.update.losses import LOSS_AGGREGATIONS
 
 Q, R, V = 5, 7, 53
 
@@ -335,5 +336,5 @@ def test_trainer_packed_equals_padded_and_chooses_streams_that_fit(tmp_path):
             assert packed[name] == pytest.approx(padded[name], rel=1e-3, abs=1e-6), name
         assert packed["packing/overflow"] == 0.0
         assert 1 <= packed["packing/streams"] < 8 and 0 < packed["packing/fill"] <= 1
-    settings = jaxppo.resume.run_settings(trainer.config, trainer.tc, 2, {})
+    settings = jaxppo.run.resume.run_settings(trainer.config, trainer.tc, 2, {})
     assert "pack_sequences" not in settings["ppo"]  # packing may change on resume: same math

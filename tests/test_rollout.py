@@ -10,8 +10,11 @@ import pytest
 
 import jaxppo
 import jaxppo.models as jm
-from jaxppo import math as pm
-from jaxppo.rollout import RewardError, RolloutSpec, check_scores, finish_rollout, sample_responses
+from jaxppo import update as pm
+from jaxppo.errors import RewardError
+from jaxppo.rollout.rewards import check_scores
+from jaxppo.rollout.sampling import RolloutSpec, sample_responses
+from jaxppo.rollout.scoring import finish_rollout
 
 
 def test_kl_estimators_match_formulas():
@@ -163,3 +166,22 @@ def test_rollout_carries_sampler_logprobs_and_sequence_scores(tiny_policy, tempe
     np.testing.assert_allclose(np.asarray(rollout.scores), (np.asarray(rollout.rewards) * m).sum(axis=1),
                                rtol=1e-6, atol=1e-6)
     assert not np.allclose(np.asarray(rollout.scores), np.asarray(host_scores), atol=1e-4)  # the KL penalty counts
+
+
+def test_rollout_spec_reads_its_settings_from_the_configs():
+    """`RolloutSpec.from_configs`: each setting the rollout reads comes from its config's
+    field (listed here by hand, the independent side), with non-default values."""
+    model = jm.Model(jm.ModelConfig(model_type="gpt2", vocab_size=32, hidden_size=16, num_layers=1, num_heads=2,
+                                    num_kv_heads=2, intermediate_size=32, max_position_embeddings=32))
+    ppo = jaxppo.PPOConfig.for_algorithm(
+        "dapo", batch_size=8, mini_batch_size=4, num_generations=4, temperature=0.7, kl_loss_coef=0.1,
+        overlong_penalty_factor=0.5, overlong_buffer=3, pack_sequences=True, pack_length=40)
+    tc = jaxppo.TrainerConfig(response_length=12, kl_estimator="k3", missing_eos_penalty=1.5, normalize_scores=True,
+                              score_clip=4.0, num_slots=2)
+    spec = RolloutSpec.from_configs(ppo, tc, policy=model, apply_fn=model.apply, ref_apply=None, stop_token_ids=(1,))
+    expected = dict(response_length=12, temperature=0.7, keep_ref_logprobs=True, kl_estimator="k3",
+                    missing_eos_penalty=1.5, normalize_scores=True, score_clip=4.0, uses_critic=False,
+                    num_generations=4, num_slots=2, overlong_penalty_factor=0.5, overlong_buffer=3,
+                    mask_truncated=True, pack_sequences=True, pack_length=40)
+    assert {name: getattr(spec, name) for name in expected} == expected
+    assert type(spec.temperature) is float and spec.stop_token_ids == (1,)

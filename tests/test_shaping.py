@@ -1,4 +1,4 @@
-"""DAPO's overlong handling and the high-entropy token selection (`jaxppo.shaping`)
+"""DAPO's overlong handling and the high-entropy token selection (`jaxppo.update.shaping`)
 against plain loops and numpy, through `train_step`, the rollout layer and the trainer."""
 
 import jax
@@ -8,9 +8,10 @@ import optax
 import pytest
 
 import jaxppo
-from jaxppo import math as pm
-from jaxppo.rollout import RolloutSpec, finish_rollout, sample_responses
-from jaxppo.toy import make_toy
+from jaxppo import update as pm
+from jaxppo.rollout.sampling import RolloutSpec, sample_responses
+from jaxppo.rollout.scoring import finish_rollout
+from jaxppo.testing.toy import make_toy
 
 Q, R, V = 4, 8, 32
 

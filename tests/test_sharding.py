@@ -10,8 +10,9 @@ import pytest
 
 import jaxppo
 import jaxppo.models as jm
-from jaxppo import sharding as sh
 from jaxppo import demo
+from jaxppo import sharding as sh
+
 from trainer_setup import require_devices, run_small
 
 pytestmark = require_devices(8)
@@ -111,7 +112,8 @@ def _slice_then_matmul_gradient(pin_rows_after_slice):
     """Reduced from the log-prob head: rows constrained over (data, fsdp), a slice of the
     sequence axis, a matmul with an (fsdp, tensor)-sharded weight. Returns the largest
     gradient error against one device."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     mesh = sh.make_mesh(sh.MeshConfig(data=2, fsdp=2, tensor=2))
     rng = np.random.default_rng(0)

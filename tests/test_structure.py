@@ -80,6 +80,51 @@ def test_no_import_cycles_in_the_package():
     assert _cycles({"hf": {"lora"}, "lora": {"model"}, "model": {"lora"}}) == [["lora", "model", "lora"]]
 
 
+# The layers, bottom first: a module imports only modules of its own layer or below
+# (docs/architecture.md draws the map). Leaves import nothing of the package.
+LAYERS = [
+    {"jaxppo.version", "jaxppo.errors", "jaxppo.testing", "jaxppo._moved"},
+    {"jaxppo.update", "jaxppo.models"},
+    {"jaxppo.algorithms"},
+    {"jaxppo.config", "jaxppo.trainer_config"},
+    {"jaxppo.update.ppo"},
+    {"jaxppo.sharding"},
+    {"jaxppo.rollout"},
+    {"jaxppo.run"},
+    {"jaxppo.cli", "jaxppo.demo", "jaxppo.__main__", "jaxppo"},
+]
+
+
+def _layer(module: str) -> int:
+    """The layer of a module: that of the longest prefix named in `LAYERS`."""
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        for i, layer in enumerate(LAYERS):
+            if ".".join(parts[:n]) in layer:
+                return i
+    raise AssertionError(f"{module} is in no layer of LAYERS")
+
+
+def test_every_module_imports_only_its_layer_or_below():
+    modules = _modules(PACKAGE)
+    upward = [(m, dep) for m, p in modules.items() for dep, _ in _imports(m, p, modules)
+              if m != "jaxppo" and _layer(dep) > _layer(m)]
+    assert not upward, upward
+    # The rule is not vacuous: the package's modules span the layers, and an import the
+    # wrong way (the trainer's module imported by the engine) is one it finds.
+    assert {_layer(m) for m in modules} == set(range(len(LAYERS)))
+    assert _layer("jaxppo.run.trainer") > _layer("jaxppo.update.engine")
+
+
+def test_the_top_of_the_package_is_a_short_list():
+    """At most 15 modules directly under jaxppo/; the rest live in the subpackages that show
+    the layers."""
+    top = sorted(f for f in os.listdir(PACKAGE) if f.endswith(".py"))
+    assert len(top) <= 15, top
+    assert {"update", "rollout", "run", "models", "algorithms", "testing"} <= {
+        d for d in os.listdir(PACKAGE) if os.path.isfile(os.path.join(PACKAGE, d, "__init__.py"))}
+
+
 def test_no_class_over_250_lines_no_function_over_80():
     too_long = []
     for name, path in _modules(PACKAGE).items():
@@ -118,3 +163,31 @@ def test_the_config_validates_against_the_registry():
         assert ALGORITHMS[name] == dict(algorithm.settings)
     with pytest.raises(ValueError, match="one of " + ", ".join(repr(n) for n in ESTIMATORS)):
         jaxppo.PPOConfig(advantage_estimator="made_up")
+
+
+@pytest.mark.parametrize("old, new", [("engine", "jaxppo.update.engine"), ("math", "jaxppo.update"),
+                                      ("rollout_types", "jaxppo.update.batch"), ("trainer", "jaxppo.run.trainer"),
+                                      ("toy", "jaxppo.testing.toy")])
+def test_the_0_3_module_paths_give_the_moved_modules_with_a_warning(old, new):
+    import importlib
+    import sys
+
+    sys.modules.pop(f"jaxppo.{old}", None)
+    with pytest.warns(DeprecationWarning, match=rf"jaxppo\.{old} moved to {new} in jaxppo 0\.4"):
+        module = importlib.import_module(f"jaxppo.{old}")
+    assert module is importlib.import_module(new)  # the same module object: one definition
+    assert getattr(jaxppo, old) is module
+
+
+def test_names_imported_from_an_old_path_are_the_new_objects():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from jaxppo.engine import TrainState
+        from jaxppo.math import gae
+        from jaxppo.rundir import RunError
+    assert TrainState is jaxppo.TrainState and RunError is jaxppo.RunError
+    assert gae is jaxppo.update.advantages.gae
+    with pytest.raises(ModuleNotFoundError):
+        __import__("importlib").import_module("jaxppo.no_such_module")

@@ -8,8 +8,9 @@ import pytest
 
 import jaxppo
 from jaxppo import demo
-from jaxppo.environments import chat_continuation
-from jaxppo.tools import ERROR_KINDS, ToolCallError, ToolEnvironment, check_tools, parse_tool_calls
+from jaxppo.errors import ToolCallError
+from jaxppo.rollout.environments import chat_continuation
+from jaxppo.rollout.tools import ERROR_KINDS, ToolEnvironment, check_tools, parse_tool_calls
 
 
 def add(a: int, b: int) -> int:

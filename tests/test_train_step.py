@@ -10,8 +10,8 @@ import pytest
 
 import jaxppo
 from jaxppo import PPOConfig, Rollout, TrainState, train_step
-from jaxppo.ppo import train_step_jit
-from jaxppo.toy import make_toy
+from jaxppo.testing.toy import make_toy
+from jaxppo.update.ppo import train_step_jit
 
 Q, R, V = 4, 6, 32
 

@@ -10,11 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import hf_models
 import jaxppo
 import jaxppo.models as jm
 from jaxppo import demo
 from jaxppo.cli import resolve
+
+import hf_models
 
 TRL_METRICS = ["objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
                "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg", "loss/value_avg",
@@ -114,7 +115,7 @@ def test_hf_policy_against_hf_reward_model(tokenizer, tmp_path):
     history = trainer.train()
     assert [r["ppo/updates_applied"] for r in history] == [8, 8]
     # Scores are the reward model's scores of prompt + response.
-    rows, gen = trainer._last_samples
+    rows, gen = trainer.last_samples
     ids, mask = jnp.asarray(trainer.prompt_ids[rows]), jnp.asarray(trainer.prompt_mask[rows])
     rm_scores = rm_model.apply(rm_params, jnp.concatenate([ids, gen.tokens], 1), jnp.concatenate([mask, gen.mask], 1))
     assert history[-1]["objective/raw_scores"] == pytest.approx(float(jnp.mean(rm_scores)), abs=1e-5)
@@ -281,14 +282,15 @@ def test_the_update_compiles_in_the_background_once_and_that_program_runs(tmp_pa
 
     import optax
 
-    from jaxppo import stages
-    from jaxppo.ppo import train_step_donating, train_step_jit
+    from jaxppo.run import stages
+    from jaxppo.update.ppo import train_step_donating, train_step_jit
+
     from trainer_setup import small_trainer
 
     before = train_step_donating._cache_size()
     trainer = small_trainer(tmp_path, iterations=2)
     history = trainer.train()
-    assert isinstance(trainer._train_step, stages.Precompiled) and trainer._train_step.compiled is not None
+    assert isinstance(trainer.train_step, stages.Precompiled) and trainer.train_step.compiled is not None
     assert train_step_donating._cache_size() == before  # the plain path compiled nothing
     assert [r["ppo/updates_applied"] for r in history] == [trainer.config.updates_per_step] * 2
 

@@ -22,7 +22,7 @@ import pytest
 import jaxppo
 import jaxppo.models as jm
 from jaxppo import demo
-from jaxppo.ppo import ppo_loss
+from jaxppo.update.ppo import ppo_loss
 
 if os.environ.get("CI"):
     import trl  # noqa: F401 - in CI the parity test must run, not skip

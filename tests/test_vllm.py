@@ -1,4 +1,4 @@
-"""vLLM as the rollout engine (`jaxppo.vllm_engine`), on vLLM's CPU build. These tests run
+"""vLLM as the rollout engine (`jaxppo.rollout.vllm`), on vLLM's CPU build. These tests run
 in their own environment (vLLM pins its own transformers): `.ci/run` builds it and runs
 this file with JAXPPO_REQUIRE_VLLM=1, where a missing vLLM is an error; elsewhere the file
 is skipped when vLLM is not installed.
@@ -22,8 +22,9 @@ if importlib.util.find_spec("vllm") is None:
 
 import jaxppo  # noqa: E402
 import jaxppo.models as jm  # noqa: E402
-from jaxppo import demo, vllm_engine  # noqa: E402
-from jaxppo.rollout_types import response_outputs  # noqa: E402
+from jaxppo import demo  # noqa: E402
+from jaxppo.rollout import vllm as vllm_engine
+from jaxppo.update.batch import response_outputs  # noqa: E402
 
 B, G, Q, R, V = 8, 4, 6, 10, 384
 

@@ -11,7 +11,7 @@ from typing import Callable, Mapping, NamedTuple, Optional, Tuple
 import jax
 import jax.numpy as jnp
 
-from jaxppo.stats import masked_sum
+from jaxppo.update.stats import masked_sum
 
 __all__ = ["Advantages", "AdvantageEstimator", "Algorithm", "loss_terms", "sequence_scores"]
 

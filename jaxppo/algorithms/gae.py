@@ -6,7 +6,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jaxppo.algorithms.base import AdvantageEstimator, Advantages
-from jaxppo.math import gae, masked_whiten
+from jaxppo.update.advantages import gae
+from jaxppo.update.stats import masked_whiten
 
 
 def compute(rollout, config) -> Advantages:

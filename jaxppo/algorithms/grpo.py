@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jaxppo.algorithms.base import AdvantageEstimator, Advantages, sequence_scores
-from jaxppo.math import grpo_advantages, zero_std_groups
+from jaxppo.update.advantages import grpo_advantages, zero_std_groups
 
 
 def zero_std_stats(scores, num_generations: int, zero_std=None) -> dict:
@@ -18,7 +18,7 @@ def zero_std_stats(scores, num_generations: int, zero_std=None) -> dict:
 
 
 def compute(rollout, config) -> Advantages:
-    """`jaxppo.math.grpo_advantages(scores, G, config.grpo_scale, config.grpo_eps)`,
+    """`jaxppo.update.advantages.grpo_advantages(scores, G, config.grpo_scale, config.grpo_eps)`,
     broadcast over each completion's real tokens."""
     scores = sequence_scores(rollout)
     mask = rollout.response_mask.astype(jnp.float32)

@@ -8,11 +8,12 @@ import jax.numpy as jnp
 
 from jaxppo.algorithms.base import AdvantageEstimator, Advantages, sequence_scores
 from jaxppo.algorithms.grpo import zero_std_stats
-from jaxppo.math import at_last_token, group_baseline, reinforce_pp_advantages
+from jaxppo.update.advantages import group_baseline, reinforce_pp_advantages
+from jaxppo.update.kl import at_last_token
 
 
 def compute(rollout, config) -> Advantages:
-    """`jaxppo.math.reinforce_pp_advantages(rewards, mask, config.gamma)`."""
+    """`jaxppo.update.advantages.reinforce_pp_advantages(rewards, mask, config.gamma)`."""
     mask = rollout.response_mask.astype(jnp.float32)
     advantages = reinforce_pp_advantages(rollout.rewards.astype(jnp.float32), mask, config.gamma)
     return Advantages(advantages, None, {})

@@ -7,11 +7,11 @@ import jax.numpy as jnp
 
 from jaxppo.algorithms.base import AdvantageEstimator, Advantages, sequence_scores
 from jaxppo.algorithms.grpo import zero_std_stats
-from jaxppo.math import rloo_advantages
+from jaxppo.update.advantages import rloo_advantages
 
 
 def compute(rollout, config) -> Advantages:
-    """`jaxppo.math.rloo_advantages(scores, G)`, broadcast over each completion's tokens."""
+    """`jaxppo.update.advantages.rloo_advantages(scores, G)`, broadcast over each completion's tokens."""
     scores = sequence_scores(rollout)
     mask = rollout.response_mask.astype(jnp.float32)
     advantages = rloo_advantages(scores, config.num_generations)

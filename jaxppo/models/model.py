@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Optional, Union
+import os
+from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +26,7 @@ from jaxppo.models.lora import LoraConfig
 from jaxppo.models.transformer import ATTENTION, CausalLMModule, GroupedKV, ScoreModule, default_positions
 
 __all__ = ["Model", "KINDS", "PolicyAndCritic", "stack_layers", "unstack_layers", "check_attention_backend",
-           "check_cudnn_dtype"]
+           "check_cudnn_dtype", "describe_model", "is_model_spec"]
 
 KINDS = ("causal_lm", "causal_lm_value", "reward", "value")
 # The compute and storage dtypes a model may use (by name).
@@ -226,7 +227,7 @@ class Model:
         return logprobs, values, entropy
 
     def packed_outputs(self, params, tokens, segment_ids, positions, targets, temperature=1.0):
-        """Outputs over packed streams (`jaxppo.packing`): tokens, segment_ids (0 at the
+        """Outputs over packed streams (`jaxppo.update.packing`): tokens, segment_ids (0 at the
         unused tail), positions and targets, each (S, T). A causal LM gives the log-probs of
         `targets` (the token each position predicts), entropies and values (or None); a
         "value" model gives (None, values, None). Each (S, T) float32; a token attends only
@@ -378,4 +379,29 @@ def unstack_layers(params, config: ModelConfig):
         for i in range(config.num_layers):
             inner[f"{prefix}_{i}"] = jax.tree.map(lambda x: x[i], stacked)
         out[collection] = {**params[collection], trunk: inner}
+    return out
+
+
+def is_model_spec(spec) -> bool:
+    """Whether `spec` names a model (a checkpoint path or a `(Model, params)` pair) rather
+    than a reward function."""
+    return isinstance(spec, (str, os.PathLike)) or (isinstance(spec, tuple) and len(spec) == 2
+                                                    and isinstance(spec[0], Model))
+
+
+def describe_model(spec, model, dtype) -> dict:
+    """A model's identity for the run settings: its checkpoint path (when loaded from one),
+    its architecture, kind and dtypes."""
+    out = {"path": os.path.abspath(os.fspath(spec))} if isinstance(spec, (str, os.PathLike)) else {}
+    if model is None and isinstance(spec, tuple):
+        model = spec[0]
+    if model is not None:
+        out.update(config=model.config.settings(), kind=model.kind, dtype=str(jnp.dtype(model.dtype)),
+                   param_dtype=str(jnp.dtype(model.param_dtype)))
+        if model.scan_layers:  # another parameter layout: its checkpoints do not fit the other
+            out["scan_layers"] = True
+        if model.lora is not None:
+            out["lora"] = {"rank": model.lora.rank, "alpha": model.lora.alpha, "targets": list(model.lora.targets)}
+    else:
+        out["dtype"] = dtype
     return out

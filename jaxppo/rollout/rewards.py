@@ -1,0 +1,268 @@
+"""Reward functions as users write them: several, weighted, called on decoded text with
+the prompt dataset's other columns.
+
+    def correct(prompts, completions, answer, **_):     # `answer`: a dataset column
+        return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer)]
+
+Each function is called as `f(prompts, completions, **columns)` with the columns it
+accepts (by name, or all of them through `**kwargs`), for the rows of the iteration. It
+returns one number per completion; None means "no opinion on this row": the row is left
+out of that function's statistics and adds nothing to the weighted sum (a row that no
+function scored is an error). A NaN, an inf, a
+wrong length or type, or an exception is a `RewardError` naming the function, iteration
+and row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Callable, NamedTuple, Optional, Sequence
+
+import jax
+import numpy as np
+
+from jaxppo.errors import RewardError
+from jaxppo.models.model import describe_model, is_model_spec
+
+__all__ = ["RewardFunction", "HostRewards", "reward_name", "RewardSetup", "sort_rewards", "accepted_columns",
+           "check_scores", "nonfinite_rows", "qualified_name", "HostScores"]
+
+
+def reward_name(fn) -> str:
+    """A short name for metrics: the function's `__name__` (or its class's)."""
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+class RewardFunction(NamedTuple):
+    name: str
+    fn: Callable
+    weight: float
+
+
+class HostRewards:
+    """The text reward functions of a run and their weights.
+
+    `__call__(iteration, prompts, completions, columns)` returns (scores, per_function):
+    scores float32 (B,), the weighted sum over functions of the rows they scored;
+    per_function {name: (values float64 (B,), given bool (B,))}."""
+
+    def __init__(self, functions: Sequence[RewardFunction]):
+        self.functions = list(functions)
+        self._accepts = {f.name: accepted_columns(f.fn) for f in self.functions}
+
+    def __call__(self, iteration: int, prompts: list, completions: list, columns: dict):
+        total = np.zeros(len(prompts), np.float32)
+        per_function = {}
+        for f in self.functions:
+            accepts = self._accepts[f.name]
+            kwargs = {k: v for k, v in columns.items() if accepts is None or k in accepts}
+            label = f"reward function {f.name!r}"
+            try:
+                raw = f.fn(prompts, completions, **kwargs)
+            except Exception as err:
+                raise RewardError(f"iteration {iteration}: {label} raised {type(err).__name__}: {err} (called on "
+                                  f"{len(prompts)} completions; first prompt {prompts[0][:40]!r}; columns passed: "
+                                  f"{sorted(kwargs)}); nothing was updated") from err
+            try:
+                values, given = check_scores(raw, len(prompts), label, prompts, completions, allow_none=True)
+            except RewardError as err:
+                raise RewardError(f"iteration {iteration}: {err}; nothing was updated") from None
+            per_function[f.name] = (values.astype(np.float64), given)
+            total = total + np.where(given, np.float32(f.weight) * values, np.float32(0.0))
+        scored = np.any([given for _, given in per_function.values()], axis=0)
+        if not scored.all():
+            i = int(np.flatnonzero(~scored)[0])
+            who = (f"reward function {self.functions[0].name!r}" if len(self.functions) == 1
+                   else f"every reward function ({', '.join(f.name for f in self.functions)})")
+            raise RewardError(f"iteration {iteration}: {who} returned None at row {i} (prompt {prompts[i][:40]!r}, "
+                              f"response {completions[i][:40]!r}): every response needs a score from at least one "
+                              f"reward function (None means no opinion); {int((~scored).sum())} such rows; nothing "
+                              "was updated")
+        return total, per_function
+
+
+def accepted_columns(fn, skip: int = 2):
+    """The keyword names `fn` takes besides its first `skip` positional parameters
+    ((prompts, completions) for a reward function, (prompt,) for an environment's `reset`);
+    None: all (**kwargs or a signature that cannot be read)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    positional = [p for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                  inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    named = positional[skip:] + [p for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    return {p.name for p in named}
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardSetup:
+    """The rewards of a run, sorted: the reward model (a checkpoint path or `(Model,
+    params)`, or None) and its weight, the text functions (scored on the host), a jittable
+    token function (or None), what `reward_fn` was called on ("text" or "tokens"), and
+    whether the run used the single-reward arguments (`legacy`: its settings keep their
+    older layout, so such runs resume)."""
+
+    model_spec: Any
+    host: tuple
+    token_fn: Optional[Callable]
+    model_weight: float
+    on: str
+    legacy: bool
+
+    def host_rewards(self) -> Optional["HostRewards"]:
+        return HostRewards(self.host) if self.host else None
+
+    def describe(self, model, dtype) -> dict:
+        """The reward's identity for the run settings."""
+        if self.legacy:
+            if model is not None:
+                return describe_model(self.model_spec, model, dtype)
+            fn = self.token_fn if self.token_fn is not None else self.host[0].fn
+            return {"function": qualified_name(fn), "on": self.on}
+        out = {"functions": [{"function": qualified_name(f.fn), "name": f.name, "weight": f.weight}
+                             for f in self.host]}
+        if model is not None:
+            out["model"] = describe_model(self.model_spec, model, dtype)
+            out["model_weight"] = self.model_weight
+        return out
+
+    def source(self) -> str:
+        """What produced the scores, for error messages."""
+        if self.model_spec is not None and not self.host:
+            return "the reward model"
+        if self.host:
+            names = [f.name for f in self.host]
+            what = (f"reward function {qualified_name(self.host[0].fn)!r}" if len(names) == 1
+                    else f"the reward functions {names}")
+            return what + (" with the reward model" if self.model_spec is not None else "")
+        if self.token_fn is not None:
+            return f"token reward function {qualified_name(self.token_fn)!r}"
+        return "the environment"
+
+
+def sort_rewards(reward_model, reward_fn, reward_fn_on: str, reward_fns, reward_weights,
+                 environment: bool = False) -> "RewardSetup":
+    """Sort the trainer's reward arguments into a `RewardSetup`. Errors name what was
+    wrong. With an `environment` (whose rewards score the episodes) none is needed."""
+    if reward_fn_on not in ("text", "tokens"):
+        raise ValueError(f"reward_fn_on={reward_fn_on!r} is invalid; valid: 'text', 'tokens'")
+    if reward_fns is not None:
+        if reward_fn is not None:
+            raise ValueError("give reward_fn or reward_fns, not both (reward_fns=[f] is reward_fn=f)")
+        if isinstance(reward_fns, (str, bytes)) or not isinstance(reward_fns, (list, tuple)) or not reward_fns:
+            raise ValueError(f"reward_fns must be a non-empty list of functions (one may be a reward model); got "
+                             f"{reward_fns!r:.80}")
+        if reward_fn_on != "text":
+            raise ValueError("reward_fns are called on text; token-level reward functions go in reward_fn with "
+                             "reward_fn_on='tokens'")
+    entries = list(reward_fns) if reward_fns is not None else ([reward_fn] if reward_fn is not None else [])
+    if reward_weights is None:
+        weights = [1.0] * len(entries)
+    else:
+        if reward_fns is None:
+            raise ValueError("reward_weights needs reward_fns (one weight per entry)")
+        weights = list(reward_weights)
+        if len(weights) != len(entries):
+            raise ValueError(f"reward_weights has {len(weights)} weights for {len(entries)} reward_fns; give one "
+                             "weight per entry, in the same order")
+        for i, w in enumerate(weights):
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not np.isfinite(w):
+                raise ValueError(f"reward_weights[{i}]={w!r} is invalid: a weight must be a finite number")
+    model_weight = 1.0
+    fns = []
+    for entry, weight in zip(entries, weights):
+        if is_model_spec(entry):
+            if reward_model is not None:
+                raise ValueError("one reward model at most: reward_model and a model in reward_fns were both given")
+            reward_model, model_weight = entry, weight
+        elif callable(entry):
+            fns.append((entry, weight))
+        else:
+            raise ValueError(f"reward_fns entry {entry!r:.60} is neither a function nor a reward model (a checkpoint "
+                             "path or a (Model, params) pair)")
+    if reward_model is None and not fns and not environment:
+        raise ValueError("give exactly one of reward_model (a reward model), reward_fn (a function) or reward_fns (a "
+                         "list of functions, one of which may be a reward model)")
+    if reward_fns is None and reward_model is not None and reward_fn is not None:
+        raise ValueError("give exactly one of reward_model (a reward model) or reward_fn (a function); to combine "
+                         "them, list both in reward_fns")
+    token_fn = None
+    if reward_fn_on == "tokens":
+        token_fn, fns = fns[0][0], []
+    names = {}
+    host = []
+    for fn, weight in fns:
+        name = reward_name(fn)
+        names[name] = names.get(name, 0) + 1
+        host.append(RewardFunction(name if names[name] == 1 else f"{name}_{names[name]}", fn, float(weight)))
+    legacy = reward_fns is None and (reward_model is not None or token_fn is not None or bool(host))
+    return RewardSetup(reward_model, tuple(host), token_fn, float(model_weight), reward_fn_on, legacy=legacy)
+
+
+def qualified_name(fn) -> str:
+    if fn is None:
+        return "None"
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return f"{getattr(fn, '__module__', None) or type(fn).__module__}.{name}"
+
+
+def check_scores(scores, batch: int, name: str = "reward function", prompts=None, responses=None,
+                 allow_none: bool = False):
+    """Validate what a host-side reward function returned: one real number (int, float,
+    numpy scalar or 0-d array) per response, `batch` of them, as a list, tuple or 1-D array.
+    Returns float32 (batch,). Non-finite numbers pass through (the trainer reports or skips
+    them for every kind of reward alike). With `allow_none`, None means "no opinion on this
+    row": returns (scores with 0 there, given: bool (batch,) False there).
+
+    Raises `RewardError` naming the function (`name`), the row and the value, and the row's
+    prompt and response when given."""
+
+    def row_text(i):
+        if prompts is None or responses is None:
+            return ""
+        return f" (prompt {prompts[i][:40]!r}, response {responses[i][:40]!r})"
+
+    if isinstance(scores, (str, bytes, dict)) or not hasattr(scores, "__len__"):
+        raise RewardError(f"{name} returned a {type(scores).__name__} ({scores!r:.60}); it must return a list or 1-D "
+                          f"array of {batch} numbers, one per response")
+    if isinstance(scores, np.ndarray) and scores.ndim != 1:
+        raise RewardError(f"{name} returned an array of shape {scores.shape}; expected ({batch},): one number per "
+                          "response")
+    if len(scores) != batch:
+        raise RewardError(f"{name} returned {len(scores)} scores for {batch} responses; expected ({batch},): one "
+                          "number per response")
+    out = np.empty(batch, np.float32)
+    given = np.ones(batch, bool)
+    for i, value in enumerate(scores):
+        if value is None and allow_none:
+            out[i], given[i] = 0.0, False
+            continue
+        if value is None:
+            raise RewardError(f"{name} returned None at row {i}{row_text(i)}: every response needs a score (a reward "
+                              "function with no opinion on a row must still return a number for it)")
+        if isinstance(value, np.ndarray) and value.ndim == 0:
+            value = value.item()
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+            raise RewardError(f"{name} returned {value!r:.60} ({type(value).__name__}) at row {i}{row_text(i)}; "
+                              "each score must be a real number (int or float)")
+        out[i] = float(value)
+    return (out, given) if allow_none else out
+
+
+def nonfinite_rows(scores) -> np.ndarray:
+    """Indices of the non-finite entries of (B,) scores (on the host)."""
+    return np.flatnonzero(~np.isfinite(np.asarray(scores, np.float64)))
+
+
+class HostScores(NamedTuple):
+    """Scores from the text reward functions: float32 (B,) on the device (or None without
+    text rewards), and per function {name: (values (B,), given (B,))} on the host."""
+
+    scores: Optional[jax.Array]
+    per_function: dict
+    unknown_tokens: int
+

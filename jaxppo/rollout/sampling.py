@@ -1,0 +1,135 @@
+"""What is static about a run's rollouts (`RolloutSpec`: the models, the sampler's settings,
+how scores become rewards) and sampling responses from the policy with it."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional, Tuple
+
+from jaxppo.models.continuous import generate_continuous
+from jaxppo.models.generate import GenerationOutput, generate
+from jaxppo.models.model import Model
+from jaxppo.update.kl import check_kl_estimator
+from jaxppo.update.shaping import default_overlong_buffer
+
+__all__ = ["RolloutSpec", "sample_responses"]
+
+
+def _from(config: str, attribute: str = None, *, default=dataclasses.MISSING, convert=lambda value: value):
+    """A field of `RolloutSpec` that `RolloutSpec.from_configs` reads from a config:
+    `config` ("ppo" or "trainer"), its `attribute` (None: the field's own name), converted
+    by `convert`."""
+    return dataclasses.field(default=default, metadata={"config": config, "attribute": attribute,
+                                                         "convert": convert})
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSpec:
+    """Everything static about rollouts (hashable: a static jit argument).
+
+    Attributes:
+      policy: the causal-LM `Model` that samples (kind "causal_lm" or "causal_lm_value").
+      apply_fn: the train state's `apply_fn(params, tokens, mask) -> (logits, values)`.
+      policy_params_key: where the policy's params sit in the train params (None: the
+        params are the policy's own, as with a shared trunk; "policy" for PolicyAndCritic).
+      ref_apply: `ref_apply(ref_params, tokens, mask) -> logits`; one that offers
+        `response_outputs` (a built-in model) scores without full logits. None: no
+        reference (no KL in the reward or the loss); the KL is then 0 and not reported.
+      ref_is_policy: the reference runs on the policy's own params (`ref_apply` is the
+        policy's base model: a LoRA policy with `adapters=False`), so no `ref_params` are
+        passed and no second copy of the weights exists.
+      keep_ref_logprobs: put the reference log-probs in the rollout (`ref_logprobs`) for a
+        KL term in the loss.
+      reward_apply: `reward_apply(reward_params, tokens, mask) -> (B,)` scores, or None.
+      reward_weight: the reward model's weight in the score (weighted reward functions on
+        the host add theirs).
+      token_reward_fn: a jittable `fn(prompt_ids, prompt_mask, response_ids, response_mask)
+        -> (B,)` scores, or None.
+      response_length, temperature, stop_token_ids, pad_token_id: sampling.
+      kl_estimator: "k1", "k3", "abs" or "mse".
+      missing_eos_penalty: subtracted from the score of responses without a stop token.
+      normalize_scores: standardise scores by running mean/std before use.
+      score_clip: clip (normalised) scores to [-score_clip, score_clip].
+      uses_critic: the rollout carries the critic's values (PPO); False: `values` is None.
+      num_generations: G, rows per prompt (consecutive): each prompt is prefilled once
+        and its KV cache shared by its G rows (`jaxppo.models.generate`).
+      num_slots: None (the static sampler) or the slots of the continuous-batching engine
+        (`jaxppo.models.continuous`); the same tokens either way.
+      overlong_penalty_factor, overlong_buffer: DAPO's soft overlong punishment of the
+        scores (`jaxppo.update.shaping.overlong_penalty`; factor 0: off; buffer None: a fifth of
+        `response_length`), from `PPOConfig`.
+      mask_truncated: zero the rollout's response mask of completions without a stop token
+        (`PPOConfig.mask_truncated_completions`), so the loss leaves them out.
+      pack_sequences, pack_streams, pack_length: score the batch packed (`jaxppo.update.packing`:
+        the policy's, critic's and reference's forwards over `pack_streams` streams of
+        `pack_length` tokens, None: Q + R); `jaxppo.run.stages.build_rollout` sets the streams
+        for each batch from its lengths. The reward model still scores padded rows.
+    """
+
+    policy: Model
+    apply_fn: Callable
+    ref_apply: Optional[Callable]
+    response_length: int = _from("trainer")
+    temperature: float = _from("ppo", default=1.0, convert=float)
+    policy_params_key: Optional[str] = None
+    reward_apply: Optional[Callable] = None
+    reward_weight: float = 1.0
+    keep_ref_logprobs: bool = _from("ppo", "kl_loss_coef", default=False, convert=bool)
+    ref_is_policy: bool = False
+    token_reward_fn: Optional[Callable] = None
+    stop_token_ids: Tuple[int, ...] = ()
+    pad_token_id: int = 0
+    kl_estimator: str = _from("trainer", default="k1")
+    missing_eos_penalty: Optional[float] = _from("trainer", default=None)
+    normalize_scores: bool = _from("trainer", default=False)
+    score_clip: Optional[float] = _from("trainer", default=None)
+    uses_critic: bool = _from("ppo", default=True)
+    num_generations: int = _from("ppo", default=1)
+    num_slots: Optional[int] = _from("trainer", default=None)
+    overlong_penalty_factor: float = _from("ppo", default=0.0, convert=float)
+    overlong_buffer: Optional[int] = _from("ppo", default=None)
+    mask_truncated: bool = _from("ppo", "mask_truncated_completions", default=False)
+    pack_sequences: bool = _from("ppo", default=False)
+    pack_streams: Optional[int] = None
+    pack_length: Optional[int] = _from("ppo", default=None)
+
+    @classmethod
+    def from_configs(cls, ppo, trainer, **fields) -> "RolloutSpec":
+        """A spec whose settings come from a `PPOConfig` and a `TrainerConfig` (each field
+        that says so reads its attribute of that config: nothing is copied by hand), and
+        `fields` (the models, stop and pad tokens, ...)."""
+        configs = {"ppo": ppo, "trainer": trainer}
+        read = {f.name: f.metadata["convert"](getattr(configs[f.metadata["config"]],
+                                                                        f.metadata["attribute"] or f.name))
+                for f in dataclasses.fields(cls) if "config" in f.metadata}
+        return cls(**read, **fields)
+
+    def __post_init__(self):
+        check_kl_estimator("kl_estimator=", self.kl_estimator)
+        if self.overlong_buffer is not None and self.overlong_buffer > self.response_length:
+            raise ValueError(f"PPOConfig.overlong_buffer={self.overlong_buffer} is longer than the response budget "
+                             f"(response_length={self.response_length}); it must be in [1, {self.response_length}] "
+                             "(None: a fifth of the budget)")
+        if self.mask_truncated and not self.stop_token_ids:
+            raise ValueError("PPOConfig.mask_truncated_completions=True needs a stop token (TrainerConfig."
+                             "stop_token_id, or a tokenizer with an eos_token_id): without one every completion "
+                             "is truncated and nothing would be trained")
+
+    @property
+    def buffer(self) -> int:
+        """The overlong buffer in tokens (the configured one, or a fifth of the budget)."""
+        return self.overlong_buffer or default_overlong_buffer(self.response_length)
+
+    def policy_params(self, params):
+        return params if self.policy_params_key is None else params[self.policy_params_key]
+
+
+def sample_responses(spec: RolloutSpec, params, prompt_ids, prompt_mask, key) -> GenerationOutput:
+    """Sample `spec.response_length` tokens per prompt from the current policy (compiled)."""
+    common = dict(response_length=spec.response_length, temperature=spec.temperature,
+                  stop_token_ids=spec.stop_token_ids, pad_token_id=spec.pad_token_id)
+    if spec.num_slots is not None:
+        return generate_continuous(spec.policy, spec.policy_params(params), prompt_ids, prompt_mask, key,
+                                   num_slots=spec.num_slots, **common)
+    return generate(spec.policy, spec.policy_params(params), prompt_ids, prompt_mask, key,
+                    num_generations=spec.num_generations, **common)

@@ -1,0 +1,312 @@
+"""Model assembly: from what the user gave (checkpoint paths or `(Model, params)` pairs)
+to the train state's pieces: the trained parameters and their forward, the frozen
+reference and reward model, the optimizer, and the run's description of its models.
+
+Only PPO ("gae") has a critic: separate (a copy of the reward model's or the policy's
+trunk) or a value head on the policy (`shared_trunk`). Critic-free algorithms train the
+policy alone. When nothing needs a reference (no KL in the reward or the loss), none is
+built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import os
+import warnings
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxppo.config import PPOConfig
+from jaxppo.models import hf as hf_io
+from jaxppo.models.adapters import add_lora
+from jaxppo.models.lora import LoraConfig
+from jaxppo.models.model import (
+    Model,
+    PolicyAndCritic,
+    check_attention_backend,
+    check_cudnn_dtype,
+    describe_model,
+    stack_layers,
+    trunk_name,
+    unstack_layers,
+)
+from jaxppo.models.peft import load_peft_adapter, read_peft_config
+from jaxppo.trainer_config import TrainerConfig
+from jaxppo.update.engine import Freeze, clip_by_global_norm, key_names
+
+__all__ = ["Assembly", "assemble", "load_model", "critic_from", "LogitsOf",
+           "schedule", "optimizer"]
+
+
+def load_model(spec, kind, dtype, param_dtype=None, scan_layers=None):
+    """(model, params) from a checkpoint path or a (Model, params) pair; `scan_layers`
+    True/False puts the layers in that layout (None: as loaded / as given)."""
+    if isinstance(spec, (str, os.PathLike)):
+        return hf_io.from_pretrained(os.fspath(spec), dtype=dtype, param_dtype=param_dtype or dtype, kind=kind,
+                                     scan_layers=bool(scan_layers))
+    model, params = spec
+    if not isinstance(model, Model):
+        raise TypeError(f"expected a checkpoint path or a (jaxppo.models.Model, params) pair, got {type(model).__name__}")
+    if scan_layers is not None and model.scan_layers != scan_layers:
+        convert = stack_layers if scan_layers else unstack_layers
+        model, params = dataclasses.replace(model, scan_layers=scan_layers), convert(params, model.config)
+    return model, params
+
+
+def critic_from(model: Model, params, zero_head: bool, dtype=None):
+    """A "value" Model + params whose trunk is a copy of `model`'s trunk, with float32
+    parameters (the critic is trained: master weights in float32) and compute `dtype`
+    (default: `model`'s)."""
+    critic = dataclasses.replace(model, kind="value", dtype=dtype or model.dtype, param_dtype="float32", lora=None)
+    trunk = trunk_name(model.config)
+    inner = params["params"]
+    # Copies (also where no cast is needed): the critic is trained and its buffers donated;
+    # the model it comes from is not.
+    if zero_head or "score" not in inner:
+        trunk_params = copy_as({trunk: inner[trunk]}, "float32")
+        head = {"kernel": jnp.zeros((model.config.hidden_size, 1), jnp.float32)}
+    else:
+        trunk_params = copy_as({trunk: inner[trunk], "score": inner["score"]["kernel"][:, :1]}, "float32")
+        head = {"kernel": trunk_params.pop("score")}
+    return critic, {"params": {**trunk_params, "score": head}}
+
+
+@functools.partial(jax.jit, static_argnames="dtype")
+def copy_as(tree, dtype):
+    """A copy of every leaf of `tree` in `dtype` (`jnp.array` copies even where no cast is
+    needed), as one compiled program (op by op, each leaf's copy would compile on its own)."""
+    return jax.tree.map(lambda x: jnp.array(x, dtype=jnp.dtype(dtype)), tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class LogitsOf:
+    """ref_apply for a policy Model: logits only (hashable)."""
+
+    model: Model
+
+    def __call__(self, params, tokens, mask):
+        out = self.model.apply(params, tokens, mask)
+        return out[0] if isinstance(out, tuple) else out
+
+    def response_outputs(self, params, *args):
+        return self.model.response_outputs(params, *args)
+
+    def packed_outputs(self, params, *args):
+        return self.model.packed_outputs(params, *args)
+
+
+def schedule(lr, kind, warmup, total):
+    """A learning-rate schedule over `total` updates: constant, linear decay to 0 or cosine,
+    after `warmup` updates of linear warm-up."""
+    if kind == "constant":
+        main = optax.constant_schedule(lr)
+    elif kind == "linear":
+        main = optax.linear_schedule(lr, 0.0, max(1, total - warmup))
+    else:
+        main = optax.cosine_decay_schedule(lr, max(1, total - warmup))
+    if warmup:
+        return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), main], [warmup])
+    return main
+
+
+def optimizer(policy_lr, critic_lr, tc: TrainerConfig, shared: bool, critic: bool = True):
+    """Adam (after global-norm clipping when `tc.max_grad_norm`) for the trained params:
+    the policy alone (`critic=False`), the policy and a separate critic ({"policy",
+    "critic"} params), or one model whose `value_head` has the critic's rate (`shared`)."""
+    def adam(lr):
+        parts = [clip_by_global_norm(tc.max_grad_norm)] if tc.max_grad_norm else []
+        return optax.chain(*parts, optax.adam(lr, eps=tc.adam_eps))
+
+    if not critic:
+        return adam(policy_lr)
+
+    if shared:
+        # One model: the value head gets the critic's learning rate (the rest, or the LoRA
+        # adapters when the base is frozen, the policy's).
+        def labels(params):
+            name = lambda path, _: "critic" if "value_head" in key_names(path) else "policy"
+            return jax.tree_util.tree_map_with_path(name, params)
+        return optax.multi_transform({"policy": adam(policy_lr), "critic": adam(critic_lr)}, labels)
+    return optax.multi_transform({"policy": adam(policy_lr), "critic": adam(critic_lr)},
+                                 {"policy": "policy", "critic": "critic"})
+
+
+@dataclasses.dataclass
+class Assembly:
+    """What `assemble` builds. `apply_fn(params, tokens, mask)` is the train state's forward
+    (policy alone, PolicyAndCritic, or a policy with a value head); `params_key` locates the
+    policy's params inside `params` (None: `params` are the policy's); `ref_model` and
+    `ref_params` are None when no reference is needed; `description` identifies the models
+    in the run's settings."""
+
+    policy_model: Model
+    apply_fn: Callable
+    params: Any
+    params_key: Optional[str]
+    ref_model: Optional[Model]
+    ref_params: Any
+    reward_model: Optional[Model]
+    reward_params: Any
+    description: dict
+    freeze: Optional[Freeze] = None
+    ref_is_policy: bool = False
+
+
+def needs_reference(config: PPOConfig, tc: TrainerConfig) -> bool:
+    """A reference policy is needed for a KL penalty in the reward (kl_coef > 0, or an
+    adaptive controller) or a KL term in the loss (kl_loss_coef > 0)."""
+    return config.kl_coef > 0 or tc.kl_target is not None or config.kl_loss_coef > 0
+
+
+def assemble(config: PPOConfig, tc: TrainerConfig, *, policy, reward_model=None, ref_policy=None, critic=None,
+             dtype: str = "float32", ref_dtype: Optional[str] = None, reward_dtype: Optional[str] = None,
+             remat=None, scan_layers: Optional[bool] = None, logits_chunk_size: Optional[int] = None,
+             lora: Optional[LoraConfig] = None, lora_init: Optional[str] = None) -> Assembly:
+    """Load or adopt the models of a run (see `PPOTrainer` for the arguments).
+
+    With LoRA (`lora`, `lora_init`, or a given policy Model that has adapters) the base
+    weights are frozen (held in `dtype`, loaded from a checkpoint), only the adapters (and
+    a critic) are trained, and the reference is the policy with its adapters off."""
+    _check_arguments(config, tc, critic, lora, lora_init, dtype)
+    ref_dtype, reward_dtype = ref_dtype or dtype, reward_dtype or dtype
+    policy_model, policy_params = _load_policy(policy, tc, dtype, remat, scan_layers, logits_chunk_size, lora,
+                                               lora_init)
+    ref_model, ref_params, ref_is_policy = _reference(config, tc, policy_model, policy_params, ref_policy, ref_dtype,
+                                                      scan_layers, logits_chunk_size)
+    reward = reward_params = None
+    if reward_model is not None:
+        reward, reward_params = load_model(reward_model, "reward", reward_dtype, scan_layers=scan_layers)
+        reward = _with_attention(reward, tc)
+        if reward.kind != "reward":
+            raise ValueError(f"reward_model must be of kind 'reward', got {reward.kind!r}")
+    policy_model, apply_fn, params, params_key, critic_text = _trained(
+        config, tc, policy_model, policy_params, critic, reward, reward_params, dtype, remat, scan_layers)
+    check_attention_backend([policy_model, ref_model, reward, getattr(apply_fn, "critic", None)])
+    freeze = None
+    if policy_model.lora is not None:  # only the adapters (and the critic or value head) train
+        base = ("params",) if params_key is None else (params_key, "params")
+        freeze = Freeze(prefixes=(base,), unless=((*base, "value_head"),))
+    if ref_model is None:
+        reference = "none"
+    elif ref_is_policy:
+        reference = "policy base (adapters off)"
+    else:
+        reference = "initial policy" if ref_policy is None else describe_model(ref_policy, ref_model, dtype)
+    description = {"policy": describe_model(policy, policy_model, dtype), "reference": reference,
+                   "critic": critic_text}
+    if lora_init is not None:
+        description["policy"]["lora_init"] = os.path.abspath(os.fspath(lora_init))
+    return Assembly(policy_model, apply_fn, params, params_key, ref_model, ref_params, reward, reward_params,
+                    description, freeze, ref_is_policy)
+
+
+def _check_arguments(config: PPOConfig, tc: TrainerConfig, critic, lora, lora_init, dtype):
+    """Errors in the model arguments, before any weights load."""
+    if tc.attention == "cudnn":
+        check_cudnn_dtype("TrainerConfig", dtype)
+        check_attention_backend([tc.attention])
+    if lora is not None and not isinstance(lora, LoraConfig):
+        raise TypeError(f"lora must be a jaxppo.models.LoraConfig or None, got {type(lora).__name__}")
+    if lora_init is not None:
+        init_config = read_peft_config(os.fspath(lora_init))  # checked before any weights load
+        if lora is not None and lora != init_config:
+            raise ValueError(f"lora={lora} differs from the adapter in {os.fspath(lora_init)!r} ({init_config}); give "
+                             "one of them, or the same settings")
+    if not config.uses_critic:
+        if critic is not None:
+            raise ValueError(f"critic was given, but advantage_estimator={config.advantage_estimator!r} has no critic "
+                             "(only 'gae', PPO, does); drop critic or use advantage_estimator='gae'")
+        if tc.shared_trunk:
+            raise ValueError(f"TrainerConfig.shared_trunk=True puts a value head on the policy, but "
+                             f"advantage_estimator={config.advantage_estimator!r} has no critic; set shared_trunk=False")
+
+
+def _load_policy(policy, tc: TrainerConfig, dtype, remat, scan_layers, logits_chunk_size, lora, lora_init):
+    """The policy as a causal LM with its settings, and with LoRA adapters when asked."""
+    use_lora = lora is not None or lora_init is not None
+    # The trained policy is held in float32; a LoRA base is frozen, so it stays in `dtype`.
+    policy_model, policy_params = load_model(policy, "causal_lm", dtype, dtype if use_lora else "float32", scan_layers)
+    if use_lora and policy_model.lora is not None:
+        raise ValueError("the given policy already has LoRA adapters; drop lora / lora_init, or give the base model")
+    if remat is not None:
+        policy_model = dataclasses.replace(policy_model, remat=remat)
+    if logits_chunk_size is not None:
+        policy_model = dataclasses.replace(policy_model, logits_chunk_size=logits_chunk_size)
+    policy_model = _with_attention(policy_model, tc)
+    if tc.hoist_layers:
+        policy_model = dataclasses.replace(policy_model, hoist_layers=True)
+    if policy_model.kind != "causal_lm":
+        policy_model = dataclasses.replace(policy_model, kind="causal_lm")
+        policy_params = {**policy_params,
+                         "params": {k: v for k, v in policy_params["params"].items() if k != "value_head"}}
+    if lora_init is not None:
+        return load_peft_adapter(policy_model, policy_params, os.fspath(lora_init))
+    if lora is not None:
+        return add_lora(policy_model, policy_params, lora, jax.random.fold_in(jax.random.key(tc.seed), 7))
+    return policy_model, policy_params
+
+
+def _reference(config: PPOConfig, tc: TrainerConfig, policy_model, policy_params, ref_policy, ref_dtype, scan_layers,
+               logits_chunk_size):
+    """(reference model or None, its params or None, whether it runs on the policy's own
+    params: a LoRA policy with its adapters off)."""
+    if not needs_reference(config, tc):
+        if ref_policy is not None:
+            warnings.warn("ref_policy is not used: kl_coef and kl_loss_coef are 0 and there is no kl_target, so no "
+                          "KL to a reference is computed (and no reference model is loaded)", UserWarning, stacklevel=4)
+        return None, None, False
+    if ref_policy is None and policy_model.lora is not None:
+        # The same weights with the adapters switched off: no second copy.
+        return dataclasses.replace(policy_model, adapters=False), None, True
+    if ref_policy is None:
+        # A copy of the initial policy, held in ref_dtype (jnp.array copies even without a cast).
+        ref_model = dataclasses.replace(policy_model, dtype=ref_dtype, param_dtype=ref_dtype)
+        return ref_model, copy_as(policy_params, ref_dtype), False
+    ref_model, ref_params = load_model(ref_policy, "causal_lm", ref_dtype, scan_layers=scan_layers)
+    ref_model = _with_attention(ref_model, tc)
+    if logits_chunk_size is not None:
+        ref_model = dataclasses.replace(ref_model, logits_chunk_size=logits_chunk_size)
+    return ref_model, ref_params, False
+
+
+def _trained(config: PPOConfig, tc: TrainerConfig, policy_model, policy_params, critic, reward, reward_params, dtype,
+             remat, scan_layers):
+    """What the train state trains: (policy model, apply_fn, params, where the policy's
+    params sit in them, the critic's description): the policy alone (critic-free), the
+    policy with a value head (`shared_trunk`), or the policy and a separate critic."""
+    if not config.uses_critic:
+        return policy_model, policy_model.apply, policy_params, None, "none"
+    if tc.shared_trunk:
+        policy_model = dataclasses.replace(policy_model, kind="causal_lm_value")
+        head = {"kernel": jnp.zeros((policy_model.config.hidden_size, 1), jnp.float32),
+                "bias": jnp.zeros((1,), jnp.float32)}
+        params = {**policy_params, "params": dict(policy_params["params"], value_head=head)}
+        return policy_model, policy_model.apply, params, None, "shared trunk"
+    if critic is not None:
+        critic_model, critic_params = load_model(critic, "value", dtype, "float32", scan_layers)
+        critic_model = _with_attention(critic_model, tc)
+        if critic_model.kind != "value":
+            critic_model, critic_params = critic_from(critic_model, critic_params, zero_head=False)
+    elif reward is not None:
+        critic_model, critic_params = critic_from(reward, reward_params, zero_head=False, dtype=dtype)
+    else:
+        critic_model, critic_params = critic_from(policy_model, policy_params, zero_head=True)
+    if remat is not None:
+        critic_model = dataclasses.replace(critic_model, remat=remat)
+    critic_text = describe_model(critic, None, dtype) if critic is not None else "default"
+    return (policy_model, PolicyAndCritic(policy_model, critic_model), {"policy": policy_params, "critic": critic_params},
+            "policy", critic_text)
+
+
+def _with_attention(model: Model, tc: TrainerConfig) -> Model:
+    """`model` with the run's `attention` (TrainerConfig.attention; None keeps its own)."""
+    return model if tc.attention is None else dataclasses.replace(model, attention=tc.attention)
+
+
+def prompts_digest(prompts) -> dict:
+    return {"count": len(prompts), "sha256": hashlib.sha256("\x00".join(prompts).encode()).hexdigest()}

@@ -1,0 +1,165 @@
+"""Checkpoints of a run (orbax), written so that a kill or a full disk loses nothing.
+
+Layout: `<output_dir>/checkpoints/<iteration>/`, one orbax `StandardSave` of the trainer's
+tree, with custom metadata naming the checkpoint layout version and the jaxppo version.
+Orbax writes each checkpoint into a temporary folder and renames it when complete, so a
+kill during a save leaves the earlier checkpoints as they were (the temporary folder is
+removed when the next run opens the directory). Saves are synchronous.
+
+Restoring walks the checkpoints from the newest: one that cannot be read (a file truncated
+or missing) is reported, moved aside to `checkpoints.corrupt/`, and the previous one is
+tried; if checkpoints exist but none can be read, or one was written in another layout,
+that is a `RunError` (never a silent fresh start).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import warnings
+from typing import Any, Optional, Tuple
+
+import jax
+
+from jaxppo.errors import RunError
+from jaxppo.testing import failpoints
+from jaxppo.version import __version__
+
+__all__ = ["LAYOUT", "save", "restore_latest", "steps"]
+
+# Version of what a checkpoint holds. 1: jaxppo 0.1.0 (no metadata); 2: jaxppo 0.2.0.
+LAYOUT = 2
+_LAYOUT_KEY = "jaxppo_checkpoint_layout"
+
+
+def _manager(directory: str, keep: int = 2, cleanup: bool = True):
+    import orbax.checkpoint as ocp
+
+    # Synchronous saves: jaxppo waits for every save anyway, and orbax's background threads
+    # could outlive a save (and print errors at interpreter exit).
+    return ocp.CheckpointManager(
+        os.path.abspath(directory),
+        options=ocp.CheckpointManagerOptions(max_to_keep=keep, cleanup_tmp_directories=cleanup,
+                                             enable_async_checkpointing=False))
+
+
+def steps(directory: str) -> list:
+    """Complete checkpoints in `directory`, oldest first (nothing is changed on disk)."""
+    if not os.path.isdir(directory):
+        return []
+    manager = _manager(directory, cleanup=False)
+    try:
+        return sorted(manager.all_steps())
+    finally:
+        manager.close()
+
+
+def save(directory: str, step: int, tree: Any, *, keep: int = 2):
+    """Save `tree` as checkpoint `step` (skipped when that step exists); keep the newest
+    `keep`. A write error (full disk, quota, permissions) is a `RunError` that names the
+    directory; the checkpoints saved before stay intact."""
+    import orbax.checkpoint as ocp
+
+    manager = _manager(directory, keep)
+    try:
+        previous = sorted(manager.all_steps())
+        if step in previous:
+            return
+        failpoints.hit_during("checkpoint_save", lambda: _writing(directory, step))
+        failpoints.pause("checkpoint_save")
+        manager.save(step, args=ocp.args.StandardSave(tree),
+                     custom_metadata={_LAYOUT_KEY: LAYOUT, "jaxppo_version": __version__})
+        manager.wait_until_finished()
+    except Exception as err:  # orbax and tensorstore raise many types for one cause
+        last = f"the checkpoint of iteration {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
+        raise RunError(f"could not save the checkpoint of iteration {step} in {directory}: {type(err).__name__}: "
+                       f"{_first_line(err)}. Nothing was overwritten ({last}); free disk space or fix the directory, "
+                       "then run the same command again to resume") from err
+    finally:
+        try:
+            manager.close()
+        except Exception:  # noqa: BLE001 - the save error above is the one to report
+            pass
+
+
+def _writing(directory: str, step: int) -> bool:
+    """Whether checkpoint `step` is being written: its temporary folder holds a file."""
+    prefix = f"{step}.orbax-checkpoint-tmp"
+    try:
+        return any(files for name in os.listdir(directory) if name.startswith(prefix)
+                   for _, _, files in os.walk(os.path.join(directory, name)))
+    except OSError:
+        return False
+
+
+def _first_line(err) -> str:
+    """The first line of an error, shortened in the middle: tensorstore puts the cause (for
+    example "File too large") at the end of a long line of paths."""
+    lines = str(err).strip().splitlines()
+    text = lines[0] if lines else ""
+    return text if len(text) <= 400 else f"{text[:180]} ... {text[-200:]}"
+
+
+def restore_latest(directory: str, template: Any) -> Optional[Tuple[int, Any]]:
+    """(step, tree) of the newest readable checkpoint in `directory`, shaped and sharded
+    like `template`; None when there is no checkpoint at all.
+
+    Unreadable checkpoints are warned about by path, moved to `<directory>.corrupt/` and
+    skipped. Raises `RunError` when checkpoints exist but none is readable, or when one was
+    written in another checkpoint layout."""
+    if not os.path.isdir(directory):  # a new run: orbax is not even imported (0.2 s of start-up)
+        return None
+    import orbax.checkpoint as ocp
+
+    manager = _manager(directory)
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x,
+        template)
+    found = sorted(manager.all_steps(), reverse=True)
+    failed = []
+    try:
+        for step in found:
+            path = os.path.join(directory, str(step))
+            try:
+                meta = manager.metadata(step).custom_metadata or {}
+            except Exception as err:  # noqa: BLE001
+                failed.append((step, path, err))
+                continue
+            layout = meta.get(_LAYOUT_KEY, 1)
+            if layout != LAYOUT:
+                raise RunError(
+                    f"checkpoint {path} has checkpoint layout {layout} (written by jaxppo "
+                    f"{meta.get('jaxppo_version', '0.1.0')}); this jaxppo {__version__} reads layout {LAYOUT} only. "
+                    f"Resume it with the jaxppo version that wrote it, or start a new output_dir")
+            try:
+                restored = manager.restore(step, args=ocp.args.StandardRestore(abstract))
+            except Exception as err:  # noqa: BLE001 - tensorstore/orbax raise many types for a torn file
+                failed.append((step, path, err))
+                continue
+            _set_aside(directory, failed)
+            return step, jax.tree.unflatten(jax.tree.structure(template), jax.tree.leaves(restored))
+    finally:
+        manager.close()
+    if failed:
+        listing = "; ".join(f"{p}: {type(e).__name__}: {_first_line(e)}" for _, p, e in failed)
+        raise RunError(f"no checkpoint in {directory} can be read ({listing}). The run's logs are left as they are; "
+                       "restore the checkpoints, or give this run another output_dir to start afresh")
+    return None
+
+
+def _set_aside(directory: str, failed: list):
+    """Warn about each unreadable checkpoint and move it to `<directory>.corrupt/` (kept for
+    inspection), so that the run can save that step again."""
+    if not failed or jax.process_index() != 0:
+        for step, path, err in failed:
+            warnings.warn(f"checkpoint {path} cannot be read ({type(err).__name__}: {_first_line(err)}); "
+                          "resuming from an earlier one", RuntimeWarning, stacklevel=3)
+        return
+    aside = os.path.abspath(directory).rstrip(os.sep) + ".corrupt"
+    os.makedirs(aside, exist_ok=True)
+    for step, path, err in failed:
+        target = os.path.join(aside, f"{step}-{time.strftime('%Y%m%d-%H%M%S')}")
+        shutil.move(path, target)
+        warnings.warn(f"checkpoint {path} cannot be read ({type(err).__name__}: {_first_line(err)}); moved to "
+                      f"{target} and resuming from an earlier checkpoint", RuntimeWarning, stacklevel=3)

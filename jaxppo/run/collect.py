@@ -1,0 +1,66 @@
+"""An iteration's data before its rollout is built: the prompts, the samples (the built-in
+sampler, vLLM, or multi-turn episodes) and the host scores; with dynamic sampling, the
+rounds of `jaxppo.rollout.dynamic.collect`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+from jaxppo.config import PPOConfig
+from jaxppo.rollout import dynamic
+from jaxppo.rollout.environments import EnvironmentSpec, run_episodes
+from jaxppo.rollout.prompts import PromptBatch, PromptTable
+from jaxppo.rollout.rewards import HostRewards
+from jaxppo.rollout.sampling import RolloutSpec
+from jaxppo.run import stages
+from jaxppo.run.state import RunState
+from jaxppo.trainer_config import TrainerConfig
+
+__all__ = ["Collector"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Collector:
+    """What a run samples from and scores with, fixed for the run: `collect(run, it, key)`
+    gives one iteration's `jaxppo.rollout.dynamic.Collected`.
+
+    Attributes: the configs; the rollout spec; the prompt table; the tokenizer; the text
+    reward functions (`HostRewards`, or None); the environment (`EnvironmentSpec`, or None:
+    single-turn); the vLLM engine (or None: the built-in sampler); the mesh (or None)."""
+
+    config: PPOConfig
+    tc: TrainerConfig
+    spec: RolloutSpec
+    table: PromptTable
+    tokenizer: Any
+    host_rewards: Optional[HostRewards]
+    environment: Optional[EnvironmentSpec]
+    engine: Any
+    mesh: Any
+
+    def collect(self, run: RunState, it: int, key) -> dynamic.Collected:
+        """The iteration's prompts, samples (or episodes) and host scores: one batch of the
+        iteration's prompts, or with dynamic sampling the rounds of `dynamic.collect`."""
+        if self.tc.dynamic_sampling:
+            return dynamic.collect(self.table, key, run, it, self.config, self.tc,
+                                   lambda batch, k: self.sample(run, batch, k, it),
+                                   lambda batch, gen, episodes: self.score(batch, gen, episodes, it), self.mesh)
+        batch = stages.select_prompts(self.table, run.key, it, self.config, self.mesh)
+        gen, episodes = self.sample(run, batch, key, it)
+        return dynamic.Collected(batch, gen, episodes, self.score(batch, gen, episodes, it), {}, None)
+
+    def sample(self, run: RunState, batch: PromptBatch, key, it: int):
+        """(the batch's sampled responses, None), or with an environment (its episodes'
+        `EpisodeOutput`, the `Episodes`)."""
+        if self.engine is not None:  # vLLM, with the policy's weights as of this update
+            return self.engine.sample(self.spec, run.train.params, int(run.train.step), batch), None
+        if self.environment is None:
+            return stages.sample(self.spec, run.train.params, batch, key, self.mesh), None
+        episodes = run_episodes(self.environment, self.spec, run.train.params, self.table, batch, key, self.tokenizer,
+                                it, self.mesh)
+        return episodes.output, episodes
+
+    def score(self, batch: PromptBatch, gen, episodes, it: int):
+        """The host scores of the batch (`jaxppo.run.stages.score`)."""
+        return stages.score(self.host_rewards, self.tokenizer, self.table, batch, gen, it, episodes)

@@ -1,0 +1,154 @@
+"""The run directory: atomic writes, one run per directory (a lock), and the run's settings
+saved beside its checkpoints so that a resume with other settings is refused up front.
+
+A run can be killed at any instant. Every file jaxppo rewrites is written to a temporary
+file in the same directory and renamed over the old one (`os.replace` is atomic on POSIX),
+so a reader sees the old file or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import tempfile
+from typing import Optional
+
+from jaxppo.errors import RunError
+
+__all__ = ["RunError", "atomic_write_text", "atomic_replace_dir", "RunLock", "check_settings", "SETTINGS_FILE"]
+
+SETTINGS_FILE = "run_settings.json"
+LOCK_FILE = ".jaxppo.lock"
+
+
+def atomic_write_text(path: str, text: str):
+    """Write `text` to `path` atomically: a temporary file in the same directory, flushed
+    to disk, then renamed over `path`."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=os.path.basename(path) + ".", suffix=".tmp")
+    try:
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; a log or settings file is not
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def atomic_replace_dir(write, path: str):
+    """Build a directory with `write(tmp_dir)` beside `path`, then put it in `path`'s place.
+
+    The old directory (if any) is renamed away first and deleted only after the new one is
+    in place, so a kill leaves either a complete old or a complete new directory (plus a
+    leftover `*.old-*`/`*.tmp-*` folder, removed by the next call)."""
+    import shutil
+
+    path = os.path.abspath(path)
+    parent, name = os.path.dirname(path), os.path.basename(path)
+    os.makedirs(parent, exist_ok=True)
+    for leftover in os.listdir(parent):
+        if leftover.startswith(name + ".tmp-") or leftover.startswith(name + ".old-"):
+            shutil.rmtree(os.path.join(parent, leftover), ignore_errors=True)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=name + ".tmp-")
+    try:
+        write(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if os.path.exists(path):
+        old = tempfile.mkdtemp(dir=parent, prefix=name + ".old-")
+        os.rmdir(old)
+        os.replace(path, old)
+    os.replace(tmp, path)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+class RunLock:
+    """An exclusive lock on a run directory for the life of a run (`fcntl.flock` on
+    `<directory>/.jaxppo.lock`). The operating system releases it when the process ends,
+    however it ends (SIGKILL included), so a killed run never leaves a stale lock."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self.path = os.path.join(directory, LOCK_FILE)
+        self._fd: Optional[int] = None
+
+    def acquire(self):
+        import fcntl
+
+        os.makedirs(self.directory, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise RunError(
+                    f"another jaxppo run (process {holder}) is using the output directory {self.directory!r}; "
+                    "two runs on one directory would overwrite each other's checkpoints and logs. Wait for it to "
+                    "finish, stop it, or give this run another output_dir") from None
+            raise
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._fd = fd
+        return self
+
+    def release(self):
+        if self._fd is not None:
+            import fcntl
+
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(_flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def check_settings(directory: str, settings: dict, *, write: bool = True):
+    """Compare `settings` (a JSON-able dict) with those saved in `<directory>/run_settings.json`.
+
+    No saved settings: save these (when `write`). Saved settings that differ: a `RunError`
+    listing every differing field with its saved and its new value."""
+    path = os.path.join(directory, SETTINGS_FILE)
+    new = json.loads(json.dumps(settings))  # the JSON view (tuples -> lists), as saved
+    if os.path.isfile(path):
+        try:
+            with open(path) as f:
+                old = json.load(f)
+        except (OSError, ValueError) as err:
+            raise RunError(f"{path} cannot be read ({err}); it records the settings of the run in {directory!r}. "
+                           "Restore it, or give this run another output_dir") from None
+        a, b = _flatten(old), _flatten(new)
+        diffs = [f"  {name}: was {a.get(name, '<unset>')!r}, now {b.get(name, '<unset>')!r}"
+                 for name in sorted(set(a) | set(b)) if a.get(name, "<unset>") != b.get(name, "<unset>")]
+        if diffs:
+            raise RunError(
+                f"the output directory {directory!r} holds a run with other settings ({path}); resuming it with these "
+                "would mix two runs. Differences:\n" + "\n".join(diffs) +
+                "\nUse the saved settings to resume, or give this run another output_dir")
+    elif write:
+        os.makedirs(directory, exist_ok=True)
+        atomic_write_text(path, json.dumps(new, indent=1, sort_keys=True) + "\n")

@@ -1,0 +1,106 @@
+"""The loop around a trainer's iterations: signals, progress, logging, callbacks and the
+checkpoint cadence. It drives any trainer that offers `prepare_iteration()` (returning the
+`finish()` that applies the update and returns the metrics line), `iteration`,
+`iterations`, `save_checkpoint()`, `samples(n)`, `callbacks`, `config` and `tc`."""
+
+from __future__ import annotations
+
+import os
+
+from jaxppo.config import PPOConfig
+from jaxppo.run import resume
+from jaxppo.run.interrupts import interrupts_held, interrupts_raise
+from jaxppo.run.logger import Logger
+from jaxppo.trainer_config import TrainerConfig
+
+__all__ = ["run_loop", "finish_run"]
+
+
+def run_loop(trainer) -> Logger:
+    """Run iterations until `trainer.iterations`; return the (closed) logger. Each
+    iteration's update and its metrics line land together (interrupts held); Ctrl-C or
+    SIGTERM saves a checkpoint and raises KeyboardInterrupt."""
+    tc = trainer.tc
+    logger = Logger(resume.log_dir(tc), start_iteration=trainer.iteration, tensorboard=tc.tensorboard)
+    trainer.history = logger.history
+    progress = None
+    try:
+        with interrupts_raise():
+            # The SIGTERM handler is in place before the first line: a signal from here on
+            # is a checkpoint and a clean exit, never the default kill.
+            print(_headline(trainer.config, trainer.iterations), flush=True)
+            progress = _Progress(tc, trainer.iterations, trainer.iteration, trainer.config.advantage_estimator)
+            while trainer.iteration < trainer.iterations:
+                finish = trainer.prepare_iteration()
+                with interrupts_held(what="this iteration's update"):  # the new state and its line land together
+                    metrics = finish()
+                    logger.log(metrics, echo=progress.bar is None and metrics["iteration"] % tc.log_every == 0)
+                progress.update(metrics, trainer)
+                for cb in trainer.callbacks:
+                    cb(metrics["iteration"], metrics)
+                if tc.checkpoint_every and trainer.iteration % tc.checkpoint_every == 0:
+                    with interrupts_held():  # a signal now would tear the save; it is served after
+                        trainer.save_checkpoint()
+    except KeyboardInterrupt:
+        # Held from the first line: a second Ctrl-C after the message below (a user presses
+        # twice) must wait for the checkpoint, not abort it.
+        with interrupts_held(reraise=False):  # a KeyboardInterrupt is on its way out already
+            logger.close()
+            progress and progress.close()
+            print(f"\ninterrupted: saving a checkpoint at iteration {trainer.iteration} ...", flush=True)
+            trainer.save_checkpoint()
+        print(f"checkpoint saved at iteration {trainer.iteration}; run the same command again to resume", flush=True)
+        raise
+    finally:
+        logger.close()
+        progress and progress.close()
+    return logger
+
+
+def finish_run(trainer, logger: Logger):
+    """At the end of a run: a checkpoint (a finished run is not redone), the final export,
+    the plot, the summary."""
+    tc = trainer.tc
+    with interrupts_held():
+        trainer.save_checkpoint()  # at the end, whatever checkpoint_every says: a finished run is not redone
+    if tc.export_final:
+        trainer.export(os.path.join(tc.output_dir, "final_policy"))
+        if trainer.policy_model.lora is not None:
+            trainer.export_adapter(os.path.join(tc.output_dir, "final_adapter"))
+    if tc.plot:
+        logger.plot(os.path.join(tc.output_dir, "metrics.png"))
+    print(trainer.summary())
+
+
+class _Progress:
+    """The progress bar (tqdm, with `progress`) or plain lines, and the samples."""
+
+    def __init__(self, tc: TrainerConfig, total: int, initial: int, desc: str):
+        self.tc, self.bar = tc, None
+        if tc.progress:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True)
+
+    def update(self, metrics: dict, trainer):
+        tc = self.tc
+        if self.bar is not None:
+            self.bar.update(1)
+            if "objective/scores" in metrics:
+                self.bar.set_postfix(score=f"{metrics['objective/scores']:.3f}",
+                                     **({"kl": f"{metrics['objective/kl']:.3f}"} if "objective/kl" in metrics else {}))
+        if tc.sample_every and trainer.iteration % tc.sample_every == 0 and tc.num_samples:
+            for prompt, response in trainer.samples(tc.num_samples):
+                text = f"  [{trainer.iteration}] {prompt!r} -> {response!r}"
+                (self.bar.write if self.bar is not None else print)(text)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _headline(c: PPOConfig, iterations: int) -> str:
+    groups = f" ({c.prompts_per_batch} prompts x {c.num_generations} completions)" if c.num_generations > 1 else ""
+    return (f"jaxppo: {iterations} iterations x {c.batch_size} episodes{groups}; optimizer updates per iteration = "
+            f"ppo_epochs * batch_size / mini_batch_size = {c.ppo_epochs} * {c.batch_size} / {c.mini_batch_size} = "
+            f"{c.updates_per_step}; advantages: {c.advantage_estimator}")

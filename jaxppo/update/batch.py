@@ -1,0 +1,124 @@
+"""The `Rollout` pytree that the rollout layer produces and `train_step` consumes, and the
+one forward that scores a rollout's responses (shared by rollout collection and the loss,
+so that both compute the same log-probs). Depends on the math layer only."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jaxppo.models.model import join_sequences
+from jaxppo.update.losses import entropy_from_logits, logprobs_from_logits
+
+__all__ = ["Rollout", "response_outputs", "scorer", "model_method", "joined", "response_attention"]
+
+
+class Rollout(flax.struct.PyTreeNode):
+    """One PPO rollout of B rows, fixed shapes. Q = prompt length, R = response length.
+
+    Attributes:
+      query_tokens: int (B, Q), prompts, left-padded.
+      query_mask: (B, Q), 1 at real prompt tokens, 0 at left padding.
+      response_tokens: int (B, R), sampled responses, padded after the stop token.
+      response_mask: (B, R), 1 at the response tokens the policy produced (up to and
+        including the stop token), 0 after: a prefix of ones per row. In a multi-turn
+        episode it is 0 at the environment's tokens too (see `response_attention_mask`):
+        only the policy's tokens get loss, KL, entropy and value targets.
+      logprobs: float (B, R), log-probs of the response tokens under the sampling policy,
+        from temperature-scaled logits (`config.temperature`).
+      values: float (B, R), the critic's values at sampling time, V(s_t) before token t;
+        None (or any array, unread) for the critic-free algorithms.
+      rewards: float (B, R), per-token rewards: typically -beta * KL(policy || reference)
+        per token, with the sequence score added at the last real response token (the
+        rollout layer builds these). GAE and REINFORCE++ read these.
+      ref_logprobs: float (B, R) or None: the reference policy's log-probs of the response
+        tokens, needed only for a KL term in the loss (`PPOConfig.kl_loss_coef` > 0).
+      scores: float (B,) or None: each completion's sequence score, the sum of its
+        `rewards` (the score plus any per-token KL penalty), which the group estimators
+        (GRPO, RLOO, the REINFORCE++ baseline) read. None: they sum `rewards` themselves.
+      sampler_logprobs: float (B, R) or None: the log-probs of the response tokens as the
+        sampler computed them while generating (the behaviour policy), temperature-scaled,
+        0 at padding. The loss's old log-probs are `logprobs` (the scoring pass); these
+        are kept to measure or correct a mismatch between sampler and trainer.
+      entropy_coef: float (B,) or None: the entropy bonus's coefficient for each
+        completion, used instead of `config.ent_coef` when given (the trainer fills it
+        with the adaptive coefficient when `PPOConfig.entropy_target` is set).
+      response_attention_mask: (B, R) or None: 1 at every real token of the response
+        region, the policy's and the environment's (a multi-turn episode's observations),
+        a prefix of ones; the sequence the policy conditions on. None: `response_mask`
+        (one turn: every real response token is the policy's).
+    """
+
+    query_tokens: jax.Array
+    query_mask: jax.Array
+    response_tokens: jax.Array
+    response_mask: jax.Array
+    logprobs: jax.Array
+    values: Optional[jax.Array]
+    rewards: jax.Array
+    ref_logprobs: Optional[jax.Array] = None
+    scores: Optional[jax.Array] = None
+    sampler_logprobs: Optional[jax.Array] = None
+    entropy_coef: Optional[jax.Array] = None
+    response_attention_mask: Optional[jax.Array] = None
+
+
+def model_method(fn, name: str):
+    """The method `name` that the model behind `fn` offers (`fn` itself, or the `Model`
+    whose `apply` it is bound to), or None: how built-in models opt in to the protocols
+    other models do not have (`scorer`, `jaxppo.update.packing.packer`)."""
+    owner = getattr(fn, "__self__", None)
+    if owner is not None and getattr(fn, "__name__", "") == "apply":
+        fn = owner  # a bound `Model.apply`
+    method = getattr(fn, name, None)
+    return method if callable(method) else None
+
+
+def scorer(fn):
+    """The `response_outputs(params, query_tokens, query_mask, response_tokens,
+    response_mask, temperature) -> (logprobs, values, entropy)` method that `fn` offers, or
+    None. Built-in models opt in this way (`jaxppo.models.Model`, `PolicyAndCritic`, also
+    as a bound `model.apply`); they score without materialising (B, L, V) logits."""
+    return model_method(fn, "response_outputs")
+
+
+def response_attention(batch):
+    """The response region's attention mask: `response_attention_mask` where the batch has
+    one (a multi-turn episode), else `response_mask`."""
+    mask = batch.get("response_attention_mask")
+    return batch["response_mask"] if mask is None else mask
+
+
+def joined(batch):
+    """The batch's query + response tokens and attention mask, (B, Q + R) each."""
+    return join_sequences(batch["query_tokens"], batch["query_mask"], batch["response_tokens"],
+                          response_attention(batch))
+
+
+def response_outputs(apply_fn, params, batch, temperature: float):
+    """Run the model on query + response; return the response tokens' log-probs,
+    values and per-token entropies, each (B, R). The model attends to every real token of
+    the response region (`response_attention`); the caller masks the outputs with
+    `response_mask`.
+
+    Models that offer `response_outputs` (the built-in ones, see `scorer`) apply the LM
+    head at response positions only, in chunks when configured. Any other `apply_fn(params,
+    tokens, mask) -> (logits (B, L, V), values (B, L))` works unchanged: its full logits are
+    sliced at the response positions."""
+    method = scorer(apply_fn)
+    if method is not None:
+        return method(params, batch["query_tokens"], batch["query_mask"], batch["response_tokens"],
+                      response_attention(batch), temperature)
+    q = batch["query_tokens"].shape[1]
+    r = batch["response_tokens"].shape[1]
+    tokens, mask = joined(batch)
+    logits, values = apply_fn(params, tokens, mask)
+    # Position q - 1 + t predicts response token t.
+    logits = logits[:, q - 1 : q - 1 + r]
+    values = values[:, q - 1 : q - 1 + r].astype(jnp.float32)
+    logprobs = logprobs_from_logits(logits, batch["response_tokens"], temperature)
+    entropy = entropy_from_logits(logits, temperature)
+    return logprobs, values, entropy
