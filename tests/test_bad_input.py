@@ -331,9 +331,25 @@ def test_bad_input_is_refused_with_a_clear_message(tmp_path, tokenizer, model_di
         assert "argument --batch-size: invalid int value: 'many'" in capsys.readouterr().err
     # Refused before the long work: nothing of the update, the sampler or the rollout compiled
     # (building a tiny model compiles its small init, which is allowed).
-    long_work = [r.getMessage()[:120] for r in caplog.records if r.getMessage().startswith("Compiling")
-                 and any(name in r.getMessage() for name in ("train_step", "generate", "finish_rollout", "update_epochs"))]
-    assert long_work == []
+    assert _long_work(caplog) == []
+
+
+def _long_work(caplog) -> list:
+    """The compile-log lines of the update, the sampler or the scoring pass among the
+    records `caplog` captured under `jax.log_compiles(True)`."""
+    return [r.getMessage()[:120] for r in caplog.records if r.getMessage().startswith("Compiling")
+            and any(name in r.getMessage() for name in ("train_step", "generate", "finish_rollout", "update_epochs"))]
+
+
+def test_the_compile_log_check_sees_the_long_work(caplog):
+    """The positive control of the check above: a valid `train_step` under the same capture
+    compiles, and the check finds it (with a rollout width no other test uses, so that the
+    program is not already compiled)."""
+    import jax
+
+    with jax.log_compiles(True), caplog.at_level("WARNING", logger="jax"):
+        _train_step(_rollout(q=3, r=5))
+    assert any("train_step" in line for line in _long_work(caplog)), [r.getMessage()[:80] for r in caplog.records]
 
 
 def test_the_table_has_at_least_thirty_kinds_of_bad_input():

@@ -202,9 +202,11 @@ def test_sigterm_during_compilation_exits_cleanly_and_resumes(reference, env, tm
 @pytest.mark.slow
 def test_ctrl_c_twice_finishes_the_checkpoint_then_exits(reference, env, tmp_path):
     out = tmp_path / "run"
-    # Every checkpoint save lasts at least 2 s, so the second Ctrl-C surely lands inside one.
-    proc = start(out, env, JAXPPO_PAUSE="checkpoint_save:2")
-    wait_for_line(proc, r"^iter\s+2 ")  # iteration 3 runs now; its checkpoint is the interrupt's
+    # Iteration 3 waits at its start until the first Ctrl-C ends the wait (however late this
+    # process reads the line before it), and every checkpoint save lasts at least 2 s, so the
+    # second Ctrl-C surely lands inside one.
+    proc = start(out, env, JAXPPO_PAUSE="iteration@3:300,checkpoint_save:2")
+    wait_for_line(proc, r"^iter\s+2 ")  # iteration 3 is next; its checkpoint is the interrupt's
     proc.send_signal(signal.SIGINT)
     wait_for_line(proc, r"^interrupted: saving a checkpoint")
     proc.send_signal(signal.SIGINT)  # while the checkpoint is being written

@@ -1,6 +1,7 @@
 """jaxppo's GRPO-family losses and gradients against TRL 1.12's own `GRPOTrainer._compute_loss`
-(PyTorch, CPU) on identical weights and batches (issue 20, item 5). TRL is installed with
-the test extras (`trl==1.12.0`), never as a dependency; in CI a missing TRL is an error.
+(PyTorch, CPU) on identical weights and batches. TRL is installed with the test extras
+(`trl==1.12.0`, with `requests`, which its GRPO trainer imports without declaring it), never
+as a dependency of jaxppo; a missing TRL is an error, not a skip.
 
 For each TRL `loss_type` the jaxppo setting that equals it:
 
@@ -18,16 +19,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
+import trl  # noqa: F401 - a missing TRL (a test extra) is a collection error, not a skip
 
 import jaxppo
 import jaxppo.models as jm
 from jaxppo import demo
 from jaxppo.update.ppo import ppo_loss
-
-if os.environ.get("CI"):
-    import trl  # noqa: F401 - in CI the parity test must run, not skip
-trl = pytest.importorskip("trl", reason="the TRL parity test needs trl==1.12.0 (pip install -e '.[test]')")
-torch = pytest.importorskip("torch")
 
 B, Q, R, MAX_COMPLETION = 8, 5, 7, 12  # rows, prompt length, completion width, TRL's max_completion_length
 CASES = {

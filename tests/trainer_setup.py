@@ -2,7 +2,6 @@
 
 import os
 
-import pytest
 
 import jaxppo
 from jaxppo import demo
@@ -30,16 +29,12 @@ def run_small(output_dir, iterations=2, mesh=None, **trainer_settings):
 
 
 def require_devices(n: int):
-    """A pytest mark that skips a module needing `n` devices when fewer exist (an inherited
-    XLA_FLAGS with a smaller --xla_force_host_platform_device_count), except in CI (the CI
-    variable set), where running without them is an error: a mesh test CI never runs must
-    not pass as a skip."""
+    """Fail the module (an error at collection, never a skip) when fewer than `n` devices
+    exist: an inherited XLA_FLAGS with a smaller --xla_force_host_platform_device_count.
+    A mesh test that does not run must not pass as a skip."""
     import jax
 
-    if jax.device_count() >= n:
-        return pytest.mark.skipif(False, reason="")
-    message = (f"needs {n} devices, found {jax.device_count()}: XLA_FLAGS={os.environ.get('XLA_FLAGS')!r} sets fewer "
-               f"(conftest adds --xla_force_host_platform_device_count={n} only when XLA_FLAGS sets no count)")
-    if os.environ.get("CI"):
-        raise RuntimeError(message)
-    return pytest.mark.skip(reason=message)
+    if jax.device_count() < n:
+        raise RuntimeError(f"needs {n} devices, found {jax.device_count()}: XLA_FLAGS="
+                           f"{os.environ.get('XLA_FLAGS')!r} sets fewer (conftest adds "
+                           f"--xla_force_host_platform_device_count={n} only when XLA_FLAGS sets no count); unset it")

@@ -11,6 +11,7 @@ from jaxppo.config import PPOConfig
 from jaxppo.run import resume
 from jaxppo.run.interrupts import interrupts_held, interrupts_raise
 from jaxppo.run.logger import Logger
+from jaxppo.testing import failpoints
 from jaxppo.trainer_config import TrainerConfig
 
 __all__ = ["run_loop", "finish_run"]
@@ -31,6 +32,7 @@ def run_loop(trainer) -> Logger:
             print(_headline(trainer.config, trainer.iterations), flush=True)
             progress = _Progress(tc, trainer.iterations, trainer.iteration, trainer.config.advantage_estimator)
             while trainer.iteration < trainer.iterations:
+                failpoints.pause("iteration", at=trainer.iteration)
                 finish = trainer.prepare_iteration()
                 with interrupts_held(what="this iteration's update"):  # the new state and its line land together
                     metrics = finish()

@@ -6,9 +6,11 @@ at the N-th time NAME is reached, default 1). Names: "metrics_write" (half of a
 metrics.jsonl line written), "checkpoint_save" (a checkpoint's files being written). Nothing
 else reads the variable; with it unset `hit` is a dictionary lookup.
 
-`JAXPPO_PAUSE=NAME:SECONDS` makes `pause(NAME)` sleep that long each time it is reached,
-so that a test can deliver a signal while that work is surely under way
-("checkpoint_save": before a checkpoint's files are written, inside the save).
+`JAXPPO_PAUSE=NAME:SECONDS` makes `pause(NAME)` sleep that long each time it is reached
+(`NAME@N:SECONDS`: only at the N-th iteration; several entries separated by commas), so
+that a test can deliver a signal while that work is surely under way ("checkpoint_save":
+before a checkpoint's files are written, inside the save; "iteration": at the start of an
+iteration, before anything of it runs).
 """
 
 from __future__ import annotations
@@ -59,10 +61,12 @@ def hit_during(name: str, started: Callable[[], bool]):
     threading.Thread(target=watch, daemon=True).start()
 
 
-def pause(name: str):
-    """If `JAXPPO_PAUSE` is `NAME:SECONDS` for this point, sleep SECONDS."""
-    spec = os.environ.get("JAXPPO_PAUSE")
-    if spec:
-        target, _, seconds = spec.partition(":")
-        if target == name:
+def pause(name: str, at: Optional[int] = None):
+    """Sleep where `JAXPPO_PAUSE` says: comma-separated entries `NAME:SECONDS` (each time
+    NAME is reached) or `NAME@N:SECONDS` (only where the caller passes `at=N`, e.g. the
+    iteration). A signal ends the sleep as it would end any work there."""
+    for entry in filter(None, os.environ.get("JAXPPO_PAUSE", "").split(",")):
+        target, _, seconds = entry.partition(":")
+        target, _, index = target.partition("@")
+        if target == name and (not index or (at is not None and int(index) == at)):
             time.sleep(float(seconds))
