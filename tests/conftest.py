@@ -1,10 +1,7 @@
 import os
 import sys
 
-# Eight host devices for the sharding tests; set before anything imports jax. Single-device
-# code runs on device 0 as before.
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+import xla_options  # noqa: E402 - sets XLA_FLAGS before anything imports jax
 
 import pytest
 
@@ -23,17 +20,18 @@ def hf_checkpoints(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def _no_persistent_compilation_cache_in_the_test_process():
-    """`jaxppo.cli.main` turns on jax's persistent compilation cache for its process; tests
-    that call it in-process pass `--compilation-cache none`, so the test process never
-    writes every later program to a cache on disk (slow, and outside the test's files)."""
+def _the_test_process_keeps_its_compilation_cache():
+    """`jaxppo.cli.main` points jax's persistent compilation cache at the run's directory;
+    tests that call it in-process give no `--compilation-cache`, so it takes the test
+    process's own (`JAX_COMPILATION_CACHE_DIR`, a temporary directory: tests/xla_options.py)
+    and nothing is written outside the test's files."""
     import jax
 
     before = jax.config.jax_compilation_cache_dir
     yield
     assert jax.config.jax_compilation_cache_dir == before, (
-        f"a test left jax's persistent compilation cache on ({jax.config.jax_compilation_cache_dir}); call "
-        "jaxppo.cli.main with --compilation-cache none in-process")
+        f"a test moved jax's persistent compilation cache to {jax.config.jax_compilation_cache_dir!r}; call "
+        "jaxppo.cli.main in-process without --compilation-cache")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -49,3 +47,9 @@ def _free_compiled_programs_after_each_module():
 
     jax.clear_caches()
     gc.collect()
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker per core, at most 4 (each holds a few GB of compiled programs
+    and test models; the suite's largest files set its length beyond that)."""
+    return max(1, min(os.cpu_count() or 1, 4))

@@ -6,7 +6,9 @@ import json
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+from xla_options import with_devices  # noqa: E402 - the test process's flags, with 4 devices
+
+os.environ["XLA_FLAGS"] = with_devices(os.environ.get("XLA_FLAGS", ""), 4)
 
 import jax  # noqa: E402
 

@@ -16,7 +16,7 @@ from jaxppo.models.generate import generate
 from jaxppo.rollout.environments import StepResult, chat_continuation, run_episodes
 from jaxppo.run.stages import select_prompts
 
-from trainer_setup import small_trainer
+from trainer_setup import run_command, small_trainer
 
 Q, R, L = 32, 16, 4  # prompt width, response budget, tokens per turn
 
@@ -329,12 +329,9 @@ def test_a_kill_mid_episode_resumes_to_the_uninterrupted_run(tmp_path):
 def test_multiturn_demo_learns(tmp_path):
     """`jaxppo --demo multiturn`: the score rises over a short run (GRPO on the embedded
     guess-the-digit environment)."""
-    from jaxppo.cli import main
-
     out = tmp_path / "demo"
-    assert main(["--demo", "multiturn", "--iterations", "36", "--output-dir", str(out), "--no-progress",
-                 "--no-plot", "--no-tensorboard", "--no-export-final", "--sample-every", "0",
-                 "--compilation-cache", "none"]) == 0
+    run_command("--demo", "multiturn", "--iterations", "36", "--output-dir", out, "--no-progress", "--no-plot",
+                "--no-tensorboard", "--no-export-final", "--sample-every", "0")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     first, last = np.mean([r["reward"] for r in rows[:6]]), np.mean([r["reward"] for r in rows[-6:]])
     assert last > first + 0.2, (first, last)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import hf_models
+from trainer_setup import run_command
 from jaxppo import demo
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
@@ -67,9 +68,7 @@ def test_chex_update_count_pattern(sizes):
 @pytest.mark.slow
 def test_main_job_default_demo_learns(tmp_path):
     """The README's first command: the embedded demo with its defaults."""
-    from jaxppo.cli import main
-
-    assert main(["--output-dir", str(tmp_path), "--no-progress", "--compilation-cache", "none"]) == 0
+    run_command("--output-dir", tmp_path, "--no-progress")
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert len(rows) == demo.DEMO_TRAINER["iterations"]
     first = np.mean([r["objective/scores"] for r in rows[:10]])
@@ -110,10 +109,7 @@ def test_grpo_two_rewards_example_weights_both(tmp_path):
 @pytest.mark.slow
 def test_main_job_grpo_demo_learns(tmp_path):
     """`jaxppo --algorithm grpo`: the demo's task with GRPO, no critic."""
-    from jaxppo.cli import main
-
-    assert main(["--algorithm", "grpo", "--output-dir", str(tmp_path), "--no-progress", "--compilation-cache",
-                 "none", "--no-plot"]) == 0
+    run_command("--algorithm", "grpo", "--output-dir", tmp_path, "--no-progress", "--no-plot")
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert len(rows) == demo.DEMO_TRAINER["iterations"]
     first = np.mean([r["objective/scores"] for r in rows[:10]])

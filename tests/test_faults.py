@@ -28,6 +28,7 @@ from jaxppo.run import checkpoints as checkpoint
 from jaxppo.run.directory import atomic_write_text
 from jaxppo.run.logger import Logger, read_metrics
 
+from xla_options import with_devices
 from trainer_setup import small_trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,14 +76,17 @@ def env(tmp_path_factory):
     e = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
              HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     e.pop("JAXPPO_FAILPOINT", None)
-    e.pop("XLA_FLAGS", None)  # one device, as a user's run
+    e["XLA_FLAGS"] = with_devices(os.environ.get("XLA_FLAGS", ""), 1)  # one device, as a user's run
     e.pop("TRANSFORMERS_VERBOSITY", None)  # (set by conftest) a user's console, warnings included
     return e
 
 
 def start(out, env, *extra, **env_extra):
+    # Ctrl-C as a user's shell delivers it: a process started with SIGINT ignored (as
+    # pytest-xdist's workers are) keeps it ignored, so the child resets it first.
     return subprocess.Popen([sys.executable, "-m", "jaxppo", *CLI_ARGS, "--output-dir", str(out), *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(env, **env_extra))
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(env, **env_extra),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def wait_for_line(proc, pattern, timeout=300):
@@ -530,6 +534,5 @@ def test_model_directories_with_pickles_or_remote_code_are_refused_without_runni
     prompts.write_text("hello\n")
     for directory in (pickled, remote):
         with pytest.raises(SystemExit, match=r"--model: .*(never unpickles|never runs code)"):
-            main(["--model", str(directory), "--prompts", str(prompts), "--output-dir", str(tmp_path / "out"),
-                  "--compilation-cache", "none"])
+            main(["--model", str(directory), "--prompts", str(prompts), "--output-dir", str(tmp_path / "out")])
     assert not sentinel.exists()

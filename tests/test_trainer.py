@@ -202,8 +202,12 @@ def test_command_uses_a_persistent_compilation_cache_by_default(tmp_path):
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_COMPILATION_CACHE_DIR", "XDG_CACHE_HOME", "XLA_FLAGS")}
-    env.update(HOME=str(tmp_path / "home"), PYTHONPATH=root)
+    from xla_options import with_devices
+
+    env = {k: v for k, v in os.environ.items() if k not in (
+        "JAX_COMPILATION_CACHE_DIR", "XDG_CACHE_HOME", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+        "JAX_COMPILATION_CACHE_MAX_SIZE")}  # a user's environment, with the tests' quick code generation
+    env.update(HOME=str(tmp_path / "home"), PYTHONPATH=root, XLA_FLAGS=with_devices(os.environ.get("XLA_FLAGS", ""), 1))
     args = [sys.executable, "-m", "jaxppo", "--iterations", "1", "--batch-size", "16", "--mini-batch-size", "8",
             "--response-length", "6", "--no-progress", "--sample-every", "0", "--no-plot", "--no-export-final"]
     cache = tmp_path / "home" / ".cache" / "jaxppo" / "xla"

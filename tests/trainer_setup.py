@@ -5,6 +5,7 @@ import os
 
 import jaxppo
 from jaxppo import demo
+from xla_options import QUICK_CODEGEN
 
 
 def small_trainer(output_dir, iterations=2, mesh=None, reward_fn=demo.lowercase_reward, callbacks=(), prompts=None,
@@ -38,3 +39,21 @@ def require_devices(n: int):
         raise RuntimeError(f"needs {n} devices, found {jax.device_count()}: XLA_FLAGS="
                            f"{os.environ.get('XLA_FLAGS')!r} sets fewer (conftest adds "
                            f"--xla_force_host_platform_device_count={n} only when XLA_FLAGS sets no count); unset it")
+
+
+def run_command(*args, timeout: float = 900):
+    """`python -m jaxppo ARGS` as a user runs it: one device and XLA's default code
+    generation (the learning demos run many iterations: their time is running, not
+    compiling; tests/xla_options.py), the test process's compilation cache. Returns the
+    completed process; its output is in the assertion message on failure."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if "xla_force_host_platform_device_count" not in f and f not in QUICK_CODEGEN]
+    env = dict(os.environ, XLA_FLAGS=" ".join(flags), PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-m", "jaxppo", *map(str, args)], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
