@@ -145,6 +145,25 @@ def _rm_missing(path):
     os.remove(path / "config.json")
 
 
+def _gguf_file(ctx):
+    path = ctx["tmp"] / "model.gguf"
+    path.write_bytes(b"GGUF")
+    return str(path)
+
+
+def _without_gguf(make):
+    """`make()` with the gguf package missing, as where `jaxppo[gguf]` is not installed."""
+    saved = sys.modules.get("gguf", "absent")
+    sys.modules["gguf"] = None  # a None entry: import fails, find_spec finds nothing
+    try:
+        return make()
+    finally:
+        if saved == "absent":
+            del sys.modules["gguf"]
+        else:
+            sys.modules["gguf"] = saved
+
+
 def _without_vllm(make):
     """`make()` with `import vllm` failing, as where vLLM is not installed."""
     saved = sys.modules.get("vllm", "absent")
@@ -202,6 +221,10 @@ CASES = [
      SystemExit, r"--prompts is required with --model"),
     ("cli unknown built-in reward", lambda ctx: main(["--reward", "length", "--output-dir", str(ctx["tmp"])]), SystemExit,
      r"--reward 'length' is not a built-in reward; built-in: 'lowercase'"),
+    ("gguf without its reader", lambda ctx: _without_gguf(lambda: jm.from_pretrained(_gguf_file(ctx))), ImportError,
+     r"reading model.gguf needs gguf .*: pip install 'jaxppo\[gguf\]'"),
+    ("gguf file missing", lambda ctx: jm.from_pretrained(str(ctx["tmp"] / "missing.gguf")), ValueError,
+     r"'.*missing.gguf' is not a file; give the path of a .gguf file"),
     ("mesh does not divide the batch", _mesh_not_dividing, ValueError,
      r"data x fsdp = 8 x 1 = 8 devices, but .*mini_batch_size=4 .* must all be multiples of 8"),
     # Prompt sources

@@ -14,6 +14,7 @@ from flax import traverse_util
 
 from jaxppo.models.adapters import merge_lora
 from jaxppo.models.config import ARCHITECTURE_PREFIX, SUPPORTED_MODEL_TYPES, ModelConfig
+from jaxppo.models.gguf import check_gguf, is_gguf, read_gguf
 from jaxppo.models.model import KINDS, Model, stack_layers, trunk_name, unstack_layers
 
 __all__ = ["from_pretrained", "save_pretrained", "params_from_hf_tensors", "params_to_hf_tensors", "hf_arrays", "check_checkpoint_dir"]
@@ -147,9 +148,13 @@ def _remote_code(path: str, config: dict) -> str:
 
 def check_checkpoint_dir(path: str, what: str = "checkpoint"):
     """Check a local Hugging Face checkpoint directory without loading it: a config.json
-    with a supported model_type and no remote code, and safetensors weights. Raises
-    ValueError naming `what`, the directory and the problem."""
+    with a supported model_type and no remote code, and safetensors weights; or a `.gguf`
+    file that exists, with its reader's packages installed. Raises ValueError (ImportError
+    for a missing package) naming `what`, the path and the problem."""
     try:
+        if is_gguf(path):
+            check_gguf(path)
+            return
         _read_config_dict(path)
         _weight_files(path)
     except ValueError as err:
@@ -258,7 +263,9 @@ def from_pretrained(
 
     Args:
       path: directory with config.json and model.safetensors (or a sharded
-        model.safetensors.index.json). Nothing is downloaded.
+        model.safetensors.index.json), or a `.gguf` file (llama.cpp's format, quantized or
+        not: dequantized to float32 by transformers' GGUF reader, `jaxppo.models.gguf`;
+        needs `pip install 'jaxppo[gguf]'`). Nothing is downloaded.
       dtype: compute dtype ("float32", "bfloat16", "float16").
       param_dtype: storage dtype of the params; defaults to `dtype`.
       kind: "causal_lm", "causal_lm_value" (policy + zero-initialised value head),
@@ -274,12 +281,17 @@ def from_pretrained(
     Returns:
       (model, params) with `model.apply(params, input_ids, attention_mask)` pure.
     """
-    d = _read_config_dict(path)
+    if is_gguf(path):
+        d, arrays = read_gguf(path)
+        names, get_tensor, source = arrays.keys(), arrays.__getitem__, os.fspath(path)
+    else:
+        d = _read_config_dict(path)
+        tensors = _Tensors(path)
+        names, get_tensor, source = tensors.names(), tensors.get, os.path.join(path, "config.json")
     try:
         config = ModelConfig.from_hf(d)
     except (KeyError, TypeError) as err:
-        raise ValueError(f"{os.path.join(path, 'config.json')} lacks or misstates a field a {d['model_type']} config "
-                         f"needs: {err!r}") from None
+        raise ValueError(f"{source} lacks or misstates a field a {d['model_type']} config needs: {err!r}") from None
     if kind is None:
         archs = d.get("architectures") or []
         kind = "reward" if any(a.endswith("ForSequenceClassification") for a in archs) else "causal_lm"
@@ -287,10 +299,9 @@ def from_pretrained(
         raise ValueError(f"kind={kind!r} is invalid; valid kinds: {', '.join(KINDS)}")
     model = Model(config, kind=kind, dtype=dtype, param_dtype=param_dtype or dtype, remat=remat,
                   scan_layers=scan_layers)
-    tensors = _Tensors(path)
-    params = params_from_hf_tensors(model, tensors.get, tensors.names())
+    params = params_from_hf_tensors(model, get_tensor, names)
     value_head_file = os.path.join(path, _VALUE_HEAD_FILE)
-    if kind == "causal_lm_value" and os.path.isfile(value_head_file):
+    if kind == "causal_lm_value" and not is_gguf(path) and os.path.isfile(value_head_file):
         from safetensors.numpy import load_file
 
         head = load_file(value_head_file)

@@ -10,13 +10,17 @@ __all__ = ["load_tokenizer", "encode_prompts", "decode_responses"]
 
 
 def load_tokenizer(path: str):
-    """transformers' `AutoTokenizer` from a local directory (nothing is downloaded, no code
-    from the directory is run). A tokenizer without a pad token gets its EOS token as pad
-    token."""
+    """transformers' `AutoTokenizer` from a local directory, or the tokenizer a `.gguf` file
+    holds (`jaxppo.models.gguf`); nothing is downloaded, no code from the directory is run.
+    A tokenizer without a pad token gets its EOS token as pad token."""
     import os
 
     import transformers
 
+    from jaxppo.models.gguf import gguf_tokenizer, is_gguf
+
+    if is_gguf(path):
+        return gguf_tokenizer(path)
     if not os.path.isdir(path):
         raise ValueError(f"{path!r} is not a directory; give the local directory holding the tokenizer files")
     tokenizer_config = os.path.join(path, "tokenizer_config.json")
