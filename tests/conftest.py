@@ -1,7 +1,7 @@
 import os
 import sys
 
-import xla_options  # noqa: E402 - sets XLA_FLAGS before anything imports jax
+import xla_options  # noqa: F401 - sets XLA_FLAGS (and the test cache) before anything imports jax
 
 import pytest
 

@@ -145,6 +145,24 @@ def _rm_missing(path):
     os.remove(path / "config.json")
 
 
+def _main(*argv):
+    """The whole command (resolve, then build the trainer) in this directory."""
+    return lambda ctx: main([*argv, "--output-dir", str(ctx["tmp"] / "run")])
+
+
+def _without_fixture(ctx, make):
+    """`make(ctx)` with the fixtures' directory pointing where nothing is prepared."""
+    saved = os.environ.get("JAXPPO_FIXTURES")
+    os.environ["JAXPPO_FIXTURES"] = str(ctx["tmp"] / "no_fixtures")
+    try:
+        return make(ctx)
+    finally:
+        if saved is None:
+            del os.environ["JAXPPO_FIXTURES"]
+        else:
+            os.environ["JAXPPO_FIXTURES"] = saved
+
+
 def _gguf_file(ctx):
     path = ctx["tmp"] / "model.gguf"
     path.write_bytes(b"GGUF")
@@ -219,8 +237,17 @@ CASES = [
     ("cli zero-size mesh axis", _cli("--mesh-fsdp", "0"), SystemExit, r"--mesh-fsdp 0 is invalid: a mesh axis needs"),
     ("cli model without prompts", lambda ctx: main(["--model", str(ctx["model_dir"]), "--output-dir", str(ctx["tmp"])]),
      SystemExit, r"--prompts is required with --model"),
-    ("cli unknown built-in reward", lambda ctx: main(["--reward", "length", "--output-dir", str(ctx["tmp"])]), SystemExit,
-     r"--reward 'length' is not a built-in reward; built-in: 'lowercase'"),
+    ("cli unknown built-in reward", _cli("--reward", "length"), SystemExit,
+     r"--reward 'length' is invalid: expected MODULE:FN \(e.g. mypackage.rewards:exact\) or a built-in reward "
+     r"\(lowercase, sums\)"),
+    ("cli reward module missing", _main("--reward", "no_such_module:score"), SystemExit,
+     r"--reward 'no_such_module:score': cannot import module 'no_such_module'"),
+    ("cli reward function missing", _main("--reward", "json:no_such_function"), SystemExit,
+     r"--reward 'json:no_such_function': module 'json' has no callable 'no_such_function'"),
+    ("cli reward weights do not match", _cli("--reward", "lowercase", "--reward-weight", "1", "--reward-weight", "2"),
+     SystemExit, r"2 --reward-weight values for 1 --reward functions; give one weight per --reward"),
+    ("cli sums demo without its model", lambda ctx: _without_fixture(ctx, _main("--demo", "sums")), SystemExit,
+     r"--demo sums trains SmolLM2-135M-Instruct, which is not prepared in .*: run `jaxppo-fixture` once"),
     ("gguf without its reader", lambda ctx: _without_gguf(lambda: jm.from_pretrained(_gguf_file(ctx))), ImportError,
      r"reading model.gguf needs gguf .*: pip install 'jaxppo\[gguf\]'"),
     ("gguf file missing", lambda ctx: jm.from_pretrained(str(ctx["tmp"] / "missing.gguf")), ValueError,

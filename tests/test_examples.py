@@ -170,3 +170,50 @@ def test_tool_calculator_learns_to_use_the_tool(tmp_path):
     rewards = [r["reward"] for r in result["history"]]
     assert np.mean(rewards[-5:]) > np.mean(rewards[:5]) + 0.2
     assert calls > 0.9 and result["history"][-1]["env/tool_errors/parse"] < 8
+
+
+def test_the_sums_demo_holds_out_unordered_pairs_and_parses_the_last_integer():
+    train, held = demo.sum_pairs(0)
+    assert len(held) == demo.SUMS_HELD_OUT and len(set(held)) == len(held)
+    unordered = {(min(a, b), max(a, b)) for a, b in held}
+    assert not any((min(a, b), max(a, b)) in unordered for a, b in train)  # neither order is trained on
+    lo, hi = demo.SUMS_OPERANDS
+    assert len(train) + sum(2 - (a == b) for a, b in held) == (hi - lo + 1) ** 2  # every other pair is trained on
+    rows = demo.sums_rows([(13, 29)])
+    assert rows == [{"prompt": [{"role": "user", "content": "What is 13 + 29?"}], "answer": 42}]
+    cases = {"13 + 29 = 42": 42, "The sum is 42.\n": 42, "To add 13 and 29": 29, "no number": None, "-3": -3}
+    assert {text: demo.parse_answer(text) for text in cases} == cases
+    assert demo.sums_reward(None, ["13 + 29 = 42", "13 + 29 = 41", "To add 13 and 29"], [42, 42, 42]) == [1.0, 0.0, 0.0]
+
+
+def test_reward_functions_from_the_command_line(tmp_path, monkeypatch):
+    """`--reward MODULE:FN` (repeatable) with `--reward-weight`: the functions a user names
+    reach the trainer with their weights, receive the prompts' columns, and score the run."""
+    import textwrap
+
+    (tmp_path / "my_rewards.py").write_text(textwrap.dedent('''
+        calls = []
+        def starts_with_a(prompts, completions, topic):
+            calls.append(list(topic))
+            return [float(c[:1] == "a") for c in completions]
+        def length(prompts, completions):
+            return [len(c) / 10 for c in completions]
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p, "topic": f"t{i}"}) for i, p in enumerate(demo.DEMO_PROMPTS[:8])))
+    from jaxppo.cli import build_trainer, resolve
+
+    args = ["--prompts", str(prompts), "--reward", "my_rewards:starts_with_a", "--reward", "my_rewards:length",
+            "--reward-weight", "2", "--reward-weight", "0.5", "--iterations", "1", "--batch-size", "8",
+            "--mini-batch-size", "4", "--response-length", "4", "--output-dir", str(tmp_path / "run"), "--no-progress",
+            "--no-plot", "--no-tensorboard", "--no-export-final"]
+    ppo, tc, extras = resolve(args)
+    assert extras["reward"] == ["my_rewards:starts_with_a", "my_rewards:length"] and extras["reward_weight"] == [2.0, 0.5]
+    history = build_trainer(ppo, tc, extras).train()
+    import my_rewards
+
+    assert my_rewards.calls and all(t.startswith("t") for t in my_rewards.calls[0])  # the column reached it
+    row = history[0]
+    assert row["reward"] == pytest.approx(2 * row["rewards/starts_with_a/mean"] + 0.5 * row["rewards/length/mean"],
+                                          rel=1e-5)

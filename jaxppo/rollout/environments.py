@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import threading
 import time
 from typing import Callable, NamedTuple, Optional, Union
@@ -42,7 +41,7 @@ from jaxppo.errors import EpisodeError
 from jaxppo.models.continuous import generate_continuous
 from jaxppo.models.generate import generate
 from jaxppo.models.tokenizer import decode_responses
-from jaxppo.rollout.rewards import accepted_columns, qualified_name
+from jaxppo.rollout.rewards import accepted_columns, load_callable, qualified_name
 
 __all__ = ["StepResult", "EpisodeOutput", "EpisodeError", "EnvironmentSpec", "Episodes", "run_episodes",
            "load_factory", "observation_ids", "chat_continuation"]
@@ -119,19 +118,7 @@ class Episodes(NamedTuple):
 def load_factory(text: str) -> Callable:
     """`MODULE:FACTORY` (a module on the Python path and a callable in it) -> the callable.
     Errors name what was wrong; nothing is compiled before this runs."""
-    if not isinstance(text, str) or text.count(":") != 1 or not all(text.split(":")):
-        raise ValueError(f"--environment {text!r} is invalid: expected MODULE:FACTORY, e.g. mypackage.envs:make_env")
-    module_name, attr = text.split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"--environment {text!r}: cannot import module {module_name!r}: {err}") from None
-    factory = module
-    for part in attr.split("."):
-        factory = getattr(factory, part, None)
-    if not callable(factory):
-        raise ValueError(f"--environment {text!r}: module {module_name!r} has no callable {attr!r}")
-    return factory
+    return load_callable(text, "--environment", "MODULE:FACTORY")
 
 
 def observation_ids(tokenizer, observation, ended_with: Optional[str] = None, tools=None) -> list:

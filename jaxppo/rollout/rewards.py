@@ -26,7 +26,7 @@ from jaxppo.errors import RewardError
 from jaxppo.models.model import describe_model, is_model_spec
 
 __all__ = ["RewardFunction", "HostRewards", "reward_name", "RewardSetup", "sort_rewards", "accepted_columns",
-           "check_scores", "nonfinite_rows", "qualified_name", "HostScores"]
+           "check_scores", "nonfinite_rows", "qualified_name", "HostScores", "load_callable"]
 
 
 def reward_name(fn) -> str:
@@ -266,3 +266,23 @@ class HostScores(NamedTuple):
     per_function: dict
     unknown_tokens: int
 
+
+def load_callable(text: str, flag: str = "--reward", form: str = "MODULE:FN") -> Callable:
+    """`MODULE:NAME` (a module on the Python path and a callable in it, `NAME` may be
+    dotted) -> the callable. ValueError naming `flag`, what was wrong and the expected
+    `form`, before anything is built."""
+    import importlib
+
+    if not isinstance(text, str) or text.count(":") != 1 or not all(text.split(":")):
+        raise ValueError(f"{flag} {text!r} is invalid: expected {form}, e.g. mypackage.module:{form.split(':')[1].lower()}")
+    module_name, attr = text.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"{flag} {text!r}: cannot import module {module_name!r}: {err}") from None
+    found = module
+    for part in attr.split("."):
+        found = getattr(found, part, None)
+    if not callable(found):
+        raise ValueError(f"{flag} {text!r}: module {module_name!r} has no callable {attr!r}")
+    return found
