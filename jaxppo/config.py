@@ -19,7 +19,8 @@ from jaxppo.update.engine import EngineConfig, check_sizes
 from jaxppo.update.kl import KL_LOSS_ESTIMATORS
 from jaxppo.update.losses import IMPORTANCE_RATIOS, LOSS_AGGREGATIONS
 
-# The registered advantage estimators (`jaxppo.algorithms.ESTIMATORS`).
+# The built-in advantage estimators; configs validate against the live registry
+# (`jaxppo.algorithms.ESTIMATORS`, which `register_estimator` extends).
 ADVANTAGE_ESTIMATORS = tuple(ESTIMATORS)
 # How a field is treated when a run resumes (`setting(..., on_resume=...)`; plain fields are "same").
 ON_RESUME = {
@@ -168,6 +169,20 @@ class PPOConfig:
         scores still count in their group's statistics), as DAPO's overlong filtering and
         TRL's `mask_truncated_completions`. Needs a stop token.
 
+    Groups of completions (`num_generations` G > 1): when G divides the micro-batch
+    (`micro_batch_size`), every mini-batch and micro-batch holds whole groups (the rollout
+    is shuffled group by group; `jaxppo.update.ppo.minibatch_group`), else rows are
+    shuffled one by one.
+      share_prompts: run each group's prompt once, for its G completions, in the scoring
+        pass and in the update's loss (`jaxppo.models.Model.grouped_outputs`: the prompt's
+        keys and values are shared, its activations receive the sum of the G completions'
+        gradients): the same log-probs, losses and gradients up to float rounding, for a
+        group's Q + G * R tokens instead of G * (Q + R) (built-in models; any other runs
+        every row). Only where groups are whole (above) and without `pack_sequences`, which packs
+        rows instead. The rows of a group must share their prompt (the trainer's do;
+        `jaxppo.check_rollout` checks rollouts you build). Default True; False runs every
+        row as 0.3 did.
+
     Packed sequences (`jaxppo.update.packing`; the same losses and gradients, up to float rounding):
       pack_sequences: run the loss's forward on each micro-batch's rows of real tokens
         packed into `pack_streams` streams of `pack_length` tokens (segment ids: attention
@@ -219,6 +234,7 @@ class PPOConfig:
     entropy_coef_step: float = setting(0.005, on_resume="same_if_set")
     loss_norm_length: Optional[int] = setting(None, on_resume="same_if_set")
     kl_loss_bias_correction: bool = setting(False, on_resume="same_if_set")
+    share_prompts: bool = setting(True, on_resume="free")
     pack_sequences: bool = setting(False, on_resume="free")
     pack_streams: Optional[int] = setting(None, on_resume="free")
     pack_length: Optional[int] = setting(None, on_resume="free")
@@ -304,7 +320,7 @@ def _check_sizes(c: "PPOConfig"):
 
 def _check_algorithm(c: "PPOConfig"):
     """The choices against the registry, and what the estimator accepts."""
-    choices = {"advantage_estimator": ADVANTAGE_ESTIMATORS, "grpo_scale": GRPO_SCALES,
+    choices = {"advantage_estimator": tuple(ESTIMATORS), "grpo_scale": GRPO_SCALES,
                "loss_aggregation": LOSS_AGGREGATIONS, "importance_ratio": IMPORTANCE_RATIOS,
                "kl_loss_estimator": KL_LOSS_ESTIMATORS, "rollout_correction": ROLLOUT_CORRECTIONS}
     for name, valid in choices.items():
@@ -366,7 +382,7 @@ def _check_numbers(c: "PPOConfig"):
         _fail("loss_norm_length", c.loss_norm_length,
               "None (the response width) or a positive int (TRL's max_completion_length)")
     _check_packing(c)
-    for name in ("whiten_advantages", "whiten_rewards", "mask_truncated_completions", "pack_sequences"):
+    for name in ("whiten_advantages", "whiten_rewards", "mask_truncated_completions", "pack_sequences", "share_prompts"):
         value = getattr(c, name)
         if not isinstance(value, bool):
             _fail(name, value, "a bool (True or False)")

@@ -11,7 +11,10 @@ from jaxppo.config import is_int, setting
 from jaxppo.models.transformer import ATTENTION
 from jaxppo.update.kl import check_kl_estimator
 
-__all__ = ["TrainerConfig"]
+__all__ = ["TrainerConfig", "OLD_LOGPROBS"]
+
+# Where the rollout's old-policy log-probs come from (`TrainerConfig.old_logprobs`).
+OLD_LOGPROBS = ("auto", "sampler", "recompute")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +68,13 @@ class TrainerConfig:
       `jaxppo.rollout.dynamic`); dynamic_sampling_rounds (generation rounds per iteration at most,
       the first included; when they do not fill the batch, the rest is filled with dropped
       groups whose response mask is zero: counted in `dynamic/masked_groups`).
+    Scoring: old_logprobs, where the rollout's old-policy log-probs come from: "sampler"
+      (the sampler's own, kept while sampling: the scoring pass runs no policy forward,
+      and with no reference and no critic no forward at all), "recompute" (a forward of
+      the policy over the sampled batch, as 0.3 did), or "auto" (the default: "sampler"
+      with the built-in engine and a float32 policy, where both are the same numbers up to
+      float rounding, else "recompute": vLLM's and bf16 log-probs differ from the
+      trainer's, which `PPOConfig.rollout_correction` then corrects for). Free on resume.
     Faults: skip_nonfinite_scores (an iteration whose scores include NaN or inf is skipped
       and counted in `objective/skipped_nonfinite_scores` instead of stopping the run with
       an error naming the rows).
@@ -113,6 +123,7 @@ class TrainerConfig:
     rollout_engine: str = setting("jaxppo", on_resume="same_if_set")
     attention: Optional[str] = setting(None, on_resume="free")
     hoist_layers: bool = setting(False, on_resume="free")
+    old_logprobs: str = setting("auto", on_resume="free")
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -173,6 +184,10 @@ class TrainerConfig:
         if self.rollout_engine not in ("jaxppo", "vllm"):
             raise ValueError(f"TrainerConfig.rollout_engine={self.rollout_engine!r} is invalid; valid: 'jaxppo' (the "
                              "built-in sampler) or 'vllm' (vLLM in this process)")
+        if self.old_logprobs not in OLD_LOGPROBS:
+            raise ValueError(f"TrainerConfig.old_logprobs={self.old_logprobs!r} is invalid; valid: 'auto' (the "
+                             "sampler's with the built-in engine and a float32 policy, else recomputed), 'sampler' "
+                             "(the sampler's own log-probs), 'recompute' (a forward of the policy)")
         if self.environment_errors not in ("raise", "end"):
             raise ValueError(f"TrainerConfig.environment_errors={self.environment_errors!r} is invalid; valid: 'raise' "
                              "(stop with an error naming the environment, row and turn) or 'end' (end that episode "

@@ -302,6 +302,14 @@ CASES = [
         _rollout(response_mask=jnp.asarray(np.tile([1, 0, 1, 0, 0, 0], (16, 1)), jnp.int32)),
         jaxppo.PPOConfig(batch_size=16, mini_batch_size=8)), ValueError,
      r"rollout.response_mask row 0 is \[1, 0, 1, 0, 0, 0\]; each row must be non-increasing \(a prefix of ones"),
+    ("group rows with different prompts", lambda ctx: jaxppo.check_rollout(
+        _rollout(query_tokens=jnp.ones((16, 4), jnp.int32).at[5, 2].set(3)),
+        jaxppo.PPOConfig.for_algorithm("grpo", batch_size=16, mini_batch_size=8, num_generations=4,
+                                       kl_loss_coef=0.0)), ValueError,
+     r"rollout row 5 has another prompt than row 4, the first of its group \(rows 4-7\): with "
+     r"PPOConfig.share_prompts=True"),
+    ("old_logprobs unknown", lambda ctx: jaxppo.TrainerConfig(old_logprobs="vllm"), ValueError,
+     r"TrainerConfig.old_logprobs='vllm' is invalid; valid: 'auto' .* 'sampler' .* 'recompute'"),
     # multi-turn episodes and tools
     ("--environment not importable", lambda ctx: main(["--environment", "no_such_module:make", "--output-dir",
                                                        str(ctx["tmp"])]),

@@ -151,7 +151,12 @@ def reference_train_step(model, rollout, key, config, tx):
     keys = jax.random.split(key, config.ppo_epochs)
     grad = jax.jit(jax.grad(lambda p, mb: ref_loss(p, apply_fn, mb, config)))
     for e in range(config.ppo_epochs):
-        perm = np.asarray(jax.random.permutation(keys[e], config.batch_size))
+        g = config.num_generations
+        if g > 1 and config.micro_batch_size % g == 0:  # whole groups, shuffled group by group
+            groups = np.asarray(jax.random.permutation(keys[e], config.batch_size // g))
+            perm = np.concatenate([np.arange(j * g, (j + 1) * g) for j in groups])
+        else:
+            perm = np.asarray(jax.random.permutation(keys[e], config.batch_size))
         for i in range(config.num_minibatches):
             rows = perm[i * config.mini_batch_size:(i + 1) * config.mini_batch_size]
             grads = grad(params, {k: v[rows] for k, v in data.items()})
@@ -271,3 +276,38 @@ def test_bad_algorithm_settings_are_refused(changes, message):
         PPOConfig(**changes)
     with pytest.raises(ValueError, match="algorithm 'ppo2' is unknown; valid: ppo, grpo"):
         PPOConfig.for_algorithm("ppo2")
+
+
+def test_an_estimator_registered_at_run_time(model):
+    """`register_estimator`: the config validates against the live registry, train_step
+    uses the new estimator; names are not taken twice or from the built-ins."""
+    from jaxppo.algorithms import ESTIMATORS, AdvantageEstimator, Advantages, register_estimator, sequence_scores
+
+    def compute(rollout, config):  # each completion's score minus 1, on every real token
+        mask = rollout.response_mask.astype(jnp.float32)
+        return Advantages((sequence_scores(rollout) - 1.0)[:, None] * mask, None, {})
+
+    estimator = AdvantageEstimator(name="score_minus_one", compute=compute, summary="score - 1")
+    sizes = dict(batch_size=16, mini_batch_size=8, ppo_epochs=2, num_generations=4)
+    with pytest.raises(ValueError, match=r"advantage_estimator='score_minus_one' is invalid.*'gae'"):
+        PPOConfig.for_algorithm("grpo", advantage_estimator="score_minus_one", **sizes)
+    try:
+        register_estimator(estimator)
+        config = PPOConfig.for_algorithm("grpo", advantage_estimator="score_minus_one", **sizes)
+        rollout = make_rollout(model, 16)
+        adv, _ = jaxppo.compute_advantages(rollout, config)
+        scores = np.asarray(rollout.rewards).sum(axis=1)
+        np.testing.assert_allclose(np.asarray(adv), (scores - 1.0)[:, None] * np.asarray(rollout.response_mask),
+                                   rtol=1e-6, atol=1e-6)
+        state = TrainState.create(apply_fn=model[0], params=model[1], tx=optax.sgd(0.1))
+        state, metrics = train_step(state, rollout, jax.random.key(0), config)
+        assert int(state.step) == config.updates_per_step == 4
+        with pytest.raises(ValueError, match="'score_minus_one' is already registered; pass replace=True"):
+            register_estimator(estimator)
+        register_estimator(estimator, replace=True)
+        with pytest.raises(ValueError, match="'grpo' is built in and cannot be replaced"):
+            register_estimator(AdvantageEstimator(name="grpo", compute=compute, summary=""))
+    finally:
+        ESTIMATORS.pop("score_minus_one", None)
+    with pytest.raises(ValueError, match="advantage_estimator='score_minus_one' is invalid"):
+        PPOConfig.for_algorithm("grpo", advantage_estimator="score_minus_one", **sizes)

@@ -478,3 +478,69 @@ def test_without_the_nonfinite_check_every_update_applies():
     checked, _ = update_epochs(_state(optax.sgd(0.01)), batch, jax.random.key(2), regression_loss,
                                config.replace(skip_nonfinite=True))
     assert int(checked.step) == 3 and bool(jnp.isfinite(checked.params["w"]).all())
+
+
+# ---------------------------------------------------------------- any train state, a key, an order
+
+
+def test_flax_train_state_gets_the_same_updates():
+    """flax's own `TrainState` (params, step, apply_gradients(grads=...); no freeze, no
+    non-finite counter) through the engine: the same parameters and update count as
+    jaxppo's, with the non-finite skip's and the KL stop's branches compiled in."""
+    from flax.training import train_state
+
+    batch = _batch(16, seed=2)
+    for config in (PPOConfig(batch_size=16, mini_batch_size=4, ppo_epochs=2, gradient_accumulation_steps=2),
+                   PPOConfig(batch_size=16, mini_batch_size=4, ppo_epochs=2, target_kl=1e9)):
+        flax_state = train_state.TrainState.create(apply_fn=None, params=_params(), tx=optax.adam(0.05))
+        loss = regression_loss if config.target_kl is None else (
+            lambda p, mb: (regression_loss(p, mb)[0], {"approxkl": jnp.zeros(()), **regression_loss(p, mb)[1]}))
+        ours, _ = update_epochs(_state(), batch, jax.random.key(4), loss, config)
+        theirs, metrics = update_epochs(flax_state, batch, jax.random.key(4), loss, config)
+        assert isinstance(theirs, train_state.TrainState)
+        assert int(theirs.step) == int(ours.step) == config.updates_per_step == int(jnp.sum(metrics["applied"]))
+        chex.assert_trees_all_close(theirs.params, ours.params, rtol=1e-6, atol=1e-7)
+        assert float(jnp.max(jnp.abs(theirs.params["w"]))) > 0.1  # it trained
+
+
+def _key_loss(params, mb, key):
+    """A loss that reads its key: aux holds a uniform draw from it (and the rows)."""
+    loss, aux = regression_loss(params, mb)
+    return loss, {**aux, "draw": jax.random.uniform(key)}
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_loss_key_is_one_per_minibatch_and_leaves_the_permutations(accumulate):
+    config = PPOConfig(batch_size=16, mini_batch_size=8, ppo_epochs=3, gradient_accumulation_steps=accumulate)
+    key = jax.random.key(9)
+    _, plain = update_epochs(_state(), _batch(16), key, regression_loss, config)
+    _, keyed = update_epochs(_state(), _batch(16), key, _key_loss, config, loss_key=True)
+    np.testing.assert_array_equal(keyed["aux"]["ids"], plain["aux"]["ids"])  # the same rows, the same order
+    # The documented derivation, written out: fold_in(key, 1), one key per (epoch,
+    # mini-batch), split again over the micro-batches (whose draws the aux averages).
+    keys = jax.random.split(jax.random.fold_in(key, 1), (3, 2))
+    want = np.zeros((3, 2))
+    for e in range(3):
+        for m in range(2):
+            subkeys = [keys[e, m]] if accumulate == 1 else list(jax.random.split(keys[e, m], accumulate))
+            want[e, m] = np.mean([float(jax.random.uniform(k)) for k in subkeys])
+    np.testing.assert_allclose(np.asarray(keyed["aux"]["draw"]), want, rtol=1e-6)
+    assert len(set(np.round(want.ravel(), 6))) == 6  # every mini-batch its own key
+
+
+def test_own_order_is_walked_and_checked():
+    """`order(key, config)` replaces the permutation: here each epoch walks the rows in
+    reverse; a wrong shape is an error naming what is expected."""
+    config = PPOConfig(batch_size=12, mini_batch_size=4, ppo_epochs=2)
+
+    def reverse(key, config):
+        rows = jnp.arange(config.batch_size - 1, -1, -1, dtype=jnp.int32)
+        return jnp.broadcast_to(rows, (config.ppo_epochs, config.batch_size)).reshape(
+            config.ppo_epochs, config.num_minibatches, config.mini_batch_size)
+
+    _, metrics = update_epochs(_state(), _batch(12), jax.random.key(0), regression_loss, config, order=reverse)
+    np.testing.assert_array_equal(np.asarray(metrics["aux"]["ids"]).reshape(2, 12), [list(range(11, -1, -1))] * 2)
+    wrong = lambda key, config: jnp.zeros((config.ppo_epochs, config.batch_size), jnp.int32)
+    with pytest.raises(AssertionError, match=r"order\(key, config\) must give \(ppo_epochs, num_minibatches, "
+                                             r"mini_batch_size\) rows"):
+        update_epochs(_state(), _batch(12), jax.random.key(0), regression_loss, config, order=wrong)

@@ -2,6 +2,7 @@
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -135,3 +136,50 @@ def test_approx_kl():
     old = jnp.array([[0.0, 0.0, 0.0]])
     mask = jnp.array([[1, 1, 0]])
     assert float(pm.approx_kl(lp, old, mask)) == pytest.approx(0.5 * (0.01 + 0.09) / 2, abs=1e-7)
+
+
+def _gae_loop(rewards, values, dones, last_value, gamma, lam, truncations=None, final_values=None):
+    """Time-major GAE, one environment and one step at a time, last step first."""
+    t_len, n = rewards.shape
+    adv = np.zeros((t_len, n))
+    for i in range(n):
+        running = 0.0
+        for t in reversed(range(t_len)):
+            next_v = last_value[i] if t == t_len - 1 else values[t + 1, i]
+            cont = 0.0 if dones[t, i] else 1.0
+            if truncations is not None and truncations[t, i]:
+                delta = 0.0 if final_values is None else rewards[t, i] + gamma * final_values[t, i] - values[t, i]
+            else:
+                delta = rewards[t, i] + gamma * cont * next_v - values[t, i]
+            running = delta + gamma * lam * cont * running
+            adv[t, i] = running
+    return adv, adv + values
+
+
+@pytest.mark.parametrize("mode", ["terminations", "truncations-dropped", "truncations-bootstrapped"])
+def test_gae_time_major_equals_a_loop(mode):
+    """Vectorised environments that reset themselves (PureJaxRL's layout; Brax's truncation
+    convention, or a bootstrap from the final state's value)."""
+    rng = np.random.default_rng(0)
+    t_len, n = 12, 5
+    rewards, values = rng.normal(size=(t_len, n)), rng.normal(size=(t_len, n))
+    dones = rng.random((t_len, n)) < 0.2
+    last_value = rng.normal(size=n)
+    truncations = final_values = None
+    if mode != "terminations":
+        truncations = dones & (rng.random((t_len, n)) < 0.5)
+        assert truncations.any() and (dones & ~truncations).any()
+    if mode == "truncations-bootstrapped":
+        final_values = rng.normal(size=(t_len, n))
+    want = _gae_loop(rewards, values, dones, last_value, 0.97, 0.9, truncations, final_values)
+    as_jnp = lambda x: None if x is None else jnp.asarray(x, jnp.float32)
+    got = jax.jit(lambda *a: pm.gae_time_major(*a[:4], 0.97, 0.9, truncations=a[4], final_values=a[5]))(
+        *map(as_jnp, (rewards, values, dones, last_value, truncations, final_values)))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5, atol=1e-5)
+    if mode == "terminations":  # no dones at all: the response-token GAE over a full mask, transposed
+        no_dones = np.zeros_like(dones)
+        full = pm.gae(jnp.asarray(rewards.T), jnp.asarray(np.concatenate([values, last_value[None]]).T[:, :t_len]),
+                      jnp.ones((n, t_len)), 0.97, 0.9)
+        loop = _gae_loop(rewards, values, no_dones, np.zeros(n), 0.97, 0.9)
+        np.testing.assert_allclose(np.asarray(full[0]).T, loop[0], rtol=1e-5, atol=1e-5)

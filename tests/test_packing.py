@@ -19,6 +19,7 @@ from jaxppo.algorithms import ALGORITHMS
 from jaxppo.update import packing
 from jaxppo.update.batch import response_outputs
 from jaxppo.update.engine import minibatch_indices
+from jaxppo.update.ppo import minibatch_group
 from jaxppo.update.losses import LOSS_AGGREGATIONS
 
 Q, R, V = 5, 7, 53
@@ -213,10 +214,13 @@ def packed_against_padded(model, params, config, streams=None, *, freeze=None, r
     fewer than the micro-batch's rows."""
     rollout = rollout if rollout is not None else make_rollout(model, params, config.batch_size)
     key = jax.random.key(4)
+    # Packing runs every row: compared with the padded path running every row too (each
+    # group's prompt once, the padded default, is tested in test_shared_prompts.py).
+    config = config.replace(share_prompts=False)
     if streams is None:
         lengths = np.asarray(packing.row_lengths({"query_mask": rollout.query_mask,
                                                   "response_mask": rollout.response_mask}))
-        streams = packing.minibatch_streams(lengths, minibatch_indices(key, config), config.micro_batch_size, Q + R)
+        streams = packing.minibatch_streams(lengths, minibatch_indices(key, config, minibatch_group(config)), config.micro_batch_size, Q + R)
         assert streams < config.micro_batch_size
     out = []
     for cfg in (config, config.replace(pack_sequences=True, pack_streams=streams)):

@@ -185,3 +185,71 @@ def test_rollout_spec_reads_its_settings_from_the_configs():
                     mask_truncated=True, pack_sequences=True, pack_length=40)
     assert {name: getattr(spec, name) for name in expected} == expected
     assert type(spec.temperature) is float and spec.stop_token_ids == (1,)
+
+
+def _old_logprobs_rollouts(model, params, critic=None, critic_params=None, group=1, ref=True):
+    """finish_rollout's rollouts with the sampler's log-probs and recomputed, same samples."""
+    apply_fn, full = (model.apply, params) if critic is None else (jm.PolicyAndCritic(model, critic),
+                                                                    {"policy": params, "critic": critic_params})
+    ids = jnp.asarray(np.repeat(np.random.default_rng(3).integers(3, 32, size=(8 // group, 5)), group, 0))
+    mask = jnp.asarray(np.arange(5)[None] >= np.repeat(np.arange(8 // group) % 3, group)[:, None], jnp.int32)
+    out = {}
+    for source in ("sampler", "recompute"):
+        spec = RolloutSpec(policy=model, apply_fn=apply_fn, ref_apply=model.apply if ref else None, response_length=7,
+                           temperature=0.7, stop_token_ids=(2,), kl_estimator="k3", uses_critic=critic is not None,
+                           policy_params_key=None if critic is None else "policy", num_generations=group,
+                           old_logprobs=source)
+        gen = sample_responses(spec, full, ids, mask, jax.random.key(4))
+        ref_params = jax.tree.map(lambda x: x * 0.9, params) if ref else None
+        out[source] = (spec, gen, finish_rollout(spec, full, ref_params, None, ids, mask, gen, None,
+                                                 pm.fixed_kl_controller(0.1), pm.RunningMoments.zeros())[0])
+    return out
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_old_logprobs_from_the_sampler(tiny_policy, group):
+    """`old_logprobs="sampler"`: the rollout's log-probs are the sampler's own, exactly; the
+    critic's values (run alone) and everything else equal the recomputing pass's up to
+    float rounding."""
+    model, params = tiny_policy
+    critic = jm.Model(model.config, kind="value")
+    critic_params = {"params": {"transformer": params["params"]["transformer"],
+                                "score": {"kernel": 0.1 * jnp.ones((16, 1))}}}
+    out = _old_logprobs_rollouts(model, params, critic, critic_params, group)
+    (_, gen, sampled), (_, _, recomputed) = out["sampler"], out["recompute"]
+    m = np.asarray(gen.mask)
+    np.testing.assert_array_equal(np.asarray(sampled.logprobs), np.asarray(gen.logprobs))
+    np.testing.assert_allclose(np.asarray(sampled.logprobs) * m, np.asarray(recomputed.logprobs) * m, atol=1e-5)
+    for name in ("values", "rewards", "scores"):
+        np.testing.assert_allclose(np.asarray(getattr(sampled, name)) * (m if name != "scores" else 1),
+                                   np.asarray(getattr(recomputed, name)) * (m if name != "scores" else 1),
+                                   atol=2e-5, err_msg=name)
+
+
+def test_old_logprobs_from_the_sampler_need_no_forward(tiny_policy):
+    """With the sampler's log-probs, no reference and no critic, the compiled scoring pass
+    runs no model: its FLOPs are a small fraction of the recomputing pass's."""
+    model, params = tiny_policy
+    out = _old_logprobs_rollouts(model, params, ref=False)
+    flops = {}
+    for source, (spec, gen, _) in out.items():
+        ids = jnp.ones((8, 5), jnp.int32)
+        fn = jax.jit(lambda p, g, spec=spec: finish_rollout(spec, p, None, None, ids, jnp.ones_like(ids), g, None,
+                                                            pm.fixed_kl_controller(0.1), pm.RunningMoments.zeros()))
+        flops[source] = fn.lower(params, gen).compile().cost_analysis()["flops"]
+    assert flops["sampler"] < 0.02 * flops["recompute"], flops
+
+
+def test_old_logprobs_auto_takes_the_sampler_only_where_exact(tiny_policy):
+    model, _ = tiny_policy
+    spec = lambda **kw: RolloutSpec(policy=model, apply_fn=model.apply, ref_apply=None, response_length=4,
+                                    old_logprobs="auto", **kw)
+    assert spec().sampler_logprobs_used  # the built-in engine, float32
+    assert not spec(rollout_engine="vllm").sampler_logprobs_used
+    bf16 = RolloutSpec(policy=jm.Model(model.config, dtype="bfloat16"), apply_fn=model.apply, ref_apply=None,
+                       response_length=4, old_logprobs="auto")
+    assert not bf16.sampler_logprobs_used
+    assert not RolloutSpec(policy=model, apply_fn=model.apply, ref_apply=None, response_length=4).sampler_logprobs_used
+    config = RolloutSpec.from_configs(jaxppo.PPOConfig(), jaxppo.TrainerConfig(), policy=model, apply_fn=model.apply,
+                                      ref_apply=None)
+    assert config.old_logprobs == "auto" and config.sampler_logprobs_used  # the trainer's default

@@ -73,6 +73,29 @@ def test_sharded_train_step_equals_single_device(setup, mesh_config):
         assert spec[1] == "tensor"  # column-parallel: output features
 
 
+def test_shared_prompts_sharded_equal_every_row_on_one_device(setup):
+    """GRPO with each group's prompt once (the default) on a 2x4 mesh (data x fsdp) equals
+    every row run on one device."""
+    policy, _, params, rollout = setup
+    g = 4
+    rollout = rollout.replace(query_tokens=jnp.repeat(rollout.query_tokens[::g], g, 0),
+                              query_mask=jnp.repeat(rollout.query_mask[::g], g, 0), values=None)
+    config = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=16, mini_batch_size=8, ppo_epochs=2,
+                                            num_generations=g, kl_loss_coef=0.0)
+    jaxppo.check_rollout(rollout, config)
+    state = jaxppo.TrainState.create(apply_fn=policy.apply, params=params["policy"], tx=optax.sgd(0.5))
+    ref, ref_metrics = jaxppo.train_step(state, rollout, jax.random.key(3), config.replace(share_prompts=False))
+    mesh = sh.make_mesh(sh.MeshConfig(data=2, fsdp=4))
+    sharded = sh.shard_state(state, mesh)
+    out, metrics = sh.sharded_train_step(sharded, config, mesh)(sharded, sh.shard_batch(rollout, mesh),
+                                                                jax.random.key(3))
+    assert int(out.step) == int(ref.step) == config.updates_per_step
+    for a, b in zip(jax.tree.leaves(out.params), jax.tree.leaves(ref.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=1e-4)
+    np.testing.assert_allclose(metrics["per_minibatch/loss/total"], ref_metrics["per_minibatch/loss/total"],
+                               rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("mesh_config", [MESHES[2], MESHES[3]], ids=_ids)
 def test_scanned_layers_sharded_equal_unrolled_single_device(setup, mesh_config):
     """Stacked layers (`scan_layers`) with the unchunked log-prob head under a mesh: same

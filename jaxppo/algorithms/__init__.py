@@ -11,7 +11,8 @@ command line, the demo and the docs read it.
     jaxppo --algorithm dapo --cliprange-high 0.3 ...
 
 Adding an estimator: one file in this package defining an `AdvantageEstimator`, and one row
-in `ESTIMATORS` below (and a preset row in `presets.py` if it is a named method).
+in `ESTIMATORS` below (and a preset row in `presets.py` if it is a named method); or, from
+your own code at run time, `register_estimator(estimator)`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from jaxppo.algorithms.base import Advantages, AdvantageEstimator, Algorithm, lo
 from jaxppo.algorithms.presets import PRESETS
 
 __all__ = ["ESTIMATORS", "REGISTRY", "ALGORITHMS", "Advantages", "AdvantageEstimator", "Algorithm",
-           "algorithm_defaults", "get_algorithm", "get_estimator", "loss_terms", "sequence_scores"]
+           "algorithm_defaults", "get_algorithm", "get_estimator", "loss_terms", "register_estimator",
+           "sequence_scores"]
 
 # The advantage estimators by `PPOConfig.advantage_estimator`.
 ESTIMATORS = {e.name: e for e in (
@@ -32,11 +34,34 @@ ESTIMATORS = {e.name: e for e in (
     reinforce_pp.BASELINE,
 )}
 
+_BUILT_IN = tuple(ESTIMATORS)
+
 # The named methods (presets) by name, with their sources.
 REGISTRY = {a.name: a for a in PRESETS}
 
 # {name: the PPOConfig fields it sets} (a read-only view of the presets' settings).
 ALGORITHMS = {name: dict(a.settings) for name, a in REGISTRY.items()}
+
+
+def register_estimator(estimator: AdvantageEstimator, *, replace: bool = False) -> AdvantageEstimator:
+    """Add `estimator` to the registry at run time, so that `PPOConfig(advantage_estimator=
+    estimator.name)` validates and `train_step` uses it. A name already registered is
+    refused unless `replace` (a built-in one cannot be replaced). Register before building
+    configs that name it, in every process (and before resuming a run that used it)."""
+    if not isinstance(estimator, AdvantageEstimator):
+        raise TypeError(f"register_estimator takes a jaxppo.algorithms.AdvantageEstimator, got "
+                        f"{type(estimator).__name__}")
+    if not isinstance(estimator.name, str) or not estimator.name or not callable(estimator.compute):
+        raise ValueError(f"AdvantageEstimator needs a non-empty name and a callable compute; got name="
+                         f"{estimator.name!r}, compute={estimator.compute!r}")
+    if estimator.name in _BUILT_IN:
+        raise ValueError(f"advantage estimator {estimator.name!r} is built in and cannot be replaced; choose "
+                         f"another name (built in: {', '.join(_BUILT_IN)})")
+    if estimator.name in ESTIMATORS and not replace:
+        raise ValueError(f"advantage estimator {estimator.name!r} is already registered; pass replace=True to "
+                         "replace it")
+    ESTIMATORS[estimator.name] = estimator
+    return estimator
 
 
 def get_estimator(name: str) -> AdvantageEstimator:

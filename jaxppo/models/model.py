@@ -226,6 +226,55 @@ class Model:
             values = values[:, q - 1 : q - 1 + r].astype(jnp.float32)
         return logprobs, values, entropy
 
+    def grouped_outputs(self, params, query_tokens, query_mask, response_tokens, response_mask, temperature=1.0):
+        """`response_outputs` for rows in groups of G consecutive rows that share a prompt,
+        each prompt run once: `query_tokens` / `query_mask` are (B/G, Q), one per group,
+        `response_tokens` / `response_mask` (B, R). The same (log-probs, values, entropies),
+        each (B, R), up to float rounding; a causal LM's values are None without a value
+        head, a "value" model gives (None, values, None).
+
+        The prompts run first (B/G rows) and keep their keys and values per layer; the
+        responses then run against them, each group's prompt slots read once for its G
+        rows (the sampler's grouped cache, `GroupedKV`). Under `jax.grad` the prompts'
+        activations receive the sum of their G responses' gradients. The LM head runs at
+        the positions that predict response tokens only: the prompt's last position for
+        token 0, the response's own positions after it."""
+        hidden, values = self._grouped_hidden(params, query_tokens, query_mask, response_tokens, response_mask)
+        values = None if values is None else values.astype(jnp.float32)
+        if not self.is_causal_lm:
+            return None, values, None
+        logprobs, entropy = token_logprobs(hidden, self.lm_head(params), response_tokens, temperature,
+                                           self.logits_chunk_size)
+        return logprobs, values, entropy
+
+    def _grouped_hidden(self, params, query_tokens, query_mask, response_tokens, response_mask):
+        """(hidden states (B, R, D) or None, values or scores (B, R) or None) at the positions
+        that predict each response token, the groups' prompts run once."""
+        groups, q = query_tokens.shape
+        b = response_tokens.shape[0]
+        if b % groups:
+            raise ValueError(f"grouped outputs: {b} response rows do not come in groups of the {groups} prompts")
+        g = b // groups
+
+        def run(ids, kv_mask, positions, cache, index):
+            if self.is_causal_lm:
+                return self.module.apply(params, ids, kv_mask, positions, cache, index, return_hidden=True)
+            scores, cache = self.module.apply(params, ids, kv_mask, positions, cache=cache, cache_index=index)
+            return None, scores[..., 0], cache
+
+        hidden_p, values_p, cache = run(query_tokens, query_mask, default_positions(query_mask),
+                                        self.init_cache(groups, q), 0)
+        kv_mask = jnp.concatenate([jnp.repeat(query_mask, g, axis=0), response_mask.astype(query_mask.dtype)], axis=1)
+        hidden_r, values_r, _ = run(response_tokens, kv_mask, default_positions(kv_mask)[:, q:],
+                                    self.grouped_cache(cache, b, 0), q)
+
+        def predicting(prompt, response):  # the prompt's last position, then the response's own but its last
+            if prompt is None:
+                return None
+            return jnp.concatenate([jnp.repeat(prompt[:, -1:], g, axis=0), response[:, :-1]], axis=1)
+
+        return predicting(hidden_p, hidden_r), predicting(values_p, values_r)
+
     def packed_outputs(self, params, tokens, segment_ids, positions, targets, temperature=1.0):
         """Outputs over packed streams (`jaxppo.update.packing`): tokens, segment_ids (0 at the
         unused tail), positions and targets, each (S, T). A causal LM gives the log-probs of
@@ -310,6 +359,15 @@ class PolicyAndCritic:
         q, r = query_tokens.shape[1], response_tokens.shape[1]
         tokens, mask = join_sequences(query_tokens, query_mask, response_tokens, response_mask)
         values = self.critic.apply(params["critic"], tokens, mask)[:, q - 1 : q - 1 + r].astype(jnp.float32)
+        return logprobs, values, entropy
+
+    def grouped_outputs(self, params, query_tokens, query_mask, response_tokens, response_mask, temperature=1.0):
+        """(log-probs, values, entropies), each (B, R), each group's prompt run once by the
+        policy and by the critic (see `Model.grouped_outputs`)."""
+        logprobs, _, entropy = self.policy.grouped_outputs(params["policy"], query_tokens, query_mask,
+                                                           response_tokens, response_mask, temperature)
+        values = self.critic.grouped_outputs(params["critic"], query_tokens, query_mask, response_tokens,
+                                             response_mask)[1]
         return logprobs, values, entropy
 
     def packed_outputs(self, params, tokens, segment_ids, positions, targets, temperature=1.0):

@@ -213,13 +213,14 @@ def _attend_with_cache(q, k, v, layer_cache, cache_index, mask, dtype, scale_dim
         p, lq = layer_cache.prefix_k.shape[1], q.shape[1]
         g = q.shape[0] // layer_cache.prefix_k.shape[0]
         response = mask[:, :, p:]  # the rows' response slots
-        old = response & (jnp.arange(response.shape[-1])[None, None, :] < _per_row(cache_index - p))
         new = _slice_slots(response, cache_index - p, lq)
         k, v = k.astype(layer_cache.k.dtype), v.astype(layer_cache.v.dtype)
         # A group's rows see the same prompt slots: its first row's mask stands for all.
-        parts = ((layer_cache.prefix_k, layer_cache.prefix_v, mask[::g, :, :p], g), (layer_cache.k, layer_cache.v, old),
-                 (k, v, new))
-        return _attention_over(q, parts, dtype, scale_dim), (k, v)
+        parts = ((layer_cache.prefix_k, layer_cache.prefix_v, mask[::g, :, :p], g),)
+        if layer_cache.k.shape[1]:  # earlier response slots (none in a one-pass forward: `Model.grouped_outputs`)
+            old = response & (jnp.arange(response.shape[-1])[None, None, :] < _per_row(cache_index - p))
+            parts += ((layer_cache.k, layer_cache.v, old),)
+        return _attention_over(q, parts + ((k, v, new),), dtype, scale_dim), (k, v)
     if isinstance(layer_cache, NewKV):
         lk, lq = mask.shape[-1], q.shape[1]
         old = mask & (jnp.arange(lk)[None, None, :] < _per_row(cache_index))
@@ -237,6 +238,8 @@ def _write_response(cache: GroupedKV, new_kv, cache_index, axis):
     """`cache` with the new tokens' (k, v) written at their response slots (cache slot
     `cache_index` is response slot cache_index - P; `axis` is the slot axis)."""
     p = cache.prefix_k.shape[axis]
+    if cache.k.shape[axis] == 0:  # no response slots kept (a one-pass forward): nothing to write
+        return cache
     k, v = (write_slots(buf, new, cache_index - p, axis=axis) for buf, new in zip((cache.k, cache.v), new_kv))
     return cache._replace(k=k, v=v)
 
@@ -483,11 +486,14 @@ class ScoreModule(nn.Module):
     attention: str = "einsum"
 
     @nn.compact
-    def __call__(self, input_ids, attention_mask, positions, segment_ids=None):
+    def __call__(self, input_ids, attention_mask, positions, segment_ids=None, cache=None, cache_index=0):
+        """Scores (B, Lq, num_labels); with a `cache` (as `Transformer` takes one), (scores,
+        new cache)."""
         c = self.config
         trunk = Transformer(c, self.dtype, self.param_dtype, self.remat, self.scan_layers, self.lora, self.adapters,
                             self.attention, name="transformer" if c.model_type == "gpt2" else "model")
-        hidden, _, _ = trunk(input_ids, attention_mask, positions, segment_ids=segment_ids)
+        hidden, new_cache, _ = trunk(input_ids, attention_mask, positions, cache, cache_index, segment_ids)
         init = nn.initializers.zeros if self.zero_init else nn.initializers.normal(0.02)
-        return nn.Dense(self.num_labels, use_bias=False, dtype=jnp.float32, param_dtype=self.param_dtype,
-                        kernel_init=init, name="score")(hidden.astype(jnp.float32))
+        scores = nn.Dense(self.num_labels, use_bias=False, dtype=jnp.float32, param_dtype=self.param_dtype,
+                          kernel_init=init, name="score")(hidden.astype(jnp.float32))
+        return scores if cache is None else (scores, new_cache)

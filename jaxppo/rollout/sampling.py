@@ -6,9 +6,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Optional, Tuple
 
+import jax.numpy as jnp
+
 from jaxppo.models.continuous import generate_continuous
 from jaxppo.models.generate import GenerationOutput, generate
 from jaxppo.models.model import Model
+from jaxppo.trainer_config import OLD_LOGPROBS
 from jaxppo.update.kl import check_kl_estimator
 from jaxppo.update.shaping import default_overlong_buffer
 
@@ -60,6 +63,14 @@ class RolloutSpec:
         `response_length`), from `PPOConfig`.
       mask_truncated: zero the rollout's response mask of completions without a stop token
         (`PPOConfig.mask_truncated_completions`), so the loss leaves them out.
+      old_logprobs: where the rollout's log-probs come from (`TrainerConfig.old_logprobs`):
+        "sampler" (the sampler's own; no policy forward in the scoring pass), "recompute"
+        (a forward of the policy; the default of a spec built by hand), or "auto"
+        ("sampler" when `rollout_engine` is the built-in one and the policy computes in
+        float32, else "recompute"; see `sampler_logprobs_used`).
+      rollout_engine: "jaxppo" or "vllm" (`TrainerConfig.rollout_engine`).
+      share_prompts: with `num_generations` G > 1, the scoring pass runs each group's
+        prompt once for its G rows (policy, critic and reference; `PPOConfig.share_prompts`).
       pack_sequences, pack_streams, pack_length: score the batch packed (`jaxppo.update.packing`:
         the policy's, critic's and reference's forwards over `pack_streams` streams of
         `pack_length` tokens, None: Q + R); `jaxppo.run.stages.build_rollout` sets the streams
@@ -89,6 +100,9 @@ class RolloutSpec:
     overlong_penalty_factor: float = _from("ppo", default=0.0, convert=float)
     overlong_buffer: Optional[int] = _from("ppo", default=None)
     mask_truncated: bool = _from("ppo", "mask_truncated_completions", default=False)
+    share_prompts: bool = _from("ppo", default=True)
+    old_logprobs: str = _from("trainer", default="recompute")
+    rollout_engine: str = _from("trainer", default="jaxppo")
     pack_sequences: bool = _from("ppo", default=False)
     pack_streams: Optional[int] = None
     pack_length: Optional[int] = _from("ppo", default=None)
@@ -106,6 +120,8 @@ class RolloutSpec:
 
     def __post_init__(self):
         check_kl_estimator("kl_estimator=", self.kl_estimator)
+        if self.old_logprobs not in OLD_LOGPROBS:
+            raise ValueError(f"old_logprobs={self.old_logprobs!r} is invalid; valid: {', '.join(map(repr, OLD_LOGPROBS))}")
         if self.overlong_buffer is not None and self.overlong_buffer > self.response_length:
             raise ValueError(f"PPOConfig.overlong_buffer={self.overlong_buffer} is longer than the response budget "
                              f"(response_length={self.response_length}); it must be in [1, {self.response_length}] "
@@ -114,6 +130,13 @@ class RolloutSpec:
             raise ValueError("PPOConfig.mask_truncated_completions=True needs a stop token (TrainerConfig."
                              "stop_token_id, or a tokenizer with an eos_token_id): without one every completion "
                              "is truncated and nothing would be trained")
+
+    @property
+    def sampler_logprobs_used(self) -> bool:
+        """The rollout's old-policy log-probs are the sampler's own (no policy forward)."""
+        if self.old_logprobs == "auto":
+            return self.rollout_engine == "jaxppo" and jnp.dtype(self.policy.dtype) == jnp.float32
+        return self.old_logprobs == "sampler"
 
     @property
     def buffer(self) -> int:

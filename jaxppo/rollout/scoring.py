@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jaxppo.models.generate import GenerationOutput
 from jaxppo.rollout.sampling import RolloutSpec
 from jaxppo.update import packing
-from jaxppo.update.batch import Rollout, joined, response_attention, response_outputs, scorer
+from jaxppo.update.batch import Rollout, joined, model_method, response_attention, response_outputs, scorer
 from jaxppo.update.kl import KLControllerState, kl_per_token, kl_shaped_rewards
 from jaxppo.update.losses import logprobs_from_logits
 from jaxppo.update.shaping import overlong_penalty
@@ -34,18 +34,47 @@ from jaxppo.update.stats import RunningMoments, masked_sum, running_moments_upda
 __all__ = ["finish_rollout"]
 
 
+def _group(spec: RolloutSpec) -> int:
+    """G when the scoring pass runs each group's prompt once (`share_prompts`), else 1."""
+    return spec.num_generations if spec.share_prompts else 1
+
+
 def _outputs(spec: RolloutSpec, apply_fn, params, batch):
     """(log-probs, values, entropies) of the response tokens: packed when the spec says
-    so, else padded."""
+    so, else padded (each group's prompt once with `share_prompts`)."""
     if spec.pack_streams is not None:
         return packing.response_outputs(apply_fn, params, batch, spec.temperature, spec.pack_streams,
                                         spec.pack_length)
-    return response_outputs(apply_fn, params, batch, spec.temperature)
+    return response_outputs(apply_fn, params, batch, spec.temperature, _group(spec))
+
+
+def _policy_outputs(spec: RolloutSpec, params, batch, gen):
+    """(old-policy log-probs, values or None): the sampler's own log-probs when the spec
+    says so (`RolloutSpec.sampler_logprobs_used`), with the critic's values alone from a
+    separate critic (a value head on the policy runs the policy's forward for them); else
+    both from one forward."""
+    if not spec.sampler_logprobs_used:
+        logprobs, values, _ = _outputs(spec, spec.apply_fn, params, batch)
+        return logprobs, values if spec.uses_critic else None  # critic-free: no values
+    logprobs = gen.logprobs.astype(jnp.float32)
+    if not spec.uses_critic:
+        return logprobs, None
+    critic = getattr(spec.apply_fn, "critic", None)  # a `PolicyAndCritic`: the critic alone
+    if critic is None or spec.pack_streams is not None:
+        return logprobs, _outputs(spec, spec.apply_fn, params, batch)[1]
+    group = _group(spec)
+    if group > 1:
+        return logprobs, critic.grouped_outputs(params["critic"], batch["query_tokens"][::group],
+                                                batch["query_mask"][::group], batch["response_tokens"],
+                                                response_attention(batch))[1]
+    q, r = batch["query_tokens"].shape[1], batch["response_tokens"].shape[1]
+    values = critic.apply(params["critic"], *joined(batch))[:, q - 1: q - 1 + r]
+    return logprobs, values.astype(jnp.float32)
 
 
 def _reference_logprobs(spec: RolloutSpec, ref_params, batch):
     """The reference policy's log-probs of the response tokens, (B, R)."""
-    if spec.pack_streams is not None:
+    if spec.pack_streams is not None or (_group(spec) > 1 and model_method(spec.ref_apply, "grouped_outputs")):
         return _outputs(spec, spec.ref_apply, ref_params, batch)[0]
     ref_scorer = scorer(spec.ref_apply)
     if ref_scorer is not None:  # a built-in model: no full logits
@@ -124,9 +153,7 @@ def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompt_
              "response_tokens": gen.tokens, "response_mask": response_mask}
     if attention is not None:
         batch["response_attention_mask"] = attention
-    logprobs, values, _ = _outputs(spec, spec.apply_fn, params, batch)
-    if not spec.uses_critic:
-        values = None  # the critic-free algorithms carry no values
+    logprobs, values = _policy_outputs(spec, params, batch, gen)
     ref_logprobs = None
     if spec.ref_apply is not None:
         ref_logprobs = _reference_logprobs(spec, spec.policy_params(params) if spec.ref_is_policy else ref_params,

@@ -99,6 +99,9 @@ class LogitsOf:
     def packed_outputs(self, params, *args):
         return self.model.packed_outputs(params, *args)
 
+    def grouped_outputs(self, params, *args):
+        return self.model.grouped_outputs(params, *args)
+
 
 def schedule(lr, kind, warmup, total):
     """A learning-rate schedule over `total` updates: constant, linear decay to 0 or cosine,

@@ -41,6 +41,7 @@ from jaxppo.update import packing
 from jaxppo.update.batch import Rollout
 from jaxppo.update.engine import minibatch_indices
 from jaxppo.update.kl import adaptive_kl_update
+from jaxppo.update.ppo import minibatch_group
 from jaxppo.update.shaping import adaptive_entropy_coef
 
 __all__ = ["PromptTable", "PromptBatch", "HostScores", "Built", "select_prompts", "sample", "score", "build_rollout",
@@ -159,7 +160,8 @@ class PackedSteps:
         length = packing.stream_length(rollout, c.pack_length)
         attention = rollout.response_mask if rollout.response_attention_mask is None else rollout.response_attention_mask
         lengths = packing.host_row_lengths(to_host(rollout.query_mask), to_host(attention))
-        streams = packing.minibatch_streams(lengths, np.asarray(minibatch_indices(key, c)), c.micro_batch_size, length)
+        order = minibatch_indices(key, c, minibatch_group(c))  # the update's own order
+        streams = packing.minibatch_streams(lengths, np.asarray(order), c.micro_batch_size, length)
         if streams not in self.steps:
             self.steps[streams] = self.make_step(c.replace(pack_streams=streams))
         state, metrics = self.steps[streams](state, rollout, key)

@@ -18,6 +18,7 @@ from jaxppo.update.stats import masked_whiten
 
 __all__ = [
     "gae",
+    "gae_time_major",
     "GRPO_SCALES",
     "grpo_advantages",
     "zero_std_groups",
@@ -68,6 +69,59 @@ def gae(rewards, values, mask, gamma: float, lam: float):
     advantages = adv_t_major.T * mask
     returns = (advantages + values) * mask
     return advantages, returns
+
+
+def gae_time_major(rewards, values, dones, last_value, gamma: float, lam: float, *, truncations=None,
+                   final_values=None):
+    """GAE for vectorised environments that reset themselves: time-major rollouts of N
+    environments (any trailing batch shape), by a reverse `lax.scan`.
+
+    Args:
+      rewards, values: (T, N...) r_t and V(s_t).
+      dones: (T, N...) the episode ended at step t (terminated or truncated): s_{t+1} is
+        the first state of a new episode, so nothing is bootstrapped or carried across it.
+      last_value: (N...) V(s_T), the value of the state after the rollout's last step
+        (bootstraps the last step unless it is done).
+      gamma, lam: discount and GAE lambda.
+      truncations: optional (T, N...) the episode was cut at step t by a time limit rather
+        than terminated (a subset of `dones`). Without `final_values` such a step gets no
+        learning signal (delta 0: Brax's convention); with them it is bootstrapped.
+      final_values: optional (T, N...) V of the real final state of a truncated episode
+        (the observation before the reset), read where `truncations` is set.
+
+    Returns:
+      (advantages, returns), each (T, N...):
+        delta_t = r_t + gamma * (1 - done_t) * V_{t+1} - V_t   (V_T = last_value)
+        delta_t = r_t + gamma * final_value_t - V_t             (truncated, with final_values)
+        delta_t = 0                                             (truncated, without)
+        A_t = delta_t + gamma * lam * (1 - done_t) * A_{t+1},  returns_t = A_t + V_t
+    With no truncations this is PureJaxRL's `_calculate_gae`.
+    """
+    dtype = jnp.result_type(rewards, values, jnp.float32)
+    rewards, values = rewards.astype(dtype), values.astype(dtype)
+    cont = 1.0 - dones.astype(dtype)
+    if truncations is None:
+        truncations = jnp.zeros_like(cont)
+    truncated = truncations.astype(dtype)
+    if final_values is not None and final_values.shape != values.shape:
+        raise ValueError(f"gae_time_major: final_values has shape {final_values.shape}; expected the values' "
+                         f"{values.shape}")
+    next_values = jnp.concatenate([values[1:], last_value.astype(dtype)[None]], axis=0)
+
+    def backward(next_adv, inputs):
+        r_t, v_t, next_v, c_t, trunc_t, final_t = inputs
+        delta = r_t + gamma * c_t * next_v - v_t
+        if final_values is None:
+            delta = delta * (1.0 - trunc_t)
+        else:
+            delta = jnp.where(trunc_t > 0, r_t + gamma * final_t - v_t, delta)
+        adv = delta + gamma * lam * c_t * next_adv
+        return adv, adv
+
+    finals = jnp.zeros_like(values) if final_values is None else final_values.astype(dtype)
+    _, advantages = jax.lax.scan(backward, jnp.zeros_like(values[0]),
+                                 (rewards, values, next_values, cont, truncated, finals), reverse=True)
+    return advantages, advantages + values
 
 
 def _groups(scores, num_generations: int):

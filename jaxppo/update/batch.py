@@ -98,7 +98,7 @@ def joined(batch):
                           response_attention(batch))
 
 
-def response_outputs(apply_fn, params, batch, temperature: float):
+def response_outputs(apply_fn, params, batch, temperature: float, group: int = 1):
     """Run the model on query + response; return the response tokens' log-probs,
     values and per-token entropies, each (B, R). The model attends to every real token of
     the response region (`response_attention`); the caller masks the outputs with
@@ -107,7 +107,17 @@ def response_outputs(apply_fn, params, batch, temperature: float):
     Models that offer `response_outputs` (the built-in ones, see `scorer`) apply the LM
     head at response positions only, in chunks when configured. Any other `apply_fn(params,
     tokens, mask) -> (logits (B, L, V), values (B, L))` works unchanged: its full logits are
-    sliced at the response positions."""
+    sliced at the response positions.
+
+    `group` G > 1 says the rows come in groups of G consecutive rows with one prompt: a
+    model that offers `grouped_outputs` (the built-in ones) then runs each group's prompt
+    once (`jaxppo.models.Model.grouped_outputs`; equal outputs up to float rounding); any
+    other runs every row."""
+    if group > 1:
+        grouped = model_method(apply_fn, "grouped_outputs")
+        if grouped is not None:
+            return grouped(params, batch["query_tokens"][::group], batch["query_mask"][::group],
+                           batch["response_tokens"], response_attention(batch), temperature)
     method = scorer(apply_fn)
     if method is not None:
         return method(params, batch["query_tokens"], batch["query_mask"], batch["response_tokens"],

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import optax
 
 __all__ = ["EngineConfig", "engine_config", "TrainState", "Freeze", "update_epochs", "update_epochs_fn",
-           "minibatch_indices", "clip_by_global_norm", "global_norm", "check_sizes"]
+           "minibatch_indices", "GroupOrder", "clip_by_global_norm", "global_norm", "check_sizes"]
 
 
 def _is_count(value) -> bool:
@@ -277,16 +277,39 @@ def _init_optimizer(tx: optax.GradientTransformation, trained):
     return tx.init(trained)
 
 
-def minibatch_indices(key, config: EngineConfig):
+def minibatch_indices(key, config: EngineConfig, group: int = 1):
     """Row indices of each mini-batch of each epoch: int32 (ppo_epochs, num_minibatches, mini_batch_size).
 
     Epoch e permutes `range(batch_size)` with the e-th key of `jax.random.split(key,
     ppo_epochs)` and reshapes the permutation; every row appears exactly once per epoch.
+    With `group` G > 1 (rows in groups of G consecutive rows, such as a prompt's
+    completions), epoch e permutes the batch_size / G groups with its key instead and keeps
+    each group's rows together and in order, so every mini-batch (and, when G divides it,
+    every micro-batch) holds whole groups; G must divide mini_batch_size.
     """
     config = engine_config(config)
     keys = jax.random.split(key, config.ppo_epochs)
-    perms = jax.vmap(lambda k: jax.random.permutation(k, config.batch_size))(keys)
+    if group == 1:
+        perms = jax.vmap(lambda k: jax.random.permutation(k, config.batch_size))(keys)
+    else:
+        if not isinstance(group, int) or group < 1 or config.mini_batch_size % group:
+            raise ValueError(f"minibatch_indices: group={group!r} must be a positive int dividing "
+                             f"{config.owner}.mini_batch_size={config.mini_batch_size}")
+        groups = jax.vmap(lambda k: jax.random.permutation(k, config.batch_size // group))(keys)
+        perms = groups[..., None] * group + jnp.arange(group)
     return perms.reshape(config.ppo_epochs, config.num_minibatches, config.mini_batch_size).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupOrder:
+    """A mini-batch order (`update_epochs_fn(..., order=...)`) that shuffles groups of
+    `group` consecutive rows and keeps each group whole (`minibatch_indices(key, config,
+    group)`). Hashable, so that equal orders share a compiled program."""
+
+    group: int
+
+    def __call__(self, key, config):
+        return minibatch_indices(key, config, self.group)
 
 
 def _tree_all_finite(tree):
@@ -300,8 +323,11 @@ def global_norm(tree):
     return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
 
 
-def grads_and_aux(params, minibatch, loss_fn, weight_fn, config: EngineConfig):
+def grads_and_aux(params, minibatch, loss_fn, weight_fn, config: EngineConfig, key=None):
     """Loss, aux and gradients of one mini-batch, accumulated over micro-batches if asked.
+    With a `key`, the loss is `loss_fn(params, micro_batch, key_i)`, micro-batch i taking
+    the i-th key of `jax.random.split(key, gradient_accumulation_steps)` (the key itself
+    without accumulation).
 
     Without a `weight_fn`, micro-batches count equally (the mean of their losses, which
     equals the whole mini-batch's loss when `loss_fn` is a mean over rows). With a
@@ -309,10 +335,11 @@ def grads_and_aux(params, minibatch, loss_fn, weight_fn, config: EngineConfig):
     i counts w_i / sum(w): for a loss that is a masked mean over tokens this is exactly the
     loss of the whole mini-batch.
     """
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
+    grad_fn = value_and_grad if key is None else lambda p, mb_and_key: value_and_grad(p, *mb_and_key)
     k = config.gradient_accumulation_steps
     if k == 1:
-        (loss, aux), grads = grad_fn(params, minibatch)
+        (loss, aux), grads = grad_fn(params, minibatch if key is None else (minibatch, key))
         return loss, aux, grads
 
     micro = jax.tree.map(lambda x: x.reshape((k, config.micro_batch_size) + x.shape[1:]), minibatch)
@@ -325,6 +352,8 @@ def grads_and_aux(params, minibatch, loss_fn, weight_fn, config: EngineConfig):
         # All-zero weights (e.g. no real tokens anywhere): fall back to equal weights.
         weights = jnp.where(total > 0, raw / jnp.where(total > 0, total, 1.0), 1.0 / k)
 
+    if key is not None:  # each micro-batch with its own key
+        micro = (micro, jax.random.split(key, k))
     (loss0, aux0), grads0 = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro))
     zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
 
@@ -366,18 +395,25 @@ def _check_batch(batch, config: EngineConfig):
     )
 
 
-def minibatch_update(state: "TrainState", minibatch, stopped, loss_fn: Callable, config: EngineConfig, *,
-                 weight_fn: Optional[Callable] = None, approxkl_key: str = "approxkl"):
+def minibatch_update(state, minibatch, stopped, loss_fn: Callable, config: EngineConfig, *,
+                     weight_fn: Optional[Callable] = None, approxkl_key: str = "approxkl", key=None):
     """One optimizer update on one mini-batch: gradients of `loss_fn` (accumulated over
     micro-batches), then the update unless it is withheld. `stopped` (the KL stop had
     triggered before this mini-batch; always False without target_kl): no gradient is
-    computed, nothing is applied, float metrics are NaN. Returns (state, metrics) as one
-    row of `update_epochs_fn`'s metrics."""
+    computed, nothing is applied, float metrics are NaN. With a `key`, the loss takes it
+    (`loss_fn(params, minibatch, key)`). Returns (state, metrics) as one row of
+    `update_epochs_fn`'s metrics.
+
+    `state` is any train state with `params`, `step` and `apply_gradients(grads=...)` (a
+    `jaxppo.TrainState`, flax's `TrainState`, ...); a `freeze` (`Freeze`) and a
+    `skipped_nonfinite` counter are used where the state has them."""
     early_stop = config.target_kl is not None
+    freeze = getattr(state, "freeze", None)
     # Gradients of the trained params only: frozen ones enter the loss as constants.
-    trained_loss = loss_fn if state.freeze is None else (
-        lambda trained, mb: loss_fn(state.freeze.join(trained, state.params), mb))
-    grad_fn = lambda mb: grads_and_aux(state.trained_params(), mb, trained_loss, weight_fn, config)
+    trained_loss = loss_fn if freeze is None else (
+        lambda trained, *mb: loss_fn(freeze.join(trained, state.params), *mb))
+    trained = state.params if freeze is None else freeze.trained(state.params)
+    grad_fn = lambda mb: grads_and_aux(trained, mb, trained_loss, weight_fn, config, key)
     if early_stop:
         shapes = jax.eval_shape(grad_fn, minibatch)
 
@@ -408,10 +444,10 @@ def minibatch_update(state: "TrainState", minibatch, stopped, loss_fn: Callable,
     # keeps both whole states alive (one more state-sized buffer); the branch lets the
     # update write in place.
     if config.skip_nonfinite or early_stop:
-        new_state = jax.lax.cond(apply, lambda s: s.apply_gradients(grads), lambda s: s, state)
+        new_state = jax.lax.cond(apply, lambda s: s.apply_gradients(grads=grads), lambda s: s, state)
     else:
-        new_state = state.apply_gradients(grads)
-    if config.skip_nonfinite:
+        new_state = state.apply_gradients(grads=grads)
+    if config.skip_nonfinite and hasattr(state, "skipped_nonfinite"):
         new_state = new_state.replace(skipped_nonfinite=state.skipped_nonfinite + (~finite).astype(jnp.int32))
     metrics = {
         "loss": loss,
@@ -435,6 +471,8 @@ def update_epochs_fn(
     weight_fn: Optional[Callable] = None,
     approxkl_key: str = "approxkl",
     minibatch_sharding=None,
+    order: Optional[Callable] = None,
+    loss_key: bool = False,
 ):
     """`ppo_epochs` passes of shuffled mini-batch updates over `batch`, compiled as one program.
 
@@ -457,6 +495,14 @@ def update_epochs_fn(
       minibatch_sharding: optional sharding (e.g. rows over a mesh's data axes) applied to
         each gathered mini-batch as a constraint, so that under a mesh every device works on
         its share of the rows. Static.
+      order: the mini-batch order, `order(key, config) -> int32 (ppo_epochs,
+        num_minibatches, mini_batch_size)` row indices, each epoch a permutation of the
+        rows (only the shape is checked); default `minibatch_indices` (a fresh permutation
+        per epoch). `GroupOrder(G)` keeps groups of G rows whole. Static: hashable, the
+        same object (or an equal one) on every call.
+      loss_key: call `loss_fn(params, minibatch, key)` (dropout, a stochastic loss), each
+        mini-batch (micro-batch) its own key from `fold_in(key, 1)`, a stream apart from
+        the permutations, which stay as they are without it. Static.
 
     Returns:
       (state, metrics). `state.step` advances by the number of updates applied: exactly
@@ -470,28 +516,21 @@ def update_epochs_fn(
         aux: `loss_fn`'s aux (weighted mean over micro-batches when accumulating);
           NaN for mini-batches skipped by the early stop.
 
-    Raises:
-      AssertionError: (chex) at trace time, if a batch leaf does not lead with `batch_size`.
-
-    `update_epochs` is this function under `jax.jit` (static: loss_fn, config, weight_fn,
-    approxkl_key, minibatch_sharding); `update_epochs_fn` is the plain function, to jit
-    with your own options (buffer donation, shardings) or to call inside your own jit.
+    Raises AssertionError (chex, at trace time) if a batch leaf does not lead with
+    `batch_size`. `update_epochs` is this function under `jax.jit`; `update_epochs_fn`
+    is the plain function, to jit with your own options or call inside your own jit.
     """
     config = engine_config(config)
     _check_batch(batch, config)
-    indices = minibatch_indices(key, config)
-    chex.assert_shape(indices, (config.ppo_epochs, config.num_minibatches, config.mini_batch_size))
     early_stop = config.target_kl is not None
     do_update = functools.partial(minibatch_update, loss_fn=loss_fn, config=config, weight_fn=weight_fn,
                                   approxkl_key=approxkl_key)
 
-    def minibatch_step(carry, idx):
+    def minibatch_step(carry, idx_and_key):
         state, stopped = carry
-        minibatch = jax.tree.map(lambda x: jnp.take(x, idx, axis=0), batch)
-        chex.assert_tree_shape_prefix(minibatch, (config.mini_batch_size,))
-        if minibatch_sharding is not None:
-            minibatch = jax.lax.with_sharding_constraint(minibatch, minibatch_sharding)
-        state, metrics = do_update(state, minibatch, stopped)
+        idx, mb_key = idx_and_key
+        minibatch = _gather(batch, idx, config, minibatch_sharding)
+        state, metrics = do_update(state, minibatch, stopped, key=mb_key)
         if early_stop:
             stopped = stopped | metrics["early_stopped"]
         return (state, stopped), metrics
@@ -499,13 +538,34 @@ def update_epochs_fn(
     def epoch_step(carry, epoch_indices):
         return jax.lax.scan(minibatch_step, carry, epoch_indices)
 
-    (state, _), metrics = jax.lax.scan(epoch_step, (state, jnp.array(False)), indices)
+    (state, _), metrics = jax.lax.scan(epoch_step, (state, jnp.array(False)), _walk(key, config, order, loss_key))
     chex.assert_tree_shape_prefix(metrics, (config.ppo_epochs, config.num_minibatches))
     return state, metrics
 
 
+def _walk(key, config: EngineConfig, order, loss_key: bool):
+    """What the epoch loop scans: (row indices (ppo_epochs, num_minibatches,
+    mini_batch_size), each mini-batch's loss key or None)."""
+    indices = (order or minibatch_indices)(key, config)
+    chex.assert_shape(indices, (config.ppo_epochs, config.num_minibatches, config.mini_batch_size),
+                      custom_message="order(key, config) must give (ppo_epochs, num_minibatches, mini_batch_size) rows")
+    if not loss_key:
+        return indices.astype(jnp.int32), None
+    # One key per mini-batch, from a stream apart from the permutations'.
+    return indices.astype(jnp.int32), jax.random.split(jax.random.fold_in(key, 1),
+                                                       (config.ppo_epochs, config.num_minibatches))
+
+
+def _gather(batch, idx, config: EngineConfig, sharding):
+    """The mini-batch of rows `idx`, constrained to `sharding` when given."""
+    minibatch = jax.tree.map(lambda x: jnp.take(x, idx, axis=0), batch)
+    chex.assert_tree_shape_prefix(minibatch, (config.mini_batch_size,))
+    return minibatch if sharding is None else jax.lax.with_sharding_constraint(minibatch, sharding)
+
+
 update_epochs_jit = jax.jit(
-    update_epochs_fn, static_argnames=("loss_fn", "config", "weight_fn", "approxkl_key", "minibatch_sharding")
+    update_epochs_fn,
+    static_argnames=("loss_fn", "config", "weight_fn", "approxkl_key", "minibatch_sharding", "order", "loss_key"),
 )  # the jitted object; `_cache_size()` counts its compiles
 
 

@@ -23,7 +23,7 @@ from jaxppo.config import PPOConfig
 from jaxppo.update import packing
 from jaxppo.update.batch import Rollout, response_outputs
 from jaxppo.update.correction import correction_weights, mismatch_metrics
-from jaxppo.update.engine import TrainState, update_epochs_fn
+from jaxppo.update.engine import GroupOrder, TrainState, update_epochs_fn
 from jaxppo.update.kl import kl_loss_per_token
 from jaxppo.update.losses import aggregate_loss, approx_kl, clipped_policy_loss, log_importance_ratio, value_loss
 from jaxppo.update.shaping import high_entropy_mask
@@ -124,12 +124,35 @@ def ppo_loss(params, batch, *, apply_fn, config: PPOConfig):
     return loss, aux
 
 
+def minibatch_group(config: PPOConfig) -> int:
+    """The rows the update keeps together: `num_generations` G when G > 1 divides the
+    micro-batch (then every mini-batch and micro-batch holds whole groups, each a prompt's
+    completions, shuffled group by group: `jaxppo.update.engine.GroupOrder`), else 1 (rows
+    shuffled one by one)."""
+    g = config.num_generations
+    return g if g > 1 and config.micro_batch_size % g == 0 else 1
+
+
+def minibatch_order(config: PPOConfig):
+    """The update's mini-batch order: `GroupOrder(G)` when groups are kept whole
+    (`minibatch_group`), else None (rows shuffled one by one)."""
+    group = minibatch_group(config)
+    return GroupOrder(group) if group > 1 else None
+
+
+def prompt_group(config: PPOConfig) -> int:
+    """G when the loss runs each group's prompt once (`share_prompts`, whole groups per
+    micro-batch, no packing), else 1."""
+    return minibatch_group(config) if config.share_prompts and not config.pack_sequences else 1
+
+
 def _outputs(apply_fn, params, batch, config: PPOConfig):
     """The response tokens' (log-probs, values, entropies), and the aux entries this adds:
     with `pack_sequences`, computed on the rows packed into streams, and whether they
-    did not fit (then the padded forward ran)."""
+    did not fit (then the padded forward ran); with `share_prompts`, each group's prompt
+    run once (`prompt_group`)."""
     if not config.pack_sequences:
-        return response_outputs(apply_fn, params, batch, config.temperature), {}
+        return response_outputs(apply_fn, params, batch, config.temperature, prompt_group(config)), {}
     outputs, fits = packing.response_outputs_and_fit(apply_fn, params, batch, config.temperature,
                                                      config.pack_streams, config.pack_length)
     return outputs, {"packing_overflow": 1.0 - fits.astype(jnp.float32)}
@@ -258,7 +281,7 @@ def train_step_fn(state: TrainState, rollout: Rollout, key, config: PPOConfig, m
     step_before = state.step
     state, engine_metrics = update_epochs_fn(
         state, batch, key, loss_for(state.apply_fn, config), config, weight_fn=micro_batch_weight(config),
-        minibatch_sharding=minibatch_sharding,
+        minibatch_sharding=minibatch_sharding, order=minibatch_order(config),
     )
     metrics = _summarise(engine_metrics, state.step - step_before, rollout, advantages, returns, config)
     metrics.update(adv_stats)
@@ -353,7 +376,9 @@ def check_rollout(rollout: Rollout, config: PPOConfig):
     does while tracing), and the values jit cannot check: masks hold only 0 and 1,
     `query_mask` is left padding (zeros, then ones) and `response_mask` a prefix of ones
     per row (with `response_attention_mask`, that one is the prefix and `response_mask`
-    lies inside it), token ids are >= 0, log-probs/values/rewards are finite where the mask is 1.
+    lies inside it), token ids are >= 0, log-probs/values/rewards are finite where the mask is 1,
+    and, when the loss runs each group's prompt once (`share_prompts`, see `prompt_group`),
+    each group's rows share their prompt.
     Raises ValueError/TypeError naming the field, the first bad row and what is valid.
     The trainer's rollouts are correct by construction; call this on rollouts you build."""
     import numpy as np
@@ -390,6 +415,20 @@ def check_rollout(rollout: Rollout, config: PPOConfig):
         if (t < 0).any():
             row = int(np.flatnonzero(np.any(t < 0, axis=1))[0])
             raise ValueError(f"rollout.{name} row {row} holds negative token ids; ids must be >= 0")
+    group = prompt_group(config)
+    if group > 1:  # the loss runs each group's prompt once: the group's rows must share it
+        qm = np.asarray(rollout.query_mask) > 0
+        qt = np.where(qm, np.asarray(rollout.query_tokens), 0)
+        first = np.arange(config.batch_size) // group * group
+        differs = np.any((qm != qm[first]) | (qt != qt[first]), axis=1)
+        if differs.any():
+            row = int(np.flatnonzero(differs)[0])
+            raise ValueError(
+                f"rollout row {row} has another prompt than row {int(first[row])}, the first of its group "
+                f"(rows {int(first[row])}-{int(first[row]) + group - 1}): with PPOConfig.share_prompts=True "
+                f"train_step runs each group's prompt once, so each group of num_generations={group} "
+                "consecutive rows must share query_tokens and query_mask (a prompt's completions); "
+                "set share_prompts=False for rows that do not")
     mask = np.asarray(rollout.response_mask) > 0
     for name in _float_fields(rollout):
         x = np.asarray(getattr(rollout, name), np.float64)
