@@ -38,17 +38,28 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--model", default=None,
+                        help="a local checkpoint directory (e.g. jaxppo-fixture's SmolLM2-135M-Instruct) instead of "
+                             "the random Qwen2 layout; with it, 32 prompts x 48 tokens and 24 new tokens by default")
+    parser.add_argument("--new", type=int, default=None, help="new tokens per row")
     args = parser.parse_args()
     batch, prompt_len, new, hidden, layers, vocab = ((8, 16, 32, 256, 2, 4096) if args.quick
                                                      else (32, 64, 128, 512, 4, 8192))
-    cfg = jm.ModelConfig(model_type="qwen2", vocab_size=vocab, hidden_size=hidden, num_layers=layers,
-                         num_heads=hidden // 64, num_kv_heads=max(1, hidden // 256), head_dim=64,
-                         intermediate_size=hidden * 11 // 4, max_position_embeddings=prompt_len + new + 8,
-                         activation="silu", qkv_bias=True, tie_word_embeddings=True)
-    model = jm.Model(cfg, scan_layers=True)
-    params = model.init(jax.random.key(0))
-    directory = tempfile.mkdtemp()
-    jm.save_pretrained(model, params, directory)
+    if args.model:  # the real model at the real-model side by side's shape
+        model, params = jm.from_pretrained(args.model, scan_layers=True)
+        directory, prompt_len, new = args.model, 48, 24
+        cfg = model.config
+        hidden, layers, vocab = cfg.hidden_size, cfg.num_layers, cfg.vocab_size
+    else:
+        cfg = jm.ModelConfig(model_type="qwen2", vocab_size=vocab, hidden_size=hidden, num_layers=layers,
+                             num_heads=hidden // 64, num_kv_heads=max(1, hidden // 256), head_dim=64,
+                             intermediate_size=hidden * 11 // 4, max_position_embeddings=prompt_len + new + 8,
+                             activation="silu", qkv_bias=True, tie_word_embeddings=True)
+        model = jm.Model(cfg, scan_layers=True)
+        params = model.init(jax.random.key(0))
+        directory = tempfile.mkdtemp()
+        jm.save_pretrained(model, params, directory)
+    new = args.new or new
     ids = np.random.default_rng(0).integers(2, vocab, size=(batch, prompt_len))
     mask = np.ones_like(ids)
     tokens = batch * new
@@ -99,7 +110,8 @@ def main():
     base = float(rows[0][2])
     for row in rows:
         row.insert(3, f"{base / float(row[2]):.2f}x" if row is not rows[0] else "1.00x")
-    print(f"\n## sampling, {batch} prompts x {prompt_len} tokens, {new} new tokens each; Qwen2 layout, hidden {hidden}, "
+    name = args.model.rstrip("/").split("/")[-1] if args.model else "Qwen2 layout"
+    print(f"\n## sampling, {batch} prompts x {prompt_len} tokens, {new} new tokens each; {name}, hidden {hidden}, "
           f"{layers} layers, head_dim 64, vocab {vocab}; float32, CPU, jax {jax.__version__}, vllm {vllm.__version__}, "
           f"torch {torch.__version__}\n")
     print_markdown(["engine", "seconds", "tokens/s", "jaxppo's (hoisted) speed over it", "once"], rows)
