@@ -108,7 +108,7 @@ def _add_dataclass_flags(parser, cls, group_title):
         hint = hints[field.name]
         flag = "--" + field.name.replace("_", "-")
         default_text = f"(default: {field.default!r})"
-        if hint is bool:
+        if hint is bool or hint == typing.Optional[bool]:  # --flag / --no-flag (None: neither given)
             group.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                                help=default_text)
             continue

@@ -169,19 +169,21 @@ class PPOConfig:
         scores still count in their group's statistics), as DAPO's overlong filtering and
         TRL's `mask_truncated_completions`. Needs a stop token.
 
-    Groups of completions (`num_generations` G > 1): when G divides the micro-batch
-    (`micro_batch_size`), every mini-batch and micro-batch holds whole groups (the rollout
-    is shuffled group by group; `jaxppo.update.ppo.minibatch_group`), else rows are
-    shuffled one by one.
+    Groups of completions (`num_generations` G > 1): when G divides `mini_batch_size`,
+    every mini-batch holds whole groups (the rollout is shuffled group by group;
+    `jaxppo.update.ppo.minibatch_group`), else rows are shuffled one by one.
       share_prompts: run each group's prompt once, for its G completions, in the scoring
         pass and in the update's loss (`jaxppo.models.Model.grouped_outputs`: the prompt's
         keys and values are shared, its activations receive the sum of the G completions'
         gradients): the same log-probs, losses and gradients up to float rounding, for a
         group's Q + G * R tokens instead of G * (Q + R) (built-in models; any other runs
-        every row). Only where groups are whole (above) and without `pack_sequences`, which packs
-        rows instead. The rows of a group must share their prompt (the trainer's do;
-        `jaxppo.check_rollout` checks rollouts you build). Default True; False runs every
-        row as 0.3 did.
+        every row). Only where G also divides the micro-batch and without `pack_sequences`, which packs
+        rows instead. Under a mesh of several devices the loss runs every row (a jax
+        0.10.2 partitioner bug in the grouped gradient); the scoring pass still groups.
+        None (the default): the trainer turns it on (its groups share their prompt by
+        construction); `train_step` on a rollout you build runs every row. True: your
+        rollout's groups share their prompt (`jaxppo.check_rollout` checks it; a group
+        that does not gives wrong results). False: every row, as 0.3 did.
 
     Packed sequences (`jaxppo.update.packing`; the same losses and gradients, up to float rounding):
       pack_sequences: run the loss's forward on each micro-batch's rows of real tokens
@@ -234,7 +236,7 @@ class PPOConfig:
     entropy_coef_step: float = setting(0.005, on_resume="same_if_set")
     loss_norm_length: Optional[int] = setting(None, on_resume="same_if_set")
     kl_loss_bias_correction: bool = setting(False, on_resume="same_if_set")
-    share_prompts: bool = setting(True, on_resume="free")
+    share_prompts: Optional[bool] = setting(None, on_resume="free")
     pack_sequences: bool = setting(False, on_resume="free")
     pack_streams: Optional[int] = setting(None, on_resume="free")
     pack_length: Optional[int] = setting(None, on_resume="free")
@@ -382,7 +384,9 @@ def _check_numbers(c: "PPOConfig"):
         _fail("loss_norm_length", c.loss_norm_length,
               "None (the response width) or a positive int (TRL's max_completion_length)")
     _check_packing(c)
-    for name in ("whiten_advantages", "whiten_rewards", "mask_truncated_completions", "pack_sequences", "share_prompts"):
+    if c.share_prompts not in (None, True, False):
+        _fail("share_prompts", c.share_prompts, "None (the trainer: on; train_step: off), True or False")
+    for name in ("whiten_advantages", "whiten_rewards", "mask_truncated_completions", "pack_sequences"):
         value = getattr(c, name)
         if not isinstance(value, bool):
             _fail(name, value, "a bool (True or False)")

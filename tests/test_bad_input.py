@@ -305,7 +305,7 @@ CASES = [
     ("group rows with different prompts", lambda ctx: jaxppo.check_rollout(
         _rollout(query_tokens=jnp.ones((16, 4), jnp.int32).at[5, 2].set(3)),
         jaxppo.PPOConfig.for_algorithm("grpo", batch_size=16, mini_batch_size=8, num_generations=4,
-                                       kl_loss_coef=0.0)), ValueError,
+                                       kl_loss_coef=0.0, share_prompts=True)), ValueError,
      r"rollout row 5 has another prompt than row 4, the first of its group \(rows 4-7\): with "
      r"PPOConfig.share_prompts=True"),
     ("old_logprobs unknown", lambda ctx: jaxppo.TrainerConfig(old_logprobs="vllm"), ValueError,

@@ -137,8 +137,10 @@ def test_built_in_float32_sampler_matches_the_trainer_within_rounding(tmp_path):
     a few ulps; a sampler at another temperature than the scoring shows a clear mismatch."""
     tokenizer = demo.demo_tokenizer()
     config = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=8, mini_batch_size=8, ppo_epochs=1, num_generations=4)
+    # The scoring pass recomputes the log-probs here (the default takes the sampler's own).
     tc = jaxppo.TrainerConfig(iterations=1, query_length=32, response_length=6, output_dir=str(tmp_path),
-                              progress=False, sample_every=0, export_final=False, plot=False, tensorboard=False)
+                              progress=False, sample_every=0, export_final=False, plot=False, tensorboard=False,
+                              old_logprobs="recompute")
     trainer = jaxppo.Trainer(config, tc, policy=demo.demo_policy(tokenizer, width=32, layers=1, max_len=38),
                              tokenizer=tokenizer, prompts=demo.DEMO_PROMPTS, reward_fn=demo.lowercase_reward)
     row = trainer.step()

@@ -152,7 +152,7 @@ def reference_train_step(model, rollout, key, config, tx):
     grad = jax.jit(jax.grad(lambda p, mb: ref_loss(p, apply_fn, mb, config)))
     for e in range(config.ppo_epochs):
         g = config.num_generations
-        if g > 1 and config.micro_batch_size % g == 0:  # whole groups, shuffled group by group
+        if g > 1 and config.mini_batch_size % g == 0:  # whole groups, shuffled group by group
             groups = np.asarray(jax.random.permutation(keys[e], config.batch_size // g))
             perm = np.concatenate([np.arange(j * g, (j + 1) * g) for j in groups])
         else:

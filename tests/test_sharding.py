@@ -73,19 +73,22 @@ def test_sharded_train_step_equals_single_device(setup, mesh_config):
         assert spec[1] == "tensor"  # column-parallel: output features
 
 
-def test_shared_prompts_sharded_equal_every_row_on_one_device(setup):
-    """GRPO with each group's prompt once (the default) on a 2x4 mesh (data x fsdp) equals
-    every row run on one device."""
+@pytest.mark.parametrize("mesh_config", [MESHES[1], MESHES[2], MESHES[3]], ids=_ids)
+def test_shared_prompts_sharded_equal_every_row_on_one_device(setup, mesh_config):
+    """GRPO with `share_prompts` on a mesh equals every row run on one device. (Under a
+    mesh the loss runs every row: jax 0.10.2's partitioner got the grouped gradient wrong
+    on 1x8 and 2x2x2, by up to 0.6 in a parameter after this step; the scoring pass, a
+    forward, groups; the trainer tests above cover it.)"""
     policy, _, params, rollout = setup
     g = 4
     rollout = rollout.replace(query_tokens=jnp.repeat(rollout.query_tokens[::g], g, 0),
                               query_mask=jnp.repeat(rollout.query_mask[::g], g, 0), values=None)
     config = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=16, mini_batch_size=8, ppo_epochs=2,
-                                            num_generations=g, kl_loss_coef=0.0)
+                                            num_generations=g, kl_loss_coef=0.0, share_prompts=True)
     jaxppo.check_rollout(rollout, config)
     state = jaxppo.TrainState.create(apply_fn=policy.apply, params=params["policy"], tx=optax.sgd(0.5))
     ref, ref_metrics = jaxppo.train_step(state, rollout, jax.random.key(3), config.replace(share_prompts=False))
-    mesh = sh.make_mesh(sh.MeshConfig(data=2, fsdp=4))
+    mesh = sh.make_mesh(mesh_config)
     sharded = sh.shard_state(state, mesh)
     out, metrics = sh.sharded_train_step(sharded, config, mesh)(sharded, sh.shard_batch(rollout, mesh),
                                                                 jax.random.key(3))

@@ -164,7 +164,7 @@ def test_train_step_with_shared_prompts_equals_every_row(case):
         params = {"policy": params, "critic": _perturbed(critic.init(jax.random.key(2)), 3)}
         apply_fn = jm.PolicyAndCritic(policy, critic)
     config = jaxppo.PPOConfig.for_algorithm(spec["algorithm"], batch_size=16, mini_batch_size=8, ppo_epochs=2,
-                                            num_generations=G, **spec["changes"])
+                                            num_generations=G, share_prompts=True, **spec["changes"])
     assert prompt_group(config) == G
     rollout = _rollout(apply_fn, params, _rows(4, prompts=4, gaps=spec.get("gaps", False)), 6, config.uses_critic)
     jaxppo.check_rollout(rollout, config)
@@ -188,7 +188,8 @@ def test_train_step_with_shared_prompts_under_lora():
 
 
 def test_group_order_keeps_groups_whole_and_walks_every_row():
-    config = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=32, mini_batch_size=8, ppo_epochs=3, num_generations=4)
+    config = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=32, mini_batch_size=8, ppo_epochs=3, num_generations=4,
+                                            share_prompts=True)
     idx = np.asarray(GroupOrder(4)(jax.random.key(0), config))
     assert idx.shape == (3, 4, 8)
     for epoch in idx:
@@ -197,9 +198,13 @@ def test_group_order_keeps_groups_whole_and_walks_every_row():
         assert np.all(rows % 4 == np.arange(4)) and np.all(rows // 4 == rows[:, :1] // 4)
     assert len({tuple(e.ravel()) for e in idx}) == 3
     assert GroupOrder(4) == GroupOrder(4) and hash(GroupOrder(4)) == hash(GroupOrder(4))  # one compile
-    # G not dividing the micro-batch: rows shuffled one by one, every row run.
-    odd = config.replace(num_generations=8, mini_batch_size=8, gradient_accumulation_steps=2)
+    # G dividing the mini-batch but not the micro-batch: groups kept whole (accumulation
+    # changes no mini-batch), every row run; G not dividing the mini-batch: rows one by one.
+    accumulating = config.replace(num_generations=8, mini_batch_size=8, gradient_accumulation_steps=2)
+    assert minibatch_group(accumulating) == 8 and prompt_group(accumulating) == 1
+    odd = config.replace(num_generations=16, mini_batch_size=8)
     assert minibatch_group(odd) == 1 == prompt_group(odd)
+    assert prompt_group(config) == 4 and prompt_group(config.replace(share_prompts=None)) == 1  # train_step's default
     assert prompt_group(config.replace(pack_sequences=True)) == 1 and prompt_group(config.replace(share_prompts=False)) == 1
     with pytest.raises(ValueError, match="group=3 must be a positive int dividing PPOConfig.mini_batch_size=8"):
         minibatch_indices(jax.random.key(0), config, 3)
@@ -207,7 +212,7 @@ def test_group_order_keeps_groups_whole_and_walks_every_row():
 
 def test_check_rollout_refuses_groups_without_one_prompt():
     config = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=8, mini_batch_size=8, ppo_epochs=1, num_generations=4,
-                                            kl_loss_coef=0.0)
+                                            kl_loss_coef=0.0, share_prompts=True)
     batch = _rows(0, prompts=2)
     b = 8
     rollout = jaxppo.Rollout(**batch, logprobs=jnp.zeros((b, R)), values=None, rewards=jnp.zeros((b, R)))

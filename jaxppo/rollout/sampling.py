@@ -70,7 +70,9 @@ class RolloutSpec:
         float32, else "recompute"; see `sampler_logprobs_used`).
       rollout_engine: "jaxppo" or "vllm" (`TrainerConfig.rollout_engine`).
       share_prompts: with `num_generations` G > 1, the scoring pass runs each group's
-        prompt once for its G rows (policy, critic and reference; `PPOConfig.share_prompts`).
+        prompt once for its G rows (policy, critic and reference; `PPOConfig.share_prompts`,
+        whose None, the trainer's default, counts as True here; False for a spec built by
+        hand).
       pack_sequences, pack_streams, pack_length: score the batch packed (`jaxppo.update.packing`:
         the policy's, critic's and reference's forwards over `pack_streams` streams of
         `pack_length` tokens, None: Q + R); `jaxppo.run.stages.build_rollout` sets the streams
@@ -100,7 +102,7 @@ class RolloutSpec:
     overlong_penalty_factor: float = _from("ppo", default=0.0, convert=float)
     overlong_buffer: Optional[int] = _from("ppo", default=None)
     mask_truncated: bool = _from("ppo", "mask_truncated_completions", default=False)
-    share_prompts: bool = _from("ppo", default=True)
+    share_prompts: bool = _from("ppo", default=False, convert=lambda value: value is not False)
     old_logprobs: str = _from("trainer", default="recompute")
     rollout_engine: str = _from("trainer", default="jaxppo")
     pack_sequences: bool = _from("ppo", default=False)

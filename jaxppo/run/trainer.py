@@ -142,6 +142,7 @@ class Trainer(resume.Resumable):
         self.rewards = sort_rewards(reward_model, reward_fn, reward_fn_on, reward_fns, reward_weights,
                                     environment=self.environment is not None)
         _check_settings(config, trainer_config, self.rewards, self.environment, mesh)
+        config = config.replace(share_prompts=True) if config.share_prompts is None else config  # groups share prompts
         self.config, self.tc, self.tokenizer, self.callbacks = config, trainer_config, tokenizer, list(callbacks)
         self.iterations = _iterations(config, trainer_config)
         self.table = _prompt_table(tokenizer, prompts, prompt_column, chat_template, trainer_config,

@@ -126,11 +126,12 @@ def ppo_loss(params, batch, *, apply_fn, config: PPOConfig):
 
 def minibatch_group(config: PPOConfig) -> int:
     """The rows the update keeps together: `num_generations` G when G > 1 divides the
-    micro-batch (then every mini-batch and micro-batch holds whole groups, each a prompt's
-    completions, shuffled group by group: `jaxppo.update.engine.GroupOrder`), else 1 (rows
-    shuffled one by one)."""
+    mini-batch (then every mini-batch holds whole groups, each a prompt's completions,
+    shuffled group by group: `jaxppo.update.engine.GroupOrder`), else 1 (rows shuffled one
+    by one). It does not depend on gradient accumulation, so accumulating changes no
+    mini-batch."""
     g = config.num_generations
-    return g if g > 1 and config.micro_batch_size % g == 0 else 1
+    return g if g > 1 and config.mini_batch_size % g == 0 else 1
 
 
 def minibatch_order(config: PPOConfig):
@@ -141,9 +142,21 @@ def minibatch_order(config: PPOConfig):
 
 
 def prompt_group(config: PPOConfig) -> int:
-    """G when the loss runs each group's prompt once (`share_prompts`, whole groups per
-    micro-batch, no packing), else 1."""
-    return minibatch_group(config) if config.share_prompts and not config.pack_sequences else 1
+    """G when each group's prompt runs once: `share_prompts=True`, G > 1 dividing the
+    micro-batch (whole groups in every micro-batch) and no packing; else 1. (The trainer
+    turns the default `share_prompts=None` into True: its rollouts' groups share prompts.)"""
+    g = minibatch_group(config)
+    whole = g > 1 and config.micro_batch_size % g == 0
+    return g if whole and config.share_prompts is True and not config.pack_sequences else 1
+
+
+def _loss_group(config: PPOConfig) -> int:
+    """`prompt_group`, except under a mesh of more than one device, where the loss runs
+    every row: jax 0.10.2's SPMD partitioner gives the grouped forward's gradient wrong on
+    some meshes (1x8 fsdp, 2x2x2; seen in tests/test_sharding.py), while its forward (the
+    scoring pass) is right."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if not mesh.empty and mesh.size > 1 else prompt_group(config)
 
 
 def _outputs(apply_fn, params, batch, config: PPOConfig):
@@ -152,7 +165,7 @@ def _outputs(apply_fn, params, batch, config: PPOConfig):
     did not fit (then the padded forward ran); with `share_prompts`, each group's prompt
     run once (`prompt_group`)."""
     if not config.pack_sequences:
-        return response_outputs(apply_fn, params, batch, config.temperature, prompt_group(config)), {}
+        return response_outputs(apply_fn, params, batch, config.temperature, _loss_group(config)), {}
     outputs, fits = packing.response_outputs_and_fit(apply_fn, params, batch, config.temperature,
                                                      config.pack_streams, config.pack_length)
     return outputs, {"packing_overflow": 1.0 - fits.astype(jnp.float32)}
