@@ -65,21 +65,11 @@ def trl_rows(model, iterations):
 
     from jaxppo import demo
 
+    from trl_grpo_reference import timed
+
     torch.set_num_threads(os.cpu_count())
-    marks = {"starts": [], "gen": [], "score_end": [], "reward": []}
-
-    class Timed(GRPOTrainer):
-        def _generate(self, *a, **k):
-            t0 = time.perf_counter()
-            out = super()._generate(*a, **k)
-            marks["gen"].append(time.perf_counter() - t0)
-            return out
-
-        def _generate_and_score_completions(self, *a, **k):
-            marks["starts"].append(time.perf_counter())
-            out = super()._generate_and_score_completions(*a, **k)
-            marks["score_end"].append(time.perf_counter())
-            return out
+    marks = {"starts": [], "gen": [], "score_end": [], "steps": [], "reward": []}
+    Timed = timed(GRPOTrainer, marks)
 
     def reward(prompts, completions, answer, **_):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]

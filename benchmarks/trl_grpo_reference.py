@@ -35,6 +35,28 @@ import numpy as np  # noqa: E402
 from grpo_iteration import CASES, GENERATIONS, PROMPTS, QUERY, RESPONSE, lowercase, print_table  # noqa: E402
 
 
+def timed(trainer_class, marks):
+    """`trainer_class` (TRL's GRPOTrainer) recording, per generation batch, when it starts
+    (`starts`, with the optimizer step then in `steps`), how long `_generate` takes (`gen`)
+    and when scoring ends (`score_end`)."""
+
+    class Timed(trainer_class):
+        def _generate(self, *a, **k):
+            t0 = time.perf_counter()
+            out = super()._generate(*a, **k)
+            marks["gen"].append(time.perf_counter() - t0)
+            return out
+
+        def _generate_and_score_completions(self, *a, **k):
+            marks["starts"].append(time.perf_counter())
+            marks["steps"].append(self.state.global_step)
+            out = super()._generate_and_score_completions(*a, **k)
+            marks["score_end"].append(time.perf_counter())
+            return out
+
+    return Timed
+
+
 def bench(loss_type, beta, vocab, batches, directory, bf16=False):
     import datasets
     import transformers
@@ -52,20 +74,7 @@ def bench(loss_type, beta, vocab, batches, directory, bf16=False):
     tokenizer = Bytes()
     tokenizer.padding_side = "left"
     marks = {"starts": [], "gen": [], "score_end": [], "steps": []}
-
-    class Timed(GRPOTrainer):
-        def _generate(self, *a, **k):
-            t0 = time.perf_counter()
-            out = super()._generate(*a, **k)
-            marks["gen"].append(time.perf_counter() - t0)
-            return out
-
-        def _generate_and_score_completions(self, *a, **k):
-            marks["starts"].append(time.perf_counter())
-            marks["steps"].append(self.state.global_step)
-            out = super()._generate_and_score_completions(*a, **k)
-            marks["score_end"].append(time.perf_counter())
-            return out
+    Timed = timed(GRPOTrainer, marks)
 
     prompts = [demo.DEMO_PROMPTS[i % len(demo.DEMO_PROMPTS)][:QUERY - 1] for i in range(PROMPTS * (batches + 1))]
     dataset = datasets.Dataset.from_dict({"prompt": prompts})

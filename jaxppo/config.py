@@ -15,7 +15,7 @@ __all__ = ["PPOConfig", "ADVANTAGE_ESTIMATORS", "LOSS_AGGREGATIONS", "setting", 
 from jaxppo.algorithms import ESTIMATORS
 from jaxppo.update.advantages import GRPO_SCALES
 from jaxppo.update.correction import ROLLOUT_CORRECTIONS
-from jaxppo.update.engine import EngineConfig, check_sizes
+from jaxppo.update.engine import BatchSizes, EngineConfig, check_sizes
 from jaxppo.update.kl import KL_LOSS_ESTIMATORS
 from jaxppo.update.losses import IMPORTANCE_RATIOS, LOSS_AGGREGATIONS
 
@@ -58,7 +58,7 @@ def _fail(field: str, value, valid: str):
 
 
 @dataclasses.dataclass(frozen=True)
-class PPOConfig:
+class PPOConfig(BatchSizes):
     """Sizes and coefficients of a PPO update (one `train_step`).
 
     Sizes (all counts of rollout rows, global over all devices):
@@ -245,21 +245,6 @@ class PPOConfig:
         _check_sizes(self)
         _check_algorithm(self)
         _check_numbers(self)
-
-    @property
-    def num_minibatches(self) -> int:
-        """Optimizer updates per epoch: `batch_size // mini_batch_size`."""
-        return self.batch_size // self.mini_batch_size
-
-    @property
-    def micro_batch_size(self) -> int:
-        """Rows per gradient computation: `mini_batch_size // gradient_accumulation_steps`."""
-        return self.mini_batch_size // self.gradient_accumulation_steps
-
-    @property
-    def updates_per_step(self) -> int:
-        """Optimizer updates planned per `train_step`: `ppo_epochs * num_minibatches`."""
-        return self.ppo_epochs * self.num_minibatches
 
     @property
     def engine(self) -> EngineConfig:

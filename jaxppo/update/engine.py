@@ -62,8 +62,28 @@ def check_sizes(owner: str, batch_size, mini_batch_size, ppo_epochs, gradient_ac
             f"gradient_accumulation_steps values: {_divisors(mini_batch_size)}.")
 
 
+class BatchSizes:
+    """The sizes derived from `batch_size`, `mini_batch_size`, `ppo_epochs` and
+    `gradient_accumulation_steps` (for `EngineConfig` and `jaxppo.PPOConfig`)."""
+
+    @property
+    def num_minibatches(self) -> int:
+        """Optimizer updates per epoch: `batch_size // mini_batch_size`."""
+        return self.batch_size // self.mini_batch_size
+
+    @property
+    def micro_batch_size(self) -> int:
+        """Rows per gradient computation: `mini_batch_size // gradient_accumulation_steps`."""
+        return self.mini_batch_size // self.gradient_accumulation_steps
+
+    @property
+    def updates_per_step(self) -> int:
+        """Optimizer updates planned per call: `ppo_epochs * num_minibatches`."""
+        return self.ppo_epochs * self.num_minibatches
+
+
 @dataclasses.dataclass(frozen=True)
-class EngineConfig:
+class EngineConfig(BatchSizes):
     """What the engine reads, and nothing else: a static argument of its compiled loop, so
     a setting the loop never reads cannot retrace it.
 
@@ -104,21 +124,6 @@ class EngineConfig:
         if not isinstance(self.skip_nonfinite, bool):
             raise ValueError(f"{self.owner}.skip_nonfinite={self.skip_nonfinite!r} is invalid: skip_nonfinite must "
                              "be a bool (True or False).")
-
-    @property
-    def num_minibatches(self) -> int:
-        """Optimizer updates per epoch: `batch_size // mini_batch_size`."""
-        return self.batch_size // self.mini_batch_size
-
-    @property
-    def micro_batch_size(self) -> int:
-        """Rows per gradient computation: `mini_batch_size // gradient_accumulation_steps`."""
-        return self.mini_batch_size // self.gradient_accumulation_steps
-
-    @property
-    def updates_per_step(self) -> int:
-        """Optimizer updates planned per call: `ppo_epochs * num_minibatches`."""
-        return self.ppo_epochs * self.num_minibatches
 
     def replace(self, **changes) -> "EngineConfig":
         """A copy with `changes` applied (validated again)."""
