@@ -19,7 +19,7 @@ from collections import defaultdict
 from tables import print_markdown
 
 LINE = re.compile(r"^\s*([0-9.]+)s\s+(setup|call|teardown)\s+(tests/[^:\s]+)")
-SUMMARY = re.compile(r"=+ .*?(\d+) passed.* in ([0-9.]+)s")
+SUMMARY = re.compile(r"(\d+) passed.* in ([0-9.]+)s")
 
 
 def per_file(path: str):
@@ -39,6 +39,7 @@ def per_file(path: str):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("logs", nargs="+", help="one or two pytest logs with --durations=0")
+    parser.add_argument("--labels", nargs="+", default=None, help="column names (default: the log paths)")
     args = parser.parse_args()
     runs = [per_file(p) for p in args.logs[:2]]
     names = sorted(set().union(*(r[0] for r in runs)), key=lambda n: -max(r[0].get(n, 0.0) for r in runs))
@@ -55,7 +56,7 @@ def main():
     extra = [""] if len(runs) == 2 else []
     rows.append(["sum over files", *totals, *extra])
     rows.append(["wall time of the run", *walls, *extra])
-    headers = ["file", *args.logs[:2]] + (["before / after"] if len(runs) == 2 else [])
+    headers = ["file", *(args.labels or args.logs)[:2]] + (["before / after"] if len(runs) == 2 else [])
     print_markdown(headers, rows)
 
 
