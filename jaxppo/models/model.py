@@ -214,16 +214,16 @@ class Model:
         entropies (B, R) (float32, of softmax(logits / temperature)), and values (B, R) (a
         "causal_lm_value" model; None for "causal_lm"). Equal to slicing `apply`'s full
         logits at positions Q - 1 ... Q + R - 2, but the LM head runs only there, in chunks
-        of `logits_chunk_size` positions when set. This is the protocol by which built-in
-        models opt in to scoring without full logits (see `jaxppo.response_outputs`)."""
+        of `logits_chunk_size` positions when set; a "value" model gives (None, values, None).
+        The protocol by which built-in models score without full logits (`jaxppo.response_outputs`)."""
         q, r = query_tokens.shape[1], response_tokens.shape[1]
         tokens, mask = join_sequences(query_tokens, query_mask, response_tokens, response_mask)
+        if not self.is_causal_lm:  # position q - 1 + t predicts response token t
+            return None, self.apply(params, tokens, mask)[:, q - 1 : q - 1 + r].astype(jnp.float32), None
         hidden, values = self.hidden(params, tokens, mask)
-        # Position q - 1 + t predicts response token t.
         logprobs, entropy = token_logprobs(hidden[:, q - 1 : q - 1 + r], self.lm_head(params), response_tokens,
                                            temperature, self.logits_chunk_size)
-        if values is not None:
-            values = values[:, q - 1 : q - 1 + r].astype(jnp.float32)
+        values = None if values is None else values[:, q - 1 : q - 1 + r].astype(jnp.float32)
         return logprobs, values, entropy
 
     def grouped_outputs(self, params, query_tokens, query_mask, response_tokens, response_mask, temperature=1.0):
@@ -356,9 +356,8 @@ class PolicyAndCritic:
         `Model.response_outputs`)."""
         logprobs, _, entropy = self.policy.response_outputs(params["policy"], query_tokens, query_mask,
                                                             response_tokens, response_mask, temperature)
-        q, r = query_tokens.shape[1], response_tokens.shape[1]
-        tokens, mask = join_sequences(query_tokens, query_mask, response_tokens, response_mask)
-        values = self.critic.apply(params["critic"], tokens, mask)[:, q - 1 : q - 1 + r].astype(jnp.float32)
+        values = self.critic.response_outputs(params["critic"], query_tokens, query_mask, response_tokens,
+                                              response_mask)[1]
         return logprobs, values, entropy
 
     def grouped_outputs(self, params, query_tokens, query_mask, response_tokens, response_mask, temperature=1.0):

@@ -60,16 +60,9 @@ def _policy_outputs(spec: RolloutSpec, params, batch, gen):
     if not spec.uses_critic:
         return logprobs, None
     critic = getattr(spec.apply_fn, "critic", None)  # a `PolicyAndCritic`: the critic alone
-    if critic is None or spec.pack_streams is not None:
+    if critic is None:
         return logprobs, _outputs(spec, spec.apply_fn, params, batch)[1]
-    group = _group(spec)
-    if group > 1:
-        return logprobs, critic.grouped_outputs(params["critic"], batch["query_tokens"][::group],
-                                                batch["query_mask"][::group], batch["response_tokens"],
-                                                response_attention(batch))[1]
-    q, r = batch["query_tokens"].shape[1], batch["response_tokens"].shape[1]
-    values = critic.apply(params["critic"], *joined(batch))[:, q - 1: q - 1 + r]
-    return logprobs, values.astype(jnp.float32)
+    return logprobs, _outputs(spec, critic.apply, params["critic"], batch)[1]
 
 
 def _reference_logprobs(spec: RolloutSpec, ref_params, batch):
