@@ -56,7 +56,11 @@ class TrainerConfig:
       may change on resume).
     Environments (multi-turn episodes; used only with `Trainer(environment=...)`, see
       `jaxppo.rollout.environments`): max_turns (model turns per episode at most); turn_length
-      (tokens per model turn at most; None: the rest of the response budget);
+      (tokens per model turn at most; None: the rest of the response budget); turn_cache
+      (the static sampler keeps each row's KV cache between turns and feeds a turn only
+      its new tokens, the last turn's final token and the observation: the same tokens,
+      log-probs equal up to rounding; False: every turn prefills the whole context again,
+      as the continuous-batching engine always does; free on resume);
       environment_timeout (seconds one reset or step may take); environment_errors
       ("raise": an environment that raises, returns the wrong type or times out stops
       the iteration with an error before any update; "end": that episode is ended, scored
@@ -115,6 +119,7 @@ class TrainerConfig:
     num_slots: Optional[int] = setting(None, on_resume="free")
     max_turns: int = setting(4, on_resume="same_if_set")
     turn_length: Optional[int] = setting(None, on_resume="same_if_set")
+    turn_cache: bool = setting(True, on_resume="free")
     environment_timeout: float = setting(60.0, on_resume="same_if_set")
     environment_errors: str = setting("raise", on_resume="same_if_set")
     environment_workers: int = setting(8, on_resume="free")

@@ -14,7 +14,7 @@ import numpy as np
 from jaxppo.models.model import Model
 from jaxppo.models.transformer import default_positions
 
-__all__ = ["generate", "generate_jit", "prefill", "GenerationOutput", "filter_logits", "pick_tokens", "step_keys",
+__all__ = ["generate", "generate_jit", "prefill", "decode_loop", "GenerationOutput", "filter_logits", "pick_tokens", "step_keys",
            "inverse_cdf_index",
            "check_sampler_arguments", "check_max_lengths"]
 
@@ -147,21 +147,44 @@ def prefill(model, params, prompt_ids, prompt_mask, max_len: int, num_generation
 @functools.partial(
     jax.jit,
     static_argnames=("model", "response_length", "top_k", "use_top_p", "greedy", "stop_token_ids", "pad_token_id",
-                     "early_stop", "num_generations"),
+                     "early_stop", "num_generations", "return_cache"),
 )
 def generate_jit(model, params, prompt_ids, prompt_mask, key, temperature, top_p, max_lengths=None, *,
                  response_length, top_k, use_top_p, greedy, stop_token_ids, pad_token_id, early_stop,
-                 num_generations=1):
+                 num_generations=1, return_cache=False):
     """The compiled sampler behind `generate` (static: the model and every size and
-    switch), for ahead-of-time lowering (`generate_jit.lower(...)`) and compile counts."""
+    switch), for ahead-of-time lowering (`generate_jit.lower(...)`) and compile counts.
+    With `return_cache`: (output, the KV cache after the decode), for a next turn
+    (`jaxppo.models.turns`)."""
     model, params = model.for_decoding(params)  # `Model.hoist_layers`
     b, q = prompt_ids.shape
     r = response_length
     kv_mask = jnp.concatenate([prompt_mask.astype(jnp.int32), jnp.zeros((b, r), jnp.int32)], axis=1)
     cache, next_logits = prefill(model, params, prompt_ids, prompt_mask, q + r, num_generations)
-    next_position = jnp.sum(prompt_mask.astype(jnp.int32), axis=1)
+    output, cache = decode_loop(model, params, cache, next_logits, kv_mask, q,
+                                jnp.sum(prompt_mask.astype(jnp.int32), axis=1), jax.random.split(key, b), temperature,
+                                top_p, max_lengths, response_length=r, top_k=top_k, use_top_p=use_top_p, greedy=greedy,
+                                stop_token_ids=stop_token_ids, pad_token_id=pad_token_id, early_stop=early_stop)
+    return (output, cache) if return_cache else output
+
+
+def decode_loop(model, params, cache, next_logits, kv_mask, first_slot, next_position, row_keys, temperature, top_p,
+                max_lengths=None, *, response_length, top_k, use_top_p, greedy, stop_token_ids, pad_token_id,
+                early_stop):
+    """Decode `response_length` tokens from a prefilled cache (traced; the samplers' shared
+    loop). `next_logits` (B, V): each row's next-token logits; `first_slot`: the cache slot
+    of the first new token, an int (every row) or (B,) (each row its own);
+    `next_position` (B,): its position; `row_keys` (B,): row i samples step t from
+    fold_in(row_keys[i], t). `kv_mask` (B, slots) marks the valid slots; the new tokens'
+    slots are set as they are fed. Returns (`GenerationOutput`, the cache): every token but
+    the last one decoded is in the cache (the last is sampled and not fed back)."""
+    b, r = next_logits.shape[0], response_length
+    per_row = jnp.ndim(first_slot) == 1
+    # A finished row keeps decoding pad past its budget: learned positions (GPT-2) are held
+    # inside the table there, so no slot of the cache is filled from outside it (a NaN in a
+    # masked slot would still reach the output through 0 * NaN).
+    last_position = model.config.max_position_embeddings - 1 if model.config.model_type == "gpt2" else None
     stop_ids = jnp.asarray(stop_token_ids if stop_token_ids else (-1,), jnp.int32)
-    row_keys = jax.random.split(key, b)  # row i samples from row_keys[i] alone
 
     def choose(next_logits, done, t):
         """Pick each row's next token; rows already done get pad (masked out, log-prob 0)."""
@@ -177,14 +200,18 @@ def generate_jit(model, params, prompt_ids, prompt_mask, key, temperature, top_p
     def step(carry, t):
         cache, next_logits, kv_mask, done = carry
         token, logprob, live, done = choose(next_logits, done, t)
-        kv_mask = jax.lax.dynamic_update_index_in_dim(kv_mask, live.astype(jnp.int32), q + t, axis=1)
-        logits, cache = model.decode(params, token[:, None], kv_mask, (next_position + t)[:, None], cache, q + t)
+        if per_row:
+            kv_mask = kv_mask.at[jnp.arange(b), first_slot + t].set(live.astype(jnp.int32))
+        else:
+            kv_mask = jax.lax.dynamic_update_index_in_dim(kv_mask, live.astype(jnp.int32), first_slot + t, axis=1)
+        positions = next_position + t if last_position is None else jnp.minimum(next_position + t, last_position)
+        logits, cache = model.decode(params, token[:, None], kv_mask, positions[:, None], cache, first_slot + t)
         return (cache, logits[:, 0], kv_mask, done), (token, logprob, live.astype(jnp.int32))
 
     # R - 1 steps that feed their token back, then the last token, which needs no forward.
     init = (cache, next_logits, kv_mask, jnp.zeros((b,), bool))
     if not early_stop or r == 1:  # (R = 1: no step to take)
-        (_, last_logits, _, done), (tokens, logprobs, mask) = jax.lax.scan(step, init, jnp.arange(r - 1))
+        (cache, last_logits, _, done), (tokens, logprobs, mask) = jax.lax.scan(step, init, jnp.arange(r - 1))
     else:
         # The same steps in a while loop that ends once every row has stopped. The outputs
         # are preset to what a finished row emits (pad, log-prob 0, mask 0), so the steps not
@@ -203,13 +230,13 @@ def generate_jit(model, params, prompt_ids, prompt_mask, key, temperature, top_p
                          for o, e in zip(outs, emitted))
             return t + 1, carry, outs
 
-        _, (_, last_logits, _, done), (tokens, logprobs, mask) = jax.lax.while_loop(
+        _, (cache, last_logits, _, done), (tokens, logprobs, mask) = jax.lax.while_loop(
             cond, body, (jnp.int32(0), init, outputs))
     token, logprob, live, _ = choose(last_logits, done, r - 1)
     tokens = jnp.concatenate([tokens, token[None]], axis=0)
     logprobs = jnp.concatenate([logprobs, logprob[None]], axis=0)
     mask = jnp.concatenate([mask, live.astype(jnp.int32)[None]], axis=0)
-    return GenerationOutput(tokens.T, logprobs.T, mask.T)
+    return GenerationOutput(tokens.T, logprobs.T, mask.T), cache
 
 
 def generate(

@@ -87,13 +87,14 @@ def decode_responses(tokenizer, tokens, mask) -> list:
     left out when it has none; `unknown_token_count` counts them."""
     tokens, mask = np.asarray(tokens), np.asarray(mask)
     size, unk = len(tokenizer), tokenizer.unk_token_id
-    out = []
+    rows = []
     for row, m in zip(tokens, mask):
         ids = row[m.astype(bool)]
         if (ids >= size).any():
             ids = np.where(ids >= size, unk, ids) if unk is not None else ids[ids < size]
-        out.append(tokenizer.decode(ids.tolist(), skip_special_tokens=True))
-    return out
+        rows.append(ids.tolist())
+    # One call for the batch: a fast (Rust) tokenizer decodes the rows together.
+    return list(tokenizer.batch_decode(rows, skip_special_tokens=True)) if rows else []
 
 
 def unknown_token_count(tokenizer, tokens, mask) -> int:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import queue
 import threading
 import time
 from typing import Callable, NamedTuple, Optional, Union
@@ -40,6 +41,7 @@ from jaxppo import sharding
 from jaxppo.errors import EpisodeError
 from jaxppo.models.continuous import generate_continuous
 from jaxppo.models.generate import generate
+from jaxppo.models.turns import first_turn, next_turn
 from jaxppo.models.tokenizer import decode_responses
 from jaxppo.rollout.rewards import accepted_columns, load_callable, qualified_name
 
@@ -175,31 +177,65 @@ def _check_result(result) -> StepResult:
     return result
 
 
-def _call_rows(fn, rows, timeout: float, workers: int) -> dict:
-    """fn(i) for each row, at most `workers` at a time, each in its own daemon thread given
-    `timeout` seconds. Returns {row: ("ok", value) | ("raised", exception) | ("timeout",
-    None)}. A call past its timeout is abandoned (Python cannot stop a thread): its thread
-    runs on in the background and its result is never read."""
-    out = {}
-    rows = list(rows)
-    for start in range(0, len(rows), workers):
-        chunk = rows[start:start + workers]
-        results = {}
+class _Workers:
+    """The threads that call a batch's environments: `workers` daemon threads kept for the
+    batch (starting a thread per call cost more than a trivial environment's step). A call
+    that overruns its timeout is abandoned with its threads (Python cannot stop a thread:
+    it runs on in the background, its result is never read, and being a daemon it does not
+    hold the process at exit); later calls get fresh threads."""
 
-        def run(i):
+    def __init__(self, workers: int):
+        self.workers = workers
+        self.tasks = None
+
+    @staticmethod
+    def _serve(tasks):
+        while True:
+            task = tasks.get()
+            if task is None:
+                return
+            fn, i, results, finished = task
             try:
                 results[i] = ("ok", fn(i))
             except Exception as err:  # reported with the row, turn and environment by the caller
                 results[i] = ("raised", err)
+            finished.set()
 
-        threads = {i: threading.Thread(target=run, args=(i,), daemon=True) for i in chunk}
-        begin = time.monotonic()
-        for t in threads.values():
-            t.start()
-        for i, t in threads.items():
-            t.join(max(0.0, begin + timeout - time.monotonic()))
-            out[i] = results.get(i, ("timeout", None)) if not t.is_alive() else ("timeout", None)
-    return out
+    def _start(self):
+        self.tasks = queue.SimpleQueue()
+        for _ in range(self.workers):
+            threading.Thread(target=self._serve, args=(self.tasks,), daemon=True, name="jaxppo-env").start()
+
+    def call(self, fn, rows, timeout: float) -> dict:
+        """fn(i) for each row, at most `workers` at a time, each chunk of `workers` calls
+        given `timeout` seconds. Returns {row: ("ok", value) | ("raised", exception) |
+        ("timeout", None)}."""
+        out = {}
+        rows = list(rows)
+        for start in range(0, len(rows), self.workers):
+            chunk = rows[start:start + self.workers]
+            if self.tasks is None:
+                self._start()
+            results, events = {}, {i: threading.Event() for i in chunk}
+            begin = time.monotonic()
+            for i in chunk:
+                self.tasks.put((fn, i, results, events[i]))
+            stuck = False
+            for i in chunk:
+                if events[i].wait(max(0.0, begin + timeout - time.monotonic())):
+                    out[i] = results[i]
+                else:
+                    out[i], stuck = ("timeout", None), True
+            if stuck:  # some threads are inside a call that overran: leave them, start afresh
+                self.close()
+        return out
+
+    def close(self):
+        """Let the threads end (one that is stuck in a call ends when the call returns)."""
+        if self.tasks is not None:
+            for _ in range(self.workers):
+                self.tasks.put(None)
+            self.tasks = None
 
 
 class _Play:
@@ -221,6 +257,7 @@ class _Play:
         self.counters: dict = {}
         self.env_seconds = 0.0
         self.envs = [None] * b
+        self.workers = _Workers(env.workers)
 
     def fail(self, i: int, turn: Optional[int], what: str, err: Optional[BaseException] = None):
         """An environment fault at row i: an `EpisodeError`, or (on_error "end") the
@@ -237,7 +274,7 @@ class _Play:
     def call(self, fn, rows, turn: Optional[int]):
         """fn(i) for `rows` in parallel; faults reported by `fail`. Returns {row: value}."""
         t0 = time.perf_counter()
-        results = _call_rows(fn, rows, self.env.timeout, self.env.workers)
+        results = self.workers.call(fn, rows, self.env.timeout)
         self.env_seconds += time.perf_counter() - t0
         ok = {}
         for i in rows:
@@ -332,20 +369,67 @@ class _Play:
         return out
 
 
-def _sample_turn(spec, params, ids, mask, key, length: int, budgets, num_generations: int, mesh):
-    """One turn for every row: `length` tokens, at most `budgets[i]` for row i (static
-    shapes: the turn's length is fixed, the budgets are data)."""
-    place = functools.partial(sharding.place_rows, mesh=mesh)
-    common = dict(response_length=length, temperature=spec.temperature, stop_token_ids=spec.stop_token_ids,
-                  pad_token_id=spec.pad_token_id, max_lengths=place(np.asarray(budgets, np.int32)))
-    policy_params = spec.policy_params(params)
-    if spec.num_slots is not None:
-        gen = generate_continuous(spec.policy, policy_params, place(ids), place(mask), key, num_slots=spec.num_slots,
-                                  **common)
-    else:
-        gen = generate(spec.policy, policy_params, place(ids), place(mask), key, num_generations=num_generations,
-                       **common)
-    return (sharding.to_host(gen.tokens), sharding.to_host(gen.logprobs), sharding.to_host(gen.mask))
+class _Sampler:
+    """Samples the turns of one batch of episodes: with the static sampler and
+    `spec.turn_cache`, each row's KV cache is kept between turns and a turn feeds only
+    its new tokens (`jaxppo.models.turns`); else every turn prefills the whole context
+    again (the continuous-batching engine, or `turn_cache` off)."""
+
+    def __init__(self, spec, params, play, length: int, mesh):
+        self.spec, self.play, self.length = spec, play, length
+        self.params = spec.policy_params(params)
+        self.place = functools.partial(sharding.place_rows, mesh=mesh)
+        self.keep_cache = spec.turn_cache and spec.num_slots is None
+        self.state = None
+        self.cached = np.zeros(len(play.live), np.int64)  # response tokens whose keys/values the cache holds
+
+    def common(self, budgets):
+        spec = self.spec
+        return dict(temperature=spec.temperature, stop_token_ids=spec.stop_token_ids, pad_token_id=spec.pad_token_id,
+                    max_lengths=self.place(np.asarray(budgets, np.int32)))
+
+    def turn(self, turn: int, key, budgets):
+        """Turn `turn` for every row (static shapes: the turn's length is fixed, at most
+        `budgets[i]` tokens for row i): host (tokens, logprobs, mask), each (B, L)."""
+        spec, play, table, rows = self.spec, self.play, self.play.table, self.play.batch.rows
+        if turn:
+            key = jax.random.fold_in(key, turn)
+        if self.keep_cache:
+            gen = self.turn_with_cache(turn, key, budgets)
+        elif turn == 0:
+            gen = self.sample(table.ids[rows], table.mask[rows], key, budgets, spec.num_generations)
+        else:
+            gen = self.sample(*play.context(), key, budgets, 1)
+        out = tuple(sharding.to_host(x) for x in (gen.tokens, gen.logprobs, gen.mask))
+        if self.keep_cache:  # every token sampled but each row's last is in the cache now
+            self.cached = np.where(play.live, play.used + np.maximum(out[2].sum(axis=1) - 1, 0), self.cached)
+        return out
+
+    def sample(self, ids, mask, key, budgets, num_generations: int):
+        spec, common = self.spec, self.common(budgets)
+        if spec.num_slots is not None:
+            return generate_continuous(spec.policy, self.params, self.place(ids), self.place(mask), key,
+                                       num_slots=spec.num_slots, response_length=self.length, **common)
+        return generate(spec.policy, self.params, self.place(ids), self.place(mask), key,
+                        num_generations=num_generations, response_length=self.length, **common)
+
+    def turn_with_cache(self, turn: int, key, budgets):
+        spec, play = self.spec, self.play
+        common = dict(self.common(budgets), turn_length=self.length, response_budget=spec.response_length)
+        if turn == 0:
+            ids, mask = play.table.ids[play.batch.rows], play.table.mask[play.batch.rows]
+            gen, self.state = first_turn(spec.policy, self.params, self.place(ids), self.place(mask), key,
+                                         num_generations=spec.num_generations, **common)
+            return gen
+        # The tokens since the cache's end: the last turn's final token and the observation.
+        start = np.where(play.live, self.cached, play.used)
+        lengths = play.used - start
+        new = np.full((len(start), max(1, int(lengths.max(initial=0)))), spec.pad_token_id, np.int32)
+        for i in np.flatnonzero(lengths):
+            new[i, :lengths[i]] = play.tokens[i, start[i]:play.used[i]]
+        gen, self.state = next_turn(spec.policy, self.params, self.state, new, start, lengths, key, place=self.place,
+                                    **common)
+        return gen
 
 
 def run_episodes(env: EnvironmentSpec, spec, params, table, batch, key, tokenizer, iteration: int,
@@ -356,26 +440,25 @@ def run_episodes(env: EnvironmentSpec, spec, params, table, batch, key, tokenize
     `fold_in(key, t)`. Raises `EpisodeError` on an environment fault (unless on_error is
     "end"), before anything is updated."""
     play = _Play(env, spec, table, batch, tokenizer, iteration)
-    play.reset()
-    r = spec.response_length
-    length = min(env.turn_length or r, r)
-    for turn in range(env.max_turns):
-        if not play.live.any():
-            break
-        budgets = np.where(play.live, np.minimum(length, r - play.used), 1)
-        if turn == 0:
-            ids, mask = table.ids[batch.rows], table.mask[batch.rows]
-            out = _sample_turn(spec, params, ids, mask, key, length, budgets, spec.num_generations, mesh)
-        else:
-            ids, mask = play.context()
-            out = _sample_turn(spec, params, ids, mask, jax.random.fold_in(key, turn), length, budgets, 1, mesh)
-        live = np.flatnonzero(play.live)
-        stopped = play.add_turn(*out)
-        texts = decode_responses(tokenizer, out[0][live], out[2][live])
-        play.step(turn, dict(zip(live.tolist(), texts)), stopped)
-    place = functools.partial(sharding.place_rows, mesh=mesh)
-    attention = (np.arange(r)[None, :] < play.used[:, None]).astype(np.int32)
-    output = EpisodeOutput(place(play.tokens), place(play.logprobs), place(play.policy), place(attention),
-                           place(play.truncated))
-    conversations = decode_responses(tokenizer, play.tokens, attention)
+    try:
+        play.reset()
+        r = spec.response_length
+        length = min(env.turn_length or r, r)
+        sampler = _Sampler(spec, params, play, length, mesh)
+        for turn in range(env.max_turns):
+            if not play.live.any():
+                break
+            budgets = np.where(play.live, np.minimum(length, r - play.used), 1)
+            out = sampler.turn(turn, key, budgets)
+            live = np.flatnonzero(play.live)
+            stopped = play.add_turn(*out)
+            texts = decode_responses(tokenizer, out[0][live], out[2][live])
+            play.step(turn, dict(zip(live.tolist(), texts)), stopped)
+        place = functools.partial(sharding.place_rows, mesh=mesh)
+        attention = (np.arange(r)[None, :] < play.used[:, None]).astype(np.int32)
+        output = EpisodeOutput(place(play.tokens), place(play.logprobs), place(play.policy), place(attention),
+                               place(play.truncated))
+        conversations = decode_responses(tokenizer, play.tokens, attention)
+    finally:
+        play.workers.close()
     return Episodes(output, play.rewards, play.failed, play.metrics(), conversations)

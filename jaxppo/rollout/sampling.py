@@ -69,6 +69,8 @@ class RolloutSpec:
         ("sampler" when `rollout_engine` is the built-in one and the policy computes in
         float32, else "recompute"; see `sampler_logprobs_used`).
       rollout_engine: "jaxppo" or "vllm" (`TrainerConfig.rollout_engine`).
+      turn_cache: multi-turn episodes keep each row's KV cache between turns with the
+        static sampler (`TrainerConfig.turn_cache`; `jaxppo.models.turns`).
       share_prompts: with `num_generations` G > 1, the scoring pass runs each group's
         prompt once for its G rows (policy, critic and reference; `PPOConfig.share_prompts`,
         whose None, the trainer's default, counts as True here; False for a spec built by
@@ -104,6 +106,7 @@ class RolloutSpec:
     mask_truncated: bool = _from("ppo", "mask_truncated_completions", default=False)
     share_prompts: bool = _from("ppo", default=False, convert=lambda value: value is not False)
     old_logprobs: str = _from("trainer", default="recompute")
+    turn_cache: bool = _from("trainer", default=True)
     rollout_engine: str = _from("trainer", default="jaxppo")
     pack_sequences: bool = _from("ppo", default=False)
     pack_streams: Optional[int] = None
