@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -26,6 +25,7 @@ from jaxppo.update import packing
 from jaxppo.update.batch import response_outputs
 from jaxppo.update.engine import minibatch_indices
 
+from rollouts import random_rollout
 from tables import median_time, print_markdown
 
 
@@ -35,18 +35,8 @@ def make_rollout(b, q, r, short, vocab, seed=0):
     long_rows[rng.choice(b, max(1, round(b / 10)), replace=False)] = True  # a tenth run to the budget
     lengths = np.where(long_rows, r, short)[:, None]
     pads = rng.integers(0, q // 4 + 1, size=(b, 1))
-    mask = np.arange(r)[None] < lengths
-    return jaxppo.Rollout(
-        query_tokens=jnp.asarray(rng.integers(0, vocab, (b, q)), jnp.int32),
-        query_mask=jnp.asarray(np.arange(q)[None] >= pads, jnp.int32),
-        response_tokens=jnp.asarray(rng.integers(0, vocab, (b, r)) * mask, jnp.int32),
-        response_mask=jnp.asarray(mask, jnp.int32),
-        logprobs=jnp.asarray(-np.log(vocab) + 0.1 * rng.normal(size=(b, r)) * mask, jnp.float32),
-        values=None,
-        rewards=jnp.zeros((b, r), jnp.float32),
-        ref_logprobs=jnp.asarray(-np.log(vocab) + 0.1 * rng.normal(size=(b, r)) * mask, jnp.float32),
-        scores=jnp.asarray(rng.integers(0, 2, b), jnp.float32),
-    ), int(long_rows.sum())
+    rollout = random_rollout(rng, rng.integers(0, vocab, (b, q)), pads, lengths, r, vocab, ref_logprobs=True)
+    return rollout, int(long_rows.sum())
 
 
 def timed(fn, repeats):

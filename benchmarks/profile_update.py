@@ -134,7 +134,7 @@ def main():
         rows = [[phase, kind, f"{seconds:.3f}", f"{seconds / total:.1%}"]
                 for (phase, kind), seconds in sorted(classes.items(), key=lambda kv: -kv[1])]
         print_markdown(["phase", "kind", "seconds", "share"], rows)
-        print(f"\nlargest operations that are not matmuls:\n")
+        print("\nlargest operations that are not matmuls:\n")
         top = [[name, info[name][1][:40], "/".join(classify(info[name], vocab)), f"{seconds:.3f}",
                 info[name][2].split("/")[-1][:40]] for name, seconds in ops.most_common(args.top)]
         print_markdown(["operation", "shape", "class", "seconds", "JAX op"], top)

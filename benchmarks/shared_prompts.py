@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -27,6 +26,7 @@ import jaxppo.models as jm
 from jaxppo.models.fixtures import fixture_dir, is_prepared
 from jaxppo.update.batch import response_outputs
 
+from rollouts import random_rollout
 from tables import median_time, print_markdown
 
 
@@ -35,17 +35,7 @@ def make_rollout(prompts, g, q, r, vocab, seed=0):
     b = prompts * g
     pads = np.repeat(rng.integers(0, q // 8 + 1, size=(prompts, 1)), g, 0)
     lengths = rng.integers(r // 4, r + 1, size=(b, 1))
-    mask = np.arange(r)[None] < lengths
-    return jaxppo.Rollout(
-        query_tokens=jnp.asarray(np.repeat(rng.integers(0, vocab, (prompts, q)), g, 0), jnp.int32),
-        query_mask=jnp.asarray(np.arange(q)[None] >= pads, jnp.int32),
-        response_tokens=jnp.asarray(rng.integers(0, vocab, (b, r)) * mask, jnp.int32),
-        response_mask=jnp.asarray(mask, jnp.int32),
-        logprobs=jnp.asarray(-np.log(vocab) + 0.1 * rng.normal(size=(b, r)) * mask, jnp.float32),
-        values=None,
-        rewards=jnp.zeros((b, r), jnp.float32),
-        scores=jnp.asarray(rng.integers(0, 2, b), jnp.float32),
-    )
+    return random_rollout(rng, np.repeat(rng.integers(0, vocab, (prompts, q)), g, 0), pads, lengths, r, vocab)
 
 
 def main():

@@ -5,10 +5,8 @@ rounding, for every architecture, both layer layouts, hoisted layers, shared pro
 mesh; new tokens longer than a turn; one compile per piece width; bad input; the episodes
 of the trainer with and without it."""
 
-import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

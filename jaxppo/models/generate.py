@@ -14,7 +14,7 @@ import numpy as np
 from jaxppo.models.model import Model
 from jaxppo.models.transformer import default_positions
 
-__all__ = ["generate", "generate_jit", "prefill", "decode_loop", "GenerationOutput", "filter_logits", "pick_tokens", "step_keys",
+__all__ = ["generate", "generate_jit", "prefill", "decode_loop", "cap_positions", "GenerationOutput", "filter_logits", "pick_tokens", "step_keys",
            "inverse_cdf_index",
            "check_sampler_arguments", "check_max_lengths"]
 
@@ -168,6 +168,16 @@ def generate_jit(model, params, prompt_ids, prompt_mask, key, temperature, top_p
     return (output, cache) if return_cache else output
 
 
+def cap_positions(model, positions):
+    """`positions` held inside a learned position table (GPT-2's), as they are otherwise.
+    For tokens that are never read (pad a finished row decodes, pad fed after a row's new
+    tokens): an index past the table would fill their cache slots with NaN, which reaches
+    the output through 0 * NaN even where the slots are masked."""
+    if model.config.model_type != "gpt2":
+        return positions
+    return jnp.minimum(positions, model.config.max_position_embeddings - 1)
+
+
 def decode_loop(model, params, cache, next_logits, kv_mask, first_slot, next_position, row_keys, temperature, top_p,
                 max_lengths=None, *, response_length, top_k, use_top_p, greedy, stop_token_ids, pad_token_id,
                 early_stop):
@@ -180,10 +190,6 @@ def decode_loop(model, params, cache, next_logits, kv_mask, first_slot, next_pos
     the last one decoded is in the cache (the last is sampled and not fed back)."""
     b, r = next_logits.shape[0], response_length
     per_row = jnp.ndim(first_slot) == 1
-    # A finished row keeps decoding pad past its budget: learned positions (GPT-2) are held
-    # inside the table there, so no slot of the cache is filled from outside it (a NaN in a
-    # masked slot would still reach the output through 0 * NaN).
-    last_position = model.config.max_position_embeddings - 1 if model.config.model_type == "gpt2" else None
     stop_ids = jnp.asarray(stop_token_ids if stop_token_ids else (-1,), jnp.int32)
 
     def choose(next_logits, done, t):
@@ -204,7 +210,7 @@ def decode_loop(model, params, cache, next_logits, kv_mask, first_slot, next_pos
             kv_mask = kv_mask.at[jnp.arange(b), first_slot + t].set(live.astype(jnp.int32))
         else:
             kv_mask = jax.lax.dynamic_update_index_in_dim(kv_mask, live.astype(jnp.int32), first_slot + t, axis=1)
-        positions = next_position + t if last_position is None else jnp.minimum(next_position + t, last_position)
+        positions = cap_positions(model, next_position + t)  # a finished row keeps decoding pad past its budget
         logits, cache = model.decode(params, token[:, None], kv_mask, positions[:, None], cache, first_slot + t)
         return (cache, logits[:, 0], kv_mask, done), (token, logprob, live.astype(jnp.int32))
 

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxppo.models.generate import (GenerationOutput, check_max_lengths, check_sampler_arguments, decode_loop,
+from jaxppo.models.generate import (cap_positions, check_max_lengths, check_sampler_arguments, decode_loop,
                                     generate_jit)
 from jaxppo.models.transformer import GroupedKV
 
@@ -91,7 +91,6 @@ def _next_turn_jit(model, params, cache, prompt_mask, new_tokens, new_start, new
     # causal mask keeps each new token from the ones after it.
     kv_mask = jnp.concatenate([prompt_mask, (jnp.arange(response_slots)[None, :] < used[:, None]).astype(jnp.int32)],
                               axis=1)
-    last_position = model.config.max_position_embeddings - 1 if model.config.model_type == "gpt2" else None
 
     def feed(carry, k):
         """The new tokens' k-th piece of `piece` tokens, at each row's own slots; a row whose
@@ -101,9 +100,7 @@ def _next_turn_jit(model, params, cache, prompt_mask, new_tokens, new_start, new
         n = jnp.clip(new_lengths - k * piece, 0, piece)  # real tokens of each row in this piece
         at = jnp.minimum(new_start + k * piece, used)  # the response slot of the piece's first token
         offsets = jnp.minimum(jnp.arange(piece)[None, :], jnp.maximum(n - 1, 0)[:, None])  # pad: the last real one's
-        positions = real[:, None] + at[:, None] + offsets
-        if last_position is not None:
-            positions = jnp.minimum(positions, last_position)
+        positions = cap_positions(model, real[:, None] + at[:, None] + offsets)
         h, _, cache = model.module.apply(params, tokens, kv_mask, positions, cache, q + at, return_hidden=True)
         last = jnp.take_along_axis(h, jnp.maximum(n - 1, 0)[:, None, None], axis=1)[:, 0]
         return (cache, jnp.where((n > 0)[:, None], last, hidden)), None

@@ -302,9 +302,13 @@ class _Play:
 
         self.call(reset, range(len(rows)), None)
 
+    def prompts(self):
+        """The rows' left-padded prompts: ids and mask, (B, Q) each."""
+        return self.table.ids[self.batch.rows], self.table.mask[self.batch.rows]
+
     def context(self):
         """Each row's prompt and response so far, left-padded to (B, Q + R)."""
-        q_ids, q_mask = self.table.ids[self.batch.rows], self.table.mask[self.batch.rows]
+        q_ids, q_mask = self.prompts()
         b, q = q_ids.shape
         width = q + self.spec.response_length
         ids = np.full((b, width), self.spec.pad_token_id, np.int32)
@@ -391,13 +395,13 @@ class _Sampler:
     def turn(self, turn: int, key, budgets):
         """Turn `turn` for every row (static shapes: the turn's length is fixed, at most
         `budgets[i]` tokens for row i): host (tokens, logprobs, mask), each (B, L)."""
-        spec, play, table, rows = self.spec, self.play, self.play.table, self.play.batch.rows
+        spec, play = self.spec, self.play
         if turn:
             key = jax.random.fold_in(key, turn)
         if self.keep_cache:
             gen = self.turn_with_cache(turn, key, budgets)
         elif turn == 0:
-            gen = self.sample(table.ids[rows], table.mask[rows], key, budgets, spec.num_generations)
+            gen = self.sample(*play.prompts(), key, budgets, spec.num_generations)
         else:
             gen = self.sample(*play.context(), key, budgets, 1)
         out = tuple(sharding.to_host(x) for x in (gen.tokens, gen.logprobs, gen.mask))
@@ -417,7 +421,7 @@ class _Sampler:
         spec, play = self.spec, self.play
         common = dict(self.common(budgets), turn_length=self.length, response_budget=spec.response_length)
         if turn == 0:
-            ids, mask = play.table.ids[play.batch.rows], play.table.mask[play.batch.rows]
+            ids, mask = play.prompts()
             gen, self.state = first_turn(spec.policy, self.params, self.place(ids), self.place(mask), key,
                                          num_generations=spec.num_generations, **common)
             return gen
