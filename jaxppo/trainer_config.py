@@ -79,6 +79,18 @@ class TrainerConfig:
       with the built-in engine and a float32 policy, where both are the same numbers up to
       float rounding, else "recompute": vLLM's and bf16 log-probs differ from the
       trainer's, which `PPOConfig.rollout_correction` then corrects for). Free on resume.
+    Pipelining (`jaxppo.run.pipeline`): max_staleness, k: 0 (default) is the synchronous
+      loop, each iteration sampled from the parameters it trains; k >= 1 samples iteration
+      i in a producer thread from the parameters of iteration i - k (before that
+      iteration's update), so sampling, reward functions, environments and decoding of
+      the next iterations overlap the update of this one. The loss then takes the
+      trainer's own log-probs at update time as its old policy and corrects for the
+      sampler's (`PPOConfig.rollout_correction`: a decoupled objective; `old_logprobs`
+      "auto" recomputes). Checkpoints hold the k parameter snapshots still to be sampled
+      from, so a resumed run repeats the uninterrupted one. sampler_devices: 0 (the
+      sampler shares the trainer's devices) or n >= 1 (the last n devices sample on a mesh
+      of their own, the others train; every snapshot is moved device to device; needs
+      max_staleness >= 1).
     Faults: skip_nonfinite_scores (an iteration whose scores include NaN or inf is skipped
       and counted in `objective/skipped_nonfinite_scores` instead of stopping the run with
       an error naming the rows).
@@ -129,6 +141,8 @@ class TrainerConfig:
     attention: Optional[str] = setting(None, on_resume="free")
     hoist_layers: bool = setting(False, on_resume="free")
     old_logprobs: str = setting("auto", on_resume="free")
+    max_staleness: int = setting(0, on_resume="same_if_set")
+    sampler_devices: int = setting(0, on_resume="free")
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -153,11 +167,16 @@ class TrainerConfig:
             value = getattr(self, name)
             if not is_int(value) or value <= 0:
                 raise ValueError(f"TrainerConfig.{name}={value!r} is invalid: {name} must be a positive int")
-        for name in ("sample_every", "num_samples", "checkpoint_every", "warmup_updates", "seed"):
+        for name in ("sample_every", "num_samples", "checkpoint_every", "warmup_updates", "seed", "max_staleness",
+                     "sampler_devices"):
             value = getattr(self, name)
             if not is_int(value) or value < 0:
                 raise ValueError(f"TrainerConfig.{name}={value!r} is invalid: {name} must be an int >= 0")
         check_kl_estimator("TrainerConfig.kl_estimator=", self.kl_estimator)
+        if self.sampler_devices and not self.max_staleness:
+            raise ValueError(f"TrainerConfig.sampler_devices={self.sampler_devices} gives the sampler devices of its "
+                             "own, which only pays when sampling overlaps training: set max_staleness >= 1, or "
+                             "sampler_devices=0 (sampler and trainer share the devices)")
         self._check_environment()
         if self.lr_schedule not in ("constant", "linear", "cosine"):
             raise ValueError(f"TrainerConfig.lr_schedule={self.lr_schedule!r} is invalid; valid: constant, linear, cosine")

@@ -156,6 +156,38 @@ def test_sigkill_at_a_random_point_then_the_same_command_finishes_like_an_uninte
     assert steps["objective/scores"] == episodes  # each iteration once, in order, after the resume
 
 
+@pytest.fixture(scope="module")
+def pipelined(tmp_path_factory, env):
+    """An uninterrupted run of the command with pipelined iterations (--max-staleness 1)."""
+    out = tmp_path_factory.mktemp("pipelined") / "run"
+    rc, _, err = run(out, env, "--max-staleness", "1")
+    assert rc == 0, err[-3000:]
+    return metrics_of(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [9, 10])  # kills after lines 2 and 3: with the producer a step ahead
+def test_pipelined_run_killed_at_a_random_point_resumes_to_the_uninterrupted_metrics(pipelined, reference, env,
+                                                                                     tmp_path, seed):
+    """Killed while the producer samples ahead (its batch is lost), the same command
+    resumes from the checkpoint, whose snapshots give the lost batch again: the metrics
+    of the uninterrupted pipelined run."""
+    assert [r["rollout/staleness_max"] for r in pipelined] == [0, 1, 1, 1, 1, 1]
+    assert pipelined[1]["objective/scores"] != reference["rows"][1]["objective/scores"] or \
+        pipelined[1]["loss/total_avg"] != reference["rows"][1]["loss/total_avg"]  # not the synchronous run
+    out = tmp_path / "run"
+    rng = random.Random(seed)
+    after = rng.randrange(-1, 6)
+    proc = start(out, env, "--max-staleness", "1")
+    wait_for_line(proc, rf"^iter\s+{after} ")
+    time.sleep(rng.uniform(0.0, 0.5))
+    proc.kill()
+    proc.communicate()
+    rc, _, err = run(out, env, "--max-staleness", "1")
+    assert rc == 0, err[-3000:]
+    assert metrics_of(out) == pipelined
+
+
 @pytest.mark.slow
 def test_sigkill_in_the_middle_of_a_metrics_line(reference, env, tmp_path):
     out = tmp_path / "run"

@@ -69,6 +69,9 @@ class RolloutSpec:
         ("sampler" when `rollout_engine` is the built-in one and the policy computes in
         float32, else "recompute"; see `sampler_logprobs_used`).
       rollout_engine: "jaxppo" or "vllm" (`TrainerConfig.rollout_engine`).
+      max_staleness: the rollouts' sampling policy is up to this many iterations older
+        than the trained one (`TrainerConfig.max_staleness`); "auto" old log-probs are
+        then recomputed (the decoupled objective: see `jaxppo.run.pipeline`).
       turn_cache: multi-turn episodes keep each row's KV cache between turns with the
         static sampler (`TrainerConfig.turn_cache`; `jaxppo.models.turns`).
       share_prompts: with `num_generations` G > 1, the scoring pass runs each group's
@@ -108,6 +111,7 @@ class RolloutSpec:
     old_logprobs: str = _from("trainer", default="recompute")
     turn_cache: bool = _from("trainer", default=True)
     rollout_engine: str = _from("trainer", default="jaxppo")
+    max_staleness: int = _from("trainer", default=0)
     pack_sequences: bool = _from("ppo", default=False)
     pack_streams: Optional[int] = None
     pack_length: Optional[int] = _from("ppo", default=None)
@@ -139,8 +143,9 @@ class RolloutSpec:
     @property
     def sampler_logprobs_used(self) -> bool:
         """The rollout's old-policy log-probs are the sampler's own (no policy forward)."""
-        if self.old_logprobs == "auto":
-            return self.rollout_engine == "jaxppo" and jnp.dtype(self.policy.dtype) == jnp.float32
+        if self.old_logprobs == "auto":  # stale samples: the trainer's own at update time (decoupled)
+            return (self.rollout_engine == "jaxppo" and jnp.dtype(self.policy.dtype) == jnp.float32
+                    and not self.max_staleness)
         return self.old_logprobs == "sampler"
 
     @property

@@ -1,7 +1,7 @@
 """`RunState`: everything a run carries from one iteration to the next, as one pytree.
 
     RunState(train, kl, score_moments, iteration, skipped_iterations, key, entropy_coef,
-             prompts_consumed)
+             prompts_consumed, behind)
 
 It is what a checkpoint holds (`checkpoint_tree`), with one exception: with LoRA the
 frozen base weights are left out of the checkpoint (they are loaded again from the policy's
@@ -40,6 +40,10 @@ class RunState(flax.struct.PyTreeNode):
       prompts_consumed: with dynamic sampling (`TrainerConfig.dynamic_sampling`), the
         prompts taken from the data stream so far (a Python int; the next iteration starts
         there); None otherwise (iteration i then takes the i-th slice of the stream).
+      behind: with pipelined iterations (`TrainerConfig.max_staleness` k >= 1), the trained
+        parameters (`TrainState.trained_params`) of iterations max(0, i - k) .. max(0, i - 1)
+        for the run at iteration i, oldest first: the policies that iterations i .. i + k - 1
+        are sampled from (`jaxppo.run.pipeline`); None when k = 0.
     """
 
     train: TrainState
@@ -50,6 +54,7 @@ class RunState(flax.struct.PyTreeNode):
     key: jax.Array
     entropy_coef: Any = None
     prompts_consumed: Any = None
+    behind: Any = None
 
     @classmethod
     def create(cls, train: TrainState, *, seed: int, kl_coef: float, kl_target: float = 0.0,
@@ -75,7 +80,8 @@ class RunState(flax.struct.PyTreeNode):
         host values are numpy: every process holds them whole (orbax cannot save
         process-local jax arrays in multi-host runs). With an adaptive entropy coefficient
         the tree also holds it ("entropy_coef"), with dynamic sampling the prompts consumed
-        ("prompts_consumed"); without either it is the 0.2.0 tree."""
+        ("prompts_consumed"), with pipelined iterations the parameters still to be sampled
+        from ("behind"); without any of them it is the 0.2.0 tree."""
         tree = {
             "params": self.train.trained_params(),
             "opt_state": self.train.opt_state,
@@ -91,6 +97,8 @@ class RunState(flax.struct.PyTreeNode):
             tree["entropy_coef"] = np.asarray(self.entropy_coef, np.float32)
         if self.prompts_consumed is not None:
             tree["prompts_consumed"] = np.asarray(self.prompts_consumed, np.int64)
+        if self.behind is not None:
+            tree["behind"] = list(self.behind)
         return tree
 
     def restored(self, tree: dict) -> "RunState":
@@ -104,7 +112,8 @@ class RunState(flax.struct.PyTreeNode):
             iteration=int(tree["iteration"]),
             skipped_iterations=int(tree["skipped_iterations"]),
             entropy_coef=jnp.float32(tree["entropy_coef"]) if "entropy_coef" in tree else self.entropy_coef,
-            prompts_consumed=int(tree["prompts_consumed"]) if "prompts_consumed" in tree else self.prompts_consumed)
+            prompts_consumed=int(tree["prompts_consumed"]) if "prompts_consumed" in tree else self.prompts_consumed,
+            behind=tuple(tree["behind"]) if "behind" in tree else self.behind)
 
 
 @jax.jit

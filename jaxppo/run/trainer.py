@@ -23,6 +23,7 @@ runs one iteration.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import time
@@ -43,6 +44,7 @@ from jaxppo.rollout.rewards import sort_rewards
 from jaxppo.rollout.sampling import RolloutSpec
 from jaxppo.rollout.tools import check_tools, tool_environment
 from jaxppo.run import export as exporting
+from jaxppo.run import pipeline as pipelining
 from jaxppo.run import report, resume, stages
 from jaxppo.run.assembly import LogitsOf, assemble, optimizer, prompts_digest, schedule
 from jaxppo.run.collect import Collector
@@ -163,12 +165,18 @@ class Trainer(resume.Resumable):
         train = TrainState.create(apply_fn=built.apply_fn, params=built.params, tx=tx, freeze=built.freeze)
         self.run = _run_state(config, trainer_config, train)
         self.mesh, make_step = None, lambda c: functools.partial(train_step_donating, config=c)
+        mesh, self.sampler_mesh = _split_mesh(mesh, trainer_config, config)
         if mesh is not None:
             self.mesh, self.run, self.ref_params, self.reward_params, make_step = sharding.place_run(
                 mesh, config, self.run, self.ref_params, self.reward_params)
         self.train_step = stages.update_step(make_step, config)
         self.collector = Collector(config, trainer_config, self.spec, self.table, tokenizer, self.host_rewards,
                                    self.environment, self.engine, self.mesh)
+        self.pipeline, self.snapshots = None, None
+        if trainer_config.max_staleness:
+            self.snapshots = pipelining.Snapshots.for_state(self.run.train, self.sampler_mesh)
+            self.run = self.run.replace(behind=pipelining.initial_behind(self.snapshots.take(self.run.train),
+                                                                         trainer_config.max_staleness))
         self.history, self.last_samples, self._warned_unknown = [], None, False
         self.description = {**built.description, "reward": self.rewards.describe(self.reward_model, dtype),
                           "tokenizer": {"class": type(tokenizer).__name__, "size": len(tokenizer)},
@@ -205,7 +213,12 @@ class Trainer(resume.Resumable):
         k_sample, k_train = run.iteration_keys(it)
         t0 = time.perf_counter()
         self.precompile()  # where train() has not started it already
-        batch, gen, episodes, scores, extra, consumed = self.collector.collect(run, it, k_sample)
+        if self.tc.max_staleness:  # sampled ahead by the pipeline's producer, from version max(0, it - k)
+            (batch, gen, episodes, scores, extra, consumed), version = self._pipeline().take(it)
+            extra = {**extra, "rollout/policy_version": version, "rollout/staleness_mean": it - version,
+                     "rollout/staleness_max": it - version}
+        else:
+            batch, gen, episodes, scores, extra, consumed = self.collector.collect(run, it, k_sample)
         self._warn_unknown(it, scores.unknown_tokens)
         t1 = time.perf_counter()
         built = stages.build_rollout(self.spec, run.train.params, self.ref_params, self.reward_params, batch, gen,
@@ -216,11 +229,12 @@ class Trainer(resume.Resumable):
             return self._skipping(it, batch, gen, built, bad, t0, consumed)
 
         def finish():
+            behind = self._publish(run)  # before the update donates this version's parameters
             new_run, device = stages.update(run, built, k_train, self.train_step, self.config)
             host = jax.device_get(device)  # every metric of the iteration in one transfer
             host.update({**(episodes.metrics if episodes is not None else {}), **extra})
             t3 = time.perf_counter()
-            self.run, self.last_samples = new_run.replace(prompts_consumed=consumed), (batch.rows, gen)
+            self.run, self.last_samples = new_run.replace(prompts_consumed=consumed, behind=behind), (batch.rows, gen)
             return report.iteration_metrics(self, it, host, built.raw_scores, scores.per_function, built.model_scores,
                                             (t0, t1, t2, t3))
 
@@ -236,13 +250,43 @@ class Trainer(resume.Resumable):
                       RuntimeWarning, stacklevel=4)
 
         def finish():
-            self.run, self.last_samples = stages.skip(self.run).replace(prompts_consumed=consumed), (batch.rows, gen)
+            behind = self._publish(self.run)
+            self.run, self.last_samples = (stages.skip(self.run).replace(prompts_consumed=consumed, behind=behind),
+                                           (batch.rows, gen))
             return {"iteration": it, "episode": (it + 1) * self.config.batch_size, "ppo/updates_applied": 0,
                     "ppo/updates_total": int(self.state.step), "objective/nonfinite_score_rows": int(bad.size),
                     "objective/skipped_nonfinite_scores": self.skipped_iterations,
                     "time/generation": time.perf_counter() - t0}
 
         return finish
+
+    def _pipeline(self) -> pipelining.Pipeline:
+        """The producer sampling ahead (started at the first pipelined iteration)."""
+        if self.pipeline is None or self.pipeline.closed:
+            collector = self.collector
+            after = None
+            if self.sampler_mesh is not None:
+                collector = dataclasses.replace(collector, mesh=self.sampler_mesh)
+                after = functools.partial(pipelining.to_mesh, table=self.table, mesh=self.mesh)
+            self.pipeline = pipelining.Pipeline(collector.collect, self.run, self.tc.max_staleness, self.iterations,
+                                                self.snapshots, after)
+        return self.pipeline
+
+    def _publish(self, run):
+        """With pipelined iterations: snapshot the parameters of `run` (the version of its
+        iteration, before the update), hand them to the producer and return the run state's
+        `behind` after this iteration; else None."""
+        if not self.tc.max_staleness:
+            return None
+        snapshot = self.snapshots.take(run.train)
+        self._pipeline().publish(run.iteration, snapshot)
+        return pipelining.advance(run.behind, snapshot)
+
+    def close(self):
+        """Stop the producer of pipelined iterations (if any; `train()` does at its end); a
+        later iteration starts a new one from the trainer's state."""
+        if self.pipeline is not None:
+            self.pipeline.close()
 
     def precompile(self):
         """Start the update's compile in the background (once: see `stages.precompile`), so
@@ -282,6 +326,7 @@ class Trainer(resume.Resumable):
         try:
             logger = run_loop(self)
         finally:
+            self.close()
             self.close_run()
         finish_run(self, logger)
         return self.history
@@ -311,6 +356,9 @@ PPOTrainer = Trainer  # the documented name since 0.1: the same class, for PPO a
 
 def _check_settings(config: PPOConfig, tc: TrainerConfig, rewards, environment, mesh):
     _check_dynamic_sampling(config, tc, rewards)
+    if tc.max_staleness and jax.process_count() > 1:
+        raise ValueError(f"TrainerConfig.max_staleness={tc.max_staleness}: pipelined iterations run in one process; "
+                         f"this run has {jax.process_count()} (multi-host runs are synchronous: max_staleness=0)")
     if tc.rollout_engine == "vllm":
         vllm_engine.check_settings(tc, environment is not None, mesh)
 
@@ -326,6 +374,32 @@ def _check_dynamic_sampling(config: PPOConfig, tc: TrainerConfig, rewards):
         raise ValueError("TrainerConfig.dynamic_sampling=True filters groups on scores computed on the host (reward "
                          "functions on text, environments); a reward model or a token-level reward function scores "
                          "on the device after the filter would run. Score with reward functions, or turn it off")
+
+
+def _split_mesh(mesh, tc: TrainerConfig, config: PPOConfig):
+    """(the trainer's mesh, the sampler's mesh or None). With `sampler_devices` n the last n
+    devices form the sampler's mesh (every device on the "fsdp" axis) and the trainer's mesh
+    (`mesh`, a `MeshConfig` or None for one over all the rest) takes the others."""
+    n = tc.sampler_devices
+    if not n:
+        return mesh, None
+    devices = jax.devices()
+    if n >= len(devices):
+        raise ValueError(f"TrainerConfig.sampler_devices={n} leaves no device to train on: {len(devices)} devices "
+                         f"exist; give sampler_devices in [1, {len(devices) - 1}]")
+    trainer_devices, sampler_devices = devices[:-n], devices[-n:]
+    if isinstance(mesh, jax.sharding.Mesh):
+        if set(mesh.devices.flat) & set(sampler_devices):
+            raise ValueError(f"the trainer's mesh uses devices {sorted(d.id for d in mesh.devices.flat)}, but with "
+                             f"sampler_devices={n} the last {n} (ids {[d.id for d in sampler_devices]}) sample; "
+                             "build the mesh over the others, or give a MeshConfig")
+    else:
+        mesh = sharding.make_mesh(mesh or sharding.MeshConfig(), trainer_devices)
+    sampler_mesh = sharding.make_mesh(sharding.MeshConfig(), sampler_devices)
+    if config.batch_size % n:
+        raise ValueError(f"PPOConfig.batch_size={config.batch_size} must split evenly over the {n} sampler devices "
+                         "(TrainerConfig.sampler_devices)")
+    return mesh, sampler_mesh
 
 
 def _environment(factory, tools, tc: TrainerConfig) -> Optional[EnvironmentSpec]:

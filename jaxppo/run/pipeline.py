@@ -1,0 +1,215 @@
+"""Pipelined iterations: iteration i + 1 is sampled (and scored on the host) while
+iteration i trains, from parameters at most `max_staleness` iterations old.
+
+With staleness bound k >= 1 (`TrainerConfig.max_staleness`), iteration i's rollout is
+sampled from the policy of *version* `max(0, i - k)`: the parameters after that many
+iterations, before that iteration's update. The version is a fixed function of i, not of
+timing, so a pipelined run is deterministic: the same seed gives the same metrics however
+the threads interleave, and a resumed run repeats the uninterrupted one. Every iteration is
+exactly k iterations stale once i >= k (fewer before), never more (`rollout/staleness_*`).
+
+The work splits in two threads:
+
+    producer (this module's `Pipeline`):  for j = i0, i0 + 1, ...
+        wait for version max(0, j - k); select prompts, sample, decode, run the reward
+        functions or environments (and dynamic sampling's rounds) -> iteration j's batch
+    trainer (the main thread):             for i = i0, i0 + 1, ...
+        take iteration i's batch; snapshot version i (a copy of the trained parameters,
+        before the update donates them) and publish it to the producer; build the rollout
+        (old log-probs recomputed from the current parameters), update, log, checkpoint
+
+so host work (rewards, environments, tokenisation, decoding) and the sampler's device work
+for later iterations run while the device trains, and the trainer's host work (metrics,
+logs, checkpoint writes) runs while the device samples.
+
+The loss: the rollout's old log-probs are the trainer's at update time (the proximal
+policy), and `PPOConfig.rollout_correction` weights each token by pi_old / pi_sampler
+(truncated or masked): the decoupled PPO objective (clip around the current policy,
+importance weight to the stale behaviour policy). `TrainerConfig.old_logprobs="sampler"`
+instead clips around the behaviour policy itself (weights 1).
+
+The k snapshots still to be sampled from are part of the run state (`RunState.behind`) and
+of its checkpoints. With `TrainerConfig.sampler_devices` n, the last n devices form a mesh
+of their own: snapshots are moved there device to device as they are taken, the sampler
+runs there, and the sampled batch is moved back to the trainer's mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from jaxppo.errors import RunError
+from jaxppo.rollout import dynamic
+from jaxppo.rollout.prompts import prompt_batch
+
+__all__ = ["version_of", "Snapshots", "SamplerView", "Pipeline", "initial_behind", "advance"]
+
+
+def version_of(iteration: int, k: int) -> int:
+    """The policy version iteration `iteration` is sampled from with staleness bound `k`."""
+    return max(0, iteration - k)
+
+
+class SamplerView(NamedTuple):
+    """What the sampling stage reads of a train state: the parameters to sample from and a
+    tag of their version (vLLM pushes weights when the tag changes)."""
+
+    params: Any
+    step: int
+
+
+@dataclasses.dataclass
+class Snapshots:
+    """How parameter snapshots are taken and turned into sampling parameters.
+
+    `take(train)` copies the trained parameters of a `TrainState` into fresh buffers (so
+    that the update's donation leaves them intact), onto the sampler's `mesh` when it has
+    one (device to device). `sampler_params(snapshot)` joins a snapshot with the frozen
+    parameters (LoRA's base, copied once) into the policy's full parameters."""
+
+    freeze: Any = None
+    base: Any = None
+    mesh: Any = None
+
+    @classmethod
+    def for_state(cls, train, mesh=None) -> "Snapshots":
+        freeze = getattr(train, "freeze", None)
+        return cls(freeze, None if freeze is None else _copy(train.params, mesh), mesh)
+
+    def take(self, train):
+        return _copy(train.trained_params() if self.freeze is not None else train.params, self.mesh)
+
+    def sampler_params(self, snapshot):
+        return snapshot if self.freeze is None else self.freeze.join(snapshot, self.base)
+
+
+def _copy(tree, mesh=None):
+    """A copy of `tree` in fresh buffers (sharded over `mesh`, on its devices, when given)."""
+    if mesh is not None:
+        from jaxppo import sharding
+
+        return jax.device_put(tree, sharding.tree_shardings(tree, mesh))
+    return jax.tree.map(jnp.copy, tree)
+
+
+def initial_behind(snapshot, k: int) -> tuple:
+    """`RunState.behind` of a run at iteration 0: version 0, k times."""
+    return (snapshot,) * k
+
+
+def advance(behind: tuple, snapshot) -> tuple:
+    """`RunState.behind` one iteration on: the oldest snapshot dropped, `snapshot` (the
+    version of the iteration just run, before its update) added."""
+    return tuple(behind[1:]) + (snapshot,)
+
+
+class Pipeline:
+    """The producer thread of a pipelined run (see the module's docstring).
+
+    Args:
+      collect: `collect(run, iteration, key) -> jaxppo.rollout.dynamic.Collected` (the
+        trainer's `Collector.collect`, on the sampler's mesh).
+      run: the `RunState` the run starts from (its iteration, key, prompts consumed and
+        `behind`).
+      k: the staleness bound, >= 1.
+      end: the first iteration not to sample (the run's length).
+      snapshots: the run's `Snapshots`.
+      step_of: {version: update step} of the versions in `run.behind` (vLLM's push tag).
+      after: applied to each collected batch in the producer (moving it to the trainer's
+        mesh), or None.
+    """
+
+    def __init__(self, collect: Callable, run, k: int, end: int, snapshots: Snapshots,
+                 after: Optional[Callable] = None):
+        if k < 1:
+            raise ValueError(f"a pipeline needs max_staleness >= 1, got {k}")
+        if run.behind is None or len(run.behind) != k:
+            raise ValueError(f"the run state holds {None if run.behind is None else len(run.behind)} snapshots; a "
+                             f"pipeline with max_staleness={k} needs {k}")
+        self.collect, self.k, self.end, self.snapshots, self.after = collect, k, end, snapshots, after
+        self.start = run.iteration
+        self._cond = threading.Condition()
+        self._versions = {version_of(self.start - k + s, 0): snap for s, snap in enumerate(run.behind)}
+        self._ready, self._error, self._stop = {}, None, False
+        self.sampled = []  # (iteration, version) in the order the producer sampled them
+        self._thread = threading.Thread(target=self._produce, args=(run,), name="jaxppo-sampler", daemon=True)
+        self._thread.start()
+
+    def publish(self, version: int, snapshot):
+        """Make `snapshot` (the parameters of `version`) available to the producer."""
+        with self._cond:
+            self._versions[version] = snapshot
+            self._cond.notify_all()
+
+    def take(self, iteration: int):
+        """(iteration's `Collected`, the version it was sampled from), waiting for the
+        producer; re-raises the producer's error."""
+        if not self.start <= iteration < self.end:
+            raise RunError(f"iteration {iteration} is outside the pipeline's iterations [{self.start}, {self.end}) "
+                           "(TrainerConfig.iterations bounds what a pipelined run samples ahead)")
+        with self._cond:
+            while iteration not in self._ready and self._error is None:
+                self._cond.wait()
+            if iteration in self._ready:
+                return self._ready.pop(iteration)
+            raise self._error
+
+    @property
+    def closed(self) -> bool:
+        return self._stop
+
+    def close(self):
+        """Stop the producer after the work it is doing (it is a daemon thread: it never
+        keeps the process alive)."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+
+    def join(self, timeout: Optional[float] = None):
+        self._thread.join(timeout)
+
+    def _produce(self, run):
+        consumed = run.prompts_consumed
+        try:
+            for j in range(self.start, self.end):
+                version = version_of(j, self.k)
+                with self._cond:
+                    while version not in self._versions and not self._stop:
+                        self._cond.wait()
+                    if self._stop:
+                        return
+                    snapshot = self._versions[version]
+                    for old in [v for v in self._versions if v < version]:
+                        del self._versions[old]
+                view = run.replace(train=SamplerView(self.snapshots.sampler_params(snapshot), version),
+                                   prompts_consumed=consumed, behind=None)
+                collected = self.collect(view, j, run.iteration_keys(j)[0])
+                if self.after is not None:
+                    collected = self.after(collected)
+                consumed = collected.prompts_consumed if collected.prompts_consumed is not None else consumed
+                with self._cond:
+                    self.sampled.append((j, version))
+                    self._ready[j] = (collected, version)
+                    self._cond.notify_all()
+        except BaseException as error:  # handed to the trainer's next take()
+            with self._cond:
+                self._error = error
+                self._cond.notify_all()
+
+
+def to_mesh(collected: dynamic.Collected, table, mesh) -> dynamic.Collected:
+    """A batch sampled on the sampler's mesh, moved to the trainer's `mesh`: the prompts
+    placed again from the host table, the sampled arrays device to device."""
+    from jaxppo import sharding
+
+    target = sharding.batch_sharding(mesh)
+    gen = jax.tree.map(lambda x: jax.device_put(x, target), collected.gen)
+    episodes = collected.episodes
+    if episodes is not None:
+        episodes = episodes._replace(output=gen)
+    return collected._replace(batch=prompt_batch(table, collected.batch.rows, mesh), gen=gen, episodes=episodes)

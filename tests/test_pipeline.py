@@ -1,0 +1,168 @@
+"""Pipelined iterations (`TrainerConfig.max_staleness`, `jaxppo.run.pipeline`): a pipelined
+run against a plain one-thread loop that samples iteration i from the parameters of
+iteration i - k; the staleness bound; the synchronous loop untouched at k = 0; a failed
+weight snapshot refusing later samples; a split mesh against one device; bad settings."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxppo
+import jaxppo.models as jm
+from jaxppo import demo
+from jaxppo.run import stages
+from jaxppo.run.pipeline import version_of
+
+from trainer_setup import require_devices, small_trainer
+
+GRPO = dict(batch_size=16, mini_batch_size=8, ppo_epochs=1, num_generations=4)
+ITERATIONS = 4
+
+
+def scripted(prompts, completions):
+    """Every third prompt's group scores 0 (dropped by dynamic sampling), the others by
+    length and lowercase letters (a spread)."""
+    return [0.0 if len(p) % 3 == 0 else float(len(c) % 4) + demo.lowercase_reward([p], [c])[0]
+            for p, c in zip(prompts, completions)]
+
+
+CASES = {  # name: (max_staleness, trainer settings)
+    "ppo-k1": (1, dict()),
+    "grpo-lora-k1": (1, dict(ppo=jaxppo.PPOConfig.for_algorithm("grpo", **GRPO),
+                             lora=jm.LoraConfig(rank=4, alpha=8, targets="all-linear"))),
+    "grpo-dynamic-k2": (2, dict(ppo=jaxppo.PPOConfig.for_algorithm("grpo", **GRPO), reward_fn=scripted,
+                                dynamic_sampling=True)),
+}
+
+
+def sequential(trainer, iterations: int, k: int):
+    """The reference: one thread, the stages in order; iteration i samples from a copy of
+    the parameters after max(0, i - k) iterations and trains the current ones. Returns the
+    per-iteration device metrics (host floats)."""
+    versions, rows = [jax.tree.map(jnp.copy, trainer.run.train.params)], []
+    for i in range(iterations):
+        run = trainer.run
+        k_sample, k_train = run.iteration_keys(i)
+        view = run.replace(train=run.train.replace(params=versions[version_of(i, k)]))
+        batch, gen, _, scores, _, consumed = trainer.collector.collect(view, i, k_sample)
+        built = stages.build_rollout(trainer.spec, run.train.params, trainer.ref_params, trainer.reward_params,
+                                     batch, gen, scores, run)
+        new_run, device = stages.update(run, built, k_train, trainer.train_step, trainer.config)
+        trainer.run = new_run.replace(prompts_consumed=consumed)
+        versions.append(jax.tree.map(jnp.copy, trainer.run.train.params))
+        rows.append({name: float(value) for name, value in jax.device_get(device).items()})
+    return rows
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_pipelined_run_is_the_loop_that_samples_k_iterations_behind(tmp_path, case):
+    k, settings = CASES[case]
+    trainer = small_trainer(tmp_path / "pipelined", iterations=ITERATIONS, max_staleness=k, export_final=False,
+                            **settings)
+    assert not trainer.spec.sampler_logprobs_used  # stale samples: old log-probs recomputed at update time
+    history = trainer.train()
+    reference = small_trainer(tmp_path / "sequential", iterations=ITERATIONS, old_logprobs="recompute",
+                              export_final=False, **settings)
+    expected = sequential(reference, ITERATIONS, k)
+    for i, (row, want) in enumerate(zip(history, expected)):
+        assert row["rollout/staleness_max"] == row["rollout/staleness_mean"] == min(i, k) <= k
+        assert row["rollout/policy_version"] == version_of(i, k)
+        shared = [name for name in want if name in row]
+        assert len(shared) > 10
+        for name in shared:
+            assert row[name] == pytest.approx(want[name], rel=1e-5, abs=1e-6), (i, name)
+    for a, b in zip(jax.tree.leaves(trainer.run.train.params), jax.tree.leaves(reference.run.train.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    assert [v for _, v in trainer_sampled(trainer)] == [version_of(i, k) for i in range(ITERATIONS)]
+    assert len(trainer.run.behind) == k  # the snapshots still to be sampled from, checkpointed with the run
+    if settings.get("dynamic_sampling"):
+        assert any(row["dynamic/groups_dropped"] for row in history)  # the rounds ran in the producer
+
+
+def trainer_sampled(trainer):
+    """(iteration, version) of each batch the producer sampled, in order."""
+    return trainer.pipeline.sampled
+
+
+def test_k0_is_the_synchronous_loop(tmp_path):
+    """max_staleness=0 (the default) takes today's path: no producer, no snapshots in the
+    run state or its checkpoint, the sampler's own log-probs, no staleness metrics; an
+    explicit 0 is the default bit for bit."""
+    default = small_trainer(tmp_path / "default", iterations=2, export_final=False)
+    assert default.tc.max_staleness == 0 and default.spec.sampler_logprobs_used
+    rows = default.train()
+    assert default.pipeline is None and default.run.behind is None
+    assert "behind" not in default.run.checkpoint_tree()
+    assert not any(name.startswith("rollout/") for name in rows[0])
+    explicit = small_trainer(tmp_path / "explicit", iterations=2, export_final=False, max_staleness=0).train()
+    drop = lambda r: {k: v for k, v in r.items() if not k.startswith("time/") and k != "eps"}
+    assert [drop(r) for r in rows] == [drop(r) for r in explicit]
+
+
+def test_a_failed_snapshot_refuses_every_later_sample(tmp_path):
+    """The weights of iteration 2 never reach the sampler (the copy fails): the run stops
+    with that error before iteration 2's update, its checkpoint and metrics are those of
+    iteration 2, and nothing is sampled from older weights for iteration 3 (k = 1)."""
+    trainer = small_trainer(tmp_path, iterations=6, max_staleness=1, export_final=False)
+    take, calls = trainer.snapshots.take, []
+
+    def failing(train):
+        calls.append(1)
+        if len(calls) == 3:  # iterations 0, 1, 2 (version 0 was taken when the trainer was built)
+            raise RuntimeError("device to device copy failed (injected)")
+        return take(train)
+
+    trainer.snapshots.take = failing
+    with pytest.raises(RuntimeError, match="injected"):
+        trainer.train()
+    assert trainer.iteration == 2 and len(trainer.history) == 2
+    assert max(i for i, _ in trainer_sampled(trainer)) <= 2  # iteration 3 needs version 2: never sampled
+    resumed = small_trainer(tmp_path, iterations=6, max_staleness=1, export_final=False)
+    assert resumed.open_run() == 2
+    resumed.close_run()
+
+
+def test_split_mesh_matches_one_device(tmp_path):
+    """sampler_devices=4 of 8: the sampler on a mesh of its own, the trainer on the other
+    four, snapshots moved device to device; the same metrics and parameters as one device
+    with the same k."""
+    require_devices(8)
+    ppo = jaxppo.PPOConfig.for_algorithm("grpo", **GRPO)
+    single = small_trainer(tmp_path / "single", iterations=3, max_staleness=1, ppo=ppo, export_final=False)
+    expected = single.train()
+    split = small_trainer(tmp_path / "split", iterations=3, max_staleness=1, ppo=ppo, export_final=False,
+                          sampler_devices=4)
+    assert split.sampler_mesh.devices.size == 4 and split.mesh.devices.size == 4
+    assert not set(split.sampler_mesh.devices.flat) & set(split.mesh.devices.flat)
+    rows = split.train()
+    assert {d for leaf in jax.tree.leaves(split.run.behind) for d in leaf.devices()} == set(split.sampler_mesh.devices.flat)
+    for a, b in zip(expected, rows):
+        assert a["reward"] == b["reward"]
+        for name in ("loss/total_avg", "policy/approxkl_avg", "sampling/importance_sampling_ratio/mean"):
+            assert a[name] == pytest.approx(b[name], rel=1e-4, abs=1e-6), name
+    for a, b in zip(jax.tree.leaves(single.state.params), jax.tree.leaves(split.state.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(max_staleness=-1), r"max_staleness=-1 is invalid: max_staleness must be an int >= 0"),
+    (dict(max_staleness=1.5), r"max_staleness=1.5 is invalid"),
+    (dict(sampler_devices=2), r"sampler_devices=2 .* set max_staleness >= 1"),
+], ids=["negative", "float", "split-without-pipeline"])
+def test_bad_pipeline_settings_are_refused(settings, message):
+    with pytest.raises(ValueError, match=message):
+        jaxppo.TrainerConfig(**settings)
+
+
+def test_split_mesh_settings_are_refused_before_anything_compiles(tmp_path):
+    require_devices(8)
+    with pytest.raises(ValueError, match=r"sampler_devices=8 leaves no device to train on: 8 devices exist"):
+        small_trainer(tmp_path / "a", max_staleness=1, sampler_devices=8)
+    with pytest.raises(ValueError, match=r"batch_size=16 must split evenly over the 3 sampler devices"):
+        small_trainer(tmp_path / "b", max_staleness=1, sampler_devices=3)
+    from jaxppo import sharding
+
+    everything = sharding.make_mesh(sharding.MeshConfig())
+    with pytest.raises(ValueError, match=r"the trainer's mesh uses devices .* the last 4"):
+        small_trainer(tmp_path / "c", max_staleness=1, sampler_devices=4, mesh=everything)
