@@ -76,14 +76,15 @@ class TrainerConfig:
       (the sampler's own, kept while sampling: the scoring pass runs no policy forward,
       and with no reference and no critic no forward at all), "recompute" (a forward of
       the policy over the sampled batch, as 0.3 did), or "auto" (the default: "sampler"
-      with the built-in engine and a float32 policy, where both are the same numbers up to
-      float rounding, else "recompute": vLLM's and bf16 log-probs differ from the
-      trainer's, which `PPOConfig.rollout_correction` then corrects for). Free on resume.
+      with the built-in engine, a float32 policy and max_staleness 0, where both are the
+      same numbers up to float rounding, else "recompute": vLLM's, bf16 and stale
+      log-probs differ from the trainer's, which `PPOConfig.rollout_correction` then
+      corrects for). Free on resume.
     Pipelining (`jaxppo.run.pipeline`): max_staleness, k: 0 (default) is the synchronous
       loop, each iteration sampled from the parameters it trains; k >= 1 samples iteration
-      i in a producer thread from the parameters of iteration i - k (before that
-      iteration's update), so sampling, reward functions, environments and decoding of
-      the next iterations overlap the update of this one. The loss then takes the
+      i in producer threads from the parameters after max(0, i - k) iterations, so
+      sampling, reward functions, environments and decoding of the next iterations
+      overlap the update of this one; `rollout/staleness_*` logged. The loss then takes the
       trainer's own log-probs at update time as its old policy and corrects for the
       sampler's (`PPOConfig.rollout_correction`: a decoupled objective; `old_logprobs`
       "auto" recomputes). Checkpoints hold the k parameter snapshots still to be sampled

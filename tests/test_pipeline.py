@@ -101,26 +101,47 @@ def test_k0_is_the_synchronous_loop(tmp_path):
 
 
 def test_a_failed_snapshot_refuses_every_later_sample(tmp_path):
-    """The weights of iteration 2 never reach the sampler (the copy fails): the run stops
-    with that error before iteration 2's update, its checkpoint and metrics are those of
-    iteration 2, and nothing is sampled from older weights for iteration 3 (k = 1)."""
+    """The weights of iteration 2 (after iteration 1's update) never reach the sampler (the
+    copy fails): the run stops with an error naming it before any work of iteration 2,
+    its checkpoint and metrics are those of iteration 2, and nothing is sampled from older
+    weights for iteration 3 (k = 1: it needs version 2)."""
     trainer = small_trainer(tmp_path, iterations=6, max_staleness=1, export_final=False)
     take, calls = trainer.snapshots.take, []
 
     def failing(train):
         calls.append(1)
-        if len(calls) == 3:  # iterations 0, 1, 2 (version 0 was taken when the trainer was built)
+        if len(calls) == 3:  # 1: version 0 when the pipeline starts, 2: version 1, 3: version 2
             raise RuntimeError("device to device copy failed (injected)")
         return take(train)
 
     trainer.snapshots.take = failing
-    with pytest.raises(RuntimeError, match="injected"):
+    with pytest.raises(jaxppo.RunError, match=r"iteration 2: the parameters of iteration 2 could not be handed to "
+                                               r"the sampler \(RuntimeError: device to device copy failed"):
         trainer.train()
     assert trainer.iteration == 2 and len(trainer.history) == 2
     assert max(i for i, _ in trainer_sampled(trainer)) <= 2  # iteration 3 needs version 2: never sampled
     resumed = small_trainer(tmp_path, iterations=6, max_staleness=1, export_final=False)
     assert resumed.open_run() == 2
     resumed.close_run()
+
+
+def test_a_reward_error_stops_the_run_at_its_own_iteration(tmp_path):
+    """The reward function fails on iteration 2's batch (scored in the producer while
+    iteration 1 trains): iterations 0 and 1 complete with their metrics and checkpoint, the
+    error is the one the synchronous loop raises, before iteration 2's update."""
+    calls = []
+
+    def reward(prompts, responses):
+        calls.append(1)
+        if len(calls) == 3:
+            raise ZeroDivisionError("injected")
+        return demo.lowercase_reward(prompts, responses)
+
+    trainer = small_trainer(tmp_path, iterations=5, max_staleness=1, export_final=False, reward_fn=reward)
+    with pytest.raises(jaxppo.RewardError, match=r"iteration 2: reward function '.*reward' raised ZeroDivisionError: "
+                                                 r"injected .*nothing was updated"):
+        trainer.train()
+    assert trainer.iteration == 2 and [r["iteration"] for r in trainer.history] == [0, 1]
 
 
 def test_split_mesh_matches_one_device(tmp_path):

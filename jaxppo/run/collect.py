@@ -50,6 +50,24 @@ class Collector:
         gen, episodes = self.sample(run, batch, key, it)
         return dynamic.Collected(batch, gen, episodes, self.score(batch, gen, episodes, it), {}, None)
 
+    @property
+    def staged(self) -> bool:
+        """Sampling and scoring are separate stages (`sample_stage`, `score_stage`): no
+        dynamic sampling (whose rounds sample after scoring) and no environment (whose
+        episodes step on the host between turns)."""
+        return not self.tc.dynamic_sampling and self.environment is None
+
+    def sample_stage(self, run: RunState, it: int, key):
+        """The first half of `collect` where `staged`: (the prompts, the samples), the
+        samples possibly still being computed on the device."""
+        batch = stages.select_prompts(self.table, run.key, it, self.config, self.mesh)
+        return batch, self.sample(run, batch, key, it)[0]
+
+    def score_stage(self, sampled, it: int) -> dynamic.Collected:
+        """The second half: the host scores of `sample_stage`'s batch."""
+        batch, gen = sampled
+        return dynamic.Collected(batch, gen, None, self.score(batch, gen, None, it), {}, None)
+
     def sample(self, run: RunState, batch: PromptBatch, key, it: int):
         """(the batch's sampled responses, None), or with an environment (its episodes'
         `EpisodeOutput`, the `Episodes`)."""

@@ -37,6 +37,7 @@ runs there, and the sampled batch is moved back to the trainer's mesh.
 from __future__ import annotations
 
 import dataclasses
+import queue
 import threading
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -109,39 +110,49 @@ def advance(behind: tuple, snapshot) -> tuple:
 
 
 class Pipeline:
-    """The producer thread of a pipelined run (see the module's docstring).
+    """The producer of a pipelined run (see the module's docstring): two threads, a sampler
+    and a scorer, so that the host scoring of iteration j runs while iteration j + 1
+    samples.
 
     Args:
-      collect: `collect(run, iteration, key) -> jaxppo.rollout.dynamic.Collected` (the
-        trainer's `Collector.collect`, on the sampler's mesh).
+      collector: the trainer's `jaxppo.run.collect.Collector` (on the sampler's mesh).
+        Where sampling and scoring are separate stages (`Collector.staged`: no dynamic
+        sampling, no environment) the sampler thread samples and the scorer thread
+        decodes and runs the reward functions; otherwise the sampler thread collects the
+        whole iteration (dynamic sampling's rounds, multi-turn episodes) and the scorer
+        passes it on.
       run: the `RunState` the run starts from (its iteration, key, prompts consumed and
-        `behind`).
+        `behind`, the versions before its iteration).
       k: the staleness bound, >= 1.
       end: the first iteration not to sample (the run's length).
       snapshots: the run's `Snapshots`.
-      step_of: {version: update step} of the versions in `run.behind` (vLLM's push tag).
-      after: applied to each collected batch in the producer (moving it to the trainer's
+      latest: the snapshot of the run's own parameters (the version of its iteration).
+      after: applied to each collected batch by the scorer (moving it to the trainer's
         mesh), or None.
     """
 
-    def __init__(self, collect: Callable, run, k: int, end: int, snapshots: Snapshots,
+    def __init__(self, collector, run, k: int, end: int, snapshots: Snapshots, latest,
                  after: Optional[Callable] = None):
         if k < 1:
             raise ValueError(f"a pipeline needs max_staleness >= 1, got {k}")
         if run.behind is None or len(run.behind) != k:
             raise ValueError(f"the run state holds {None if run.behind is None else len(run.behind)} snapshots; a "
                              f"pipeline with max_staleness={k} needs {k}")
-        self.collect, self.k, self.end, self.snapshots, self.after = collect, k, end, snapshots, after
+        self.collector, self.k, self.end, self.snapshots, self.after = collector, k, end, snapshots, after
         self.start = run.iteration
         self._cond = threading.Condition()
-        self._versions = {version_of(self.start - k + s, 0): snap for s, snap in enumerate(run.behind)}
+        self._versions = {max(0, self.start - k + s): snap for s, snap in enumerate(run.behind)}
+        self._versions[self.start] = latest
         self._ready, self._error, self._stop = {}, None, False
-        self.sampled = []  # (iteration, version) in the order the producer sampled them
-        self._thread = threading.Thread(target=self._produce, args=(run,), name="jaxppo-sampler", daemon=True)
-        self._thread.start()
+        self._handoff = queue.Queue()
+        self.sampled = []  # (iteration, version) in the order the sampler took them
+        self._threads = [threading.Thread(target=self._guarded, args=(work,), name=f"jaxppo-{name}", daemon=True)
+                         for name, work in (("sampler", lambda: self._sample(run)), ("scorer", self._score))]
+        for thread in self._threads:
+            thread.start()
 
     def publish(self, version: int, snapshot):
-        """Make `snapshot` (the parameters of `version`) available to the producer."""
+        """Make `snapshot` (the parameters of `version`) available to the sampler."""
         with self._cond:
             self._versions[version] = snapshot
             self._cond.notify_all()
@@ -164,42 +175,76 @@ class Pipeline:
         return self._stop
 
     def close(self):
-        """Stop the producer after the work it is doing (it is a daemon thread: it never
-        keeps the process alive)."""
+        """Stop the producer after the work it is doing (daemon threads: they never keep
+        the process alive)."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
+        self._handoff.put(None)
 
     def join(self, timeout: Optional[float] = None):
-        self._thread.join(timeout)
+        for thread in self._threads:
+            thread.join(timeout)
 
-    def _produce(self, run):
-        consumed = run.prompts_consumed
+    def _guarded(self, work):
         try:
-            for j in range(self.start, self.end):
-                version = version_of(j, self.k)
-                with self._cond:
-                    while version not in self._versions and not self._stop:
-                        self._cond.wait()
-                    if self._stop:
-                        return
-                    snapshot = self._versions[version]
-                    for old in [v for v in self._versions if v < version]:
-                        del self._versions[old]
-                view = run.replace(train=SamplerView(self.snapshots.sampler_params(snapshot), version),
-                                   prompts_consumed=consumed, behind=None)
-                collected = self.collect(view, j, run.iteration_keys(j)[0])
-                if self.after is not None:
-                    collected = self.after(collected)
-                consumed = collected.prompts_consumed if collected.prompts_consumed is not None else consumed
-                with self._cond:
-                    self.sampled.append((j, version))
-                    self._ready[j] = (collected, version)
-                    self._cond.notify_all()
+            work()
         except BaseException as error:  # handed to the trainer's next take()
             with self._cond:
-                self._error = error
+                self._error = self._error or error
                 self._cond.notify_all()
+            self._handoff.put(None)
+
+    def _sample(self, run):
+        consumed, staged = run.prompts_consumed, self.collector.staged
+        for j in range(self.start, self.end):
+            version = version_of(j, self.k)
+            with self._cond:
+                while version not in self._versions and not self._stop:
+                    self._cond.wait()
+                if self._stop:
+                    return
+                snapshot = self._versions[version]
+                for old in [v for v in self._versions if v < version]:
+                    del self._versions[old]
+            view = run.replace(train=SamplerView(self.snapshots.sampler_params(snapshot), version),
+                               prompts_consumed=consumed, behind=None)
+            key = run.iteration_keys(j)[0]
+            try:
+                if staged:  # the scorer decodes and scores while the next iteration samples
+                    work = self.collector.sample_stage(view, j, key)
+                else:
+                    work = self.collector.collect(view, j, key)
+                    consumed = work.prompts_consumed if work.prompts_consumed is not None else consumed
+            except BaseException as error:  # after the batches before it: the trainer meets it at iteration j
+                self._handoff.put((j, version, _Failed(error)))
+                return
+            with self._cond:
+                self.sampled.append((j, version))
+            self._handoff.put((j, version, work))
+        self._handoff.put(None)
+
+    def _score(self):
+        staged = self.collector.staged
+        while True:
+            item = self._handoff.get()
+            if item is None:
+                return
+            j, version, work = item
+            if isinstance(work, _Failed):
+                raise work.error
+            collected = self.collector.score_stage(work, j) if staged else work
+            if self.after is not None:
+                collected = self.after(collected)
+            with self._cond:
+                if self._stop:
+                    return
+                self._ready[j] = (collected, version)
+                self._cond.notify_all()
+
+
+class _Failed(NamedTuple):
+    error: BaseException
 
 
 def to_mesh(collected: dynamic.Collected, table, mesh) -> dynamic.Collected:
