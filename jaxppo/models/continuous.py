@@ -20,81 +20,244 @@ response's steps.
 from __future__ import annotations
 
 import functools
-from typing import Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 
-from jaxppo.models.generate import (GenerationOutput, check_max_lengths, check_sampler_arguments, pick_tokens, prefill,
-                                    step_keys)
+from jaxppo.models.generate import (GenerationOutput, cap_positions, check_max_lengths, check_sampler_arguments,
+                                    pick_tokens, prefill, step_keys)
 from jaxppo.models.model import Model
+from jaxppo.models.transformer import default_positions
 
-__all__ = ["generate_continuous", "continuous_jit"]
+__all__ = ["generate_continuous", "continuous_jit", "generate_inflight", "ON_UPDATE"]
+
+
+class _Requests(NamedTuple):
+    """The requests and the sampling settings that are arrays: fixed for a generation."""
+
+    prompt_ids: jax.Array  # (N, Q), left-padded
+    prompt_mask: jax.Array  # (N, Q) int32
+    keys: jax.Array  # (N,) request i's key: split(key, N)[i]
+    first_position: jax.Array  # (N,) the position of each request's first response token
+    max_lengths: Optional[jax.Array]  # (N,) budgets, or None: response_length
+    temperature: jax.Array
+    top_p: jax.Array
+
+
+class _Slots(NamedTuple):
+    """The engine's state: S rows of KV cache and what each holds."""
+
+    cache: Any
+    next_logits: jax.Array  # (S, V): the logits of each slot's next token
+    kv_mask: jax.Array  # (S, Q + R): the valid cache slots
+    req: jax.Array  # (S,) the request in each slot
+    t: jax.Array  # (S,) tokens the slot's request has sampled
+    active: jax.Array  # (S,) bool
+    next_req: jax.Array  # the next pending request
+    version: jax.Array  # (S,) the parameters' version behind each slot's next_logits
+
+
+class _Out(NamedTuple):
+    tokens: jax.Array
+    logprobs: jax.Array
+    masks: jax.Array
+    versions: jax.Array  # (N, R) int32: the version of the parameters each token was sampled from
+
+
+class _Static(NamedTuple):
+    """Everything static about a generation (hashable: a jit static argument)."""
+
+    response_length: int
+    num_slots: int
+    top_k: Optional[int]
+    use_top_p: bool
+    greedy: bool
+    stop_token_ids: Tuple[int, ...]
+    pad_token_id: int
+
+
+def _requests(prompt_ids, prompt_mask, key, temperature, top_p, max_lengths) -> _Requests:
+    mask = prompt_mask.astype(jnp.int32)
+    return _Requests(prompt_ids, mask, jax.random.split(key, prompt_ids.shape[0]), jnp.sum(mask, axis=1), max_lengths,
+                     temperature, top_p)
+
+
+def _start(model, params, reqs: _Requests, version, st: _Static):
+    """The first S requests in the slots (one prefill) and empty outputs."""
+    (n, q), r, s = reqs.prompt_ids.shape, st.response_length, st.num_slots
+    cache, next_logits = prefill(model, params, reqs.prompt_ids[:s], reqs.prompt_mask[:s], q + r)
+    kv_mask = jnp.concatenate([reqs.prompt_mask[:s], jnp.zeros((s, r), jnp.int32)], axis=1)
+    slots = _Slots(cache, next_logits, kv_mask, jnp.arange(s, dtype=jnp.int32), jnp.zeros((s,), jnp.int32),
+                   jnp.ones((s,), bool), jnp.int32(s), jnp.full((s,), version, jnp.int32))
+    out = _Out(jnp.full((n, r), st.pad_token_id, jnp.int32), jnp.zeros((n, r), jnp.float32),
+               jnp.zeros((n, r), jnp.int32), jnp.zeros((n, r), jnp.int32))
+    return slots, out
+
+
+def _admit(model, params, reqs: _Requests, version, slots: _Slots, st: _Static) -> _Slots:
+    """Prefill the next pending request into the first free slot."""
+    q, r = reqs.prompt_ids.shape[1], st.response_length
+    batch_axis = 1 if model.scan_layers else 0
+    j = jnp.argmin(slots.active)  # the first free slot
+    ids = jax.lax.dynamic_slice_in_dim(reqs.prompt_ids, slots.next_req, 1, axis=0)
+    mask = jax.lax.dynamic_slice_in_dim(reqs.prompt_mask, slots.next_req, 1, axis=0)
+    row_cache, row_logits = prefill(model, params, ids, mask, q + r)
+    cache = jax.tree.map(lambda buf, row: jax.lax.dynamic_update_slice_in_dim(buf, row.astype(buf.dtype), j,
+                                                                              axis=batch_axis), slots.cache, row_cache)
+    next_logits = jax.lax.dynamic_update_slice_in_dim(slots.next_logits, row_logits.astype(slots.next_logits.dtype), j,
+                                                      axis=0)
+    row_mask = jnp.concatenate([mask, jnp.zeros((1, r), jnp.int32)], axis=1)
+    kv_mask = jax.lax.dynamic_update_slice_in_dim(slots.kv_mask, row_mask, j, axis=0)
+    return _Slots(cache, next_logits, kv_mask, slots.req.at[j].set(slots.next_req), slots.t.at[j].set(0),
+                  slots.active.at[j].set(True), slots.next_req + 1, slots.version.at[j].set(version))
+
+
+def _step(model, params, reqs: _Requests, version, slots: _Slots, out: _Out, st: _Static):
+    """One decode step of every slot, then the free slots refilled."""
+    (n, q), r, s = reqs.prompt_ids.shape, st.response_length, st.num_slots
+    stop_ids = jnp.asarray(st.stop_token_ids if st.stop_token_ids else (-1,), jnp.int32)
+    token, logprob = pick_tokens(slots.next_logits, step_keys(reqs.keys[slots.req], slots.t), reqs.temperature,
+                                 st.top_k, reqs.top_p if st.use_top_p else None, st.greedy)
+    # Write each active slot's token into its request's row (inactive slots write nowhere).
+    rows, t = jnp.where(slots.active, slots.req, n), slots.t
+    out = _Out(out.tokens.at[rows, t].set(token, mode="drop"), out.logprobs.at[rows, t].set(logprob, mode="drop"),
+               out.masks.at[rows, t].set(1, mode="drop"), out.versions.at[rows, t].set(slots.version, mode="drop"))
+    budget = r if reqs.max_lengths is None else reqs.max_lengths[slots.req]
+    finished = slots.active & (jnp.isin(token, stop_ids) | (t + 1 >= budget))
+    going_on = slots.active & ~finished
+    # Feed the token back for the rows that go on (the others' results are not read).
+    kv_mask = slots.kv_mask.at[jnp.arange(s), q + jnp.minimum(t, r - 1)].set(going_on.astype(jnp.int32))
+    positions = cap_positions(model, reqs.first_position[slots.req] + t)
+    logits, cache = model.decode(params, token[:, None], kv_mask, positions[:, None], slots.cache,
+                                 q + jnp.minimum(t, r - 1))
+    slots = _Slots(cache, logits[:, 0], kv_mask, slots.req, t + 1, going_on, slots.next_req,
+                   jnp.where(going_on, version, slots.version))
+    slots = jax.lax.while_loop(lambda sl: ~jnp.all(sl.active) & (sl.next_req < n),
+                               lambda sl: _admit(model, params, reqs, version, sl, st), slots)
+    return slots, out
 
 
 @functools.partial(jax.jit, static_argnames=("model", "response_length", "num_slots", "top_k", "use_top_p", "greedy",
                                              "stop_token_ids", "pad_token_id"))
 def continuous_jit(model, params, prompt_ids, prompt_mask, key, temperature, top_p, max_lengths=None, *,
                    response_length, num_slots, top_k, use_top_p, greedy, stop_token_ids, pad_token_id):
-    """The compiled engine behind `generate_continuous`."""
+    """The compiled engine behind `generate_continuous` (arguments checked there): the whole
+    generation as one program."""
+    static = _Static(response_length, num_slots, top_k, use_top_p, greedy, tuple(stop_token_ids), pad_token_id)
+    reqs = _requests(prompt_ids, prompt_mask, key, temperature, top_p, max_lengths)
     model, params = model.for_decoding(params)  # `Model.hoist_layers`
-    n, q = prompt_ids.shape
-    r, s = response_length, num_slots
-    prompt_mask = prompt_mask.astype(jnp.int32)
-    req_keys = jax.random.split(key, n)
-    first_position = jnp.sum(prompt_mask, axis=1)  # the position of each request's first response token
-    stop_ids = jnp.asarray(stop_token_ids if stop_token_ids else (-1,), jnp.int32)
-    batch_axis = 1 if model.scan_layers else 0
+    slots, out = _start(model, params, reqs, 0, static)
+    _, out = jax.lax.while_loop(lambda state: jnp.any(state[0].active),
+                                lambda state: _step(model, params, reqs, 0, *state, static), (slots, out))
+    return GenerationOutput(out.tokens, out.logprobs, out.masks)
 
-    # The first S requests fill the slots with one prefill.
-    cache, next_logits = prefill(model, params, prompt_ids[:s], prompt_mask[:s], q + r)
-    kv_mask = jnp.concatenate([prompt_mask[:s], jnp.zeros((s, r), jnp.int32)], axis=1)
-    slot_req = jnp.arange(s, dtype=jnp.int32)
-    slot_t = jnp.zeros((s,), jnp.int32)
-    active = jnp.ones((s,), bool)
-    outputs = (jnp.full((n, r), pad_token_id, jnp.int32), jnp.zeros((n, r), jnp.float32), jnp.zeros((n, r), jnp.int32))
 
-    def admit(state):
-        """Prefill the next pending request into the first free slot."""
-        cache, next_logits, kv_mask, slot_req, slot_t, active, next_req = state
-        j = jnp.argmin(active)  # the first free slot
-        ids = jax.lax.dynamic_slice_in_dim(prompt_ids, next_req, 1, axis=0)
-        mask = jax.lax.dynamic_slice_in_dim(prompt_mask, next_req, 1, axis=0)
-        row_cache, row_logits = prefill(model, params, ids, mask, q + r)
-        cache = jax.tree.map(lambda buf, row: jax.lax.dynamic_update_slice_in_dim(buf, row.astype(buf.dtype), j,
-                                                                                  axis=batch_axis), cache, row_cache)
-        next_logits = jax.lax.dynamic_update_slice_in_dim(next_logits, row_logits.astype(next_logits.dtype), j, axis=0)
-        row_mask = jnp.concatenate([mask, jnp.zeros((1, r), jnp.int32)], axis=1)
-        kv_mask = jax.lax.dynamic_update_slice_in_dim(kv_mask, row_mask, j, axis=0)
-        return (cache, next_logits, kv_mask, slot_req.at[j].set(next_req), slot_t.at[j].set(0),
-                active.at[j].set(True), next_req + 1)
+@functools.partial(jax.jit, static_argnames=("model", "static"))
+def _start_jit(model, params, reqs, version, *, static):
+    model, params = model.for_decoding(params)
+    return _start(model, params, reqs, version, static)
 
-    def body(state):
-        (cache, next_logits, kv_mask, slot_req, slot_t, active, next_req), (tokens, logprobs, masks) = state
-        token, logprob = pick_tokens(next_logits, step_keys(req_keys[slot_req], slot_t), temperature, top_k,
-                               top_p if use_top_p else None, greedy)
-        # Write each active slot's token into its request's row (inactive slots write nowhere).
-        rows = jnp.where(active, slot_req, n)
-        tokens = tokens.at[rows, slot_t].set(token, mode="drop")
-        logprobs = logprobs.at[rows, slot_t].set(logprob, mode="drop")
-        masks = masks.at[rows, slot_t].set(1, mode="drop")
-        budget = r if max_lengths is None else max_lengths[slot_req]
-        finished = active & (jnp.isin(token, stop_ids) | (slot_t + 1 >= budget))
-        going_on = active & ~finished
-        # Feed the token back for the rows that go on (the others' results are not read).
-        kv_mask = kv_mask.at[jnp.arange(s), q + jnp.minimum(slot_t, r - 1)].set(going_on.astype(jnp.int32))
-        positions = first_position[slot_req] + slot_t
-        logits, cache = model.decode(params, token[:, None], kv_mask, positions[:, None], cache,
-                                     q + jnp.minimum(slot_t, r - 1))
-        next_logits = logits[:, 0]
-        slot_t = slot_t + 1
-        state = (cache, next_logits, kv_mask, slot_req, slot_t, going_on, next_req)
-        state = jax.lax.while_loop(lambda st: ~jnp.all(st[5]) & (st[6] < n), admit, state)
-        return state, (tokens, logprobs, masks)
 
-    init = ((cache, next_logits, kv_mask, slot_req, slot_t, active, jnp.int32(s)), outputs)
-    _, (tokens, logprobs, masks) = jax.lax.while_loop(lambda st: jnp.any(st[0][5]), body, init)
-    return GenerationOutput(tokens, logprobs, masks)
+@functools.partial(jax.jit, static_argnames=("model", "static"), donate_argnums=(4, 5))
+def _steps_jit(model, params, reqs, version, slots, out, max_steps, *, static):
+    """At most `max_steps` decode steps (fewer when every request is done)."""
+    model, params = model.for_decoding(params)
+    step = lambda state: (*_step(model, params, reqs, version, state[0], state[1], static), state[2] + 1)
+    slots, out, _ = jax.lax.while_loop(lambda state: jnp.any(state[0].active) & (state[2] < max_steps), step,
+                                       (slots, out, jnp.int32(0)))
+    return slots, out
+
+
+@functools.partial(jax.jit, static_argnames=("model", "static"), donate_argnums=(4,))
+def _recompute_jit(model, params, reqs, version, slots: _Slots, out: _Out, *, static):
+    """Every active slot's KV cache and next logits computed again with `params`: its
+    prompt and the tokens it sampled, in the engine's own layout (prompt slots, then
+    response token j at slot Q + j), one forward over the whole width."""
+    model, params = model.for_decoding(params)
+    q, r = reqs.prompt_ids.shape[1], static.response_length
+    rows = slots.req
+    ids = jnp.concatenate([reqs.prompt_ids[rows], out.tokens[rows]], axis=1)
+    prompt_positions = default_positions(reqs.prompt_mask[rows])
+    positions = jnp.concatenate([prompt_positions, reqs.first_position[rows][:, None] + jnp.arange(r)[None]], axis=1)
+    cache = model.init_cache(ids.shape[0], q + r)
+    logits, cache = model.decode_at(params, ids, slots.kv_mask, cap_positions(model, positions), cache, 0,
+                                    at=q + slots.t - 1)  # the last fed token: the last prompt token when t = 0
+    keep = lambda new, old: jnp.where(slots.active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
+    return slots._replace(cache=_where_rows(model, slots.active, cache, slots.cache),
+                          next_logits=keep(logits.astype(slots.next_logits.dtype), slots.next_logits),
+                          version=jnp.where(slots.active, version, slots.version))
+
+
+def _where_rows(model, rows, new, old):
+    """The cache `new` at the slots where `rows` (S,) is true, `old` elsewhere."""
+    axis = 1 if model.scan_layers else 0
+
+    def pick(a, b):
+        shape = [1] * a.ndim
+        shape[axis] = rows.shape[0]
+        return jnp.where(rows.reshape(shape), a, b.astype(a.dtype))
+
+    return jax.tree.map(pick, new, old)
+
+
+ON_UPDATE = ("keep", "recompute")
+
+
+def generate_inflight(model: Model, params_source: Callable, prompt_ids, prompt_mask, key, *, response_length: int,
+                      num_slots: int, steps_per_check: int = 8, on_update: str = "keep", temperature: float = 1.0,
+                      top_k: Optional[int] = None, top_p: Optional[float] = None, greedy: bool = False,
+                      stop_token_ids: Optional[Sequence[int]] = None, pad_token_id: Optional[int] = None,
+                      max_lengths=None):
+    """The continuous-batching engine taking new parameters while it generates: in-flight
+    weight updates.
+
+    `params_source()` -> (version: int, params) is asked before the first step and after
+    every `steps_per_check` decode steps; when its version differs from the one in use,
+    the engine continues with the new parameters. `on_update`: "keep" (each row's KV
+    cache stays as it was computed, by the parameters of its time: the next token of each
+    row is still drawn from logits of the old parameters, every later one from the new
+    parameters over the kept cache) or "recompute" (every active row's cache and next
+    logits are computed again with the new parameters over its prompt and the tokens it
+    sampled, one forward of the S slots: every later token is drawn from the new policy
+    given its whole context).
+
+    Returns (`GenerationOutput`, versions): versions int32 (N, R) holds the version of the
+    parameters whose logits each token was drawn from (0 where masked). Without an update
+    the tokens are `generate_continuous`'s (and so `generate`'s) for the same key."""
+    if on_update not in ON_UPDATE:
+        raise ValueError(f"on_update={on_update!r} is invalid; valid: 'keep' (each row's KV cache kept) or "
+                         "'recompute' (every active row's cache computed again with the new parameters)")
+    if isinstance(steps_per_check, bool) or not isinstance(steps_per_check, int) or steps_per_check < 1:
+        raise ValueError(f"steps_per_check={steps_per_check!r} must be a positive int (decode steps between "
+                         "checks for new parameters)")
+    _check_slots(num_slots)
+    stop_token_ids, pad_token_id = check_sampler_arguments(model, prompt_ids, prompt_mask, response_length, temperature,
+                                                           top_k, top_p, stop_token_ids, pad_token_id, max_lengths)
+    n = prompt_ids.shape[0]
+    static = _Static(response_length, min(num_slots, n), top_k, top_p is not None, bool(greedy),
+                     tuple(stop_token_ids), int(pad_token_id))
+    reqs = _requests(jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_mask, jnp.int32), key,
+                     jnp.float32(temperature), jnp.float32(1.0 if top_p is None else top_p),
+                     check_max_lengths(max_lengths, n, response_length))
+    version, params = params_source()
+    slots, out = _start_jit(model, params, reqs, jnp.int32(version), static=static)
+    while True:
+        slots, out = _steps_jit(model, params, reqs, jnp.int32(version), slots, out, jnp.int32(steps_per_check),
+                                static=static)
+        if not bool(jnp.any(slots.active)):
+            break
+        new_version, new_params = params_source()
+        if new_version != version:
+            version, params = new_version, new_params
+            if on_update == "recompute":
+                slots = _recompute_jit(model, params, reqs, jnp.int32(version), slots, out, static=static)
+    return GenerationOutput(out.tokens, out.logprobs, out.masks), out.versions
+
+
+def _check_slots(num_slots):
+    if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
+        raise ValueError(f"num_slots={num_slots!r} must be a positive int (rows decoded together)")
 
 
 def generate_continuous(
@@ -120,8 +283,7 @@ def generate_continuous(
     `num_slots` is new (capped at N). Rows end at a stop token (kept, masked in), at
     `response_length`, or at their `max_lengths` entry (optional (N,) budgets); after that a
     row is pad, log-prob 0, mask 0."""
-    if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
-        raise ValueError(f"num_slots={num_slots!r} must be a positive int (rows decoded together)")
+    _check_slots(num_slots)
     stop_token_ids, pad_token_id = check_sampler_arguments(model, prompt_ids, prompt_mask, response_length, temperature,
                                                     top_k, top_p, stop_token_ids, pad_token_id, max_lengths)
     return continuous_jit(
