@@ -91,7 +91,13 @@ class TrainerConfig:
       from, so a resumed run repeats the uninterrupted one. sampler_devices: 0 (the
       sampler shares the trainer's devices) or n >= 1 (the last n devices sample on a mesh
       of their own, the others train; every snapshot is moved device to device; needs
-      max_staleness >= 1).
+      max_staleness >= 1). inflight_updates: None, "keep" or "recompute": with the
+      continuous-batching engine (num_slots), a long generation takes the newest
+      parameters between decode steps (every inflight_steps steps) instead of holding to
+      the version it started from; each row's KV cache is kept or computed again with the
+      new parameters; every token's version is recorded (`rollout/staleness_*` over
+      tokens). Tokens then depend on when versions arrive: such a run is not repeated
+      exactly on resume. Single-turn, no dynamic sampling.
     Faults: skip_nonfinite_scores (an iteration whose scores include NaN or inf is skipped
       and counted in `objective/skipped_nonfinite_scores` instead of stopping the run with
       an error naming the rows).
@@ -144,6 +150,8 @@ class TrainerConfig:
     old_logprobs: str = setting("auto", on_resume="free")
     max_staleness: int = setting(0, on_resume="same_if_set")
     sampler_devices: int = setting(0, on_resume="free")
+    inflight_updates: Optional[str] = setting(None, on_resume="free")
+    inflight_steps: int = setting(8, on_resume="free")
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -163,7 +171,7 @@ class TrainerConfig:
             raise ValueError(f"TrainerConfig.stop_token_id={self.stop_token_id!r} is invalid: stop_token_id must be "
                              "None or a token id >= 0")
         positive = ("iterations", "query_length", "response_length", "kl_horizon", "log_every", "keep_checkpoints",
-                    "max_turns", "environment_workers", "dynamic_sampling_rounds")
+                    "max_turns", "environment_workers", "dynamic_sampling_rounds", "inflight_steps")
         for name in positive:
             value = getattr(self, name)
             if not is_int(value) or value <= 0:
@@ -174,6 +182,7 @@ class TrainerConfig:
             if not is_int(value) or value < 0:
                 raise ValueError(f"TrainerConfig.{name}={value!r} is invalid: {name} must be an int >= 0")
         check_kl_estimator("TrainerConfig.kl_estimator=", self.kl_estimator)
+        self._check_inflight()
         if self.sampler_devices and not self.max_staleness:
             raise ValueError(f"TrainerConfig.sampler_devices={self.sampler_devices} gives the sampler devices of its "
                              "own, which only pays when sampling overlaps training: set max_staleness >= 1, or "
@@ -191,6 +200,22 @@ class TrainerConfig:
                                       or not math.isfinite(value) or (name != "missing_eos_penalty" and value <= 0)):
                 raise ValueError(f"TrainerConfig.{name}={value!r} is invalid: {name} must be None or a finite number"
                                  + ("" if name == "missing_eos_penalty" else " > 0"))
+
+    def _check_inflight(self):
+        if self.inflight_updates is None:
+            return
+        if self.inflight_updates not in ("keep", "recompute"):
+            raise ValueError(f"TrainerConfig.inflight_updates={self.inflight_updates!r} is invalid; valid: None (each "
+                             "iteration sampled from one version), 'keep' or 'recompute' (what happens to a row's KV "
+                             "cache when new parameters arrive)")
+        needs = [what for what, missing in (("max_staleness >= 1", not self.max_staleness),
+                                            ("num_slots (the continuous-batching engine)", self.num_slots is None),
+                                            ("rollout_engine='jaxppo'", self.rollout_engine != "jaxppo"),
+                                            ("dynamic_sampling=False", self.dynamic_sampling)) if missing]
+        if needs:
+            raise ValueError(f"TrainerConfig.inflight_updates={self.inflight_updates!r} takes new parameters between "
+                             f"the continuous-batching engine's decode steps while the trainer updates; it needs "
+                             f"{', '.join(needs)}")
 
     def _check_environment(self):
         if self.turn_length is not None and (not is_int(self.turn_length) or not

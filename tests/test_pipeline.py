@@ -3,6 +3,8 @@ run against a plain one-thread loop that samples iteration i from the parameters
 iteration i - k; the staleness bound; the synchronous loop untouched at k = 0; a failed
 weight snapshot refusing later samples; a split mesh against one device; bad settings."""
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +14,7 @@ import jaxppo
 import jaxppo.models as jm
 from jaxppo import demo
 from jaxppo.run import stages
-from jaxppo.run.pipeline import version_of
+from jaxppo.run.pipeline import Pipeline, version_of
 
 from trainer_setup import require_devices, small_trainer
 
@@ -187,3 +189,35 @@ def test_split_mesh_settings_are_refused_before_anything_compiles(tmp_path):
     everything = sharding.make_mesh(sharding.MeshConfig())
     with pytest.raises(ValueError, match=r"the trainer's mesh uses devices .* the last 4"):
         small_trainer(tmp_path / "c", max_staleness=1, sampler_devices=4, mesh=everything)
+
+
+@pytest.mark.parametrize("on_update", ["keep", "recompute"])
+def test_inflight_updates_take_newer_versions_within_the_bound(tmp_path, monkeypatch, on_update):
+    """The continuous-batching engine under a pipeline with in-flight updates, its decode
+    slowed (50 ms before each check for new parameters) so that the trainer publishes
+    versions while it generates: tokens come from newer versions than the iteration
+    started from, every token's version lies between max(0, i - k) and i, and the run
+    trains to the end."""
+    newest = Pipeline._newest
+    monkeypatch.setattr(Pipeline, "_newest", lambda self, iteration: (time.sleep(0.05), newest(self, iteration))[1])
+    ppo = jaxppo.PPOConfig.for_algorithm("grpo", **GRPO)
+    trainer = small_trainer(tmp_path, iterations=5, max_staleness=2, ppo=ppo, export_final=False, num_slots=4,
+                            inflight_updates=on_update, inflight_steps=1)
+    rows = trainer.train()
+    for i, row in enumerate(rows):
+        assert version_of(i, 2) <= row["rollout/policy_version"] <= i
+        assert 0 <= row["rollout/staleness_mean"] <= row["rollout/staleness_max"] <= min(i, 2)
+    assert any(row["rollout/staleness_mean"] < min(i, 2) for i, row in enumerate(rows))  # fresher than the bound
+    assert all(r["ppo/updates_applied"] == 2 for r in rows)
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(inflight_updates="later", max_staleness=1, num_slots=4), r"inflight_updates='later' is invalid"),
+    (dict(inflight_updates="keep", max_staleness=1), r"it needs num_slots \(the continuous-batching engine\)"),
+    (dict(inflight_updates="keep", num_slots=4), r"it needs max_staleness >= 1"),
+    (dict(inflight_updates="keep", max_staleness=1, num_slots=4, inflight_steps=0),
+     r"inflight_steps=0 is invalid: inflight_steps must be a positive int"),
+], ids=["unknown", "no-slots", "no-pipeline", "steps"])
+def test_bad_inflight_settings_are_refused(settings, message):
+    with pytest.raises(ValueError, match=message):
+        jaxppo.TrainerConfig(**settings)

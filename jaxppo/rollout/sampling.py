@@ -8,7 +8,7 @@ from typing import Callable, Optional, Tuple
 
 import jax.numpy as jnp
 
-from jaxppo.models.continuous import generate_continuous
+from jaxppo.models.continuous import generate_continuous, generate_inflight
 from jaxppo.models.generate import GenerationOutput, generate
 from jaxppo.models.model import Model
 from jaxppo.trainer_config import OLD_LOGPROBS
@@ -155,6 +155,17 @@ class RolloutSpec:
 
     def policy_params(self, params):
         return params if self.policy_params_key is None else params[self.policy_params_key]
+
+
+def sample_inflight(spec: RolloutSpec, source, prompt_ids, prompt_mask, key, *, on_update: str, steps: int):
+    """Sample with the continuous-batching engine taking new parameters while it decodes
+    (`jaxppo.models.continuous.generate_inflight`): `source()` -> (version, train params).
+    Returns (`GenerationOutput`, the version of each token (B, R))."""
+    policy_source = lambda: (lambda version, params: (version, spec.policy_params(params)))(*source())
+    return generate_inflight(spec.policy, policy_source, prompt_ids, prompt_mask, key, response_length=spec.response_length,
+                             num_slots=spec.num_slots, steps_per_check=steps, on_update=on_update,
+                             temperature=spec.temperature, stop_token_ids=spec.stop_token_ids,
+                             pad_token_id=spec.pad_token_id)
 
 
 def sample_responses(spec: RolloutSpec, params, prompt_ids, prompt_mask, key) -> GenerationOutput:

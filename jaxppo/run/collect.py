@@ -5,19 +5,28 @@ rounds of `jaxppo.rollout.dynamic.collect`."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from jaxppo.config import PPOConfig
 from jaxppo.rollout import dynamic
 from jaxppo.rollout.environments import EnvironmentSpec, run_episodes
 from jaxppo.rollout.prompts import PromptBatch, PromptTable
 from jaxppo.rollout.rewards import HostRewards
-from jaxppo.rollout.sampling import RolloutSpec
+from jaxppo.rollout.sampling import RolloutSpec, sample_inflight
 from jaxppo.run import stages
 from jaxppo.run.state import RunState
 from jaxppo.trainer_config import TrainerConfig
 
-__all__ = ["Collector"]
+__all__ = ["Collector", "Sampled"]
+
+
+class Sampled(NamedTuple):
+    """An iteration's prompts and samples before scoring, and with in-flight updates the
+    version of the parameters behind each token ((B, R), else None)."""
+
+    batch: PromptBatch
+    gen: Any
+    token_versions: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,15 +66,25 @@ class Collector:
         episodes step on the host between turns)."""
         return not self.tc.dynamic_sampling and self.environment is None
 
-    def sample_stage(self, run: RunState, it: int, key):
-        """The first half of `collect` where `staged`: (the prompts, the samples), the
-        samples possibly still being computed on the device."""
+    def sample_stage(self, run: RunState, it: int, key) -> Sampled:
+        """The first half of `collect` where `staged`: the prompts and the samples (possibly
+        still being computed on the device). With in-flight updates
+        (`TrainerConfig.inflight_updates`) and a `run.train` that offers `source()` (the
+        newest parameters: `jaxppo.run.pipeline.SamplerView`), the continuous-batching
+        engine takes new parameters while it decodes and the version of each token comes
+        along."""
         batch = stages.select_prompts(self.table, run.key, it, self.config, self.mesh)
-        return batch, self.sample(run, batch, key, it)[0]
+        source = getattr(run.train, "source", None)
+        if self.tc.inflight_updates and source is not None:
+            with stages.mesh_context(self.mesh):
+                gen, versions = sample_inflight(self.spec, source, batch.ids, batch.mask, key,
+                                                on_update=self.tc.inflight_updates, steps=self.tc.inflight_steps)
+            return Sampled(batch, gen, versions)
+        return Sampled(batch, self.sample(run, batch, key, it)[0], None)
 
-    def score_stage(self, sampled, it: int) -> dynamic.Collected:
+    def score_stage(self, sampled: Sampled, it: int) -> dynamic.Collected:
         """The second half: the host scores of `sample_stage`'s batch."""
-        batch, gen = sampled
+        batch, gen, _ = sampled
         return dynamic.Collected(batch, gen, None, self.score(batch, gen, None, it), {}, None)
 
     def sample(self, run: RunState, batch: PromptBatch, key, it: int):

@@ -37,6 +37,7 @@ runs there, and the sampled batch is moved back to the trainer's mesh.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import queue
 import threading
 from typing import Any, Callable, NamedTuple, Optional
@@ -48,7 +49,8 @@ from jaxppo.errors import RunError
 from jaxppo.rollout import dynamic
 from jaxppo.rollout.prompts import prompt_batch
 
-__all__ = ["version_of", "Snapshots", "SamplerView", "Pipeline", "initial_behind", "advance"]
+__all__ = ["version_of", "Snapshots", "SamplerView", "Pipeline", "initial_behind", "advance", "staleness_metrics",
+           "to_mesh"]
 
 
 def version_of(iteration: int, k: int) -> int:
@@ -57,11 +59,13 @@ def version_of(iteration: int, k: int) -> int:
 
 
 class SamplerView(NamedTuple):
-    """What the sampling stage reads of a train state: the parameters to sample from and a
-    tag of their version (vLLM pushes weights when the tag changes)."""
+    """What the sampling stage reads of a train state: the parameters to sample from, a
+    tag of their version (vLLM pushes weights when the tag changes), and `source()` ->
+    (version, parameters), the newest the iteration may use (in-flight updates)."""
 
     params: Any
     step: int
+    source: Optional[Callable] = None
 
 
 @dataclasses.dataclass
@@ -158,8 +162,9 @@ class Pipeline:
             self._cond.notify_all()
 
     def take(self, iteration: int):
-        """(iteration's `Collected`, the version it was sampled from), waiting for the
-        producer; re-raises the producer's error."""
+        """(iteration's `Collected`, the version its sampling started from, the version of
+        each token with in-flight updates or None), waiting for the producer; re-raises the
+        producer's error."""
         if not self.start <= iteration < self.end:
             raise RunError(f"iteration {iteration} is outside the pipeline's iterations [{self.start}, {self.end}) "
                            "(TrainerConfig.iterations bounds what a pipelined run samples ahead)")
@@ -195,6 +200,14 @@ class Pipeline:
                 self._cond.notify_all()
             self._handoff.put(None)
 
+    def _newest(self, iteration: int):
+        """(version, sampling parameters) of the newest version published that iteration
+        `iteration` may be sampled from (at most its own)."""
+        with self._cond:
+            version = max(v for v in self._versions if v <= iteration)
+            snapshot = self._versions[version]
+        return version, self.snapshots.sampler_params(snapshot)
+
     def _sample(self, run):
         consumed, staged = run.prompts_consumed, self.collector.staged
         for j in range(self.start, self.end):
@@ -207,7 +220,8 @@ class Pipeline:
                 snapshot = self._versions[version]
                 for old in [v for v in self._versions if v < version]:
                     del self._versions[old]
-            view = run.replace(train=SamplerView(self.snapshots.sampler_params(snapshot), version),
+            view = run.replace(train=SamplerView(self.snapshots.sampler_params(snapshot), version,
+                                                 functools.partial(self._newest, j)),
                                prompts_consumed=consumed, behind=None)
             key = run.iteration_keys(j)[0]
             try:
@@ -239,12 +253,29 @@ class Pipeline:
             with self._cond:
                 if self._stop:
                     return
-                self._ready[j] = (collected, version)
+                self._ready[j] = (collected, version, work.token_versions if staged else None)
                 self._cond.notify_all()
 
 
 class _Failed(NamedTuple):
     error: BaseException
+
+
+def staleness_metrics(iteration: int, version: int, token_versions=None, mask=None) -> dict:
+    """`rollout/staleness_mean` and `_max` (iterations between the version that sampled and
+    the one that trains) and `rollout/policy_version` (the oldest version sampled from):
+    of the whole batch, or over the real tokens with in-flight updates."""
+    if token_versions is None:
+        return {"rollout/policy_version": version, "rollout/staleness_mean": iteration - version,
+                "rollout/staleness_max": iteration - version}
+    from jaxppo.sharding import to_host
+
+    real = to_host(mask) > 0
+    versions = to_host(token_versions)[real]
+    if not versions.size:
+        return staleness_metrics(iteration, version)
+    return {"rollout/policy_version": int(versions.min()), "rollout/staleness_mean": float(iteration - versions.mean()),
+            "rollout/staleness_max": int(iteration - versions.min())}
 
 
 def to_mesh(collected: dynamic.Collected, table, mesh) -> dynamic.Collected:

@@ -219,9 +219,8 @@ class Trainer(resume.Resumable):
                            "older ones. The checkpoint and metrics up to here are intact: run again to resume"
                            ) from self._push_error
         if self.tc.max_staleness:  # sampled ahead by the pipeline's producer, from version max(0, it - k)
-            (batch, gen, episodes, scores, extra, consumed), version = self._pipeline().take(it)
-            extra = {**extra, "rollout/policy_version": version, "rollout/staleness_mean": it - version,
-                     "rollout/staleness_max": it - version}
+            (batch, gen, episodes, scores, extra, consumed), version, tokens = self._pipeline().take(it)
+            extra = {**extra, **pipelining.staleness_metrics(it, version, tokens, gen.mask)}
         else:
             batch, gen, episodes, scores, extra, consumed = self.collector.collect(run, it, k_sample)
         self._warn_unknown(it, scores.unknown_tokens)
@@ -372,6 +371,10 @@ PPOTrainer = Trainer  # the documented name since 0.1: the same class, for PPO a
 
 def _check_settings(config: PPOConfig, tc: TrainerConfig, rewards, environment, mesh):
     _check_dynamic_sampling(config, tc, rewards)
+    if tc.inflight_updates and environment is not None:
+        raise ValueError(f"TrainerConfig.inflight_updates={tc.inflight_updates!r} works on single-turn rollouts; "
+                         "multi-turn episodes (an environment or tools) sample every turn from one version: set "
+                         "inflight_updates=None")
     if tc.max_staleness and jax.process_count() > 1:
         raise ValueError(f"TrainerConfig.max_staleness={tc.max_staleness}: pipelined iterations run in one process; "
                          f"this run has {jax.process_count()} (multi-host runs are synchronous: max_staleness=0)")
