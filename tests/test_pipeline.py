@@ -84,7 +84,7 @@ def test_pipelined_run_is_the_loop_that_samples_k_iterations_behind(tmp_path, ca
 
 def trainer_sampled(trainer):
     """(iteration, version) of each batch the producer sampled, in order."""
-    return trainer.pipeline.sampled
+    return trainer.pipelined.pipeline.sampled
 
 
 def test_k0_is_the_synchronous_loop(tmp_path):
@@ -94,7 +94,7 @@ def test_k0_is_the_synchronous_loop(tmp_path):
     default = small_trainer(tmp_path / "default", iterations=2, export_final=False)
     assert default.tc.max_staleness == 0 and default.spec.sampler_logprobs_used
     rows = default.train()
-    assert default.pipeline is None and default.run.behind is None
+    assert default.pipelined is None and default.run.behind is None
     assert "behind" not in default.run.checkpoint_tree()
     assert not any(name.startswith("rollout/") for name in rows[0])
     explicit = small_trainer(tmp_path / "explicit", iterations=2, export_final=False, max_staleness=0).train()
@@ -108,7 +108,7 @@ def test_a_failed_snapshot_refuses_every_later_sample(tmp_path):
     its checkpoint and metrics are those of iteration 2, and nothing is sampled from older
     weights for iteration 3 (k = 1: it needs version 2)."""
     trainer = small_trainer(tmp_path, iterations=6, max_staleness=1, export_final=False)
-    take, calls = trainer.snapshots.take, []
+    take, calls = trainer.pipelined.snapshots.take, []
 
     def failing(train):
         calls.append(1)
@@ -116,7 +116,7 @@ def test_a_failed_snapshot_refuses_every_later_sample(tmp_path):
             raise RuntimeError("device to device copy failed (injected)")
         return take(train)
 
-    trainer.snapshots.take = failing
+    trainer.pipelined.snapshots.take = failing
     with pytest.raises(jaxppo.RunError, match=r"iteration 2: the parameters of iteration 2 could not be handed to "
                                                r"the sampler \(RuntimeError: device to device copy failed"):
         trainer.train()

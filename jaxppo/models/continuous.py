@@ -181,8 +181,10 @@ def _recompute_jit(model, params, reqs, version, slots: _Slots, out: _Out, *, st
     prompt_positions = default_positions(reqs.prompt_mask[rows])
     positions = jnp.concatenate([prompt_positions, reqs.first_position[rows][:, None] + jnp.arange(r)[None]], axis=1)
     cache = model.init_cache(ids.shape[0], q + r)
-    logits, cache = model.decode_at(params, ids, slots.kv_mask, cap_positions(model, positions), cache, 0,
-                                    at=q + slots.t - 1)  # the last fed token: the last prompt token when t = 0
+    hidden, _, cache = model.module.apply(params, ids, slots.kv_mask, cap_positions(model, positions), cache, 0,
+                                          return_hidden=True)
+    at = q + slots.t - 1  # each row's last fed token: its last prompt token when it has sampled none
+    logits = model.lm_head(params).logits(jnp.take_along_axis(hidden, at[:, None, None], axis=1))[:, 0]
     keep = lambda new, old: jnp.where(slots.active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
     return slots._replace(cache=_where_rows(model, slots.active, cache, slots.cache),
                           next_logits=keep(logits.astype(slots.next_logits.dtype), slots.next_logits),

@@ -328,16 +328,6 @@ class Model:
         logits, _, cache = self.module.apply(params, input_ids, attention_mask, positions, cache, cache_index)
         return logits, cache
 
-    def decode_at(self, params, input_ids, attention_mask, positions, cache, cache_index, at):
-        """`decode` with the LM head at one query position per row, `at` (B,): (logits
-        (B, V), cache)."""
-        if not self.is_causal_lm:
-            raise ValueError(f"decode needs a causal LM; this model's kind is {self.kind!r}")
-        hidden, _, cache = self.module.apply(params, input_ids, attention_mask, positions, cache, cache_index,
-                                             return_hidden=True)
-        rows = jnp.take_along_axis(hidden, jnp.asarray(at)[:, None, None], axis=1)
-        return self.lm_head(params).logits(rows)[:, 0], cache
-
 
 @dataclasses.dataclass(frozen=True)
 class PolicyAndCritic:

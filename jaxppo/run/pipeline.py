@@ -49,7 +49,7 @@ from jaxppo.errors import RunError
 from jaxppo.rollout import dynamic
 from jaxppo.rollout.prompts import prompt_batch
 
-__all__ = ["version_of", "Snapshots", "SamplerView", "Pipeline", "initial_behind", "advance", "staleness_metrics",
+__all__ = ["version_of", "Snapshots", "SamplerView", "Pipeline", "Pipelined", "initial_behind", "advance", "staleness_metrics",
            "to_mesh"]
 
 
@@ -259,6 +259,67 @@ class Pipeline:
 
 class _Failed(NamedTuple):
     error: BaseException
+
+
+class Pipelined:
+    """A trainer's side of pipelined iterations: the snapshots, the producer (started at
+    the first iteration taken, again after `close`), the hand-over of each new version.
+
+    Args: the trainer's `Collector`, prompt table, mesh (None: one device), the sampler's
+    mesh (None: shared), the staleness bound k, the run's length, and its initial
+    `TrainState` (for the frozen parameters a snapshot leaves out)."""
+
+    def __init__(self, collector, table, mesh, sampler_mesh, k: int, end: int, train):
+        self.collector, self.table, self.mesh, self.sampler_mesh, self.k, self.end = (collector, table, mesh,
+                                                                                      sampler_mesh, k, end)
+        self.snapshots = Snapshots.for_state(train, sampler_mesh)
+        self.pipeline, self.latest, self.push_error = None, None, None
+
+    def initial(self, run):
+        """The run state at iteration 0 with its snapshots (version 0, k times)."""
+        return run.replace(behind=initial_behind(self.snapshots.take(run.train), self.k))
+
+    def take(self, run) -> dynamic.Collected:
+        """Iteration `run.iteration`'s collected batch, its metrics extended by the
+        staleness ones. A version that could not be handed over stops the run here."""
+        it = run.iteration
+        if self.push_error is not None:
+            error = self.push_error
+            raise RunError(f"iteration {it}: the parameters of iteration {it} could not be handed to the sampler "
+                           f"({type(error).__name__}: {error}); nothing is sampled from older ones. The checkpoint "
+                           "and metrics up to here are intact: run again to resume") from error
+        if self.pipeline is None or self.pipeline.closed:
+            collector, after = self.collector, None
+            if self.sampler_mesh is not None:
+                collector = dataclasses.replace(collector, mesh=self.sampler_mesh)
+                after = functools.partial(to_mesh, table=self.table, mesh=self.mesh)
+            self.latest = self.snapshots.take(run.train)
+            self.pipeline = Pipeline(collector, run, self.k, self.end, self.snapshots, self.latest, after)
+        collected, version, tokens = self.pipeline.take(it)
+        metrics = {**collected.metrics, **staleness_metrics(it, version, tokens, collected.gen.mask)}
+        return collected._replace(metrics=metrics)
+
+    def advance(self, run, new_run):
+        """`new_run` (after `run`'s update) holding the version of `run`'s iteration in
+        `behind`: the snapshot the sampler had."""
+        return new_run.replace(behind=advance(run.behind, self.latest))
+
+    def push(self, run):
+        """After an iteration's update is dispatched: copy the new parameters of `run` (the
+        next version; before the next update donates them) and hand them to the sampler.
+        A failure is kept and raised by the next `take`, before any work of its iteration:
+        the sampler never samples past the versions it got, and the iteration just run
+        keeps its metrics line and checkpoint."""
+        try:
+            self.latest = self.snapshots.take(run.train)
+            self.pipeline.publish(run.iteration, self.latest)
+        except Exception as error:
+            self.push_error = error
+
+    def close(self):
+        if self.pipeline is not None:
+            self.pipeline.close()
+        self.push_error = None
 
 
 def staleness_metrics(iteration: int, version: int, token_versions=None, mask=None) -> dict:

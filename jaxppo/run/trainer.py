@@ -23,7 +23,6 @@ runs one iteration.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import time
@@ -172,11 +171,11 @@ class Trainer(resume.Resumable):
         self.train_step = stages.update_step(make_step, config)
         self.collector = Collector(config, trainer_config, self.spec, self.table, tokenizer, self.host_rewards,
                                    self.environment, self.engine, self.mesh)
-        self.pipeline, self.snapshots, self._push_error = None, None, None
+        self.pipelined = None
         if trainer_config.max_staleness:
-            self.snapshots = pipelining.Snapshots.for_state(self.run.train, self.sampler_mesh)
-            self.run = self.run.replace(behind=pipelining.initial_behind(self.snapshots.take(self.run.train),
-                                                                         trainer_config.max_staleness))
+            self.pipelined = pipelining.Pipelined(self.collector, self.table, self.mesh, self.sampler_mesh,
+                                                  trainer_config.max_staleness, self.iterations, self.run.train)
+            self.run = self.pipelined.initial(self.run)
         self.history, self.last_samples, self._warned_unknown = [], None, False
         self.description = {**built.description, "reward": self.rewards.describe(self.reward_model, dtype),
                           "tokenizer": {"class": type(tokenizer).__name__, "size": len(tokenizer)},
@@ -213,14 +212,8 @@ class Trainer(resume.Resumable):
         k_sample, k_train = run.iteration_keys(it)
         t0 = time.perf_counter()
         self.precompile()  # where train() has not started it already
-        if self._push_error is not None:
-            raise RunError(f"iteration {it}: the parameters of iteration {it} could not be handed to the sampler "
-                           f"({type(self._push_error).__name__}: {self._push_error}); nothing is sampled from "
-                           "older ones. The checkpoint and metrics up to here are intact: run again to resume"
-                           ) from self._push_error
-        if self.tc.max_staleness:  # sampled ahead by the pipeline's producer, from version max(0, it - k)
-            (batch, gen, episodes, scores, extra, consumed), version, tokens = self._pipeline().take(it)
-            extra = {**extra, **pipelining.staleness_metrics(it, version, tokens, gen.mask)}
+        if self.pipelined is not None:  # sampled ahead by the producer, from version max(0, it - k)
+            batch, gen, episodes, scores, extra, consumed = self.pipelined.take(run)
         else:
             batch, gen, episodes, scores, extra, consumed = self.collector.collect(run, it, k_sample)
         self._warn_unknown(it, scores.unknown_tokens)
@@ -234,12 +227,12 @@ class Trainer(resume.Resumable):
 
         def finish():
             new_run, device = stages.update(run, built, k_train, self.train_step, self.config)
-            new_run = self._advance(run, new_run.replace(prompts_consumed=consumed))
+            new_run = _advance(self.pipelined, run, new_run.replace(prompts_consumed=consumed))
             host = jax.device_get(device)  # every metric of the iteration in one transfer
             host.update({**(episodes.metrics if episodes is not None else {}), **extra})
             t3 = time.perf_counter()
             self.run, self.last_samples = new_run, (batch.rows, gen)
-            self._push()
+            self.pipelined and self.pipelined.push(self.run)
             return report.iteration_metrics(self, it, host, built.raw_scores, scores.per_function, built.model_scores,
                                             (t0, t1, t2, t3))
 
@@ -255,9 +248,9 @@ class Trainer(resume.Resumable):
                       RuntimeWarning, stacklevel=4)
 
         def finish():
-            self.run = self._advance(self.run, stages.skip(self.run).replace(prompts_consumed=consumed))
+            self.run = _advance(self.pipelined, self.run, stages.skip(self.run).replace(prompts_consumed=consumed))
             self.last_samples = (batch.rows, gen)
-            self._push()
+            self.pipelined and self.pipelined.push(self.run)
             return {"iteration": it, "episode": (it + 1) * self.config.batch_size, "ppo/updates_applied": 0,
                     "ppo/updates_total": int(self.state.step), "objective/nonfinite_score_rows": int(bad.size),
                     "objective/skipped_nonfinite_scores": self.skipped_iterations,
@@ -265,43 +258,11 @@ class Trainer(resume.Resumable):
 
         return finish
 
-    def _pipeline(self) -> pipelining.Pipeline:
-        """The producer sampling ahead (started at the first pipelined iteration)."""
-        if self.pipeline is None or self.pipeline.closed:
-            collector, after = self.collector, None
-            if self.sampler_mesh is not None:
-                collector = dataclasses.replace(collector, mesh=self.sampler_mesh)
-                after = functools.partial(pipelining.to_mesh, table=self.table, mesh=self.mesh)
-            self._latest = self.snapshots.take(self.run.train)
-            self.pipeline = pipelining.Pipeline(collector, self.run, self.tc.max_staleness, self.iterations,
-                                                self.snapshots, self._latest, after)
-        return self.pipeline
-
-    def _advance(self, run, new_run):
-        """With pipelined iterations, `new_run` holding the version of this iteration in
-        `behind` (the snapshot the sampler had); else `new_run` as it is."""
-        return new_run.replace(behind=pipelining.advance(run.behind, self._latest)) if self.tc.max_staleness else new_run
-
-    def _push(self):
-        """With pipelined iterations, after an iteration's update is dispatched: copy the new
-        parameters (the next version; before the next update donates them) and hand them to
-        the sampler. A failure is kept and raised by the next iteration before any of its
-        work: the sampler never samples past the versions it got, and the iteration just
-        run keeps its metrics line and checkpoint."""
-        if not self.tc.max_staleness:
-            return
-        try:
-            self._latest = self.snapshots.take(self.run.train)
-            self.pipeline.publish(self.run.iteration, self._latest)
-        except Exception as error:
-            self._push_error = error
-
     def close(self):
         """Stop the producer of pipelined iterations (if any; `train()` does at its end); a
         later iteration starts a new one from the trainer's state."""
-        if self.pipeline is not None:
-            self.pipeline.close()
-        self._push_error = None
+        if self.pipelined is not None:
+            self.pipelined.close()
 
     def precompile(self):
         """Start the update's compile in the background (once: see `stages.precompile`), so
@@ -367,6 +328,10 @@ class Trainer(resume.Resumable):
 
 
 PPOTrainer = Trainer  # the documented name since 0.1: the same class, for PPO and every critic-free method
+
+
+def _advance(pipelined, run, new_run):
+    return new_run if pipelined is None else pipelined.advance(run, new_run)
 
 
 def _check_settings(config: PPOConfig, tc: TrainerConfig, rewards, environment, mesh):
