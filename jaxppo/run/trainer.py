@@ -223,7 +223,7 @@ class Trainer(resume.Resumable):
         t2 = time.perf_counter()
         bad = stages.bad_rows(built)
         if bad.size:
-            return self._skipping(it, batch, gen, built, bad, t0, consumed)
+            return _skipping(self, it, batch, gen, built, bad, t0, consumed)
 
         def finish():
             new_run, device = stages.update(run, built, k_train, self.train_step, self.config)
@@ -235,26 +235,6 @@ class Trainer(resume.Resumable):
             self.pipelined and self.pipelined.push(self.run)
             return report.iteration_metrics(self, it, host, built.raw_scores, scores.per_function, built.model_scores,
                                             (t0, t1, t2, t3))
-
-        return finish
-
-    def _skipping(self, it, batch, gen, built, bad, t0, consumed):
-        """Non-finite scores: a `RewardError` (nothing updated), or with
-        skip_nonfinite_scores a `finish` that skips the iteration (`jaxppo.run.stages.skip`)."""
-        source = self.rewards.source()
-        if not self.tc.skip_nonfinite_scores:
-            raise stages.nonfinite_error(it, source, built, bad, [self.table.texts[r] for r in batch.rows])
-        warnings.warn(f"iteration {it} skipped: {source} gave non-finite scores at rows {bad[:5].tolist()}",
-                      RuntimeWarning, stacklevel=4)
-
-        def finish():
-            self.run = _advance(self.pipelined, self.run, stages.skip(self.run).replace(prompts_consumed=consumed))
-            self.last_samples = (batch.rows, gen)
-            self.pipelined and self.pipelined.push(self.run)
-            return {"iteration": it, "episode": (it + 1) * self.config.batch_size, "ppo/updates_applied": 0,
-                    "ppo/updates_total": int(self.state.step), "objective/nonfinite_score_rows": int(bad.size),
-                    "objective/skipped_nonfinite_scores": self.skipped_iterations,
-                    "time/generation": time.perf_counter() - t0}
 
         return finish
 
@@ -328,6 +308,27 @@ class Trainer(resume.Resumable):
 
 
 PPOTrainer = Trainer  # the documented name since 0.1: the same class, for PPO and every critic-free method
+
+
+def _skipping(trainer, it, batch, gen, built, bad, t0, consumed):
+    """An iteration of `trainer` with non-finite scores: a `RewardError` (nothing updated),
+    or with skip_nonfinite_scores a `finish` that skips the iteration (`jaxppo.run.stages.skip`)."""
+    source = trainer.rewards.source()
+    if not trainer.tc.skip_nonfinite_scores:
+        raise stages.nonfinite_error(it, source, built, bad, [trainer.table.texts[r] for r in batch.rows])
+    warnings.warn(f"iteration {it} skipped: {source} gave non-finite scores at rows {bad[:5].tolist()}",
+                  RuntimeWarning, stacklevel=4)
+
+    def finish():
+        trainer.run = _advance(trainer.pipelined, trainer.run, stages.skip(trainer.run).replace(prompts_consumed=consumed))
+        trainer.last_samples = (batch.rows, gen)
+        trainer.pipelined and trainer.pipelined.push(trainer.run)
+        return {"iteration": it, "episode": (it + 1) * trainer.config.batch_size, "ppo/updates_applied": 0,
+                "ppo/updates_total": int(trainer.state.step), "objective/nonfinite_score_rows": int(bad.size),
+                "objective/skipped_nonfinite_scores": trainer.skipped_iterations,
+                "time/generation": time.perf_counter() - t0}
+
+    return finish
 
 
 def _advance(pipelined, run, new_run):
