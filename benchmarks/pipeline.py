@@ -3,15 +3,17 @@ loop, with host work comparable to the device's, CPU, back to back in one run.
 
     python benchmarks/pipeline.py                        # GRPO, 0.3 s reward, k = 0, 1, 2
     python benchmarks/pipeline.py --seeds 3 --iterations 40   # learning curves too
-    python benchmarks/pipeline.py --case multiturn       # an environment with latency
+    python benchmarks/pipeline.py --case multiturn --episodes 64 --response 36   # an environment with latency
     python benchmarks/pipeline.py --model ~/.cache/jaxppo/fixtures/smollm2-135m-instruct \
         --episodes 16 --iterations 5 --seeds 1           # a real model (`jaxppo-fixture`)
 
-"grpo": GRPO on the demo's tiny GPT-2-layout policy (byte vocabulary), 16 prompts x 4
-completions of 32 tokens, 4 epochs of mini-batches of 16; the reward is the demo's
-lowercase count computed after `--reward-seconds` (0.3) of host time per batch (a stand-in
-for a sandbox or a judge). "multiturn": the same policy in episodes of 3 turns of 12
-tokens, each environment step taking `--step-seconds` (0.05) on the host.
+"grpo": GRPO on the demo's tiny GPT-2-layout policy (byte vocabulary), `--episodes` (128)
+completions in groups of 4, 32 tokens each, 4 epochs of mini-batches of 16; the reward is
+the demo's lowercase count computed after `--reward-seconds` (0.3) of host time per batch
+(a stand-in for a sandbox or a judge; on this 2-core CPU about the device's time per
+iteration at 128 completions). "multiturn": the same policy in episodes of 3 turns of
+`--response / 3` tokens, each environment step taking `--step-seconds` (0.05) on the host
+(the environments of a batch step in parallel threads).
 
 Reported per staleness bound k: median seconds per iteration after the first two (which
 compile), iterations per second relative to k = 0, the mean reward of the first and last
@@ -66,7 +68,7 @@ def run(args, k: int, seed: int, directory: str):
     settings = dict(iterations=args.iterations, query_length=32 if model else 16, response_length=args.response,
                     learning_rate=args.learning_rate, output_dir=f"{directory}/k{k}-s{seed}", progress=False,
                     export_final=False, plot=False, tensorboard=False, sample_every=0, truncate_prompts=True,
-                    log_every=10**9, seed=seed, max_staleness=k)
+                    log_every=10**9, seed=seed, max_staleness=k, old_logprobs=args.old_logprobs)
     trainer_args = dict(policy=policy, tokenizer=tokenizer, prompts=demo.DEMO_PROMPTS[:max(groups, 1) * 4])
     if args.case == "multiturn":
         Slow.seconds = args.step_seconds
@@ -96,9 +98,11 @@ def main():
     parser.add_argument("--iterations", type=int, default=12)
     parser.add_argument("--episodes", type=int, default=128)
     parser.add_argument("--response", type=int, default=32)
-    parser.add_argument("--learning-rate", type=float, default=3e-4)
+    parser.add_argument("--learning-rate", type=float, default=1e-4)
     parser.add_argument("--reward-seconds", type=float, default=0.3)
     parser.add_argument("--step-seconds", type=float, default=0.05)
+    parser.add_argument("--old-logprobs", choices=["auto", "sampler", "recompute"], default="auto",
+                        help="TrainerConfig.old_logprobs (auto: the sampler's at k = 0, recomputed at k >= 1)")
     args = parser.parse_args()
     results = {k: [] for k in args.staleness}
     with tempfile.TemporaryDirectory() as directory:
@@ -117,7 +121,7 @@ def main():
                                                               f"{min(r['last'] for r in runs):.3f}",
                       "staleness max": max(r["staleness"] for r in runs)})
     what = f"{args.model or 'demo policy'}, {args.case}, {args.episodes} episodes, {args.seeds} seed(s), " \
-           f"{args.iterations} iterations"
+           f"{args.iterations} iterations, old_logprobs {args.old_logprobs}, learning rate {args.learning_rate}"
     print(f"\n{what}\n")
     print_markdown(list(table[0]), [list(row.values()) for row in table])
 

@@ -146,6 +146,26 @@ def test_a_reward_error_stops_the_run_at_its_own_iteration(tmp_path):
     assert trainer.iteration == 2 and [r["iteration"] for r in trainer.history] == [0, 1]
 
 
+def test_a_skipped_iteration_hands_on_its_unchanged_parameters(tmp_path):
+    """skip_nonfinite_scores under a pipeline: iteration 1's scores are NaN (scored in the
+    producer), so it is skipped without an update; the run goes on, sampling iteration 2
+    from version 1 and iteration 3 from version 2 (the same parameters: nothing changed)."""
+    calls = []
+
+    def reward(prompts, responses):
+        calls.append(1)
+        scores = demo.lowercase_reward(prompts, responses)
+        return [float("nan")] * len(scores) if len(calls) == 2 else scores
+
+    trainer = small_trainer(tmp_path, iterations=4, max_staleness=1, export_final=False, reward_fn=reward,
+                            skip_nonfinite_scores=True)
+    with pytest.warns(RuntimeWarning, match="iteration 1 skipped"):
+        rows = trainer.train()
+    assert [r["ppo/updates_applied"] for r in rows] == [4, 0, 4, 4]
+    assert [rows[i]["rollout/policy_version"] for i in (0, 2, 3)] == [0, 1, 2]
+    assert trainer.skipped_iterations == 1 and trainer_sampled(trainer) == [(0, 0), (1, 0), (2, 1), (3, 2)]
+
+
 def test_split_mesh_matches_one_device(tmp_path):
     """sampler_devices=4 of 8: the sampler on a mesh of its own, the trainer on the other
     four, snapshots moved device to device; the same metrics and parameters as one device

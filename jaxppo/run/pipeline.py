@@ -2,21 +2,24 @@
 iteration i trains, from parameters at most `max_staleness` iterations old.
 
 With staleness bound k >= 1 (`TrainerConfig.max_staleness`), iteration i's rollout is
-sampled from the policy of *version* `max(0, i - k)`: the parameters after that many
-iterations, before that iteration's update. The version is a fixed function of i, not of
+sampled from the policy of *version* `max(0, i - k)`: version v is the parameters after v
+iterations (those iteration v trains). The version is a fixed function of i, not of
 timing, so a pipelined run is deterministic: the same seed gives the same metrics however
 the threads interleave, and a resumed run repeats the uninterrupted one. Every iteration is
 exactly k iterations stale once i >= k (fewer before), never more (`rollout/staleness_*`).
 
-The work splits in two threads:
+Three threads share the work:
 
-    producer (this module's `Pipeline`):  for j = i0, i0 + 1, ...
-        wait for version max(0, j - k); select prompts, sample, decode, run the reward
-        functions or environments (and dynamic sampling's rounds) -> iteration j's batch
-    trainer (the main thread):             for i = i0, i0 + 1, ...
-        take iteration i's batch; snapshot version i (a copy of the trained parameters,
-        before the update donates them) and publish it to the producer; build the rollout
-        (old log-probs recomputed from the current parameters), update, log, checkpoint
+    sampler (`Pipeline`):   for j = i0, i0 + 1, ...: wait for version max(0, j - k); select
+                            prompts and sample on the device (with dynamic sampling or an
+                            environment: the whole collection, rounds and episodes)
+    scorer (`Pipeline`):    decode iteration j's samples, run the reward functions, move the
+                            batch to the trainer's mesh
+    trainer (main thread):  for i = i0, i0 + 1, ...: take iteration i's batch, build the
+                            rollout (old log-probs recomputed from the current parameters),
+                            update; then copy the new parameters (the next version, before
+                            the next update donates them) for the sampler (`Pipelined`);
+                            metrics, logs, checkpoints
 
 so host work (rewards, environments, tokenisation, decoding) and the sampler's device work
 for later iterations run while the device trains, and the trainer's host work (metrics,
@@ -32,6 +35,11 @@ The k snapshots still to be sampled from are part of the run state (`RunState.be
 of its checkpoints. With `TrainerConfig.sampler_devices` n, the last n devices form a mesh
 of their own: snapshots are moved there device to device as they are taken, the sampler
 runs there, and the sampled batch is moved back to the trainer's mesh.
+
+In-flight updates (`TrainerConfig.inflight_updates`, the continuous-batching engine): the
+sampler also takes newer versions (at most the iteration's own) between decode steps
+(`SamplerView.source`); each token's version is recorded, and such a run is no longer a
+fixed function of the seed.
 """
 
 from __future__ import annotations
@@ -49,8 +57,8 @@ from jaxppo.errors import RunError
 from jaxppo.rollout import dynamic
 from jaxppo.rollout.prompts import prompt_batch
 
-__all__ = ["version_of", "Snapshots", "SamplerView", "Pipeline", "Pipelined", "initial_behind", "advance", "staleness_metrics",
-           "to_mesh"]
+__all__ = ["version_of", "Snapshots", "SamplerView", "Pipeline", "Pipelined", "initial_behind", "advance",
+           "staleness_metrics", "to_mesh"]
 
 
 def version_of(iteration: int, k: int) -> int:
@@ -133,16 +141,20 @@ class Pipeline:
       latest: the snapshot of the run's own parameters (the version of its iteration).
       after: applied to each collected batch by the scorer (moving it to the trainer's
         mesh), or None.
+      device_lock: where sampler and trainer share devices, a lock the sampler holds while
+        its samples are computed (and the trainer while it scores and updates), so that
+        the device runs one of them at a time (see `Pipelined`); None: no lock.
     """
 
     def __init__(self, collector, run, k: int, end: int, snapshots: Snapshots, latest,
-                 after: Optional[Callable] = None):
+                 after: Optional[Callable] = None, device_lock=None):
         if k < 1:
             raise ValueError(f"a pipeline needs max_staleness >= 1, got {k}")
         if run.behind is None or len(run.behind) != k:
             raise ValueError(f"the run state holds {None if run.behind is None else len(run.behind)} snapshots; a "
                              f"pipeline with max_staleness={k} needs {k}")
         self.collector, self.k, self.end, self.snapshots, self.after = collector, k, end, snapshots, after
+        self.device_lock = device_lock
         self.start = run.iteration
         self._cond = threading.Condition()
         self._versions = {max(0, self.start - k + s): snap for s, snap in enumerate(run.behind)}
@@ -225,7 +237,10 @@ class Pipeline:
                                prompts_consumed=consumed, behind=None)
             key = run.iteration_keys(j)[0]
             try:
-                if staged:  # the scorer decodes and scores while the next iteration samples
+                if staged and self.device_lock is not None:  # the device's work one program at a time
+                    with self.device_lock:
+                        work = jax.block_until_ready(self.collector.sample_stage(view, j, key))
+                elif staged:  # the scorer decodes and scores while the next iteration samples
                     work = self.collector.sample_stage(view, j, key)
                 else:
                     work = self.collector.collect(view, j, key)
@@ -264,6 +279,10 @@ class _Failed(NamedTuple):
 class Pipelined:
     """A trainer's side of pipelined iterations: the snapshots, the producer (started at
     the first iteration taken, again after `close`), the hand-over of each new version.
+    Where the sampler shares the trainer's devices, the trainer holds the device lock from
+    `take` (scoring and update) to `push` (the new version copied), and the sampler while
+    its samples are computed: the device's work one program at a time, the host's
+    (rewards, decoding, logging) beside it.
 
     Args: the trainer's `Collector`, prompt table, mesh (None: one device), the sampler's
     mesh (None: shared), the staleness bound k, the run's length, and its initial
@@ -274,6 +293,13 @@ class Pipelined:
                                                                                       sampler_mesh, k, end)
         self.snapshots = Snapshots.for_state(train, sampler_mesh)
         self.pipeline, self.latest, self.push_error = None, None, None
+        # Sampler and trainer on the same devices: their device work one program at a time.
+        # XLA:CPU runs two programs at once on the same cores, each with a full thread pool
+        # (measured on SmolLM2-135M: 0.89x the synchronous loop's speed that way); on an
+        # accelerator a device runs one program at a time anyway. A split mesh overlaps, and
+        # in-flight updates need the trainer to update while a generation runs.
+        self.device_lock = threading.Lock() if sampler_mesh is None and not collector.tc.inflight_updates else None
+        self.holding = False
 
     def initial(self, run):
         """The run state at iteration 0 with its snapshots (version 0, k times)."""
@@ -294,8 +320,10 @@ class Pipelined:
                 collector = dataclasses.replace(collector, mesh=self.sampler_mesh)
                 after = functools.partial(to_mesh, table=self.table, mesh=self.mesh)
             self.latest = self.snapshots.take(run.train)
-            self.pipeline = Pipeline(collector, run, self.k, self.end, self.snapshots, self.latest, after)
+            self.pipeline = Pipeline(collector, run, self.k, self.end, self.snapshots, self.latest, after,
+                                     self.device_lock)
         collected, version, tokens = self.pipeline.take(it)
+        self._hold()
         metrics = {**collected.metrics, **staleness_metrics(it, version, tokens, collected.gen.mask)}
         return collected._replace(metrics=metrics)
 
@@ -311,15 +339,31 @@ class Pipelined:
         the sampler never samples past the versions it got, and the iteration just run
         keeps its metrics line and checkpoint."""
         try:
-            self.latest = self.snapshots.take(run.train)
+            try:
+                self.latest = self.snapshots.take(run.train)
+                if self.holding:
+                    jax.block_until_ready(self.latest)
+            finally:
+                self._release()
             self.pipeline.publish(run.iteration, self.latest)
         except Exception as error:
             self.push_error = error
 
     def close(self):
+        self._release()
         if self.pipeline is not None:
             self.pipeline.close()
         self.push_error = None
+
+    def _hold(self):
+        if self.device_lock is not None and not self.holding:
+            self.device_lock.acquire()
+            self.holding = True
+
+    def _release(self):
+        if self.holding:
+            self.holding = False
+            self.device_lock.release()
 
 
 def staleness_metrics(iteration: int, version: int, token_versions=None, mask=None) -> dict:
