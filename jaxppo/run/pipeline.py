@@ -187,6 +187,12 @@ class Pipeline:
                 return self._ready.pop(iteration)
             raise self._error
 
+    def wait_sampled(self, iteration: int):
+        """Wait until the sampler has sampled `iteration` (or stopped, or failed)."""
+        with self._cond:
+            while (not self.sampled or self.sampled[-1][0] < iteration) and self._error is None and not self._stop:
+                self._cond.wait()
+
     @property
     def closed(self) -> bool:
         return self._stop
@@ -250,6 +256,7 @@ class Pipeline:
                 return
             with self._cond:
                 self.sampled.append((j, version))
+                self._cond.notify_all()
             self._handoff.put((j, version, work))
         self._handoff.put(None)
 
@@ -323,6 +330,11 @@ class Pipelined:
             self.pipeline = Pipeline(collector, run, self.k, self.end, self.snapshots, self.latest, after,
                                      self.device_lock)
         collected, version, tokens = self.pipeline.take(it)
+        if self.device_lock is not None and self.collector.staged:
+            # The device's turn order: the samples every published version allows first (the
+            # next iteration's reward functions then run while this one trains), then the
+            # update.
+            self.pipeline.wait_sampled(min(it + self.k, self.end - 1))
         self._hold()
         metrics = {**collected.metrics, **staleness_metrics(it, version, tokens, collected.gen.mask)}
         return collected._replace(metrics=metrics)

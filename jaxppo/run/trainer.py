@@ -320,7 +320,8 @@ def _skipping(trainer, it, batch, gen, built, bad, t0, consumed):
                   RuntimeWarning, stacklevel=4)
 
     def finish():
-        trainer.run = _advance(trainer.pipelined, trainer.run, stages.skip(trainer.run).replace(prompts_consumed=consumed))
+        skipped = stages.skip(trainer.run).replace(prompts_consumed=consumed)
+        trainer.run = _advance(trainer.pipelined, trainer.run, skipped)
         trainer.last_samples = (batch.rows, gen)
         trainer.pipelined and trainer.pipelined.push(trainer.run)
         return {"iteration": it, "episode": (it + 1) * trainer.config.batch_size, "ppo/updates_applied": 0,
