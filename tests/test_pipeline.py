@@ -13,6 +13,7 @@ import pytest
 import jaxppo
 import jaxppo.models as jm
 from jaxppo import demo
+from jaxppo.rollout.environments import StepResult
 from jaxppo.run import stages
 from jaxppo.run.pipeline import Pipeline, version_of
 
@@ -29,12 +30,27 @@ def scripted(prompts, completions):
             for p, c in zip(prompts, completions)]
 
 
+class TwoTurns:
+    """A two-turn episode: an observation after the first turn, the lowercase score after
+    the second."""
+
+    def reset(self, prompt):
+        self.turns = 0
+
+    def step(self, completion):
+        self.turns += 1
+        return StepResult(" ok" if self.turns == 1 else None, demo.lowercase_reward([None], [completion])[0],
+                          self.turns == 2)
+
+
 CASES = {  # name: (max_staleness, trainer settings)
     "ppo-k1": (1, dict()),
     "grpo-lora-k1": (1, dict(ppo=jaxppo.PPOConfig.for_algorithm("grpo", **GRPO),
                              lora=jm.LoraConfig(rank=4, alpha=8, targets="all-linear"))),
     "grpo-dynamic-k2": (2, dict(ppo=jaxppo.PPOConfig.for_algorithm("grpo", **GRPO), reward_fn=scripted,
                                 dynamic_sampling=True)),
+    "grpo-environment-k1": (1, dict(ppo=jaxppo.PPOConfig.for_algorithm("grpo", **GRPO), environment=TwoTurns,
+                                    reward_fn=None, response_length=10, turn_length=4, max_turns=2, max_len=48)),
 }
 
 
