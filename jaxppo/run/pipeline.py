@@ -53,6 +53,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
+from jaxppo import sharding
 from jaxppo.errors import RunError
 from jaxppo.rollout import dynamic
 from jaxppo.rollout.prompts import prompt_batch
@@ -104,8 +105,6 @@ class Snapshots:
 def _copy(tree, mesh=None):
     """A copy of `tree` in fresh buffers (sharded over `mesh`, on its devices, when given)."""
     if mesh is not None:
-        from jaxppo import sharding
-
         return jax.device_put(tree, sharding.tree_shardings(tree, mesh))
     return jax.tree.map(jnp.copy, tree)
 
@@ -157,7 +156,7 @@ class Pipeline:
         self.device_lock = device_lock
         self.start = run.iteration
         self._cond = threading.Condition()
-        self._versions = {max(0, self.start - k + s): snap for s, snap in enumerate(run.behind)}
+        self._versions = {version_of(self.start + s, k): snap for s, snap in enumerate(run.behind)}
         self._versions[self.start] = latest
         self._ready, self._error, self._stop = {}, None, False
         self._handoff = queue.Queue()
@@ -385,10 +384,8 @@ def staleness_metrics(iteration: int, version: int, token_versions=None, mask=No
     if token_versions is None:
         return {"rollout/policy_version": version, "rollout/staleness_mean": iteration - version,
                 "rollout/staleness_max": iteration - version}
-    from jaxppo.sharding import to_host
-
-    real = to_host(mask) > 0
-    versions = to_host(token_versions)[real]
+    real = sharding.to_host(mask) > 0
+    versions = sharding.to_host(token_versions)[real]
     if not versions.size:
         return staleness_metrics(iteration, version)
     return {"rollout/policy_version": int(versions.min()), "rollout/staleness_mean": float(iteration - versions.mean()),
@@ -398,8 +395,6 @@ def staleness_metrics(iteration: int, version: int, token_versions=None, mask=No
 def to_mesh(collected: dynamic.Collected, table, mesh) -> dynamic.Collected:
     """A batch sampled on the sampler's mesh, moved to the trainer's `mesh`: the prompts
     placed again from the host table, the sampled arrays device to device."""
-    from jaxppo import sharding
-
     target = sharding.batch_sharding(mesh)
     gen = jax.tree.map(lambda x: jax.device_put(x, target), collected.gen)
     episodes = collected.episodes
