@@ -38,13 +38,16 @@ def tiny_config(**changes):
     return jm.ModelConfig(**{**base, **changes})
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def engine_and_model():
     """A policy with a value head on its trunk, in the scanned layout: what vLLM gets is
-    the causal LM alone, its layers unstacked."""
+    the causal LM alone, its layers unstacked. Closed after the class's tests (one engine
+    may be open in a process at a time), before the trainers below start theirs."""
     model = jm.Model(tiny_config(), kind="causal_lm_value", scan_layers=True)
     params = model.init(jax.random.key(0))
-    return vllm_engine.VLLMEngine(model, params, seed=0, max_model_len=Q + R + 4), model, params
+    engine = vllm_engine.VLLMEngine(model, params, seed=0, max_model_len=Q + R + 4)
+    yield engine, model, params
+    engine.close()
 
 
 def prompts():
@@ -65,38 +68,55 @@ def sample_and_score(engine, model, params, stop=(1,)):
     return tokens, logprobs, out_mask, scored
 
 
-def test_vllm_log_probs_equal_the_scoring_pass_and_follow_pushed_weights(engine_and_model):
-    engine, model, params = engine_and_model
-    tokens, logprobs, mask, scored = sample_and_score(engine, model, params)
-    assert np.max(np.abs(logprobs - scored) * mask) < 5e-5
-    new = jax.tree.map(lambda x: x * 1.3, params)
-    engine.push(new, 1)
-    tokens, logprobs, mask, scored_new = sample_and_score(engine, model, new)
-    assert np.max(np.abs(logprobs - scored_new) * mask) < 5e-5
-    # The old weights would not explain these samples: the push changed what vLLM computes.
-    batch = {"query_tokens": jnp.asarray(prompts()[0]), "query_mask": jnp.asarray(prompts()[1]),
-             "response_tokens": jnp.asarray(tokens), "response_mask": jnp.asarray(mask)}
-    old = np.asarray(response_outputs(model.apply, params, batch, 0.8)[0])
-    assert np.max(np.abs(logprobs - old) * mask) > 1e-2
-    engine.push(params, 1)  # the update vLLM already holds: nothing is loaded
-    _, logprobs, mask, still_new = sample_and_score(engine, model, new)
-    assert np.max(np.abs(logprobs - still_new) * mask) < 5e-5
+class TestOneEngine:
+    """The engine's own tests, on one engine (the class's fixture); the failed push last,
+    since vLLM may not recover from a rejected load."""
 
+    def test_vllm_log_probs_equal_the_scoring_pass_and_follow_pushed_weights(self, engine_and_model):
+        engine, model, params = engine_and_model
+        tokens, logprobs, mask, scored = sample_and_score(engine, model, params)
+        assert np.max(np.abs(logprobs - scored) * mask) < 5e-5
+        new = jax.tree.map(lambda x: x * 1.3, params)
+        engine.push(new, 1)
+        tokens, logprobs, mask, scored_new = sample_and_score(engine, model, new)
+        assert np.max(np.abs(logprobs - scored_new) * mask) < 5e-5
+        # The old weights would not explain these samples: the push changed what vLLM computes.
+        batch = {"query_tokens": jnp.asarray(prompts()[0]), "query_mask": jnp.asarray(prompts()[1]),
+                 "response_tokens": jnp.asarray(tokens), "response_mask": jnp.asarray(mask)}
+        old = np.asarray(response_outputs(model.apply, params, batch, 0.8)[0])
+        assert np.max(np.abs(logprobs - old) * mask) > 1e-2
+        engine.push(params, 1)  # the update vLLM already holds: nothing is loaded
+        _, logprobs, mask, still_new = sample_and_score(engine, model, new)
+        assert np.max(np.abs(logprobs - still_new) * mask) < 5e-5
 
-def test_vllm_output_is_laid_out_like_the_built_in_sampler(engine_and_model):
-    """Groups of G rows per prompt, the stop token kept with mask 1, padding after it."""
-    engine, model, params = engine_and_model
-    stop = tuple(range(2, 60))  # about one token in seven stops a row: some rows stop, some run to the budget
-    tokens, logprobs, mask, _ = sample_and_score(engine, model, params, stop=stop)
-    lengths = mask.sum(1)
-    assert np.all(np.diff(mask, axis=1) <= 0)  # a prefix of ones
-    stopped = lengths < R
-    assert stopped.any()
-    assert np.all(np.isin(tokens[stopped, lengths[stopped] - 1], stop))
-    assert np.all(tokens[mask == 0] == 0) and np.all(logprobs[mask == 0] == 0)
-    assert np.all(logprobs[mask == 1] < 0)
-    for row in range(B):  # no stop token before the last real one
-        assert not np.any(np.isin(tokens[row, : lengths[row] - 1], stop))
+    def test_vllm_output_is_laid_out_like_the_built_in_sampler(self, engine_and_model):
+        """Groups of G rows per prompt, the stop token kept with mask 1, padding after it."""
+        engine, model, params = engine_and_model
+        stop = tuple(range(2, 60))  # about one token in seven stops a row: some rows stop, some run to the budget
+        tokens, logprobs, mask, _ = sample_and_score(engine, model, params, stop=stop)
+        lengths = mask.sum(1)
+        assert np.all(np.diff(mask, axis=1) <= 0)  # a prefix of ones
+        stopped = lengths < R
+        assert stopped.any()
+        assert np.all(np.isin(tokens[stopped, lengths[stopped] - 1], stop))
+        assert np.all(tokens[mask == 0] == 0) and np.all(logprobs[mask == 0] == 0)
+        assert np.all(logprobs[mask == 1] < 0)
+        for row in range(B):  # no stop token before the last real one
+            assert not np.any(np.isin(tokens[row, : lengths[row] - 1], stop))
+
+    def test_a_failed_push_is_an_error_and_nothing_samples_after_it(self, engine_and_model):
+        """A push vLLM rejects (a tensor of the wrong shape) is an error naming the update, and
+        no later sample is drawn from whatever vLLM holds after it."""
+        engine, model, params = engine_and_model
+        broken = jax.tree.map(lambda x: x, params)
+        table = broken["params"]["model"]["embed_tokens"]
+        table["embedding"] = table["embedding"][:, :64]  # the wrong width
+        with pytest.raises(RuntimeError, match=r"pushing the policy's weights \(update 7\) into vLLM failed"):
+            engine.push(broken, 7)
+        # vLLM may hold a half-loaded policy now: nothing samples from it. (vLLM's state in this process
+        # may not recover from a rejected load either, so this test runs last.)
+        with pytest.raises(RuntimeError, match="the last weight push into vLLM failed"):
+            sample_and_score(engine, model, params)
 
 
 def test_a_head_size_the_cpu_kernel_lacks_is_refused_before_vllm_starts():
@@ -106,44 +126,69 @@ def test_a_head_size_the_cpu_kernel_lacks_is_refused_before_vllm_starts():
         vllm_engine.VLLMEngine(model, model.init(jax.random.key(0)), seed=0, max_model_len=32)
 
 
-def run_trainer(tmp_path, push=True):
+def vllm_trainer(tmp_path, iterations=2, **settings):
     tokenizer = demo.demo_tokenizer()
     model = jm.Model(tiny_config())
     params = model.init(jax.random.key(1))
     ppo = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=8, mini_batch_size=4, ppo_epochs=1, num_generations=4)
-    tc = jaxppo.TrainerConfig(iterations=2, query_length=32, response_length=8, learning_rate=3e-2,
+    tc = jaxppo.TrainerConfig(iterations=iterations, query_length=32, response_length=8, learning_rate=3e-2,
                               output_dir=str(tmp_path), progress=False, sample_every=0, checkpoint_every=0,
-                              export_final=False, plot=False, tensorboard=False, rollout_engine="vllm")
-    trainer = jaxppo.Trainer(ppo, tc, policy=(model, params), tokenizer=tokenizer, prompts=demo.DEMO_PROMPTS[:8],
-                             reward_fn=demo.lowercase_reward, lora=jm.LoraConfig(rank=4, alpha=8.0))
-    if not push:
-        trainer.engine.push = lambda params, step: None
-    return trainer.train()
+                              export_final=False, plot=False, tensorboard=False, rollout_engine="vllm", **settings)
+    return jaxppo.Trainer(ppo, tc, policy=(model, params), tokenizer=tokenizer, prompts=demo.DEMO_PROMPTS[:8],
+                          reward_fn=demo.lowercase_reward, lora=jm.LoraConfig(rank=4, alpha=8.0))
+
+
+def run_trainer(tmp_path, push=True, iterations=2, **settings):
+    """Train; return the metrics and the update of every push the trainer asked for. The
+    trainer is closed at the end (its engine shut down), as the next one needs."""
+    trainer = vllm_trainer(tmp_path, iterations, **settings)
+    pushed, push_one = [], trainer.engine.push
+    trainer.engine.push = lambda params, step: (pushed.append(step), push and push_one(params, step))
+    try:
+        return trainer.train(), pushed
+    finally:
+        trainer.close()
 
 
 def test_trainer_samples_with_vllm_and_keeps_it_in_step_with_the_updates(tmp_path):
     """GRPO with a LoRA policy sampled by vLLM: the sampler's log-probs equal the scoring
     pass's in every iteration, the second one after the adapters were merged and pushed;
     without the push the second iteration's samples come from stale weights and show it."""
-    history = run_trainer(tmp_path / "pushed")
+    history, _ = run_trainer(tmp_path / "pushed")
     assert [int(r["ppo/updates_applied"]) for r in history] == [2, 2]
     for record in history:
         assert record["sampling/sampling_logp_difference/max"] < 1e-4
-    stale = run_trainer(tmp_path / "stale", push=False)
+    stale, _ = run_trainer(tmp_path / "stale", push=False)
     assert stale[0]["sampling/sampling_logp_difference/max"] < 1e-4
     assert stale[1]["sampling/sampling_logp_difference/max"] > 1e-3
 
 
-def test_a_failed_push_is_an_error_and_nothing_samples_after_it(engine_and_model):
-    """A push vLLM rejects (a tensor of the wrong shape) is an error naming the update, and
-    no later sample is drawn from whatever vLLM holds after it."""
-    engine, model, params = engine_and_model
-    broken = jax.tree.map(lambda x: x, params)
-    table = broken["params"]["model"]["embed_tokens"]
-    table["embedding"] = table["embedding"][:, :64]  # the wrong width
-    with pytest.raises(RuntimeError, match=r"pushing the policy's weights \(update 7\) into vLLM failed"):
-        engine.push(broken, 7)
-    # vLLM may hold a half-loaded policy now: nothing samples from it. (vLLM's state in this process
-    # may not recover from a rejected load either, so this test runs last.)
-    with pytest.raises(RuntimeError, match="the last weight push into vLLM failed"):
-        sample_and_score(engine, model, params)
+def test_one_open_engine_per_process_and_a_closed_trainer_refuses_to_train(tmp_path):
+    """vLLM's parallel state is process-wide and an engine's teardown clears it: while a
+    trainer's engine is open a second one is refused before vLLM starts; `close()` shuts
+    it down, after which the trainer refuses to train and a new engine starts."""
+    trainer = vllm_trainer(tmp_path / "first", iterations=1)
+    try:
+        with pytest.raises(RuntimeError, match=r"another VLLMEngine is open in this process.*Trainer.close\(\)"):
+            vllm_trainer(tmp_path / "second")
+    finally:
+        trainer.close()
+    assert trainer.engine.closed
+    trainer.close()  # a second close is a no-op
+    with pytest.raises(RuntimeError, match=r"this Trainer was closed \(Trainer.close\(\)\)"):
+        trainer.train()
+    assert not (tmp_path / "first" / "metrics.jsonl").exists()  # refused before the run started
+    with pytest.raises(RuntimeError, match="this VLLMEngine was closed"):
+        trainer.engine.generate(*prompts(), num_generations=G, response_length=R, temperature=1.0,
+                                stop_token_ids=(1,), pad_token_id=0)
+
+
+def test_pipelined_iterations_sample_with_vllm_from_the_version_k_behind(tmp_path):
+    """max_staleness=1 with vLLM: the producer thread pushes each version before sampling
+    from it (iteration i from version i - 1); iteration 0's samples are the trained
+    policy's (log-probs equal), later ones a version behind and corrected for."""
+    history, pushed = run_trainer(tmp_path / "pipelined", iterations=3, max_staleness=1)
+    assert pushed == [0, 0, 1]  # the version of each iteration's sampler (0: already in vLLM)
+    assert [r["rollout/staleness_max"] for r in history] == [0, 1, 1]
+    assert history[0]["sampling/sampling_logp_difference/max"] < 1e-4
+    assert history[2]["sampling/sampling_logp_difference/max"] > 1e-3  # version 1 sampled, version 2 trained

@@ -21,10 +21,17 @@ it pulls in, which fail to load). Limits: one process and one device (no mesh, n
 multi-host), single-turn rollouts (no environments), the built-in sampler's settings
 (temperature, stop token, budget); sampling follows vLLM's own seed (`TrainerConfig.seed`),
 so a resumed run does not repeat the uninterrupted run's samples.
+
+One open engine per process: vLLM keeps its parallel groups in process-wide state, and an
+engine's teardown clears them, also under another engine that is starting or running (an
+engine dropped without `close()` is torn down whenever the garbage collector gets to it).
+So `VLLMEngine` collects dropped engines before it starts, refuses to start while another
+is open, and `close()` (`Trainer.close()`) shuts one down at a known point.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import tempfile
@@ -36,6 +43,8 @@ __all__ = ["VLLMEngine", "check_available", "CPU_HEAD_DIMS", "hf_weights"]
 
 # Head sizes the CPU build's attention kernel takes (vLLM 0.32's cpu_attn).
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+
+_OPEN: weakref.WeakSet = weakref.WeakSet()  # the engines started and not closed in this process
 
 
 def check_available():
@@ -100,6 +109,7 @@ class VLLMEngine:
         from jaxppo.models import hf as hf_io
 
         self.model = dataclasses.replace(model, kind="causal_lm")
+        _check_none_open()
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if _on_cpu():
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
@@ -109,12 +119,34 @@ class VLLMEngine:
         self.llm = vllm.LLM(model=self._dir, skip_tokenizer_init=True, dtype=self.model.param_dtype, seed=seed,
                             max_model_len=max_model_len, logprobs_mode="processed_logprobs")
         self.pushed_step = step
+        _OPEN.add(self)
+
+    @property
+    def closed(self) -> bool:
+        return self not in _OPEN
+
+    def close(self):
+        """Shut vLLM down now (its engine, its process-wide parallel state, its memory);
+        nothing samples or loads afterwards. Closing twice is a no-op."""
+        if self.closed:
+            return
+        _OPEN.discard(self)
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if core is not None:
+            core.shutdown()
+        del self.llm
+        gc.collect()
+
+    def _check_open(self):
+        if self.closed:
+            raise RuntimeError("this VLLMEngine was closed (close() or Trainer.close()); start a new one to sample")
 
     def push(self, params, step: int):
         """Load `params` into vLLM (unless `step` is the one already there), then drop
         vLLM's cached prefix blocks. A failed load raises RuntimeError naming the update;
         vLLM may then hold a half-loaded policy, so the engine refuses to sample from then
         on (the run stops before another update; its checkpoints are intact)."""
+        self._check_open()
         if step == self.pushed_step:
             return
         weights = hf_weights(self.model, params)
@@ -135,6 +167,7 @@ class VLLMEngine:
         `jaxppo.generate`'s output (mask 1 up to and including the stop token)."""
         from vllm import SamplingParams
 
+        self._check_open()
         if self.pushed_step is None:
             raise RuntimeError("the last weight push into vLLM failed; it holds no usable policy")
         ids, mask = np.asarray(prompt_ids), np.asarray(prompt_mask)
@@ -171,6 +204,23 @@ class VLLMEngine:
         return GenerationOutput(jnp.asarray(tokens), jnp.asarray(logprobs), jnp.asarray(mask))
 
 
+def _check_none_open():
+    """Refuse to start a second engine while one is open (after collecting the dropped
+    ones, whose teardown would otherwise run in the middle of this one's start)."""
+    gc.collect()
+    if _OPEN:
+        raise RuntimeError("another VLLMEngine is open in this process, and vLLM keeps its parallel state "
+                           "process-wide (one engine's teardown breaks the other): close() it first (for a "
+                           "Trainer with rollout_engine='vllm': Trainer.close()), or drop every reference to it")
+
+
+def check_not_closed(engine):
+    """Refuse to train with a closed engine (`Trainer.close()`), before anything starts."""
+    if engine is not None and engine.closed:
+        raise RuntimeError("this Trainer was closed (Trainer.close()): its vLLM engine is shut down; build a new "
+                           "Trainer to train on")
+
+
 def check_settings(tc, multi_turn: bool, mesh):
     """What the trainer's vLLM engine cannot do, refused before anything starts; then
     whether vLLM can be imported."""
@@ -186,6 +236,7 @@ def check_settings(tc, multi_turn: bool, mesh):
         raise ValueError(f"TrainerConfig.num_slots={tc.num_slots} sets the built-in continuous-batching engine; vLLM "
                          "batches continuously itself: leave num_slots None with rollout_engine='vllm'")
     check_available()
+    _check_none_open()
 
 
 def create(tc, spec, params, query_width: int):

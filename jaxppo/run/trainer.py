@@ -239,10 +239,11 @@ class Trainer(resume.Resumable):
         return finish
 
     def close(self):
-        """Stop the producer of pipelined iterations (if any; `train()` does at its end); a
-        later iteration starts a new one from the trainer's state."""
-        if self.pipelined is not None:
-            self.pipelined.close()
+        """Stop the producer of pipelined iterations (if any; `train()` does at its end: a
+        later iteration starts a new one) and shut the vLLM engine down (if any: one may be
+        open in a process at a time; `train()` keeps it for another call). Idempotent."""
+        self.pipelined and self.pipelined.close()
+        self.engine and self.engine.close()
 
     def precompile(self):
         """Start the update's compile in the background (once: see `stages.precompile`), so
@@ -276,13 +277,14 @@ class Trainer(resume.Resumable):
         checks the saved settings (`settings()`), restores the newest readable checkpoint.
         On Ctrl-C or SIGTERM: saves a checkpoint (a second Ctrl-C meanwhile is held off until
         the checkpoint is complete) and raises KeyboardInterrupt."""
+        vllm_engine.check_not_closed(self.engine)
         os.makedirs(self.tc.output_dir, exist_ok=True)
         self.open_run()
         self.precompile()  # from here the update compiles beside the run's other start-up work
         try:
             logger = run_loop(self)
         finally:
-            self.close()
+            self.pipelined and self.pipelined.close()
             self.close_run()
         finish_run(self, logger)
         return self.history
