@@ -6,6 +6,7 @@ loop, with host work comparable to the device's, CPU, back to back in one run.
     python benchmarks/pipeline.py --case multiturn --episodes 64 --response 36   # an environment with latency
     python benchmarks/pipeline.py --model ~/.cache/jaxppo/fixtures/smollm2-135m-instruct \
         --episodes 16 --iterations 5 --seeds 1           # a real model (`jaxppo-fixture`)
+    python benchmarks/pipeline.py ... --stages           # and where each iteration's time goes
 
 "grpo": GRPO on the demo's tiny GPT-2-layout policy (byte vocabulary), `--episodes` (128)
 completions in groups of 4, 32 tokens each, 4 epochs of mini-batches of 16; the reward is
@@ -17,19 +18,29 @@ iteration at 128 completions). "multiturn": the same policy in episodes of 3 tur
 
 Reported per staleness bound k: median seconds per iteration after the first two (which
 compile), iterations per second relative to k = 0, the mean reward of the first and last
-10 iterations (mean over seeds and the lowest seed's), and the staleness logged.
+10 iterations (mean over seeds and the lowest seed's), and the staleness logged. With
+`--stages`, each run's stages are timed too (the device's work waited for, so the timing
+serialises nothing the lock does not already): per thread, the mean seconds per iteration
+after the first two in sampling, host scoring (decoding, rewards), building the rollout
+(the scoring pass), the update, the parameter snapshot, and the trainer's wait for a batch.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import functools
 import statistics
+import threading
 import tempfile
 import time
 
+import jax
 import numpy as np
 
 import jaxppo
+import jaxppo.run.pipeline as pipelining
+import jaxppo.run.stages as stages
 from jaxppo import demo
 from jaxppo.rollout.environments import StepResult
 from tables import print_markdown
@@ -58,6 +69,42 @@ class Slow:
         return StepResult(" go on:", sum(c.isascii() and c.islower() for c in completion) / 8, self.turns >= 3)
 
 
+STAGE_TIMES = []  # (thread, stage, seconds) of the run in progress, with --stages
+
+
+def time_stages():
+    """Wrap the loop's stages with timers (each waits for its device work)."""
+    def timed(name, fn, wait=True):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            if wait:
+                jax.block_until_ready(out)
+            STAGE_TIMES.append((threading.current_thread().name, name, time.perf_counter() - start))
+            return out
+        return wrapper
+
+    stages.sample = timed("sample", stages.sample)
+    stages.score = timed("score (host)", stages.score, wait=False)
+    stages.build_rollout = timed("build rollout", stages.build_rollout)
+    stages.update = timed("update", stages.update)
+    pipelining.Snapshots.take = timed("snapshot", pipelining.Snapshots.take)
+    pipelining.Pipelined.take = timed("wait for a batch", pipelining.Pipelined.take, wait=False)
+
+
+def stage_rows(k: int, iterations: int) -> list:
+    """Mean seconds per iteration of each (thread, stage), after the first two iterations."""
+    per = collections.defaultdict(list)
+    for thread, name, seconds in STAGE_TIMES:
+        per[(thread, name)].append(seconds)
+    rows = []
+    for (thread, name), times in sorted(per.items()):
+        late = times[-(iterations - 2):] if iterations > 2 else times
+        rows.append([k, thread, name, f"{statistics.mean(late):.3f}"])
+    return rows
+
+
 def run(args, k: int, seed: int, directory: str):
     model = args.model
     tokenizer = jaxppo.models.load_tokenizer(model) if model else demo.demo_tokenizer()
@@ -77,6 +124,7 @@ def run(args, k: int, seed: int, directory: str):
     else:
         trainer_args.update(reward_fns=[slow_lowercase(args.reward_seconds)], prompts=demo.DEMO_PROMPTS)
     trainer = jaxppo.PPOTrainer(config, jaxppo.TrainerConfig(**settings), **trainer_args)
+    STAGE_TIMES.clear()
     rows, stamps = [], []
     for _ in range(args.iterations):
         rows.append(trainer.step())
@@ -103,13 +151,17 @@ def main():
     parser.add_argument("--step-seconds", type=float, default=0.05)
     parser.add_argument("--old-logprobs", choices=["auto", "sampler", "recompute"], default="auto",
                         help="TrainerConfig.old_logprobs (auto: the sampler's at k = 0, recomputed at k >= 1)")
+    parser.add_argument("--stages", action="store_true", help="time each stage too (see the module's doc)")
     args = parser.parse_args()
-    results = {k: [] for k in args.staleness}
+    if args.stages:
+        time_stages()
+    results, breakdown = {k: [] for k in args.staleness}, []
     with tempfile.TemporaryDirectory() as directory:
         for seed in range(args.seeds):  # each seed's k values back to back
             for k in args.staleness:
                 results[k].append(run(args, k, seed, directory))
                 print(f"seed {seed} k {k}: {results[k][-1]}", flush=True)
+                breakdown += stage_rows(k, args.iterations) if args.stages and seed == 0 else []
     base = statistics.median(r["seconds"] for r in results[args.staleness[0]])
     table = []
     for k, runs in results.items():
@@ -124,6 +176,9 @@ def main():
            f"{args.iterations} iterations, old_logprobs {args.old_logprobs}, learning rate {args.learning_rate}"
     print(f"\n{what}\n")
     print_markdown(list(table[0]), [list(row.values()) for row in table])
+    if breakdown:
+        print("\nwhere the time goes (seed 0; mean s per iteration after the first two)\n")
+        print_markdown(["max_staleness", "thread", "stage", "s/iteration"], breakdown)
 
 
 if __name__ == "__main__":

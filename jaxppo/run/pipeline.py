@@ -285,7 +285,8 @@ class _Failed(NamedTuple):
 class Pipelined:
     """A trainer's side of pipelined iterations: the snapshots, the producer (started at
     the first iteration taken, again after `close`), the hand-over of each new version.
-    Where the sampler shares the trainer's devices, the trainer holds the device lock from
+    Where the sampler shares the trainer's devices and samples in one stage
+    (`Collector.staged`, no in-flight updates), the trainer holds the device lock from
     `take` (scoring and update) to `push` (the new version copied), and the sampler while
     its samples are computed: the device's work one program at a time, the host's
     (rewards, decoding, logging) beside it.
@@ -303,8 +304,11 @@ class Pipelined:
         # XLA:CPU runs two programs at once on the same cores, each with a full thread pool
         # (measured on SmolLM2-135M: 0.89x the synchronous loop's speed that way); on an
         # accelerator a device runs one program at a time anyway. A split mesh overlaps, and
-        # in-flight updates need the trainer to update while a generation runs.
-        self.device_lock = threading.Lock() if sampler_mesh is None and not collector.tc.inflight_updates else None
+        # in-flight updates need the trainer to update while a generation runs; dynamic
+        # sampling's rounds and multi-turn episodes (not staged) interleave host work with
+        # their device work, which the update then fills.
+        shared = sampler_mesh is None and not collector.tc.inflight_updates and collector.staged
+        self.device_lock = threading.Lock() if shared else None
         self.holding = False
 
     def initial(self, run):
@@ -329,7 +333,7 @@ class Pipelined:
             self.pipeline = Pipeline(collector, run, self.k, self.end, self.snapshots, self.latest, after,
                                      self.device_lock)
         collected, version, tokens = self.pipeline.take(it)
-        if self.device_lock is not None and self.collector.staged:
+        if self.device_lock is not None:
             # The device's turn order: the samples every published version allows first (the
             # next iteration's reward functions then run while this one trains), then the
             # update.
