@@ -15,16 +15,15 @@ import jaxppo.models as jm
 from jaxppo.models.continuous import generate_continuous, generate_inflight
 from jaxppo.models.generate import pick_tokens, step_keys
 
+from trainer_setup import tiny_llama
+
 V, N, Q, R, SLOTS = 24, 8, 5, 10, 3
 STOPS = (2, 3)
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["unrolled", "scanned"])
 def tiny(request):
-    config = jm.ModelConfig(model_type="llama", vocab_size=V, hidden_size=16, num_layers=2, num_heads=2,
-                            num_kv_heads=1, intermediate_size=32, max_position_embeddings=64, eos_token_ids=(2,),
-                            pad_token_id=0)
-    model = jm.Model(config, scan_layers=request.param)
+    model = tiny_llama(request.param, V)
     return model, model.init(jax.random.key(0)), model.init(jax.random.key(7))
 
 

@@ -1,4 +1,5 @@
-"""Small PPOTrainer runs shared by the mesh, multi-host and fault tests."""
+"""Small PPOTrainer runs shared by the mesh, multi-host and fault tests; the tiny Llama the
+continuous-batching engine's tests share."""
 
 import os
 
@@ -6,6 +7,15 @@ import os
 import jaxppo
 from jaxppo import demo
 from xla_options import QUICK_CODEGEN
+
+
+def tiny_llama(scan_layers: bool, vocab_size: int):
+    """A two-layer Llama layout (grouped KV heads, stop token 2, pad 0), unrolled or
+    scanned: small enough to compile each engine program in seconds."""
+    config = jaxppo.models.ModelConfig(model_type="llama", vocab_size=vocab_size, hidden_size=16, num_layers=2,
+                                       num_heads=2, num_kv_heads=1, intermediate_size=32, max_position_embeddings=64,
+                                       eos_token_ids=(2,), pad_token_id=0)
+    return jaxppo.models.Model(config, scan_layers=scan_layers)
 
 
 def small_trainer(output_dir, iterations=2, mesh=None, reward_fn=demo.lowercase_reward, callbacks=(), prompts=None,
