@@ -185,15 +185,16 @@ def _recompute_jit(model, params, reqs, version, slots: _Slots, out: _Out, *, st
                                           return_hidden=True)
     at = q + slots.t - 1  # each row's last fed token: its last prompt token when it has sampled none
     logits = model.lm_head(params).logits(jnp.take_along_axis(hidden, at[:, None, None], axis=1))[:, 0]
-    keep = lambda new, old: jnp.where(slots.active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
-    return slots._replace(cache=_where_rows(model, slots.active, cache, slots.cache),
-                          next_logits=keep(logits.astype(slots.next_logits.dtype), slots.next_logits),
+    cache_axis = 1 if model.scan_layers else 0  # the slot axis: behind the stacked layers' when scanned
+    return slots._replace(cache=_where_rows(slots.active, cache, slots.cache, cache_axis),
+                          next_logits=_where_rows(slots.active, logits.astype(slots.next_logits.dtype),
+                                                  slots.next_logits),
                           version=jnp.where(slots.active, version, slots.version))
 
 
-def _where_rows(model, rows, new, old):
-    """The cache `new` at the slots where `rows` (S,) is true, `old` elsewhere."""
-    axis = 1 if model.scan_layers else 0
+def _where_rows(rows, new, old, axis: int = 0):
+    """The tree `new` at the slots where `rows` (S,) is true (slots along `axis`), `old`
+    elsewhere."""
 
     def pick(a, b):
         shape = [1] * a.ndim
