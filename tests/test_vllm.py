@@ -166,7 +166,8 @@ def test_trainer_samples_with_vllm_and_keeps_it_in_step_with_the_updates(tmp_pat
 def test_one_open_engine_per_process_and_a_closed_trainer_refuses_to_train(tmp_path):
     """vLLM's parallel state is process-wide and an engine's teardown clears it: while a
     trainer's engine is open a second one is refused before vLLM starts; `close()` shuts
-    it down, after which the trainer refuses to train and a new engine starts."""
+    it down, after which the trainer refuses to train and the engine to sample (the next
+    test's trainer then starts an engine of its own)."""
     trainer = vllm_trainer(tmp_path / "first", iterations=1)
     try:
         with pytest.raises(RuntimeError, match=r"another VLLMEngine is open in this process.*Trainer.close\(\)"):
