@@ -4,7 +4,7 @@ the whole training run is one function, jitted, and vmapped over seeds.
     pip install gymnax==0.0.9          # (the `test` extra installs it)
     python examples/cartpole.py                     # 4 seeds, 500k steps each
     python examples/cartpole.py --seeds 16 --update hand
-    python examples/cartpole.py --cores 2           # (see below: 1 by default)
+    python examples/cartpole.py --cores 2           # (see below: 1 by default on jaxlib < 0.11)
 
 Everything happens inside `train(key)`: the train state is created there
 (`jaxppo.TrainState.create` under `jit` and `vmap`), 4 environments step for 128 steps per
@@ -17,11 +17,12 @@ Adam 2.5e-4 annealed linearly). `--update hand` swaps in an update phase written
 hand (nested `lax.scan`s over epochs and mini-batches, as PureJaxRL writes it), the
 reference `benchmarks/cartpole.py` times the engine against.
 
-The script pins itself to `--cores` CPU cores, 1 by default: with more than one, jaxlib
-0.10.2's CPU runtime stalled on this program now and then on a 2-core machine (every
-thread idle, the result never ready; with the hand-written update phase as well), and one
-core ran it as fast as two. Nothing else in jaxppo needs this (`--cores 0` leaves the
-process as it is, e.g. on a GPU).
+On jaxlib older than 0.11 the script pins itself to `--cores` CPU cores, 1 by default:
+with more than one, jaxlib 0.10.2's CPU runtime stalled on this program now and then on a
+2-core machine (every thread idle, the result never ready; with the hand-written update
+phase as well), and one core ran it as fast as two. jaxlib 0.12.0.1 ran it on two cores
+without a stall (9 runs), so on 0.11 and newer the default is 0: the process is left as it
+is. Nothing else in jaxppo needs this (`--cores 0` leaves the process as it is, e.g. on a GPU).
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ import numpy as np
 import optax
 
 import jaxppo
+from jaxppo.version import release
+
+# jaxlib 0.10's CPU runtime stalled on this program on two cores (see above): one core there.
+DEFAULT_CORES = 1 if release(jax.__version__) < (0, 11) else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,8 +216,9 @@ def main(argv=None):
     parser.add_argument("--seeds", type=int, default=4)
     parser.add_argument("--timesteps", type=int, default=500_000)
     parser.add_argument("--update", choices=["jaxppo", "hand"], default="jaxppo")
-    parser.add_argument("--cores", type=int, default=1,
-                        help="CPU cores to run on (see the module's note; 0: leave the process as it is)")
+    parser.add_argument("--cores", type=int, default=DEFAULT_CORES,
+                        help="CPU cores to run on (see the module's note; 0: leave the process as it is; "
+                             f"default {DEFAULT_CORES} with jax {jax.__version__})")
     args = parser.parse_args(argv)
     if args.cores and hasattr(os, "sched_setaffinity"):  # before jax starts its CPU client
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:args.cores])

@@ -11,6 +11,10 @@ The update loop (`train_step`, `update_epochs`) is one compiled program in which
 of mini-batch updates is part of the shape.
 """
 
+import warnings as _warnings
+
+import jax as _jax
+
 from jaxppo import _moved, algorithms, models, update
 from jaxppo.config import PPOConfig
 from jaxppo.errors import EpisodeError, RewardError, RunError, ToolCallError
@@ -26,7 +30,10 @@ from jaxppo.update import packing
 from jaxppo.update.batch import Rollout, response_outputs
 from jaxppo.update.engine import EngineConfig, Freeze, TrainState, minibatch_indices, update_epochs, update_epochs_fn
 from jaxppo.update.ppo import check_rollout, compute_advantages, ppo_loss, train_step, train_step_fn
-from jaxppo.version import __version__  # noqa: F401
+from jaxppo.version import UntestedJaxWarning, __version__, untested_jax  # noqa: F401
+
+if untested_jax(_jax.__version__):
+    _warnings.warn(untested_jax(_jax.__version__), UntestedJaxWarning, stacklevel=2)
 
 _moved.install()  # jaxppo 0.3's module paths (jaxppo.engine, ...) keep working, with a DeprecationWarning
 

@@ -178,8 +178,8 @@ class PPOConfig(BatchSizes):
         gradients): the same log-probs, losses and gradients up to float rounding, for a
         group's Q + G * R tokens instead of G * (Q + R) (built-in models; any other runs
         every row). Only where G also divides the micro-batch and without `pack_sequences`, which packs
-        rows instead. Under a mesh of several devices the loss runs every row (a jax
-        0.10.2 partitioner bug in the grouped gradient); the scoring pass still groups.
+        rows instead. Under a mesh of several devices the loss runs every row (a JAX
+        partitioner bug in the grouped gradient, seen in 0.10.2 to 0.12.0.1); the scoring pass still groups.
         None (the default): the trainer turns it on (its groups share their prompt by
         construction); `train_step` on a rollout you build runs every row. True: your
         rollout's groups share their prompt (`jaxppo.check_rollout` checks it; a group

@@ -58,9 +58,10 @@ def _rows_over_data_axes(hidden):
     """Under a mesh in context (`jax.set_mesh`; `jaxppo.sharding.sharded_train_step` and the
     trainer set it) with "data"/"fsdp" axes, pin the gathered positions' rows to those axes.
 
-    Without this pin, jax 0.10.2's SPMD partitioner computes a wrong gradient for "slice
-    the sequence axis of a row-sharded activation, then matmul with a weight sharded over
-    (fsdp, tensor)" on a data x fsdp x tensor mesh (reproduced in tests/test_sharding.py)."""
+    Without this pin, JAX's SPMD partitioner computes a wrong gradient for "slice the
+    sequence axis of a row-sharded activation, then matmul with a weight sharded over
+    (fsdp, tensor)" on a data x fsdp x tensor mesh (reproduced in tests/test_sharding.py on
+    jax 0.10.2, 0.11.2 and 0.12.0.1)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return hidden

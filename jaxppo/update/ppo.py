@@ -152,9 +152,9 @@ def prompt_group(config: PPOConfig) -> int:
 
 def _loss_group(config: PPOConfig) -> int:
     """`prompt_group`, except under a mesh of more than one device, where the loss runs
-    every row: jax 0.10.2's SPMD partitioner gives the grouped forward's gradient wrong on
-    some meshes (1x8 fsdp, 2x2x2; seen in tests/test_sharding.py), while its forward (the
-    scoring pass) is right."""
+    every row: JAX's SPMD partitioner gives the grouped forward's gradient wrong on some
+    meshes (1x8 fsdp, 2x2x2; seen in tests/test_sharding.py on jax 0.10.2, 0.11.2 and
+    0.12.0.1 alike), while its forward (the scoring pass) is right."""
     mesh = jax.sharding.get_abstract_mesh()
     return 1 if not mesh.empty and mesh.size > 1 else prompt_group(config)
 
