@@ -40,7 +40,8 @@ import jax.numpy as jnp
 
 import jaxppo
 from jaxppo import sharding as sh
-from jaxppo import update as ppo_math
+from jaxppo.update.kl import fixed_kl_controller
+from jaxppo.update.stats import RunningMoments
 from jaxppo.models import Model
 from jaxppo.models.generate import GenerationOutput, generate_jit
 from jaxppo.rollout.sampling import RolloutSpec
@@ -215,8 +216,8 @@ def score(row):
                            response_length=row.r, policy_params_key="policy")
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
     gen = GenerationOutput(i32(b, r), jax.ShapeDtypeStruct((b, r), jnp.float32), i32(b, r))
-    kl = jax.eval_shape(lambda: ppo_math.fixed_kl_controller(0.05))
-    moments = jax.eval_shape(ppo_math.RunningMoments.zeros)
+    kl = jax.eval_shape(lambda: fixed_kl_controller(0.05))
+    moments = jax.eval_shape(RunningMoments.zeros)
     args = [state.params, ref_params, reward_params, i32(b, q), i32(b, q), gen, host_scores]
     if row.fsdp > 1:
         mesh = _mesh(row)

@@ -9,7 +9,7 @@ the whole training run is one function, jitted, and vmapped over seeds.
 Everything happens inside `train(key)`: the train state is created there
 (`jaxppo.TrainState.create` under `jit` and `vmap`), 4 environments step for 128 steps per
 iteration, GAE runs over the time-major rollout with the environments' auto-reset dones
-(`jaxppo.update.gae_time_major`), and the update phase is
+(`jaxppo.update.advantages.gae_time_major`), and the update phase is
 `jaxppo.update_epochs_fn(state, batch, key, loss_fn, engine)`: 4 epochs of 4 shuffled
 mini-batches of 128 transitions, one optax update each. The settings are PureJaxRL's
 CartPole ones (clip 0.2, GAE lambda 0.95, entropy 0.01, value 0.5, gradient norm 0.5,
@@ -186,8 +186,8 @@ def make_train(config: Config, update: str = "jaxppo"):
         state, env_carry = carry
         env_carry, traj = rollout(state, env_carry)
         _, last_value = network.apply(state.params, env_carry[1])
-        advantages, targets = jaxppo.update.gae_time_major(traj.reward, traj.value, traj.done, last_value,
-                                                           config.gamma, config.gae_lambda)
+        advantages, targets = jaxppo.update.advantages.gae_time_major(traj.reward, traj.value, traj.done,
+                                                                      last_value, config.gamma, config.gae_lambda)
         flat = lambda x: x.reshape((-1,) + x.shape[2:])
         batch = {"obs": flat(traj.obs), "action": flat(traj.action), "logprob": flat(traj.logprob),
                  "value": flat(traj.value), "advantages": flat(advantages), "targets": flat(targets)}

@@ -15,7 +15,7 @@ import warnings as _warnings
 
 import jax as _jax
 
-from jaxppo import _moved, algorithms, models, update
+from jaxppo import algorithms, models, update
 from jaxppo.config import PPOConfig
 from jaxppo.errors import EpisodeError, RewardError, RunError, ToolCallError
 from jaxppo.models import GenerationOutput, generate
@@ -34,8 +34,6 @@ from jaxppo.version import UntestedJaxWarning, __version__, untested_jax  # noqa
 
 if untested_jax(_jax.__version__):
     _warnings.warn(untested_jax(_jax.__version__), UntestedJaxWarning, stacklevel=2)
-
-_moved.install()  # jaxppo 0.3's module paths (jaxppo.engine, ...) keep working, with a DeprecationWarning
 
 __all__ = [
     "PPOConfig",
@@ -73,11 +71,3 @@ __all__ = [
     "StepResult",
 ]
 
-
-def __getattr__(name):
-    """`jaxppo.math`, `jaxppo.engine`, ...: the 0.3 module paths, through `jaxppo._moved`."""
-    if name in _moved.MOVED:
-        import importlib
-
-        return importlib.import_module(f"jaxppo.{name}")
-    raise AttributeError(f"module 'jaxppo' has no attribute {name!r}")

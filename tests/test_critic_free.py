@@ -5,7 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxppo import update as cf
+from jaxppo.update.advantages import GRPO_SCALES, discounted_returns, group_baseline, grpo_advantages, reinforce_pp_advantages, rloo_advantages
+from jaxppo.update.kl import KL_LOSS_ESTIMATORS, kl_loss_per_token
+from jaxppo.update.losses import LOSS_AGGREGATIONS, aggregate_loss, clipped_policy_loss, sequence_log_ratio
 
 G = 4
 
@@ -36,10 +38,10 @@ def _ref_grpo(scores, scale, eps=1e-4):
     return out, np.array(zero)
 
 
-@pytest.mark.parametrize("scale", cf.GRPO_SCALES)
+@pytest.mark.parametrize("scale", GRPO_SCALES)
 def test_grpo_advantages_match_a_loop(scale):
     scores = _scores()
-    adv, zero = cf.grpo_advantages(scores, G, scale=scale)
+    adv, zero = grpo_advantages(scores, G, scale=scale)
     want, want_zero = _ref_grpo(scores, scale)
     np.testing.assert_allclose(np.asarray(adv), want, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(zero), want_zero)
@@ -49,8 +51,8 @@ def test_grpo_advantages_match_a_loop(scale):
 
 def test_rloo_and_group_baseline_match_loops():
     scores = _scores(1)
-    rloo = np.asarray(cf.rloo_advantages(scores, G))
-    base = np.asarray(cf.group_baseline(scores, G))
+    rloo = np.asarray(rloo_advantages(scores, G))
+    base = np.asarray(group_baseline(scores, G))
     for i, s in enumerate(scores):
         start = i - i % G
         others = [scores[j] for j in range(start, start + G) if j != i]
@@ -68,10 +70,10 @@ def test_reinforce_pp_returns_and_whitening_match_a_loop():
     for b in range(3):
         for t in range(lengths[b]):
             ret[b, t] = sum(gamma ** (s - t) * rewards[b, s] for s in range(t, lengths[b]))
-    np.testing.assert_allclose(np.asarray(cf.discounted_returns(rewards, mask, gamma)), ret, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(discounted_returns(rewards, mask, gamma)), ret, rtol=1e-5, atol=1e-6)
     real = ret[mask > 0]
     white = (ret - real.mean()) / np.sqrt(real.var(ddof=1) + 1e-8) * mask
-    np.testing.assert_allclose(np.asarray(cf.reinforce_pp_advantages(rewards, mask, gamma)), white, rtol=1e-4,
+    np.testing.assert_allclose(np.asarray(reinforce_pp_advantages(rewards, mask, gamma)), white, rtol=1e-4,
                                atol=1e-5)
 
 
@@ -86,7 +88,7 @@ def _per_token_case(seed=7):
     return logp, old, adv, mask
 
 
-@pytest.mark.parametrize("aggregation", cf.LOSS_AGGREGATIONS)
+@pytest.mark.parametrize("aggregation", LOSS_AGGREGATIONS)
 @pytest.mark.parametrize("dual_clip", [None, 3.0])
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_clipped_policy_loss_matches_a_loop(aggregation, dual_clip, level):
@@ -113,8 +115,8 @@ def test_clipped_policy_loss_matches_a_loop(aggregation, dual_clip, level):
             "seq_mean_token_mean": sum(s / c for s, c in zip(sums, counts)) / b,
             "seq_mean_token_sum_norm": sum(s / max_length for s in sums) / b,
             "token_sum_batch_norm": sum(sums) / max_length}[aggregation]  # here: the token count given
-    log_ratio = cf.sequence_log_ratio(logp, old, mask) if level == "sequence" else jnp.asarray(logp - old)
-    loss, metrics = cf.clipped_policy_loss(log_ratio, jnp.asarray(adv), mask, low, high, dual_clip, aggregation,
+    log_ratio = sequence_log_ratio(logp, old, mask) if level == "sequence" else jnp.asarray(logp - old)
+    loss, metrics = clipped_policy_loss(log_ratio, jnp.asarray(adv), mask, low, high, dual_clip, aggregation,
                                            max_length)
     assert float(loss) == pytest.approx(want, rel=1e-5, abs=1e-6)
     assert float(metrics["clip_ratio/low_mean"]) == pytest.approx(lows / mask.sum(), abs=1e-6)
@@ -124,7 +126,7 @@ def test_clipped_policy_loss_matches_a_loop(aggregation, dual_clip, level):
 
 def test_sequence_ratio_gradient_is_shared_by_the_rows_tokens():
     logp, old, _, mask = _per_token_case()
-    grad = jax.grad(lambda lp: jnp.sum(cf.sequence_log_ratio(lp, old, mask)[:, 0]))(jnp.asarray(logp))
+    grad = jax.grad(lambda lp: jnp.sum(sequence_log_ratio(lp, old, mask)[:, 0]))(jnp.asarray(logp))
     for i in range(logp.shape[0]):
         n = int(mask[i].sum())
         np.testing.assert_allclose(np.asarray(grad[i, :n]), 1.0 / n, rtol=1e-6)
@@ -135,33 +137,33 @@ def test_kl_loss_estimators_match_formulas():
     logp, ref, _, _ = _per_token_case(4)
     d = logp.astype(np.float64) - ref
     want = {"k1": d, "k2": 0.5 * d ** 2, "k3": np.exp(-d) + d - 1}
-    for name in cf.KL_LOSS_ESTIMATORS:
-        np.testing.assert_allclose(np.asarray(cf.kl_loss_per_token(logp, ref, name)), want[name], rtol=1e-4,
+    for name in KL_LOSS_ESTIMATORS:
+        np.testing.assert_allclose(np.asarray(kl_loss_per_token(logp, ref, name)), want[name], rtol=1e-4,
                                    atol=1e-6)
-    assert (np.asarray(cf.kl_loss_per_token(logp, ref, "k3")) >= 0).all()
+    assert (np.asarray(kl_loss_per_token(logp, ref, "k3")) >= 0).all()
 
 
 def test_bad_arguments_are_clear_errors():
     with pytest.raises(ValueError, match="num_generations=3 must be a positive int dividing the batch of 8"):
-        cf.grpo_advantages(np.zeros(8), 3)
+        grpo_advantages(np.zeros(8), 3)
     with pytest.raises(ValueError, match="scale='std' is invalid; valid: group, batch, none"):
-        cf.grpo_advantages(np.zeros(8), 4, scale="std")
+        grpo_advantages(np.zeros(8), 4, scale="std")
     with pytest.raises(ValueError, match="RLOO needs num_generations >= 2"):
-        cf.rloo_advantages(np.zeros(8), 1)
+        rloo_advantages(np.zeros(8), 1)
     with pytest.raises(ValueError, match="needs max_length, a positive int"):
-        cf.aggregate_loss(jnp.zeros((2, 3)), jnp.ones((2, 3)), "seq_mean_token_sum_norm")
+        aggregate_loss(jnp.zeros((2, 3)), jnp.ones((2, 3)), "seq_mean_token_sum_norm")
     with pytest.raises(ValueError, match="loss aggregation 'mean' is invalid"):
-        cf.aggregate_loss(jnp.zeros((2, 3)), jnp.ones((2, 3)), "mean")
+        aggregate_loss(jnp.zeros((2, 3)), jnp.ones((2, 3)), "mean")
     with pytest.raises(ValueError, match="dual_clip=0.5 must be None or a constant > 1"):
-        cf.clipped_policy_loss(jnp.zeros((2, 3)), jnp.zeros(2), jnp.ones((2, 3)), 0.2, 0.2, dual_clip=0.5)
+        clipped_policy_loss(jnp.zeros((2, 3)), jnp.zeros(2), jnp.ones((2, 3)), 0.2, 0.2, dual_clip=0.5)
     with pytest.raises(ValueError, match="KL loss estimator 'k4' is invalid"):
-        cf.kl_loss_per_token(jnp.zeros(2), jnp.zeros(2), "k4")
+        kl_loss_per_token(jnp.zeros(2), jnp.zeros(2), "k4")
 
 
 def test_dual_clip_caps_negative_advantages_only():
     log_ratio = jnp.log(jnp.array([[5.0], [5.0]]))
     adv = jnp.array([-1.0, 1.0])
-    loss, metrics = cf.clipped_policy_loss(log_ratio, adv, jnp.ones((2, 1)), 0.2, 0.2, dual_clip=3.0,
+    loss, metrics = clipped_policy_loss(log_ratio, adv, jnp.ones((2, 1)), 0.2, 0.2, dual_clip=3.0,
                                            aggregation="seq_mean_token_mean")
     # Row 0 (A < 0): max(5, 1.2) = 5, capped at 3. Row 1 (A > 0): max(-5, -1.2) = -1.2.
     assert float(loss) == pytest.approx((3.0 - 1.2) / 2)

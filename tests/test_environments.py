@@ -11,7 +11,8 @@ import pytest
 
 import jaxppo
 from jaxppo import demo
-from jaxppo import update as pm
+from jaxppo.update.advantages import discounted_returns, gae
+from jaxppo.update.kl import at_last_token
 from jaxppo.models.generate import generate
 from jaxppo.rollout.environments import StepResult, chat_continuation, run_episodes
 from jaxppo.run.stages import select_prompts
@@ -160,9 +161,9 @@ def test_gae_skips_environment_tokens_like_a_loop_over_the_model_tokens():
     rewards, values = rng.normal(size=(2, 6, 12)).astype(np.float32)
     mask = _gapped_mask(rng, 6, 12)
     gamma, lam = 0.9, 0.8
-    adv, ret = pm.gae(jnp.asarray(rewards), jnp.asarray(values), jnp.asarray(mask), gamma, lam)
-    returns = pm.discounted_returns(jnp.asarray(rewards), jnp.asarray(mask), gamma)
-    last = pm.at_last_token(jnp.arange(1.0, 7.0), jnp.asarray(mask))
+    adv, ret = gae(jnp.asarray(rewards), jnp.asarray(values), jnp.asarray(mask), gamma, lam)
+    returns = discounted_returns(jnp.asarray(rewards), jnp.asarray(mask), gamma)
+    last = at_last_token(jnp.arange(1.0, 7.0), jnp.asarray(mask))
     for i in range(6):
         idx = np.flatnonzero(mask[i])
         r, v = rewards[i, idx], values[i, idx]
@@ -194,7 +195,7 @@ def test_group_advantages_per_episode_on_the_model_tokens_only():
     rollout = jaxppo.Rollout(
         query_tokens=jnp.ones((b, 3), jnp.int32), query_mask=jnp.ones((b, 3), jnp.int32),
         response_tokens=jnp.ones((b, t), jnp.int32), response_mask=jnp.asarray(mask), logprobs=jnp.zeros((b, t)),
-        values=None, rewards=pm.at_last_token(jnp.asarray(scores), jnp.asarray(mask)), scores=jnp.asarray(scores),
+        values=None, rewards=at_last_token(jnp.asarray(scores), jnp.asarray(mask)), scores=jnp.asarray(scores),
         response_attention_mask=jnp.asarray(attention))
     jaxppo.check_rollout(rollout, config)
     advantages = np.asarray(jaxppo.compute_advantages(rollout, config)[0])

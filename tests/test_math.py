@@ -7,7 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxppo import update as pm
+from jaxppo.update.advantages import gae, gae_time_major
+from jaxppo.update.losses import approx_kl, entropy_from_logits, logprobs_from_logits, policy_loss, value_loss
+from jaxppo.update.stats import masked_mean, masked_var, masked_whiten
 
 
 def _rng(seed=0):
@@ -32,16 +34,16 @@ def test_masked_mean_var_whiten_match_reference():
     x = rng.normal(size=(5, 7)).astype(np.float32) * 3 + 1
     mask = _prefix_mask(rng, 5, 7)
     mean, var_biased, var_unbiased = _ref_masked_stats(x, mask)
-    assert float(pm.masked_mean(jnp.asarray(x), jnp.asarray(mask))) == pytest.approx(mean, rel=1e-5)
-    assert float(pm.masked_var(jnp.asarray(x), jnp.asarray(mask))) == pytest.approx(var_unbiased, rel=1e-5)
-    assert float(pm.masked_var(jnp.asarray(x), jnp.asarray(mask), unbiased=False)) == pytest.approx(var_biased, rel=1e-5)
+    assert float(masked_mean(jnp.asarray(x), jnp.asarray(mask))) == pytest.approx(mean, rel=1e-5)
+    assert float(masked_var(jnp.asarray(x), jnp.asarray(mask))) == pytest.approx(var_unbiased, rel=1e-5)
+    assert float(masked_var(jnp.asarray(x), jnp.asarray(mask), unbiased=False)) == pytest.approx(var_biased, rel=1e-5)
 
-    white = np.asarray(pm.masked_whiten(jnp.asarray(x), jnp.asarray(mask)))
+    white = np.asarray(masked_whiten(jnp.asarray(x), jnp.asarray(mask)))
     for i in range(5):
         for j in range(7):
             expected = (x[i, j] - mean) / math.sqrt(var_unbiased + 1e-8) if mask[i, j] else 0.0
             assert white[i, j] == pytest.approx(expected, rel=1e-4, abs=1e-5)
-    scaled = np.asarray(pm.masked_whiten(jnp.asarray(x), jnp.asarray(mask), shift_mean=False))
+    scaled = np.asarray(masked_whiten(jnp.asarray(x), jnp.asarray(mask), shift_mean=False))
     for i in range(5):
         for j in range(7):
             expected = (x[i, j] - mean) / math.sqrt(var_unbiased + 1e-8) + mean if mask[i, j] else 0.0
@@ -49,7 +51,7 @@ def test_masked_mean_var_whiten_match_reference():
 
 
 def test_masked_mean_of_empty_mask_is_zero_not_nan():
-    assert float(pm.masked_mean(jnp.ones((2, 3)), jnp.zeros((2, 3)))) == 0.0
+    assert float(masked_mean(jnp.ones((2, 3)), jnp.zeros((2, 3)))) == 0.0
 
 
 def _ref_gae(rewards, values, mask, gamma, lam):
@@ -76,7 +78,7 @@ def test_gae_matches_reference_loop(gamma, lam):
     # Garbage beyond the mask must not leak into the result.
     rewards_dirty = np.where(mask > 0, rewards, 1e3).astype(np.float32)
     values_dirty = np.where(mask > 0, values, -1e3).astype(np.float32)
-    adv, ret = pm.gae(jnp.asarray(rewards_dirty), jnp.asarray(values_dirty), jnp.asarray(mask), gamma, lam)
+    adv, ret = gae(jnp.asarray(rewards_dirty), jnp.asarray(values_dirty), jnp.asarray(mask), gamma, lam)
     ref_adv, ref_ret = _ref_gae(rewards, values, mask, gamma, lam)
     np.testing.assert_allclose(np.asarray(adv), ref_adv, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(ret), ref_ret, rtol=1e-5, atol=1e-5)
@@ -87,8 +89,8 @@ def test_logprobs_and_entropy_with_temperature():
     logits = rng.normal(size=(2, 3, 5)).astype(np.float32) * 2
     tokens = rng.integers(0, 5, size=(2, 3))
     temp = 0.7
-    lp = np.asarray(pm.logprobs_from_logits(jnp.asarray(logits), jnp.asarray(tokens), temp))
-    ent = np.asarray(pm.entropy_from_logits(jnp.asarray(logits), temp))
+    lp = np.asarray(logprobs_from_logits(jnp.asarray(logits), jnp.asarray(tokens), temp))
+    ent = np.asarray(entropy_from_logits(jnp.asarray(logits), temp))
     for i in range(2):
         for j in range(3):
             z = [v / temp for v in logits[i, j]]
@@ -104,12 +106,12 @@ def test_policy_loss_hand_computed():
     old = jnp.zeros((1, 3))
     adv = jnp.array([[2.0, -1.0, 100.0]])
     mask = jnp.array([[1.0, 1.0, 0.0]])
-    loss, clipfrac = pm.policy_loss(logprobs, old, adv, mask, 0.2)
+    loss, clipfrac = policy_loss(logprobs, old, adv, mask, 0.2)
     # token 0: ratio 1.5, A=2: unclipped -3.0, clipped -2.4 -> max -2.4 (clipped)
     # token 1: ratio 0.5, A=-1: unclipped 0.5, clipped 0.8 -> max 0.8 (clipped)
     assert float(loss) == pytest.approx((-2.4 + 0.8) / 2, abs=1e-6)
     assert float(clipfrac) == pytest.approx(1.0)
-    loss, clipfrac = pm.policy_loss(jnp.array([[math.log(1.1), math.log(0.5)]]), jnp.zeros((1, 2)), jnp.array([[2.0, 1.0]]), jnp.ones((1, 2)), 0.2)
+    loss, clipfrac = policy_loss(jnp.array([[math.log(1.1), math.log(0.5)]]), jnp.zeros((1, 2)), jnp.array([[2.0, 1.0]]), jnp.ones((1, 2)), 0.2)
     # token 0 inside the range: -2.2; token 1: ratio 0.5, A=1: unclipped -0.5, clipped -0.8 -> -0.5
     assert float(loss) == pytest.approx((-2.2 - 0.5) / 2, abs=1e-6)
     assert float(clipfrac) == 0.0
@@ -120,12 +122,12 @@ def test_value_loss_hand_computed():
     old = jnp.array([[0.0, 0.0, 0.0]])
     returns = jnp.array([[0.5, 2.0, 0.0]])
     mask = jnp.array([[1.0, 1.0, 0.0]])
-    loss, clipfrac = pm.value_loss(values, old, returns, mask, 0.2)
+    loss, clipfrac = value_loss(values, old, returns, mask, 0.2)
     # token 0: v=1 -> err 0.25; clipped v=0.2 -> err 0.09; max 0.25 (unclipped)
     # token 1: v=0 -> err 4; clipped v=0 -> err 4; max 4 (not clipped)
     assert float(loss) == pytest.approx(0.5 * (0.25 + 4.0) / 2, abs=1e-6)
     assert float(clipfrac) == 0.0
-    loss, clipfrac = pm.value_loss(jnp.array([[1.0]]), jnp.array([[0.0]]), jnp.array([[2.0]]), jnp.ones((1, 1)), 0.2)
+    loss, clipfrac = value_loss(jnp.array([[1.0]]), jnp.array([[0.0]]), jnp.array([[2.0]]), jnp.ones((1, 1)), 0.2)
     # v=1 -> err 1; clipped v=0.2 -> err 3.24 -> 3.24, clipped
     assert float(loss) == pytest.approx(0.5 * 3.24, abs=1e-6)
     assert float(clipfrac) == 1.0
@@ -135,7 +137,7 @@ def test_approx_kl():
     lp = jnp.array([[0.1, -0.3, 7.0]])
     old = jnp.array([[0.0, 0.0, 0.0]])
     mask = jnp.array([[1, 1, 0]])
-    assert float(pm.approx_kl(lp, old, mask)) == pytest.approx(0.5 * (0.01 + 0.09) / 2, abs=1e-7)
+    assert float(approx_kl(lp, old, mask)) == pytest.approx(0.5 * (0.01 + 0.09) / 2, abs=1e-7)
 
 
 def _gae_loop(rewards, values, dones, last_value, gamma, lam, truncations=None, final_values=None):
@@ -173,13 +175,13 @@ def test_gae_time_major_equals_a_loop(mode):
         final_values = rng.normal(size=(t_len, n))
     want = _gae_loop(rewards, values, dones, last_value, 0.97, 0.9, truncations, final_values)
     as_jnp = lambda x: None if x is None else jnp.asarray(x, jnp.float32)
-    got = jax.jit(lambda *a: pm.gae_time_major(*a[:4], 0.97, 0.9, truncations=a[4], final_values=a[5]))(
+    got = jax.jit(lambda *a: gae_time_major(*a[:4], 0.97, 0.9, truncations=a[4], final_values=a[5]))(
         *map(as_jnp, (rewards, values, dones, last_value, truncations, final_values)))
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5, atol=1e-5)
     if mode == "terminations":  # no dones at all: the response-token GAE over a full mask, transposed
         no_dones = np.zeros_like(dones)
-        full = pm.gae(jnp.asarray(rewards.T), jnp.asarray(np.concatenate([values, last_value[None]]).T[:, :t_len]),
+        full = gae(jnp.asarray(rewards.T), jnp.asarray(np.concatenate([values, last_value[None]]).T[:, :t_len]),
                       jnp.ones((n, t_len)), 0.97, 0.9)
         loop = _gae_loop(rewards, values, no_dones, np.zeros(n), 0.97, 0.9)
         np.testing.assert_allclose(np.asarray(full[0]).T, loop[0], rtol=1e-5, atol=1e-5)

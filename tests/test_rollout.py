@@ -10,7 +10,8 @@ import pytest
 
 import jaxppo
 import jaxppo.models as jm
-from jaxppo import update as pm
+from jaxppo.update.kl import KLControllerState, adaptive_kl_update, fixed_kl_controller, kl_per_token, kl_shaped_rewards
+from jaxppo.update.stats import RunningMoments, running_moments_update
 from jaxppo.errors import RewardError
 from jaxppo.rollout.rewards import check_scores
 from jaxppo.rollout.sampling import RolloutSpec, sample_responses
@@ -26,40 +27,40 @@ def test_kl_estimators_match_formulas():
         "abs": lambda a, b: abs(a - b),
         "mse": lambda a, b: 0.5 * (a - b) ** 2,
     }.items():
-        got = np.asarray(pm.kl_per_token(jnp.asarray(lp), jnp.asarray(ref), est))
+        got = np.asarray(kl_per_token(jnp.asarray(lp), jnp.asarray(ref), est))
         want = [f(float(a), float(b)) for a, b in zip(lp[0], ref[0])]
         np.testing.assert_allclose(got[0], want, atol=1e-6)
     with pytest.raises(ValueError, match="k1, k3, abs, mse"):
-        pm.kl_per_token(jnp.asarray(lp), jnp.asarray(ref), "k2")
+        kl_per_token(jnp.asarray(lp), jnp.asarray(ref), "k2")
 
 
 def test_kl_shaped_rewards_put_score_at_last_real_token():
     kl = jnp.array([[0.1, 0.2, 0.3, 0.4], [0.5, 0.6, 0.7, 0.8]])
     mask = jnp.array([[1, 1, 0, 0], [1, 1, 1, 1]])
     scores = jnp.array([2.0, -1.0])
-    rewards, non_score = pm.kl_shaped_rewards(kl, scores, mask, 0.5)
+    rewards, non_score = kl_shaped_rewards(kl, scores, mask, 0.5)
     expected = np.array([[-0.05, -0.1 + 2.0, 0, 0], [-0.25, -0.3, -0.35, -0.4 - 1.0]])
     np.testing.assert_allclose(np.asarray(rewards), expected, atol=1e-6)
     np.testing.assert_allclose(np.asarray(non_score).sum(1), [-0.15, -1.3], atol=1e-6)
 
 
 def test_adaptive_kl_controller_matches_ziegler_formula():
-    state = pm.KLControllerState(jnp.float32(0.2), jnp.float32(6.0), jnp.float32(10000.0))
+    state = KLControllerState(jnp.float32(0.2), jnp.float32(6.0), jnp.float32(10000.0))
     beta = 0.2
     for kl in [3.0, 12.0, 6.0, 100.0]:
-        state = pm.adaptive_kl_update(state, jnp.float32(kl), 256)
+        state = adaptive_kl_update(state, jnp.float32(kl), 256)
         beta *= 1 + min(max(kl / 6.0 - 1, -0.2), 0.2) * 256 / 10000
         assert float(state.beta) == pytest.approx(beta, rel=1e-6)
-    fixed = pm.fixed_kl_controller(0.1)
-    assert float(pm.adaptive_kl_update(fixed, jnp.float32(50.0), 256).beta) == pytest.approx(0.1)
+    fixed = fixed_kl_controller(0.1)
+    assert float(adaptive_kl_update(fixed, jnp.float32(50.0), 256).beta) == pytest.approx(0.1)
 
 
 def test_running_moments_match_numpy():
     rng = np.random.default_rng(0)
     chunks = [rng.normal(3, 2, size=n) for n in (5, 17, 64, 1)]
-    state = pm.RunningMoments.zeros()
+    state = RunningMoments.zeros()
     for c in chunks:
-        state = pm.running_moments_update(state, jnp.asarray(c))
+        state = running_moments_update(state, jnp.asarray(c))
     allx = np.concatenate(chunks)
     assert float(state.mean) == pytest.approx(allx.mean(), rel=1e-5)
     assert float(state.var) == pytest.approx(allx.var(), rel=1e-4)
@@ -110,9 +111,9 @@ def test_finish_rollout_against_direct_computation(tiny_policy):
     ids = jnp.asarray(np.random.default_rng(1).integers(3, 32, size=(8, 4)))
     mask = jnp.ones_like(ids)
     gen = sample_responses(spec, full, ids, mask, jax.random.key(2))
-    kl_state = pm.fixed_kl_controller(0.25)
+    kl_state = fixed_kl_controller(0.25)
     rollout, stats, _ = finish_rollout(spec, full, ref_params, None, ids, mask, gen, None, kl_state,
-                                       pm.RunningMoments.zeros())
+                                       RunningMoments.zeros())
 
     # Direct computation, step by step.
     tokens = jnp.concatenate([ids, gen.tokens], 1)
@@ -155,7 +156,7 @@ def test_rollout_carries_sampler_logprobs_and_sequence_scores(tiny_policy, tempe
     ref_params = jax.tree.map(lambda x: x * 0.9, params)
     host_scores = jnp.asarray(np.random.default_rng(5).normal(size=8), jnp.float32)
     rollout, _, _ = finish_rollout(spec, params, ref_params, None, ids, mask, gen, host_scores,
-                                   pm.fixed_kl_controller(0.1), pm.RunningMoments.zeros())
+                                   fixed_kl_controller(0.1), RunningMoments.zeros())
     m = np.asarray(gen.mask)
     assert rollout.values is None
     np.testing.assert_array_equal(np.asarray(rollout.sampler_logprobs), np.asarray(gen.logprobs))
@@ -202,7 +203,7 @@ def _old_logprobs_rollouts(model, params, critic=None, critic_params=None, group
         gen = sample_responses(spec, full, ids, mask, jax.random.key(4))
         ref_params = jax.tree.map(lambda x: x * 0.9, params) if ref else None
         out[source] = (spec, gen, finish_rollout(spec, full, ref_params, None, ids, mask, gen, None,
-                                                 pm.fixed_kl_controller(0.1), pm.RunningMoments.zeros())[0])
+                                                 fixed_kl_controller(0.1), RunningMoments.zeros())[0])
     return out
 
 
@@ -235,7 +236,7 @@ def test_old_logprobs_from_the_sampler_need_no_forward(tiny_policy):
     for source, (spec, gen, _) in out.items():
         ids = jnp.ones((8, 5), jnp.int32)
         fn = jax.jit(lambda p, g, spec=spec: finish_rollout(spec, p, None, None, ids, jnp.ones_like(ids), g, None,
-                                                            pm.fixed_kl_controller(0.1), pm.RunningMoments.zeros()))
+                                                            fixed_kl_controller(0.1), RunningMoments.zeros()))
         flops[source] = fn.lower(params, gen).compile().cost_analysis()["flops"]
     assert flops["sampler"] < 0.02 * flops["recompute"], flops
 

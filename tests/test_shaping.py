@@ -8,7 +8,10 @@ import optax
 import pytest
 
 import jaxppo
-from jaxppo import update as pm
+from jaxppo.update.kl import fixed_kl_controller
+from jaxppo.update.losses import clipped_policy_loss
+from jaxppo.update.shaping import adaptive_entropy_coef, high_entropy_mask, overlong_penalty
+from jaxppo.update.stats import RunningMoments, masked_quantile
 from jaxppo.rollout.sampling import RolloutSpec, sample_responses
 from jaxppo.rollout.scoring import finish_rollout
 from jaxppo.testing.toy import make_toy
@@ -28,7 +31,7 @@ def dapo_penalty(length, budget, buffer, factor):
 @pytest.mark.parametrize("buffer,factor", [(4, 1.0), (1, 0.5), (16, 2.0)])
 def test_overlong_penalty_equals_the_paper_case_by_case(buffer, factor):
     lengths = np.arange(0, 20)
-    got = np.asarray(pm.overlong_penalty(jnp.asarray(lengths), 16, buffer, factor))
+    got = np.asarray(overlong_penalty(jnp.asarray(lengths), 16, buffer, factor))
     want = [dapo_penalty(int(n), 16, buffer, factor) for n in lengths]
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
     assert got[16] == -factor and got[16 - buffer] == 0.0
@@ -42,13 +45,13 @@ def test_masked_quantile_and_high_entropy_mask_equal_numpy():
     x_masked_out = np.where(mask > 0, x, 1e6).astype(np.float32)  # values outside the mask must not count
     for q in (0.0, 0.2, 0.5, 0.8, 1.0):
         want = np.quantile(x[mask > 0].astype(np.float64), q)
-        assert float(pm.masked_quantile(jnp.asarray(x_masked_out), jnp.asarray(mask), q)) == pytest.approx(want, rel=1e-6)
+        assert float(masked_quantile(jnp.asarray(x_masked_out), jnp.asarray(mask), q)) == pytest.approx(want, rel=1e-6)
     for top in (0.2, 0.5, 1.0):
         threshold = np.quantile(x[mask > 0].astype(np.float64), 1 - top)
         want = ((x >= np.float32(threshold)) & (mask > 0)).astype(np.float32)
-        got = np.asarray(pm.high_entropy_mask(jnp.asarray(x_masked_out), jnp.asarray(mask), top))
+        got = np.asarray(high_entropy_mask(jnp.asarray(x_masked_out), jnp.asarray(mask), top))
         np.testing.assert_array_equal(got, want)
-    assert float(pm.masked_quantile(jnp.asarray(x), jnp.zeros_like(jnp.asarray(mask)), 0.5)) == 0.0
+    assert float(masked_quantile(jnp.asarray(x), jnp.zeros_like(jnp.asarray(mask)), 0.5)) == 0.0
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +103,7 @@ def test_top_entropy_quantile_trains_the_policy_term_on_the_selected_tokens(toy,
         batch = dict(query_tokens=rollout.query_tokens, query_mask=rollout.query_mask,
                      response_tokens=rollout.response_tokens, response_mask=rollout.response_mask)
         lp = jaxppo.response_outputs(apply_fn, p, batch, 1.0)[0]
-        return pm.clipped_policy_loss(lp - rollout.logprobs, adv, rollout.response_mask, 0.2, 0.2,
+        return clipped_policy_loss(lp - rollout.logprobs, adv, rollout.response_mask, 0.2, 0.2,
                                       aggregation=aggregation, max_length=R,
                                       weights=jnp.asarray(keep, jnp.float32))[0]
 
@@ -132,8 +135,8 @@ def test_rollout_layer_punishes_overlong_and_masks_truncated(tiny_policy):
     mask = jnp.ones_like(ids)
     gen = sample_responses(spec, params, ids, mask, jax.random.key(5))
     host = jnp.asarray(rng.normal(size=16), jnp.float32)
-    rollout, stats, _ = finish_rollout(spec, params, None, None, ids, mask, gen, host, pm.fixed_kl_controller(0.0),
-                                       pm.RunningMoments.zeros())
+    rollout, stats, _ = finish_rollout(spec, params, None, None, ids, mask, gen, host, fixed_kl_controller(0.0),
+                                       RunningMoments.zeros())
     toks, m = np.asarray(gen.tokens), np.asarray(gen.mask)
     lengths = m.sum(1)
     stopped = np.array([(toks[i, :lengths[i]] == 2).any() for i in range(16)])
@@ -197,7 +200,7 @@ def test_adaptive_entropy_coef_follows_the_rule():
     # up, up, down x 4 (the last one floored at 0), unchanged (no update), up, down (at the target)
     for entropy in [1.0, 1.5, 2.5, 3.0, 3.0, 3.0, 3.0, float("nan"), 1.9, 2.0]:
         want = coef if entropy != entropy else max(coef + step if entropy < target else coef - step, 0.0)
-        got = float(pm.adaptive_entropy_coef(coef, entropy, target, step))
+        got = float(adaptive_entropy_coef(coef, entropy, target, step))
         assert got == pytest.approx(want, abs=1e-7), (entropy, coef)
         coef = got
     assert coef == 0.0

@@ -12,7 +12,8 @@ import pytest
 
 import jaxppo
 import jaxppo.models as jm
-from jaxppo import update as pm
+from jaxppo.update.kl import fixed_kl_controller
+from jaxppo.update.stats import RunningMoments
 from jaxppo.rollout.sampling import RolloutSpec, sample_responses
 from jaxppo.rollout.scoring import finish_rollout
 from jaxppo.update.batch import response_outputs
@@ -244,7 +245,7 @@ def test_scoring_pass_with_shared_prompts_equals_every_row():
                            token_reward_fn=lambda pi, pm_, ri, rm: jnp.sum((ri == 7) * rm, axis=1).astype(jnp.float32))
         gen = sample_responses(spec, params, ids, mask, jax.random.key(2))
         rollouts.append(finish_rollout(spec, params, ref_params, None, ids, mask, gen, None,
-                                       pm.fixed_kl_controller(0.2), pm.RunningMoments.zeros())[0])
+                                       fixed_kl_controller(0.2), RunningMoments.zeros())[0])
     shared, rows = rollouts
     np.testing.assert_array_equal(np.asarray(shared.response_tokens), np.asarray(rows.response_tokens))
     m = np.asarray(rows.response_mask)

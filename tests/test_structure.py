@@ -83,7 +83,7 @@ def test_no_import_cycles_in_the_package():
 # The layers, bottom first: a module imports only modules of its own layer or below
 # (docs/architecture.md draws the map). Leaves import nothing of the package.
 LAYERS = [
-    {"jaxppo.version", "jaxppo.errors", "jaxppo.testing", "jaxppo._moved"},
+    {"jaxppo.version", "jaxppo.errors", "jaxppo.testing"},
     {"jaxppo.update", "jaxppo.models"},
     {"jaxppo.algorithms"},
     {"jaxppo.config", "jaxppo.trainer_config"},
@@ -165,29 +165,25 @@ def test_the_config_validates_against_the_registry():
         jaxppo.PPOConfig(advantage_estimator="made_up")
 
 
-@pytest.mark.parametrize("old, new", [("engine", "jaxppo.update.engine"), ("math", "jaxppo.update"),
-                                      ("rollout_types", "jaxppo.update.batch"), ("trainer", "jaxppo.run.trainer"),
-                                      ("toy", "jaxppo.testing.toy")])
-def test_the_0_3_module_paths_give_the_moved_modules_with_a_warning(old, new):
+@pytest.mark.parametrize("old", ["engine", "math", "critic_free", "rollout_types", "trainer", "rundir", "toy"])
+def test_the_0_3_module_paths_are_gone(old):
+    """Deprecated in 0.4, removed in 0.5 (CHANGELOG, "Removed", names the new path of each):
+    no import hook, no attribute on the package."""
     import importlib
     import sys
 
-    sys.modules.pop(f"jaxppo.{old}", None)
-    with pytest.warns(DeprecationWarning, match=rf"jaxppo\.{old} moved to {new} in jaxppo 0\.4"):
-        module = importlib.import_module(f"jaxppo.{old}")
-    assert module is importlib.import_module(new)  # the same module object: one definition
-    assert getattr(jaxppo, old) is module
-
-
-def test_names_imported_from_an_old_path_are_the_new_objects():
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        from jaxppo.engine import TrainState
-        from jaxppo.math import gae
-        from jaxppo.rundir import RunError
-    assert TrainState is jaxppo.TrainState and RunError is jaxppo.RunError
-    assert gae is jaxppo.update.advantages.gae
+    assert f"jaxppo.{old}" not in sys.modules
     with pytest.raises(ModuleNotFoundError):
-        __import__("importlib").import_module("jaxppo.no_such_module")
+        importlib.import_module(f"jaxppo.{old}")
+    assert not hasattr(jaxppo, old)
+    assert not any(type(f).__module__.startswith("jaxppo") for f in sys.meta_path)
+
+
+def test_the_update_namespace_holds_modules_not_a_copy_of_their_functions():
+    """`jaxppo.update.gae` was 0.3's `jaxppo.math.gae` carried over; each function now has
+    one path, in its module."""
+    from jaxppo import update
+
+    assert update.advantages.gae is jaxppo.update.advantages.gae
+    for name in ("gae", "masked_whiten", "policy_loss", "kl_per_token"):
+        assert not hasattr(update, name), name

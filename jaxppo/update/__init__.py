@@ -15,21 +15,14 @@ the rollout came from.
   against `jaxppo.algorithms`, which reads the math above: import it as
   `jaxppo.update.ppo`, or take `jaxppo.train_step`).
 
-This namespace holds every pure math function of those modules under one name (what
-`jaxppo.math` was: `from jaxppo import update; update.gae(...)`), the engine and the batch.
+Each function lives in its module (`jaxppo.update.advantages.gae`,
+`jaxppo.update.stats.masked_whiten`, ...); this namespace holds the modules, the engine and
+the batch.
 """
 
 from jaxppo.update import advantages, correction, kl, losses, shaping, stats
-from jaxppo.update.advantages import *  # noqa: F401,F403
 from jaxppo.update.batch import Rollout, response_outputs
-from jaxppo.update.correction import *  # noqa: F401,F403
 from jaxppo.update.engine import EngineConfig, Freeze, TrainState, minibatch_indices, update_epochs, update_epochs_fn
-from jaxppo.update.kl import *  # noqa: F401,F403
-from jaxppo.update.losses import *  # noqa: F401,F403
-from jaxppo.update.shaping import *  # noqa: F401,F403
-from jaxppo.update.stats import *  # noqa: F401,F403
 
-MATH = [*stats.__all__, *kl.__all__, *advantages.__all__, *losses.__all__, *correction.__all__, *shaping.__all__]
-
-__all__ = [*MATH, "EngineConfig", "Freeze", "TrainState", "minibatch_indices", "update_epochs", "update_epochs_fn",
-           "Rollout", "response_outputs"]
+__all__ = ["advantages", "correction", "kl", "losses", "shaping", "stats", "EngineConfig", "Freeze", "TrainState",
+           "minibatch_indices", "update_epochs", "update_epochs_fn", "Rollout", "response_outputs"]
