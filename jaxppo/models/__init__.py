@@ -1,8 +1,10 @@
 """Built-in language models: GPT-2, the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) and
-Gemma 3 in Flax, value and score heads, LoRA adapters (PEFT format), Hugging Face checkpoint
-import/export, tokenizers, and KV-cache sampling."""
+Gemma 3 in Flax, each a family registered by `model_type` (`jaxppo.models.families`; add
+your own with `register_family`), value and score heads, LoRA adapters (PEFT format),
+Hugging Face checkpoint import/export, tokenizers, and KV-cache sampling."""
 
-from jaxppo.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from jaxppo.models.config import ModelConfig
+from jaxppo.models.family import ModelFamily, family_of, model_types, register_family
 from jaxppo.models.generate import GenerationOutput, filter_logits, generate
 from jaxppo.models.lora import LoraConfig
 from jaxppo.models.adapters import add_lora, merge_lora
@@ -11,6 +13,7 @@ from jaxppo.models.hf import from_pretrained, params_from_hf_tensors, params_to_
 from jaxppo.models.model import KINDS, Model, PolicyAndCritic, check_attention_backend, stack_layers, unstack_layers
 from jaxppo.models.tokenizer import decode_responses, encode_prompts, load_tokenizer
 from jaxppo.models.transformer import ATTENTION, default_positions
+from jaxppo.models import families  # noqa: E402 - registers the built-in families
 
 __all__ = [
     "ModelConfig",
@@ -19,7 +22,11 @@ __all__ = [
     "merge_lora",
     "save_peft_adapter",
     "load_peft_adapter",
-    "SUPPORTED_MODEL_TYPES",
+    "ModelFamily",
+    "register_family",
+    "family_of",
+    "model_types",
+    "families",
     "Model",
     "KINDS",
     "PolicyAndCritic",

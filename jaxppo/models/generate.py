@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxppo.models.family import family_of
 from jaxppo.models.model import Model
 from jaxppo.models.transformer import default_positions
 
@@ -169,11 +170,12 @@ def generate_jit(model, params, prompt_ids, prompt_mask, key, temperature, top_p
 
 
 def cap_positions(model, positions):
-    """`positions` held inside a learned position table (GPT-2's), as they are otherwise.
+    """`positions` held inside a learned position table (a family with
+    `learned_positions`: GPT-2's), as they are otherwise.
     For tokens that are never read (pad a finished row decodes, pad fed after a row's new
     tokens): an index past the table would fill their cache slots with NaN, which reaches
     the output through 0 * NaN even where the slots are masked."""
-    if model.config.model_type != "gpt2":
+    if not family_of(model.config).learned_positions:
         return positions
     return jnp.minimum(positions, model.config.max_position_embeddings - 1)
 
@@ -319,9 +321,10 @@ def check_sampler_arguments(model, prompt_ids, prompt_mask, response_length, tem
     if prompt_ids.ndim != 2 or prompt_ids.shape != prompt_mask.shape:
         raise ValueError(f"prompt_ids {prompt_ids.shape} and prompt_mask {prompt_mask.shape} must both be (batch, prompt_len)")
     total = prompt_ids.shape[1] + response_length
-    if model.config.model_type == "gpt2" and total > model.config.max_position_embeddings:
+    learned = family_of(model.config).learned_positions
+    if learned and total > model.config.max_position_embeddings:
         total = _longest_row(prompt_mask, max_lengths, response_length, total)
-    if model.config.model_type == "gpt2" and total > model.config.max_position_embeddings:
+    if learned and total > model.config.max_position_embeddings:
         raise ValueError(
             f"prompt_len + response_length = {total} exceeds the model's "
             f"max_position_embeddings={model.config.max_position_embeddings}"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from jaxppo.models.config import SUPPORTED_MODEL_TYPES
+from jaxppo.models.family import family_of, model_types
 
 __all__ = ["is_gguf", "read_gguf", "gguf_tokenizer", "check_gguf"]
 
@@ -57,10 +57,11 @@ def read_gguf(path) -> tuple:
         config = transformers.AutoConfig.from_pretrained(directory, gguf_file=name, local_files_only=True)
     except (ValueError, KeyError) as err:
         raise ValueError(f"{name}: transformers cannot read this GGUF file's model ({_first_line(err)}); jaxppo "
-                         f"builds {', '.join(SUPPORTED_MODEL_TYPES)}") from None
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"{name}: model_type {config.model_type!r} is not supported; supported model types: "
-                         f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+                         f"builds {', '.join(model_types())}") from None
+    try:
+        family_of(config.model_type)
+    except ValueError as err:
+        raise ValueError(f"{name}: {err}") from None
     bars = transformers.utils.logging.is_progress_bar_enabled()
     transformers.utils.logging.disable_progress_bar()  # one bar per tensor group: noise in a log
     try:

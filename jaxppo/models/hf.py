@@ -13,43 +13,26 @@ import numpy as np
 from flax import traverse_util
 
 from jaxppo.models.adapters import merge_lora
-from jaxppo.models.config import ARCHITECTURE_PREFIX, SUPPORTED_MODEL_TYPES, ModelConfig
+from jaxppo.models.config import ModelConfig
+from jaxppo.models.family import family_of, model_types
 from jaxppo.models.gguf import check_gguf, is_gguf, read_gguf
 from jaxppo.models.model import KINDS, Model, stack_layers, trunk_name, unstack_layers
 
 __all__ = ["from_pretrained", "save_pretrained", "params_from_hf_tensors", "params_to_hf_tensors", "hf_arrays", "check_checkpoint_dir"]
 
-# Our block-level module names -> Hugging Face's sub-module paths.
-_BLOCK_NAMES = {
-    "c_attn": "attn.c_attn",
-    "c_proj": "attn.c_proj",
-    "c_fc": "mlp.c_fc",
-    "mlp_c_proj": "mlp.c_proj",
-    "q_proj": "self_attn.q_proj",
-    "k_proj": "self_attn.k_proj",
-    "v_proj": "self_attn.v_proj",
-    "o_proj": "self_attn.o_proj",
-    "q_norm": "self_attn.q_norm",
-    "k_norm": "self_attn.k_norm",
-    "gate_proj": "mlp.gate_proj",
-    "up_proj": "mlp.up_proj",
-    "down_proj": "mlp.down_proj",
-}
-# GPT-2's Conv1D stores weights as (in, out), like a Flax kernel; torch Linear is (out, in).
-_CONV1D = {"c_attn", "c_proj", "c_fc", "mlp_c_proj"}
 _LEAF_NAMES = {"kernel": "weight", "embedding": "weight", "scale": "weight", "weight": "weight", "bias": "bias"}
 # Buffers some checkpoints carry that are not parameters.
 _BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 # jaxppo-only heads, not part of Hugging Face checkpoints.
 _VALUE_HEAD_FILE = "value_head.safetensors"
 
-# Causal-LM class names that do not follow <prefix>ForCausalLM.
-_CAUSAL_ARCH = {"gpt2": "GPT2LMHeadModel", "gemma3_text": "Gemma3ForCausalLM"}
-
 
 def hf_name(path, config: ModelConfig):
     """Our flat param path (without the 'params' root) -> (HF tensor name, transpose?), or
-    None for jaxppo-only parameters (the value head)."""
+    None for jaxppo-only parameters (the value head). The family names its block's modules
+    (`hf_block_names`) and the kernels Hugging Face stores as Flax does (`hf_untransposed`,
+    GPT-2's Conv1D); every other kernel is a torch Linear's (out, in), transposed."""
+    family = family_of(config)
     if path[0] == "value_head":
         return None
     leaf = _LEAF_NAMES[path[-1]]
@@ -58,11 +41,11 @@ def hf_name(path, config: ModelConfig):
     parts = [path[0]]
     module = path[-2]
     for p in path[1:-1]:
-        if "_" in p and p.rsplit("_", 1)[1].isdigit() and p.rsplit("_", 1)[0] in ("h", "layers"):
+        if "_" in p and p.rsplit("_", 1)[1].isdigit() and p.rsplit("_", 1)[0] == family.layers_prefix:
             parts.extend(p.rsplit("_", 1))
         else:
-            parts.append(_BLOCK_NAMES.get(p, p))
-    transpose = path[-1] == "kernel" and not (config.model_type == "gpt2" and module in _CONV1D)
+            parts.append(family.hf_block_names.get(p, p))
+    transpose = path[-1] == "kernel" and module not in family.hf_untransposed
     return ".".join(parts + [leaf]), transpose
 
 
@@ -114,16 +97,11 @@ def _read_config_dict(path: str) -> dict:
     if remote:
         raise ValueError(
             f"{path!r} asks for code shipped with the checkpoint ({remote}); jaxppo never runs code from a checkpoint. "
-            f"Supported model types, built in: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    if d.get("model_type") not in SUPPORTED_MODEL_TYPES:
-        hint = ""
-        if d.get("model_type") == "gemma3":
-            hint = ("; this is a multimodal Gemma3ForConditionalGeneration checkpoint: jaxppo loads Gemma 3 text "
-                    "checkpoints (model_type gemma3_text, Gemma3ForCausalLM) only")
-        raise ValueError(
-            f"{config_file}: model_type {d.get('model_type')!r} is not supported; supported model types: "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}{hint}"
-        )
+            f"Supported model types: {', '.join(model_types())}")
+    try:
+        family_of(d.get("model_type"))
+    except ValueError as err:
+        raise ValueError(f"{config_file}: {err}") from None
     return d
 
 
@@ -352,11 +330,8 @@ def save_pretrained(model: Model, params, path: str):
 
     model, params = merge_lora(model, params)
     os.makedirs(path, exist_ok=True)
-    model_type = model.config.model_type
-    if model.is_causal_lm:
-        arch = _CAUSAL_ARCH.get(model_type, f"{ARCHITECTURE_PREFIX[model_type]}ForCausalLM")
-    else:
-        arch = f"{ARCHITECTURE_PREFIX[model_type]}ForSequenceClassification"
+    arch = family_of(model.config).architecture(model.config.model_type,
+                                                "causal_lm" if model.is_causal_lm else "score")
     hf_config = model.config.to_hf(arch)
     import transformers
 

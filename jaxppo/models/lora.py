@@ -28,18 +28,17 @@ import jax
 import jax.numpy as jnp
 
 from jaxppo.models.config import ModelConfig
+from jaxppo.models.family import family_of
 
 __all__ = ["LoraConfig", "LoraDense", "target_names", "ALL_LINEAR"]
 
-# Our block-level module names by Hugging Face (and PEFT) target name.
-_GPT2_TARGETS = {"c_attn": ("c_attn",), "c_proj": ("c_proj", "mlp_c_proj"), "c_fc": ("c_fc",)}
-_LLAMA_TARGETS = {n: (n,) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")}
 ALL_LINEAR = "all-linear"
 
 
 def target_names(config: ModelConfig) -> dict:
-    """{Hugging Face target name: our module names} for this architecture."""
-    return _GPT2_TARGETS if config.model_type == "gpt2" else _LLAMA_TARGETS
+    """{Hugging Face (and PEFT) target name: our block module names} for this architecture:
+    its family's `lora_targets`."""
+    return dict(family_of(config).lora_targets)
 
 
 @dataclasses.dataclass(frozen=True)

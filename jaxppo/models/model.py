@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxppo.models.config import ModelConfig
+from jaxppo.models.family import family_of
 from jaxppo.models.heads import LMHead, token_logprobs
 from jaxppo.models.lora import LoraConfig
 from jaxppo.models.transformer import ATTENTION, CausalLMModule, GroupedKV, ScoreModule, default_positions
@@ -197,7 +198,7 @@ class Model:
         """The output projection of a causal LM's params (tied embeddings or `lm_head`)."""
         p = params["params"]
         if self.config.tie_word_embeddings:
-            table = p[trunk_name(self.config)]["wte" if self.config.model_type == "gpt2" else "embed_tokens"]["embedding"]
+            table = p[trunk_name(self.config)][family_of(self.config).embed_name]["embedding"]
             return LMHead(table, True, jnp.dtype(self.dtype), self.config.final_logit_softcapping)
         return LMHead(p["lm_head"]["kernel"], False, jnp.dtype(self.dtype), self.config.final_logit_softcapping)
 
@@ -392,12 +393,13 @@ def join_sequences(query_tokens, query_mask, response_tokens, response_mask):
 
 
 def _layer_prefix(config: ModelConfig) -> str:
-    return "h" if config.model_type == "gpt2" else "layers"
+    return family_of(config).layers_prefix
 
 
 def trunk_name(config: ModelConfig) -> str:
-    """The params entry holding the trunk: "transformer" (GPT-2) or "model" (Llama family)."""
-    return "transformer" if config.model_type == "gpt2" else "model"
+    """The params entry holding the trunk: its family's `trunk_name` ("transformer" for
+    GPT-2, "model" for the Llama family and Gemma 3)."""
+    return family_of(config).trunk_name
 
 
 def stack_layers(params, config: ModelConfig):

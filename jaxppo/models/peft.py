@@ -14,6 +14,7 @@ import numpy as np
 from flax import traverse_util
 
 from jaxppo.models.adapters import add_lora, check_model
+from jaxppo.models.family import family_of
 from jaxppo.models.hf import hf_name, read_json_object
 from jaxppo.models.lora import LoraConfig
 from jaxppo.models.model import stack_layers, unstack_layers
@@ -59,7 +60,7 @@ def save_peft_adapter(model, variables, path: str, base_model_name_or_path: str 
         "target_modules": model.lora.hf_targets(model.config),
         "lora_dropout": 0.0,
         "bias": "none",
-        "fan_in_fan_out": model.config.model_type == "gpt2",  # GPT-2's Conv1D stores (in, out)
+        "fan_in_fan_out": family_of(model.config).peft_fan_in_fan_out,  # (in, out) layers: GPT-2's Conv1D
         "use_rslora": False,
         "use_dora": False,
         "modules_to_save": None,

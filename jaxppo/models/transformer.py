@@ -1,5 +1,8 @@
-"""Flax (linen) causal transformers: GPT-2, the Llama family (Llama 2/3, Mistral, Qwen2,
-Qwen3) and Gemma 3 (text).
+"""Flax (linen) causal transformers: the trunk, the LM and score modules, and the building
+blocks a model family's block is made of (rotary embeddings, attention over a KV cache,
+RMSNorm, LoRA-aware dense layers). The blocks themselves, and how a trunk embeds tokens
+and normalises, belong to the families (`jaxppo.models.families`: GPT-2, the Llama family,
+Gemma 3), found by `model_type` (`jaxppo.models.family`).
 
 Parameter names mirror Hugging Face's module names (`model.layers_0.self_attn.q_proj`,
 `transformer.h_0.attn.c_attn`, ...), so checkpoint conversion is a renaming plus, for
@@ -30,11 +33,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxppo.models.config import ModelConfig
+from jaxppo.models.family import family_of
 from jaxppo.models.heads import softcap
 from jaxppo.models.lora import LoraConfig, LoraDense
 
 __all__ = ["Transformer", "CausalLMModule", "ScoreModule", "rope_inv_freq", "default_positions", "ATTENTION",
-           "GroupedKV"]
+           "GroupedKV", "NewKV", "apply_rope", "activation", "attend_with_cache", "dense", "RMSNorm", "write_slots"]
 
 # How attention over a whole sequence is computed (training, scoring, the prefill):
 # "einsum", jaxppo's own two einsums around a float32 softmax (the default); "xla" and
@@ -76,8 +80,9 @@ def rope_inv_freq(config: ModelConfig, local: bool = False):
     return inv_freq
 
 
-def _apply_rope(x, positions, inv_freq):
-    # x: (B, L, H, D); rotate pairs (i, i + D/2), as Hugging Face's rotate_half does.
+def apply_rope(x, positions, inv_freq):
+    """Rotary embeddings on x (B, L, H, D) at `positions` (B, L) with `inv_freq` (D/2,)
+    (`rope_inv_freq`): pairs (i, i + D/2) rotated, as Hugging Face's rotate_half does."""
     freqs = positions[..., None].astype(jnp.float32) * inv_freq  # (B, L, D/2)
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
     cos, sin = jnp.cos(emb), jnp.sin(emb)
@@ -140,7 +145,8 @@ def _attention_over(q, parts, dtype, scale_dim=None):
     return out.reshape(b, lq, h * d)
 
 
-def _activation(name):
+def activation(name):
+    """The activation function of a Hugging Face `hidden_act` name (`ModelConfig.activation`)."""
     return {
         "gelu_new": lambda x: nn.gelu(x, approximate=True),
         "gelu_pytorch_tanh": lambda x: nn.gelu(x, approximate=True),
@@ -198,7 +204,7 @@ class GroupedKV(NamedTuple):
     v: jax.Array
 
 
-def _attend_with_cache(q, k, v, layer_cache, cache_index, mask, dtype, scale_dim=None, impl="einsum"):
+def attend_with_cache(q, k, v, layer_cache, cache_index, mask, dtype, scale_dim=None, impl="einsum"):
     """Attention of the new tokens' q/k/v (B, Lq, ...), given a layer's cache:
     None (no cache: attend over k/v), a (k, v) pair of buffers (write the new k/v at slot
     `cache_index` and attend over the buffers; returns them), or a `NewKV` (attend over
@@ -267,8 +273,9 @@ def write_slots(buf, new, cache_index, axis):
     return jax.lax.dynamic_update_slice_in_dim(buf, new, cache_index, axis=axis)
 
 
-def _dense(block, features, use_bias, name):
-    """The block's linear layer `name`: `nn.Dense`, or `LoraDense` when LoRA targets it."""
+def dense(block, features, use_bias, name):
+    """The block's linear layer `name`: `nn.Dense`, or `LoraDense` when LoRA targets it
+    (`block` is the calling block module: its config, dtypes, `lora` and `adapters`)."""
     lora = block.lora
     if lora is not None and name in lora.modules(block.config):
         return LoraDense(features, use_bias, block.dtype, block.param_dtype, lora.rank, lora.scale, block.adapters,
@@ -276,79 +283,8 @@ def _dense(block, features, use_bias, name):
     return nn.Dense(features, use_bias=use_bias, dtype=block.dtype, param_dtype=block.param_dtype, name=name)
 
 
-class GPT2Block(nn.Module):
-    config: ModelConfig
-    dtype: Any
-    param_dtype: Any
-    lora: Optional[LoraConfig] = None
-    adapters: bool = True
-    attention: str = "einsum"
-
-    @nn.compact
-    def __call__(self, x, masks, positions, layer_cache, cache_index, sliding=False):
-        c = self.config
-        mask = masks[0]
-        dense = lambda n, name: _dense(self, n, True, name)
-        ln = lambda name: nn.LayerNorm(epsilon=c.norm_eps, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
-        b, l, _ = x.shape
-        h = ln("ln_1")(x)
-        qkv = dense(3 * c.hidden_size, "c_attn")(h)
-        q, k, v = jnp.split(qkv.reshape(b, l, 3, c.num_heads, c.head_dim), 3, axis=2)
-        q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]
-        attn, layer_cache = _attend_with_cache(q, k, v, layer_cache, cache_index, mask, self.dtype,
-                                               impl=self.attention)
-        x = x + dense(c.hidden_size, "c_proj")(attn)
-        h = ln("ln_2")(x)
-        h = dense(c.intermediate_size, "c_fc")(h)
-        h = dense(c.hidden_size, "mlp_c_proj")(_activation(c.activation)(h))
-        return x + h, layer_cache
-
-
-class LlamaBlock(nn.Module):
-    """A Llama-family block (Llama, Mistral, Qwen2, Qwen3) or, for "gemma3_text", a Gemma 3
-    block (norms after attention and MLP too, (1 + weight) norms). `sliding` (a bool, or a
-    traced bool under the layer scan) selects the sliding-window mask and local rope."""
-
-    config: ModelConfig
-    dtype: Any
-    param_dtype: Any
-    lora: Optional[LoraConfig] = None
-    adapters: bool = True
-    attention: str = "einsum"
-
-    @nn.compact
-    def __call__(self, x, masks, positions, layer_cache, cache_index, sliding=False):
-        c = self.config
-        b, l, _ = x.shape
-        norm = lambda name: RMSNorm(c.norm_eps, self.dtype, self.param_dtype, c.is_gemma, name=name)
-        proj = lambda n, bias, name: _dense(self, n, bias, name)
-        h = norm("input_layernorm")(x)
-        q = proj(c.num_heads * c.head_dim, c.qkv_bias, "q_proj")(h).reshape(b, l, c.num_heads, c.head_dim)
-        k = proj(c.num_kv_heads * c.head_dim, c.qkv_bias, "k_proj")(h).reshape(b, l, c.num_kv_heads, c.head_dim)
-        v = proj(c.num_kv_heads * c.head_dim, c.qkv_bias, "v_proj")(h).reshape(b, l, c.num_kv_heads, c.head_dim)
-        if c.qk_norm:  # per head, over head_dim, before the rotation
-            q, k = norm("q_norm")(q), norm("k_norm")(k)
-        inv_freq = rope_inv_freq(c)
-        if c.local_rope_theta is not None:
-            inv_freq = jnp.where(sliding, rope_inv_freq(c, local=True), inv_freq)
-        q = _apply_rope(q, positions, inv_freq)
-        k = _apply_rope(k, positions, inv_freq)
-        mask = masks[0] if masks[1] is None else jnp.where(sliding, masks[1], masks[0])
-        attn, layer_cache = _attend_with_cache(q, k, v, layer_cache, cache_index, mask, self.dtype,
-                                               c.query_pre_attn_scalar, self.attention)
-        attn = proj(c.hidden_size, c.o_proj_bias, "o_proj")(attn)
-        act = _activation(c.activation)
-        mlp = lambda h: proj(c.hidden_size, c.mlp_bias, "down_proj")(
-            act(proj(c.intermediate_size, c.mlp_bias, "gate_proj")(h)) * proj(c.intermediate_size, c.mlp_bias, "up_proj")(h))
-        if c.is_gemma:
-            x = x + norm("post_attention_layernorm")(attn)
-            return x + norm("post_feedforward_layernorm")(mlp(norm("pre_feedforward_layernorm")(x))), layer_cache
-        x = x + attn
-        return x + mlp(norm("post_attention_layernorm")(x)), layer_cache
-
-
 class Transformer(nn.Module):
-    """The trunk: embeddings, blocks, final norm.
+    """The trunk: embeddings, blocks, final norm (each as the model's family makes them).
 
     With `scan_layers` the blocks' parameters are stacked on a leading layer axis (one
     `layers` / `h` module instead of `layers_0` ... `layers_{n-1}`) and the blocks run as
@@ -369,15 +305,8 @@ class Transformer(nn.Module):
     @nn.compact
     def __call__(self, input_ids, attention_mask, positions, cache=None, cache_index=0, segment_ids=None):
         c = self.config
-        gpt2 = c.model_type == "gpt2"
-        embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype,
-                         name="wte" if gpt2 else "embed_tokens")
-        x = embed(input_ids)
-        if c.is_gemma:  # scaled by sqrt(hidden_size), rounded to the parameter dtype as Hugging Face does
-            x = x * jnp.asarray(c.hidden_size ** 0.5, self.param_dtype).astype(x.dtype)
-        if gpt2:
-            x = x + nn.Embed(c.max_position_embeddings, c.hidden_size, dtype=self.dtype,
-                             param_dtype=self.param_dtype, name="wpe")(positions)
+        family = family_of(c)
+        x, table = family.embed(self, c, input_ids, positions)
         lq, lk = input_ids.shape[1], attention_mask.shape[1]
         # The query tokens' slots, (1, Lq) or per row (B, Lq).
         query_slots = (cache_index[:, None] if jnp.ndim(cache_index) == 1 else jnp.asarray(cache_index)[None, None]
@@ -392,13 +321,13 @@ class Transformer(nn.Module):
             in_window = jnp.arange(lk)[None, None, :] > query_slots[:, :, None] - c.sliding_window
             local_mask = mask & in_window
         masks = (mask, local_mask)
-        block_cls = GPT2Block if gpt2 else LlamaBlock
+        block_cls = family.block
         if self.remat:
             policy = None if self.remat is True else getattr(jax.checkpoint_policies, self.remat)
             # prevent_cse=False is safe (and cheaper) inside a scan, where XLA cannot CSE
             # the recomputation away; unrolled blocks keep the default.
             block_cls = nn.remat(block_cls, policy=policy, prevent_cse=not self.scan_layers)
-        prefix = "h" if gpt2 else "layers"
+        prefix = family.layers_prefix
         if self.scan_layers:
             # Block call: (x, masks, positions, layer_cache, cache_index, sliding) -> (x, new k/v);
             # x is the carry; the cache (stacked on the layer axis, or None) and the per-layer
@@ -424,11 +353,8 @@ class Transformer(nn.Module):
                     new_kv = _write_response(layer_cache, new_kv, cache_index, axis=1)
                 new_cache.append(new_kv)
             new_cache = tuple(new_cache) if cache is not None else None
-        if gpt2:
-            x = nn.LayerNorm(epsilon=c.norm_eps, dtype=self.dtype, param_dtype=self.param_dtype, name="ln_f")(x)
-        else:
-            x = RMSNorm(c.norm_eps, self.dtype, self.param_dtype, c.is_gemma, name="norm")(x)
-        return x, new_cache, embed.embedding
+        x = family.final_norm(self, c)(x)
+        return x, new_cache, table
 
 
 class CausalLMModule(nn.Module):
@@ -453,7 +379,7 @@ class CausalLMModule(nn.Module):
                  segment_ids=None):
         c = self.config
         trunk = Transformer(c, self.dtype, self.param_dtype, self.remat, self.scan_layers, self.lora, self.adapters,
-                            self.attention, name="transformer" if c.model_type == "gpt2" else "model")
+                            self.attention, name=family_of(c).trunk_name)
         hidden, cache, table = trunk(input_ids, attention_mask, positions, cache, cache_index, segment_ids)
         values = None
         if self.with_value_head:
@@ -491,7 +417,7 @@ class ScoreModule(nn.Module):
         new cache)."""
         c = self.config
         trunk = Transformer(c, self.dtype, self.param_dtype, self.remat, self.scan_layers, self.lora, self.adapters,
-                            self.attention, name="transformer" if c.model_type == "gpt2" else "model")
+                            self.attention, name=family_of(c).trunk_name)
         hidden, new_cache, _ = trunk(input_ids, attention_mask, positions, cache, cache_index, segment_ids)
         init = nn.initializers.zeros if self.zero_init else nn.initializers.normal(0.02)
         scores = nn.Dense(self.num_labels, use_bias=False, dtype=jnp.float32, param_dtype=self.param_dtype,

@@ -39,6 +39,8 @@ import weakref
 
 import numpy as np
 
+from jaxppo.models.family import family_of
+
 __all__ = ["VLLMEngine", "check_available", "CPU_HEAD_DIMS", "hf_weights"]
 
 # Head sizes the CPU build's attention kernel takes (vLLM 0.32's cpu_attn).
@@ -88,7 +90,8 @@ def hf_weights(model, params):
         tensor = torch.from_dlpack(array) if hasattr(array, "__dlpack__") else torch.from_numpy(np.asarray(array))
         out.append((name, tensor.t() if transpose else tensor))
     if model.config.tie_word_embeddings:
-        embed = next(t for n, t in out if n.endswith(("embed_tokens.weight", "wte.weight")))
+        embed_name = f".{family_of(model.config).embed_name}.weight"
+        embed = next(t for n, t in out if n.endswith(embed_name) or n == embed_name[1:])
         out.append(("lm_head.weight", embed))
     return out
 

@@ -1,0 +1,12 @@
+"""The built-in model families, one module each, registered by `model_type` on import
+(`jaxppo.models.family`): GPT-2 (`gpt2`), the Llama family (`llama`: Llama 2/3, Mistral,
+Qwen2, Qwen3) and Gemma 3 text (`gemma3`)."""
+
+from jaxppo.models.families import gemma3, gpt2, llama
+from jaxppo.models.family import register_family
+
+BUILT_IN = (gpt2.FAMILY, llama.FAMILY, gemma3.FAMILY)
+for _family in BUILT_IN:
+    register_family(_family)
+
+__all__ = ["BUILT_IN", "gpt2", "llama", "gemma3"]

@@ -1,0 +1,147 @@
+"""Model families: everything about one family of architectures that the rest of
+`jaxppo.models` asks, in one value, and the registry that finds a family by Hugging Face
+`model_type`.
+
+A family (`ModelFamily`) holds its block (a Flax module), how its trunk embeds tokens and
+normalises the last hidden states, its Hugging Face names (config mapping both ways, the
+tensor names of its block's modules, which kernels Hugging Face stores untransposed), its
+LoRA targets and what the sampler must know of it (learned positions). The built-in
+families live in `jaxppo.models.families` (GPT-2; the Llama family with Mistral, Qwen2 and
+Qwen3; Gemma 3); a family of your own is registered with `register_family` (docs:
+"Architecture", "Adding a model family"). Nothing outside the families and this registry
+compares model-type strings (a structure test checks it).
+
+This module is a leaf of `jaxppo.models` (it imports nothing of the package), so the
+config, the trunk and the loaders can all ask it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+
+__all__ = ["ModelFamily", "register_family", "family_of", "model_types", "unsupported_model_type"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ModelFamily:
+    """One family of causal transformers.
+
+    Identity and Hugging Face configs:
+      name: the family's name ("gpt2", "llama", "gemma3").
+      model_types: the Hugging Face `model_type` values it loads, e.g. ("llama", "mistral").
+      architectures: {model_type: (causal-LM class name, sequence-classification class
+        name)} as Hugging Face names them, e.g. ("LlamaForCausalLM", "LlamaForSequenceClassification").
+      config_from_hf: (config dict, common) -> ModelConfig, where `common` holds the fields
+        every family reads alike (vocab_size, special token ids, tie_word_embeddings as the
+        checkpoint states it or None, num_labels); the family fills in the rest.
+      config_to_hf: (ModelConfig, architecture, common) -> a transformers config object;
+        `common` holds the shared keyword arguments (vocab, token ids, tying, labels,
+        architectures). None: the family cannot export to Hugging Face.
+      check: ModelConfig -> None, raising ValueError for settings the family cannot run.
+      tied_by_default: whether the LM head is tied to the embeddings when a checkpoint's
+        config does not say.
+      hints: {other model_type: sentence}: what to say when a checkpoint of a related,
+        unsupported model_type is given (e.g. a multimodal sibling).
+
+    The modules (parameter names mirror Hugging Face's, so conversion is a renaming):
+      block: the Flax block, called as `block(config, dtype, param_dtype, lora, adapters,
+        attention, name=...)(x, masks, positions, layer_cache, cache_index, sliding)` and
+        returning (x, new k/v); see `jaxppo.models.transformer`.
+      trunk_name: the trunk's module name ("model", "transformer").
+      layers_prefix: the blocks' name prefix ("layers" gives layers_0, layers_1, ...).
+      embed_name: the token embedding's module name ("embed_tokens", "wte").
+      embed: (trunk module, config, input_ids, positions) -> (hidden (B, L, D), the token
+        embedding table (V, D)), called inside the trunk (the modules it makes are the
+        trunk's).
+      final_norm: (trunk module, config) -> the final norm module, made inside the trunk.
+
+    Hugging Face tensor names and adapters:
+      hf_block_names: {block module name: Hugging Face sub-module path}, e.g.
+        {"q_proj": "self_attn.q_proj"}; a module not named keeps its name.
+      hf_untransposed: block modules whose kernels Hugging Face stores as (in, out), like
+        Flax (GPT-2's Conv1D); every other kernel is transposed.
+      lora_targets: {target name a user gives: block modules it covers}; "all-linear" is
+        all of them.
+      learned_positions: positions come from a table of `max_position_embeddings` rows (the
+        sampler then refuses longer sequences and keeps finished rows inside the table).
+    """
+
+    name: str
+    model_types: Tuple[str, ...]
+    architectures: Mapping[str, Tuple[str, str]]
+    config_from_hf: Callable[[dict, dict], Any]
+    block: Any
+    trunk_name: str
+    layers_prefix: str
+    embed_name: str
+    embed: Callable
+    final_norm: Callable
+    hf_block_names: Mapping[str, str]
+    lora_targets: Mapping[str, Tuple[str, ...]]
+    config_to_hf: Optional[Callable] = None
+    check: Callable[[Any], None] = lambda config: None
+    tied_by_default: bool = False
+    hints: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    hf_untransposed: frozenset = frozenset()
+    learned_positions: bool = False
+
+    def __post_init__(self):
+        if not self.model_types or not all(isinstance(t, str) and t for t in self.model_types):
+            raise ValueError(f"family {self.name!r}: model_types must be non-empty strings; got {self.model_types!r}")
+        missing = [t for t in self.model_types if t not in self.architectures]
+        if missing:
+            raise ValueError(f"family {self.name!r}: architectures names no classes for model types {missing}")
+        for field in ("trunk_name", "layers_prefix", "embed_name"):
+            if not isinstance(getattr(self, field), str) or not getattr(self, field):
+                raise ValueError(f"family {self.name!r}: {field} must be a non-empty string")
+
+    @property
+    def peft_fan_in_fan_out(self) -> bool:
+        """PEFT's `fan_in_fan_out`: the adapted layers store (in, out) in Hugging Face."""
+        return bool(self.hf_untransposed)
+
+    def architecture(self, model_type: str, kind: str) -> str:
+        """The Hugging Face class name of `model_type` for a causal LM ("causal_lm") or a
+        sequence classifier (any other kind)."""
+        causal, classifier = self.architectures[model_type]
+        return causal if kind == "causal_lm" else classifier
+
+
+_FAMILIES: Dict[str, ModelFamily] = {}
+
+
+def register_family(family: ModelFamily, *, replace: bool = False) -> ModelFamily:
+    """Make `family` load, build, sample and export its model types. A model type another
+    family already claims is refused unless `replace=True`. Returns the family."""
+    if not isinstance(family, ModelFamily):
+        raise TypeError(f"register_family takes a jaxppo.models.ModelFamily; got {type(family).__name__}")
+    taken = {t: _FAMILIES[t].name for t in family.model_types if t in _FAMILIES and _FAMILIES[t] is not family}
+    if taken and not replace:
+        raise ValueError(f"model types already registered: {taken}; pass replace=True to take them over")
+    for t in family.model_types:
+        _FAMILIES[t] = family
+    return family
+
+
+def model_types() -> Tuple[str, ...]:
+    """Every registered model type, in registration order."""
+    return tuple(_FAMILIES)
+
+
+def unsupported_model_type(model_type) -> str:
+    """The sentence for a model type no family loads: what is supported, and a family's
+    hint where one names this model type."""
+    hints = [f.hints[model_type] for f in dict.fromkeys(_FAMILIES.values()) if model_type in f.hints]
+    return (f"model_type {model_type!r} is not supported; supported model types: {', '.join(model_types())}"
+            + "".join(f"; {h}" for h in hints))
+
+
+def family_of(config_or_type) -> ModelFamily:
+    """The family of a `ModelConfig` (or a model-type string); ValueError naming the
+    supported types for one no family loads."""
+    model_type = getattr(config_or_type, "model_type", config_or_type)
+    family = _FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if family is None:
+        raise ValueError(unsupported_model_type(model_type))
+    return family
