@@ -32,8 +32,9 @@ from jaxppo.update.engine import EngineConfig, Freeze, TrainState, minibatch_ind
 from jaxppo.update.ppo import check_rollout, compute_advantages, ppo_loss, train_step, train_step_fn
 from jaxppo.version import UntestedJaxWarning, __version__, untested_jax  # noqa: F401
 
-if untested_jax(_jax.__version__):
-    _warnings.warn(untested_jax(_jax.__version__), UntestedJaxWarning, stacklevel=2)
+_untested = untested_jax(_jax.__version__)
+if _untested:
+    _warnings.warn(_untested, UntestedJaxWarning, stacklevel=2)
 
 __all__ = [
     "PPOConfig",

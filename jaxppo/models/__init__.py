@@ -13,7 +13,7 @@ from jaxppo.models.hf import from_pretrained, params_from_hf_tensors, params_to_
 from jaxppo.models.model import KINDS, Model, PolicyAndCritic, check_attention_backend, stack_layers, unstack_layers
 from jaxppo.models.tokenizer import decode_responses, encode_prompts, load_tokenizer
 from jaxppo.models.transformer import ATTENTION, default_positions
-from jaxppo.models import families  # noqa: E402 - registers the built-in families
+from jaxppo.models import families  # registers the built-in families
 
 __all__ = [
     "ModelConfig",

@@ -24,8 +24,9 @@ class ModelConfig:
     `model_type` selects the family (`jaxppo.models.family`) and so the block: "gpt2"
     (learned positions, LayerNorm, fused qkv with biases, GELU MLP),
     "llama"/"mistral"/"qwen2"/"qwen3" (RoPE, RMSNorm, grouped-query attention, gated MLP;
-    qwen2 adds q/k/v biases, qwen3 RMS-normalises each query and key head), or "gemma3_text" (Gemma 3: embeddings scaled by sqrt(hidden_size), RMSNorm
-    with (1 + weight), q/k norms, norms before and after both attention and MLP, GeGLU).
+    qwen2 adds q/k/v biases, qwen3 RMS-normalises each query and key head), or
+    "gemma3_text" (Gemma 3: embeddings scaled by sqrt(hidden_size), RMSNorm with
+    (1 + weight), q/k norms, norms before and after both attention and MLP, GeGLU).
     `rope_scaling` is a sorted tuple of (key, value) pairs of Hugging Face's rope
     parameters (rope_type "default", "linear" or "llama3").
 
