@@ -28,6 +28,7 @@ from importlib import metadata
 
 
 def _jaxlib_minor() -> tuple:
+    # (not jaxppo.version.release: importing jaxppo imports jax, before XLA_FLAGS is set)
     return tuple(int(p) for p in metadata.version("jaxlib").split(".")[:2])
 
 

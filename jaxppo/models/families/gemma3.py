@@ -10,14 +10,12 @@ import jax.numpy as jnp
 
 from jaxppo.models.config import ModelConfig
 from jaxppo.models.families import llama
-from jaxppo.models.families.llama import (LlamaBlock, config_kwargs, hf_layer_types, make_hf_config, rope_fields,
-                                          to_hf_kwargs)
 from jaxppo.models.transformer import RMSNorm
 
 __all__ = ["GemmaBlock", "FAMILY"]
 
 
-class GemmaBlock(LlamaBlock):
+class GemmaBlock(llama.LlamaBlock):
     """The Gemma 3 block: `LlamaBlock` with sandwich norms of (1 + weight)."""
 
     sandwich_norms = True
@@ -56,7 +54,7 @@ def _from_hf(d: dict, common: dict) -> ModelConfig:
     return ModelConfig(qk_norm=True, local_rope_theta=local_theta,
                        query_pre_attn_scalar=d.get("query_pre_attn_scalar"),
                        final_logit_softcapping=d.get("final_logit_softcapping"),
-                       **config_kwargs(d, common, window, layer_types), **rope_fields(rope, d))
+                       **llama.config_kwargs(d, common, window, layer_types), **llama.rope_fields(rope, d))
 
 
 def _before_5(rope: dict, kwargs: dict) -> dict:
@@ -68,13 +66,13 @@ def _before_5(rope: dict, kwargs: dict) -> dict:
 def _to_hf(c: ModelConfig, architecture: str, common: dict):
     import transformers
 
-    kwargs = to_hf_kwargs(c, common)
+    kwargs = llama.to_hf_kwargs(c, common)
     kwargs["hidden_activation"] = kwargs.pop("hidden_act")
-    kwargs.update(attention_bias=c.qkv_bias, sliding_window=c.sliding_window, layer_types=hf_layer_types(c),
+    kwargs.update(attention_bias=c.qkv_bias, sliding_window=c.sliding_window, layer_types=llama.hf_layer_types(c),
                   query_pre_attn_scalar=c.query_pre_attn_scalar, final_logit_softcapping=c.final_logit_softcapping)
     rope = {"full_attention": dict(c.rope_params, rope_theta=c.rope_theta),
             "sliding_attention": {"rope_type": "default", "rope_theta": c.local_rope_theta or c.rope_theta}}
-    return make_hf_config(transformers.Gemma3TextConfig, rope, kwargs, before_5=_before_5)
+    return llama.make_hf_config(transformers.Gemma3TextConfig, rope, kwargs, before_5=_before_5)
 
 
 # The Llama family's module and tensor names and LoRA targets; its own block, embeddings,
