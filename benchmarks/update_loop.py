@@ -23,7 +23,8 @@ import optax
 import jaxppo
 from jaxppo.testing.toy import make_toy
 from jaxppo.update.engine import grads_and_aux
-from jaxppo.update.ppo import compute_advantages, loss_for, token_count, train_step_jit
+from jaxppo.update.objective import loss_for, token_count
+from jaxppo.update.ppo import compute_advantages, train_step_jit
 
 Q, R = 16, 32
 

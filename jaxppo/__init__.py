@@ -29,7 +29,8 @@ from jaxppo.trainer_config import TrainerConfig
 from jaxppo.update import packing
 from jaxppo.update.batch import Rollout, response_outputs
 from jaxppo.update.engine import EngineConfig, Freeze, TrainState, minibatch_indices, update_epochs, update_epochs_fn
-from jaxppo.update.ppo import check_rollout, compute_advantages, ppo_loss, train_step, train_step_fn
+from jaxppo.update.objective import LossConfig, ppo_loss
+from jaxppo.update.ppo import UpdateConfig, check_rollout, compute_advantages, train_step, train_step_fn
 from jaxppo.version import UntestedJaxWarning, __version__, untested_jax  # noqa: F401
 
 _untested = untested_jax(_jax.__version__)
@@ -39,6 +40,8 @@ if _untested:
 __all__ = [
     "PPOConfig",
     "EngineConfig",
+    "LossConfig",
+    "UpdateConfig",
     "TrainState",
     "Freeze",
     "Rollout",

@@ -20,8 +20,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxppo.config import PPOConfig
-from jaxppo.update.engine import key_names
+from jaxppo.update.engine import engine_config, key_names
 from jaxppo.update.ppo import jit_train_step
 
 __all__ = ["MeshConfig", "make_mesh", "batch_sharding", "shard_batch", "param_spec", "tree_shardings", "shard_state",
@@ -83,14 +82,16 @@ def _data_size(mesh: Mesh) -> int:
     return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
-def check_batch_divides(config: PPOConfig, mesh: Mesh):
-    """Raise ValueError unless every per-update row count splits evenly over the data axes."""
+def check_batch_divides(config, mesh: Mesh):
+    """Raise ValueError unless every per-update row count splits evenly over the data axes
+    (`config`: a `PPOConfig`, `UpdateConfig` or `EngineConfig`)."""
     n = _data_size(mesh)
+    config = engine_config(config)
     micro = config.micro_batch_size
     if config.batch_size % n or micro % n:
         raise ValueError(
             f"the mesh splits rows over data x fsdp = {mesh.shape['data']} x {mesh.shape['fsdp']} = {n} devices, "
-            f"but PPOConfig.batch_size={config.batch_size}, mini_batch_size={config.mini_batch_size} and the "
+            f"but {config.owner}.batch_size={config.batch_size}, mini_batch_size={config.mini_batch_size} and the "
             f"micro-batch size {micro} (mini_batch_size / gradient_accumulation_steps) must all be multiples of {n}"
         )
 
@@ -172,7 +173,7 @@ def shard_state(state, mesh: Mesh):
     return jax.device_put(state, tree_shardings(state, mesh))
 
 
-def sharded_train_step(state, config: PPOConfig, mesh: Mesh, *, donate: bool = False):
+def sharded_train_step(state, config, mesh: Mesh, *, donate: bool = False):
     """A jitted `train_step(state, rollout, key) -> (state, metrics)` for `mesh`.
 
     The state keeps the shardings of `tree_shardings` (parameters and optimizer states
@@ -190,7 +191,7 @@ def sharded_train_step(state, config: PPOConfig, mesh: Mesh, *, donate: bool = F
                                     out_shardings=(state_sharding, replicated)), mesh)
 
 
-def place_run(mesh, config: PPOConfig, run, ref_params, reward_params):
+def place_run(mesh, config, run, ref_params, reward_params):
     """A trainer's state on `mesh` (a `MeshConfig` or `Mesh`): (the mesh, the run state with
     its train state sharded, the sharded frozen parameters (None stays None), and
     `make_step(config)`: the train step of a config on that mesh, donating the old state)."""

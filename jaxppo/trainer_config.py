@@ -7,14 +7,13 @@ import dataclasses
 import math
 from typing import Optional
 
-from jaxppo.config import is_int, setting
+from jaxppo.config import setting
 from jaxppo.models.transformer import ATTENTION
+from jaxppo.rollout.sampling import OLD_LOGPROBS
+from jaxppo.update.checks import is_int
 from jaxppo.update.kl import check_kl_estimator
 
 __all__ = ["TrainerConfig", "OLD_LOGPROBS"]
-
-# Where the rollout's old-policy log-probs come from (`TrainerConfig.old_logprobs`).
-OLD_LOGPROBS = ("auto", "sampler", "recompute")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -311,3 +311,24 @@ def test_an_estimator_registered_at_run_time(model):
         ESTIMATORS.pop("score_minus_one", None)
     with pytest.raises(ValueError, match="advantage_estimator='score_minus_one' is invalid"):
         PPOConfig.for_algorithm("grpo", advantage_estimator="score_minus_one", **sizes)
+
+
+def test_train_step_on_an_update_config_with_your_own_advantages(model):
+    """`UpdateConfig`: the engine's and the loss's configs and an advantage function of your
+    own, no `PPOConfig` and no registered estimator: the same update as the reference loop
+    on the same advantages (here the Python loop's GRPO advantages, handed in as
+    constants)."""
+    config = config_for("grpo")
+    rollout = make_rollout(model, config.batch_size)
+    advantages = jnp.asarray(ref_advantages(rollout, config), jnp.float32)
+    update = jaxppo.UpdateConfig(config.engine, config.loss, lambda r: (advantages, None, {}))
+    tx = optax.sgd(0.5)
+    state = TrainState.create(apply_fn=model[0], params=model[1], tx=tx)
+    new, metrics = train_step(state, rollout, jax.random.key(3), update)
+    chex.assert_trees_all_close(new.params, reference_train_step(model, rollout, jax.random.key(3), config, tx),
+                                rtol=2e-4, atol=2e-6)
+    assert int(new.step) == config.updates_per_step == int(metrics["ppo/updates_applied"])
+    with pytest.raises(TypeError, match="EngineConfig and a LossConfig"):
+        jaxppo.UpdateConfig(config, config.loss, lambda r: None)
+    with pytest.raises(TypeError, match="PPOConfig or a jaxppo.update.ppo.UpdateConfig"):
+        train_step(state, rollout, jax.random.key(3), config.loss)

@@ -11,7 +11,7 @@ import pytest
 import jaxppo
 import jaxppo.models as jm
 from jaxppo.update.batch import scorer
-from jaxppo.update.ppo import ppo_loss
+from jaxppo.update.objective import ppo_loss
 
 Q, R, V = 5, 6, 61
 

@@ -25,7 +25,7 @@ import trl  # noqa: F401 - a missing TRL (a test extra) is a collection error, n
 import jaxppo
 import jaxppo.models as jm
 from jaxppo import demo
-from jaxppo.update.ppo import ppo_loss
+from jaxppo.update.objective import ppo_loss
 
 B, Q, R, MAX_COMPLETION = 8, 5, 7, 12  # rows, prompt length, completion width, TRL's max_completion_length
 CASES = {

@@ -1,5 +1,7 @@
-"""What is static about a run's rollouts (`RolloutSpec`: the models, the sampler's settings,
-how scores become rewards) and sampling responses from the policy with it."""
+"""What is static about a run's rollouts: the rollout's own settings (`RolloutConfig`, what a
+`PPOConfig` holds for the rollout), everything the compiled rollout reads (`RolloutSpec`: the
+models, the sampler's settings, how scores become rewards), and sampling responses from the
+policy with it."""
 
 from __future__ import annotations
 
@@ -11,17 +13,76 @@ import jax.numpy as jnp
 from jaxppo.models.continuous import generate_continuous, generate_inflight
 from jaxppo.models.generate import GenerationOutput, generate
 from jaxppo.models.model import Model
-from jaxppo.trainer_config import OLD_LOGPROBS
+from jaxppo.update.checks import invalid, is_int, is_real
 from jaxppo.update.kl import check_kl_estimator
 from jaxppo.update.shaping import default_overlong_buffer
 
-__all__ = ["RolloutSpec", "sample_responses"]
+__all__ = ["RolloutConfig", "RolloutSpec", "sample_responses", "OLD_LOGPROBS"]
+
+# Where a rollout's old-policy log-probs come from (`TrainerConfig.old_logprobs`).
+OLD_LOGPROBS = ("auto", "sampler", "recompute")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """The rollout's own settings among a `jaxppo.PPOConfig`'s fields (`PPOConfig.rollout`):
+    how completions are sampled and how their scores are shaped before the update sees
+    them (the `PPOConfig` fields of the same names, documented here).
+
+    Attributes:
+      temperature: the sampling temperature (the loss divides logits by the same one).
+      num_generations: G completions per prompt, in consecutive rows.
+      kl_coef: the initial beta of the KL penalty in the per-token rewards (the adaptive
+        controller moves it when the trainer has a `kl_target`).
+      overlong_penalty_factor: DAPO's soft overlong punishment, added to each completion's
+        score by the rollout layer: 0 for length L <= Lmax - buffer, falling linearly to
+        -factor at L = Lmax, where Lmax is the response budget (the rollout's width) and
+        buffer `overlong_buffer`. >= 0; 0 (default) turns it off.
+      overlong_buffer: the buffer in tokens, a positive int no longer than the response
+        budget; None (default) means a fifth of the budget (DAPO's 4096 of 20480). Only
+        read when overlong_penalty_factor > 0.
+      mask_truncated_completions: completions that reach the budget without a stop token
+        are left out of the loss (their response mask is zeroed in the rollout; their
+        scores still count in their group's statistics), as DAPO's overlong filtering and
+        TRL's `mask_truncated_completions`. Needs a stop token.
+      owner: the name error messages give the fields; not part of equality or the hash.
+    """
+
+    temperature: float = 1.0
+    num_generations: int = 1
+    kl_coef: float = 0.05
+    overlong_penalty_factor: float = 0.0
+    overlong_buffer: Optional[int] = None
+    mask_truncated_completions: bool = False
+    owner: str = dataclasses.field(default="RolloutConfig", compare=False, repr=False)
+
+    def __post_init__(self):
+        o = self.owner
+        if not is_real(self.temperature) or self.temperature <= 0:
+            raise invalid(o, "temperature", self.temperature, "a finite real number > 0")
+        if not is_int(self.num_generations) or self.num_generations <= 0:
+            raise invalid(o, "num_generations", self.num_generations, "a positive int")
+        for name in ("kl_coef", "overlong_penalty_factor"):
+            if not is_real(getattr(self, name)) or getattr(self, name) < 0:
+                raise invalid(o, name, getattr(self, name), "a finite real number >= 0"
+                              + (" (0: off)" if name == "overlong_penalty_factor" else ""))
+        if self.overlong_buffer is not None:
+            if not is_int(self.overlong_buffer) or self.overlong_buffer <= 0:
+                raise invalid(o, "overlong_buffer", self.overlong_buffer,
+                              "None (a fifth of the response budget) or a positive int (tokens)")
+            if not self.overlong_penalty_factor:
+                raise invalid(o, "overlong_buffer", self.overlong_buffer,
+                              "None while overlong_penalty_factor is 0 (the buffer is only read with a penalty: set "
+                              "overlong_penalty_factor > 0, DAPO's is 1.0)")
+        if not isinstance(self.mask_truncated_completions, bool):
+            raise invalid(o, "mask_truncated_completions", self.mask_truncated_completions, "a bool (True or False)")
 
 
 def _from(config: str, attribute: str = None, *, default=dataclasses.MISSING, convert=lambda value: value):
     """A field of `RolloutSpec` that `RolloutSpec.from_configs` reads from a config:
-    `config` ("ppo" or "trainer"), its `attribute` (None: the field's own name), converted
-    by `convert`."""
+    `config` ("rollout": the `RolloutConfig`, "loss": the update's `LossConfig`, whose
+    forward the scoring pass repeats, or "trainer": the `TrainerConfig`), its `attribute`
+    (None: the field's own name), converted by `convert`."""
     return dataclasses.field(default=default, metadata={"config": config, "attribute": attribute,
                                                          "convert": convert})
 
@@ -88,11 +149,11 @@ class RolloutSpec:
     apply_fn: Callable
     ref_apply: Optional[Callable]
     response_length: int = _from("trainer")
-    temperature: float = _from("ppo", default=1.0, convert=float)
+    temperature: float = _from("rollout", default=1.0, convert=float)
     policy_params_key: Optional[str] = None
     reward_apply: Optional[Callable] = None
     reward_weight: float = 1.0
-    keep_ref_logprobs: bool = _from("ppo", "kl_loss_coef", default=False, convert=bool)
+    keep_ref_logprobs: bool = _from("loss", "kl_loss_coef", default=False, convert=bool)
     ref_is_policy: bool = False
     token_reward_fn: Optional[Callable] = None
     stop_token_ids: Tuple[int, ...] = ()
@@ -101,27 +162,27 @@ class RolloutSpec:
     missing_eos_penalty: Optional[float] = _from("trainer", default=None)
     normalize_scores: bool = _from("trainer", default=False)
     score_clip: Optional[float] = _from("trainer", default=None)
-    uses_critic: bool = _from("ppo", default=True)
-    num_generations: int = _from("ppo", default=1)
+    uses_critic: bool = _from("loss", default=True)
+    num_generations: int = _from("rollout", default=1)
     num_slots: Optional[int] = _from("trainer", default=None)
-    overlong_penalty_factor: float = _from("ppo", default=0.0, convert=float)
-    overlong_buffer: Optional[int] = _from("ppo", default=None)
-    mask_truncated: bool = _from("ppo", "mask_truncated_completions", default=False)
-    share_prompts: bool = _from("ppo", default=False, convert=lambda value: value is not False)
+    overlong_penalty_factor: float = _from("rollout", default=0.0, convert=float)
+    overlong_buffer: Optional[int] = _from("rollout", default=None)
+    mask_truncated: bool = _from("rollout", "mask_truncated_completions", default=False)
+    share_prompts: bool = _from("loss", default=False, convert=lambda value: value is not False)
     old_logprobs: str = _from("trainer", default="recompute")
     turn_cache: bool = _from("trainer", default=True)
     rollout_engine: str = _from("trainer", default="jaxppo")
     max_staleness: int = _from("trainer", default=0)
-    pack_sequences: bool = _from("ppo", default=False)
+    pack_sequences: bool = _from("loss", default=False)
     pack_streams: Optional[int] = None
-    pack_length: Optional[int] = _from("ppo", default=None)
+    pack_length: Optional[int] = _from("loss", default=None)
 
     @classmethod
     def from_configs(cls, ppo, trainer, **fields) -> "RolloutSpec":
-        """A spec whose settings come from a `PPOConfig` and a `TrainerConfig` (each field
-        that says so reads its attribute of that config: nothing is copied by hand), and
-        `fields` (the models, stop and pad tokens, ...)."""
-        configs = {"ppo": ppo, "trainer": trainer}
+        """A spec whose settings come from a `PPOConfig` (its `.rollout` and `.loss`) and a
+        `TrainerConfig` (each field that says so reads its attribute of that config: nothing
+        is copied by hand), and `fields` (the models, stop and pad tokens, ...)."""
+        configs = {"rollout": ppo.rollout, "loss": ppo.loss, "trainer": trainer}
         read = {f.name: f.metadata["convert"](getattr(configs[f.metadata["config"]],
                                                                         f.metadata["attribute"] or f.name))
                 for f in dataclasses.fields(cls) if "config" in f.metadata}

@@ -11,9 +11,11 @@ the rollout came from.
 - `engine`: the model-agnostic compiled loop (`TrainState`, `update_epochs`);
 - `batch`: the `Rollout` pytree and the forward that scores its responses;
   `packing`: packed sequences;
-- `ppo`: every algorithm's loss and `train_step` (it reads `PPOConfig`, which validates
-  against `jaxppo.algorithms`, which reads the math above: import it as
-  `jaxppo.update.ppo`, or take `jaxppo.train_step`).
+- `objective`: every algorithm's loss (`ppo_loss`) and what it reads (`LossConfig`);
+  `ppo`: `train_step` and what it reads (`UpdateConfig`: the engine's and the loss's
+  configs and an advantage function; a `jaxppo.PPOConfig` hands over its `.update`);
+  `checks`: the value checks the configs share. Import them as `jaxppo.update.ppo`, ...,
+  or take `jaxppo.train_step`.
 
 Each function lives in its module (`jaxppo.update.advantages.gae`,
 `jaxppo.update.stats.masked_whiten`, ...); this namespace holds the modules, the engine and

@@ -26,17 +26,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxppo.update.checks import divisors, is_int
+
 __all__ = ["EngineConfig", "engine_config", "TrainState", "Freeze", "update_epochs", "update_epochs_fn",
            "minibatch_indices", "GroupOrder", "clip_by_global_norm", "global_norm", "check_sizes"]
 
-
-def _is_count(value) -> bool:
-    # bool is a subclass of int; a bool where a count is due is a mistake, not a 0/1.
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _divisors(n: int) -> list:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def check_sizes(owner: str, batch_size, mini_batch_size, ppo_epochs, gradient_accumulation_steps):
@@ -47,19 +41,19 @@ def check_sizes(owner: str, batch_size, mini_batch_size, ppo_epochs, gradient_ac
     sizes = dict(batch_size=batch_size, mini_batch_size=mini_batch_size, ppo_epochs=ppo_epochs,
                  gradient_accumulation_steps=gradient_accumulation_steps)
     for name, value in sizes.items():
-        if not _is_count(value) or value <= 0:
-            kind = "" if _is_count(value) else f" (got type {type(value).__name__})"
+        if not is_int(value) or value <= 0:
+            kind = "" if is_int(value) else f" (got type {type(value).__name__})"
             raise ValueError(f"{owner}.{name}={value!r} is invalid: {name} must be a positive int{kind}.")
     if batch_size % mini_batch_size:
         raise ValueError(
             f"{owner}.batch_size={batch_size} is not divisible by {owner}.mini_batch_size={mini_batch_size}: every "
             f"rollout row must land in exactly one mini-batch per epoch. Valid mini_batch_size values for this "
-            f"batch_size: {_divisors(batch_size)}.")
+            f"batch_size: {divisors(batch_size)}.")
     if mini_batch_size % gradient_accumulation_steps:
         raise ValueError(
             f"{owner}.mini_batch_size={mini_batch_size} is not divisible by {owner}.gradient_accumulation_steps="
             f"{gradient_accumulation_steps}: a mini-batch must split into equal micro-batches. Valid "
-            f"gradient_accumulation_steps values: {_divisors(mini_batch_size)}.")
+            f"gradient_accumulation_steps values: {divisors(mini_batch_size)}.")
 
 
 class BatchSizes:

@@ -4,7 +4,13 @@ PPO and the critic-free algorithms alike: an advantage estimator plus a loss on 
     train_step(state, rollout, key, config) -> (state, metrics)     # pure, jitted once
       rewards -> advantages (GAE with returns; or GRPO / RLOO / REINFORCE++), once, over
         the whole rollout (`config.advantage_estimator`)
-      update_epochs(...) with the loss (`ppo_loss`) through state.apply_fn
+      update_epochs(...) with the loss (`jaxppo.update.objective.ppo_loss`) through
+        state.apply_fn
+
+`config` is a `jaxppo.PPOConfig`, or an `UpdateConfig`: the three things `train_step` reads
+(the engine's sizes, the loss's settings and an advantage function), for callers who bring
+their own advantages. Nothing here imports the configs above this layer: a `PPOConfig`
+hands over its `.update`.
 
 The model is anything with `state.apply_fn(params, tokens, mask) -> (logits, values)`:
 `tokens`/`mask` are (B, L) with L = query length + response length, `logits` (B, L, V) and
@@ -14,183 +20,103 @@ the state after tokens[: p + 1], so response token t is scored by position Q - 1
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
-from jaxppo.config import PPOConfig
 from jaxppo.update import packing
 from jaxppo.update.batch import Rollout, response_outputs
 from jaxppo.update.correction import correction_weights, mismatch_metrics
-from jaxppo.update.engine import GroupOrder, TrainState, update_epochs_fn
-from jaxppo.update.kl import kl_loss_per_token
-from jaxppo.update.losses import aggregate_loss, approx_kl, clipped_policy_loss, log_importance_ratio, value_loss
-from jaxppo.update.shaping import high_entropy_mask
+from jaxppo.update.engine import EngineConfig, GroupOrder, TrainState, update_epochs_fn
+from jaxppo.update.objective import LossConfig, loss_for, micro_batch_weight, prompt_rows
 from jaxppo.update.stats import masked_mean, masked_var
 
-__all__ = ["Rollout", "train_step", "train_step_fn", "jit_train_step", "ppo_loss", "compute_advantages", "response_outputs",
-           "check_rollout"]
+__all__ = ["Rollout", "UpdateConfig", "update_config", "train_step", "train_step_fn", "jit_train_step",
+           "compute_advantages", "response_outputs", "check_rollout", "minibatch_group", "prompt_group"]
 
 
-def compute_advantages(rollout: Rollout, config: PPOConfig):
+@dataclasses.dataclass(frozen=True)
+class UpdateConfig:
+    """What `train_step` reads, and nothing else.
+
+    Attributes:
+      engine: the `EngineConfig` (sizes, epochs, accumulation, `target_kl`).
+      loss: the `LossConfig` (`jaxppo.update.objective`).
+      advantages: `advantages(rollout) -> (advantages (B, R), returns (B, R) or None, stats
+        dict)`, pure and jittable, over the whole rollout (returns are the critic's
+        regression target: None unless `loss.uses_critic`). A `PPOConfig`'s is its
+        registered estimator (`jaxppo.algorithms.ESTIMATORS`) applied with the config.
+
+    Hashed by its fields (the function by identity): pass the same object on every call of
+    a jitted `train_step`, or bind it with `jit_train_step(config)`.
+    """
+
+    engine: EngineConfig
+    loss: LossConfig
+    advantages: Callable
+
+    def __post_init__(self):
+        if not isinstance(self.engine, EngineConfig) or not isinstance(self.loss, LossConfig):
+            raise TypeError(f"UpdateConfig takes an EngineConfig and a LossConfig, got {type(self.engine).__name__} "
+                            f"and {type(self.loss).__name__}")
+        if not callable(self.advantages):
+            raise TypeError(f"UpdateConfig.advantages must be callable (rollout -> (advantages, returns, stats)), "
+                            f"got {self.advantages!r}")
+
+
+def update_config(config) -> UpdateConfig:
+    """The `UpdateConfig` of `config`: itself, or its `.update` (a `PPOConfig`'s)."""
+    if isinstance(config, UpdateConfig):
+        return config
+    update = getattr(config, "update", None)
+    if isinstance(update, UpdateConfig):
+        return update
+    raise TypeError(f"config must be a jaxppo.PPOConfig or a jaxppo.update.ppo.UpdateConfig (or have one as .update), "
+                    f"got {type(config).__name__}")
+
+
+def compute_advantages(rollout: Rollout, config):
     """Advantages (B, R) for the whole rollout, zero at padding, and the critic's returns
     (B, R) (None for the critic-free estimators).
 
-    Computed by the config's registered estimator (`config.estimator`, see
-    `jaxppo.algorithms.ESTIMATORS`): "gae" (PPO: GAE over the critic's values, with the
-    whitening settings), "grpo", "rloo" (group-relative: from each completion's sequence
-    score, `rollout.scores` or the sum of its rewards, completions grouped by prompt in G
-    consecutive rows, broadcast over its tokens), "reinforce_pp" and
-    "reinforce_pp_baseline" (whitened per-token returns).
+    Computed by the config's advantage function: for a `PPOConfig`, its registered
+    estimator (`config.estimator`, see `jaxppo.algorithms.ESTIMATORS`): "gae" (PPO: GAE over
+    the critic's values, with the whitening settings), "grpo", "rloo" (group-relative: from
+    each completion's sequence score, `rollout.scores` or the sum of its rewards,
+    completions grouped by prompt in G consecutive rows, broadcast over its tokens),
+    "reinforce_pp" and "reinforce_pp_baseline" (whitened per-token returns).
     """
-    return config.estimator.compute(rollout, config)[:2]
+    return tuple(update_config(config).advantages(rollout)[:2])
 
 
-def ppo_loss(params, batch, *, apply_fn, config: PPOConfig):
-    """The loss of one (mini- or micro-) batch for every algorithm: a dict of rollout fields
-    plus `advantages` (and `returns` with a critic), each leading with the rows.
-
-        loss = policy_loss (+ vf_coef * value_loss) (- ent_coef * entropy)
-               (+ kl_loss_coef * KL(policy || reference))
-
-    (each bracketed term only when it applies: `jaxppo.algorithms.loss_terms(config)`; with
-    an `entropy_coef` column in the batch, the rollout's per-completion coefficients weigh
-    the entropy instead of `ent_coef`)
-    policy_loss: the clipped surrogate with the ratio per token (or per completion, GSPO:
-    `config.importance_ratio`) clipped to [1 - clip_low, 1 + clip_high], optionally dual
-    clipped (`jaxppo.update.losses.clipped_policy_loss`). Every term is reduced by
-    `config.loss_aggregation` over the real response tokens (PPO's "token_mean" is a masked
-    mean over all of them). The value loss exists only with a critic ("gae").
-
-    Returns (loss, aux) with scalar aux entries: policy_loss, entropy, approxkl, clipfrac,
-    ratio, ratio_var, clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean;
-    value_loss and vf_clipfrac with a critic; kl with a KL term; clip_ratio/dual_mean (tokens
-    whose loss the dual clip capped) with `dual_clip`; entropy_mask_fraction (the share of
-    real tokens the policy term trains on) with `top_entropy_quantile` < 1.
-    """
-    mask = batch["response_mask"].astype(jnp.float32)
-    r = loss_normaliser(batch, config)
-    agg_mode = config.loss_aggregation
-
-    def aggregate(per_token):
-        return aggregate_loss(per_token, mask, agg_mode, r)
-
-    (logprobs, values, entropy), aux = _outputs(apply_fn, params, batch, config)
-    old_logprobs = batch["logprobs"].astype(jnp.float32)
-    log_ratio = log_importance_ratio(logprobs, old_logprobs, mask, config.importance_ratio)
-    weights = batch.get("correction_weights")
-    if config.top_entropy_quantile < 1.0:  # the policy term on the highest-entropy tokens only
-        selected = high_entropy_mask(entropy, mask, config.top_entropy_quantile)
-        weights = selected if weights is None else weights * selected
-        aux["entropy_mask_fraction"] = masked_mean(selected, mask)
-    pg_loss, clip_metrics = clipped_policy_loss(
-        log_ratio, batch["advantages"], mask, config.clip_low, config.clip_high, config.dual_clip, agg_mode, r,
-        weights=weights)
-    ratio = jnp.exp(log_ratio)
-    loss = pg_loss
-    aux["policy_loss"] = pg_loss
-    if config.uses_critic:
-        vf_loss, vf_clipfrac = value_loss(values, batch["values"].astype(jnp.float32), batch["returns"],
-                                                   mask, config.cliprange_value, agg_mode, r)
-        loss = loss + config.vf_coef * vf_loss
-        aux.update(value_loss=vf_loss, vf_clipfrac=vf_clipfrac)
-    ent = masked_mean(entropy, mask)
-    if "entropy_coef" in batch:  # a coefficient per completion (the adaptive one)
-        loss = loss - aggregate(entropy * batch["entropy_coef"].astype(jnp.float32)[:, None])
-    elif config.ent_coef:
-        loss = loss - config.ent_coef * (ent if agg_mode == "token_mean" else aggregate(entropy))
-    else:
-        ent = jax.lax.stop_gradient(ent)  # a metric only: no backward pass through the (B, R, V) entropy
-    if config.kl_loss_coef:
-        per_token_kl = kl_loss_per_token(logprobs, batch["ref_logprobs"].astype(jnp.float32),
-                                                  config.kl_loss_estimator)
-        if config.kl_loss_bias_correction:  # TRL's use_bias_correction_kl: weighted by pi / pi_old
-            per_token_kl = per_token_kl * ratio
-        kl = aggregate(per_token_kl)
-        loss = loss + config.kl_loss_coef * kl
-        aux["kl"] = jax.lax.stop_gradient(kl)
-    sg = jax.lax.stop_gradient
-    aux.update({
-        "entropy": ent,
-        "approxkl": sg(approx_kl(logprobs, old_logprobs, mask)),
-        "clipfrac": clip_metrics["clipfrac"],
-        "ratio": sg(masked_mean(ratio, mask)),
-        "ratio_var": sg(masked_var(ratio, mask, unbiased=False)),
-        **{k: v for k, v in clip_metrics.items() if k.startswith("clip_ratio/")},
-    })
-    if config.dual_clip is not None:
-        aux["clip_ratio/dual_mean"] = clip_metrics["dual_clip_fraction"]
-    return loss, aux
-
-
-def minibatch_group(config: PPOConfig) -> int:
+def minibatch_group(config) -> int:
     """The rows the update keeps together: `num_generations` G when G > 1 divides the
     mini-batch (then every mini-batch holds whole groups, each a prompt's completions,
     shuffled group by group: `jaxppo.update.engine.GroupOrder`), else 1 (rows shuffled one
     by one). It does not depend on gradient accumulation, so accumulating changes no
-    mini-batch."""
-    g = config.num_generations
-    return g if g > 1 and config.mini_batch_size % g == 0 else 1
+    mini-batch. `config`: a `PPOConfig` or an `UpdateConfig`."""
+    u = update_config(config)
+    g = u.loss.num_generations
+    return g if g > 1 and u.engine.mini_batch_size % g == 0 else 1
 
 
-def minibatch_order(config: PPOConfig):
+def minibatch_order(config):
     """The update's mini-batch order: `GroupOrder(G)` when groups are kept whole
     (`minibatch_group`), else None (rows shuffled one by one)."""
     group = minibatch_group(config)
     return GroupOrder(group) if group > 1 else None
 
 
-def prompt_group(config: PPOConfig) -> int:
-    """G when each group's prompt runs once: `share_prompts=True`, G > 1 dividing the
-    micro-batch (whole groups in every micro-batch) and no packing; else 1. (The trainer
-    turns the default `share_prompts=None` into True: its rollouts' groups share prompts.)"""
-    g = minibatch_group(config)
-    whole = g > 1 and config.micro_batch_size % g == 0
-    return g if whole and config.share_prompts is True and not config.pack_sequences else 1
-
-
-def _loss_group(config: PPOConfig) -> int:
-    """`prompt_group`, except under a mesh of more than one device, where the loss runs
-    every row: JAX's SPMD partitioner gives the grouped forward's gradient wrong on some
-    meshes (1x8 fsdp, 2x2x2; seen in tests/test_sharding.py on jax 0.10.2, 0.11.2 and
-    0.12.0.1 alike), while its forward (the scoring pass) is right."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return 1 if not mesh.empty and mesh.size > 1 else prompt_group(config)
-
-
-def _outputs(apply_fn, params, batch, config: PPOConfig):
-    """The response tokens' (log-probs, values, entropies), and the aux entries this adds:
-    with `pack_sequences`, computed on the rows packed into streams, and whether they
-    did not fit (then the padded forward ran); with `share_prompts`, each group's prompt
-    run once (`prompt_group`)."""
-    if not config.pack_sequences:
-        return response_outputs(apply_fn, params, batch, config.temperature, _loss_group(config)), {}
-    outputs, fits = packing.response_outputs_and_fit(apply_fn, params, batch, config.temperature,
-                                                     config.pack_streams, config.pack_length)
-    return outputs, {"packing_overflow": 1.0 - fits.astype(jnp.float32)}
-
-
-def loss_normaliser(batch, config: PPOConfig):
-    """What the aggregation divides by, besides its own counts: the response length for
-    "seq_mean_token_sum_norm" (`loss_norm_length`, else the batch's width); the rollout's
-    real tokens per mini-batch for "token_sum_batch_norm" (`train_step` puts it in the
-    batch as `loss_token_norm`)."""
-    if config.loss_aggregation == "token_sum_batch_norm":
-        return batch["loss_token_norm"][0]
-    return config.loss_norm_length or batch["response_tokens"].shape[1]
-
-
-def token_count(batch):
-    """Real response tokens of a (micro-)batch: the token-mean loss's weight."""
-    return jnp.sum(batch["response_mask"].astype(jnp.float32))
-
-
-def micro_batch_weight(config: PPOConfig):
-    """How micro-batches are weighted under gradient accumulation, so that they add up to
-    exactly the whole mini-batch's loss: by real tokens for a token mean; equally (they
-    hold equal numbers of completions) for the per-completion means."""
-    return token_count if config.loss_aggregation == "token_mean" else None
+def prompt_group(config) -> int:
+    """G when each group's prompt runs once in the update's loss: `share_prompts=True`, G > 1
+    dividing the micro-batch (whole groups in every micro-batch) and no packing; else 1.
+    (The trainer turns the default `share_prompts=None` into True: its rollouts' groups
+    share prompts.)"""
+    u = update_config(config)
+    return prompt_rows(u.loss, u.engine.micro_batch_size)
 
 
 # TRL's metric names for the aux entries: (average over updates, per-mini-batch array).
@@ -213,19 +139,13 @@ _TRL_NAMES = {
 }
 
 
-@functools.lru_cache(maxsize=None)
-def loss_for(apply_fn, config: PPOConfig):
-    """`ppo_loss` with `apply_fn` and `config` bound: one function object per pair, so the
-    engine's static argument is the same object on every call and nothing is traced twice."""
-    return functools.partial(ppo_loss, apply_fn=apply_fn, config=config)
-
-
-def train_step_fn(state: TrainState, rollout: Rollout, key, config: PPOConfig, minibatch_sharding=None):
+def train_step_fn(state: TrainState, rollout: Rollout, key, config, minibatch_sharding=None):
     """One update from a rollout, compiled as one program (once per config and shapes).
 
     Computes advantages (and, with a critic, returns) once for the whole rollout
     (`compute_advantages`), then runs `config.ppo_epochs` epochs of
-    `config.num_minibatches` shuffled mini-batch updates of the loss (`ppo_loss`) through
+    `config.num_minibatches` shuffled mini-batch updates of the loss
+    (`jaxppo.update.objective.ppo_loss`) through
     `state.apply_fn(params, tokens, mask) -> (logits, values)` (values are not read without
     a critic). Under gradient accumulation, micro-batches are weighted (by real response
     tokens for a token mean, equally for the per-completion means), so the update equals
@@ -241,7 +161,7 @@ def train_step_fn(state: TrainState, rollout: Rollout, key, config: PPOConfig, m
       state: `TrainState` whose `apply_fn` is the policy (+ critic) forward.
       rollout: a `Rollout` with exactly `config.batch_size` rows.
       key: PRNG key for the mini-batch permutations.
-      config: `PPOConfig` (static).
+      config: a `PPOConfig`, or an `UpdateConfig` (static).
       minibatch_sharding: optional row sharding of each mini-batch under a mesh (static;
         `jaxppo.sharding.sharded_train_step` sets it).
 
@@ -260,9 +180,27 @@ def train_step_fn(state: TrainState, rollout: Rollout, key, config: PPOConfig, m
     Shapes and dtypes are checked while tracing (before anything compiles); mask values,
     which jit cannot see, are checked by `check_rollout` on rollouts you build yourself.
     """
-    _check_rollout_structure(rollout, config)
-    _check_packing(state.apply_fn, rollout, config)
-    advantages, returns, adv_stats = config.estimator.compute(rollout, config)
+    u = update_config(config)
+    engine, loss = u.engine, u.loss
+    _check_rollout_structure(rollout, u)
+    _check_packing(state.apply_fn, rollout, loss)
+    advantages, returns, adv_stats = u.advantages(rollout)
+    batch, mismatch = _loss_batch(rollout, u, advantages, returns)
+    step_before = state.step
+    state, engine_metrics = update_epochs_fn(
+        state, batch, key, loss_for(state.apply_fn, loss), engine, weight_fn=micro_batch_weight(loss),
+        minibatch_sharding=minibatch_sharding, order=minibatch_order(u),
+    )
+    metrics = _summarise(engine_metrics, state.step - step_before, rollout, advantages, returns, u)
+    metrics.update(adv_stats)
+    metrics.update(mismatch)
+    return state, metrics
+
+
+def _loss_batch(rollout: Rollout, config: UpdateConfig, advantages, returns):
+    """The columns the loss reads (a dict leading with the rows), and the sampler-mismatch
+    metrics when the rollout carries the sampler's log-probs."""
+    engine, loss = config.engine, config.loss
     batch = {
         "query_tokens": rollout.query_tokens,
         "query_mask": rollout.query_mask,
@@ -271,57 +209,51 @@ def train_step_fn(state: TrainState, rollout: Rollout, key, config: PPOConfig, m
         "logprobs": rollout.logprobs,
         "advantages": advantages,
     }
-    if config.uses_critic:
+    if loss.uses_critic:
         batch.update(values=rollout.values, returns=returns)
-    if config.kl_loss_coef:
+    if loss.kl_loss_coef:
         batch["ref_logprobs"] = rollout.ref_logprobs
     if rollout.entropy_coef is not None:
         batch["entropy_coef"] = rollout.entropy_coef
     if rollout.response_attention_mask is not None:  # a multi-turn episode's environment tokens
         batch["response_attention_mask"] = rollout.response_attention_mask
-    if config.loss_aggregation == "token_sum_batch_norm":  # TRL's dapo: the batch's tokens per mini-batch
+    if loss.loss_aggregation == "token_sum_batch_norm":  # TRL's dapo: the batch's tokens per mini-batch
         tokens = jnp.maximum(jnp.sum(rollout.response_mask.astype(jnp.float32)), 1.0)
         # Micro-batches are averaged (no weight_fn): each one's sum counts k times over.
-        norm = tokens / (config.num_minibatches * config.gradient_accumulation_steps)
-        batch["loss_token_norm"] = jnp.full((config.batch_size,), norm, jnp.float32)
+        norm = tokens / (engine.num_minibatches * engine.gradient_accumulation_steps)
+        batch["loss_token_norm"] = jnp.full((engine.batch_size,), norm, jnp.float32)
     mismatch = {}
     if rollout.sampler_logprobs is not None:
         mismatch = mismatch_metrics(rollout.logprobs, rollout.sampler_logprobs, rollout.response_mask)
-        if config.rollout_correction != "none":
+        if loss.rollout_correction != "none":
             batch["correction_weights"] = correction_weights(
-                rollout.logprobs, rollout.sampler_logprobs, rollout.response_mask, config.rollout_correction,
-                config.rollout_correction_cap)
-    step_before = state.step
-    state, engine_metrics = update_epochs_fn(
-        state, batch, key, loss_for(state.apply_fn, config), config, weight_fn=micro_batch_weight(config),
-        minibatch_sharding=minibatch_sharding, order=minibatch_order(config),
-    )
-    metrics = _summarise(engine_metrics, state.step - step_before, rollout, advantages, returns, config)
-    metrics.update(adv_stats)
-    metrics.update(mismatch)
-    return state, metrics
+                rollout.logprobs, rollout.sampler_logprobs, rollout.response_mask, loss.rollout_correction,
+                loss.rollout_correction_cap)
+    return batch, mismatch
 
 
-def _check_rollout_structure(rollout, config: PPOConfig):
+def _check_rollout_structure(rollout, config: UpdateConfig):
     """Shapes and dtypes of a rollout against the config (at trace time: before compiling)."""
+    engine, loss = config.engine, config.loss
     if not isinstance(rollout, Rollout):
         raise TypeError(f"rollout must be a jaxppo.Rollout, got {type(rollout).__name__}")
     if len(rollout.response_tokens.shape) != 2:
         raise ValueError(f"rollout.response_tokens has shape {rollout.response_tokens.shape}; expected "
                          "(batch, response_len)")
     b, r = rollout.response_tokens.shape
-    if b != config.batch_size:
+    if b != engine.batch_size:
         raise ValueError(
-            f"rollout has {b} rows but PPOConfig.batch_size={config.batch_size}; a rollout "
+            f"rollout has {b} rows but {engine.owner}.batch_size={engine.batch_size}; a rollout "
             f"must hold exactly batch_size rows (nothing is dropped or padded)."
         )
-    if config.kl_loss_coef and rollout.ref_logprobs is None:
-        raise ValueError(f"PPOConfig.kl_loss_coef={config.kl_loss_coef} needs the reference policy's log-probs in "
+    if loss.kl_loss_coef and rollout.ref_logprobs is None:
+        raise ValueError(f"{loss.owner}.kl_loss_coef={loss.kl_loss_coef} needs the reference policy's log-probs in "
                          "rollout.ref_logprobs (batch, response_len); the rollout has none")
-    if config.uses_critic and rollout.values is None:
-        raise ValueError(f"advantage_estimator={config.advantage_estimator!r} uses a critic: rollout.values must hold "
+    if loss.uses_critic and rollout.values is None:
+        raise ValueError("the loss has a value term (a critic: PPOConfig.advantage_estimator='gae', or "
+                         "LossConfig.uses_critic=True): rollout.values must hold "
                          "its values (batch, response_len); the rollout has none")
-    for name in _token_fields(rollout, config):
+    for name in _token_fields(rollout, loss):
         shape = getattr(rollout, name).shape
         if shape != (b, r):
             raise ValueError(f"rollout.{name} has shape {shape}; expected (batch, response_len) = {(b, r)}")
@@ -351,22 +283,22 @@ def _check_rollout_structure(rollout, config: PPOConfig):
             raise TypeError(f"rollout.{name} has dtype {dtype}; it must be a float array (float32)")
 
 
-def _check_packing(apply_fn, rollout, config: PPOConfig):
+def _check_packing(apply_fn, rollout, config: LossConfig):
     """With `pack_sequences`: a stream count, a stream length that holds the widest row, a
     model that can run packed (at trace time: before compiling)."""
     if not config.pack_sequences:
         return
     width = packing.stream_length(rollout, None)
     if config.pack_streams is None:
-        raise ValueError("PPOConfig.pack_sequences=True needs PPOConfig.pack_streams (streams per micro-batch) in "
-                         "train_step; jaxppo.update.packing.minibatch_streams computes the fewest that every micro-batch "
-                         "of an update fits in (the Trainer does this every iteration)")
+        raise ValueError(f"{config.owner}.pack_sequences=True needs {config.owner}.pack_streams (streams per "
+                         "micro-batch) in train_step; jaxppo.update.packing.minibatch_streams computes the fewest that "
+                         "every micro-batch of an update fits in (the Trainer does this every iteration)")
     if config.pack_length is not None and config.pack_length < width:
-        raise ValueError(f"PPOConfig.pack_length={config.pack_length} is shorter than the rollout's padded width "
+        raise ValueError(f"{config.owner}.pack_length={config.pack_length} is shorter than the rollout's padded width "
                          f"Q + R = {width}: a row of that many tokens could not be packed; use pack_length >= "
                          f"{width} or None")
     if packing.packer(apply_fn) is None:
-        raise ValueError("PPOConfig.pack_sequences=True needs a built-in model (jaxppo.models.Model or "
+        raise ValueError(f"{config.owner}.pack_sequences=True needs a built-in model (jaxppo.models.Model or "
                          f"PolicyAndCritic) as the train state's apply_fn; got {apply_fn!r}")
 
 
@@ -384,7 +316,7 @@ def _float_fields(rollout):
             if getattr(rollout, n) is not None]
 
 
-def check_rollout(rollout: Rollout, config: PPOConfig):
+def check_rollout(rollout: Rollout, config):
     """Check a rollout on the host before `train_step`: shapes and dtypes (as `train_step`
     does while tracing), and the values jit cannot check: masks hold only 0 and 1,
     `query_mask` is left padding (zeros, then ones) and `response_mask` a prefix of ones
@@ -396,7 +328,7 @@ def check_rollout(rollout: Rollout, config: PPOConfig):
     The trainer's rollouts are correct by construction; call this on rollouts you build."""
     import numpy as np
 
-    _check_rollout_structure(rollout, config)
+    _check_rollout_structure(rollout, update_config(config))
     multi_turn = rollout.response_attention_mask is not None
     # The response region's prefix is the attention mask of a multi-turn episode; the
     # policy's own mask then has gaps (the environment's tokens) and must lie inside it.
@@ -432,7 +364,7 @@ def check_rollout(rollout: Rollout, config: PPOConfig):
     if group > 1:  # the loss runs each group's prompt once: the group's rows must share it
         qm = np.asarray(rollout.query_mask) > 0
         qt = np.where(qm, np.asarray(rollout.query_tokens), 0)
-        first = np.arange(config.batch_size) // group * group
+        first = np.arange(rollout.query_tokens.shape[0]) // group * group
         differs = np.any((qm != qm[first]) | (qt != qt[first]), axis=1)
         if differs.any():
             row = int(np.flatnonzero(differs)[0])
@@ -475,13 +407,13 @@ def _summarise(engine_metrics, applied, rollout, advantages, returns, config):
     metrics["per_minibatch/nonfinite"] = engine_metrics["nonfinite"]
     metrics["ppo/grad_norm_avg"] = avg(engine_metrics["grad_norm"])
     metrics["ppo/updates_applied"] = applied
-    metrics["ppo/updates_planned"] = jnp.asarray(config.updates_per_step, jnp.int32)
+    metrics["ppo/updates_planned"] = jnp.asarray(config.engine.updates_per_step, jnp.int32)
     metrics["ppo/updates_nonfinite"] = jnp.sum(engine_metrics["nonfinite"].astype(jnp.int32))
     if "early_stopped" in engine_metrics:
         metrics["per_minibatch/early_stopped"] = engine_metrics["early_stopped"]
         metrics["ppo/early_stopped"] = jnp.any(engine_metrics["early_stopped"])
     metrics["ppo/advantages/mean"] = masked_mean(advantages, mask)
-    if config.uses_critic:
+    if config.loss.uses_critic:
         metrics["ppo/returns/mean"] = masked_mean(returns, mask)
         metrics["ppo/returns/var"] = masked_var(returns, mask)
         metrics["ppo/val/mean"] = masked_mean(rollout.values.astype(jnp.float32), mask)
@@ -489,7 +421,7 @@ def _summarise(engine_metrics, applied, rollout, advantages, returns, config):
     return metrics
 
 
-def jit_train_step(config: PPOConfig = None, *, donate: bool = False, **jit_options):
+def jit_train_step(config=None, *, donate: bool = False, **jit_options):
     """`train_step_fn` under `jax.jit`: with `config` bound (then `jit_options`, such as
     shardings, apply to (state, rollout, key) alone), else with `config` and
     `minibatch_sharding` static. `donate=True` donates the train state's buffers (the state
