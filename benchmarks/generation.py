@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxppo.models as jm
+from jaxppo.rollout.samplers.static import generate
 from tables import print_markdown
 
 
@@ -57,7 +58,7 @@ def bench_shape(name, layers, width, vocab, batch, prompt_len, new_tokens, repea
     mask = np.ones_like(ids)
 
     def run_jax(seed):
-        out = jm.generate(model, params, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(seed),
+        out = generate(model, params, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(seed),
                           response_length=new_tokens, stop_token_ids=())
         jax.block_until_ready(out.tokens)
 
@@ -114,7 +115,7 @@ def bench_early_stop(name, layers, width, vocab, batch, prompt_len, new_tokens, 
     stops = tuple(range(0, vocab, 4))
 
     def run(seed, early):
-        out = jm.generate(model, params, ids, mask, jax.random.key(seed), response_length=new_tokens,
+        out = generate(model, params, ids, mask, jax.random.key(seed), response_length=new_tokens,
                           stop_token_ids=stops, pad_token_id=1, early_stop=early)
         jax.block_until_ready(out.tokens)
         return out
@@ -149,7 +150,7 @@ def bench_layouts(name, layers, width, vocab, batch, prompt_len, new_tokens, rep
 
     def run(seed, layout):
         model, params = models[layout]
-        out = jm.generate(model, params, ids, mask, jax.random.key(seed), response_length=new_tokens,
+        out = generate(model, params, ids, mask, jax.random.key(seed), response_length=new_tokens,
                           stop_token_ids=())
         return np.asarray(jax.block_until_ready(out.tokens))
 
@@ -175,7 +176,7 @@ def bench_shared_prefix(name, layers, width, vocab, prompts, g, prompt_len, new_
     mask = jnp.ones(ids.shape, jnp.int32)
 
     def run(seed, shared):
-        out = jm.generate(model, params, ids, mask, jax.random.key(seed), response_length=new_tokens,
+        out = generate(model, params, ids, mask, jax.random.key(seed), response_length=new_tokens,
                           stop_token_ids=(), num_generations=g if shared else 1)
         return np.asarray(jax.block_until_ready(out.tokens))
 
@@ -189,9 +190,9 @@ def bench_shared_prefix(name, layers, width, vocab, prompts, g, prompt_len, new_
 def bench_continuous(name, layers, width, vocab, requests, slots, prompt_len, short, long, long_share, repeats):
     """jaxppo alone: a long-tailed length mix (each request's budget `short` tokens, or
     `long` for a `long_share` of them; no stop token), the static sampler (early stop on:
-    it runs until the longest row ends) against the continuous-batching engine with
+    it runs until the longest row ends) against the continuous sampler with
     `slots` slots, alternating on the same keys (same tokens, checked)."""
-    from jaxppo.models.continuous import generate_continuous
+    from jaxppo.rollout.samplers.continuous import generate_continuous
 
     with tempfile.TemporaryDirectory() as directory:
         build_checkpoint(directory, layers, width, vocab, prompt_len + long)
@@ -206,7 +207,7 @@ def bench_continuous(name, layers, width, vocab, requests, slots, prompt_len, sh
     def run(seed, engine):
         kw = dict(response_length=long, stop_token_ids=(), max_lengths=budgets)
         out = (generate_continuous(model, params, ids, mask, jax.random.key(seed), num_slots=slots, **kw) if engine
-               else jm.generate(model, params, ids, mask, jax.random.key(seed), **kw))
+               else generate(model, params, ids, mask, jax.random.key(seed), **kw))
         return np.asarray(jax.block_until_ready(out.tokens))
 
     assert np.array_equal(run(0, False), run(0, True))  # also compiles both

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxppo
-from jaxppo.models.generate import generate_jit
+from jaxppo.rollout.samplers.static import generate_jit
 
 import layouts
 from tables import print_markdown

@@ -20,7 +20,7 @@ import numpy as np
 import jaxppo
 from jaxppo.models.config import ModelConfig
 from jaxppo.models.model import Model, PolicyAndCritic
-from jaxppo.update.ppo import ppo_loss
+from jaxppo.update.objective import ppo_loss
 
 
 def bench(layers, width, response, vocab, rounds=5):

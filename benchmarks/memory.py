@@ -43,7 +43,8 @@ from jaxppo import sharding as sh
 from jaxppo.update.kl import fixed_kl_controller
 from jaxppo.update.stats import RunningMoments
 from jaxppo.models import Model
-from jaxppo.models.generate import GenerationOutput, generate_jit
+from jaxppo.models.decoding import GenerationOutput
+from jaxppo.rollout.samplers.static import generate_jit
 from jaxppo.rollout.sampling import RolloutSpec
 from jaxppo.rollout.scoring import finish_rollout
 from jaxppo.run import assembly

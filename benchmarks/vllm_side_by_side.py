@@ -31,6 +31,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxppo.models as jm  # noqa: E402
+from jaxppo.rollout.samplers.static import generate  # noqa: E402
 from tables import median_time, print_markdown  # noqa: E402
 
 
@@ -68,7 +69,7 @@ def main():
     hoisted = dataclasses.replace(model, hoist_layers=True)
     for label, sampler in (("jaxppo, hoisted layers", hoisted), ("jaxppo, scanned layers", model)):
         def run_jaxppo():
-            out = jm.generate(sampler, params, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(0),
+            out = generate(sampler, params, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(0),
                               response_length=new, stop_token_ids=())
             jax.block_until_ready(out.tokens)
 

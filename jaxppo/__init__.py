@@ -18,10 +18,12 @@ import jax as _jax
 from jaxppo import algorithms, models, update
 from jaxppo.config import PPOConfig
 from jaxppo.errors import EpisodeError, RewardError, RunError, ToolCallError
-from jaxppo.models import GenerationOutput, generate
+from jaxppo.models import GenerationOutput
+from jaxppo.rollout.samplers.static import generate
 from jaxppo.rollout.environments import StepResult
 from jaxppo.rollout.prompts import load_prompts
-from jaxppo.rollout.sampling import RolloutSpec, sample_responses
+from jaxppo.rollout.engines import sample_responses
+from jaxppo.rollout.sampling import RolloutSpec
 from jaxppo.rollout.scoring import finish_rollout
 from jaxppo.run.state import RunState
 from jaxppo.run.trainer import PPOTrainer, Trainer

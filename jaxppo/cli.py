@@ -281,8 +281,7 @@ def build_trainer(ppo: PPOConfig, tc: TrainerConfig, extras: dict) -> PPOTrainer
                          reward_dtype=extras["reward_dtype"], prompt_column=extras["prompt_column"],
                          environment=environment, callbacks=callbacks, **model_options(extras))
     if task == "sums":
-        trainer.held_out = demo.HeldOutSums(trainer, held_out)
-        trainer.callbacks.append(trainer.held_out)
+        trainer.add_callback(demo.HeldOutSums(trainer, held_out))
     return trainer
 
 
@@ -404,8 +403,10 @@ def main(argv=None) -> int:
     from jaxppo.errors import EpisodeError, RewardError, RunError
 
     try:
-        if getattr(trainer, "held_out", None) is not None:  # the sums demo: accuracy before training
-            trainer.held_out.before()
+        from jaxppo.demo import HeldOutSums
+
+        for held_out in (cb for cb in trainer.callbacks if isinstance(cb, HeldOutSums)):  # the sums demo
+            held_out.before()  # accuracy before training
         trainer.train()
     except KeyboardInterrupt:
         return 130

@@ -154,7 +154,7 @@ class HeldOutSums:
     def accuracy(self) -> float:
         import jax.numpy as jnp
 
-        from jaxppo.models.generate import generate
+        from jaxppo.rollout.samplers.static import generate
         from jaxppo.models.tokenizer import decode_responses, encode_prompts
         from jaxppo.rollout.prompts import render_prompts
 

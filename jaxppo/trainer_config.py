@@ -9,6 +9,7 @@ from typing import Optional
 
 from jaxppo.config import setting
 from jaxppo.models.transformer import ATTENTION
+from jaxppo.rollout.engines import BUILT_IN, engine_class, rollout_engine_names
 from jaxppo.rollout.sampling import OLD_LOGPROBS
 from jaxppo.update.checks import is_int
 from jaxppo.update.kl import check_kl_estimator
@@ -38,12 +39,16 @@ class TrainerConfig:
       Face directory); plot (PNG of score, KL, reward).
     Sampling: num_slots (None: the static sampler, every row of the batch decoded together
       until the last ends, each prompt prefilled once per group; an int: the
-      continuous-batching engine with that many slots, a finished row's slot refilled at
-      once: `jaxppo.models.continuous`; the same tokens either way, so it may change
-      between a run and its resume); rollout_engine ("jaxppo": the built-in sampler;
-      "vllm": vLLM in this process, the policy's weights pushed into it after every update
-      (`jaxppo.rollout.vllm`; its log-probs are the rollout's sampler log-probs, which
-      `PPOConfig.rollout_correction` corrects for); one device, single-turn rollouts).
+      continuous sampler with that many slots, a finished row's slot refilled at
+      once: `jaxppo.rollout.samplers.continuous`; the same tokens either way, so it may change
+      between a run and its resume); rollout_engine, the rollout engine
+      (`jaxppo.rollout.engines`): "jaxppo", the built-in engines (the static sampler, or
+      the continuous one with num_slots); "vllm": vLLM in this process, the policy's weights
+      pushed into it after every update (`jaxppo.rollout.vllm`; its log-probs are the
+      rollout's sampler log-probs, which `PPOConfig.rollout_correction` corrects for; one
+      device, single-turn rollouts); or a name given to `register_rollout_engine`. What a
+      run needs of its engine (multi-turn, a mesh, in-flight updates) is checked against
+      the engine's declared `Capabilities` before anything starts.
     Models: attention (None: each model as given, `Model.attention`, "einsum" by default;
       "einsum", "xla" or "cudnn": every model of the run computes attention over whole
       sequences that way, `jaxppo.models.Model`; "cudnn" is cuDNN's flash attention on
@@ -59,7 +64,7 @@ class TrainerConfig:
       (the static sampler keeps each row's KV cache between turns and feeds a turn only
       its new tokens, the last turn's final token and the observation: the same tokens,
       log-probs equal up to rounding; False: every turn prefills the whole context again,
-      as the continuous-batching engine always does; free on resume);
+      as the continuous sampler always does; free on resume);
       environment_timeout (seconds one reset or step may take); environment_errors
       ("raise": an environment that raises, returns the wrong type or times out stops
       the iteration with an error before any update; "end": that episode is ended, scored
@@ -91,7 +96,7 @@ class TrainerConfig:
       sampler shares the trainer's devices) or n >= 1 (the last n devices sample on a mesh
       of their own, the others train; every snapshot is moved device to device; needs
       max_staleness >= 1). inflight_updates: None, "keep" or "recompute": with the
-      continuous-batching engine (num_slots), a long generation takes the newest
+      continuous sampler (num_slots), a long generation takes the newest
       parameters between decode steps (every inflight_steps steps) instead of holding to
       the version it started from; each row's KV cache is kept or computed again with the
       new parameters; every token's version is recorded (`rollout/staleness_*` over
@@ -159,7 +164,7 @@ class TrainerConfig:
                                  f"{field.name} must be a bool (True or False)")
         if self.num_slots is not None and (not is_int(self.num_slots) or self.num_slots <= 0):
             raise ValueError(f"TrainerConfig.num_slots={self.num_slots!r} is invalid: num_slots must be None (the static "
-                             "sampler) or a positive int (rows the continuous-batching engine decodes together)")
+                             "sampler) or a positive int (rows the continuous sampler decodes together)")
         if not isinstance(self.output_dir, str) or not self.output_dir:
             raise ValueError(f"TrainerConfig.output_dir={self.output_dir!r} is invalid: output_dir must be a non-empty "
                              "path string")
@@ -207,13 +212,16 @@ class TrainerConfig:
             raise ValueError(f"TrainerConfig.inflight_updates={self.inflight_updates!r} is invalid; valid: None (each "
                              "iteration sampled from one version), 'keep' or 'recompute' (what happens to a row's KV "
                              "cache when new parameters arrive)")
-        needs = [what for what, missing in (("max_staleness >= 1", not self.max_staleness),
-                                            ("num_slots (the continuous-batching engine)", self.num_slots is None),
-                                            ("rollout_engine='jaxppo'", self.rollout_engine != "jaxppo"),
-                                            ("dynamic_sampling=False", self.dynamic_sampling)) if missing]
+        engine = engine_class(self.rollout_engine, self.num_slots)
+        takes = engine.capabilities.inflight_updates
+        needs = [what for what, missing in (
+            ("max_staleness >= 1", not self.max_staleness),
+            ("num_slots (the continuous sampler)" if self.rollout_engine == BUILT_IN else
+             f"a rollout engine that takes weights while it decodes ({engine.__name__} does not)", not takes),
+            ("dynamic_sampling=False", self.dynamic_sampling)) if missing]
         if needs:
             raise ValueError(f"TrainerConfig.inflight_updates={self.inflight_updates!r} takes new parameters between "
-                             f"the continuous-batching engine's decode steps while the trainer updates; it needs "
+                             f"the rollout engine's decode steps while the trainer updates; it needs "
                              f"{', '.join(needs)}")
 
     def _check_environment(self):
@@ -230,9 +238,10 @@ class TrainerConfig:
         if self.attention is not None and self.attention not in ATTENTION:
             raise ValueError(f"TrainerConfig.attention={self.attention!r} is invalid; valid: None (each model as "
                              f"given), {', '.join(map(repr, ATTENTION))}")
-        if self.rollout_engine not in ("jaxppo", "vllm"):
+        if self.rollout_engine not in rollout_engine_names():
             raise ValueError(f"TrainerConfig.rollout_engine={self.rollout_engine!r} is invalid; valid: 'jaxppo' (the "
-                             "built-in sampler) or 'vllm' (vLLM in this process)")
+                             "built-in engines), " + ", ".join(map(repr, rollout_engine_names()[1:]))
+                             + " (jaxppo.rollout.engines.register_rollout_engine adds one)")
         if self.old_logprobs not in OLD_LOGPROBS:
             raise ValueError(f"TrainerConfig.old_logprobs={self.old_logprobs!r} is invalid; valid: 'auto' (the "
                              "sampler's with the built-in engine and a float32 policy, else recomputed), 'sampler' "

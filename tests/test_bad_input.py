@@ -350,11 +350,11 @@ CASES = [
      r"PPOConfig.pack_streams=2 is invalid: .*None unless pack_sequences=True"),
     # the vLLM engine (not installed in the main test environment; tests/test_vllm.py runs with it)
     ("unknown rollout engine", lambda ctx: jaxppo.TrainerConfig(rollout_engine="sglang"), ValueError,
-     r"TrainerConfig.rollout_engine='sglang' is invalid; valid: 'jaxppo' .* or 'vllm'"),
+     r"TrainerConfig.rollout_engine='sglang' is invalid; valid: 'jaxppo' .*, 'vllm'"),
     ("vllm with an environment", lambda ctx: small_trainer(
         ctx["tmp"], rollout_engine="vllm", environment=__import__("jaxppo.demo").demo.GuessTheDigit, reward_fn=None,
         prompts=__import__("jaxppo.demo").demo.multiturn_prompts()), ValueError,
-     r"rollout_engine='vllm' samples single-turn rollouts; multi-turn episodes"),
+     r"rollout_engine='vllm' \(VLLMEngine\) cannot run multi-turn episodes .* does not declare multi_turn"),
     ("vllm not installed", lambda ctx: _without_vllm(lambda: small_trainer(ctx["tmp"], rollout_engine="vllm")),
      ImportError, r"rollout_engine='vllm' needs vLLM in this environment: pip install 'jaxppo\[vllm\]'"),
     # how attention is computed (Model.attention, TrainerConfig.attention)

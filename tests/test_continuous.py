@@ -1,4 +1,4 @@
-"""The continuous-batching engine against the static sampler: the same tokens for the same
+"""The continuous sampler against the static sampler: the same tokens for the same
 key whatever the number of slots (sampling, greedy, top-k, left padding, stop tokens,
 per-request budgets, every row stopping at once, both layer layouts), one compile per
 shape, clear errors."""
@@ -7,8 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-import jaxppo.models as jm
-from jaxppo.models.continuous import continuous_jit, generate_continuous
+from jaxppo.rollout.samplers.static import generate
+from jaxppo.rollout.samplers.continuous import continuous_jit, generate_continuous
 
 from trainer_setup import tiny_llama
 
@@ -44,7 +44,7 @@ def test_equals_the_static_sampler(tiny, kwargs, slots):
     model, params = tiny
     ids, mask = _prompts()
     stops = (2, 3, 4)  # about one token in eight ends a row
-    static = jm.generate(model, params, ids, mask, jax.random.key(1), response_length=R, stop_token_ids=stops, **kwargs)
+    static = generate(model, params, ids, mask, jax.random.key(1), response_length=R, stop_token_ids=stops, **kwargs)
     engine = generate_continuous(model, params, ids, mask, jax.random.key(1), response_length=R, num_slots=slots,
                                  stop_token_ids=stops, **kwargs)
     _assert_same(static, engine)
@@ -57,7 +57,7 @@ def test_per_request_budgets_and_every_row_stopping_at_once(tiny):
     model, params = tiny
     ids, mask = _prompts()
     budgets = np.array([3, 12, 5, 1, 12, 7, 2, 12, 4, 9])
-    static = jm.generate(model, params, ids, mask, jax.random.key(2), response_length=R, stop_token_ids=(),
+    static = generate(model, params, ids, mask, jax.random.key(2), response_length=R, stop_token_ids=(),
                          max_lengths=budgets)
     engine = generate_continuous(model, params, ids, mask, jax.random.key(2), response_length=R, num_slots=3,
                                  stop_token_ids=(), max_lengths=budgets)
@@ -65,7 +65,7 @@ def test_per_request_budgets_and_every_row_stopping_at_once(tiny):
     np.testing.assert_array_equal(np.asarray(engine.mask).sum(axis=1), budgets)
     # Every token a stop token: every row ends after its first token, all at once.
     every = tuple(range(V))
-    static = jm.generate(model, params, ids, mask, jax.random.key(3), response_length=R, stop_token_ids=every)
+    static = generate(model, params, ids, mask, jax.random.key(3), response_length=R, stop_token_ids=every)
     engine = generate_continuous(model, params, ids, mask, jax.random.key(3), response_length=R, num_slots=4,
                                  stop_token_ids=every)
     _assert_same(static, engine)

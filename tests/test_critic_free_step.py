@@ -330,5 +330,5 @@ def test_train_step_on_an_update_config_with_your_own_advantages(model):
     assert int(new.step) == config.updates_per_step == int(metrics["ppo/updates_applied"])
     with pytest.raises(TypeError, match="EngineConfig and a LossConfig"):
         jaxppo.UpdateConfig(config, config.loss, lambda r: None)
-    with pytest.raises(TypeError, match="PPOConfig or a jaxppo.update.ppo.UpdateConfig"):
+    with pytest.raises(TypeError, match=r"must be a jaxppo.UpdateConfig or have one as .update .*got LossConfig"):
         train_step(state, rollout, jax.random.key(3), config.loss)

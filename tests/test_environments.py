@@ -13,7 +13,7 @@ import jaxppo
 from jaxppo import demo
 from jaxppo.update.advantages import discounted_returns, gae
 from jaxppo.update.kl import at_last_token
-from jaxppo.models.generate import generate
+from jaxppo.rollout.samplers.static import generate
 from jaxppo.rollout.environments import StepResult, chat_continuation, run_episodes
 from jaxppo.run.stages import select_prompts
 
@@ -118,7 +118,7 @@ def test_multiturn_iteration_scores_the_sampled_tokens_on_policy(tmp_path, algor
 
 
 def test_continuous_engine_plays_the_same_episodes(tmp_path):
-    """Turns sampled by the continuous-batching engine (3 slots for 8 rows; an ended row
+    """Turns sampled by the continuous sampler (3 slots for 8 rows; an ended row
     takes one token of a slot) give the static sampler's episodes."""
     static = trainer_with(tmp_path / "static", TwoTurns).step()
     slots = trainer_with(tmp_path / "slots", TwoTurns, num_slots=3).step()

@@ -16,6 +16,7 @@ import pytest
 
 import jaxppo
 import jaxppo.models as jm
+from jaxppo.rollout.samplers.static import generate
 from jaxppo import demo
 from jaxppo.models.transformer import RMSNorm, activation, apply_rope, attend_with_cache, dense, rope_inv_freq
 
@@ -109,7 +110,7 @@ def test_greedy_sampling_with_the_cache_equals_a_loop_of_full_forwards(family, s
     mask = np.ones((3, 6), np.int32)
     mask[1, :2] = 0
     ids[1, :2] = 0
-    out = jm.generate(model, params, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(2), response_length=5,
+    out = generate(model, params, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(2), response_length=5,
                       greedy=True, stop_token_ids=(), pad_token_id=0)
     for row in range(3):
         seq, seq_mask = list(ids[row]), list(mask[row])

@@ -7,7 +7,9 @@ import pytest
 from scipy import stats
 
 import jaxppo.models as jm
-from jaxppo.models.generate import generate_jit, inverse_cdf_index
+from jaxppo.rollout.samplers.static import generate
+from jaxppo.models.decoding import inverse_cdf_index
+from jaxppo.rollout.samplers.static import generate_jit
 
 V = 24
 
@@ -48,7 +50,7 @@ def test_empirical_frequencies_match_temperature_softmax(tiny, temperature):
     n = 6000
     prompt = jnp.tile(jnp.asarray([[5, 9, 11, 3]]), (n, 1))
     mask = jnp.ones_like(prompt)
-    out = jm.generate(model, params, prompt, mask, jax.random.key(1), response_length=1, temperature=temperature,
+    out = generate(model, params, prompt, mask, jax.random.key(1), response_length=1, temperature=temperature,
                       stop_token_ids=())
     counts = np.bincount(np.asarray(out.tokens[:, 0]), minlength=V)
     logits = np.asarray(model.apply(params, prompt[:1], mask[:1]))[0, -1].astype(np.float64)
@@ -75,7 +77,7 @@ def test_empirical_frequencies_match_temperature_softmax(tiny, temperature):
 def test_logprobs_are_temperature_scaled_and_match_full_forward(tiny):
     model, params = tiny
     prompt, mask = _prompts(8)
-    out = jm.generate(model, params, prompt, mask, jax.random.key(2), response_length=6, temperature=0.7,
+    out = generate(model, params, prompt, mask, jax.random.key(2), response_length=6, temperature=0.7,
                       stop_token_ids=())
     logits = _full_logits(model, params, prompt, mask, out)
     logp = jax.nn.log_softmax(logits / 0.7, axis=-1)
@@ -118,7 +120,7 @@ def test_inverse_cdf_index_equals_a_float64_reference(vocab):
 def test_top_k_top_p_never_emit_excluded_tokens(tiny, top_k, top_p):
     model, params = tiny
     prompt, mask = _prompts(256, seed=3)
-    out = jm.generate(model, params, prompt, mask, jax.random.key(3), response_length=4, top_k=top_k, top_p=top_p,
+    out = generate(model, params, prompt, mask, jax.random.key(3), response_length=4, top_k=top_k, top_p=top_p,
                       stop_token_ids=())
     logits = _full_logits(model, params, prompt, mask, out)
     tokens = np.asarray(out.tokens)
@@ -150,7 +152,7 @@ def test_stop_tokens_end_rows_and_nothing_after_is_unmasked(tiny):
     # Stop on the two tokens the model likes most after the prompts, so most rows stop early.
     first = np.asarray(model.apply(params, prompt, mask))[:, -1].argmax(-1)
     stops = tuple(int(t) for t in np.bincount(first, minlength=V).argsort()[-2:])
-    out = jm.generate(model, params, prompt, mask, jax.random.key(4), response_length=10, stop_token_ids=stops,
+    out = generate(model, params, prompt, mask, jax.random.key(4), response_length=10, stop_token_ids=stops,
                       pad_token_id=0)
     tokens, logprobs, m = (np.asarray(x) for x in out)
     stopped_rows = 0
@@ -181,8 +183,8 @@ def test_early_stop_equals_the_full_decode(tiny, stops, kwargs):
     else:
         stop_ids = tuple(range(V)) if stops == "all" else ()
     common = dict(response_length=12, stop_token_ids=stop_ids, pad_token_id=0, **kwargs)
-    early = jm.generate(model, params, prompt, mask, jax.random.key(3), **common)
-    full = jm.generate(model, params, prompt, mask, jax.random.key(3), early_stop=False, **common)
+    early = generate(model, params, prompt, mask, jax.random.key(3), **common)
+    full = generate(model, params, prompt, mask, jax.random.key(3), early_stop=False, **common)
     for a, b in zip(early, full):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     if stops == "all":
@@ -193,9 +195,9 @@ def test_deterministic_per_key_and_one_compile_per_shape(tiny):
     model, params = tiny
     prompt, mask = _prompts(4, seed=5)
     before = generate_jit._cache_size()
-    a = jm.generate(model, params, prompt, mask, jax.random.key(7), response_length=5)
-    b = jm.generate(model, params, prompt, mask, jax.random.key(7), response_length=5)
-    c = jm.generate(model, params, prompt, mask, jax.random.key(8), response_length=5, temperature=0.9)
+    a = generate(model, params, prompt, mask, jax.random.key(7), response_length=5)
+    b = generate(model, params, prompt, mask, jax.random.key(7), response_length=5)
+    c = generate(model, params, prompt, mask, jax.random.key(8), response_length=5, temperature=0.9)
     for x, y in zip(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert not np.array_equal(np.asarray(a.tokens), np.asarray(c.tokens))
@@ -206,13 +208,13 @@ def test_bad_arguments(tiny):
     model, params = tiny
     prompt, mask = _prompts(2)
     with pytest.raises(ValueError, match="response_length"):
-        jm.generate(model, params, prompt, mask, jax.random.key(0), response_length=0)
+        generate(model, params, prompt, mask, jax.random.key(0), response_length=0)
     with pytest.raises(ValueError, match="top_p"):
-        jm.generate(model, params, prompt, mask, jax.random.key(0), response_length=2, top_p=1.5)
+        generate(model, params, prompt, mask, jax.random.key(0), response_length=2, top_p=1.5)
     with pytest.raises(ValueError, match="top_k"):
-        jm.generate(model, params, prompt, mask, jax.random.key(0), response_length=2, top_k=0)
+        generate(model, params, prompt, mask, jax.random.key(0), response_length=2, top_k=0)
     with pytest.raises(ValueError, match="causal-LM"):
-        jm.generate(jm.Model(model.config, kind="reward"), params, prompt, mask, jax.random.key(0), response_length=2)
+        generate(jm.Model(model.config, kind="reward"), params, prompt, mask, jax.random.key(0), response_length=2)
 
 
 @pytest.mark.parametrize("scan_layers", [False, True])
@@ -228,9 +230,9 @@ def test_shared_prefixes_equal_the_unshared_sampler(tiny, scan_layers, kwargs):
     g = 4
     ids, mask = _prompts(3, q=6, seed=5)
     ids, mask = jnp.repeat(ids, g, axis=0), jnp.repeat(mask, g, axis=0)
-    unshared = jm.generate(model, params, ids, mask, jax.random.key(3), response_length=10, stop_token_ids=(2,),
+    unshared = generate(model, params, ids, mask, jax.random.key(3), response_length=10, stop_token_ids=(2,),
                            **kwargs)
-    shared = jm.generate(model, params, ids, mask, jax.random.key(3), response_length=10, stop_token_ids=(2,),
+    shared = generate(model, params, ids, mask, jax.random.key(3), response_length=10, stop_token_ids=(2,),
                          num_generations=g, **kwargs)
     np.testing.assert_array_equal(np.asarray(shared.tokens), np.asarray(unshared.tokens))
     np.testing.assert_array_equal(np.asarray(shared.mask), np.asarray(unshared.mask))
@@ -245,9 +247,9 @@ def test_shared_prefixes_refuse_groups_that_differ(tiny):
     model, params = tiny
     ids, mask = _prompts(4)
     with pytest.raises(ValueError, match=r"num_generations=2: the prompts of group 0 \(rows 0 to 1\) differ"):
-        jm.generate(model, params, ids, mask, jax.random.key(0), response_length=4, num_generations=2)
+        generate(model, params, ids, mask, jax.random.key(0), response_length=4, num_generations=2)
     with pytest.raises(ValueError, match="num_generations=3 must divide the batch of 4"):
-        jm.generate(model, params, ids, mask, jax.random.key(0), response_length=4, num_generations=3)
+        generate(model, params, ids, mask, jax.random.key(0), response_length=4, num_generations=3)
 
 
 @pytest.mark.parametrize("kwargs", [dict(), dict(greedy=True, num_generations=2)], ids=["sample", "greedy-groups"])
@@ -255,7 +257,7 @@ def test_hoisted_layers_decode_as_the_unrolled_layout(tiny, kwargs):
     """`Model.hoist_layers`: a scanned model's samplers slice each layer's weights out once
     and decode through the unrolled layers: bit for bit the unrolled layout's tokens,
     log-probs and mask (static sampler and continuous engine alike)."""
-    from jaxppo.models.continuous import generate_continuous
+    from jaxppo.rollout.samplers.continuous import generate_continuous
 
     model, params = tiny
     config = jm.ModelConfig(**{**model.config.__dict__, "num_layers": 2})
@@ -266,8 +268,8 @@ def test_hoisted_layers_decode_as_the_unrolled_layout(tiny, kwargs):
     ids, mask = _prompts(4, q=6, seed=7)
     ids, mask = jnp.repeat(ids[::2], 2, axis=0), jnp.repeat(mask[::2], 2, axis=0)  # groups of two rows
     settings = dict(response_length=9, stop_token_ids=(2,), **kwargs)
-    want = jm.generate(unrolled, params, ids, mask, jax.random.key(3), **settings)
-    got = jm.generate(scanned, stacked, ids, mask, jax.random.key(3), **settings)
+    want = generate(unrolled, params, ids, mask, jax.random.key(3), **settings)
+    got = generate(scanned, stacked, ids, mask, jax.random.key(3), **settings)
     for a, b in zip(got, want):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     settings.pop("num_generations", None)
@@ -293,7 +295,7 @@ def test_grouped_prompt_slots_are_kept_once_per_group(scan_layers):
     decode step reads them once for the group's rows; on Gemma 3 with a sliding window
     shorter than the prompt (so the window cuts into the shared slots) the tokens equal
     those of prefilling every row."""
-    from jaxppo.models.generate import prefill
+    from jaxppo.models.decoding import prefill
     from jaxppo.models.transformer import GroupedKV
 
     config = jm.ModelConfig(model_type="gemma3_text", vocab_size=V, hidden_size=16, num_layers=2, num_heads=2,
@@ -310,8 +312,8 @@ def test_grouped_prompt_slots_are_kept_once_per_group(scan_layers):
         assert isinstance(layer, GroupedKV)
         assert layer.prefix_k.shape[-4:-2] == (2, 7) and layer.k.shape[-4:-2] == (6, 6)  # (rows, slots)
     settings = dict(response_length=6, stop_token_ids=(2,))
-    unshared = jm.generate(model, params, ids, mask, jax.random.key(4), **settings)
-    shared = jm.generate(model, params, ids, mask, jax.random.key(4), num_generations=g, **settings)
+    unshared = generate(model, params, ids, mask, jax.random.key(4), **settings)
+    shared = generate(model, params, ids, mask, jax.random.key(4), num_generations=g, **settings)
     np.testing.assert_array_equal(np.asarray(shared.tokens), np.asarray(unshared.tokens))
     np.testing.assert_array_equal(np.asarray(shared.mask), np.asarray(unshared.mask))
     np.testing.assert_allclose(np.asarray(shared.logprobs), np.asarray(unshared.logprobs), rtol=0, atol=4e-6)

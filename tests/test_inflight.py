@@ -1,5 +1,5 @@
-"""In-flight weight updates in the continuous-batching engine
-(`jaxppo.models.continuous.generate_inflight`): without an update it is the engine; with
+"""In-flight weight updates in the continuous sampler
+(`jaxppo.rollout.samplers.continuous.generate_inflight`): without an update it is the engine; with
 "recompute", every token after an update is drawn from the new policy given its whole
 context, against a plain loop of full forwards; the same parameters under a new version
 change no token either way; the version of every token is recorded."""
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import jaxppo.models as jm
-from jaxppo.models.continuous import generate_continuous, generate_inflight
-from jaxppo.models.generate import pick_tokens, step_keys
+from jaxppo.rollout.samplers.continuous import generate_continuous, generate_inflight
+from jaxppo.models.decoding import pick_tokens, step_keys
 
 from trainer_setup import tiny_llama
 

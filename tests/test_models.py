@@ -14,6 +14,7 @@ import torch
 import hf_models
 import jaxppo
 import jaxppo.models as jm
+from jaxppo.rollout.samplers.static import generate
 
 CAUSAL = ("gpt2", "llama", "qwen2", "qwen3", "gemma3", "mistral")
 REWARD = ("gpt2-reward", "llama-reward", "qwen3-reward", "gemma3-reward")
@@ -68,7 +69,7 @@ def test_greedy_generation_matches_transformers(hf_checkpoints, name, scan):
     model, params = jm.from_pretrained(path, scan_layers=scan)
     ids, mask = hf_models.left_padded_batch(np.random.default_rng(3), 4, 7, min_len=3)
     r = 12
-    out = jm.generate(model, params, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(0), response_length=r,
+    out = generate(model, params, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(0), response_length=r,
                       greedy=True, stop_token_ids=(2,), pad_token_id=0)
     with torch.no_grad():
         ref = torch_model.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), max_new_tokens=r,
@@ -194,7 +195,7 @@ def test_value_heads(hf_checkpoints):
     config = jaxppo.PPOConfig(batch_size=4, mini_batch_size=2, ppo_epochs=1)
     q = jnp.asarray(hf_models.left_padded_batch(np.random.default_rng(8), 4, 5)[0])
     qm = (q != 0).astype(jnp.int32).at[:, -1].set(1)
-    gen = jm.generate(lm, lm_params, q, qm, jax.random.key(1), response_length=4)
+    gen = generate(lm, lm_params, q, qm, jax.random.key(1), response_length=4)
     rollout = jaxppo.Rollout(query_tokens=q, query_mask=qm, response_tokens=gen.tokens, response_mask=gen.mask,
                              logprobs=gen.logprobs, values=jnp.zeros((4, 4)), rewards=jnp.ones((4, 4)))
     state, metrics = jaxppo.train_step(state, rollout, jax.random.key(2), config)

@@ -229,7 +229,7 @@ def test_split_mesh_settings_are_refused_before_anything_compiles(tmp_path):
 
 @pytest.mark.parametrize("on_update", ["keep", "recompute"])
 def test_inflight_updates_take_newer_versions_within_the_bound(tmp_path, monkeypatch, on_update):
-    """The continuous-batching engine under a pipeline with in-flight updates, its decode
+    """The continuous sampler under a pipeline with in-flight updates, its decode
     slowed (50 ms before each check for new parameters) so that the trainer publishes
     versions while it generates: tokens come from newer versions than the iteration
     started from, every token's version lies between max(0, i - k) and i, and the run
@@ -249,7 +249,7 @@ def test_inflight_updates_take_newer_versions_within_the_bound(tmp_path, monkeyp
 
 @pytest.mark.parametrize("settings, message", [
     (dict(inflight_updates="later", max_staleness=1, num_slots=4), r"inflight_updates='later' is invalid"),
-    (dict(inflight_updates="keep", max_staleness=1), r"it needs num_slots \(the continuous-batching engine\)"),
+    (dict(inflight_updates="keep", max_staleness=1), r"it needs num_slots \(the continuous sampler\)"),
     (dict(inflight_updates="keep", num_slots=4), r"it needs max_staleness >= 1"),
     (dict(inflight_updates="keep", max_staleness=1, num_slots=4, inflight_steps=0),
      r"inflight_steps=0 is invalid: inflight_steps must be a positive int"),

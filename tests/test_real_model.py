@@ -16,6 +16,7 @@ import transformers
 
 import jaxppo
 import jaxppo.models as jm
+from jaxppo.rollout.samplers.static import generate
 from jaxppo.models import fixtures
 from jaxppo.rollout.prompts import render_prompts
 
@@ -70,7 +71,7 @@ def test_logits_and_greedy_text_equal_transformers(smol, scan):
     np.testing.assert_allclose(ours[real], ref[real], atol=5e-4, rtol=0)
 
     r = 10
-    out = jm.generate(model, params, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(0), response_length=r,
+    out = generate(model, params, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(0), response_length=r,
                       greedy=True, stop_token_ids=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id)
     with torch.no_grad():
         expected = torch_model.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),

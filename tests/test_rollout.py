@@ -14,7 +14,8 @@ from jaxppo.update.kl import KLControllerState, adaptive_kl_update, fixed_kl_con
 from jaxppo.update.stats import RunningMoments, running_moments_update
 from jaxppo.errors import RewardError
 from jaxppo.rollout.rewards import check_scores
-from jaxppo.rollout.sampling import RolloutSpec, sample_responses
+from jaxppo.rollout.engines import sample_responses
+from jaxppo.rollout.sampling import RolloutSpec
 from jaxppo.rollout.scoring import finish_rollout
 
 

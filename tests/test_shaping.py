@@ -12,7 +12,8 @@ from jaxppo.update.kl import fixed_kl_controller
 from jaxppo.update.losses import clipped_policy_loss
 from jaxppo.update.shaping import adaptive_entropy_coef, high_entropy_mask, overlong_penalty
 from jaxppo.update.stats import RunningMoments, masked_quantile
-from jaxppo.rollout.sampling import RolloutSpec, sample_responses
+from jaxppo.rollout.engines import sample_responses
+from jaxppo.rollout.sampling import RolloutSpec
 from jaxppo.rollout.scoring import finish_rollout
 from jaxppo.testing.toy import make_toy
 

@@ -10,6 +10,7 @@ import pytest
 
 import jaxppo
 import jaxppo.models as jm
+from jaxppo.rollout.samplers.static import generate
 from jaxppo import sharding as sh
 from jaxppo import demo
 from jaxppo.version import release
@@ -215,10 +216,10 @@ def test_sampling_under_mesh_equals_single_device(setup):
     rng = np.random.default_rng(5)
     prompts = jnp.asarray(rng.integers(3, V, (16, Q)))
     mask = jnp.ones_like(prompts).at[::2, 0].set(0)
-    single = jm.generate(policy, params["policy"], prompts, mask, jax.random.key(9), response_length=R)
+    single = generate(policy, params["policy"], prompts, mask, jax.random.key(9), response_length=R)
     mesh = sh.make_mesh(sh.MeshConfig(data=2, fsdp=4))
     p = sh.shard_state(params["policy"], mesh)
-    out = jm.generate(policy, p, sh.shard_batch(prompts, mesh), sh.shard_batch(mask, mesh), jax.random.key(9),
+    out = generate(policy, p, sh.shard_batch(prompts, mesh), sh.shard_batch(mask, mesh), jax.random.key(9),
                       response_length=R)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(single.tokens))
     np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(single.logprobs), atol=1e-5)
@@ -236,7 +237,7 @@ def test_trainer_under_mesh_matches_single_device(tmp_path):
     # A sharded checkpoint restores with its shardings.
     again, resumed = run_small(tmp_path / "mesh", mesh=sh.MeshConfig(data=2, fsdp=4))
     assert resumed.iteration == 2 and len(again) == 2
-    # The continuous-batching engine (5 slots for 16 rows) under the same mesh: the same run.
+    # The continuous sampler (5 slots for 16 rows) under the same mesh: the same run.
     slots, _ = run_small(tmp_path / "slots", mesh=sh.MeshConfig(data=2, fsdp=4), num_slots=5)
     for a, b in zip(single, slots):
         assert a["objective/scores"] == b["objective/scores"]

@@ -14,7 +14,8 @@ import jaxppo
 import jaxppo.models as jm
 from jaxppo.update.kl import fixed_kl_controller
 from jaxppo.update.stats import RunningMoments
-from jaxppo.rollout.sampling import RolloutSpec, sample_responses
+from jaxppo.rollout.engines import sample_responses
+from jaxppo.rollout.sampling import RolloutSpec
 from jaxppo.rollout.scoring import finish_rollout
 from jaxppo.update.batch import response_outputs
 from jaxppo.update.engine import GroupOrder, minibatch_indices

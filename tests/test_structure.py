@@ -152,11 +152,12 @@ def test_no_module_imports_another_modules_private_names(top):
     assert not private, private
 
 
-def _model_type_comparisons(tree, types):
+def _model_type_comparisons(tree, types, attribute: str = "model_type"):
     """(line, text) of each comparison in `tree` that tests a model type: an operand that is
-    a `.model_type` attribute, or a string (or a tuple, list or set of strings) among `types`."""
+    a `.model_type` attribute (or `.<attribute>`), or a string (or a tuple, list or set of
+    strings) among `types`."""
     def names_a_type(node):
-        if isinstance(node, ast.Attribute) and node.attr == "model_type":
+        if isinstance(node, ast.Attribute) and node.attr == attribute:
             return True
         if isinstance(node, ast.Constant) and node.value in types:
             return True
@@ -180,6 +181,22 @@ def test_no_model_type_is_compared_outside_the_families():
     assert _model_type_comparisons(ast.parse('if c.model_type == "gpt2":\n    pass'), types)
     assert _model_type_comparisons(ast.parse('x = kind in ("qwen2", "qwen3")'), types)
     assert not _model_type_comparisons(ast.parse('x = kind == "causal_lm"'), types)
+
+
+def test_the_rollout_engine_is_chosen_in_one_place():
+    """A rollout engine is a registered class (`jaxppo.rollout.engines`): nothing outside
+    the engines' module, and the configs' check of the name, compares engine names; the
+    rest asks the engine's class and its declared capabilities."""
+    from jaxppo.rollout.engines import rollout_engine_names
+
+    names = set(rollout_engine_names())
+    allowed = ("jaxppo.rollout.engines", "jaxppo.trainer_config")
+    found = {name: hits for name, path in _modules(PACKAGE).items() if not name.startswith(allowed)
+             for hits in [_model_type_comparisons(ast.parse(open(path).read()), names, "rollout_engine")] if hits}
+    assert not found, found
+    # The check sees such a comparison (as the trainer, the collector and the spec had).
+    assert _model_type_comparisons(ast.parse('if tc.rollout_engine == "vllm":\n    pass'), names, "rollout_engine")
+    assert _model_type_comparisons(ast.parse('x = name != "jaxppo"'), names, "rollout_engine")
 
 
 def test_every_built_in_model_type_has_its_family():

@@ -1,4 +1,4 @@
-"""Turns without re-prefill (`jaxppo.models.turns`, `TrainerConfig.turn_cache`): each row's
+"""Turns without re-prefill (`jaxppo.rollout.samplers.turns`, `TrainerConfig.turn_cache`): each row's
 KV cache kept between turns gives the tokens that prefilling the whole context again gives
 (`generate` on the left-padded context, today's other path), log-probs equal up to
 rounding, for every architecture, both layer layouts, hoisted layers, shared prompts, a
@@ -12,8 +12,8 @@ import pytest
 
 import jaxppo.models as jm
 from jaxppo import sharding
-from jaxppo.models import turns
-from jaxppo.models.generate import generate
+from jaxppo.rollout.samplers import turns
+from jaxppo.rollout.samplers.static import generate
 
 from test_shared_prompts import _config, _perturbed
 

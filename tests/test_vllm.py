@@ -105,13 +105,13 @@ class TestOneEngine:
             assert not np.any(np.isin(tokens[row, : lengths[row] - 1], stop))
 
     def test_a_failed_push_is_an_error_and_nothing_samples_after_it(self, engine_and_model):
-        """A push vLLM rejects (a tensor of the wrong shape) is an error naming the update, and
+        """A push vLLM rejects (a tensor of the wrong shape) is an error naming the version, and
         no later sample is drawn from whatever vLLM holds after it."""
         engine, model, params = engine_and_model
         broken = jax.tree.map(lambda x: x, params)
         table = broken["params"]["model"]["embed_tokens"]
         table["embedding"] = table["embedding"][:, :64]  # the wrong width
-        with pytest.raises(RuntimeError, match=r"pushing the policy's weights \(update 7\) into vLLM failed"):
+        with pytest.raises(RuntimeError, match=r"pushing the policy's weights \(version 7\) into vLLM failed"):
             engine.push(broken, 7)
         # vLLM may hold a half-loaded policy now: nothing samples from it. (vLLM's state in this process
         # may not recover from a rejected load either, so this test runs last.)
@@ -139,11 +139,11 @@ def vllm_trainer(tmp_path, iterations=2, **settings):
 
 
 def run_trainer(tmp_path, push=True, iterations=2, **settings):
-    """Train; return the metrics and the update of every push the trainer asked for. The
+    """Train; return the metrics and the version of every push the trainer asked for. The
     trainer is closed at the end (its engine shut down), as the next one needs."""
     trainer = vllm_trainer(tmp_path, iterations, **settings)
-    pushed, push_one = [], trainer.engine.push
-    trainer.engine.push = lambda params, step: (pushed.append(step), push and push_one(params, step))
+    pushed, push_one = [], trainer.rollout_engine.push
+    trainer.rollout_engine.push = lambda params, version: (pushed.append(version), push and push_one(params, version))
     try:
         return trainer.train(), pushed
     finally:
@@ -174,13 +174,13 @@ def test_one_open_engine_per_process_and_a_closed_trainer_refuses_to_train(tmp_p
             vllm_trainer(tmp_path / "second")
     finally:
         trainer.close()
-    assert trainer.engine.closed
+    assert trainer.rollout_engine.closed
     trainer.close()  # a second close is a no-op
     with pytest.raises(RuntimeError, match=r"this Trainer was closed \(Trainer.close\(\)\)"):
         trainer.train()
     assert not (tmp_path / "first" / "metrics.jsonl").exists()  # refused before the run started
     with pytest.raises(RuntimeError, match="this VLLMEngine was closed"):
-        trainer.engine.generate(*prompts(), num_generations=G, response_length=R, temperature=1.0,
+        trainer.rollout_engine.generate(*prompts(), num_generations=G, response_length=R, temperature=1.0,
                                 stop_token_ids=(1,), pad_token_id=0)
 
 

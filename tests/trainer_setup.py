@@ -1,5 +1,5 @@
 """Small PPOTrainer runs shared by the mesh, multi-host and fault tests; the tiny Llama the
-continuous-batching engine's tests share."""
+continuous sampler's tests share."""
 
 import os
 

@@ -1,11 +1,12 @@
 """Built-in language models: GPT-2, the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) and
 Gemma 3 in Flax, each a family registered by `model_type` (`jaxppo.models.families`; add
 your own with `register_family`), value and score heads, LoRA adapters (PEFT format),
-Hugging Face checkpoint import/export, tokenizers, and KV-cache sampling."""
+Hugging Face checkpoint import/export, tokenizers, and the KV-cache decoding primitives
+(`decoding`) the samplers of `jaxppo.rollout.samplers` are made of."""
 
 from jaxppo.models.config import ModelConfig
 from jaxppo.models.family import ModelFamily, family_of, model_types, register_family
-from jaxppo.models.generate import GenerationOutput, filter_logits, generate
+from jaxppo.models.decoding import GenerationOutput, filter_logits
 from jaxppo.models.lora import LoraConfig
 from jaxppo.models.adapters import add_lora, merge_lora
 from jaxppo.models.peft import load_peft_adapter, save_peft_adapter
@@ -36,7 +37,6 @@ __all__ = [
     "save_pretrained",
     "params_from_hf_tensors",
     "params_to_hf_tensors",
-    "generate",
     "GenerationOutput",
     "filter_logits",
     "load_tokenizer",

@@ -14,7 +14,7 @@ All modules take
   cache: None, or a tuple per layer of (k, v), each (B, Lmax, num_kv_heads, head_dim),
   cache_index: slot of the first query token in the cache: a scalar (every row), or (B,)
     int, one slot per row (rows at different points of their sequences, as a
-    continuous-batching engine decodes them),
+    continuous sampler decodes them),
   segment_ids: None, or (B, L) int without a cache: packed sequences, several rows laid
     end to end in one stream; a token attends only to earlier tokens of its own segment
     (positions then restart per segment: the caller passes them).

@@ -39,10 +39,8 @@ import numpy as np
 
 from jaxppo import sharding
 from jaxppo.errors import EpisodeError
-from jaxppo.models.continuous import generate_continuous
-from jaxppo.models.generate import generate
-from jaxppo.models.turns import first_turn, next_turn
 from jaxppo.models.tokenizer import decode_responses
+from jaxppo.rollout.engines import BUILT_IN, engine_class
 from jaxppo.rollout.rewards import accepted_columns, load_callable, qualified_name
 
 __all__ = ["StepResult", "EpisodeOutput", "EpisodeError", "EnvironmentSpec", "Episodes", "run_episodes",
@@ -374,23 +372,18 @@ class _Play:
 
 
 class _Sampler:
-    """Samples the turns of one batch of episodes: with the static sampler and
-    `spec.turn_cache`, each row's KV cache is kept between turns and a turn feeds only
-    its new tokens (`jaxppo.models.turns`); else every turn prefills the whole context
-    again (the continuous-batching engine, or `turn_cache` off)."""
+    """Samples the turns of one batch of episodes with a rollout engine: with an engine that
+    keeps KV caches between turns (`Capabilities.turn_cache`: the static one) and
+    `spec.turn_cache`, a turn feeds only its new tokens (`jaxppo.rollout.samplers.turns`);
+    else every turn samples from its whole context again (`RolloutEngine.sample` with a
+    budget per row)."""
 
-    def __init__(self, spec, params, play, length: int, mesh):
-        self.spec, self.play, self.length = spec, play, length
-        self.params = spec.policy_params(params)
+    def __init__(self, engine, spec, play, length: int, mesh):
+        self.engine, self.spec, self.play, self.length = engine, spec, play, length
         self.place = functools.partial(sharding.place_rows, mesh=mesh)
-        self.keep_cache = spec.turn_cache and spec.num_slots is None
+        self.keep_cache = spec.turn_cache and engine.capabilities.turn_cache
         self.state = None
         self.cached = np.zeros(len(play.live), np.int64)  # response tokens whose keys/values the cache holds
-
-    def common(self, budgets):
-        spec = self.spec
-        return dict(temperature=spec.temperature, stop_token_ids=spec.stop_token_ids, pad_token_id=spec.pad_token_id,
-                    max_lengths=self.place(np.asarray(budgets, np.int32)))
 
     def turn(self, turn: int, key, budgets):
         """Turn `turn` for every row (static shapes: the turn's length is fixed, at most
@@ -398,32 +391,25 @@ class _Sampler:
         spec, play = self.spec, self.play
         if turn:
             key = jax.random.fold_in(key, turn)
+        budgets = self.place(np.asarray(budgets, np.int32))
         if self.keep_cache:
             gen = self.turn_with_cache(turn, key, budgets)
-        elif turn == 0:
-            gen = self.sample(*play.prompts(), key, budgets, spec.num_generations)
         else:
-            gen = self.sample(*play.context(), key, budgets, 1)
+            ids, mask = play.prompts() if turn == 0 else play.context()
+            gen = self.engine.sample(self.place(ids), self.place(mask), key, response_length=self.length,
+                                     num_generations=spec.num_generations if turn == 0 else 1, max_lengths=budgets)
         out = tuple(sharding.to_host(x) for x in (gen.tokens, gen.logprobs, gen.mask))
         if self.keep_cache:  # every token sampled but each row's last is in the cache now
             self.cached = np.where(play.live, play.used + np.maximum(out[2].sum(axis=1) - 1, 0), self.cached)
         return out
 
-    def sample(self, ids, mask, key, budgets, num_generations: int):
-        spec, common = self.spec, self.common(budgets)
-        if spec.num_slots is not None:
-            return generate_continuous(spec.policy, self.params, self.place(ids), self.place(mask), key,
-                                       num_slots=spec.num_slots, response_length=self.length, **common)
-        return generate(spec.policy, self.params, self.place(ids), self.place(mask), key,
-                        num_generations=num_generations, response_length=self.length, **common)
-
     def turn_with_cache(self, turn: int, key, budgets):
         spec, play = self.spec, self.play
-        common = dict(self.common(budgets), turn_length=self.length, response_budget=spec.response_length)
         if turn == 0:
             ids, mask = play.prompts()
-            gen, self.state = first_turn(spec.policy, self.params, self.place(ids), self.place(mask), key,
-                                         num_generations=spec.num_generations, **common)
+            gen, self.state = self.engine.first_turn(self.place(ids), self.place(mask), key,
+                                                     num_generations=spec.num_generations, turn_length=self.length,
+                                                     max_lengths=budgets)
             return gen
         # The tokens since the cache's end: the last turn's final token and the observation.
         start = np.where(play.live, self.cached, play.used)
@@ -431,24 +417,29 @@ class _Sampler:
         new = np.full((len(start), max(1, int(lengths.max(initial=0)))), spec.pad_token_id, np.int32)
         for i in np.flatnonzero(lengths):
             new[i, :lengths[i]] = play.tokens[i, start[i]:play.used[i]]
-        gen, self.state = next_turn(spec.policy, self.params, self.state, new, start, lengths, key, place=self.place,
-                                    **common)
+        gen, self.state = self.engine.next_turn(self.state, new, start, lengths, key, turn_length=self.length,
+                                                max_lengths=budgets, place=self.place)
         return gen
 
 
 def run_episodes(env: EnvironmentSpec, spec, params, table, batch, key, tokenizer, iteration: int,
-                 mesh=None) -> Episodes:
-    """Play one batch of episodes (one per row of `batch`) with the policy in `params`;
-    returns `Episodes`. The first turn samples from the prompts with `key` (so with one
-    turn and no turn length the tokens equal the single-turn sampler's), turn t >= 1 with
-    `fold_in(key, t)`. Raises `EpisodeError` on an environment fault (unless on_error is
-    "end"), before anything is updated."""
+                 mesh=None, engine=None) -> Episodes:
+    """Play one batch of episodes (one per row of `batch`) with the policy in the train
+    `params`, sampled by `engine` (a `jaxppo.rollout.engines.RolloutEngine` with
+    `multi_turn`, whose weights the caller has set; None: the built-in engine of `spec`,
+    given `spec.policy_params(params)`); returns `Episodes`. The first turn samples from
+    the prompts with `key` (so with one turn and no turn length the tokens equal the
+    single-turn sampler's), turn t >= 1 with `fold_in(key, t)`. Raises `EpisodeError` on
+    an environment fault (unless on_error is "end"), before anything is updated."""
+    if engine is None:
+        engine = engine_class(BUILT_IN, spec.num_slots).create(spec, params)
+        engine.set_weights(spec.policy_params(params), None)
     play = _Play(env, spec, table, batch, tokenizer, iteration)
     try:
         play.reset()
         r = spec.response_length
         length = min(env.turn_length or r, r)
-        sampler = _Sampler(spec, params, play, length, mesh)
+        sampler = _Sampler(engine, spec, play, length, mesh)
         for turn in range(env.max_turns):
             if not play.live.any():
                 break

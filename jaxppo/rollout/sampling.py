@@ -10,14 +10,13 @@ from typing import Callable, Optional, Tuple
 
 import jax.numpy as jnp
 
-from jaxppo.models.continuous import generate_continuous, generate_inflight
-from jaxppo.models.generate import GenerationOutput, generate
 from jaxppo.models.model import Model
+from jaxppo.rollout.engines import engine_class
 from jaxppo.update.checks import invalid, is_int, is_real
 from jaxppo.update.kl import check_kl_estimator
 from jaxppo.update.shaping import default_overlong_buffer
 
-__all__ = ["RolloutConfig", "RolloutSpec", "sample_responses", "OLD_LOGPROBS"]
+__all__ = ["RolloutConfig", "RolloutSpec", "OLD_LOGPROBS"]
 
 # Where a rollout's old-policy log-probs come from (`TrainerConfig.old_logprobs`).
 OLD_LOGPROBS = ("auto", "sampler", "recompute")
@@ -116,9 +115,9 @@ class RolloutSpec:
       score_clip: clip (normalised) scores to [-score_clip, score_clip].
       uses_critic: the rollout carries the critic's values (PPO); False: `values` is None.
       num_generations: G, rows per prompt (consecutive): each prompt is prefilled once
-        and its KV cache shared by its G rows (`jaxppo.models.generate`).
-      num_slots: None (the static sampler) or the slots of the continuous-batching engine
-        (`jaxppo.models.continuous`); the same tokens either way.
+        and its KV cache shared by its G rows (`jaxppo.rollout.samplers.static`).
+      num_slots: None (the static sampler) or the slots of the continuous sampler
+        (`jaxppo.rollout.samplers.continuous`); the same tokens either way.
       overlong_penalty_factor, overlong_buffer: DAPO's soft overlong punishment of the
         scores (`jaxppo.update.shaping.overlong_penalty`; factor 0: off; buffer None: a fifth of
         `response_length`), from `PPOConfig`.
@@ -127,14 +126,16 @@ class RolloutSpec:
       old_logprobs: where the rollout's log-probs come from (`TrainerConfig.old_logprobs`):
         "sampler" (the sampler's own; no policy forward in the scoring pass), "recompute"
         (a forward of the policy; the default of a spec built by hand), or "auto"
-        ("sampler" when `rollout_engine` is the built-in one and the policy computes in
+        ("sampler" when the rollout engine's log-probs are exact (`Capabilities.exact_logprobs`:
+        the built-in ones) and the policy computes in
         float32, else "recompute"; see `sampler_logprobs_used`).
-      rollout_engine: "jaxppo" or "vllm" (`TrainerConfig.rollout_engine`).
+      rollout_engine: the name of the rollout engine (`TrainerConfig.rollout_engine`:
+        "jaxppo", "vllm" or a registered one; `jaxppo.rollout.engines`).
       max_staleness: the rollouts' sampling policy is up to this many iterations older
         than the trained one (`TrainerConfig.max_staleness`); "auto" old log-probs are
         then recomputed (the decoupled objective: see `jaxppo.run.pipeline`).
       turn_cache: multi-turn episodes keep each row's KV cache between turns with the
-        static sampler (`TrainerConfig.turn_cache`; `jaxppo.models.turns`).
+        static sampler (`TrainerConfig.turn_cache`; `jaxppo.rollout.samplers.turns`).
       share_prompts: with `num_generations` G > 1, the scoring pass runs each group's
         prompt once for its G rows (policy, critic and reference; `PPOConfig.share_prompts`,
         whose None, the trainer's default, counts as True here; False for a spec built by
@@ -205,7 +206,8 @@ class RolloutSpec:
     def sampler_logprobs_used(self) -> bool:
         """The rollout's old-policy log-probs are the sampler's own (no policy forward)."""
         if self.old_logprobs == "auto":  # stale samples: the trainer's own at update time (decoupled)
-            return (self.rollout_engine == "jaxppo" and jnp.dtype(self.policy.dtype) == jnp.float32
+            exact = engine_class(self.rollout_engine, self.num_slots).capabilities.exact_logprobs
+            return (exact and jnp.dtype(self.policy.dtype) == jnp.float32
                     and not self.max_staleness)
         return self.old_logprobs == "sampler"
 
@@ -216,25 +218,3 @@ class RolloutSpec:
 
     def policy_params(self, params):
         return params if self.policy_params_key is None else params[self.policy_params_key]
-
-
-def sample_inflight(spec: RolloutSpec, source, prompt_ids, prompt_mask, key, *, on_update: str, steps: int):
-    """Sample with the continuous-batching engine taking new parameters while it decodes
-    (`jaxppo.models.continuous.generate_inflight`): `source()` -> (version, train params).
-    Returns (`GenerationOutput`, the version of each token (B, R))."""
-    policy_source = lambda: (lambda version, params: (version, spec.policy_params(params)))(*source())
-    return generate_inflight(spec.policy, policy_source, prompt_ids, prompt_mask, key, response_length=spec.response_length,
-                             num_slots=spec.num_slots, steps_per_check=steps, on_update=on_update,
-                             temperature=spec.temperature, stop_token_ids=spec.stop_token_ids,
-                             pad_token_id=spec.pad_token_id)
-
-
-def sample_responses(spec: RolloutSpec, params, prompt_ids, prompt_mask, key) -> GenerationOutput:
-    """Sample `spec.response_length` tokens per prompt from the current policy (compiled)."""
-    common = dict(response_length=spec.response_length, temperature=spec.temperature,
-                  stop_token_ids=spec.stop_token_ids, pad_token_id=spec.pad_token_id)
-    if spec.num_slots is not None:
-        return generate_continuous(spec.policy, spec.policy_params(params), prompt_ids, prompt_mask, key,
-                                   num_slots=spec.num_slots, **common)
-    return generate(spec.policy, spec.policy_params(params), prompt_ids, prompt_mask, key,
-                    num_generations=spec.num_generations, **common)

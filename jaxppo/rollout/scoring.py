@@ -22,7 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxppo.models.generate import GenerationOutput
+from jaxppo.models.decoding import GenerationOutput
 from jaxppo.rollout.sampling import RolloutSpec
 from jaxppo.update import packing
 from jaxppo.update.batch import Rollout, joined, model_method, response_attention, response_outputs, scorer

@@ -40,6 +40,7 @@ import weakref
 import numpy as np
 
 from jaxppo.models.family import family_of
+from jaxppo.rollout.engines import Capabilities, RolloutEngine, register_rollout_engine
 
 __all__ = ["VLLMEngine", "check_available", "CPU_HEAD_DIMS", "hf_weights"]
 
@@ -96,15 +97,35 @@ def hf_weights(model, params):
     return out
 
 
-class VLLMEngine:
-    """A vLLM engine holding a copy of the policy, sampling the trainer's prompts.
+class VLLMEngine(RolloutEngine):
+    """A vLLM engine holding a copy of the policy, sampling the trainer's prompts: the
+    rollout engine "vllm" (`jaxppo.rollout.engines.RolloutEngine`).
 
     `VLLMEngine(model, params, seed=..., max_model_len=...)` writes the policy to a
-    temporary directory and starts vLLM on it; `push(params, step)` loads new weights in
-    place (only when `step` differs from the last one pushed); `generate(...)` samples;
-    `sample(...)` is the trainer's sampling stage on it."""
+    temporary directory and starts vLLM on it; `push(params, version)` loads new weights in
+    place (only when `version` differs from the last one pushed; `set_weights` is the same
+    for the trainer); `generate(...)` samples numpy arrays; `sample(...)` is the engine
+    interface's (the spec's sampling settings, a `GenerationOutput` on the device)."""
 
-    def __init__(self, model, params, *, seed: int, max_model_len: int, step: int = 0):
+    capabilities = Capabilities(continuous_batching=True)
+
+    @classmethod
+    def check(cls, trainer_config, *, multi_turn: bool, mesh) -> None:
+        """What vLLM cannot do beyond its capabilities (the built-in continuous sampler's
+        slots), then whether it can be imported, and that no other engine is open."""
+        if trainer_config.num_slots is not None:
+            raise ValueError(f"TrainerConfig.num_slots={trainer_config.num_slots} sets the built-in continuous "
+                             "sampler; vLLM batches continuously itself: leave num_slots None with rollout_engine='vllm'")
+        check_available()
+        _check_none_open()
+
+    @classmethod
+    def create(cls, spec, params, trainer_config, *, query_width: int, mesh=None) -> "VLLMEngine":
+        """vLLM with the policy of `spec` (`RolloutSpec`) and the train `params`."""
+        return cls(spec.policy, spec.policy_params(params), seed=trainer_config.seed,
+                   max_model_len=query_width + spec.response_length, spec=spec)
+
+    def __init__(self, model, params, *, seed: int, max_model_len: int, version: int = 0, spec=None):
         vllm = check_available()
         check_model(model)
         import dataclasses
@@ -121,7 +142,7 @@ class VLLMEngine:
         hf_io.save_pretrained(self.model, params, self._dir)  # as a causal LM: a value head is not written
         self.llm = vllm.LLM(model=self._dir, skip_tokenizer_init=True, dtype=self.model.param_dtype, seed=seed,
                             max_model_len=max_model_len, logprobs_mode="processed_logprobs")
-        self.pushed_step = step
+        self.pushed_version, self.spec = version, spec
         _OPEN.add(self)
 
     @property
@@ -144,23 +165,23 @@ class VLLMEngine:
         if self.closed:
             raise RuntimeError("this VLLMEngine was closed (close() or Trainer.close()); start a new one to sample")
 
-    def push(self, params, step: int):
-        """Load `params` into vLLM (unless `step` is the one already there), then drop
-        vLLM's cached prefix blocks. A failed load raises RuntimeError naming the update;
+    def push(self, params, version: int):
+        """Load `params` into vLLM (unless `version` is the one already there), then drop
+        vLLM's cached prefix blocks. A failed load raises RuntimeError naming the version;
         vLLM may then hold a half-loaded policy, so the engine refuses to sample from then
         on (the run stops before another update; its checkpoints are intact)."""
         self._check_open()
-        if step == self.pushed_step:
+        if version == self.pushed_version:
             return
         weights = hf_weights(self.model, params)
         try:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
                                                               "is_checkpoint_format": True})
         except Exception as error:  # vLLM's own errors vary by version
-            self.pushed_step = None  # nothing may sample until a push succeeds
-            raise RuntimeError(f"pushing the policy's weights (update {step}) into vLLM failed: {error}") from error
+            self.pushed_version = None  # nothing may sample until a push succeeds
+            raise RuntimeError(f"pushing the policy's weights (version {version}) into vLLM failed: {error}") from error
         self.llm.reset_prefix_cache()
-        self.pushed_step = step
+        self.pushed_version = version
 
     def generate(self, prompt_ids, prompt_mask, *, num_generations: int, response_length: int, temperature: float,
                  stop_token_ids, pad_token_id: int):
@@ -171,7 +192,7 @@ class VLLMEngine:
         from vllm import SamplingParams
 
         self._check_open()
-        if self.pushed_step is None:
+        if self.pushed_version is None:
             raise RuntimeError("the last weight push into vLLM failed; it holds no usable policy")
         ids, mask = np.asarray(prompt_ids), np.asarray(prompt_mask)
         b, g = ids.shape[0], num_generations
@@ -190,19 +211,26 @@ class VLLMEngine:
                 out_mask[row, :n] = 1
         return tokens, logprobs, out_mask
 
-    def sample(self, spec, params, step: int, batch):
-        """The trainer's sampling stage on vLLM: push the policy of the train `params` at
-        update `step` if vLLM does not hold it yet, sample the `PromptBatch`'s rows
-        (`spec`: a `RolloutSpec`), return a `GenerationOutput` on the device."""
+    def set_weights(self, params, version: int) -> None:
+        """`push` the policy's `params` of `version` (the iterations they are after)."""
+        self.push(params, int(version))
+
+    def sample(self, prompt_ids, prompt_mask, key=None, *, num_generations: int, response_length: int,
+               max_lengths=None):
+        """The engine interface's `sample` with the spec's temperature, stop and pad tokens
+        (vLLM follows its own seed: `key` is not read); a `GenerationOutput` on the
+        device."""
         import jax.numpy as jnp
 
-        from jaxppo.models.generate import GenerationOutput
+        from jaxppo.models.decoding import GenerationOutput
         from jaxppo.sharding import to_host
 
-        self.push(spec.policy_params(params), step)
+        if max_lengths is not None:
+            raise ValueError("VLLMEngine samples one budget for every row (max_lengths=None)")
+        spec = self.spec
         tokens, logprobs, mask = self.generate(
-            to_host(batch.ids), to_host(batch.mask), num_generations=spec.num_generations,
-            response_length=spec.response_length, temperature=spec.temperature, stop_token_ids=spec.stop_token_ids,
+            to_host(prompt_ids), to_host(prompt_mask), num_generations=num_generations,
+            response_length=response_length, temperature=spec.temperature, stop_token_ids=spec.stop_token_ids,
             pad_token_id=spec.pad_token_id)
         return GenerationOutput(jnp.asarray(tokens), jnp.asarray(logprobs), jnp.asarray(mask))
 
@@ -217,35 +245,4 @@ def _check_none_open():
                            "Trainer with rollout_engine='vllm': Trainer.close()), or drop every reference to it")
 
 
-def check_not_closed(engine):
-    """Refuse to train with a closed engine (`Trainer.close()`), before anything starts."""
-    if engine is not None and engine.closed:
-        raise RuntimeError("this Trainer was closed (Trainer.close()): its vLLM engine is shut down; build a new "
-                           "Trainer to train on")
-
-
-def check_settings(tc, multi_turn: bool, mesh):
-    """What the trainer's vLLM engine cannot do, refused before anything starts; then
-    whether vLLM can be imported."""
-    import jax
-
-    if multi_turn:
-        raise ValueError("rollout_engine='vllm' samples single-turn rollouts; multi-turn episodes (environment= or "
-                         "tools=) use the built-in sampler (rollout_engine='jaxppo')")
-    if mesh is not None or jax.process_count() > 1:
-        raise ValueError("rollout_engine='vllm' runs vLLM in this process on one device; with a mesh or several "
-                         "processes use rollout_engine='jaxppo'")
-    if tc.num_slots is not None:
-        raise ValueError(f"TrainerConfig.num_slots={tc.num_slots} sets the built-in continuous-batching engine; vLLM "
-                         "batches continuously itself: leave num_slots None with rollout_engine='vllm'")
-    check_available()
-    _check_none_open()
-
-
-def create(tc, spec, params, query_width: int):
-    """The trainer's engine for `TrainerConfig.rollout_engine` (None for "jaxppo"): vLLM
-    with the policy of `spec` (`RolloutSpec`) and `params` (the train params)."""
-    if tc.rollout_engine != "vllm":
-        return None
-    return VLLMEngine(spec.policy, spec.policy_params(params), seed=tc.seed,
-                      max_model_len=query_width + spec.response_length)
+register_rollout_engine("vllm", VLLMEngine)

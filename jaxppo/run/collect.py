@@ -1,10 +1,11 @@
-"""An iteration's data before its rollout is built: the prompts, the samples (the built-in
-sampler, vLLM, or multi-turn episodes) and the host scores; with dynamic sampling, the
-rounds of `jaxppo.rollout.dynamic.collect`."""
+"""An iteration's data before its rollout is built: the prompts, the samples (the run's
+rollout engine, single-turn or multi-turn episodes) and the host scores; with dynamic
+sampling, the rounds of `jaxppo.rollout.dynamic.collect`."""
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any, NamedTuple, Optional
 
 from jaxppo.config import PPOConfig
@@ -12,7 +13,8 @@ from jaxppo.rollout import dynamic
 from jaxppo.rollout.environments import EnvironmentSpec, run_episodes
 from jaxppo.rollout.prompts import PromptBatch, PromptTable
 from jaxppo.rollout.rewards import HostRewards
-from jaxppo.rollout.sampling import RolloutSpec, sample_inflight
+from jaxppo.rollout.engines import RolloutEngine
+from jaxppo.rollout.sampling import RolloutSpec
 from jaxppo.run import stages
 from jaxppo.run.state import RunState
 from jaxppo.trainer_config import TrainerConfig
@@ -36,7 +38,8 @@ class Collector:
 
     Attributes: the configs; the rollout spec; the prompt table; the tokenizer; the text
     reward functions (`HostRewards`, or None); the environment (`EnvironmentSpec`, or None:
-    single-turn); the vLLM engine (or None: the built-in sampler); the mesh (or None)."""
+    single-turn); the rollout engine (`jaxppo.rollout.engines.RolloutEngine`); the mesh (or
+    None). The engine is given its weights and sampled under a lock: one batch at a time."""
 
     config: PPOConfig
     tc: TrainerConfig
@@ -45,8 +48,9 @@ class Collector:
     tokenizer: Any
     host_rewards: Optional[HostRewards]
     environment: Optional[EnvironmentSpec]
-    engine: Any
+    rollout_engine: RolloutEngine
     mesh: Any
+    lock: Any = dataclasses.field(default_factory=threading.Lock, compare=False)
 
     def collect(self, run: RunState, it: int, key) -> dynamic.Collected:
         """The iteration's prompts, samples (or episodes) and host scores: one batch of the
@@ -76,9 +80,10 @@ class Collector:
         batch = stages.select_prompts(self.table, run.key, it, self.config, self.mesh)
         source = getattr(run.train, "source", None)
         if self.tc.inflight_updates and source is not None:
-            with stages.mesh_context(self.mesh):
-                gen, versions = sample_inflight(self.spec, source, batch.ids, batch.mask, key,
-                                                on_update=self.tc.inflight_updates, steps=self.tc.inflight_steps)
+            with self.lock, stages.mesh_context(self.mesh):
+                gen, versions = self.rollout_engine.sample_inflight(
+                    source, batch.ids, batch.mask, key, on_update=self.tc.inflight_updates,
+                    steps=self.tc.inflight_steps)
             return Sampled(batch, gen, versions)
         return Sampled(batch, self.sample(run, batch, key, it)[0], None)
 
@@ -90,12 +95,16 @@ class Collector:
     def sample(self, run: RunState, batch: PromptBatch, key, it: int):
         """(the batch's sampled responses, None), or with an environment (its episodes'
         `EpisodeOutput`, the `Episodes`)."""
-        if self.engine is not None:  # vLLM, with the policy's weights as of this update
-            return self.engine.sample(self.spec, run.train.params, int(run.train.step), batch), None
-        if self.environment is None:
-            return stages.sample(self.spec, run.train.params, batch, key, self.mesh), None
-        episodes = run_episodes(self.environment, self.spec, run.train.params, self.table, batch, key, self.tokenizer,
-                                it, self.mesh)
+        spec, engine = self.spec, self.rollout_engine
+        version = getattr(run.train, "version", run.iteration)  # iterations the parameters are after
+        with self.lock:
+            engine.set_weights(spec.policy_params(run.train.params), version)
+            if self.environment is None:
+                with stages.mesh_context(self.mesh):
+                    return engine.sample(batch.ids, batch.mask, key, num_generations=spec.num_generations,
+                                         response_length=spec.response_length), None
+            episodes = run_episodes(self.environment, spec, run.train.params, self.table, batch, key, self.tokenizer,
+                                    it, self.mesh, engine=engine)
         return episodes.output, episodes
 
     def score(self, batch: PromptBatch, gen, episodes, it: int):

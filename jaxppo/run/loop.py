@@ -1,14 +1,15 @@
 """The loop around a trainer's iterations: signals, progress, logging, callbacks and the
 checkpoint cadence. It drives any trainer that offers `prepare_iteration()` (returning the
 `finish()` that applies the update and returns the metrics line), `iteration`,
-`iterations`, `save_checkpoint()`, `samples(n)`, `callbacks`, `config` and `tc`."""
+`iterations`, `save_checkpoint()`, `samples(n)`, `callbacks`, `config` and `tc`; it reads
+them and calls them, and writes nothing of the trainer's: each iteration's metrics line
+goes to the logger (whose `history` the trainer holds) and to the callbacks."""
 
 from __future__ import annotations
 
 import os
 
 from jaxppo.config import PPOConfig
-from jaxppo.run import resume
 from jaxppo.run.interrupts import interrupts_held, interrupts_raise
 from jaxppo.run.logger import Logger
 from jaxppo.testing import failpoints
@@ -17,13 +18,11 @@ from jaxppo.trainer_config import TrainerConfig
 __all__ = ["run_loop", "finish_run"]
 
 
-def run_loop(trainer) -> Logger:
-    """Run iterations until `trainer.iterations`; return the (closed) logger. Each
-    iteration's update and its metrics line land together (interrupts held); Ctrl-C or
-    SIGTERM saves a checkpoint and raises KeyboardInterrupt."""
+def run_loop(trainer, logger: Logger) -> Logger:
+    """Run iterations until `trainer.iterations`, logging each line with `logger`; return
+    the (closed) logger. Each iteration's update and its metrics line land together
+    (interrupts held); Ctrl-C or SIGTERM saves a checkpoint and raises KeyboardInterrupt."""
     tc = trainer.tc
-    logger = Logger(resume.log_dir(tc), start_iteration=trainer.iteration, tensorboard=tc.tensorboard)
-    trainer.history = logger.history
     progress = None
     try:
         with interrupts_raise():

@@ -36,7 +36,7 @@ of its checkpoints. With `TrainerConfig.sampler_devices` n, the last n devices f
 of their own: snapshots are moved there device to device as they are taken, the sampler
 runs there, and the sampled batch is moved back to the trainer's mesh.
 
-In-flight updates (`TrainerConfig.inflight_updates`, the continuous-batching engine): the
+In-flight updates (`TrainerConfig.inflight_updates`, the continuous sampler): the
 sampler also takes newer versions (at most the iteration's own) between decode steps
 (`SamplerView.source`); each token's version is recorded, and such a run is no longer a
 fixed function of the seed.
@@ -68,12 +68,13 @@ def version_of(iteration: int, k: int) -> int:
 
 
 class SamplerView(NamedTuple):
-    """What the sampling stage reads of a train state: the parameters to sample from, a
-    tag of their version (vLLM pushes weights when the tag changes), and `source()` ->
-    (version, parameters), the newest the iteration may use (in-flight updates)."""
+    """What the sampling stage reads of a train state: the parameters to sample from, their
+    version (the iterations they are after: a rollout engine holding its own copy, vLLM's,
+    loads them when it changes), and `source()` -> (version, parameters), the newest the
+    iteration may use (in-flight updates)."""
 
     params: Any
-    step: int
+    version: int
     source: Optional[Callable] = None
 
 

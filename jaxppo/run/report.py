@@ -86,14 +86,17 @@ def summary(trainer) -> str:
     return "\n".join(lines)
 
 
-def iteration_metrics(trainer, it: int, host: dict, raw_scores, per_function: dict, model_scores, times) -> dict:
+def iteration_metrics(it: int, host: dict, raw_scores, per_function: dict, model_scores, times, *, config,
+                      lr, skipped: int, with_functions: bool) -> dict:
     """An iteration's metrics line (host floats) from the device metrics fetched in one
-    transfer (`host`: the rollout's statistics and the update's), the reward statistics,
-    the update counts, the learning rate and the stage times `(t0, t1, t2, t3)`: start,
-    scores on the host (text rewards), rollout built, metrics on the host. Without text
-    rewards the host does not wait for sampling, so time/scoring then holds sampling and
-    scoring together. Warns when updates were skipped for non-finite losses."""
-    c = trainer.config
+    transfer (`host`: the rollout's statistics and the update's), the reward statistics
+    (`with_functions`: text reward functions scored beside a reward model), the update
+    counts, the learning rate (`lr(update)`, the schedule), the iterations skipped so far
+    (`skipped`) and the stage times `(t0, t1, t2, t3)`: start, scores on the host (text
+    rewards), rollout built, metrics on the host. Without text rewards the host does not
+    wait for sampling, so time/scoring then holds sampling and scoring together. Warns when
+    updates were skipped for non-finite losses."""
+    c = config
     total = int(host.pop("ppo/updates_total"))
     nonfinite = int(host["ppo/updates_nonfinite"])
     if nonfinite:
@@ -101,11 +104,11 @@ def iteration_metrics(trainer, it: int, host: dict, raw_scores, per_function: di
                       "gradient and were skipped (parameters untouched)", RuntimeWarning, stacklevel=4)
     out = {"iteration": it, "episode": (it + 1) * c.batch_size, **{k: float(v) for k, v in host.items()}}
     out.update(reward_statistics(raw_scores, per_function, model_scores, host, c.num_generations,
-                                 with_functions=trainer.host_rewards is not None))
+                                 with_functions=with_functions))
     applied = int(host["ppo/updates_applied"])
     t0, t1, t2, t3 = times
     out.update({"ppo/updates_applied": applied, "ppo/updates_total": total,
-                "lr": float(trainer.policy_schedule(total - applied)), "time/generation": t1 - t0,
+                "lr": float(lr(total - applied)), "time/generation": t1 - t0,
                 "time/scoring": t2 - t1, "time/update": t3 - t2, "eps": c.batch_size / (t3 - t0),
-                "objective/skipped_nonfinite_scores": trainer.skipped_iterations})
+                "objective/skipped_nonfinite_scores": skipped})
     return out

@@ -33,7 +33,8 @@ from jaxppo.errors import RewardError
 from jaxppo.models.tokenizer import decode_responses, unknown_token_count
 from jaxppo.rollout.prompts import PromptBatch, PromptTable, prompt_batch, prompt_order
 from jaxppo.rollout.rewards import HostRewards, HostScores, nonfinite_rows
-from jaxppo.rollout.sampling import RolloutSpec, sample_responses
+from jaxppo.rollout.engines import sample_responses
+from jaxppo.rollout.sampling import RolloutSpec
 from jaxppo.rollout.scoring import finish_rollout
 from jaxppo.run.state import RunState
 from jaxppo.sharding import to_host
@@ -217,7 +218,7 @@ def abstract_rollout(spec: RolloutSpec, run: RunState, ref_params, reward_params
                      host_scores: bool) -> Rollout:
     """The shapes and dtypes of the rollout that `build_rollout` will produce for `rows` rows
     of prompts `query_width` wide (`jax.eval_shape` of `finish_rollout`: nothing runs)."""
-    from jaxppo.models.generate import GenerationOutput
+    from jaxppo.models.decoding import GenerationOutput
 
     tokens = jax.ShapeDtypeStruct((rows, spec.response_length), jnp.int32)
     gen = GenerationOutput(tokens, jax.ShapeDtypeStruct(tokens.shape, jnp.float32), tokens)

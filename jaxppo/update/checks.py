@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["is_int", "is_real", "divisors", "invalid"]
+__all__ = ["is_int", "is_real", "divisors", "invalid", "layer_config"]
 
 
 def is_int(value) -> bool:
@@ -26,3 +26,15 @@ def divisors(n: int) -> list:
 def invalid(owner: str, field: str, value, valid: str) -> ValueError:
     """The error for `owner.field=value`, saying what `field` must be (`valid`)."""
     return ValueError(f"{owner}.{field}={value!r} is invalid: {field} must be {valid}.")
+
+
+def layer_config(config, cls: type, attribute: str, name: str):
+    """The `cls` config of `config`: itself, or its `.<attribute>` (a `jaxppo.PPOConfig`
+    hands over its layers' configs so); TypeError naming `name` (how users reach `cls`)."""
+    if isinstance(config, cls):
+        return config
+    part = getattr(config, attribute, None)
+    if isinstance(part, cls):
+        return part
+    raise TypeError(f"config must be a {name} or have one as .{attribute} (jaxppo.PPOConfig does), got "
+                    f"{type(config).__name__}")

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxppo.update.checks import divisors, is_int
+from jaxppo.update.checks import divisors, is_int, layer_config
 
 __all__ = ["EngineConfig", "engine_config", "TrainState", "Freeze", "update_epochs", "update_epochs_fn",
            "minibatch_indices", "GroupOrder", "clip_by_global_norm", "global_norm", "check_sizes"]
@@ -126,13 +126,7 @@ class EngineConfig(BatchSizes):
 
 def engine_config(config) -> EngineConfig:
     """The `EngineConfig` of `config`: itself, or its `.engine` (a `PPOConfig`'s)."""
-    if isinstance(config, EngineConfig):
-        return config
-    engine = getattr(config, "engine", None)
-    if isinstance(engine, EngineConfig):
-        return engine
-    raise TypeError(f"config must be a jaxppo.EngineConfig or have one as .engine (jaxppo.PPOConfig does), got "
-                    f"{type(config).__name__}")
+    return layer_config(config, EngineConfig, "engine", "jaxppo.EngineConfig")
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:

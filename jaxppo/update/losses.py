@@ -2,7 +2,7 @@
 per completion: GSPO, TRL's RLOO), the clipped surrogate with asymmetric and dual clipping,
 the clipped value loss, the approximate KL, and the loss aggregation modes every algorithm's
 loss is reduced by. Pure functions on arrays (they import only the masked statistics);
-`jaxppo.update.ppo.ppo_loss` puts them together.
+`jaxppo.update.objective.ppo_loss` puts them together.
 
 Shapes: B rows (completions), T response tokens, V the vocabulary. `mask` is 1 at real
 response tokens and 0 at padding; masked statistics count only the real tokens.

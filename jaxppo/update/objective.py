@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from jaxppo.update import packing
 from jaxppo.update.batch import response_outputs
-from jaxppo.update.checks import invalid, is_int, is_real
+from jaxppo.update.checks import invalid, is_int, is_real, layer_config
 from jaxppo.update.correction import ROLLOUT_CORRECTIONS
 from jaxppo.update.kl import KL_LOSS_ESTIMATORS, kl_loss_per_token
 from jaxppo.update.losses import (IMPORTANCE_RATIOS, LOSS_AGGREGATIONS, aggregate_loss, approx_kl, clipped_policy_loss,
@@ -221,13 +221,7 @@ def _check_numbers(c: LossConfig):
 
 def loss_config(config) -> LossConfig:
     """The `LossConfig` of `config`: itself, or its `.loss` (a `PPOConfig`'s)."""
-    if isinstance(config, LossConfig):
-        return config
-    loss = getattr(config, "loss", None)
-    if isinstance(loss, LossConfig):
-        return loss
-    raise TypeError(f"config must be a jaxppo.update.objective.LossConfig or have one as .loss (jaxppo.PPOConfig "
-                    f"does), got {type(config).__name__}")
+    return layer_config(config, LossConfig, "loss", "jaxppo.LossConfig")
 
 
 def ppo_loss(params, batch, *, apply_fn, config):

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jaxppo.update import packing
 from jaxppo.update.batch import Rollout, response_outputs
 from jaxppo.update.correction import correction_weights, mismatch_metrics
+from jaxppo.update.checks import layer_config
 from jaxppo.update.engine import EngineConfig, GroupOrder, TrainState, update_epochs_fn
 from jaxppo.update.objective import LossConfig, loss_for, micro_batch_weight, prompt_rows
 from jaxppo.update.stats import masked_mean, masked_var
@@ -69,13 +70,7 @@ class UpdateConfig:
 
 def update_config(config) -> UpdateConfig:
     """The `UpdateConfig` of `config`: itself, or its `.update` (a `PPOConfig`'s)."""
-    if isinstance(config, UpdateConfig):
-        return config
-    update = getattr(config, "update", None)
-    if isinstance(update, UpdateConfig):
-        return update
-    raise TypeError(f"config must be a jaxppo.PPOConfig or a jaxppo.update.ppo.UpdateConfig (or have one as .update), "
-                    f"got {type(config).__name__}")
+    return layer_config(config, UpdateConfig, "update", "jaxppo.UpdateConfig")
 
 
 def compute_advantages(rollout: Rollout, config):

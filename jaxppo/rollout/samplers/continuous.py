@@ -1,4 +1,4 @@
-"""Continuous batching: a slot engine that decodes `num_slots` rows together and refills a
+"""Continuous batching: a sampler that decodes `num_slots` rows together and refills a
 finished row's slot with the next pending request, until every request is done.
 
     generate_continuous(model, params, prompt_ids (N, Q), prompt_mask, key,
@@ -25,8 +25,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
 import jax
 import jax.numpy as jnp
 
-from jaxppo.models.generate import (GenerationOutput, cap_positions, check_max_lengths, check_sampler_arguments,
-                                    pick_tokens, prefill, step_keys)
+from jaxppo.models.decoding import GenerationOutput, cap_positions, check_max_lengths, check_sampler_arguments, pick_tokens, prefill, step_keys
 from jaxppo.models.model import Model
 from jaxppo.models.transformer import default_positions
 
@@ -212,7 +211,7 @@ def generate_inflight(model: Model, params_source: Callable, prompt_ids, prompt_
                       top_k: Optional[int] = None, top_p: Optional[float] = None, greedy: bool = False,
                       stop_token_ids: Optional[Sequence[int]] = None, pad_token_id: Optional[int] = None,
                       max_lengths=None):
-    """The continuous-batching engine taking new parameters while it generates: in-flight
+    """The continuous sampler taking new parameters while it generates: in-flight
     weight updates.
 
     `params_source()` -> (version: int, params) is asked before the first step and after
@@ -280,9 +279,9 @@ def generate_continuous(
     pad_token_id: Optional[int] = None,
     max_lengths=None,
 ) -> GenerationOutput:
-    """Sample `response_length` tokens for each of N left-padded prompts with a slot engine
+    """Sample `response_length` tokens for each of N left-padded prompts with a slot loop
     of `num_slots` rows (continuous batching; see the module). The arguments and the
-    result are `jaxppo.models.generate`'s, and so are the tokens for the same key; only
+    result are `jaxppo.rollout.samplers.static`'s, and so are the tokens for the same key; only
     `num_slots` is new (capped at N). Rows end at a stop token (kept, masked in), at
     `response_length`, or at their `max_lengths` entry (optional (N,) budgets); after that a
     row is pad, log-prob 0, mask 0."""

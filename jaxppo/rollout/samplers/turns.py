@@ -14,7 +14,7 @@ each row's response region in order, response token j at slot Q + j (model turns
 observations alike: the region the rollout keeps), and L slots to spare, R + L response
 slots in all. A turn's new tokens are written at their own slots (a per-row cache
 index), so rows with different histories need no re-alignment; then the turn decodes
-from each row's end (`jaxppo.models.generate.decode_loop`). Slots past a row's end may
+from each row's end (`jaxppo.models.decoding.decode_loop`). Slots past a row's end may
 hold what a finished row decoded; they are masked until they are overwritten.
 
 The first turn is `generate_jit` itself (with its cache returned and widened), so it
@@ -33,8 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxppo.models.generate import (cap_positions, check_max_lengths, check_sampler_arguments, decode_loop,
-                                    generate_jit)
+from jaxppo.models.decoding import cap_positions, check_max_lengths, check_sampler_arguments, decode_loop
+from jaxppo.rollout.samplers.static import generate_jit
 from jaxppo.models.transformer import GroupedKV
 
 __all__ = ["TurnCache", "first_turn", "next_turn"]

@@ -1,0 +1,105 @@
+"""The static sampler: a batch of left-padded prompts, each row decoded to a fixed response
+length with a KV cache, fully jitted, stopping early once every row has hit a stop token
+(the built-in static rollout engine's; `jaxppo.rollout.engines`).
+
+    generate(model, params, prompt_ids (B, Q), prompt_mask, key, response_length=R)
+      -> GenerationOutput (B, R)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jaxppo.models.decoding import (GenerationOutput, check_groups, check_max_lengths, check_sampler_arguments,
+                                    decode_loop, prefill)
+from jaxppo.models.model import Model
+
+__all__ = ["generate", "generate_jit"]
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("model", "response_length", "top_k", "use_top_p", "greedy", "stop_token_ids", "pad_token_id",
+                     "early_stop", "num_generations", "return_cache"),
+)
+def generate_jit(model, params, prompt_ids, prompt_mask, key, temperature, top_p, max_lengths=None, *,
+                 response_length, top_k, use_top_p, greedy, stop_token_ids, pad_token_id, early_stop,
+                 num_generations=1, return_cache=False):
+    """The compiled sampler behind `generate` (static: the model and every size and
+    switch), for ahead-of-time lowering (`generate_jit.lower(...)`) and compile counts.
+    With `return_cache`: (output, the KV cache after the decode), for a next turn
+    (`jaxppo.rollout.samplers.turns`)."""
+    model, params = model.for_decoding(params)  # `Model.hoist_layers`
+    b, q = prompt_ids.shape
+    r = response_length
+    kv_mask = jnp.concatenate([prompt_mask.astype(jnp.int32), jnp.zeros((b, r), jnp.int32)], axis=1)
+    cache, next_logits = prefill(model, params, prompt_ids, prompt_mask, q + r, num_generations)
+    output, cache = decode_loop(model, params, cache, next_logits, kv_mask, q,
+                                jnp.sum(prompt_mask.astype(jnp.int32), axis=1), jax.random.split(key, b), temperature,
+                                top_p, max_lengths, response_length=r, top_k=top_k, use_top_p=use_top_p, greedy=greedy,
+                                stop_token_ids=stop_token_ids, pad_token_id=pad_token_id, early_stop=early_stop)
+    return (output, cache) if return_cache else output
+
+
+def generate(
+    model: Model,
+    params,
+    prompt_ids,
+    prompt_mask,
+    key,
+    *,
+    response_length: int,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    greedy: bool = False,
+    stop_token_ids: Optional[Sequence[int]] = None,
+    pad_token_id: Optional[int] = None,
+    early_stop: bool = True,
+    num_generations: int = 1,
+    max_lengths=None,
+) -> GenerationOutput:
+    """Sample `response_length` tokens after left-padded prompts, with a KV cache.
+
+    Args:
+      model, params: a causal-LM `Model` ("causal_lm" or "causal_lm_value") and its params.
+      prompt_ids, prompt_mask: int (B, Q), left-padded (mask 1 at real tokens; every row's
+        last slot must be a real token).
+      key: PRNG key; the same key gives the same tokens.
+      response_length: R, tokens generated per row (fixed: one compile per shape).
+      temperature: logits are divided by it before sampling and for the returned log-probs.
+      top_k: keep only the k most likely tokens (None: all).
+      top_p: nucleus sampling threshold in (0, 1] (None: off).
+      greedy: take the argmax instead of sampling (log-probs still temperature-scaled).
+      stop_token_ids: tokens that end a row (default: the model config's EOS ids); the
+        stop token itself is kept and masked in, everything after is pad and masked out.
+      pad_token_id: token written after a stop (default: config pad, else first EOS, else 0).
+      early_stop: stop decoding once every row has hit a stop token (a `lax.while_loop`;
+        the outputs equal those of `early_stop=False`, which always runs all R steps as a
+        `lax.scan`). Rollouts whose responses end early then cost less.
+      num_generations: G; rows come in groups of G consecutive rows with the same prompt
+        (as a group-sampling trainer lays them out). Each group's prompt is prefilled
+        once and its KV cache shared by its G rows, which then sample independently: the
+        same tokens as G = 1 for the same key, with 1/G of the prefill work. The prompts
+        must be equal within each group (checked when the arrays are concrete).
+      max_lengths: optional int (B,): row i ends after max_lengths[i] tokens (at most
+        `response_length`) if no stop token ended it before: per-request budgets.
+
+    Returns:
+      `GenerationOutput(tokens, logprobs, mask)`, each (B, R).
+    """
+    stop_token_ids, pad_token_id = check_sampler_arguments(model, prompt_ids, prompt_mask, response_length, temperature,
+                                                    top_k, top_p, stop_token_ids, pad_token_id, max_lengths)
+    check_groups(prompt_ids, prompt_mask, num_generations)
+    return generate_jit(
+        model, params, jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_mask, jnp.int32), key,
+        jnp.float32(temperature), jnp.float32(1.0 if top_p is None else top_p),
+        check_max_lengths(max_lengths, prompt_ids.shape[0], response_length),
+        response_length=response_length, top_k=top_k, use_top_p=top_p is not None, greedy=bool(greedy),
+        stop_token_ids=stop_token_ids, pad_token_id=int(pad_token_id), early_stop=bool(early_stop),
+        num_generations=num_generations,
+    )

@@ -1,0 +1,261 @@
+"""The parts of a run, built from what the user gave a `jaxppo.Trainer`: the settings
+checked against each other and the rollout engine's capabilities, the prompt table, the
+models (`jaxppo.run.assembly`), the rollout spec and engine, the optimizer, the initial
+run state (placed on a mesh when one is given), the compiled update, the collector and,
+with `max_staleness`, the producer of pipelined iterations. `build` returns them as one
+value, `RunParts`, which the `Trainer` keeps; nothing here holds or writes a trainer."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Any, Callable, Optional
+
+import jax
+
+from jaxppo import sharding
+from jaxppo.config import PPOConfig
+from jaxppo.models.tokenizer import encode_prompts
+from jaxppo.rollout import engines
+from jaxppo.rollout.environments import EnvironmentSpec
+from jaxppo.rollout.prompts import PromptTable, load_prompt_table, render_prompts
+from jaxppo.rollout.rewards import RewardSetup, sort_rewards
+from jaxppo.rollout.sampling import RolloutSpec
+from jaxppo.rollout.tools import check_tools, tool_environment
+from jaxppo.run import pipeline as pipelining
+from jaxppo.run import stages
+from jaxppo.run.assembly import Assembly, LogitsOf, assemble, optimizer, prompts_digest, schedule
+from jaxppo.run.collect import Collector
+from jaxppo.run.state import RunState
+from jaxppo.trainer_config import TrainerConfig
+from jaxppo.update.engine import TrainState
+from jaxppo.update.ppo import train_step_donating
+
+__all__ = ["RunParts", "build"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunParts:
+    """What a `Trainer` runs with, built once (`build`).
+
+    Attributes:
+      config: the `PPOConfig` (with `share_prompts=None` resolved to True: the trainer's
+        groups share their prompt by construction).
+      environment: the multi-turn `EnvironmentSpec`, or None (single-turn).
+      rewards: the sorted reward sources (`jaxppo.rollout.rewards.RewardSetup`); host_rewards:
+        the text reward functions (`HostRewards`), or None.
+      iterations: iterations to run.
+      table: the `PromptTable` (texts, token ids, columns).
+      models: the `Assembly` of `jaxppo.run.assembly` (models, parameters, how they train).
+      spec: the `RolloutSpec`; rollout_engine: the `RolloutEngine`.
+      policy_schedule: the policy's learning rate by update.
+      run: the `RunState` at iteration 0 (sharded on `mesh`; with pipelining, its first
+        snapshots taken); mesh, sampler_mesh: the trainer's mesh and the sampler's, or None.
+      ref_params, reward_params: the frozen parameters, placed like the run.
+      train_step: the compiled update of `jaxppo.run.stages.update_step`.
+      collector: what samples and scores an iteration (`jaxppo.run.collect.Collector`);
+        pipelined: the producer of pipelined iterations (`max_staleness`), or None.
+      description: what a resumed run must match besides the configs (models, reward,
+        tokenizer, prompts).
+      policy_source: the policy's checkpoint directory when it was loaded from one.
+    """
+
+    config: PPOConfig
+    environment: Optional[EnvironmentSpec]
+    rewards: RewardSetup
+    host_rewards: Any
+    iterations: int
+    table: PromptTable
+    models: Assembly
+    spec: RolloutSpec
+    rollout_engine: engines.RolloutEngine
+    policy_schedule: Callable
+    run: RunState
+    mesh: Any
+    sampler_mesh: Any
+    ref_params: Any
+    reward_params: Any
+    train_step: Callable
+    collector: Collector
+    pipelined: Optional[pipelining.Pipelined]
+    description: dict
+    policy_source: Optional[str]
+
+
+def build(config: PPOConfig, tc: TrainerConfig, *, policy, tokenizer, prompts, reward_model=None, reward_fn=None,
+          reward_fn_on: str = "text", reward_fns=None, reward_weights=None, ref_policy=None, critic=None,
+          dtype: str = "float32", ref_dtype=None, reward_dtype=None, prompt_column: str = "prompt", mesh=None,
+          remat=None, scan_layers=None, logits_chunk_size=None, chat_template=None, lora=None, lora_init=None,
+          environment=None, tools=None) -> RunParts:
+    """The parts of a run (the arguments are the `Trainer`'s): every setting checked before
+    anything loads, then the prompts, the models, the rollout engine, the optimizer and the
+    run state."""
+    environment = _environment(environment, tools, tc)
+    rewards = sort_rewards(reward_model, reward_fn, reward_fn_on, reward_fns, reward_weights,
+                           environment=environment is not None)
+    engine = _check_settings(config, tc, rewards, environment, mesh)
+    config = config.replace(share_prompts=True) if config.share_prompts is None else config  # groups share prompts
+    iterations = _iterations(config, tc)
+    table = _prompt_table(tokenizer, prompts, prompt_column, chat_template, tc, environment and environment.tools)
+    models = assemble(config, tc, policy=policy, reward_model=rewards.model_spec, ref_policy=ref_policy, critic=critic,
+                      dtype=dtype, ref_dtype=ref_dtype, reward_dtype=reward_dtype, remat=remat,
+                      scan_layers=scan_layers, logits_chunk_size=logits_chunk_size, lora=lora, lora_init=lora_init)
+    _check_vocabulary(tokenizer, models.policy_model)
+    host_rewards = rewards.host_rewards()
+    spec = _rollout_spec(config, tc, models, tokenizer, rewards, table.ids.shape[1])
+    rollout_engine = engine.create(spec, models.params, tc, query_width=table.ids.shape[1], mesh=mesh)
+    policy_schedule, tx = _optimizer(config, tc, iterations)
+    train = TrainState.create(apply_fn=models.apply_fn, params=models.params, tx=tx, freeze=models.freeze)
+    run, ref_params, reward_params = _run_state(config, tc, train), models.ref_params, models.reward_params
+    placed, make_step = None, lambda c: functools.partial(train_step_donating, config=c)
+    mesh, sampler_mesh = _split_mesh(mesh, tc, config)
+    if mesh is not None:
+        placed, run, ref_params, reward_params, make_step = sharding.place_run(mesh, config, run, ref_params,
+                                                                               reward_params)
+    collector = Collector(config, tc, spec, table, tokenizer, host_rewards, environment, rollout_engine, placed)
+    pipelined = None
+    if tc.max_staleness:
+        pipelined = pipelining.Pipelined(collector, table, placed, sampler_mesh, tc.max_staleness, iterations,
+                                         run.train)
+        run = pipelined.initial(run)
+    description = {**models.description, "reward": rewards.describe(models.reward_model, dtype),
+                   "tokenizer": {"class": type(tokenizer).__name__, "size": len(tokenizer)},
+                   "prompts": prompts_digest(table.texts), "prompt_column": prompt_column,
+                   **({} if environment is None else {"environment": environment.name})}
+    return RunParts(config, environment, rewards, host_rewards, iterations, table, models, spec, rollout_engine,
+                    policy_schedule, run, placed, sampler_mesh, ref_params, reward_params,
+                    stages.update_step(make_step, config), collector, pipelined, description,
+                    policy if isinstance(policy, (str, os.PathLike)) else None)
+
+
+def _check_settings(config: PPOConfig, tc: TrainerConfig, rewards, environment, mesh):
+    _check_dynamic_sampling(config, tc, rewards)
+    if tc.inflight_updates and environment is not None:
+        raise ValueError(f"TrainerConfig.inflight_updates={tc.inflight_updates!r} works on single-turn rollouts; "
+                         "multi-turn episodes (an environment or tools) sample every turn from one version: set "
+                         "inflight_updates=None")
+    if tc.max_staleness and jax.process_count() > 1:
+        raise ValueError(f"TrainerConfig.max_staleness={tc.max_staleness}: pipelined iterations run in one process; "
+                         f"this run has {jax.process_count()} (multi-host runs are synchronous: max_staleness=0)")
+    return engines.check_settings(tc, multi_turn=environment is not None, mesh=mesh, processes=jax.process_count())
+
+
+def _check_dynamic_sampling(config: PPOConfig, tc: TrainerConfig, rewards):
+    if not tc.dynamic_sampling:
+        return
+    if config.num_generations < 2:
+        raise ValueError(f"TrainerConfig.dynamic_sampling=True needs groups: PPOConfig.num_generations="
+                         f"{config.num_generations}; give num_generations >= 2 (a group's scores must be able to "
+                         "differ), or turn dynamic sampling off")
+    if rewards.model_spec is not None or rewards.token_fn is not None:
+        raise ValueError("TrainerConfig.dynamic_sampling=True filters groups on scores computed on the host (reward "
+                         "functions on text, environments); a reward model or a token-level reward function scores "
+                         "on the device after the filter would run. Score with reward functions, or turn it off")
+
+
+def _split_mesh(mesh, tc: TrainerConfig, config: PPOConfig):
+    """(the trainer's mesh, the sampler's mesh or None). With `sampler_devices` n the last n
+    devices form the sampler's mesh (every device on the "fsdp" axis) and the trainer's mesh
+    (`mesh`, a `MeshConfig` or None for one over all the rest) takes the others."""
+    n = tc.sampler_devices
+    if not n:
+        return mesh, None
+    devices = jax.devices()
+    if n >= len(devices):
+        raise ValueError(f"TrainerConfig.sampler_devices={n} leaves no device to train on: {len(devices)} devices "
+                         f"exist; give sampler_devices in [1, {len(devices) - 1}]")
+    trainer_devices, sampler_devices = devices[:-n], devices[-n:]
+    if isinstance(mesh, jax.sharding.Mesh):
+        if set(mesh.devices.flat) & set(sampler_devices):
+            raise ValueError(f"the trainer's mesh uses devices {sorted(d.id for d in mesh.devices.flat)}, but with "
+                             f"sampler_devices={n} the last {n} (ids {[d.id for d in sampler_devices]}) sample; "
+                             "build the mesh over the others, or give a MeshConfig")
+    else:
+        mesh = sharding.make_mesh(mesh or sharding.MeshConfig(), trainer_devices)
+    sampler_mesh = sharding.make_mesh(sharding.MeshConfig(), sampler_devices)
+    if config.batch_size % n:
+        raise ValueError(f"PPOConfig.batch_size={config.batch_size} must split evenly over the {n} sampler devices "
+                         "(TrainerConfig.sampler_devices)")
+    return mesh, sampler_mesh
+
+
+def _environment(factory, tools, tc: TrainerConfig) -> Optional[EnvironmentSpec]:
+    schemas = None
+    if tools is not None:
+        if factory is not None:
+            raise ValueError("give environment or tools, not both (tools= builds the environment that calls them)")
+        schemas = check_tools(tools)
+        factory = tool_environment(tools, timeout=tc.environment_timeout)
+    if factory is None:
+        return None
+    if not callable(factory):
+        raise TypeError(f"environment must be a factory (a callable returning an environment with reset and step), "
+                        f"got {type(factory).__name__} {factory!r:.60}")
+    return EnvironmentSpec(factory, max_turns=tc.max_turns, turn_length=tc.turn_length, timeout=tc.environment_timeout,
+                           on_error=tc.environment_errors, workers=tc.environment_workers, tools=schemas)
+
+
+def _iterations(config: PPOConfig, tc: TrainerConfig) -> int:
+    if tc.total_episodes is None:
+        return tc.iterations
+    if tc.total_episodes % config.batch_size:
+        raise ValueError(f"TrainerConfig.total_episodes={tc.total_episodes} is not a multiple of "
+                         f"PPOConfig.batch_size={config.batch_size}")
+    return tc.total_episodes // config.batch_size
+
+
+def _prompt_table(tokenizer, prompts, prompt_column, chat_template, tc: TrainerConfig,
+                  tools=None) -> PromptTable:
+    table, columns = load_prompt_table(prompts, prompt_column)
+    texts, is_chat = render_prompts(tokenizer, table, chat_template, tools)
+    if tools and not is_chat:
+        raise ValueError("tools are shown to the model through the chat template: give the prompts as chat messages "
+                         "(lists of {role, content} dicts), or use an environment with plain-text prompts")
+    ids, mask = encode_prompts(tokenizer, texts, tc.query_length, truncate=tc.truncate_prompts,
+                               add_special_tokens=not is_chat)
+    return PromptTable(table, columns, texts, ids, mask)
+
+
+def _check_vocabulary(tokenizer, policy_model):
+    vocab = policy_model.config.vocab_size
+    if len(tokenizer) > vocab:
+        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the policy's vocabulary has {vocab} "
+                         "(config.json vocab_size); token ids past the vocabulary would index out of range. Use the "
+                         "tokenizer saved with the policy, or resize the policy's embeddings")
+
+
+def _rollout_spec(config: PPOConfig, tc: TrainerConfig, built, tokenizer, rewards, query_width: int) -> RolloutSpec:
+    width = query_width + tc.response_length
+    if config.pack_length is not None and config.pack_length < width:
+        raise ValueError(f"PPOConfig.pack_length={config.pack_length} is shorter than a row can be: the prompts are "
+                         f"padded to {query_width} tokens and responses get up to response_length="
+                         f"{tc.response_length}; use pack_length >= {width} or None (that width)")
+    stop = tc.stop_token_id if tc.stop_token_id is not None else tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stop or 0)
+    return RolloutSpec.from_configs(
+        config, tc, policy=built.policy_model, apply_fn=built.apply_fn,
+        ref_apply=LogitsOf(built.ref_model) if built.ref_model is not None else None,
+        ref_is_policy=built.ref_is_policy, policy_params_key=built.params_key,
+        reward_apply=built.reward_model.apply if built.reward_model is not None else None,
+        reward_weight=float(rewards.model_weight), token_reward_fn=rewards.token_fn,
+        stop_token_ids=() if stop is None else (int(stop),), pad_token_id=int(pad))
+
+
+def _run_state(config: PPOConfig, tc: TrainerConfig, train: TrainState) -> RunState:
+    """Iteration 0: the KL controller (adaptive with `kl_target`), and the entropy
+    coefficient as run state when it adapts (`entropy_target`)."""
+    return RunState.create(train, seed=tc.seed, kl_coef=config.kl_coef, kl_target=tc.kl_target or 0.0,
+                           kl_horizon=tc.kl_horizon,
+                           entropy_coef=config.ent_coef if config.entropy_target is not None else None,
+                           dynamic_sampling=tc.dynamic_sampling)
+
+
+def _optimizer(config: PPOConfig, tc: TrainerConfig, iterations: int):
+    """(the policy's learning-rate schedule, the optimizer) over the run's updates."""
+    total_updates = iterations * config.updates_per_step
+    policy_schedule = schedule(tc.learning_rate, tc.lr_schedule, tc.warmup_updates, total_updates)
+    critic_schedule = schedule(tc.critic_learning_rate or tc.learning_rate, tc.lr_schedule, tc.warmup_updates,
+                               total_updates)
+    return policy_schedule, optimizer(policy_schedule, critic_schedule, tc, shared=tc.shared_trunk,
+                                      critic=config.uses_critic)

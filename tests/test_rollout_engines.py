@@ -1,0 +1,129 @@
+"""A rollout engine added from outside the package, as docs/architecture.md's recipe does it:
+`LoopEngine` samples with a plain loop of full forwards (no KV cache, none of jaxppo's
+samplers), declares no capabilities, and is registered by name. The trainer runs GRPO with
+it, synchronous and pipelined; the behaviour log-probs it returns agree with the trainer's
+own scoring pass; settings it cannot run are refused before anything starts; the registry
+and the built-in engines answer as documented."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxppo
+from jaxppo import demo
+from jaxppo.models.decoding import GenerationOutput
+from jaxppo.rollout.engines import (BUILT_IN, ROLLOUT_ENGINES, Capabilities, ContinuousEngine, RolloutEngine,
+                                    StaticEngine, engine_class, register_rollout_engine, rollout_engine_names)
+
+from trainer_setup import small_trainer
+
+
+class LoopEngine(RolloutEngine):
+    """Token by token, a full forward of the whole padded sequence per step; row i samples
+    step t from fold_in(split(key, B)[i], t) by `jax.random.categorical`."""
+
+    capabilities = Capabilities()  # single-turn, one device, its log-probs not the trainer's own code
+    versions: list = []  # every version `set_weights` received, across engines (the test reads it)
+
+    def __init__(self, spec):
+        self.spec, self.params = spec, None
+        self.forward = jax.jit(lambda params, tokens, mask: _logits(spec.policy.apply(params, tokens, mask)))
+
+    @classmethod
+    def create(cls, spec, params, trainer_config, *, query_width, mesh=None):
+        return cls(spec)
+
+    def set_weights(self, params, version):
+        self.params = params
+        LoopEngine.versions.append(int(version))
+
+    def sample(self, prompt_ids, prompt_mask, key, *, num_generations, response_length, max_lengths=None):
+        spec, (b, q), r = self.spec, prompt_ids.shape, response_length
+        tokens = jnp.concatenate([jnp.asarray(prompt_ids, jnp.int32), jnp.full((b, r), spec.pad_token_id, jnp.int32)], 1)
+        mask = jnp.concatenate([jnp.asarray(prompt_mask, jnp.int32), jnp.zeros((b, r), jnp.int32)], 1)
+        row_keys, done = jax.random.split(key, b), jnp.zeros((b,), bool)
+        out = []
+        for t in range(r):
+            logits = self.forward(self.params, tokens, mask)[:, q - 1 + t] / spec.temperature
+            keys = jax.vmap(jax.random.fold_in, (0, None))(row_keys, t)
+            token = jax.vmap(jax.random.categorical)(keys, logits)
+            live = ~done
+            token = jnp.where(live, token, spec.pad_token_id)
+            logprob = jnp.where(live, jnp.take_along_axis(jax.nn.log_softmax(logits), token[:, None], 1)[:, 0], 0.0)
+            tokens, mask = tokens.at[:, q + t].set(token), mask.at[:, q + t].set(live.astype(jnp.int32))
+            done = done | (live & jnp.isin(token, jnp.asarray(spec.stop_token_ids or (-1,))))
+            out.append((token, logprob, live.astype(jnp.int32)))
+        return GenerationOutput(*(jnp.stack(x, axis=1) for x in zip(*out)))
+
+
+def _logits(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+@pytest.fixture
+def loop_engine():
+    register_rollout_engine("loop", LoopEngine, replace=True)
+    LoopEngine.versions.clear()
+    yield LoopEngine
+    ROLLOUT_ENGINES.pop("loop", None)
+
+
+GRPO = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=8, mini_batch_size=4, ppo_epochs=1, num_generations=4)
+
+
+def test_the_trainer_runs_an_engine_from_outside_and_its_log_probs_agree(loop_engine, tmp_path):
+    trainer = small_trainer(tmp_path / "sync", iterations=2, ppo=GRPO, rollout_engine="loop")
+    assert isinstance(trainer.rollout_engine, LoopEngine)
+    assert not trainer.spec.sampler_logprobs_used  # no exact_logprobs: "auto" recomputes the old policy's
+    history = trainer.train()
+    assert [row["iteration"] for row in history] == [0, 1]
+    assert LoopEngine.versions == [0, 1]  # weights set before each batch: after 0 iterations, then 1
+    for row in history:
+        # The engine's own log-probs against the trainer's scoring pass on the same tokens:
+        # the same distribution, computed by other code (full forwards here, the log-prob
+        # head there), equal up to float rounding.
+        assert row["sampling/sampling_logp_difference/max"] < 1e-4
+        assert np.isfinite(row["loss/policy_avg"]) and row["ppo/updates_applied"] == 2
+
+
+def test_a_pipelined_run_samples_from_stale_versions_with_an_engine_from_outside(loop_engine, tmp_path):
+    history = small_trainer(tmp_path / "pipelined", iterations=3, ppo=GRPO, rollout_engine="loop",
+                            max_staleness=1).train()
+    assert [row["rollout/policy_version"] for row in history] == [0, 0, 1]
+    assert LoopEngine.versions == [0, 0, 1]  # the version each iteration samples from: max(0, i - 1)
+    assert all(row["sampling/sampling_logp_difference/max"] < 1e-4 for row in history[:1])
+
+
+@pytest.mark.parametrize("settings,what", [
+    (dict(environment=demo.GuessTheDigit, prompts=demo.multiturn_prompts(), reward_fn=None),
+     r"cannot run multi-turn episodes .* does not declare multi_turn"),
+    (dict(max_staleness=1, inflight_updates="keep"),
+     r"inflight_updates='keep' .* needs a rollout engine that takes weights while it decodes \(LoopEngine"),
+])
+def test_what_an_engine_cannot_do_is_refused_before_anything_starts(loop_engine, tmp_path, settings, what):
+    with pytest.raises(ValueError, match=what):
+        small_trainer(tmp_path, ppo=GRPO, rollout_engine="loop", **settings)
+
+
+def test_the_registry():
+    assert rollout_engine_names()[:2] == (BUILT_IN, "vllm")
+    assert engine_class(BUILT_IN) is StaticEngine and engine_class(BUILT_IN, 4) is ContinuousEngine
+    assert StaticEngine.capabilities.turn_cache and not ContinuousEngine.capabilities.turn_cache
+    assert ContinuousEngine.capabilities.inflight_updates and not StaticEngine.capabilities.inflight_updates
+    assert not engine_class("vllm").capabilities.multi_turn  # vLLM's class, without importing vLLM itself
+    with pytest.raises(ValueError, match=r"rollout engine 'sglang' is unknown; valid: 'jaxppo', 'vllm'"):
+        engine_class("sglang")
+    with pytest.raises(ValueError, match=r"TrainerConfig.rollout_engine='loop' is invalid"):
+        jaxppo.TrainerConfig(rollout_engine="loop")  # not registered (any more)
+    with pytest.raises(TypeError, match="a RolloutEngine subclass"):
+        register_rollout_engine("loop", object)
+    with pytest.raises(ValueError, match="other than 'jaxppo'"):
+        register_rollout_engine(BUILT_IN, LoopEngine)
+    register_rollout_engine("loop", LoopEngine)
+    try:
+        assert jaxppo.TrainerConfig(rollout_engine="loop").rollout_engine == "loop"
+        with pytest.raises(ValueError, match="'loop' is already registered"):
+            register_rollout_engine("loop", StaticEngine)
+    finally:
+        ROLLOUT_ENGINES.pop("loop")
