@@ -380,6 +380,7 @@ def test_checkpoint_of_another_layout_is_an_error_naming_the_versions(tmp_path, 
     else:
         meta["custom_metadata"] = {"jaxppo_checkpoint_layout": layout, "jaxppo_version": written_by}
     meta_file.write_text(json.dumps(meta))
+    os.remove(out / "checkpoints" / "1" / checkpoint.CHECKSUMS)  # as those versions wrote them: no checksums
     this = re.escape(jaxppo.__version__)  # the running version is named
     expected = (rf"layout 99 \(written by jaxppo 0.9.0\); this jaxppo {this} reads layout 2" if layout else
                 rf"layout 1 \(written by jaxppo 0.1.0\); this jaxppo {this} reads layout 2")

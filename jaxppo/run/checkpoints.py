@@ -6,14 +6,20 @@ Orbax writes each checkpoint into a temporary folder and renames it when complet
 kill during a save leaves the earlier checkpoints as they were (the temporary folder is
 removed when the next run opens the directory). Saves are synchronous.
 
-Restoring walks the checkpoints from the newest: one that cannot be read (a file truncated
-or missing) is reported, moved aside to `checkpoints.corrupt/`, and the previous one is
+Every checkpoint carries the SHA-256 of each of its files (`jaxppo_checksums.json` in its
+folder, written atomically once orbax has finished; the custom metadata says one is due).
+Restoring walks the checkpoints from the newest: one whose files do not match their
+checksums (a flipped byte, a truncated or missing file, a checksum file cut short) or that
+cannot be read is reported, moved aside to `checkpoints.corrupt/`, and the previous one is
 tried; if checkpoints exist but none can be read, or one was written in another layout,
-that is a `RunError` (never a silent fresh start).
+that is a `RunError` (never a silent fresh start). Checkpoints written before checksums
+(jaxppo 0.4 and earlier) restore unverified, with a warning.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import time
@@ -26,11 +32,17 @@ from jaxppo.errors import RunError
 from jaxppo.testing import failpoints
 from jaxppo.version import __version__
 
-__all__ = ["LAYOUT", "save", "restore_latest", "steps"]
+__all__ = ["LAYOUT", "CHECKSUMS", "ChecksumError", "save", "restore_latest", "steps", "checksums", "verify"]
 
 # Version of what a checkpoint holds. 1: jaxppo 0.1.0 (no metadata); 2: jaxppo 0.2.0.
 LAYOUT = 2
 _LAYOUT_KEY = "jaxppo_checkpoint_layout"
+CHECKSUMS = "jaxppo_checksums.json"  # in each checkpoint's folder: {relative path: sha256}
+_CHECKSUMS_KEY = "jaxppo_checksums"  # in the custom metadata: a checksum file is due
+
+
+class ChecksumError(Exception):
+    """A checkpoint's files do not match the checksums saved with it."""
 
 
 def _manager(directory: str, keep: int = 2, cleanup: bool = True):
@@ -69,8 +81,10 @@ def save(directory: str, step: int, tree: Any, *, keep: int = 2):
         failpoints.hit_during("checkpoint_save", lambda: _writing(directory, step))
         failpoints.pause("checkpoint_save")
         manager.save(step, args=ocp.args.StandardSave(tree),
-                     custom_metadata={_LAYOUT_KEY: LAYOUT, "jaxppo_version": __version__})
+                     custom_metadata={_LAYOUT_KEY: LAYOUT, "jaxppo_version": __version__, _CHECKSUMS_KEY: 1})
         manager.wait_until_finished()
+        if jax.process_index() == 0:
+            _write_checksums(os.path.join(directory, str(step)))
     except Exception as err:  # orbax and tensorstore raise many types for one cause
         last = f"the checkpoint of iteration {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
         raise RunError(f"could not save the checkpoint of iteration {step} in {directory}: {type(err).__name__}: "
@@ -81,6 +95,67 @@ def save(directory: str, step: int, tree: Any, *, keep: int = 2):
             manager.close()
         except Exception:  # noqa: BLE001 - the save error above is the one to report
             pass
+
+
+def _digest(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(8 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def checksums(folder: str) -> dict:
+    """{path relative to `folder`: SHA-256} of every file under `folder` but the checksum
+    file itself (and its temporary file)."""
+    out = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, folder)
+            if not rel.startswith(CHECKSUMS):
+                out[rel.replace(os.sep, "/")] = _digest(path)
+    return dict(sorted(out.items()))
+
+
+def _write_checksums(folder: str):
+    """The checksum file of a saved checkpoint, written atomically (a temporary file,
+    flushed to disk, renamed)."""
+    tmp = os.path.join(folder, CHECKSUMS + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"sha256": checksums(folder)}, f, indent=0)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(folder, CHECKSUMS))
+
+
+def verify(folder: str, expected: bool = True) -> bool:
+    """Check a checkpoint's files against its checksum file; True when verified, False when
+    it has none and none is `expected` (written before checksums). Raises `ChecksumError`
+    naming the first file that differs, is missing or is extra, or a checksum file that
+    is missing where expected or cannot be read."""
+    path = os.path.join(folder, CHECKSUMS)
+    if not os.path.isfile(path):
+        if expected:
+            raise ChecksumError(f"its checksum file {CHECKSUMS} is missing (the save was cut short)")
+        return False
+    try:
+        with open(path) as f:
+            saved = json.load(f)["sha256"]
+        if not isinstance(saved, dict):
+            raise TypeError("not a mapping")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ChecksumError(f"its checksum file {CHECKSUMS} cannot be read ({type(err).__name__})") from None
+    found = checksums(folder)
+    for name in sorted(set(saved) | set(found)):
+        if name not in found:
+            raise ChecksumError(f"file {name} is missing")
+        if name not in saved:
+            raise ChecksumError(f"file {name} is not among the files saved")
+        if found[name] != saved[name]:
+            raise ChecksumError(f"file {name} does not match its checksum (sha256 {found[name][:12]}..., saved "
+                                f"{str(saved[name])[:12]}...)")
+    return True
 
 
 def _writing(directory: str, step: int) -> bool:
@@ -105,21 +180,41 @@ def restore_latest(directory: str, template: Any) -> Optional[Tuple[int, Any]]:
     """(step, tree) of the newest readable checkpoint in `directory`, shaped and sharded
     like `template`; None when there is no checkpoint at all.
 
-    Unreadable checkpoints are warned about by path, moved to `<directory>.corrupt/` and
-    skipped. Raises `RunError` when checkpoints exist but none is readable, or when one was
-    written in another checkpoint layout."""
+    Each checkpoint is verified against its checksums before orbax reads anything of it;
+    one that fails or cannot be read is warned about by path, moved to
+    `<directory>.corrupt/` and skipped. Raises `RunError` when checkpoints exist but none is
+    readable, or when one was written in another checkpoint layout."""
     if not os.path.isdir(directory):  # a new run: orbax is not even imported (0.2 s of start-up)
         return None
+    failed, verified = [], {}
+    for step in sorted(_step_folders(directory), reverse=True):
+        path = os.path.join(directory, str(step))
+        try:  # before orbax opens the folder: its manager reads the newest one's metadata on start
+            verified[step] = verify(path, expected=_announced(path))
+        except (ChecksumError, OSError) as err:
+            failed.append((step, path, err))
+    if verified:
+        _set_aside(directory, failed)  # out of orbax's way; reported
+        found = _restore_verified(directory, template, verified)
+        if found is not None:
+            return found
+    elif failed:
+        _raise_none_readable(directory, failed)
+    return None
+
+
+def _restore_verified(directory: str, template: Any, verified: dict):
+    """The newest of the `verified` checkpoints ({step: whether checksums were checked})
+    that orbax restores, as `restore_latest` returns it."""
     import orbax.checkpoint as ocp
 
     manager = _manager(directory)
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x,
         template)
-    found = sorted(manager.all_steps(), reverse=True)
     failed = []
     try:
-        for step in found:
+        for step in sorted(set(manager.all_steps()) & set(verified), reverse=True):
             path = os.path.join(directory, str(step))
             try:
                 meta = manager.metadata(step).custom_metadata or {}
@@ -138,14 +233,38 @@ def restore_latest(directory: str, template: Any) -> Optional[Tuple[int, Any]]:
                 failed.append((step, path, err))
                 continue
             _set_aside(directory, failed)
+            if not verified[step]:
+                warnings.warn(f"checkpoint {path} was written without checksums (jaxppo 0.4 or earlier): restored "
+                              "unverified", RuntimeWarning, stacklevel=4)
             return step, jax.tree.unflatten(jax.tree.structure(template), jax.tree.leaves(restored))
     finally:
         manager.close()
     if failed:
-        listing = "; ".join(f"{p}: {type(e).__name__}: {_first_line(e)}" for _, p, e in failed)
-        raise RunError(f"no checkpoint in {directory} can be read ({listing}). The run's logs are left as they are; "
-                       "restore the checkpoints, or give this run another output_dir to start afresh")
+        _raise_none_readable(directory, failed)
     return None
+
+
+def _raise_none_readable(directory: str, failed: list):
+    listing = "; ".join(f"{p}: {type(e).__name__}: {_first_line(e)}" for _, p, e in failed)
+    raise RunError(f"no checkpoint in {directory} can be read ({listing}). The run's logs are left as they are; "
+                   "restore the checkpoints, or give this run another output_dir to start afresh")
+
+
+def _step_folders(directory: str) -> list:
+    """The steps of the finished checkpoints in `directory`: folders named by an integer
+    (orbax's temporary folders are named otherwise)."""
+    return [int(name) for name in os.listdir(directory)
+            if name.isdigit() and os.path.isdir(os.path.join(directory, name))]
+
+
+def _announced(folder: str) -> bool:
+    """Whether a checkpoint says it has a checksum file (its custom metadata; an unreadable
+    metadata file counts as yes, so that it is not restored unverified)."""
+    try:
+        with open(os.path.join(folder, "_CHECKPOINT_METADATA")) as f:
+            return bool((json.load(f).get("custom_metadata") or {}).get(_CHECKSUMS_KEY))
+    except (OSError, ValueError, AttributeError):
+        return True
 
 
 def _set_aside(directory: str, failed: list):
