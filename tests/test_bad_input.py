@@ -195,6 +195,28 @@ def _without_vllm(make):
             sys.modules["vllm"] = saved
 
 
+def _output_dir_a_file(ctx):
+    (ctx["tmp"] / "a_file").write_text("not a directory")
+    return small_trainer(ctx["tmp"] / "a_file").train()
+
+
+def _output_dir_under_a_file(ctx):
+    (ctx["tmp"] / "a_file").write_text("not a directory")
+    return small_trainer(ctx["tmp"] / "a_file" / "run").train()
+
+
+def _output_dir_not_writable(ctx):
+    """A read-only file system, as `os.access` reports it (this machine's tests run as root,
+    whose writes no permission bit stops; a read-only mount cannot be made here)."""
+    import unittest.mock
+
+    trainer = small_trainer(ctx["tmp"] / "ro")
+    (ctx["tmp"] / "ro").mkdir()
+    real = os.access
+    with unittest.mock.patch("os.access", lambda p, mode: False if str(p).endswith("ro") else real(p, mode)):
+        return trainer.train()
+
+
 CASES = [
     # PPOConfig
     ("ppo batch_size 0", _ppo(batch_size=0), ValueError, r"PPOConfig.batch_size=0 is invalid: batch_size must be a positive int"),
@@ -314,6 +336,13 @@ CASES = [
     ("--environment not importable", lambda ctx: main(["--environment", "no_such_module:make", "--output-dir",
                                                        str(ctx["tmp"])]),
      SystemExit, r"--environment 'no_such_module:make': cannot import module 'no_such_module'"),
+    # the output directory (a RunError with the path, before anything is written or compiled)
+    ("output_dir is a file", _output_dir_a_file, jaxppo.RunError,
+     r"the output directory '.*a_file' is a file; give output_dir a directory"),
+    ("output_dir under a file", _output_dir_under_a_file, jaxppo.RunError,
+     r"the output directory '.*a_file/run' cannot be created: '.*a_file' is a file, not a directory"),
+    ("output_dir not writable", _output_dir_not_writable, jaxppo.RunError,
+     r"the output directory '.*ro' cannot be written to \(a read-only file system, or its permissions\)"),
     ("environment not a factory", lambda ctx: small_trainer(ctx["tmp"], environment=object()), TypeError,
      r"environment must be a factory"),
     ("turn_length past the budget", lambda ctx: jaxppo.TrainerConfig(response_length=8, turn_length=9), ValueError,

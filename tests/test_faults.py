@@ -218,6 +218,28 @@ def test_sigkill_while_a_checkpoint_is_written(reference, env, tmp_path):
 # ---------------------------------------------------------------------------- signals
 
 
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGHUP", "SIGXCPU", "SIGUSR1", "SIGUSR2"])
+def test_the_signals_that_end_a_job_stop_a_run_and_are_held_like_ctrl_c(name):
+    """Each raises KeyboardInterrupt in the training loop (the checkpoint-and-exit path of
+    Ctrl-C) and is held while a checkpoint or an iteration's line is committed; the handlers
+    before the block are back after it."""
+    from jaxppo.run.interrupts import TERMINATING, interrupts_held, interrupts_raise
+
+    sig = getattr(signal, name)
+    assert sig in TERMINATING
+    before = signal.getsignal(sig)
+    with pytest.raises(KeyboardInterrupt, match=name), interrupts_raise():
+        os.kill(os.getpid(), sig)
+        time.sleep(5)  # the handler interrupts this
+    assert signal.getsignal(sig) == before
+    finished = False
+    with pytest.raises(KeyboardInterrupt, match=name), interrupts_held(what="this test's block"):
+        os.kill(os.getpid(), sig)
+        time.sleep(0.05)
+        finished = True  # held: the block runs to its end, then the interrupt is raised
+    assert finished and signal.getsignal(sig) == before
+
+
 @pytest.mark.slow
 def test_sigterm_during_compilation_exits_cleanly_and_resumes(reference, env, tmp_path_factory):
     out = tmp_path_factory.mktemp("sigterm") / "run"

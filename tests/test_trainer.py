@@ -85,7 +85,7 @@ def test_interrupted_run_resumes_to_identical_metrics(tokenizer, tmp_path):
 
     def kill_after_3(iteration, metrics):
         if iteration == 3:
-            os.kill(os.getpid(), signal.SIGTERM)  # handled: checkpoint, then KeyboardInterrupt
+            os.kill(os.getpid(), signal.SIGHUP)  # a closed terminal: checkpoint, then KeyboardInterrupt
 
     run_b = tmp_path / "b"
     interrupted = make_trainer(tokenizer, run_b, iterations=6, checkpoint_every=2, export_final=False, plot=False,

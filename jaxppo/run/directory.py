@@ -16,7 +16,8 @@ from typing import Optional
 
 from jaxppo.errors import RunError
 
-__all__ = ["RunError", "atomic_write_text", "atomic_replace_dir", "RunLock", "check_settings", "SETTINGS_FILE"]
+__all__ = ["RunError", "atomic_write_text", "atomic_replace_dir", "RunLock", "check_settings", "SETTINGS_FILE",
+           "make_output_dir"]
 
 SETTINGS_FILE = "run_settings.json"
 LOCK_FILE = ".jaxppo.lock"
@@ -68,6 +69,37 @@ def atomic_replace_dir(write, path: str):
     os.replace(tmp, path)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def make_output_dir(path: str):
+    """Create a run's output directory (and its parents). What keeps it from being one is a
+    `RunError` naming the path and what to do, before anything else is written: the path is
+    a file, a part of it is a file, it cannot be created (permissions, a read-only file
+    system), or it exists but cannot be written to."""
+    what = f"the output directory {path!r}"
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise RunError(f"{what} is a file; give output_dir a directory (a new one, or a run's to resume)")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except (NotADirectoryError, FileExistsError):
+        parent = next((p for p in _parents(path) if os.path.exists(p) and not os.path.isdir(p)), path)
+        raise RunError(f"{what} cannot be created: {parent!r} is a file, not a directory; give output_dir a path "
+                       "under a directory") from None
+    except OSError as err:
+        raise RunError(f"{what} cannot be created ({err.strerror or type(err).__name__}); give output_dir a path "
+                       "where this user may write") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise RunError(f"{what} cannot be written to (a read-only file system, or its permissions); give output_dir "
+                       "a path where this user may write") from None
+
+
+def _parents(path: str) -> list:
+    """`path`'s ancestors, nearest last."""
+    parts, current = [], os.path.abspath(path)
+    while os.path.dirname(current) != current:
+        current = os.path.dirname(current)
+        parts.append(current)
+    return parts[::-1]
 
 
 class RunLock:

@@ -23,7 +23,6 @@ runs one iteration.
 
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Callable, Optional, Sequence
 
@@ -35,6 +34,7 @@ from jaxppo.models.tokenizer import decode_responses
 from jaxppo.rollout.prompts import load_prompts
 from jaxppo.run import export as exporting
 from jaxppo.run import report, resume, stages
+from jaxppo.run.directory import make_output_dir
 from jaxppo.run.iteration import check_scores, complete, prepare
 from jaxppo.run.logger import Logger
 from jaxppo.run.loop import finish_run, run_loop
@@ -241,7 +241,7 @@ class Trainer(resume.Resumable):
         the checkpoint is complete) and raises KeyboardInterrupt."""
         if self.rollout_engine.closed:
             raise RuntimeError("this Trainer was closed (Trainer.close()): its rollout engine is shut down")
-        os.makedirs(self.tc.output_dir, exist_ok=True)
+        make_output_dir(self.tc.output_dir)
         self.open_run()
         self.precompile()  # from here the update compiles beside the run's other start-up work
         logger = Logger(resume.log_dir(self.tc), start_iteration=self.iteration, tensorboard=self.tc.tensorboard)
