@@ -45,14 +45,15 @@ class ChecksumError(Exception):
     """A checkpoint's files do not match the checksums saved with it."""
 
 
-def _manager(directory: str, keep: int = 2, cleanup: bool = True):
+def _manager(directory: str, keep: int = 2):
     import orbax.checkpoint as ocp
 
-    # Synchronous saves: jaxppo waits for every save anyway, and orbax's background threads
-    # could outlive a save (and print errors at interpreter exit).
+    # Synchronous saves, and no cleanup of temporary folders by orbax: both run in orbax's
+    # background threads, which can outlive the manager (one still running when the process
+    # exits prints a traceback). A kill's temporary folder is removed by `restore_latest`.
     return ocp.CheckpointManager(
         os.path.abspath(directory),
-        options=ocp.CheckpointManagerOptions(max_to_keep=keep, cleanup_tmp_directories=cleanup,
+        options=ocp.CheckpointManagerOptions(max_to_keep=keep, cleanup_tmp_directories=False,
                                              enable_async_checkpointing=False))
 
 
@@ -60,7 +61,7 @@ def steps(directory: str) -> list:
     """Complete checkpoints in `directory`, oldest first (nothing is changed on disk)."""
     if not os.path.isdir(directory):
         return []
-    manager = _manager(directory, cleanup=False)
+    manager = _manager(directory)
     try:
         return sorted(manager.all_steps())
     finally:
@@ -186,6 +187,7 @@ def restore_latest(directory: str, template: Any) -> Optional[Tuple[int, Any]]:
     readable, or when one was written in another checkpoint layout."""
     if not os.path.isdir(directory):  # a new run: orbax is not even imported (0.2 s of start-up)
         return None
+    _remove_temporary(directory)
     failed, verified = [], {}
     for step in sorted(_step_folders(directory), reverse=True):
         path = os.path.join(directory, str(step))
@@ -248,6 +250,15 @@ def _raise_none_readable(directory: str, failed: list):
     listing = "; ".join(f"{p}: {type(e).__name__}: {_first_line(e)}" for _, p, e in failed)
     raise RunError(f"no checkpoint in {directory} can be read ({listing}). The run's logs are left as they are; "
                    "restore the checkpoints, or give this run another output_dir to start afresh")
+
+
+def _remove_temporary(directory: str):
+    """Remove the temporary folders of saves that a kill cut short (process 0)."""
+    if jax.process_index() != 0:
+        return
+    for name in os.listdir(directory):
+        if ".orbax-checkpoint-tmp" in name:
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
 
 def _step_folders(directory: str) -> list:
