@@ -93,7 +93,7 @@ class RolloutEngine(abc.ABC):
     def set_weights(self, params, version: int) -> None:
         """Take the policy's parameters `params` (a pytree of the policy `Model`'s) of
         `version`: the iterations they are after (0: the initial policy; with pipelined
-        iterations a stale one, `jaxppo.run.pipeline.behaviour_version`). An engine holding
+        iterations a stale one, `jaxppo.run.pipeline.version_of`). An engine holding
         its own copy loads them when the version changes."""
 
     @abc.abstractmethod
@@ -135,10 +135,10 @@ class _Builtin(RolloutEngine):
     def set_weights(self, params, version=None) -> None:
         self.params = params
 
-    def settings(self, max_lengths=None) -> dict:
+    def settings(self) -> dict:
+        """The sampling settings every sampler takes from the spec."""
         spec = self.spec
-        return dict(temperature=spec.temperature, stop_token_ids=spec.stop_token_ids, pad_token_id=spec.pad_token_id,
-                    max_lengths=max_lengths)
+        return dict(temperature=spec.temperature, stop_token_ids=spec.stop_token_ids, pad_token_id=spec.pad_token_id)
 
 
 class StaticEngine(_Builtin):
@@ -151,19 +151,19 @@ class StaticEngine(_Builtin):
     def sample(self, prompt_ids, prompt_mask, key, *, num_generations: int, response_length: int,
                max_lengths=None) -> GenerationOutput:
         return generate(self.spec.policy, self.params, prompt_ids, prompt_mask, key, response_length=response_length,
-                        num_generations=num_generations, **self.settings(max_lengths))
+                        num_generations=num_generations, max_lengths=max_lengths, **self.settings())
 
     def first_turn(self, prompt_ids, prompt_mask, key, *, num_generations: int, turn_length: int, max_lengths):
         """The first turn of multi-turn episodes, its KV cache kept (`samplers.turns`)."""
         return first_turn(self.spec.policy, self.params, prompt_ids, prompt_mask, key, num_generations=num_generations,
                           turn_length=turn_length, response_budget=self.spec.response_length,
-                          **self.settings(max_lengths))
+                          max_lengths=max_lengths, **self.settings())
 
     def next_turn(self, state, new_tokens, new_start, new_lengths, key, *, turn_length: int, max_lengths, place):
         """A later turn from the kept cache: only the tokens new since it are fed."""
         return next_turn(self.spec.policy, self.params, state, new_tokens, new_start, new_lengths, key, place=place,
                          turn_length=turn_length, response_budget=self.spec.response_length,
-                         **self.settings(max_lengths))
+                         max_lengths=max_lengths, **self.settings())
 
 
 class ContinuousEngine(_Builtin):
@@ -179,7 +179,7 @@ class ContinuousEngine(_Builtin):
                max_lengths=None) -> GenerationOutput:
         return generate_continuous(self.spec.policy, self.params, prompt_ids, prompt_mask, key,
                                    num_slots=self.spec.num_slots, response_length=response_length,
-                                   **self.settings(max_lengths))
+                                   max_lengths=max_lengths, **self.settings())
 
     def sample_inflight(self, source, prompt_ids, prompt_mask, key, *, on_update: str, steps: int):
         spec = self.spec
@@ -188,11 +188,9 @@ class ContinuousEngine(_Builtin):
             version, params = source()
             return version, spec.policy_params(params)
 
-        settings = self.settings()
-        del settings["max_lengths"]
         return generate_inflight(spec.policy, policy_source, prompt_ids, prompt_mask, key,
                                  response_length=spec.response_length, num_slots=spec.num_slots,
-                                 steps_per_check=steps, on_update=on_update, **settings)
+                                 steps_per_check=steps, on_update=on_update, **self.settings())
 
 
 # The engines by `TrainerConfig.rollout_engine`, besides the built-in ones ("jaxppo"):
