@@ -49,7 +49,7 @@ def measure(layers, batch=8, mini=4, q=16, r=16, target_kl=None):
         return jaxppo.TrainState.create(apply_fn=apply_fn, params=params, tx=tx)
 
     state = jax.eval_shape(make_state)
-    rollout = jaxppo.Rollout(
+    rollout = jaxppo.RolloutBatch(
         query_tokens=jax.ShapeDtypeStruct((batch, q), jnp.int32), query_mask=jax.ShapeDtypeStruct((batch, q), jnp.int32),
         response_tokens=jax.ShapeDtypeStruct((batch, r), jnp.int32),
         response_mask=jax.ShapeDtypeStruct((batch, r), jnp.int32),

@@ -94,7 +94,7 @@ def make_policy_state(config, setup: Setup, lora_rank=0, abstract=True):
 
 def abstract_rollout(batch, q, r):
     s = lambda shape, dtype=jnp.float32: jax.ShapeDtypeStruct(shape, dtype)
-    return jaxppo.Rollout(query_tokens=s((batch, q), jnp.int32), query_mask=s((batch, q), jnp.int32),
+    return jaxppo.RolloutBatch(query_tokens=s((batch, q), jnp.int32), query_mask=s((batch, q), jnp.int32),
                           response_tokens=s((batch, r), jnp.int32), response_mask=s((batch, r), jnp.int32),
                           logprobs=s((batch, r)), values=s((batch, r)), rewards=s((batch, r)))
 
@@ -102,7 +102,7 @@ def abstract_rollout(batch, q, r):
 def random_rollout(batch, q, r, vocab, seed=0):
     rng = np.random.default_rng(seed)
     lengths = rng.integers(r // 2, r + 1, size=(batch, 1))
-    return jaxppo.Rollout(
+    return jaxppo.RolloutBatch(
         query_tokens=jnp.asarray(rng.integers(0, vocab, (batch, q)), jnp.int32),
         query_mask=jnp.asarray(np.arange(q)[None] >= rng.integers(0, q // 4, (batch, 1)), jnp.int32),
         response_tokens=jnp.asarray(rng.integers(0, vocab, (batch, r)), jnp.int32),

@@ -10,7 +10,7 @@ import jaxppo
 
 
 def random_rollout(rng, query_tokens, pads, lengths, response_length: int, vocab: int, ref_logprobs: bool = False):
-    """A `jaxppo.Rollout` of the given prompts (query_tokens (B, Q), left padding `pads`
+    """A `jaxppo.RolloutBatch` of the given prompts (query_tokens (B, Q), left padding `pads`
     (B, 1)) with random responses of `lengths` (B, 1) tokens, log-probs near uniform,
     0/1 scores and, when asked, reference log-probs; drawn from `rng` after the prompts."""
     b, q = query_tokens.shape
@@ -19,7 +19,7 @@ def random_rollout(rng, query_tokens, pads, lengths, response_length: int, vocab
     response_tokens = jnp.asarray(rng.integers(0, vocab, (b, response_length)) * mask, jnp.int32)
     logprobs = noisy()
     ref = noisy() if ref_logprobs else None
-    return jaxppo.Rollout(
+    return jaxppo.RolloutBatch(
         query_tokens=jnp.asarray(query_tokens, jnp.int32),
         query_mask=jnp.asarray(np.arange(q)[None] >= pads, jnp.int32),
         response_tokens=response_tokens,

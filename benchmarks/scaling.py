@@ -41,7 +41,7 @@ def main():
     state = jaxppo.TrainState.create(apply_fn=jm.PolicyAndCritic(policy, critic), params=params, tx=optax.adam(1e-5))
     b = 64
     rng = np.random.default_rng(0)
-    rollout = jaxppo.Rollout(
+    rollout = jaxppo.RolloutBatch(
         query_tokens=jnp.asarray(rng.integers(3, 384, (b, 16))), query_mask=jnp.ones((b, 16), jnp.int32),
         response_tokens=jnp.asarray(rng.integers(3, 384, (b, response))), response_mask=jnp.ones((b, response), jnp.int32),
         logprobs=jnp.full((b, response), -6.0), values=jnp.zeros((b, response)), rewards=jnp.ones((b, response)))

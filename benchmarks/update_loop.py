@@ -38,7 +38,7 @@ def make_state(vocab, width, depth):
 def make_rollout(b, vocab, seed=0):
     rng = np.random.default_rng(seed)
     lengths = rng.integers(R // 2, R + 1, size=(b, 1))
-    return jaxppo.Rollout(
+    return jaxppo.RolloutBatch(
         query_tokens=jnp.asarray(rng.integers(0, vocab, size=(b, Q)), jnp.int32),
         query_mask=jnp.ones((b, Q), jnp.int32),
         response_tokens=jnp.asarray(rng.integers(0, vocab, size=(b, R)), jnp.int32),

@@ -81,7 +81,7 @@ def make_collect(config: jaxppo.PPOConfig):
         logprobs, values, _ = jaxppo.response_outputs(state.apply_fn, state.params, batch, config.temperature)
         scores = jnp.mean((responses == TARGET).astype(jnp.float32), axis=1)
         rewards = jnp.zeros_like(logprobs).at[:, -1].set(scores)
-        rollout = jaxppo.Rollout(logprobs=logprobs, values=values, rewards=rewards, **batch)
+        rollout = jaxppo.RolloutBatch(logprobs=logprobs, values=values, rewards=rewards, **batch)
         return rollout, scores
 
     return collect

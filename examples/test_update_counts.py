@@ -18,7 +18,7 @@ Q, R = 4, 6
 
 def _rollout(batch, vocab=32):
     k1, k2 = jax.random.split(jax.random.key(0))
-    return jaxppo.Rollout(
+    return jaxppo.RolloutBatch(
         query_tokens=jax.random.randint(k1, (batch, Q), 0, vocab), query_mask=jnp.ones((batch, Q), jnp.int32),
         response_tokens=jax.random.randint(k2, (batch, R), 0, vocab), response_mask=jnp.ones((batch, R), jnp.int32),
         logprobs=jnp.full((batch, R), -jnp.log(vocab)), values=jnp.zeros((batch, R)), rewards=jnp.ones((batch, R)))

@@ -2,7 +2,7 @@
 DAPO, RLOO, REINFORCE++, GSPO) in JAX/Flax, with a compiled, shape-checked update loop.
 
 The package, from the bottom (each part imports only those before it; docs/architecture.md):
-`update` (masked statistics, KL, advantages, losses, the engine, the `Rollout` batch,
+`update` (masked statistics, KL, advantages, losses, the engine, the `RolloutBatch`,
 `train_step`), `algorithms` (the registry of advantage estimators and presets), `models`
 (the built-in transformers, LoRA, Hugging Face import and export, the samplers), `config`
 (`PPOConfig`, `TrainerConfig`), `rollout` (prompts, sampling, rewards, scoring,
@@ -29,7 +29,7 @@ from jaxppo.run.state import RunState
 from jaxppo.run.trainer import PPOTrainer, Trainer
 from jaxppo.trainer_config import TrainerConfig
 from jaxppo.update import packing
-from jaxppo.update.batch import Rollout, response_outputs
+from jaxppo.update.batch import RolloutBatch, response_outputs
 from jaxppo.update.engine import EngineConfig, Freeze, TrainState, minibatch_indices, update_epochs, update_epochs_fn
 from jaxppo.update.objective import LossConfig, ppo_loss
 from jaxppo.update.ppo import UpdateConfig, check_rollout, compute_advantages, train_step, train_step_fn
@@ -46,7 +46,7 @@ __all__ = [
     "UpdateConfig",
     "TrainState",
     "Freeze",
-    "Rollout",
+    "RolloutBatch",
     "response_outputs",
     "update_epochs",
     "update_epochs_fn",
@@ -77,3 +77,9 @@ __all__ = [
     "StepResult",
 ]
 
+
+
+def __getattr__(name: str):  # the names renamed in 0.5, with a DeprecationWarning
+    from jaxppo.update.batch import renamed
+
+    return renamed(__name__, name)

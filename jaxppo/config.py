@@ -41,7 +41,7 @@ ON_RESUME = {
 
 def setting(default, *, on_resume: str = "same"):
     """A config field with a default and its rule on resume (one of `ON_RESUME`'s keys),
-    which `jaxppo.run.resume.run_settings` reads: adding a setting is one field."""
+    which `jaxppo.run.save_restore.run_settings` reads: adding a setting is one field."""
     if on_resume not in ON_RESUME:
         raise ValueError(f"on_resume={on_resume!r} is invalid; valid: {', '.join(ON_RESUME)}")
     return dataclasses.field(default=default, metadata={"on_resume": on_resume})
@@ -109,7 +109,7 @@ class PPOConfig(BatchSizes):
         update's mean per-token entropy (`policy/entropy_avg`) was below the target, down
         otherwise, never below 0 (`jaxppo.update.shaping.adaptive_entropy_coef`; Skywork-OR1's
         adaptive entropy control). The coefficient is part of the run state (checkpointed)
-        and reaches the loss as `Rollout.entropy_coef`. entropy_coef_step: > 0.
+        and reaches the loss as `RolloutBatch.entropy_coef`. entropy_coef_step: > 0.
     """
 
     batch_size: int = 64

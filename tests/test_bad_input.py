@@ -66,7 +66,7 @@ def _rollout(b=16, q=4, r=6, **changes):
                   response_tokens=jnp.ones((b, r), jnp.int32), response_mask=jnp.ones((b, r), jnp.int32),
                   logprobs=jnp.zeros((b, r)), values=jnp.zeros((b, r)), rewards=jnp.zeros((b, r)))
     fields.update(changes)
-    return jaxppo.Rollout(**fields)
+    return jaxppo.RolloutBatch(**fields)
 
 
 def _train_step(rollout):

@@ -96,7 +96,7 @@ def _rollout(toy, sampler_shift):
     logprobs = jaxppo.response_outputs(apply_fn, params, batch, 1.0)[0]
     shift = jnp.asarray(rng.normal(scale=sampler_shift, size=(b, R)), jnp.float32)
     scores = jnp.asarray(rng.normal(size=b), jnp.float32)
-    return jaxppo.Rollout(**batch, logprobs=logprobs, values=None, rewards=jnp.zeros((b, R)),
+    return jaxppo.RolloutBatch(**batch, logprobs=logprobs, values=None, rewards=jnp.zeros((b, R)),
                           scores=scores, sampler_logprobs=logprobs + shift)
 
 

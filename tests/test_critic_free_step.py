@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import jaxppo
-from jaxppo import PPOConfig, Rollout, TrainState, train_step
+from jaxppo import PPOConfig, RolloutBatch, TrainState, train_step
 from jaxppo.algorithms import ALGORITHMS
 from jaxppo.testing.toy import make_toy
 
@@ -35,7 +35,7 @@ def make_rollout(model, b, seed=0, with_ref=True):
     rewards = np.zeros((b, R), np.float32)
     rewards[np.arange(b), lengths[:, 0] - 1] = scores
     rewards -= 0.01 * rng.random((b, R)).astype(np.float32) * mask  # a small per-token KL penalty
-    rollout = Rollout(
+    rollout = RolloutBatch(
         query_tokens=jnp.asarray(rng.integers(0, V, size=(b, Q)), jnp.int32),
         query_mask=jnp.asarray(np.arange(Q)[None] >= pads, jnp.int32),
         response_tokens=jnp.asarray(rng.integers(0, V, size=(b, R)), jnp.int32),

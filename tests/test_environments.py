@@ -192,7 +192,7 @@ def test_group_advantages_per_episode_on_the_model_tokens_only():
     attention = (np.arange(t)[None] <= np.array([np.flatnonzero(m)[-1] for m in mask])[:, None]).astype(np.int32)
     scores = rng.normal(size=b).astype(np.float32)
     config = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=b, mini_batch_size=b, num_generations=g, kl_loss_coef=0.0)
-    rollout = jaxppo.Rollout(
+    rollout = jaxppo.RolloutBatch(
         query_tokens=jnp.ones((b, 3), jnp.int32), query_mask=jnp.ones((b, 3), jnp.int32),
         response_tokens=jnp.ones((b, t), jnp.int32), response_mask=jnp.asarray(mask), logprobs=jnp.zeros((b, t)),
         values=None, rewards=at_last_token(jnp.asarray(scores), jnp.asarray(mask)), scores=jnp.asarray(scores),

@@ -167,7 +167,7 @@ def test_engine_trains_only_what_freeze_leaves_and_accumulates_equally():
                                         jax.random.key(1))
     rng = np.random.default_rng(0)
     b = 8
-    rollout = jaxppo.Rollout(query_tokens=jnp.asarray(rng.integers(3, 64, (b, 4))), query_mask=jnp.ones((b, 4), jnp.int32),
+    rollout = jaxppo.RolloutBatch(query_tokens=jnp.asarray(rng.integers(3, 64, (b, 4))), query_mask=jnp.ones((b, 4), jnp.int32),
                              response_tokens=jnp.asarray(rng.integers(3, 64, (b, 5))),
                              response_mask=jnp.asarray(np.arange(5)[None] < rng.integers(1, 6, (b, 1)), jnp.int32),
                              logprobs=jnp.asarray(rng.normal(-3, 0.3, (b, 5)), jnp.float32),

@@ -13,8 +13,8 @@ import pytest
 
 import jaxppo
 import jaxppo.models as jm
-import jaxppo.run.resume
-from jaxppo import PPOConfig, Rollout, TrainState, train_step
+import jaxppo.run.save_restore
+from jaxppo import PPOConfig, RolloutBatch, TrainState, train_step
 from jaxppo.algorithms import ALGORITHMS
 from jaxppo.update import packing
 from jaxppo.update.batch import response_outputs
@@ -194,7 +194,7 @@ def make_rollout(model, params, b, seed=0):
     last = np.maximum(mask.sum(1) - 1, 0)
     rewards = np.zeros((b, R), np.float32)
     rewards[np.arange(b), last] = scores * (mask.sum(1) > 0)
-    return Rollout(query_tokens=batch["query_tokens"], query_mask=batch["query_mask"],
+    return RolloutBatch(query_tokens=batch["query_tokens"], query_mask=batch["query_mask"],
                    response_tokens=batch["response_tokens"], response_mask=batch["response_mask"],
                    logprobs=logprobs, values=values if values is not None else jnp.zeros((b, R)),
                    rewards=jnp.asarray(rewards),
@@ -340,5 +340,5 @@ def test_trainer_packed_equals_padded_and_chooses_streams_that_fit(tmp_path):
             assert packed[name] == pytest.approx(padded[name], rel=1e-3, abs=1e-6), name
         assert packed["packing/overflow"] == 0.0
         assert 1 <= packed["packing/streams"] < 8 and 0 < packed["packing/fill"] <= 1
-    settings = jaxppo.run.resume.run_settings(trainer.config, trainer.tc, 2, {})
+    settings = jaxppo.run.save_restore.run_settings(trainer.config, trainer.tc, 2, {})
     assert "pack_sequences" not in settings["ppo"]  # packing may change on resume: same math

@@ -67,7 +67,7 @@ def _rollout(toy, b=8):
     batch = dict(query_tokens=jnp.asarray(rng.integers(0, V, (b, Q)), jnp.int32), query_mask=jnp.ones((b, Q), jnp.int32),
                  response_tokens=jnp.asarray(rng.integers(0, V, (b, R)), jnp.int32), response_mask=mask)
     logprobs = jaxppo.response_outputs(apply_fn, params, batch, 1.0)[0]
-    return jaxppo.Rollout(**batch, logprobs=logprobs, values=None, rewards=jnp.zeros((b, R)),
+    return jaxppo.RolloutBatch(**batch, logprobs=logprobs, values=None, rewards=jnp.zeros((b, R)),
                           scores=jnp.asarray(rng.normal(size=b), jnp.float32))
 
 

@@ -37,7 +37,7 @@ def setup():
     params = {"policy": policy.init(jax.random.key(0)), "critic": critic.init(jax.random.key(1))}
     rng = np.random.default_rng(0)
     b = 16
-    rollout = jaxppo.Rollout(
+    rollout = jaxppo.RolloutBatch(
         query_tokens=jnp.asarray(rng.integers(3, V, (b, Q))), query_mask=jnp.ones((b, Q), jnp.int32),
         response_tokens=jnp.asarray(rng.integers(3, V, (b, R))),
         response_mask=jnp.asarray(np.arange(R)[None] < rng.integers(1, R + 1, (b, 1)), jnp.int32),

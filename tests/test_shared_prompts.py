@@ -117,7 +117,7 @@ def _rollout(apply_fn, params, batch, seed, uses_critic):
     last = R - 1 - np.argmax(mask[:, ::-1], axis=1)
     rewards = np.zeros((b, R), np.float32)
     rewards[np.arange(b), last] = rng.integers(0, 3, size=b)
-    return jaxppo.Rollout(query_tokens=batch["query_tokens"], query_mask=batch["query_mask"],
+    return jaxppo.RolloutBatch(query_tokens=batch["query_tokens"], query_mask=batch["query_mask"],
                           response_tokens=batch["response_tokens"], response_mask=batch["response_mask"],
                           response_attention_mask=batch.get("response_attention_mask"),
                           logprobs=logprobs, values=values if uses_critic else None, rewards=jnp.asarray(rewards),
@@ -217,7 +217,7 @@ def test_check_rollout_refuses_groups_without_one_prompt():
                                             kl_loss_coef=0.0, share_prompts=True)
     batch = _rows(0, prompts=2)
     b = 8
-    rollout = jaxppo.Rollout(**batch, logprobs=jnp.zeros((b, R)), values=None, rewards=jnp.zeros((b, R)))
+    rollout = jaxppo.RolloutBatch(**batch, logprobs=jnp.zeros((b, R)), values=None, rewards=jnp.zeros((b, R)))
     jaxppo.check_rollout(rollout, config)
     changed = rollout.replace(query_tokens=rollout.query_tokens.at[6, Q - 1].add(1))
     with pytest.raises(ValueError, match=r"row 6 has another prompt than row 4, the first of its group \(rows 4-7\).*"

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import jaxppo
-from jaxppo import PPOConfig, Rollout, TrainState, train_step
+from jaxppo import PPOConfig, RolloutBatch, TrainState, train_step
 from jaxppo.testing.toy import make_toy
 from jaxppo.update.ppo import train_step_jit
 
@@ -34,7 +34,7 @@ def make_rollout(b, seed=0):
     rng = np.random.default_rng(seed)
     lengths = rng.integers(1, R + 1, size=(b, 1))
     pads = rng.integers(0, Q, size=(b, 1))
-    return Rollout(
+    return RolloutBatch(
         query_tokens=jnp.asarray(rng.integers(0, V, size=(b, Q)), jnp.int32),
         query_mask=jnp.asarray(np.arange(Q)[None] >= pads, jnp.int32),
         response_tokens=jnp.asarray(rng.integers(0, V, size=(b, R)), jnp.int32),
@@ -255,5 +255,18 @@ def test_bad_rollouts_are_rejected(model):
     rollout = make_rollout(8)
     with pytest.raises(ValueError, match="rollout.values"):
         train_step(_state(model), rollout.replace(values=rollout.values[:, :-1]), jax.random.key(0), config)
-    with pytest.raises(TypeError, match="Rollout"):
+    with pytest.raises(TypeError, match="RolloutBatch"):
         train_step(_state(model), {"a": 1}, jax.random.key(0), config)
+
+
+def test_rollout_is_the_deprecated_name_of_rollout_batch():
+    """0.5 renamed `Rollout` to `RolloutBatch`: the old name, wherever it was exported, is
+    the same class with a DeprecationWarning naming the new one; other names still fail."""
+    import importlib
+
+    for module in ("jaxppo", "jaxppo.update", "jaxppo.update.batch", "jaxppo.update.ppo"):
+        mod = importlib.import_module(module)
+        with pytest.warns(DeprecationWarning, match=rf"{module}\.Rollout is deprecated.*{module}\.RolloutBatch"):
+            assert mod.Rollout is jaxppo.RolloutBatch
+        with pytest.raises(AttributeError, match="no attribute 'Rolout'"):
+            getattr(mod, "Rolout")

@@ -307,7 +307,7 @@ def test_the_update_compiles_in_the_background_once_and_that_program_runs(tmp_pa
     rng = np.random.default_rng(0)
 
     def rollout(r):
-        return jaxppo.Rollout(query_tokens=jnp.asarray(rng.integers(0, 40, (4, 3)), jnp.int32),
+        return jaxppo.RolloutBatch(query_tokens=jnp.asarray(rng.integers(0, 40, (4, 3)), jnp.int32),
                               query_mask=jnp.ones((4, 3), jnp.int32),
                               response_tokens=jnp.asarray(rng.integers(0, 40, (4, r)), jnp.int32),
                               response_mask=jnp.ones((4, r), jnp.int32), logprobs=jnp.full((4, r), -3.7),

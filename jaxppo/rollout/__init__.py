@@ -1,4 +1,4 @@
-"""Rollouts: from prompts and a policy to a `Rollout` the update consumes.
+"""Rollouts: from prompts and a policy to a `RolloutBatch` the update consumes.
 
 - `prompts`: the prompt set and the order it is walked in;
 - `sampling`: `RolloutConfig` (the rollout's settings) and `RolloutSpec` (what is static

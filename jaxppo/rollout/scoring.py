@@ -1,11 +1,11 @@
-"""The scoring pass: sampled responses -> a `Rollout` (compiled, `finish_rollout`).
+"""The scoring pass: sampled responses -> a `RolloutBatch` (compiled, `finish_rollout`).
 
 A rollout is collected by two compiled stages with a host step between them only when the
 reward is a Python function on decoded text:
 
     sample_responses(spec, params, prompts, key)        -> GenerationOutput     (jit, `sampling`)
     [scores = reward_fn(prompt texts, response texts)]                          (host, `rewards`)
-    finish_rollout(spec, params, ref_params, ...)       -> Rollout, stats       (jit, here)
+    finish_rollout(spec, params, ref_params, ...)       -> RolloutBatch, stats       (jit, here)
 
 `finish_rollout` recomputes the policy's log-probs and the critic's values with the same function
 the PPO loss uses (so the first update sees ratio 1), the reference log-probs, the scores
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jaxppo.models.decoding import GenerationOutput
 from jaxppo.rollout.sampling import RolloutSpec
 from jaxppo.update import packing
-from jaxppo.update.batch import Rollout, joined, model_method, response_attention, response_outputs, scorer
+from jaxppo.update.batch import RolloutBatch, joined, model_method, response_attention, response_outputs, scorer
 from jaxppo.update.kl import KLControllerState, kl_per_token, kl_shaped_rewards
 from jaxppo.update.losses import logprobs_from_logits
 from jaxppo.update.shaping import overlong_penalty
@@ -128,7 +128,7 @@ def _statistics(spec: RolloutSpec, logprobs, response_mask, kl, non_score, score
 def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompt_ids, prompt_mask,
                    gen: GenerationOutput, host_scores, kl_state: KLControllerState,
                    score_moments: RunningMoments):
-    """Build the `Rollout` and its statistics from sampled responses (compiled).
+    """Build the `RolloutBatch` and its statistics from sampled responses (compiled).
 
     host_scores: (B,) scores from text reward functions (weighted and summed), or None;
     added to the reward model's scores (times `spec.reward_weight`) when the spec has one. Returns (rollout, stats, score_moments), with
@@ -184,7 +184,7 @@ def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompt_
     train_mask = response_mask
     if spec.mask_truncated:
         train_mask = response_mask * contains_eos[:, None].astype(response_mask.dtype)
-    rollout = Rollout(query_tokens=prompt_ids, query_mask=prompt_mask, response_tokens=gen.tokens,
+    rollout = RolloutBatch(query_tokens=prompt_ids, query_mask=prompt_mask, response_tokens=gen.tokens,
                       response_mask=train_mask, logprobs=logprobs, values=values, rewards=rewards,
                       ref_logprobs=ref_logprobs if spec.keep_ref_logprobs else None, scores=sequence_scores,
                       sampler_logprobs=gen.logprobs, response_attention_mask=attention)

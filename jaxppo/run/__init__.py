@@ -6,7 +6,7 @@
 - `state`: `RunState`, everything carried from one iteration to the next;
 - `assembly`: models and the optimizer from what the user gave;
 - `directory`: the run directory (atomic writes, the lock, saved settings);
-  `checkpoints`: orbax checkpoints; `resume`: claiming a run and restoring it;
+  `checkpoints`: orbax checkpoints; `save_restore`: claiming a run, saving and restoring it;
 - `logger`, `report`: metric logs and the summary; `export`: Hugging Face and PEFT
   exports; `interrupts`: Ctrl-C and SIGTERM.
 """

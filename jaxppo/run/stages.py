@@ -39,7 +39,7 @@ from jaxppo.rollout.scoring import finish_rollout
 from jaxppo.run.state import RunState
 from jaxppo.sharding import to_host
 from jaxppo.update import packing
-from jaxppo.update.batch import Rollout
+from jaxppo.update.batch import RolloutBatch
 from jaxppo.update.engine import minibatch_indices
 from jaxppo.update.kl import adaptive_kl_update
 from jaxppo.update.ppo import minibatch_group
@@ -54,7 +54,7 @@ class Built(NamedTuple):
     """A rollout and what came with it: the rollout's statistics (device scalars), the new
     score moments, the combined raw scores and the reward model's own on the host."""
 
-    rollout: Rollout
+    rollout: RolloutBatch
     stats: dict
     score_moments: Any
     raw_scores: np.ndarray
@@ -156,7 +156,7 @@ class PackedSteps:
     def __init__(self, make_step, config: PPOConfig):
         self.make_step, self.config, self.steps = make_step, config, {}
 
-    def __call__(self, state, rollout: Rollout, key):
+    def __call__(self, state, rollout: RolloutBatch, key):
         c = self.config
         length = packing.stream_length(rollout, c.pack_length)
         attention = rollout.response_mask if rollout.response_attention_mask is None else rollout.response_attention_mask
@@ -215,7 +215,7 @@ class Precompiled:
 
 
 def abstract_rollout(spec: RolloutSpec, run: RunState, ref_params, reward_params, rows: int, query_width: int,
-                     host_scores: bool) -> Rollout:
+                     host_scores: bool) -> RolloutBatch:
     """The shapes and dtypes of the rollout that `build_rollout` will produce for `rows` rows
     of prompts `query_width` wide (`jax.eval_shape` of `finish_rollout`: nothing runs)."""
     from jaxppo.models.decoding import GenerationOutput

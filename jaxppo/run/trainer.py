@@ -33,7 +33,7 @@ from jaxppo.errors import RewardError, RunError
 from jaxppo.models.tokenizer import decode_responses
 from jaxppo.rollout.prompts import load_prompts
 from jaxppo.run import export as exporting
-from jaxppo.run import report, resume, stages
+from jaxppo.run import report, save_restore, stages
 from jaxppo.run.directory import make_output_dir
 from jaxppo.run.iteration import check_scores, complete, prepare
 from jaxppo.run.logger import Logger
@@ -45,7 +45,7 @@ from jaxppo.trainer_config import TrainerConfig
 __all__ = ["TrainerConfig", "Trainer", "PPOTrainer", "load_prompts", "RunError", "RewardError"]
 
 
-class Trainer(resume.Resumable):
+class Trainer(save_restore.Resumable):
     """RLHF with PPO or a critic-free method (GRPO, Dr. GRPO, DAPO, RLOO, REINFORCE++,
     GSPO: `PPOConfig.advantage_estimator` and its neighbours): rollouts from prompts,
     rewards, and compiled `train_step` updates.
@@ -244,7 +244,7 @@ class Trainer(resume.Resumable):
         make_output_dir(self.tc.output_dir)
         self.open_run()
         self.precompile()  # from here the update compiles beside the run's other start-up work
-        logger = Logger(resume.log_dir(self.tc), start_iteration=self.iteration, tensorboard=self.tc.tensorboard)
+        logger = Logger(save_restore.log_dir(self.tc), start_iteration=self.iteration, tensorboard=self.tc.tensorboard)
         self.history = logger.history  # the lines of the iterations before this start, and this run's
         try:
             run_loop(self, logger)

@@ -9,7 +9,7 @@ the rollout came from.
 - `correction`: the sampler-mismatch correction; `shaping`: overlong punishment, the
   high-entropy token mask, the adaptive entropy coefficient;
 - `engine`: the model-agnostic compiled loop (`TrainState`, `update_epochs`);
-- `batch`: the `Rollout` pytree and the forward that scores its responses;
+- `batch`: the `RolloutBatch` pytree and the forward that scores its responses;
   `packing`: packed sequences;
 - `objective`: every algorithm's loss (`ppo_loss`) and what it reads (`LossConfig`);
   `ppo`: `train_step` and what it reads (`UpdateConfig`: the engine's and the loss's
@@ -23,8 +23,14 @@ the batch.
 """
 
 from jaxppo.update import advantages, correction, kl, losses, shaping, stats
-from jaxppo.update.batch import Rollout, response_outputs
+from jaxppo.update.batch import RolloutBatch, response_outputs
 from jaxppo.update.engine import EngineConfig, Freeze, TrainState, minibatch_indices, update_epochs, update_epochs_fn
 
 __all__ = ["advantages", "correction", "kl", "losses", "shaping", "stats", "EngineConfig", "Freeze", "TrainState",
-           "minibatch_indices", "update_epochs", "update_epochs_fn", "Rollout", "response_outputs"]
+           "minibatch_indices", "update_epochs", "update_epochs_fn", "RolloutBatch", "response_outputs"]
+
+
+def __getattr__(name: str):  # the names renamed in 0.5, with a DeprecationWarning
+    from jaxppo.update.batch import renamed
+
+    return renamed(__name__, name)

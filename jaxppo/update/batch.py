@@ -1,10 +1,12 @@
-"""The `Rollout` pytree that the rollout layer produces and `train_step` consumes, and the
+"""The `RolloutBatch` pytree that the rollout layer produces and `train_step` consumes, and the
 one forward that scores a rollout's responses (shared by rollout collection and the loss,
 so that both compute the same log-probs). Depends on the math layer only."""
 
 from __future__ import annotations
 
 from typing import Optional
+
+import warnings
 
 import flax.struct
 import jax
@@ -13,11 +15,13 @@ import jax.numpy as jnp
 from jaxppo.models.model import join_sequences
 from jaxppo.update.losses import entropy_from_logits, logprobs_from_logits
 
-__all__ = ["Rollout", "response_outputs", "scorer", "model_method", "joined", "response_attention"]
+__all__ = ["RolloutBatch", "response_outputs", "scorer", "model_method", "joined", "response_attention"]
 
 
-class Rollout(flax.struct.PyTreeNode):
-    """One PPO rollout of B rows, fixed shapes. Q = prompt length, R = response length.
+class RolloutBatch(flax.struct.PyTreeNode):
+    """One batch of B rollouts (prompt, sampled response, what scoring them computed), fixed
+    shapes: what `train_step` consumes. Q = prompt length, R = response length. Named
+    `Rollout` before 0.5 (that name still works, with a DeprecationWarning, until 0.6).
 
     Attributes:
       query_tokens: int (B, Q), prompts, left-padded.
@@ -132,3 +136,21 @@ def response_outputs(apply_fn, params, batch, temperature: float, group: int = 1
     logprobs = logprobs_from_logits(logits, batch["response_tokens"], temperature)
     entropy = entropy_from_logits(logits, temperature)
     return logprobs, values, entropy
+
+
+RENAMED = {"Rollout": "RolloutBatch"}
+
+
+def renamed(module: str, name: str):
+    """The object an old name of a module stands for, with a DeprecationWarning naming the
+    new one (a module's `__getattr__` calls this); AttributeError for any other name."""
+    if name not in RENAMED:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    new = RENAMED[name]
+    warnings.warn(f"{module}.{name} is deprecated since jaxppo 0.5 and will be removed in 0.6: "
+                  f"it is {module}.{new} now (the same class)", DeprecationWarning, stacklevel=3)
+    return globals()[new]
+
+
+def __getattr__(name: str):
+    return renamed(__name__, name)

@@ -80,7 +80,7 @@ class LossConfig:
         default there, off here (as in verl and the GRPO paper).
 
     Sampler mismatch (applies to rollouts that carry the sampler's log-probs,
-    `Rollout.sampler_logprobs`, as the trainer's do):
+    `RolloutBatch.sampler_logprobs`, as the trainer's do):
       rollout_correction: how the policy loss corrects for the sampler's distribution
         differing from the trainer's (`jaxppo.update.correction`): "token_truncate" (default:
         each token's loss weighted by min(pi_old / pi_sampler, C), truncated importance

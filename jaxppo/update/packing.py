@@ -209,7 +209,7 @@ def host_row_lengths(query_mask, response_attention_mask) -> np.ndarray:
 
 def stream_length(batch, length: Optional[int]) -> int:
     """The stream length: `length`, or the padded width Q + R of `batch` (a dict of the
-    rollout's fields, or the `Rollout` itself)."""
+    rollout's fields, or the `RolloutBatch` itself)."""
     get = batch.__getitem__ if isinstance(batch, dict) else lambda name: getattr(batch, name)
     return length or get("query_tokens").shape[1] + get("response_tokens").shape[1]
 

@@ -28,14 +28,14 @@ import jax
 import jax.numpy as jnp
 
 from jaxppo.update import packing
-from jaxppo.update.batch import Rollout, response_outputs
+from jaxppo.update.batch import RolloutBatch, response_outputs
 from jaxppo.update.correction import correction_weights, mismatch_metrics
 from jaxppo.update.checks import layer_config
 from jaxppo.update.engine import EngineConfig, GroupOrder, TrainState, update_epochs_fn
 from jaxppo.update.objective import LossConfig, loss_for, micro_batch_weight, prompt_rows
 from jaxppo.update.stats import masked_mean, masked_var
 
-__all__ = ["Rollout", "UpdateConfig", "update_config", "train_step", "train_step_fn", "jit_train_step",
+__all__ = ["RolloutBatch", "UpdateConfig", "update_config", "train_step", "train_step_fn", "jit_train_step",
            "compute_advantages", "response_outputs", "check_rollout", "minibatch_group", "prompt_group"]
 
 
@@ -73,7 +73,7 @@ def update_config(config) -> UpdateConfig:
     return layer_config(config, UpdateConfig, "update", "jaxppo.UpdateConfig")
 
 
-def compute_advantages(rollout: Rollout, config):
+def compute_advantages(rollout: RolloutBatch, config):
     """Advantages (B, R) for the whole rollout, zero at padding, and the critic's returns
     (B, R) (None for the critic-free estimators).
 
@@ -134,7 +134,7 @@ _TRL_NAMES = {
 }
 
 
-def train_step_fn(state: TrainState, rollout: Rollout, key, config, minibatch_sharding=None):
+def train_step_fn(state: TrainState, rollout: RolloutBatch, key, config, minibatch_sharding=None):
     """One update from a rollout, compiled as one program (once per config and shapes).
 
     Computes advantages (and, with a critic, returns) once for the whole rollout
@@ -154,7 +154,7 @@ def train_step_fn(state: TrainState, rollout: Rollout, key, config, minibatch_sh
 
     Args:
       state: `TrainState` whose `apply_fn` is the policy (+ critic) forward.
-      rollout: a `Rollout` with exactly `config.batch_size` rows.
+      rollout: a `RolloutBatch` with exactly `config.batch_size` rows.
       key: PRNG key for the mini-batch permutations.
       config: a `PPOConfig`, or an `UpdateConfig` (static).
       minibatch_sharding: optional row sharding of each mini-batch under a mesh (static;
@@ -192,7 +192,7 @@ def train_step_fn(state: TrainState, rollout: Rollout, key, config, minibatch_sh
     return state, metrics
 
 
-def _loss_batch(rollout: Rollout, config: UpdateConfig, advantages, returns):
+def _loss_batch(rollout: RolloutBatch, config: UpdateConfig, advantages, returns):
     """The columns the loss reads (a dict leading with the rows), and the sampler-mismatch
     metrics when the rollout carries the sampler's log-probs."""
     engine, loss = config.engine, config.loss
@@ -230,8 +230,8 @@ def _loss_batch(rollout: Rollout, config: UpdateConfig, advantages, returns):
 def _check_rollout_structure(rollout, config: UpdateConfig):
     """Shapes and dtypes of a rollout against the config (at trace time: before compiling)."""
     engine, loss = config.engine, config.loss
-    if not isinstance(rollout, Rollout):
-        raise TypeError(f"rollout must be a jaxppo.Rollout, got {type(rollout).__name__}")
+    if not isinstance(rollout, RolloutBatch):
+        raise TypeError(f"rollout must be a jaxppo.RolloutBatch, got {type(rollout).__name__}")
     if len(rollout.response_tokens.shape) != 2:
         raise ValueError(f"rollout.response_tokens has shape {rollout.response_tokens.shape}; expected "
                          "(batch, response_len)")
@@ -311,7 +311,7 @@ def _float_fields(rollout):
             if getattr(rollout, n) is not None]
 
 
-def check_rollout(rollout: Rollout, config):
+def check_rollout(rollout: RolloutBatch, config):
     """Check a rollout on the host before `train_step`: shapes and dtypes (as `train_step`
     does while tracing), and the values jit cannot check: masks hold only 0 and 1,
     `query_mask` is left padding (zeros, then ones) and `response_mask` a prefix of ones
@@ -436,3 +436,9 @@ train_step_jit = train_step  # the jitted object; `_cache_size()` counts its com
 # two). Module-level, so every trainer in a process shares its compiled programs.
 train_step_donating = jit_train_step(donate=True)
 
+
+
+def __getattr__(name: str):  # the names renamed in 0.5, with a DeprecationWarning
+    from jaxppo.update.batch import renamed
+
+    return renamed(__name__, name)
