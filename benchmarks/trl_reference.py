@@ -34,6 +34,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 
 
+def marking_generation(fn, marks: dict):
+    """`fn` (TRL's `batch_generation`) that writes its start and end times into `marks`."""
+    def wrapper(*args, **kwargs):
+        marks["generation_start"] = time.perf_counter()
+        out = fn(*args, **kwargs)
+        marks["generation_end"] = time.perf_counter()
+        return out
+    return wrapper
+
+
 def bench(name, layers, width, response_length, vocab, iterations, jax_temperature):
     import datasets
     import torch
@@ -46,16 +56,7 @@ def bench(name, layers, width, response_length, vocab, iterations, jax_temperatu
 
     tokenizer = demo.demo_tokenizer()
     marks = {}
-
-    def mark_generation(fn):
-        def wrapper(*args, **kwargs):
-            marks["generation_start"] = time.perf_counter()
-            out = fn(*args, **kwargs)
-            marks["generation_end"] = time.perf_counter()
-            return out
-        return wrapper
-
-    ppo_trainer.batch_generation = mark_generation(ppo_trainer.batch_generation)
+    ppo_trainer.batch_generation = marking_generation(ppo_trainer.batch_generation, marks)
     rows = []
 
     class Clock(transformers.TrainerCallback):

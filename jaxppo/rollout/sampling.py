@@ -144,6 +144,12 @@ class RolloutSpec:
         the policy's, critic's and reference's forwards over `pack_streams` streams of
         `pack_length` tokens, None: Q + R); `jaxppo.run.stages.build_rollout` sets the streams
         for each batch from its lengths. The reward model still scores padded rows.
+      common_prefix: p > 0: the prompts' first p real tokens are the same in every row
+        (the prompt set's common prefix, `jaxppo.update.prefix.common_prefix_length`), and
+        the rollout is built in the common-prefix layout (`jaxppo.update.prefix`): the
+        prefix is every row's query, run once by the policy, the reference, the critic and
+        the reward model; `PPOConfig.common_prefix` then runs it once per micro-batch in
+        the loss. 0: the usual layout.
     """
 
     policy: Model
@@ -177,6 +183,7 @@ class RolloutSpec:
     pack_sequences: bool = _from("loss", default=False)
     pack_streams: Optional[int] = None
     pack_length: Optional[int] = _from("loss", default=None)
+    common_prefix: int = 0
 
     @classmethod
     def from_configs(cls, ppo, trainer, **fields) -> "RolloutSpec":
@@ -197,6 +204,11 @@ class RolloutSpec:
             raise ValueError(f"PPOConfig.overlong_buffer={self.overlong_buffer} is longer than the response budget "
                              f"(response_length={self.response_length}); it must be in [1, {self.response_length}] "
                              "(None: a fifth of the budget)")
+        if isinstance(self.common_prefix, bool) or not isinstance(self.common_prefix, int) or self.common_prefix < 0:
+            raise ValueError(f"common_prefix={self.common_prefix!r} is invalid: the prompts' shared tokens, an int >= 0 "
+                             "(0: the usual layout)")
+        if self.common_prefix and self.pack_sequences:
+            raise ValueError("common_prefix and pack_sequences exclude each other: packing packs whole rows")
         if self.mask_truncated and not self.stop_token_ids:
             raise ValueError("PPOConfig.mask_truncated_completions=True needs a stop token (TrainerConfig."
                              "stop_token_id, or a tokenizer with an eos_token_id): without one every completion "

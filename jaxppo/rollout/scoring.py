@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jaxppo.models.decoding import GenerationOutput
 from jaxppo.rollout.sampling import RolloutSpec
 from jaxppo.update import packing
+from jaxppo.update.prefix import prefix_layout, prefix_query, to_region
 from jaxppo.update.batch import RolloutBatch, joined, model_method, response_attention, response_outputs, scorer
 from jaxppo.update.kl import KLControllerState, kl_per_token, kl_shaped_rewards
 from jaxppo.update.losses import logprobs_from_logits
@@ -34,8 +35,11 @@ from jaxppo.update.stats import RunningMoments, masked_sum, running_moments_upda
 __all__ = ["finish_rollout"]
 
 
-def _group(spec: RolloutSpec) -> int:
-    """G when the scoring pass runs each group's prompt once (`share_prompts`), else 1."""
+def _group(spec: RolloutSpec, rows: int) -> int:
+    """The rows that share one query in the scoring pass: all `rows` in the common-prefix
+    layout, G when it runs each group's prompt once (`share_prompts`), else 1."""
+    if spec.common_prefix:
+        return rows
     return spec.num_generations if spec.share_prompts else 1
 
 
@@ -45,7 +49,7 @@ def _outputs(spec: RolloutSpec, apply_fn, params, batch):
     if spec.pack_streams is not None:
         return packing.response_outputs(apply_fn, params, batch, spec.temperature, spec.pack_streams,
                                         spec.pack_length)
-    return response_outputs(apply_fn, params, batch, spec.temperature, _group(spec))
+    return response_outputs(apply_fn, params, batch, spec.temperature, _group(spec, batch["response_tokens"].shape[0]))
 
 
 def _policy_outputs(spec: RolloutSpec, params, batch, gen):
@@ -67,7 +71,8 @@ def _policy_outputs(spec: RolloutSpec, params, batch, gen):
 
 def _reference_logprobs(spec: RolloutSpec, ref_params, batch):
     """The reference policy's log-probs of the response tokens, (B, R)."""
-    if spec.pack_streams is not None or (_group(spec) > 1 and model_method(spec.ref_apply, "grouped_outputs")):
+    grouped = _group(spec, batch["response_tokens"].shape[0]) > 1
+    if spec.pack_streams is not None or (grouped and model_method(spec.ref_apply, "grouped_outputs")):
         return _outputs(spec, spec.ref_apply, ref_params, batch)[0]
     ref_scorer = scorer(spec.ref_apply)
     if ref_scorer is not None:  # a built-in model: no full logits
@@ -84,7 +89,17 @@ def _raw_scores(spec: RolloutSpec, reward_params, batch, host_scores):
     token function's, plus the host's; and the reward model's own (or None)."""
     b = batch["query_tokens"].shape[0]
     model_scores = None
-    if spec.reward_apply is not None:
+    grouped = model_method(spec.reward_apply, "grouped_outputs") if spec.common_prefix else None
+    if grouped is not None:  # the common prefix once: the score at each row's last real token
+        # Output t of the grouped forward is the state before region token t: one padding column
+        # more, and the output after each row's last real token is the state at that token.
+        attention = jnp.pad(response_attention(batch), ((0, 0), (0, 1)))
+        scores = grouped(reward_params, batch["query_tokens"][:1], batch["query_mask"][:1],
+                         jnp.pad(batch["response_tokens"], ((0, 0), (0, 1))), attention)[1]
+        after_last = attention.shape[1] - jnp.argmax(attention[:, ::-1] > 0, axis=1)
+        model_scores = jnp.take_along_axis(scores, after_last[:, None], axis=1)[:, 0].astype(jnp.float32)
+        raw_scores = spec.reward_weight * model_scores
+    elif spec.reward_apply is not None:
         model_scores = spec.reward_apply(reward_params, *joined(batch)).astype(jnp.float32)
         raw_scores = spec.reward_weight * model_scores
     elif spec.token_reward_fn is not None:
@@ -124,6 +139,22 @@ def _statistics(spec: RolloutSpec, logprobs, response_mask, kl, non_score, score
     return stats
 
 
+def _common_prefix_layout(spec: RolloutSpec, prompt_ids, prompt_mask, gen: GenerationOutput, attention):
+    """The batch in the common-prefix layout (`jaxppo.update.prefix`): the prompts' first
+    `spec.common_prefix` tokens as every row's query, the rest of each prompt and the
+    response as its response region (attended; the response alone trained)."""
+    if attention is not None:
+        raise ValueError("common_prefix is for single-turn rollouts; a multi-turn episode's response region "
+                         "already interleaves the environment's tokens")
+    layout = prefix_layout(prompt_mask, spec.common_prefix, gen.tokens.shape[1])
+    ids, mask = prefix_query(layout, prompt_ids)
+    no_tokens = jnp.zeros_like(prompt_mask)
+    moved = GenerationOutput(tokens=to_region(layout, prompt_ids, gen.tokens),
+                             logprobs=to_region(layout, no_tokens, gen.logprobs),
+                             mask=to_region(layout, no_tokens, gen.mask))
+    return ids, mask, moved, to_region(layout, prompt_mask, gen.mask)
+
+
 @functools.partial(jax.jit, static_argnames=("spec",))
 def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompt_ids, prompt_mask,
                    gen: GenerationOutput, host_scores, kl_state: KLControllerState,
@@ -137,11 +168,15 @@ def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompt_
     before penalties and normalisation as `per_row/raw_scores` (the reward model's own as
     `per_row/model_scores`). Without a reference, `objective/kl` is absent.
     """
-    response_mask = gen.mask  # the policy's tokens
     # A multi-turn episode (`jaxppo.rollout.environments.EpisodeOutput`) also has the environment's
     # tokens in the sequence, and says which episodes ran out of budget.
     attention = getattr(gen, "attention_mask", None)
     truncated = getattr(gen, "truncated", None)
+    budget = gen.tokens.shape[1]
+    lengths = jnp.sum(gen.mask if attention is None else attention, axis=1)
+    if spec.common_prefix:
+        prompt_ids, prompt_mask, gen, attention = _common_prefix_layout(spec, prompt_ids, prompt_mask, gen, attention)
+    response_mask = gen.mask  # the policy's tokens
     batch = {"query_tokens": prompt_ids, "query_mask": prompt_mask,
              "response_tokens": gen.tokens, "response_mask": response_mask}
     if attention is not None:
@@ -161,9 +196,8 @@ def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompt_
     scores = raw_scores
     if spec.missing_eos_penalty is not None:
         scores = jnp.where(contains_eos, scores, scores - spec.missing_eos_penalty)
-    lengths = jnp.sum(response_mask if attention is None else attention, axis=1)
     if spec.overlong_penalty_factor:
-        penalty = overlong_penalty(lengths, gen.tokens.shape[1], spec.buffer, spec.overlong_penalty_factor)
+        penalty = overlong_penalty(lengths, budget, spec.buffer, spec.overlong_penalty_factor)
         scores = scores + penalty
     if spec.normalize_scores:
         score_moments = running_moments_update(score_moments, scores)

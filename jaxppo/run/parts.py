@@ -20,6 +20,7 @@ from jaxppo.models.tokenizer import encode_prompts
 from jaxppo.rollout import engines
 from jaxppo.rollout.environments import EnvironmentSpec
 from jaxppo.rollout.prompts import PromptTable, load_prompt_table, render_prompts
+from jaxppo.update.prefix import common_prefix_length
 from jaxppo.rollout.rewards import RewardSetup, sort_rewards
 from jaxppo.rollout.sampling import RolloutSpec
 from jaxppo.rollout.tools import check_tools, tool_environment
@@ -103,7 +104,8 @@ def build(config: PPOConfig, tc: TrainerConfig, *, policy, tokenizer, prompts, r
                       scan_layers=scan_layers, logits_chunk_size=logits_chunk_size, lora=lora, lora_init=lora_init)
     _check_vocabulary(tokenizer, models.policy_model)
     host_rewards = rewards.host_rewards()
-    spec = _rollout_spec(config, tc, models, tokenizer, rewards, table.ids.shape[1])
+    spec = _rollout_spec(config, tc, models, tokenizer, rewards, table.ids.shape[1],
+                         _common_prefix(config, table, environment))
     rollout_engine = engine.create(spec, models.params, tc, query_width=table.ids.shape[1], mesh=mesh)
     policy_schedule, tx = _optimizer(config, tc, iterations)
     train = TrainState.create(apply_fn=models.apply_fn, params=models.params, tx=tx, freeze=models.freeze)
@@ -225,7 +227,22 @@ def _check_vocabulary(tokenizer, policy_model):
                          "tokenizer saved with the policy, or resize the policy's embeddings")
 
 
-def _rollout_spec(config: PPOConfig, tc: TrainerConfig, built, tokenizer, rewards, query_width: int) -> RolloutSpec:
+def _common_prefix(config: PPOConfig, table: PromptTable, environment) -> int:
+    """The prompt set's common prefix in tokens, with `PPOConfig.common_prefix` (else 0)."""
+    if not config.common_prefix:
+        return 0
+    if environment is not None:
+        raise ValueError("PPOConfig.common_prefix=True is for single-turn runs: a multi-turn episode's response "
+                         "region already holds the environment's tokens; turn it off for environments and tools")
+    length = common_prefix_length(table.ids, table.mask)
+    if length == 0:
+        raise ValueError(f"PPOConfig.common_prefix=True, but the {len(table.texts)} prompts share no leading token "
+                         "(no common system prompt or instructions): there is nothing to run once; turn it off")
+    return length
+
+
+def _rollout_spec(config: PPOConfig, tc: TrainerConfig, built, tokenizer, rewards, query_width: int,
+                  common_prefix: int = 0) -> RolloutSpec:
     width = query_width + tc.response_length
     if config.pack_length is not None and config.pack_length < width:
         raise ValueError(f"PPOConfig.pack_length={config.pack_length} is shorter than a row can be: the prompts are "
@@ -239,7 +256,7 @@ def _rollout_spec(config: PPOConfig, tc: TrainerConfig, built, tokenizer, reward
         ref_is_policy=built.ref_is_policy, policy_params_key=built.params_key,
         reward_apply=built.reward_model.apply if built.reward_model is not None else None,
         reward_weight=float(rewards.model_weight), token_reward_fn=rewards.token_fn,
-        stop_token_ids=() if stop is None else (int(stop),), pad_token_id=int(pad))
+        stop_token_ids=() if stop is None else (int(stop),), pad_token_id=int(pad), common_prefix=common_prefix)
 
 
 def _run_state(config: PPOConfig, tc: TrainerConfig, train: TrainState) -> RunState:

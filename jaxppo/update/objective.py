@@ -108,6 +108,18 @@ class LossConfig:
         that does not gives wrong results). False: every row, as 0.3 did.
       num_generations: G, completions per prompt in consecutive rows.
 
+    common_prefix: every row of the rollout has the same query, the prompt set's common
+      prefix (a chat template's system prompt, say), and the rest of each prompt opens its
+      response region (attended, `response_attention_mask`; not trained, `response_mask`):
+      the loss runs that query once per micro-batch, whatever rows the shuffle puts there
+      (`jaxppo.models.Model.grouped_outputs`), for p + B * (Q - p + R) tokens instead of
+      B * (Q + R); equal log-probs, losses and gradients up to float rounding. The trainer
+      builds its rollouts in that layout (`jaxppo.update.prefix`, also for its scoring
+      pass); `train_step` on a rollout you build: give it in that layout
+      (`jaxppo.check_rollout` checks that every row shares the query). Built-in models
+      (any other runs every row); not with `pack_sequences`. Under a mesh of several
+      devices the loss runs every row (see `share_prompts`).
+
     Packed sequences (`jaxppo.update.packing`; the same losses and gradients, up to float rounding):
       pack_sequences: run the loss's forward on each micro-batch's rows of real tokens
         packed into `pack_streams` streams of `pack_length` tokens (segment ids: attention
@@ -146,6 +158,7 @@ class LossConfig:
     temperature: float = 1.0
     num_generations: int = 1
     share_prompts: Optional[bool] = None
+    common_prefix: bool = False
     pack_sequences: bool = False
     pack_streams: Optional[int] = None
     pack_length: Optional[int] = None
@@ -174,12 +187,15 @@ def _check_choices(c: LossConfig):
     for name, valid in choices.items():
         if getattr(c, name) not in valid:
             raise invalid(c.owner, name, getattr(c, name), "one of " + ", ".join(repr(v) for v in valid))
-    for name in ("uses_critic", "kl_loss_bias_correction", "pack_sequences"):
+    for name in ("uses_critic", "kl_loss_bias_correction", "pack_sequences", "common_prefix"):
         if not isinstance(getattr(c, name), bool):
             raise invalid(c.owner, name, getattr(c, name), "a bool (True or False)")
     if c.share_prompts not in (None, True, False):
         raise invalid(c.owner, "share_prompts", c.share_prompts,
                       "None (the trainer: on; train_step: off), True or False")
+    if c.common_prefix and c.pack_sequences:
+        raise invalid(c.owner, "common_prefix", c.common_prefix,
+                      "False with pack_sequences=True (packing packs whole rows instead); or turn packing off")
 
 
 def _check_numbers(c: LossConfig):
@@ -306,7 +322,10 @@ def ppo_loss(params, batch, *, apply_fn, config):
 def prompt_rows(config: LossConfig, rows: int) -> int:
     """G when a batch of `rows` rows runs each group's prompt once: `share_prompts=True`,
     G > 1 dividing `rows` (whole groups in the batch: the engine keeps them whole when G
-    divides the mini-batch) and no packing; else 1."""
+    divides the mini-batch) and no packing; `rows` with `common_prefix` (one query for
+    every row); else 1."""
+    if config.common_prefix and not config.pack_sequences:
+        return rows
     g = config.num_generations
     return g if g > 1 and rows % g == 0 and config.share_prompts is True and not config.pack_sequences else 1
 

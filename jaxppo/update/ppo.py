@@ -311,6 +311,32 @@ def _float_fields(rollout):
             if getattr(rollout, n) is not None]
 
 
+def _check_shared_queries(rollout, group: int, common_prefix: bool):
+    """ValueError unless each group of `group` consecutive rows shares its query (every row
+    the same one with `common_prefix`)."""
+    import numpy as np
+
+    qm = np.asarray(rollout.query_mask) > 0
+    qt = np.where(qm, np.asarray(rollout.query_tokens), 0)
+    rows = np.arange(rollout.query_tokens.shape[0])
+    first = np.zeros_like(rows) if common_prefix else rows // group * group
+    differs = np.any((qm != qm[first]) | (qt != qt[first]), axis=1)
+    if not differs.any():
+        return
+    row = int(np.flatnonzero(differs)[0])
+    if common_prefix:
+        raise ValueError(f"rollout row {row} has another query than row 0: with PPOConfig.common_prefix=True "
+                         "train_step runs one query for every row of a micro-batch, so every row must have the "
+                         "same query_tokens and query_mask (the prompts' common prefix; the rest of each prompt "
+                         "opens its response region: jaxppo.update.prefix); set common_prefix=False otherwise")
+    raise ValueError(
+        f"rollout row {row} has another prompt than row {int(first[row])}, the first of its group "
+        f"(rows {int(first[row])}-{int(first[row]) + group - 1}): with PPOConfig.share_prompts=True "
+        f"train_step runs each group's prompt once, so each group of num_generations={group} "
+        "consecutive rows must share query_tokens and query_mask (a prompt's completions); "
+        "set share_prompts=False for rows that do not")
+
+
 def check_rollout(rollout: RolloutBatch, config):
     """Check a rollout on the host before `train_step`: shapes and dtypes (as `train_step`
     does while tracing), and the values jit cannot check: masks hold only 0 and 1,
@@ -357,18 +383,7 @@ def check_rollout(rollout: RolloutBatch, config):
             raise ValueError(f"rollout.{name} row {row} holds negative token ids; ids must be >= 0")
     group = prompt_group(config)
     if group > 1:  # the loss runs each group's prompt once: the group's rows must share it
-        qm = np.asarray(rollout.query_mask) > 0
-        qt = np.where(qm, np.asarray(rollout.query_tokens), 0)
-        first = np.arange(rollout.query_tokens.shape[0]) // group * group
-        differs = np.any((qm != qm[first]) | (qt != qt[first]), axis=1)
-        if differs.any():
-            row = int(np.flatnonzero(differs)[0])
-            raise ValueError(
-                f"rollout row {row} has another prompt than row {int(first[row])}, the first of its group "
-                f"(rows {int(first[row])}-{int(first[row]) + group - 1}): with PPOConfig.share_prompts=True "
-                f"train_step runs each group's prompt once, so each group of num_generations={group} "
-                "consecutive rows must share query_tokens and query_mask (a prompt's completions); "
-                "set share_prompts=False for rows that do not")
+        _check_shared_queries(rollout, group, update_config(config).loss.common_prefix)
     mask = np.asarray(rollout.response_mask) > 0
     for name in _float_fields(rollout):
         x = np.asarray(getattr(rollout, name), np.float64)

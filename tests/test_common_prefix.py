@@ -1,0 +1,215 @@
+"""The prompts' common prefix once (`PPOConfig.common_prefix`, `jaxppo.update.prefix`): the
+layout against a plain Python loop; the scoring pass (policy, critic, reference, reward
+model) and `train_step` equal to the usual layout's; the compiled program's FLOPs; the
+trainer end to end; bad input."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxppo
+import jaxppo.models as jm
+from jaxppo import demo
+from jaxppo.rollout.engines import sample_responses
+from jaxppo.rollout.sampling import RolloutSpec
+from jaxppo.rollout.scoring import finish_rollout
+from jaxppo.update.kl import fixed_kl_controller
+from jaxppo.update.prefix import common_prefix_length, prefix_layout, prefix_query, to_region
+from jaxppo.update.stats import RunningMoments
+from trainer_setup import small_trainer
+
+V, Q, R, P = 64, 12, 6, 5  # vocabulary, prompt width, response length, shared prefix
+
+
+def _prompts(seed, b, prefix=P):
+    """`b` left-padded prompts (width Q) of prefix + 1..Q-prefix own tokens, the prefix shared."""
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(3, V, prefix)
+    ids, mask = np.zeros((b, Q), np.int32), np.zeros((b, Q), np.int32)
+    for i in range(b):
+        own = rng.integers(3, V, rng.integers(1, Q - prefix + 1))
+        row = np.concatenate([shared, own])
+        ids[i, Q - len(row):], mask[i, Q - len(row):] = row, 1
+    return ids, mask
+
+
+def test_common_prefix_length_matches_a_plain_loop():
+    for seed in range(20):
+        rng = np.random.default_rng(seed)
+        ids, mask = _prompts(seed, 6, prefix=int(rng.integers(0, 5)))
+        if seed % 3 == 0:  # another row equal to row 0 up to a random point
+            ids[1] = ids[0]
+            mask[1] = mask[0]
+        rows = [list(r[m > 0]) for r, m in zip(ids, mask)]
+        expected = 0
+        while all(len(r) > expected for r in rows) and len({r[expected] for r in rows}) == 1:
+            expected += 1
+        assert common_prefix_length(ids, mask) == expected, (seed, rows)
+    with pytest.raises(ValueError, match=r"must be the same \(N, Q\)"):
+        common_prefix_length(np.zeros((0, 3)), np.zeros((0, 3)))
+
+
+def test_layout_matches_a_plain_loop():
+    """Every row: the query is the prefix, the region the rest of the prompt then the
+    response, padding at the end; the masks follow their tokens."""
+    ids, mask = _prompts(1, 5)
+    rng = np.random.default_rng(2)
+    tokens = rng.integers(3, V, (5, R)).astype(np.int32)
+    lengths = rng.integers(1, R + 1, 5)
+    response_mask = (np.arange(R)[None] < lengths[:, None]).astype(np.int32)
+    layout = prefix_layout(jnp.asarray(mask), P, R)
+    query, query_mask = prefix_query(layout, jnp.asarray(ids))
+    region = to_region(layout, jnp.asarray(ids), jnp.asarray(tokens))
+    attention = to_region(layout, jnp.asarray(mask), jnp.asarray(response_mask))
+    trained = to_region(layout, jnp.zeros_like(mask), jnp.asarray(response_mask))
+    assert region.shape == (5, Q - P + R) and query.shape == (5, P)
+    for i in range(5):
+        real = list(ids[i][mask[i] > 0])
+        own = real[P:]
+        np.testing.assert_array_equal(np.asarray(query[i]), real[:P])
+        assert np.all(np.asarray(query_mask[i]) == 1)
+        width = len(own) + R
+        np.testing.assert_array_equal(np.asarray(region[i, :width]), own + list(tokens[i]))
+        assert np.all(np.asarray(region[i, width:]) == 0)
+        np.testing.assert_array_equal(np.asarray(attention[i]), [1] * len(own) + list(response_mask[i])
+                                      + [0] * (Q - P - len(own)))
+        np.testing.assert_array_equal(np.asarray(trained[i]), [0] * len(own) + list(response_mask[i])
+                                      + [0] * (Q - P - len(own)))
+    with pytest.raises(ValueError, match=r"common prefix of 0 tokens: it must be in \[1, 12\]"):
+        prefix_layout(jnp.asarray(mask), 0, R)
+
+
+def _config(**changes):
+    base = dict(model_type="llama", vocab_size=V, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                intermediate_size=64, max_position_embeddings=32, eos_token_ids=(2,))
+    base.update(changes)
+    return jm.ModelConfig(**base)
+
+
+def _perturbed(params, seed):
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return jax.tree.unflatten(tree, [x + 0.05 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)])
+
+
+@pytest.fixture(scope="module")
+def scored():
+    """One batch sampled once and scored in both layouts: PPO with a separate critic, a
+    reference, a reward model and the sampler's log-probs as the old policy's."""
+    cfg = _config()
+    policy, critic, reward = jm.Model(cfg), jm.Model(cfg, kind="value"), jm.Model(cfg, kind="reward")
+    params = {"policy": _perturbed(policy.init(jax.random.key(0)), 1),
+              "critic": _perturbed(critic.init(jax.random.key(1)), 2)}
+    ref_params = _perturbed(params["policy"], 3)
+    reward_params = _perturbed(reward.init(jax.random.key(4)), 5)
+    ids, mask = (jnp.asarray(a) for a in _prompts(6, 8))
+    out = {}
+    for prefix in (P, 0):
+        spec = RolloutSpec(policy=policy, apply_fn=jm.PolicyAndCritic(policy, critic), ref_apply=policy.apply,
+                           response_length=R, policy_params_key="policy", stop_token_ids=(2,), kl_estimator="k3",
+                           keep_ref_logprobs=True, reward_apply=reward.apply, old_logprobs="sampler",
+                           common_prefix=prefix)
+        gen = sample_responses(spec, params, ids, mask, jax.random.key(7))
+        rollout, stats, _ = finish_rollout(spec, params, ref_params, reward_params, ids, mask, gen, None,
+                                           fixed_kl_controller(0.2), RunningMoments.zeros())
+        out[prefix] = (rollout, jax.device_get(stats))
+    return out, params, jm.PolicyAndCritic(policy, critic), np.asarray(mask)
+
+
+def test_scoring_pass_in_the_common_prefix_layout_equals_the_usual_one(scored):
+    out, _, _, mask = scored
+    (moved, stats_p), (usual, stats_u) = out[P], out[0]
+    lengths = mask.sum(axis=1) - P  # each row's own prompt tokens, before its response in the region
+    assert moved.query_tokens.shape == (8, P) and moved.response_tokens.shape == (8, Q - P + R)
+    for i, own in enumerate(lengths):
+        m = np.asarray(usual.response_mask[i]) > 0
+        np.testing.assert_array_equal(np.asarray(moved.response_mask[i, own:own + R]), np.asarray(usual.response_mask[i]))
+        assert not np.asarray(moved.response_mask[i, :own]).any() and not np.asarray(moved.response_mask[i, own + R:]).any()
+        for name in ("response_tokens", "logprobs", "sampler_logprobs", "values", "ref_logprobs", "rewards"):
+            a, b = np.asarray(getattr(moved, name)[i, own:own + R]), np.asarray(getattr(usual, name)[i])
+            np.testing.assert_allclose(a[m], b[m], rtol=2e-5, atol=2e-5, err_msg=f"{name} row {i}")
+    for key in ("per_row/raw_scores", "per_row/model_scores", "objective/kl", "objective/scores",
+                "val/response_length", "val/num_eos_tokens", "objective/entropy"):
+        np.testing.assert_allclose(stats_p[key], stats_u[key], rtol=2e-5, atol=2e-5, err_msg=key)
+    np.testing.assert_allclose(np.asarray(moved.scores), np.asarray(usual.scores), rtol=2e-5, atol=2e-5)
+
+
+def test_train_step_in_the_common_prefix_layout_equals_the_usual_one(scored):
+    """The same updates (same key: the same mini-batches), the query run once per micro-batch."""
+    out, params, apply_fn, _ = scored
+    config = jaxppo.PPOConfig(batch_size=8, mini_batch_size=4, ppo_epochs=2, gradient_accumulation_steps=2)
+    results = []
+    for prefix, flag in ((P, True), (0, False)):
+        rollout, _ = out[prefix]
+        jaxppo.check_rollout(rollout, config.replace(common_prefix=flag))
+        state = jaxppo.TrainState.create(apply_fn=apply_fn, params=params, tx=optax.sgd(0.5))
+        results.append(jaxppo.train_step(state, rollout, jax.random.key(9), config.replace(common_prefix=flag)))
+    (moved, m_moved), (usual, m_usual) = results
+    shift = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(usual.params), jax.tree.leaves(params)))
+    assert shift > 1e-2
+    chex.assert_trees_all_close(moved.params, usual.params, rtol=5e-4, atol=5e-5)
+    assert int(moved.step) == int(usual.step) == config.updates_per_step == 4
+    for key in ("per_minibatch/loss/total", "per_minibatch/policy/approxkl", "per_minibatch/loss/value"):
+        np.testing.assert_allclose(m_moved[key], m_usual[key], rtol=5e-4, atol=1e-5, err_msg=key)
+
+
+def test_the_query_runs_once_per_micro_batch_in_the_compiled_loss():
+    """Compiled FLOPs of the loss's forward: one query of p tokens for the micro-batch, not
+    B of Q (abstract parameters; nothing runs)."""
+    model = jm.Model(_config(hidden_size=64, intermediate_size=128))
+    params = jax.eval_shape(model.init, jax.random.key(0))
+    b, q, p, r = 16, 48, 40, 16
+    usual = jax.jit(lambda prm, qt, qm, rt, rm: model.response_outputs(prm, qt, qm, rt, rm, 1.0))
+    moved = jax.jit(lambda prm, qt, qm, rt, rm: model.grouped_outputs(prm, qt[:1], qm[:1], rt, rm, 1.0))
+    ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    flops_usual = usual.lower(params, ints(b, q), ints(b, q), ints(b, r), ints(b, r)).compile().cost_analysis()["flops"]
+    flops_moved = moved.lower(params, ints(b, p), ints(b, p), ints(b, q - p + r), ints(b, q - p + r)).compile(
+    ).cost_analysis()["flops"]
+    # tokens: 16 * (48 + 16) = 1024 against 40 + 16 * 24 = 424 (0.41x); the LM head runs at
+    # 24 positions per row instead of 16
+    assert flops_moved < 0.6 * flops_usual, (flops_moved, flops_usual)
+
+
+def test_check_rollout_refuses_rows_with_another_query(scored):
+    out, _, _, _ = scored
+    rollout, _ = out[P]
+    config = jaxppo.PPOConfig(batch_size=8, mini_batch_size=4, ppo_epochs=1, common_prefix=True)
+    jaxppo.check_rollout(rollout, config)
+    changed = rollout.replace(query_tokens=rollout.query_tokens.at[5, 0].add(1))
+    with pytest.raises(ValueError, match=r"row 5 has another query than row 0: with PPOConfig.common_prefix=True"):
+        jaxppo.check_rollout(changed, config)
+    with pytest.raises(ValueError, match="common_prefix=True is invalid.*pack_sequences"):
+        config.replace(pack_sequences=True)
+
+
+PREFIX_TEXT = "Answer in one word: "
+
+
+def test_trainer_with_common_prefix_trains_as_the_usual_layout(tmp_path):
+    """The trainer end to end: the same samples, scores and update count, parameters equal
+    up to float rounding; the prompts' common prefix found by itself."""
+    prompts = [PREFIX_TEXT + p for p in demo.DEMO_PROMPTS]
+    runs = []
+    for flag in (True, False):
+        trainer = small_trainer(tmp_path / str(flag), iterations=1, prompts=prompts, checkpoint_every=0, max_len=64,
+                                query_length=48,
+                                export_final=False,
+                                ppo=jaxppo.PPOConfig(batch_size=16, mini_batch_size=8, ppo_epochs=2, kl_coef=0.1,
+                                                     common_prefix=flag))
+        history = trainer.train()
+        runs.append((trainer, history[-1]))
+    (moved, m_moved), (usual, m_usual) = runs
+    assert moved.spec.common_prefix >= len(PREFIX_TEXT) and usual.spec.common_prefix == 0
+    assert m_moved["ppo/updates_applied"] == m_usual["ppo/updates_applied"] == 4
+    for key in ("objective/scores", "val/response_length", "objective/kl", "loss/policy_avg", "loss/value_avg"):
+        np.testing.assert_allclose(m_moved[key], m_usual[key], rtol=1e-3, atol=1e-5, err_msg=key)
+    chex.assert_trees_all_close(moved.state.params, usual.state.params, rtol=1e-3, atol=1e-5)
+
+
+def test_common_prefix_refuses_prompts_without_one(tmp_path):
+    with pytest.raises(ValueError, match="common_prefix=True, but the .* prompts share no leading token"):
+        small_trainer(tmp_path, iterations=1, prompts=["abc", "xyz"],
+                      ppo=jaxppo.PPOConfig(batch_size=16, mini_batch_size=8, common_prefix=True))
