@@ -32,6 +32,11 @@ def model_dir(tmp_path_factory, tokenizer):
     return path
 
 
+def _write_bytes(path, data: bytes, then):
+    path.write_bytes(data)
+    return then(path)
+
+
 def _copy(src, dst):
     import shutil
 
@@ -395,6 +400,17 @@ CASES = [
         model_type="llama", vocab_size=64, hidden_size=36, num_layers=1, num_heads=3, num_kv_heads=3,
         intermediate_size=64, max_position_embeddings=32), dtype="bfloat16", attention="cudnn"), ValueError,
      r"Model.attention='cudnn' needs a head size that is a multiple of 8 and at most 256 .* this model's is 12"),
+    # inputs against what they must fit (issue 40, item 2)
+    ("stop token past the vocabulary", lambda ctx: small_trainer(ctx["tmp"], stop_token_id=10**6), ValueError,
+     r"TrainerConfig.stop_token_id=1000000 \(--stop-token-id\) is past the policy's vocabulary of \d+ tokens.*"
+     r"give an id in \[0, \d+\]"),
+    ("misspelt chat role", lambda ctx: small_trainer(ctx["tmp"], prompts=[[{"role": "usr", "content": "hi"}]]),
+     ValueError, r"prompt 0 message 0 has role 'usr', which no chat template knows; a role is one of 'system', "),
+    ("model directory without a tokenizer", lambda ctx: jm.load_tokenizer(str(ctx["model_dir"])), ValueError,
+     r"policy holds no tokenizer \(none of tokenizer.json, .*every prompt would encode to nothing"),
+    ("prompts file not UTF-8", lambda ctx: _write_bytes(ctx["tmp"] / "p.txt", b"fine\nbad \xff byte\n",
+                                                  lambda path: jaxppo.load_prompts(str(path))), ValueError,
+     r"p.txt line 2 is not UTF-8 text: byte 0xff at column 5"),
     ("query mask right-padded", lambda ctx: jaxppo.check_rollout(
         _rollout(query_mask=jnp.asarray(np.tile([1, 1, 0, 0], (16, 1)), jnp.int32)),
         jaxppo.PPOConfig(batch_size=16, mini_batch_size=8)), ValueError,

@@ -79,3 +79,17 @@ def test_dataset_messages_column_and_cli_flag():
     assert resolve(["--no-chat-template"])[2]["chat_template"] is False
     assert resolve([])[2]["chat_template"] is None
     np.testing.assert_equal(resolve(["--chat-template"])[2]["chat_template"], True)
+
+
+def test_prompt_files_are_known_by_their_extension_in_any_case(tmp_path):
+    """.JSONL, .Json, .TXT read as their lower-case names are; every role chat templates
+    render is accepted."""
+    messages = [{"role": r, "content": "x"} for r in ("system", "developer", "user", "assistant", "tool", "ipython")]
+    (tmp_path / "a.JSONL").write_text(json.dumps({"prompt": "one", "answer": 1}) + "\n"
+                                      + json.dumps({"messages": messages}) + "\n")
+    with pytest.raises(TypeError, match="mix chat messages and other values"):  # read as records, not as text lines
+        load_prompt_table(str(tmp_path / "a.JSONL"))
+    (tmp_path / "b.Json").write_text(json.dumps([{"messages": messages}]))
+    assert load_prompt_table(str(tmp_path / "b.Json"))[0] == [messages]
+    (tmp_path / "c.TXT").write_text("first\n\nsecond\n")
+    assert load_prompt_table(str(tmp_path / "c.TXT"))[0] == ["first", "second"]

@@ -9,6 +9,10 @@ import numpy as np
 __all__ = ["load_tokenizer", "encode_prompts", "decode_responses"]
 
 
+# The files a tokenizer's vocabulary is read from (fast tokenizers, BPE, SentencePiece, WordPiece).
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "spiece.model", "vocab.txt")
+
+
 def load_tokenizer(path: str):
     """transformers' `AutoTokenizer` from a local directory, or the tokenizer a `.gguf` file
     holds (`jaxppo.models.gguf`); nothing is downloaded, no code from the directory is run.
@@ -35,6 +39,11 @@ def load_tokenizer(path: str):
         if auto_map:
             raise ValueError(f"{tokenizer_config} asks for tokenizer code shipped with the checkpoint (auto_map "
                              f"{auto_map}); jaxppo never runs code from a checkpoint")
+    vocabulary = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(path, name))]
+    if not vocabulary:
+        raise ValueError(f"{path} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): transformers would build "
+                         "an empty one, and every prompt would encode to nothing. Save the checkpoint's tokenizer "
+                         "there (tokenizer.save_pretrained), or give the directory or .gguf file that has it")
     # trust_remote_code=False: transformers refuses (instead of asking) anything that would run checkpoint code.
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
@@ -48,7 +57,8 @@ def encode_prompts(tokenizer, prompts: Sequence[str], max_length: int, *, trunca
 
     A prompt longer than `max_length` tokens is an error naming it, unless `truncate=True`,
     which keeps its last `max_length` tokens (the end of a prompt is what the response
-    continues). An empty list is an error.
+    continues). An empty list is an error. The padding is the tokenizer's pad token, else its
+    EOS token (under the mask either way).
     """
     if isinstance(prompts, str):
         raise TypeError("prompts must be a sequence of strings, not a single string")
@@ -56,9 +66,10 @@ def encode_prompts(tokenizer, prompts: Sequence[str], max_length: int, *, trunca
         raise ValueError("prompts is empty: give at least one prompt")
     if not isinstance(max_length, int) or max_length <= 0:
         raise ValueError(f"max_length={max_length!r} must be a positive int")
-    pad = tokenizer.pad_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad is None:
-        raise ValueError("the tokenizer has no pad token (and no EOS token to use as one); set tokenizer.pad_token")
+        raise ValueError("the tokenizer has neither a pad token nor an EOS token to pad with; set "
+                         "tokenizer.pad_token (any token: padding is masked)")
     ids = np.full((len(prompts), max_length), pad, np.int32)
     mask = np.zeros((len(prompts), max_length), np.int32)
     for i, text in enumerate(prompts):

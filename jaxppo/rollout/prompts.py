@@ -76,35 +76,51 @@ def load_prompt_table(source, prompt_column: str = "prompt"):
     return prompts, columns
 
 
+def _read_lines(path: str) -> list:
+    """The file's lines as (line number, text), decoded as UTF-8; a ValueError naming the
+    file, the line and the byte when one is not UTF-8."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    lines = []
+    for n, line in enumerate(raw.splitlines(), start=1):
+        try:
+            lines.append((n, line.decode("utf-8")))
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{path} line {n} is not UTF-8 text: byte {line[err.start]:#04x} at column "
+                             f"{err.start + 1} ({line[max(0, err.start - 20):err.start + 1]!r}); save the file "
+                             "as UTF-8") from None
+    return lines
+
+
 def _read_records(path: str, prompt_column: str):
     """(rows, labels) of a prompts file: .jsonl objects, a .json list, or .txt lines (blank
-    lines skipped); each label names the file and line or item, for errors."""
-    if path.endswith(".jsonl"):
+    lines skipped), the extension in any case; each label names the file and line or item,
+    for errors."""
+    extension = os.path.splitext(path)[1].lower()
+    numbered = _read_lines(path)
+    if extension == ".jsonl":
         rows, labels = [], []
-        with open(path) as f:
-            for n, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except ValueError as err:
-                    raise ValueError(f"{path} line {n} is not valid JSON ({err}): {line.strip()[:60]!r}; each "
-                                     f'line must be an object such as {{"{prompt_column}": "..."}}') from None
-                labels.append(f"{path} line {n}")
-    elif path.endswith(".json"):
-        with open(path) as f:
+        for n, line in numbered:
+            if not line.strip():
+                continue
             try:
-                rows = json.load(f)
+                rows.append(json.loads(line))
             except ValueError as err:
-                raise ValueError(f"{path} is not valid JSON ({err}); expected a list of strings or of objects "
-                                 f"with a {prompt_column!r} field") from None
+                raise ValueError(f"{path} line {n} is not valid JSON ({err}): {line.strip()[:60]!r}; each "
+                                 f'line must be an object such as {{"{prompt_column}": "..."}}') from None
+            labels.append(f"{path} line {n}")
+    elif extension == ".json":
+        try:
+            rows = json.loads("\n".join(line for _, line in numbered))
+        except ValueError as err:
+            raise ValueError(f"{path} is not valid JSON ({err}); expected a list of strings or of objects "
+                             f"with a {prompt_column!r} field") from None
         if not isinstance(rows, list):
             raise ValueError(f"{path} holds a {type(rows).__name__}; expected a list of strings or of objects "
                              f"with a {prompt_column!r} field")
         labels = [f"{path} item {i}" for i in range(len(rows))]
     else:
-        with open(path) as f:
-            numbered = [(n, line.rstrip("\n")) for n, line in enumerate(f, start=1) if line.strip()]
+        numbered = [(n, line) for n, line in numbered if line.strip()]
         rows = [line for _, line in numbered]
         labels = [f"{path} line {n}" for n, _ in numbered]
     return rows, labels
@@ -132,6 +148,11 @@ def _checked_prompts(prompts: list, labels: list) -> list:
     return prompts
 
 
+# The roles chat templates render (OpenAI's and Hugging Face's conventions; "ipython" is
+# Llama 3's tool output).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")
+
+
 def _check_messages(messages, label: str):
     if not messages:
         raise ValueError(f"{label} is an empty list of chat messages; give at least one {{\"role\", \"content\"}} "
@@ -140,6 +161,10 @@ def _check_messages(messages, label: str):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             raise ValueError(f"{label} message {j} is {m!r:.80}; a chat message is a dict with a string \"role\" and "
                              "a string \"content\"")
+        if m["role"] not in CHAT_ROLES:
+            raise ValueError(f"{label} message {j} has role {m['role']!r}, which no chat template knows; a role is one "
+                             f"of {', '.join(map(repr, CHAT_ROLES))} (a misspelt role would be rendered into the "
+                             "prompt and trained on)")
 
 
 def render_prompts(tokenizer, prompts: list, chat_template: Optional[bool] = None, tools=None):

@@ -102,7 +102,7 @@ def build(config: PPOConfig, tc: TrainerConfig, *, policy, tokenizer, prompts, r
     models = assemble(config, tc, policy=policy, reward_model=rewards.model_spec, ref_policy=ref_policy, critic=critic,
                       dtype=dtype, ref_dtype=ref_dtype, reward_dtype=reward_dtype, remat=remat,
                       scan_layers=scan_layers, logits_chunk_size=logits_chunk_size, lora=lora, lora_init=lora_init)
-    _check_vocabulary(tokenizer, models.policy_model)
+    _check_vocabulary(tokenizer, models.policy_model, tc)
     host_rewards = rewards.host_rewards()
     spec = _rollout_spec(config, tc, models, tokenizer, rewards, table.ids.shape[1],
                          _common_prefix(config, table, environment))
@@ -219,12 +219,17 @@ def _prompt_table(tokenizer, prompts, prompt_column, chat_template, tc: TrainerC
     return PromptTable(table, columns, texts, ids, mask)
 
 
-def _check_vocabulary(tokenizer, policy_model):
+def _check_vocabulary(tokenizer, policy_model, tc: TrainerConfig):
     vocab = policy_model.config.vocab_size
     if len(tokenizer) > vocab:
         raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the policy's vocabulary has {vocab} "
                          "(config.json vocab_size); token ids past the vocabulary would index out of range. Use the "
                          "tokenizer saved with the policy, or resize the policy's embeddings")
+    if tc.stop_token_id is not None and tc.stop_token_id >= vocab:
+        raise ValueError(f"TrainerConfig.stop_token_id={tc.stop_token_id} (--stop-token-id) is past the policy's "
+                         f"vocabulary of {vocab} tokens: the policy can never sample it, so no completion would stop; "
+                         f"give an id in [0, {vocab - 1}] (the tokenizer's EOS is {tokenizer.eos_token_id}), or "
+                         "leave it unset for the EOS")
 
 
 def _common_prefix(config: PPOConfig, table: PromptTable, environment) -> int:
