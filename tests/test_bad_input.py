@@ -407,7 +407,7 @@ CASES = [
     ("misspelt chat role", lambda ctx: small_trainer(ctx["tmp"], prompts=[[{"role": "usr", "content": "hi"}]]),
      ValueError, r"prompt 0 message 0 has role 'usr', which no chat template knows; a role is one of 'system', "),
     ("model directory without a tokenizer", lambda ctx: jm.load_tokenizer(str(ctx["model_dir"])), ValueError,
-     r"policy holds no tokenizer \(none of tokenizer.json, .*every prompt would encode to nothing"),
+     r"policy holds no usable tokenizer: transformers built one of 1 token\(s\) .*every prompt would encode to nothing"),
     ("prompts file not UTF-8", lambda ctx: _write_bytes(ctx["tmp"] / "p.txt", b"fine\nbad \xff byte\n",
                                                   lambda path: jaxppo.load_prompts(str(path))), ValueError,
      r"p.txt line 2 is not UTF-8 text: byte 0xff at column 5"),

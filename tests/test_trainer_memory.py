@@ -13,13 +13,13 @@ from trainer_setup import small_trainer
 
 def _update_temp_bytes(tmp_path, batch_size, mini_batch_size, accumulation=1, common_prefix=False):
     """The compiled temporaries of the update program a small trainer runs (a GPT-2 policy
-    with a value head, 32-token prompts, 6-token responses), lowered with the abstract
+    with a value head, 40-token prompts, 6-token responses), lowered with the abstract
     rollout its scoring pass will produce."""
     config = jaxppo.PPOConfig(batch_size=batch_size, mini_batch_size=mini_batch_size, ppo_epochs=2,
                               gradient_accumulation_steps=accumulation, common_prefix=common_prefix)
     prompts = ["Answer: " + p for p in demo.DEMO_PROMPTS] if common_prefix else None
     trainer = small_trainer(tmp_path / f"{batch_size}-{mini_batch_size}-{accumulation}-{common_prefix}", ppo=config,
-                            iterations=1, prompts=prompts, max_len=48)
+                            iterations=1, prompts=prompts, max_len=48, query_length=40)
     rollout = stages.abstract_rollout(trainer.spec, trainer.run, trainer.ref_params, trainer.reward_params,
                                       batch_size, trainer.table.ids.shape[1], host_scores=True)
     step = trainer.train_step

@@ -9,7 +9,7 @@ import numpy as np
 __all__ = ["load_tokenizer", "encode_prompts", "decode_responses"]
 
 
-# The files a tokenizer's vocabulary is read from (fast tokenizers, BPE, SentencePiece, WordPiece).
+# Files a tokenizer's vocabulary is usually read from (fast tokenizers, BPE, SentencePiece, WordPiece).
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "spiece.model", "vocab.txt")
 
 
@@ -39,13 +39,13 @@ def load_tokenizer(path: str):
         if auto_map:
             raise ValueError(f"{tokenizer_config} asks for tokenizer code shipped with the checkpoint (auto_map "
                              f"{auto_map}); jaxppo never runs code from a checkpoint")
-    vocabulary = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(path, name))]
-    if not vocabulary:
-        raise ValueError(f"{path} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): transformers would build "
-                         "an empty one, and every prompt would encode to nothing. Save the checkpoint's tokenizer "
-                         "there (tokenizer.save_pretrained), or give the directory or .gguf file that has it")
     # trust_remote_code=False: transformers refuses (instead of asking) anything that would run checkpoint code.
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    if len(tokenizer) < 2:  # what transformers builds from a directory without tokenizer files
+        raise ValueError(f"{path} holds no usable tokenizer: transformers built one of {len(tokenizer)} token(s) from "
+                         f"it (no tokenizer files such as {', '.join(TOKENIZER_FILES)}), so every prompt would encode "
+                         "to nothing. Save the checkpoint's tokenizer there (tokenizer.save_pretrained), or give the "
+                         "directory or .gguf file that has it")
     if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
