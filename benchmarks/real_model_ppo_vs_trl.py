@@ -35,7 +35,6 @@ end to the first optimizer micro-batch (scoring), from there to the iteration's 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -48,7 +47,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
-from tables import print_markdown  # noqa: E402
+from tables import print_markdown, side_by_side_args  # noqa: E402
 
 BATCH, RESPONSE, QUERY, LR, KL, EPS = 32, 24, 40, 3e-6, 0.05, 1e-8
 
@@ -203,26 +202,20 @@ def trl_rows(model, scorer, iterations, mini_batch_size):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--side", choices=["jaxppo", "trl"], required=True)
-    parser.add_argument("--model", default=None, help="the policy's directory (default: jaxppo-fixture's)")
-    parser.add_argument("--score-model", default=None,
-                        help="the reward model's and critic's directory (default: jaxppo-fixture --score-head's)")
-    parser.add_argument("--iterations", type=int, default=10)
-    parser.add_argument("--mini-batch-size", type=int, default=8)
-    parser.add_argument("--json", default=None, help="also write the rows to this file")
-    parser.add_argument("--split", action="store_true",
-                        help="jaxppo: train in this process and time each stage apart, waiting for its device "
-                             "work (sampling, scoring, the update no longer overlap)")
-    args, extra = parser.parse_known_args()
-    extra = [a for a in extra if a != "--"]
-    if args.model is None:
-        from jaxppo.models.fixtures import fixture_dir, is_prepared, score_head_dir
+    def add(parser):
+        parser.add_argument("--score-model", default=None,
+                            help="the reward model's and critic's directory (default: jaxppo-fixture --score-head's)")
+        parser.add_argument("--mini-batch-size", type=int, default=8)
+        parser.add_argument("--json", default=None, help="also write the rows to this file")
+        parser.add_argument("--split", action="store_true",
+                            help="jaxppo: train in this process and time each stage apart, waiting for its device "
+                                 "work (sampling, scoring, the update no longer overlap)")
 
-        args.model = fixture_dir()
-        if not is_prepared(args.model):
-            raise SystemExit(f"no prepared model in {args.model}: run `jaxppo-fixture --score-head` first")
-        args.score_model = args.score_model or score_head_dir(args.model)
+    args, extra = side_by_side_args(__doc__.splitlines()[0], add, "jaxppo-fixture --score-head")
+    if args.score_model is None:
+        from jaxppo.models.fixtures import score_head_dir
+
+        args.score_model = score_head_dir(args.model)
     if not args.score_model or not os.path.isdir(args.score_model):
         raise SystemExit(f"no score-head checkpoint in {args.score_model}: run `jaxppo-fixture --score-head` first")
     if args.side == "jaxppo":

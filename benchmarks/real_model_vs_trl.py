@@ -23,7 +23,6 @@ time to the next generation batch (update).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -34,7 +33,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
-from tables import print_markdown  # noqa: E402
+from tables import print_markdown, side_by_side_args  # noqa: E402
 
 PROMPTS, GENERATIONS, RESPONSE, QUERY, LR = 4, 8, 24, 48, 5e-6
 
@@ -102,18 +101,7 @@ def trl_rows(model, iterations):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--side", choices=["jaxppo", "trl"], required=True)
-    parser.add_argument("--model", default=None, help="the checkpoint directory (default: jaxppo-fixture's)")
-    parser.add_argument("--iterations", type=int, default=10)
-    args, extra = parser.parse_known_args()
-    extra = [a for a in extra if a != "--"]
-    if args.model is None:
-        from jaxppo.models.fixtures import fixture_dir, is_prepared
-
-        args.model = fixture_dir()
-        if not is_prepared(args.model):
-            raise SystemExit(f"no prepared model in {args.model}: run `jaxppo-fixture` first")
+    args, extra = side_by_side_args(__doc__.splitlines()[0])
     rows = jaxppo_rows(args.model, args.iterations, extra) if args.side == "jaxppo" else trl_rows(args.model,
                                                                                                args.iterations)
     table = []

@@ -27,3 +27,25 @@ def print_markdown(headers, rows, numeric_from: int = 1):
     print("| " + " | ".join("---" if i < numeric_from else "---:" for i in range(len(headers))) + " |")
     for row in rows:
         print("| " + " | ".join(str(cell) for cell in row) + " |")
+
+
+def side_by_side_args(description: str, add=None, fixture_command: str = "jaxppo-fixture"):
+    """(args, the arguments after `--` for the `jaxppo` command) of a real-model side by side
+    with TRL: `--side jaxppo|trl`, `--model` (default: the prepared fixture, else an exit
+    naming `fixture_command`), `--iterations`, and what `add(parser)` adds."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--side", choices=["jaxppo", "trl"], required=True)
+    parser.add_argument("--model", default=None, help="the policy's directory (default: jaxppo-fixture's)")
+    parser.add_argument("--iterations", type=int, default=10)
+    if add is not None:
+        add(parser)
+    args, extra = parser.parse_known_args()
+    if args.model is None:
+        from jaxppo.models.fixtures import fixture_dir, is_prepared
+
+        args.model = fixture_dir()
+        if not is_prepared(args.model):
+            raise SystemExit(f"no prepared model in {args.model}: run `{fixture_command}` first")
+    return args, [a for a in extra if a != "--"]

@@ -19,7 +19,7 @@ from jaxppo.rollout.scoring import finish_rollout
 from jaxppo.update.kl import fixed_kl_controller
 from jaxppo.update.prefix import common_prefix_length, prefix_layout, prefix_query, to_region
 from jaxppo.update.stats import RunningMoments
-from trainer_setup import small_trainer
+from trainer_setup import perturbed, small_trainer
 
 V, Q, R, P = 64, 12, 6, 5  # vocabulary, prompt width, response length, shared prefix
 
@@ -89,22 +89,16 @@ def _config(**changes):
     return jm.ModelConfig(**base)
 
 
-def _perturbed(params, seed):
-    leaves, tree = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    return jax.tree.unflatten(tree, [x + 0.05 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)])
-
-
 @pytest.fixture(scope="module")
 def scored():
     """One batch sampled once and scored in both layouts: PPO with a separate critic, a
     reference, a reward model and the sampler's log-probs as the old policy's."""
     cfg = _config()
     policy, critic, reward = jm.Model(cfg), jm.Model(cfg, kind="value"), jm.Model(cfg, kind="reward")
-    params = {"policy": _perturbed(policy.init(jax.random.key(0)), 1),
-              "critic": _perturbed(critic.init(jax.random.key(1)), 2)}
-    ref_params = _perturbed(params["policy"], 3)
-    reward_params = _perturbed(reward.init(jax.random.key(4)), 5)
+    params = {"policy": perturbed(policy.init(jax.random.key(0)), 1),
+              "critic": perturbed(critic.init(jax.random.key(1)), 2)}
+    ref_params = perturbed(params["policy"], 3)
+    reward_params = perturbed(reward.init(jax.random.key(4)), 5)
     ids, mask = (jnp.asarray(a) for a in _prompts(6, 8))
     out = {}
     for prefix in (P, 0):

@@ -20,6 +20,7 @@ from jaxppo.rollout.scoring import finish_rollout
 from jaxppo.update.batch import response_outputs
 from jaxppo.update.engine import GroupOrder, minibatch_indices
 from jaxppo.update.ppo import minibatch_group, prompt_group
+from trainer_setup import perturbed
 
 V, G, Q, R = 64, 4, 7, 6
 
@@ -35,13 +36,6 @@ def _config(model_type, **changes):
                     activation="gelu_pytorch_tanh", final_logit_softcapping=30.0)
     base.update(changes)
     return jm.ModelConfig(**base)
-
-
-def _perturbed(params, seed):
-    """Random weights off the initialisation (zero-initialised heads would hide mistakes)."""
-    leaves, tree = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    return jax.tree.unflatten(tree, [x + 0.05 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)])
 
 
 def _rows(seed, prompts, gaps=False):
@@ -74,7 +68,7 @@ def test_grouped_outputs_and_gradients_equal_every_row(arch, scan, chunk):
     """One forward per group's prompt gives each row's log-probs, values and entropies, and
     (summed over the G rows) the same gradients as running every row."""
     model = jm.Model(_config(arch), kind="causal_lm_value", scan_layers=scan, logits_chunk_size=chunk)
-    params = _perturbed(model.init(jax.random.key(0)), 1)
+    params = perturbed(model.init(jax.random.key(0)), 1)
     batch = _rows(2, prompts=2, gaps=arch == "qwen2")
     mask = batch["response_mask"]
     weights = jnp.asarray(np.random.default_rng(3).normal(size=(3,) + mask.shape), jnp.float32)
@@ -159,11 +153,11 @@ def test_train_step_with_shared_prompts_equals_every_row(case):
     spec = CASES[case]
     cfg = _config(spec["arch"])
     policy = jm.Model(cfg, scan_layers=spec.get("scan", False))
-    params = _perturbed(policy.init(jax.random.key(0)), 1)
+    params = perturbed(policy.init(jax.random.key(0)), 1)
     apply_fn = policy.apply
     if spec.get("critic"):
         critic = jm.Model(cfg, kind="value", scan_layers=spec.get("scan", False))
-        params = {"policy": params, "critic": _perturbed(critic.init(jax.random.key(2)), 3)}
+        params = {"policy": params, "critic": perturbed(critic.init(jax.random.key(2)), 3)}
         apply_fn = jm.PolicyAndCritic(policy, critic)
     config = jaxppo.PPOConfig.for_algorithm(spec["algorithm"], batch_size=16, mini_batch_size=8, ppo_epochs=2,
                                             num_generations=G, share_prompts=True, **spec["changes"])
@@ -176,10 +170,10 @@ def test_train_step_with_shared_prompts_equals_every_row(case):
 def test_train_step_with_shared_prompts_under_lora():
     """LoRA adapters trained, the base frozen: the same adapters either way."""
     model = jm.Model(_config("qwen2"))
-    params = _perturbed(model.init(jax.random.key(0)), 1)
+    params = perturbed(model.init(jax.random.key(0)), 1)
     lora_model, variables = jm.add_lora(model, params, jm.LoraConfig(rank=4, alpha=8, targets=("q_proj", "v_proj")),
                                         jax.random.key(1))
-    variables["lora"] = _perturbed(variables["lora"], 2)  # B nonzero: the adapters act
+    variables["lora"] = perturbed(variables["lora"], 2)  # B nonzero: the adapters act
     config = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=16, mini_batch_size=8, ppo_epochs=1,
                                             num_generations=G)
     rollout = _rollout(lora_model.apply, variables, _rows(7, prompts=4), 8, False)
@@ -233,9 +227,9 @@ def test_scoring_pass_with_shared_prompts_equals_every_row():
     """The trainer's scoring pass (policy, critic and reference): the same rollout either way."""
     cfg = _config("llama", eos_token_ids=(2,))
     policy, critic = jm.Model(cfg), jm.Model(cfg, kind="value")
-    params = {"policy": _perturbed(policy.init(jax.random.key(0)), 1),
-              "critic": _perturbed(critic.init(jax.random.key(1)), 2)}
-    ref_params = _perturbed(params["policy"], 3)
+    params = {"policy": perturbed(policy.init(jax.random.key(0)), 1),
+              "critic": perturbed(critic.init(jax.random.key(1)), 2)}
+    ref_params = perturbed(params["policy"], 3)
     ids = jnp.asarray(np.repeat(np.random.default_rng(1).integers(3, V, size=(2, Q)), G, 0), jnp.int32)
     mask = jnp.asarray(np.arange(Q)[None] >= np.repeat([[0], [2]], G, 0), jnp.int32)
     rollouts = []

@@ -18,6 +18,15 @@ def tiny_llama(scan_layers: bool, vocab_size: int):
     return jaxppo.models.Model(config, scan_layers=scan_layers)
 
 
+def perturbed(params, seed):
+    """Random weights off the initialisation (zero-initialised heads would hide mistakes)."""
+    import jax
+
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return jax.tree.unflatten(tree, [x + 0.05 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)])
+
+
 def small_trainer(output_dir, iterations=2, mesh=None, reward_fn=demo.lowercase_reward, callbacks=(), prompts=None,
                   ppo=None, lora=None, environment=None, max_len=40, tools=None, reward_fn_on="text", **trainer):
     tokenizer = demo.demo_tokenizer()
