@@ -95,8 +95,8 @@ def make_policy_state(config, setup: Setup, lora_rank=0, abstract=True):
 def abstract_rollout(batch, q, r):
     s = lambda shape, dtype=jnp.float32: jax.ShapeDtypeStruct(shape, dtype)
     return jaxppo.RolloutBatch(query_tokens=s((batch, q), jnp.int32), query_mask=s((batch, q), jnp.int32),
-                          response_tokens=s((batch, r), jnp.int32), response_mask=s((batch, r), jnp.int32),
-                          logprobs=s((batch, r)), values=s((batch, r)), rewards=s((batch, r)))
+                               response_tokens=s((batch, r), jnp.int32), response_mask=s((batch, r), jnp.int32),
+                               logprobs=s((batch, r)), values=s((batch, r)), rewards=s((batch, r)))
 
 
 def random_rollout(batch, q, r, vocab, seed=0):

@@ -97,7 +97,7 @@ def _rollout(toy, sampler_shift):
     shift = jnp.asarray(rng.normal(scale=sampler_shift, size=(b, R)), jnp.float32)
     scores = jnp.asarray(rng.normal(size=b), jnp.float32)
     return jaxppo.RolloutBatch(**batch, logprobs=logprobs, values=None, rewards=jnp.zeros((b, R)),
-                          scores=scores, sampler_logprobs=logprobs + shift)
+                               scores=scores, sampler_logprobs=logprobs + shift)
 
 
 @pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])

@@ -135,7 +135,7 @@ def test_train_step_equals_a_python_loop_of_updates(family):
     logprobs = model.response_outputs(params, query, ones_q, response, ones_r)[0]
     scores = jnp.asarray(rng.normal(size=b), jnp.float32)
     rollout = jaxppo.RolloutBatch(query_tokens=query, query_mask=ones_q, response_tokens=response, response_mask=ones_r,
-                             logprobs=logprobs, values=None, rewards=jnp.zeros((b, r)), scores=scores)
+                                  logprobs=logprobs, values=None, rewards=jnp.zeros((b, r)), scores=scores)
     config = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=b, mini_batch_size=4, ppo_epochs=2,
                                             num_generations=g, kl_loss_coef=0.0)
     tx = optax.sgd(0.1)

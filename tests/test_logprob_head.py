@@ -94,8 +94,8 @@ def test_train_step_with_chunked_head_equals_full_logits():
     apply_fn, params = _models("separate", "llama", False, 4)
     b = _batch()
     rollout = jaxppo.RolloutBatch(query_tokens=b["query_tokens"], query_mask=b["query_mask"],
-                             response_tokens=b["response_tokens"], response_mask=b["response_mask"],
-                             logprobs=b["logprobs"], values=b["values"], rewards=b["advantages"])
+                                  response_tokens=b["response_tokens"], response_mask=b["response_mask"],
+                                  logprobs=b["logprobs"], values=b["values"], rewards=b["advantages"])
     config = jaxppo.PPOConfig(batch_size=4, mini_batch_size=2, ppo_epochs=2, temperature=0.9)
     outs = []
     for fn in (apply_fn, _full_logits(apply_fn)):

@@ -168,10 +168,10 @@ def test_engine_trains_only_what_freeze_leaves_and_accumulates_equally():
     rng = np.random.default_rng(0)
     b = 8
     rollout = jaxppo.RolloutBatch(query_tokens=jnp.asarray(rng.integers(3, 64, (b, 4))), query_mask=jnp.ones((b, 4), jnp.int32),
-                             response_tokens=jnp.asarray(rng.integers(3, 64, (b, 5))),
-                             response_mask=jnp.asarray(np.arange(5)[None] < rng.integers(1, 6, (b, 1)), jnp.int32),
-                             logprobs=jnp.asarray(rng.normal(-3, 0.3, (b, 5)), jnp.float32),
-                             values=jnp.zeros((b, 5)), rewards=jnp.asarray(rng.normal(0, 1, (b, 5)), jnp.float32))
+                                  response_tokens=jnp.asarray(rng.integers(3, 64, (b, 5))),
+                                  response_mask=jnp.asarray(np.arange(5)[None] < rng.integers(1, 6, (b, 1)), jnp.int32),
+                                  logprobs=jnp.asarray(rng.normal(-3, 0.3, (b, 5)), jnp.float32),
+                                  values=jnp.zeros((b, 5)), rewards=jnp.asarray(rng.normal(0, 1, (b, 5)), jnp.float32))
     freeze = jaxppo.Freeze(prefixes=(("params",),))
 
     def run(model, variables, accumulation):

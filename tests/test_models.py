@@ -197,7 +197,7 @@ def test_value_heads(hf_checkpoints):
     qm = (q != 0).astype(jnp.int32).at[:, -1].set(1)
     gen = generate(lm, lm_params, q, qm, jax.random.key(1), response_length=4)
     rollout = jaxppo.RolloutBatch(query_tokens=q, query_mask=qm, response_tokens=gen.tokens, response_mask=gen.mask,
-                             logprobs=gen.logprobs, values=jnp.zeros((4, 4)), rewards=jnp.ones((4, 4)))
+                                  logprobs=gen.logprobs, values=jnp.zeros((4, 4)), rewards=jnp.ones((4, 4)))
     state, metrics = jaxppo.train_step(state, rollout, jax.random.key(2), config)
     assert int(state.step) == config.updates_per_step
     # The sampler's log-probs are the ones the loss computes: the first update sees ratio 1.

@@ -195,10 +195,10 @@ def make_rollout(model, params, b, seed=0):
     rewards = np.zeros((b, R), np.float32)
     rewards[np.arange(b), last] = scores * (mask.sum(1) > 0)
     return RolloutBatch(query_tokens=batch["query_tokens"], query_mask=batch["query_mask"],
-                   response_tokens=batch["response_tokens"], response_mask=batch["response_mask"],
-                   logprobs=logprobs, values=values if values is not None else jnp.zeros((b, R)),
-                   rewards=jnp.asarray(rewards),
-                   ref_logprobs=logprobs + 0.1 * jnp.asarray(rng.normal(size=(b, R)), jnp.float32))
+                        response_tokens=batch["response_tokens"], response_mask=batch["response_mask"],
+                        logprobs=logprobs, values=values if values is not None else jnp.zeros((b, R)),
+                        rewards=jnp.asarray(rewards),
+                        ref_logprobs=logprobs + 0.1 * jnp.asarray(rng.normal(size=(b, R)), jnp.float32))
 
 
 def config_for(name, **changes):

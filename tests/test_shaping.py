@@ -68,7 +68,7 @@ def _rollout(toy, b=8):
                  response_tokens=jnp.asarray(rng.integers(0, V, (b, R)), jnp.int32), response_mask=mask)
     logprobs = jaxppo.response_outputs(apply_fn, params, batch, 1.0)[0]
     return jaxppo.RolloutBatch(**batch, logprobs=logprobs, values=None, rewards=jnp.zeros((b, R)),
-                          scores=jnp.asarray(rng.normal(size=b), jnp.float32))
+                               scores=jnp.asarray(rng.normal(size=b), jnp.float32))
 
 
 def numpy_entropies(apply_fn, params, rollout):

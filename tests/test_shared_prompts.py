@@ -112,10 +112,10 @@ def _rollout(apply_fn, params, batch, seed, uses_critic):
     rewards = np.zeros((b, R), np.float32)
     rewards[np.arange(b), last] = rng.integers(0, 3, size=b)
     return jaxppo.RolloutBatch(query_tokens=batch["query_tokens"], query_mask=batch["query_mask"],
-                          response_tokens=batch["response_tokens"], response_mask=batch["response_mask"],
-                          response_attention_mask=batch.get("response_attention_mask"),
-                          logprobs=logprobs, values=values if uses_critic else None, rewards=jnp.asarray(rewards),
-                          ref_logprobs=logprobs + 0.1 * jnp.asarray(rng.normal(size=(b, R)), jnp.float32))
+                               response_tokens=batch["response_tokens"], response_mask=batch["response_mask"],
+                               response_attention_mask=batch.get("response_attention_mask"),
+                               logprobs=logprobs, values=values if uses_critic else None, rewards=jnp.asarray(rewards),
+                               ref_logprobs=logprobs + 0.1 * jnp.asarray(rng.normal(size=(b, R)), jnp.float32))
 
 
 def _both(apply_fn, params, config, rollout, freeze=None):

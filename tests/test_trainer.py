@@ -308,10 +308,10 @@ def test_the_update_compiles_in_the_background_once_and_that_program_runs(tmp_pa
 
     def rollout(r):
         return jaxppo.RolloutBatch(query_tokens=jnp.asarray(rng.integers(0, 40, (4, 3)), jnp.int32),
-                              query_mask=jnp.ones((4, 3), jnp.int32),
-                              response_tokens=jnp.asarray(rng.integers(0, 40, (4, r)), jnp.int32),
-                              response_mask=jnp.ones((4, r), jnp.int32), logprobs=jnp.full((4, r), -3.7),
-                              values=None, rewards=jnp.zeros((4, r)), scores=jnp.asarray([0.0, 1.0, 1.0, 0.0]))
+                                   query_mask=jnp.ones((4, 3), jnp.int32),
+                                   response_tokens=jnp.asarray(rng.integers(0, 40, (4, r)), jnp.int32),
+                                   response_mask=jnp.ones((4, r), jnp.int32), logprobs=jnp.full((4, r), -3.7),
+                                   values=None, rewards=jnp.zeros((4, r)), scores=jnp.asarray([0.0, 1.0, 1.0, 0.0]))
 
     step = functools.partial(train_step_jit, config=config)
     real = rollout(5)
