@@ -207,3 +207,26 @@ def test_common_prefix_refuses_prompts_without_one(tmp_path):
     with pytest.raises(ValueError, match="common_prefix=True, but the .* prompts share no leading token"):
         small_trainer(tmp_path, iterations=1, prompts=["abc", "xyz"],
                       ppo=jaxppo.PPOConfig(batch_size=16, mini_batch_size=8, common_prefix=True))
+
+
+def test_a_token_reward_function_reads_the_usual_layout():
+    """A token-level reward function gets the prompts and responses as they were sampled,
+    not the common-prefix layout: the same scores either way (it counts token 7 in the
+    response, where the moved prompt tokens would add to the count)."""
+    cfg = _config()
+    policy = jm.Model(cfg)
+    params = perturbed(policy.init(jax.random.key(0)), 1)
+    ids, mask = _prompts(6, 8)
+    ids[:, -1] = 7  # every prompt ends in a token the function counts, if it read the prompt
+    ids, mask = jnp.asarray(ids), jnp.asarray(mask)
+    scores = {}
+    for prefix in (P, 0):
+        spec = RolloutSpec(policy=policy, apply_fn=policy.apply, ref_apply=None, response_length=R,
+                           stop_token_ids=(2,), uses_critic=False, old_logprobs="sampler", common_prefix=prefix,
+                           token_reward_fn=lambda q, qm, r, rm: jnp.sum((r == 7) * rm, axis=1).astype(jnp.float32))
+        gen = sample_responses(spec, params, ids, mask, jax.random.key(7))
+        _, stats, _ = finish_rollout(spec, params, None, None, ids, mask, gen, None, fixed_kl_controller(0.2),
+                                     RunningMoments.zeros())
+        scores[prefix] = np.asarray(stats["per_row/raw_scores"])
+        expected = np.sum((np.asarray(gen.tokens) == 7) * np.asarray(gen.mask), axis=1)
+        np.testing.assert_array_equal(scores[prefix], expected)

@@ -25,10 +25,10 @@ import jax.numpy as jnp
 from jaxppo.models.decoding import GenerationOutput
 from jaxppo.rollout.sampling import RolloutSpec
 from jaxppo.update import packing
-from jaxppo.update.prefix import prefix_layout, prefix_query, to_region
 from jaxppo.update.batch import RolloutBatch, joined, model_method, response_attention, response_outputs, scorer
 from jaxppo.update.kl import KLControllerState, kl_per_token, kl_shaped_rewards
 from jaxppo.update.losses import logprobs_from_logits
+from jaxppo.update.prefix import prefix_layout, prefix_query, to_region
 from jaxppo.update.shaping import overlong_penalty
 from jaxppo.update.stats import RunningMoments, masked_sum, running_moments_update
 
@@ -84,9 +84,11 @@ def _reference_logprobs(spec: RolloutSpec, ref_params, batch):
     return logprobs_from_logits(ref_logits, batch["response_tokens"], spec.temperature)
 
 
-def _raw_scores(spec: RolloutSpec, reward_params, batch, host_scores):
+def _raw_scores(spec: RolloutSpec, reward_params, batch, host_scores, usual):
     """(B,) scores before penalties and normalisation: the reward model's (weighted) or the
-    token function's, plus the host's; and the reward model's own (or None)."""
+    token function's, plus the host's; and the reward model's own (or None). `usual`: the
+    batch in the usual layout, what a token function and a reward model without grouped
+    outputs read (`batch` may be in the common-prefix layout)."""
     b = batch["query_tokens"].shape[0]
     model_scores = None
     grouped = model_method(spec.reward_apply, "grouped_outputs") if spec.common_prefix else None
@@ -100,11 +102,11 @@ def _raw_scores(spec: RolloutSpec, reward_params, batch, host_scores):
         model_scores = jnp.take_along_axis(scores, after_last[:, None], axis=1)[:, 0].astype(jnp.float32)
         raw_scores = spec.reward_weight * model_scores
     elif spec.reward_apply is not None:
-        model_scores = spec.reward_apply(reward_params, *joined(batch)).astype(jnp.float32)
+        model_scores = spec.reward_apply(reward_params, *joined(usual)).astype(jnp.float32)
         raw_scores = spec.reward_weight * model_scores
     elif spec.token_reward_fn is not None:
-        raw_scores = jnp.asarray(spec.token_reward_fn(batch["query_tokens"], batch["query_mask"],
-                                                      batch["response_tokens"], response_attention(batch)),
+        raw_scores = jnp.asarray(spec.token_reward_fn(usual["query_tokens"], usual["query_mask"],
+                                                      usual["response_tokens"], response_attention(usual)),
                                  jnp.float32)
     else:
         raw_scores = jnp.zeros((b,), jnp.float32)
@@ -174,6 +176,10 @@ def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompt_
     truncated = getattr(gen, "truncated", None)
     budget = gen.tokens.shape[1]
     lengths = jnp.sum(gen.mask if attention is None else attention, axis=1)
+    usual = {"query_tokens": prompt_ids, "query_mask": prompt_mask, "response_tokens": gen.tokens,
+             "response_mask": gen.mask}
+    if attention is not None:
+        usual["response_attention_mask"] = attention
     if spec.common_prefix:
         prompt_ids, prompt_mask, gen, attention = _common_prefix_layout(spec, prompt_ids, prompt_mask, gen, attention)
     response_mask = gen.mask  # the policy's tokens
@@ -186,7 +192,7 @@ def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompt_
     if spec.ref_apply is not None:
         ref_logprobs = _reference_logprobs(spec, spec.policy_params(params) if spec.ref_is_policy else ref_params,
                                            batch)
-    raw_scores, model_scores = _raw_scores(spec, reward_params, batch, host_scores)
+    raw_scores, model_scores = _raw_scores(spec, reward_params, batch, host_scores, usual)
 
     stop_ids = jnp.asarray(spec.stop_token_ids or (-1,), jnp.int32)
     if truncated is None:
@@ -219,9 +225,9 @@ def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompt_
     if spec.mask_truncated:
         train_mask = response_mask * contains_eos[:, None].astype(response_mask.dtype)
     rollout = RolloutBatch(query_tokens=prompt_ids, query_mask=prompt_mask, response_tokens=gen.tokens,
-                      response_mask=train_mask, logprobs=logprobs, values=values, rewards=rewards,
-                      ref_logprobs=ref_logprobs if spec.keep_ref_logprobs else None, scores=sequence_scores,
-                      sampler_logprobs=gen.logprobs, response_attention_mask=attention)
+                           response_mask=train_mask, logprobs=logprobs, values=values, rewards=rewards,
+                           ref_logprobs=ref_logprobs if spec.keep_ref_logprobs else None, scores=sequence_scores,
+                           sampler_logprobs=gen.logprobs, response_attention_mask=attention)
     stats = _statistics(spec, logprobs, response_mask, kl, non_score, scores, raw_scores, kl_state, contains_eos,
                         lengths, penalty if spec.overlong_penalty_factor else None, ref_logprobs is not None)
     if model_scores is not None:
