@@ -15,7 +15,8 @@ from jaxppo import sharding
 from jaxppo.rollout.samplers import turns
 from jaxppo.rollout.samplers.static import generate
 
-from test_shared_prompts import _config, _perturbed
+from test_shared_prompts import _config
+from trainer_setup import perturbed
 
 V, Q, R, L, STOP = 64, 6, 24, 5, 2
 
@@ -108,7 +109,7 @@ def test_kept_cache_turns_sample_what_reprefilling_samples(arch, scan, hoist, g)
     masks as prefilling the context every turn, log-probs equal up to rounding (the first
     turn is the single-turn sampler's, exactly)."""
     model = jm.Model(_config(arch, max_position_embeddings=Q + R + L), scan_layers=scan, hoist_layers=hoist)
-    params = _perturbed(model.init(jax.random.key(0)), 1)
+    params = perturbed(model.init(jax.random.key(0)), 1)
     results = _play(model, params, g=g, long_observation=arch == "gpt2")
     _check(results)
     first, ref, _ = results[0]
@@ -118,7 +119,7 @@ def test_kept_cache_turns_sample_what_reprefilling_samples(arch, scan, hoist, g)
 def test_kept_cache_turns_on_a_mesh_equal_one_device():
     """Rows split over a 2x4 mesh: the same turns as the reference on one device."""
     model = jm.Model(_config("llama"), scan_layers=True)
-    params = _perturbed(model.init(jax.random.key(0)), 1)
+    params = perturbed(model.init(jax.random.key(0)), 1)
     mesh = sharding.make_mesh(sharding.MeshConfig(data=2, fsdp=4))
     _check(_play(model, params, g=2, mesh=mesh, turns_played=3, seed=3))
 
@@ -128,7 +129,7 @@ def test_new_tokens_longer_than_a_turn_compile_once_per_piece_width():
     observation is longer than a turn takes several pieces of the same compiled program,
     and later turns with the same width reuse it."""
     model = jm.Model(_config("gpt2", max_position_embeddings=Q + R + L))
-    params = _perturbed(model.init(jax.random.key(0)), 1)
+    params = perturbed(model.init(jax.random.key(0)), 1)
     before = turns._next_turn_jit._cache_size()
     _check(_play(model, params, long_observation=True, seed=4))
     assert turns._next_turn_jit._cache_size() - before <= 2  # piece widths: the turn length (5), at most one other
