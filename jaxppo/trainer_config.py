@@ -11,6 +11,7 @@ from jaxppo.config import setting
 from jaxppo.models.transformer import ATTENTION
 from jaxppo.rollout.engines import BUILT_IN, engine_class, rollout_engine_names
 from jaxppo.rollout.sampling import OLD_LOGPROBS
+from jaxppo.tracking import check_installed, parse_report_to
 from jaxppo.update.checks import is_int
 from jaxppo.update.kl import check_kl_estimator
 
@@ -35,8 +36,13 @@ class TrainerConfig:
     Output: output_dir; log_every; sample_every and num_samples (printed completions);
       checkpoint_every (iterations; 0 = only on interrupt and at the end), keep_checkpoints,
       resume (continue from the latest checkpoint in output_dir; False refuses a directory
-      that already holds a run); tensorboard; progress; export_final (policy as a Hugging
-      Face directory); plot (PNG of score, KL, reward).
+      that already holds a run); report_to (the experiment trackers, TRL's option: a
+      comma-separated string or a list of "jsonl", "tensorboard", "wandb", "mlflow",
+      "trackio", a name given to `jaxppo.tracking.register_tracker`, "all" or "none";
+      `<output_dir>/metrics.jsonl` is written whatever it says; a tracker whose package is
+      missing is refused here, with the pip command; see `jaxppo.tracking`); tensorboard
+      (False drops "tensorboard" from report_to); progress; export_final (policy as a
+      Hugging Face directory); plot (PNG of score, KL, reward).
     Sampling: num_slots (None: the static sampler, every row of the batch decoded together
       until the last ends, each prompt prefilled once per group; an int: the
       continuous sampler with that many slots, a finished row's slot refilled at
@@ -134,6 +140,7 @@ class TrainerConfig:
     checkpoint_every: int = setting(0, on_resume="free")
     keep_checkpoints: int = setting(2, on_resume="free")
     resume: bool = setting(True, on_resume="free")
+    report_to: str = setting("jsonl,tensorboard", on_resume="free")
     tensorboard: bool = setting(True, on_resume="free")
     progress: bool = setting(True, on_resume="free")
     export_final: bool = setting(True, on_resume="free")
@@ -162,6 +169,9 @@ class TrainerConfig:
             if field.type in (bool, "bool") and not isinstance(getattr(self, field.name), bool):
                 raise ValueError(f"TrainerConfig.{field.name}={getattr(self, field.name)!r} is invalid: "
                                  f"{field.name} must be a bool (True or False)")
+        names = parse_report_to(self.report_to)
+        check_installed(names)
+        object.__setattr__(self, "report_to", ",".join(names))  # a list given becomes its string
         if self.num_slots is not None and (not is_int(self.num_slots) or self.num_slots <= 0):
             raise ValueError(f"TrainerConfig.num_slots={self.num_slots!r} is invalid: num_slots must be None (the static "
                              "sampler) or a positive int (rows the continuous sampler decodes together)")
@@ -204,6 +214,12 @@ class TrainerConfig:
                                       or not math.isfinite(value) or (name != "missing_eos_penalty" and value <= 0)):
                 raise ValueError(f"TrainerConfig.{name}={value!r} is invalid: {name} must be None or a finite number"
                                  + ("" if name == "missing_eos_penalty" else " > 0"))
+
+    @property
+    def trackers(self) -> tuple:
+        """The trackers the run reports to (`report_to`, "jsonl" first; without "tensorboard"
+        when `tensorboard` is False)."""
+        return tuple(n for n in self.report_to.split(",") if self.tensorboard or n != "tensorboard")
 
     def _check_inflight(self):
         if self.inflight_updates is None:

@@ -8,6 +8,12 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# The trackers' tests (tests/test_trackers.py) run wandb offline, its runs under each run
+# directory, and trackio on a database of the session's own (trackio reads TRACKIO_DIR
+# once, when first imported): nothing leaves the machine or lands in the home directory.
+os.environ["WANDB_MODE"] = "offline"
+os.environ["WANDB_SILENT"] = "true"
+os.environ["TRACKIO_DIR"] = __import__("tempfile").mkdtemp(prefix="jaxppo-tests-trackio-")
 
 
 @pytest.fixture(scope="session")

@@ -29,6 +29,7 @@ from jaxppo.run.directory import atomic_write_text
 from jaxppo.run.logger import Logger, read_metrics
 
 from xla_options import with_devices
+from test_trackers import assert_trackers_hold
 from trainer_setup import small_trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -154,6 +155,27 @@ def test_sigkill_at_a_random_point_then_the_same_command_finishes_like_an_uninte
     steps = tensorboard_steps(out)
     episodes = [r["episode"] for r in reference["rows"]]
     assert steps["objective/scores"] == episodes  # each iteration once, in order, after the resume
+
+
+@pytest.mark.slow
+def test_sigkill_then_the_same_command_leaves_every_iteration_once_in_each_tracker(reference, env, tmp_path):
+    """Killed after iteration 2 reached every tracker (the checkpoint is at 2, so the resume
+    computes iteration 2 again): wandb, MLflow, trackio and TensorBoard, read back from their
+    own stores, hold iterations 0-5 once each, with the uninterrupted run's values, and one
+    completions table per iteration."""
+    out = tmp_path / "run"
+    trackers = ["--report-to", "tensorboard,wandb,mlflow,trackio", "--sample-every", "1"]
+    proc = start(out, env, *trackers, TRACKIO_PROJECT="sigkill")
+    wait_for_line(proc, r"^iter\s+2 ")
+    time.sleep(0.2)
+    proc.kill()
+    proc.communicate()
+    assert len(read_metrics(str(out / "metrics.jsonl"))) >= 3
+    rc, _, err = run(out, env, *trackers, TRACKIO_PROJECT="sigkill")
+    assert rc == 0, err[-3000:]
+    assert metrics_of(out) == reference["rows"]
+    assert_trackers_hold(str(out), "sigkill", table_steps=list(range(6)))
+    assert tensorboard_steps(out)["objective/scores"] == [r["episode"] for r in reference["rows"]]
 
 
 @pytest.fixture(scope="module")
@@ -309,7 +331,7 @@ def test_torn_or_garbage_last_metrics_line_is_dropped_with_a_warning(tmp_path):
         path = tmp_path / "metrics.jsonl"
         path.write_text("".join(json.dumps(r) + "\n" for r in rows) + tail)
         with pytest.warns(RuntimeWarning, match=r"metrics.jsonl line 4 is not a complete metrics record"):
-            logger = Logger(str(tmp_path), start_iteration=3, tensorboard=False)
+            logger = Logger(str(tmp_path), start_iteration=3, report_to=("jsonl",))
         logger.close()
         assert logger.history == rows
         assert [json.loads(line) for line in open(path)] == rows  # rewritten without the torn line
@@ -320,7 +342,7 @@ def test_garbage_before_the_last_metrics_line_is_an_error(tmp_path):
     text = '{"iteration": 0, "episode": 16}\nnot json\n{"iteration": 1, "episode": 32}\n'
     path.write_text(text)
     with pytest.raises(RunError, match=r"metrics.jsonl line 2 is not a metrics record .* later lines follow"):
-        Logger(str(tmp_path), start_iteration=2, tensorboard=False)
+        Logger(str(tmp_path), start_iteration=2, report_to=("jsonl",))
     assert path.read_text() == text  # left for the user to look at
 
 
@@ -334,7 +356,7 @@ def test_metrics_rewrite_is_atomic(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "replace", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        Logger(str(tmp_path), start_iteration=2, tensorboard=False)
+        Logger(str(tmp_path), start_iteration=2, report_to=("jsonl",))
     monkeypatch.undo()
     assert path.read_text() == text
     assert os.listdir(tmp_path) == ["metrics.jsonl"]  # no temporary file left behind

@@ -85,7 +85,8 @@ def test_no_import_cycles_in_the_package():
 # a folder or a module at the top of the package: the folders are the layers. The configs
 # the user writes come after the layers whose configs they compose.
 LAYERS = [
-    {"jaxppo.version", "jaxppo.errors", "jaxppo.testing"},
+    {"jaxppo.version", "jaxppo.errors", "jaxppo.testing", "jaxppo.files"},
+    {"jaxppo.tracking"},
     {"jaxppo.update", "jaxppo.models"},
     {"jaxppo.algorithms"},
     {"jaxppo.sharding"},

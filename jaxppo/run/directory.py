@@ -15,30 +15,13 @@ import tempfile
 from typing import Optional
 
 from jaxppo.errors import RunError
+from jaxppo.files import atomic_write_text
 
 __all__ = ["RunError", "atomic_write_text", "atomic_replace_dir", "RunLock", "check_settings", "SETTINGS_FILE",
            "make_output_dir"]
 
 SETTINGS_FILE = "run_settings.json"
 LOCK_FILE = ".jaxppo.lock"
-
-
-def atomic_write_text(path: str, text: str):
-    """Write `text` to `path` atomically: a temporary file in the same directory, flushed
-    to disk, then renamed over `path`."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=os.path.basename(path) + ".", suffix=".tmp")
-    try:
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; a log or settings file is not
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 def atomic_replace_dir(write, path: str):

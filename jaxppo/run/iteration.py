@@ -52,12 +52,15 @@ class Prepared(NamedTuple):
 
 
 class Outcome(NamedTuple):
-    """What an iteration gives: the run state after it, its metrics line (host floats) and
-    the samples behind it (prompt rows, `GenerationOutput`), for `Trainer.samples`."""
+    """What an iteration gives: the run state after it, its metrics line (host floats), the
+    samples behind it (prompt rows, `GenerationOutput`), for `Trainer.samples`, and their
+    scores (the combined raw scores (B,) on the host, the text reward functions'
+    `{name: (values, given)}`), for `Trainer.completion_table`."""
 
     run: RunState
     metrics: dict
     samples: tuple
+    scores: tuple = (None, {})
 
 
 def prepare(run: RunState, collect: Callable, spec: RolloutSpec, ref_params, reward_params, mesh=None) -> Prepared:
@@ -105,7 +108,7 @@ def complete(prepared: Prepared, *, train_step, config: PPOConfig, pipelined=Non
                    "objective/nonfinite_score_rows": int(p.bad.size),
                    "objective/skipped_nonfinite_scores": new_run.skipped_iterations,
                    "time/generation": time.perf_counter() - p.times[0]}
-        return Outcome(new_run, metrics, (p.batch.rows, p.gen))
+        return Outcome(new_run, metrics, (p.batch.rows, p.gen), (p.built.raw_scores, p.scores.per_function))
     new_run, device = stages.update(p.run, p.built, p.train_key, train_step, config)
     new_run = _advance(pipelined, p.run, new_run.replace(prompts_consumed=p.consumed))
     host = jax.device_get(device)  # every metric of the iteration in one transfer
@@ -113,7 +116,11 @@ def complete(prepared: Prepared, *, train_step, config: PPOConfig, pipelined=Non
     metrics = report.iteration_metrics(p.iteration, host, p.built.raw_scores, p.scores.per_function,
                                        p.built.model_scores, (*p.times, time.perf_counter()), config=config, lr=lr,
                                        skipped=new_run.skipped_iterations, with_functions=with_functions)
-    return Outcome(new_run, metrics, (p.batch.rows, p.gen))
+    per_function = dict(p.scores.per_function)
+    if p.built.model_scores is not None:
+        model = np.asarray(jax.device_get(p.built.model_scores), np.float64)
+        per_function = {report.MODEL_REWARD_NAME: (model, np.ones(model.shape, bool)), **per_function}
+    return Outcome(new_run, metrics, (p.batch.rows, p.gen), (p.built.raw_scores, per_function))
 
 
 def _advance(pipelined: Optional[Any], run: RunState, new_run: RunState) -> RunState:

@@ -1,110 +1,109 @@
-"""Metric logging: console, a JSONL file (one object per iteration), TensorBoard, and a PNG plot."""
+"""The run's metrics and tables, sent to its trackers (`jaxppo.tracking`, chosen by
+`TrainerConfig.report_to`), echoed on the console, and plotted at the end."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-import shutil
-import warnings
+import uuid
+from typing import Optional, Sequence
 
 from jaxppo.errors import RunError
-from jaxppo.run.directory import atomic_write_text
-from jaxppo.testing import failpoints
+from jaxppo.files import atomic_write_text
+from jaxppo.tracking import TrackerRun, parse_report_to, read_metrics, tracker_class
+from jaxppo.tracking.local import METRICS_FILE, kept_tables
 
-__all__ = ["Logger", "read_metrics"]
+__all__ = ["Logger", "read_metrics", "run_id", "tracked_settings", "TRACKERS_FILE"]
 
+TRACKERS_FILE = "trackers.json"
 _CONSOLE_KEYS = ("objective/scores", "objective/kl", "objective/rlhf_reward", "policy/approxkl_avg",
                  "policy/clipfrac_avg", "loss/value_avg", "ppo/updates_applied")
 
 
-def _summary_writer_class():
-    """tensorboardX's `SummaryWriter`. tensorboardX imports PyTorch at import time when it is
-    installed, only to accept torch tensors in `add_embedding` (about 1.3 s on a 2-core CPU,
-    on the way to the first metrics line); jaxppo writes scalars. So unless PyTorch is
-    already imported, tensorboardX is imported with PyTorch hidden, and PyTorch stays
-    importable afterwards as before."""
-    import sys
+def run_id(output_dir: str) -> str:
+    """The run directory's tracker id (`trackers.json`), made once, before any tracker starts,
+    so that every resume continues the same tracker runs."""
+    path = os.path.join(output_dir, TRACKERS_FILE)
+    if os.path.isfile(path):
+        try:
+            with open(path) as f:
+                found = json.load(f)["run_id"]
+            if isinstance(found, str) and found.isalnum():
+                return found
+        except (ValueError, KeyError, TypeError):
+            pass
+        raise RunError(f"{path} is not a trackers file of jaxppo (a JSON object with an alphanumeric \"run_id\"); "
+                       "restore it, or delete it to start new tracker runs for this directory")
+    new = uuid.uuid4().hex[:16]
+    atomic_write_text(path, json.dumps({"run_id": new}) + "\n")
+    return new
 
-    if "torch" in sys.modules or "tensorboardX" in sys.modules:
-        from tensorboardX import SummaryWriter
 
-        return SummaryWriter
-    sys.modules["torch"] = None  # a None entry makes `import torch` raise ImportError
-    try:
-        from tensorboardX import SummaryWriter
-    finally:
-        del sys.modules["torch"]
-    return SummaryWriter
+def tracked_settings(config, tc, iterations: int) -> dict:
+    """The run's settings as the trackers record them: every `PPOConfig` and `TrainerConfig`
+    field (JSON values; others as text) and the number of iterations."""
+    out = {**dataclasses.asdict(config), **dataclasses.asdict(tc), "iterations": iterations}
+    return {k: v if isinstance(v, (bool, int, float, str, type(None))) else json.dumps(v, default=str)
+            for k, v in out.items()}
 
 
 class Logger:
-    """Appends each iteration's metrics to `<output_dir>/metrics.jsonl` and TensorBoard.
+    """Sends each iteration's metrics to the run's trackers (`report_to`: names of
+    `jaxppo.tracking`; "jsonl", `<output_dir>/metrics.jsonl`, always) and holds them in
+    `history`.
 
-    Resuming at `start_iteration` keeps the file's lines of earlier iterations and drops
-    any later ones (written after the checkpoint), so the file never holds an iteration
-    twice. The file is rewritten atomically (temporary file + rename). A torn or garbage
-    last line, which a kill in the middle of a write leaves, is dropped with a warning
-    naming the file and line; a bad line elsewhere is an error (something other than a
-    kill damaged the file). TensorBoard events are rebuilt from the kept lines, so they
-    hold every kept iteration once, in order, and nothing past the checkpoint."""
+    Resuming at `start_iteration` keeps metrics.jsonl's lines of earlier iterations (the
+    `history`) and starts every tracker with them (`jaxppo.tracking.base`'s resume rule), so
+    no tracker holds an iteration twice. A torn or garbage last line, which a kill in the
+    middle of a write leaves, is dropped with a warning naming the file and line; a bad line
+    elsewhere is an error (something other than a kill damaged the file)."""
 
-    def __init__(self, output_dir: str, start_iteration: int = 0, tensorboard: bool = True):
+    def __init__(self, output_dir: str, start_iteration: int = 0, report_to: Sequence[str] = ("jsonl", "tensorboard"),
+                 config: Optional[dict] = None):
         os.makedirs(output_dir, exist_ok=True)
-        self.path = os.path.join(output_dir, "metrics.jsonl")
+        self.path = os.path.join(output_dir, METRICS_FILE)
         self.history = [row for row in read_metrics(self.path) if row["iteration"] < start_iteration]
-        if os.path.isfile(self.path) or self.history:
-            atomic_write_text(self.path, "".join(json.dumps(row) + "\n" for row in self.history))
-        self._file = open(self.path, "a")
-        self._write_failed = False
-        self._tb = None
-        if tensorboard:
-            try:
-                SummaryWriter = _summary_writer_class()
-            except ImportError:
-                warnings.warn("tensorboardX is not installed: TensorBoard logging is off", RuntimeWarning)
-            else:
-                tb_dir = os.path.join(output_dir, "tensorboard")
-                shutil.rmtree(tb_dir, ignore_errors=True)  # rebuilt below from the kept lines
-                self._tb = SummaryWriter(tb_dir)
-                for row in self.history:
-                    self._tb_write(row)
-
-    def _tb_write(self, metrics: dict):
-        step = metrics["episode"]
-        for name, value in metrics.items():
-            if isinstance(value, (int, float)):
-                self._tb.add_scalar(name, value, step)
+        classes = [tracker_class(name) for name in parse_report_to(list(report_to))]
+        uid = run_id(output_dir) if any(getattr(c, "needs_run_id", True) for c in classes) else ""
+        run = TrackerRun(output_dir, os.path.basename(os.path.abspath(output_dir)), uid, dict(config or {}),
+                         start_iteration, tuple(self.history), kept_tables(output_dir, start_iteration))
+        self.trackers = []
+        try:
+            for cls in classes:
+                tracker = cls()
+                tracker.start(run)
+                self.trackers.append(tracker)
+        except BaseException:
+            self.close()
+            raise
 
     def log(self, metrics: dict, echo: bool = True):
-        text = json.dumps(metrics) + "\n"
-        failpoints.hit("metrics_write", lambda: (self._file.write(text[: len(text) // 2]), self._file.flush()))
-        try:
-            self._file.write(text)
-            self._file.flush()
-        except OSError as err:
-            self._write_failed = True
-            raise RunError(f"could not append iteration {metrics.get('iteration')} to {self.path}: {err}. The lines "
-                           "before it are intact; free disk space or fix the directory, then run the same command "
-                           "again to resume from the last checkpoint") from err
+        for tracker in self.trackers:
+            tracker.log(metrics["iteration"], metrics)
         self.history.append(metrics)
-        if self._tb is not None:
-            self._tb_write(metrics)
         if echo:
             parts = [f"iter {metrics['iteration']:4d}"] + [
                 f"{k.split('/')[-1]} {metrics[k]:.4g}" for k in _CONSOLE_KEYS if k in metrics
             ]
             print("  ".join(parts), flush=True)
 
+    def log_table(self, step: int, name: str, columns: Sequence[str], rows: Sequence[Sequence]):
+        """A table at iteration `step` to every tracker that records tables."""
+        for tracker in self.trackers:
+            if tracker.tables:
+                tracker.log_table(step, name, columns, rows)
+
     def close(self):
-        if self._file.closed:
-            return
-        try:
-            self._file.close()
-        except OSError:
-            if not self._write_failed:  # a failed write was already reported; its unflushed rest cannot be saved
-                raise
-        if self._tb is not None:
-            self._tb.close()
+        """Finish every tracker (idempotent); the first error is raised after all are tried."""
+        trackers, self.trackers, error = self.trackers, [], None
+        for tracker in trackers:
+            try:
+                tracker.finish()
+            except Exception as err:  # the others still finish
+                error = error or err
+        if error is not None:
+            raise error
 
     def plot(self, path: str):
         """PNG of score, KL and RLHF reward per iteration."""
@@ -129,33 +128,3 @@ class Logger:
         os.replace(tmp, path)
         plt.close(fig)
         return path
-
-
-def read_metrics(path: str) -> list:
-    """The rows of a metrics.jsonl file (a missing file has none).
-
-    A last line that is not a JSON object with an integer "iteration" (torn by a kill in the
-    middle of a write, or garbage) is dropped with a `RuntimeWarning` naming the file and
-    line; such a line anywhere else is a `RunError` naming them."""
-    if not os.path.isfile(path):
-        return []
-    with open(path, "rb") as f:
-        lines = f.read().decode("utf-8", errors="replace").split("\n")
-    numbered = [(n, line) for n, line in enumerate(lines, start=1) if line.strip()]
-    rows = []
-    for k, (n, line) in enumerate(numbered):
-        try:
-            row = json.loads(line)
-            ok = isinstance(row, dict) and isinstance(row.get("iteration"), int)
-        except ValueError:
-            ok = False
-        if ok:
-            rows.append(row)
-        elif k == len(numbered) - 1:
-            warnings.warn(f"{path} line {n} is not a complete metrics record ({line[:80]!r}), as a run killed while "
-                          "writing it leaves; dropped (the lines before it are kept)", RuntimeWarning, stacklevel=2)
-        else:
-            raise RunError(f"{path} line {n} is not a metrics record ({line[:80]!r}) and later lines follow it, so "
-                           "it was not left by an interrupted write; repair or remove that line, or give this run "
-                           "another output_dir")
-    return rows

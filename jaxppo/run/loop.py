@@ -35,8 +35,10 @@ def run_loop(trainer, logger: Logger) -> Logger:
                 finish = trainer.prepare_iteration()
                 with interrupts_held(what="this iteration's update"):  # the new state and its line land together
                     metrics = finish()
+                    table = _completions(trainer)  # before the metrics: a step's metrics end what it logs
+                    table and logger.log_table(metrics["iteration"], "completions", *table)
                     logger.log(metrics, echo=progress.bar is None and metrics["iteration"] % tc.log_every == 0)
-                progress.update(metrics, trainer)
+                progress.update(metrics, trainer.iteration, table)
                 for cb in trainer.callbacks:
                     cb(metrics["iteration"], metrics)
                 if tc.checkpoint_every and trainer.iteration % tc.checkpoint_every == 0:
@@ -83,21 +85,28 @@ class _Progress:
 
             self.bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True)
 
-    def update(self, metrics: dict, trainer):
-        tc = self.tc
+    def update(self, metrics: dict, iteration: int, table):
         if self.bar is not None:
             self.bar.update(1)
             if "objective/scores" in metrics:
                 self.bar.set_postfix(score=f"{metrics['objective/scores']:.3f}",
                                      **({"kl": f"{metrics['objective/kl']:.3f}"} if "objective/kl" in metrics else {}))
-        if tc.sample_every and trainer.iteration % tc.sample_every == 0 and tc.num_samples:
-            for prompt, response in trainer.samples(tc.num_samples):
-                text = f"  [{trainer.iteration}] {prompt!r} -> {response!r}"
-                (self.bar.write if self.bar is not None else print)(text)
+        for row in table[1] if table else ():
+            text = f"  [{iteration}] {row[0]!r} -> {row[1]!r}"
+            (self.bar.write if self.bar is not None else print)(text)
 
     def close(self):
         if self.bar is not None:
             self.bar.close()
+
+
+def _completions(trainer):
+    """The completions table (`Trainer.completion_table`) of the iteration just run, every
+    `sample_every` iterations; else None."""
+    tc = trainer.tc
+    if tc.sample_every and tc.num_samples and trainer.iteration % tc.sample_every == 0:
+        return trainer.completion_table(tc.num_samples)
+    return None
 
 
 def _headline(c: PPOConfig, iterations: int) -> str:

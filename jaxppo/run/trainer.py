@@ -26,6 +26,7 @@ from __future__ import annotations
 import warnings
 from typing import Callable, Optional, Sequence
 
+import jax
 import numpy as np
 
 from jaxppo.config import PPOConfig
@@ -36,7 +37,7 @@ from jaxppo.run import export as exporting
 from jaxppo.run import report, save_restore, stages
 from jaxppo.run.directory import make_output_dir
 from jaxppo.run.iteration import check_scores, complete, prepare
-from jaxppo.run.logger import Logger
+from jaxppo.run.logger import Logger, tracked_settings
 from jaxppo.run.loop import finish_run, run_loop
 from jaxppo.run.parts import build
 from jaxppo.sharding import to_host
@@ -138,7 +139,8 @@ class Trainer(save_restore.Resumable):
         self.callbacks, self.iterations, self.run = list(callbacks), parts.iterations, parts.run
         self.table, self.prompt_ids, self.prompt_mask = parts.table, parts.table.ids, parts.table.mask
         self.policy_model, self.reward_model = parts.models.policy_model, parts.models.reward_model
-        self.history, self.last_samples, self._warned_unknown, self.train_step = [], None, False, parts.train_step
+        self.history, self.last_samples, self.last_scores = [], None, (None, {})
+        self._warned_unknown, self.train_step = False, parts.train_step
 
     # What the run is made of (`RunParts`), by the names they have always had.
     environment = property(lambda self: self.parts.environment, doc="The multi-turn environment, or None.")
@@ -194,7 +196,7 @@ class Trainer(save_restore.Resumable):
         def finish():
             outcome = complete(prepared, train_step=self.train_step, config=self.config, pipelined=pipelined,
                                lr=self.policy_schedule, with_functions=self.host_rewards is not None)
-            self.run, self.last_samples = outcome.run, outcome.samples
+            self.run, self.last_samples, self.last_scores = outcome.run, outcome.samples, outcome.scores
             pipelined and pipelined.push(self.run)
             return outcome.metrics
 
@@ -228,6 +230,23 @@ class Trainer(save_restore.Resumable):
         responses = decode_responses(self.tokenizer, to_host(gen.tokens)[:n], to_host(mask)[:n])
         return [(self.table.texts[r], text) for r, text in zip(rows[:n], responses)]
 
+    def completion_table(self, n: int):
+        """(columns, rows) of the first `n` completions of the last iteration: "prompt",
+        "completion", "reward" (the combined raw score), one column per reward function (None
+        where it gave no opinion; the reward model as "reward_model"), "length" (the policy's
+        response tokens) and "stopped" (ended with a stop token)."""
+        raw, per_function = self.last_scores
+        rows, gen = self.last_samples
+        tokens, mask = to_host(gen.tokens)[:n], to_host(gen.mask)[:n]
+        stops = np.isin(tokens, np.asarray(self.spec.stop_token_ids, dtype=tokens.dtype)) & (mask > 0)
+        columns = ["prompt", "completion", "reward", *per_function, "length", "stopped"]
+        table = []
+        for i, (prompt, completion) in enumerate(self.samples(n)):
+            functions = [float(v[i]) if g[i] else None for v, g in per_function.values()]
+            table.append([prompt, completion, None if raw is None else float(raw[i]), *functions,
+                          int(mask[i].sum()), bool(stops[i].any())])
+        return columns, table
+
     # ------------------------------------------------------------------ the loop
 
     def train(self):
@@ -244,7 +263,9 @@ class Trainer(save_restore.Resumable):
         make_output_dir(self.tc.output_dir)
         self.open_run()
         self.precompile()  # from here the update compiles beside the run's other start-up work
-        logger = Logger(save_restore.log_dir(self.tc), start_iteration=self.iteration, tensorboard=self.tc.tensorboard)
+        logger = Logger(save_restore.log_dir(self.tc), start_iteration=self.iteration,
+                        report_to=self.tc.trackers if jax.process_index() == 0 else ("jsonl",),
+                        config=tracked_settings(self.config, self.tc, self.iterations))
         self.history = logger.history  # the lines of the iterations before this start, and this run's
         try:
             run_loop(self, logger)

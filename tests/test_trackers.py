@@ -1,0 +1,187 @@
+"""Experiment trackers (`jaxppo.tracking`, `TrainerConfig.report_to`): each backend's own
+store, read back with its own reader (MLflow's client, trackio's storage, wandb's record
+type over its offline transaction files, TensorBoard's event protos), holds every iteration
+once and the values of metrics.jsonl after a crash and a resume; completion tables; a
+tracker registered from outside the package; bad input refused before any work."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+from jaxppo import demo
+from jaxppo.errors import RewardError
+from jaxppo.tracking import Tracker, base, parse_report_to, read_metrics, read_table, register_tracker
+from jaxppo.tracking.backends import wandb_files, wandb_history
+
+from trainer_setup import small_trainer
+
+BACKENDS = ("wandb", "mlflow", "trackio")
+
+
+def tracker_rows(out, project="jaxppo"):
+    """{backend: [(step, {metric: value}), ...] in the store's order} for wandb, MLflow and
+    trackio, read back with each one's own reader; and {backend: [table steps]}."""
+    from mlflow.tracking import MlflowClient
+    from trackio.sqlite_storage import SQLiteStorage
+
+    uid = json.load(open(os.path.join(out, "trackers.json")))["run_id"]
+    rows, tables = {}, {}
+    history = [row for path in wandb_files(str(out), uid) for row in wandb_history(path)]
+    rows["wandb"] = [(int(r["_step"]), {k: v for k, v in r.items() if not k.startswith("_") and k != "completions"})
+                     for r in history if "iteration" in r]
+    tables["wandb"] = [int(r["_step"]) for r in history if "completions/_type" in r or "completions" in r]
+    client = MlflowClient("sqlite:///" + os.path.join(os.path.abspath(out), "mlflow.db"))
+    (run,) = client.search_runs([client.get_experiment_by_name("jaxppo").experiment_id])
+    by_step = {}
+    for key in run.data.metrics:
+        for m in client.get_metric_history(run.info.run_id, key):
+            by_step.setdefault(m.step, []).append((key, m.value))
+    rows["mlflow"] = [(step, dict(items)) for step, items in sorted(by_step.items())]
+    assert all(len(items) == len(dict(items)) for items in by_step.values()), "a metric held twice at one step"
+    tables["mlflow"] = sorted(int(a.path.split("_")[-1].split(".")[0])
+                              for a in client.list_artifacts(run.info.run_id, "tables"))
+    name = f"{os.path.basename(out)}-{uid[:8]}"
+    logs = SQLiteStorage.get_logs(project, name)
+    rows["trackio"] = [(int(r["step"]), r) for r in logs if "iteration" in r and r.get("iteration") is not None]
+    tables["trackio"] = [int(r["step"]) for r in logs if r.get("completions") is not None]
+    return rows, tables
+
+
+def assert_trackers_hold(out, project="jaxppo", table_steps=None):
+    """Each backend holds every iteration of metrics.jsonl once, in order, with its values
+    (timings aside)."""
+    expected = read_metrics(os.path.join(out, "metrics.jsonl"))
+    rows, tables = tracker_rows(out, project)
+    for backend in BACKENDS:
+        assert [step for step, _ in rows[backend]] == [r["iteration"] for r in expected], backend
+        for (step, got), want in zip(rows[backend], expected):
+            for key, value in want.items():
+                timing = key.startswith("time/") or key == "eps"  # wall-clock: the one thing a resume cannot repeat
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and not timing:
+                    assert got[key] == pytest.approx(value, rel=1e-12, abs=1e-12), (backend, step, key)
+        if table_steps is not None:
+            assert tables[backend] == table_steps, backend
+
+
+def test_each_tracker_holds_every_iteration_once_after_a_crash_and_a_resume(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRACKIO_PROJECT", "crash-and-resume")
+    calls = []
+
+    def crashing(prompts, completions):  # the 4th iteration's scoring raises: a crash after iteration 2 was logged
+        calls.append(1)
+        if len(calls) == 4:
+            raise ValueError("the judge went away")
+        return demo.lowercase_reward(prompts, completions)
+
+    out = tmp_path / "run"
+    settings = dict(iterations=4, checkpoint_every=2, report_to="tensorboard,wandb,mlflow,trackio", sample_every=1,
+                    num_samples=2, export_final=False)
+    with pytest.raises(RewardError, match="the judge went away"):
+        small_trainer(out, reward_fn=crashing, **settings).train()
+    rows, _ = tracker_rows(str(out), "crash-and-resume")
+    for backend in BACKENDS:  # iteration 2 is held, and the checkpoint is at 2: the resume recomputes it
+        assert [step for step, _ in rows[backend]] == [0, 1, 2], backend
+    trainer = small_trainer(out, reward_fn=crashing, **settings)  # the same command again (the judge is back)
+    history = trainer.train()
+    assert [r["iteration"] for r in history] == [0, 1, 2, 3]
+    assert_trackers_hold(str(out), "crash-and-resume", table_steps=[0, 1, 2, 3])
+    assert sorted(os.listdir(out / "mlflow")) == ["1"]  # MLflow's artifacts inside the run directory
+    table = read_table(str(out / "completions.table.jsonl"))
+    assert [r["iteration"] for r in table] == [0, 0, 1, 1, 2, 2, 3, 3]
+    # The last table's rows are the last iteration's completions, scored again here by the reward function.
+    columns, last = trainer.completion_table(2)
+    assert columns == ["prompt", "completion", "reward", "crashing", "length", "stopped"]
+    for row, kept in zip(last, table[-2:]):
+        assert dict(zip(columns, row)) == {k: v for k, v in kept.items() if k != "iteration"}
+        assert kept["reward"] == kept["crashing"] == pytest.approx(
+            float(demo.lowercase_reward([kept["prompt"]], [kept["completion"]])[0]), abs=1e-6)
+        assert 0 <= kept["length"] <= 6
+
+
+class MemoryTracker(Tracker):
+    """A tracker from outside the package: keeps everything it is given."""
+
+    runs = []
+    tables = True
+
+    def start(self, run):
+        self.record = {"run": run, "steps": [], "tables": [], "finished": False}
+        MemoryTracker.runs.append(self.record)
+
+    def log(self, step, metrics):
+        self.record["steps"].append((step, metrics))
+
+    def log_table(self, step, name, columns, rows):
+        self.record["tables"].append((step, name, list(columns), [list(r) for r in rows]))
+
+    def finish(self):
+        self.record["finished"] = True
+
+
+def test_a_tracker_registered_from_outside_the_package_gets_every_iteration_tables_and_the_resume(tmp_path):
+    register_tracker("memory", MemoryTracker)
+    try:
+        out = tmp_path / "run"
+        first = small_trainer(out, iterations=2, report_to="memory", sample_every=2, num_samples=3).train()
+        second = small_trainer(out, iterations=3, report_to=["memory"], sample_every=2, num_samples=3).train()
+    finally:
+        del base._TRACKERS["memory"]
+    a, b = MemoryTracker.runs
+    assert a["run"].start_iteration == 0 and a["run"].history == () and a["finished"]
+    assert [s for s, _ in a["steps"]] == [0, 1] and [m for _, m in a["steps"]] == first
+    assert [(s, name, len(rows)) for s, name, _, rows in a["tables"]] == [(1, "completions", 3)]
+    assert a["run"].config["batch_size"] == 16 and a["run"].config["report_to"] == "jsonl,memory"
+    assert b["run"].start_iteration == 2 and list(b["run"].history) == first  # the resume rule's inputs
+    assert b["run"].tables == (a["tables"][0][:3] + (a["tables"][0][3],),)
+    assert b["run"].run_id == a["run"].run_id and len(a["run"].run_id) == 16
+    assert [s for s, _ in b["steps"]] == [2] and [m for _, m in b["steps"]] == second[2:]
+    assert b["tables"] == []  # iteration 2 is the 3rd: sample_every=2 logs after the 2nd and 4th
+
+
+def test_report_to_names_are_checked_before_any_work(monkeypatch):
+    import jaxppo
+
+    assert parse_report_to("none") == ("jsonl",)
+    assert parse_report_to(" wandb , mlflow") == ("jsonl", "wandb", "mlflow")
+    assert set(parse_report_to("all")) == {"jsonl", "tensorboard", "wandb", "mlflow", "trackio"}
+    assert jaxppo.TrainerConfig(report_to=["mlflow"]).report_to == "jsonl,mlflow"
+    assert jaxppo.TrainerConfig(tensorboard=False).trackers == ("jsonl",)
+    with pytest.raises(ValueError, match=r"report_to='wandb,comet' names unknown trackers \['comet'\]; valid: jsonl, "
+                                         r"tensorboard, wandb, mlflow, trackio"):
+        jaxppo.TrainerConfig(report_to="wandb,comet")
+    with pytest.raises(ValueError, match=r"report_to=3 is invalid: give tracker names"):
+        jaxppo.TrainerConfig(report_to=3)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("wandb", "trackio") else
+                        real(name, *a))
+    with pytest.raises(ValueError, match=r"names wandb, trackio, whose package is not installed \(wandb, trackio\): "
+                                         r"pip install jaxppo\[trackio\] jaxppo\[wandb\]"):
+        jaxppo.TrainerConfig(report_to="wandb,mlflow,trackio")
+    assert "wandb" not in parse_report_to("all")  # "all": the installed ones
+    for bad in ("none", "a,b", ""):
+        with pytest.raises(ValueError, match="tracker name"):
+            register_tracker(bad, MemoryTracker)
+    with pytest.raises(ValueError, match="a tracker named 'mlflow' is registered already"):
+        register_tracker("mlflow", MemoryTracker)
+
+
+def test_wandb_transaction_files_cut_anywhere_read_as_a_prefix(tmp_path):
+    """A killed process leaves a transaction file cut anywhere: the reader returns the
+    complete records before the cut and no error."""
+    import wandb
+
+    run = wandb.init(mode="offline", dir=str(tmp_path), project="jaxppo", id="cutfile", config={})
+    for step in range(40):
+        run.log({"iteration": step, "x": step * 0.5, "text": "y" * 2000}, step=step)  # records span blocks
+    run.finish()
+    (path,) = wandb_files(str(tmp_path), "cutfile")
+    whole = [r["_step"] for r in wandb_history(path)]
+    assert whole == list(range(40)) and os.path.getsize(path) > 2 * 32768
+    data = open(path, "rb").read()
+    for cut in range(0, len(data), 997):
+        with open(path, "wb") as f:
+            f.write(data[:cut])
+        steps = [r["_step"] for r in wandb_history(path)]
+        assert steps == whole[:len(steps)]
