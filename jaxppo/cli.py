@@ -56,6 +56,11 @@ _EXTRA = {
     "critic": (str, None, "local directory to initialise the critic from (default: the reward model)"),
     "ref_model": (str, None, "local directory of the reference policy (default: the initial policy)"),
     "prompts": (str, None, "prompts file: .txt (one per line), .jsonl or .json; default: the demo's prompts"),
+    "eval_prompts": (str, None, "prompts to evaluate the policy on during training (a file as --prompts takes; "
+                                "--eval-every, --eval-generations, --eval-temperature say when and how): eval/... "
+                                "metrics in the iterations' lines"),
+    "eval_reward": (list, None, "a reward function scoring the evaluation, repeatable, as --reward (default: the "
+                                "run's --reward functions)"),
     "prompt_column": (str, "prompt", "field holding the prompt in .jsonl/.json files (a string, or a list of "
                                      "{role, content} chat messages; a 'messages' field is found by itself)"),
     "chat_template": (bool, None, "render chat-message prompts with the tokenizer's chat template (the default when "
@@ -252,6 +257,7 @@ def build_trainer(ppo: PPOConfig, tc: TrainerConfig, extras: dict) -> PPOTrainer
         train_pairs, held_out = demo.sum_pairs(tc.seed)
         prompts = extras["prompts"] or demo.sums_rows(train_pairs)
         rewards = extras["reward"] or ["sums"]
+        extras = {**extras, "eval_prompts": extras["eval_prompts"] or demo.sums_rows(held_out)}
     elif extras["is_demo"]:
         tokenizer = demo.demo_tokenizer()
         policy = demo.demo_policy(tokenizer, seed=tc.seed, max_len=tc.query_length + tc.response_length)
@@ -279,9 +285,9 @@ def build_trainer(ppo: PPOConfig, tc: TrainerConfig, extras: dict) -> PPOTrainer
                          reward_weights=extras["reward_weight"], critic=extras["critic"],
                          ref_policy=extras["ref_model"], dtype=extras["dtype"], ref_dtype=extras["ref_dtype"],
                          reward_dtype=extras["reward_dtype"], prompt_column=extras["prompt_column"],
-                         environment=environment, callbacks=callbacks, **model_options(extras))
-    if task == "sums":
-        trainer.add_callback(demo.HeldOutSums(trainer, held_out))
+                         environment=environment, callbacks=callbacks, eval_prompts=extras["eval_prompts"],
+                         eval_reward_fns=[_reward_function(t) for t in extras["eval_reward"]] if extras["eval_reward"]
+                         else None, **model_options(extras))
     return trainer
 
 
@@ -403,10 +409,6 @@ def main(argv=None) -> int:
     from jaxppo.errors import EpisodeError, RewardError, RunError
 
     try:
-        from jaxppo.demo import HeldOutSums
-
-        for held_out in (cb for cb in trainer.callbacks if isinstance(cb, HeldOutSums)):  # the sums demo
-            held_out.before()  # accuracy before training
         trainer.train()
     except KeyboardInterrupt:
         return 130

@@ -17,7 +17,7 @@ from jaxppo.models.config import ModelConfig
 from jaxppo.models.model import Model
 
 __all__ = ["DEMO_PROMPTS", "demo_tokenizer", "demo_policy", "lowercase_reward", "DEMO_PPO", "DEMO_TRAINER",
-           "sum_pairs", "sums_rows", "parse_answer", "sums_reward", "HeldOutSums", "DEMO_SUMS_PPO", "DEMO_SUMS_TRAINER",
+           "sum_pairs", "sums_rows", "parse_answer", "sums_reward", "DEMO_SUMS_PPO", "DEMO_SUMS_TRAINER",
            "DEMO_ALGORITHM"]
 
 DEMO_PROMPTS = [
@@ -105,8 +105,10 @@ def multiturn_prompts():
 SUMS_OPERANDS = (1, 50)
 SUMS_HELD_OUT = 64
 DEMO_SUMS_PPO = dict(batch_size=32, mini_batch_size=16, ppo_epochs=1, num_generations=8, kl_loss_coef=0.0)
+# The held-out sums are the run's eval prompts: greedy answers before training, every 10
+# iterations, and of the final policy (final_eval.json).
 DEMO_SUMS_TRAINER = dict(iterations=30, query_length=64, response_length=16, learning_rate=1e-5, sample_every=10,
-                         output_dir="runs/demo_sums")
+                         output_dir="runs/demo_sums", eval_every=10, eval_temperature=0.0)
 
 
 def sum_pairs(seed: int = 0):
@@ -140,65 +142,3 @@ def parse_answer(text: str):
 def sums_reward(prompts, completions, answer):
     """1 where the completion's answer (`parse_answer`) is the sum, else 0."""
     return [float(parse_answer(c) == int(a)) for c, a in zip(completions, answer)]
-
-
-class HeldOutSums:
-    """The sums demo's evaluation: greedy answers to the held-out sums, before training
-    (`before(trainer)`) and every `every` iterations as a callback; writes
-    `held_out.json` and a plot `held_out.png` to the run's directory and returns the
-    accuracies."""
-
-    def __init__(self, trainer, pairs, every: int = 10):
-        self.trainer, self.pairs, self.every, self.points = trainer, pairs, every, []
-
-    def accuracy(self) -> float:
-        import jax.numpy as jnp
-
-        from jaxppo.rollout.samplers.static import generate
-        from jaxppo.models.tokenizer import decode_responses, encode_prompts
-        from jaxppo.rollout.prompts import render_prompts
-
-        t, spec = self.trainer, self.trainer.spec
-        texts, _ = render_prompts(t.tokenizer, [row["prompt"] for row in sums_rows(self.pairs)])
-        ids, mask = encode_prompts(t.tokenizer, texts, t.tc.query_length, add_special_tokens=False)
-        out = generate(spec.policy, t.policy_params(), jnp.asarray(ids), jnp.asarray(mask), jax.random.key(0),
-                       response_length=spec.response_length, greedy=True, stop_token_ids=spec.stop_token_ids,
-                       pad_token_id=spec.pad_token_id)
-        completions = decode_responses(t.tokenizer, out.tokens, out.mask)
-        return float(sum(sums_reward(None, completions, [a + b for a, b in self.pairs])) / len(self.pairs))
-
-    def record(self, iteration: int):
-        import json
-        import os
-
-        self.points.append({"iteration": iteration, "accuracy": self.accuracy()})
-        print(f"held-out sums ({len(self.pairs)}, greedy, never trained on): accuracy "
-              f"{self.points[-1]['accuracy']:.3f} after {iteration} iterations", flush=True)
-        os.makedirs(self.trainer.tc.output_dir, exist_ok=True)
-        with open(os.path.join(self.trainer.tc.output_dir, "held_out.json"), "w") as f:
-            json.dump(self.points, f, indent=1)
-        if self.trainer.tc.plot and len(self.points) > 1:
-            self._plot(os.path.join(self.trainer.tc.output_dir, "held_out.png"))
-
-    def before(self):
-        if self.trainer.iteration == 0:
-            self.record(0)
-
-    def __call__(self, iteration: int, metrics):
-        done = iteration + 1
-        if done % self.every == 0 or done == self.trainer.iterations:
-            self.record(done)
-
-    def _plot(self, path: str):
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(5, 3.2))
-        ax.plot([p["iteration"] for p in self.points], [p["accuracy"] for p in self.points], marker="o")
-        ax.set(xlabel="iteration", ylabel="held-out accuracy (greedy)", ylim=(0, 1),
-               title="SmolLM2-135M-Instruct, GRPO on sums")
-        fig.tight_layout()
-        fig.savefig(path)
-        plt.close(fig)

@@ -42,7 +42,12 @@ class TrainerConfig:
       `<output_dir>/metrics.jsonl` is written whatever it says; a tracker whose package is
       missing is refused here, with the pip command; see `jaxppo.tracking`); tensorboard
       (False drops "tensorboard" from report_to); progress; export_final (policy as a
-      Hugging Face directory); plot (PNG of score, KL, reward).
+      Hugging Face directory); plot (PNG of score, KL, reward). save_hf_every (a Hugging
+      Face checkpoint of the policy, or its PEFT adapter with LoRA, with the tokenizer,
+      every that many iterations under `<output_dir>/hf/iteration_<n>`; 0: none), keep_hf
+      (the newest kept; 0: all), best_metric (an `eval/...` metric: the policy that scored
+      best on it kept in `<output_dir>/hf/best`, `hf/best.json` saying which) and
+      best_metric_mode ("max" or "min").
     Sampling: num_slots (None: the static sampler, every row of the batch decoded together
       until the last ends, each prompt prefilled once per group; an int: the
       continuous sampler with that many slots, a finished row's slot refilled at
@@ -108,6 +113,12 @@ class TrainerConfig:
       new parameters; every token's version is recorded (`rollout/staleness_*` over
       tokens). Tokens then depend on when versions arrive: such a run is not repeated
       exactly on resume. Single-turn, no dynamic sampling.
+    Evaluation (with `Trainer(eval_prompts=...)`; `jaxppo.run.evaluation`): eval_every (an
+      evaluation at every iteration i > 0 with i % eval_every == 0; 0: none but the first),
+      eval_before_training (the evaluation at iteration 0, of the initial policy; None: on),
+      eval_generations (completions per eval prompt: pass@k for k up to it when the rewards
+      are 0 or 1), eval_temperature (None: `PPOConfig.temperature`; 0: greedy). Metrics
+      `eval/...` in the iteration's line, of the policy that sampled that iteration.
     Faults: skip_nonfinite_scores (an iteration whose scores include NaN or inf is skipped
       and counted in `objective/skipped_nonfinite_scores` instead of stopping the run with
       an error naming the rows).
@@ -145,7 +156,15 @@ class TrainerConfig:
     progress: bool = setting(True, on_resume="free")
     export_final: bool = setting(True, on_resume="free")
     plot: bool = setting(True, on_resume="free")
+    save_hf_every: int = setting(0, on_resume="free")
+    keep_hf: int = setting(2, on_resume="free")
+    best_metric: Optional[str] = setting(None, on_resume="free")
+    best_metric_mode: str = setting("max", on_resume="free")
     skip_nonfinite_scores: bool = False
+    eval_every: int = setting(0, on_resume="free")
+    eval_before_training: Optional[bool] = setting(None, on_resume="free")
+    eval_generations: int = setting(1, on_resume="free")
+    eval_temperature: Optional[float] = setting(None, on_resume="free")
     num_slots: Optional[int] = setting(None, on_resume="free")
     max_turns: int = setting(4, on_resume="same_if_set")
     turn_length: Optional[int] = setting(None, on_resume="same_if_set")
@@ -185,23 +204,24 @@ class TrainerConfig:
             raise ValueError(f"TrainerConfig.stop_token_id={self.stop_token_id!r} is invalid: stop_token_id must be "
                              "None or a token id >= 0")
         positive = ("iterations", "query_length", "response_length", "kl_horizon", "log_every", "keep_checkpoints",
-                    "max_turns", "environment_workers", "dynamic_sampling_rounds", "inflight_steps")
+                    "max_turns", "environment_workers", "dynamic_sampling_rounds", "inflight_steps", "eval_generations")
         for name in positive:
             value = getattr(self, name)
             if not is_int(value) or value <= 0:
                 raise ValueError(f"TrainerConfig.{name}={value!r} is invalid: {name} must be a positive int")
         for name in ("sample_every", "num_samples", "checkpoint_every", "warmup_updates", "seed", "max_staleness",
-                     "sampler_devices"):
+                     "sampler_devices", "eval_every", "save_hf_every", "keep_hf"):
             value = getattr(self, name)
             if not is_int(value) or value < 0:
                 raise ValueError(f"TrainerConfig.{name}={value!r} is invalid: {name} must be an int >= 0")
         check_kl_estimator("TrainerConfig.kl_estimator=", self.kl_estimator)
-        self._check_inflight()
+        _check_watching(self)
+        _check_inflight(self)
         if self.sampler_devices and not self.max_staleness:
             raise ValueError(f"TrainerConfig.sampler_devices={self.sampler_devices} gives the sampler devices of its "
                              "own, which only pays when sampling overlaps training: set max_staleness >= 1, or "
                              "sampler_devices=0 (sampler and trainer share the devices)")
-        self._check_environment()
+        _check_environment(self)
         if self.lr_schedule not in ("constant", "linear", "cosine"):
             raise ValueError(f"TrainerConfig.lr_schedule={self.lr_schedule!r} is invalid; valid: constant, linear, cosine")
         for name in ("learning_rate", "adam_eps"):
@@ -221,48 +241,69 @@ class TrainerConfig:
         when `tensorboard` is False)."""
         return tuple(n for n in self.report_to.split(",") if self.tensorboard or n != "tensorboard")
 
-    def _check_inflight(self):
-        if self.inflight_updates is None:
-            return
-        if self.inflight_updates not in ("keep", "recompute"):
-            raise ValueError(f"TrainerConfig.inflight_updates={self.inflight_updates!r} is invalid; valid: None (each "
-                             "iteration sampled from one version), 'keep' or 'recompute' (what happens to a row's KV "
-                             "cache when new parameters arrive)")
-        engine = engine_class(self.rollout_engine, self.num_slots)
-        takes = engine.capabilities.inflight_updates
-        needs = [what for what, missing in (
-            ("max_staleness >= 1", not self.max_staleness),
-            ("num_slots (the continuous sampler)" if self.rollout_engine == BUILT_IN else
-             f"a rollout engine that takes weights while it decodes ({engine.__name__} does not)", not takes),
-            ("dynamic_sampling=False", self.dynamic_sampling)) if missing]
-        if needs:
-            raise ValueError(f"TrainerConfig.inflight_updates={self.inflight_updates!r} takes new parameters between "
-                             f"the rollout engine's decode steps while the trainer updates; it needs "
-                             f"{', '.join(needs)}")
 
-    def _check_environment(self):
-        if self.turn_length is not None and (not is_int(self.turn_length) or not
-                                             0 < self.turn_length <= self.response_length):
-            raise ValueError(f"TrainerConfig.turn_length={self.turn_length!r} is invalid: turn_length must be None (a "
-                             f"turn may use the rest of the budget) or an int in [1, response_length="
-                             f"{self.response_length}]")
-        timeout = self.environment_timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (math.isfinite(timeout)
-                                                                                      and timeout > 0):
-            raise ValueError(f"TrainerConfig.environment_timeout={timeout!r} is invalid: it must be a finite number of "
-                             "seconds > 0")
-        if self.attention is not None and self.attention not in ATTENTION:
-            raise ValueError(f"TrainerConfig.attention={self.attention!r} is invalid; valid: None (each model as "
-                             f"given), {', '.join(map(repr, ATTENTION))}")
-        if self.rollout_engine not in rollout_engine_names():
-            raise ValueError(f"TrainerConfig.rollout_engine={self.rollout_engine!r} is invalid; valid: 'jaxppo' (the "
-                             "built-in engines), " + ", ".join(map(repr, rollout_engine_names()[1:]))
-                             + " (jaxppo.rollout.engines.register_rollout_engine adds one)")
-        if self.old_logprobs not in OLD_LOGPROBS:
-            raise ValueError(f"TrainerConfig.old_logprobs={self.old_logprobs!r} is invalid; valid: 'auto' (the "
-                             "sampler's with the built-in engine and a float32 policy, else recomputed), 'sampler' "
-                             "(the sampler's own log-probs), 'recompute' (a forward of the policy)")
-        if self.environment_errors not in ("raise", "end"):
-            raise ValueError(f"TrainerConfig.environment_errors={self.environment_errors!r} is invalid; valid: 'raise' "
-                             "(stop with an error naming the environment, row and turn) or 'end' (end that episode "
-                             "with score 0 and count it)")
+def _check_environment(self: TrainerConfig):
+    if self.turn_length is not None and (not is_int(self.turn_length) or not
+                                         0 < self.turn_length <= self.response_length):
+        raise ValueError(f"TrainerConfig.turn_length={self.turn_length!r} is invalid: turn_length must be None (a "
+                         f"turn may use the rest of the budget) or an int in [1, response_length="
+                         f"{self.response_length}]")
+    timeout = self.environment_timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (math.isfinite(timeout)
+                                                                                  and timeout > 0):
+        raise ValueError(f"TrainerConfig.environment_timeout={timeout!r} is invalid: it must be a finite number of "
+                         "seconds > 0")
+    if self.attention is not None and self.attention not in ATTENTION:
+        raise ValueError(f"TrainerConfig.attention={self.attention!r} is invalid; valid: None (each model as "
+                         f"given), {', '.join(map(repr, ATTENTION))}")
+    if self.rollout_engine not in rollout_engine_names():
+        raise ValueError(f"TrainerConfig.rollout_engine={self.rollout_engine!r} is invalid; valid: 'jaxppo' (the "
+                         "built-in engines), " + ", ".join(map(repr, rollout_engine_names()[1:]))
+                         + " (jaxppo.rollout.engines.register_rollout_engine adds one)")
+    if self.old_logprobs not in OLD_LOGPROBS:
+        raise ValueError(f"TrainerConfig.old_logprobs={self.old_logprobs!r} is invalid; valid: 'auto' (the "
+                         "sampler's with the built-in engine and a float32 policy, else recomputed), 'sampler' "
+                         "(the sampler's own log-probs), 'recompute' (a forward of the policy)")
+    if self.environment_errors not in ("raise", "end"):
+        raise ValueError(f"TrainerConfig.environment_errors={self.environment_errors!r} is invalid; valid: 'raise' "
+                         "(stop with an error naming the environment, row and turn) or 'end' (end that episode "
+                         "with score 0 and count it)")
+
+
+def _check_inflight(self: TrainerConfig):
+    if self.inflight_updates is None:
+        return
+    if self.inflight_updates not in ("keep", "recompute"):
+        raise ValueError(f"TrainerConfig.inflight_updates={self.inflight_updates!r} is invalid; valid: None (each "
+                         "iteration sampled from one version), 'keep' or 'recompute' (what happens to a row's KV "
+                         "cache when new parameters arrive)")
+    engine = engine_class(self.rollout_engine, self.num_slots)
+    takes = engine.capabilities.inflight_updates
+    needs = [what for what, missing in (
+        ("max_staleness >= 1", not self.max_staleness),
+        ("num_slots (the continuous sampler)" if self.rollout_engine == BUILT_IN else
+         f"a rollout engine that takes weights while it decodes ({engine.__name__} does not)", not takes),
+        ("dynamic_sampling=False", self.dynamic_sampling)) if missing]
+    if needs:
+        raise ValueError(f"TrainerConfig.inflight_updates={self.inflight_updates!r} takes new parameters between "
+                         f"the rollout engine's decode steps while the trainer updates; it needs "
+                         f"{', '.join(needs)}")
+
+
+def _check_watching(self: TrainerConfig):
+    """Evaluation and checkpoint settings."""
+    if self.eval_before_training is not None and not isinstance(self.eval_before_training, bool):
+        raise ValueError(f"TrainerConfig.eval_before_training={self.eval_before_training!r} is invalid: None (on "
+                         "when eval prompts are given), True or False")
+    if self.best_metric is not None and (not isinstance(self.best_metric, str)
+                                         or not self.best_metric.startswith("eval/")):
+        raise ValueError(f"TrainerConfig.best_metric={self.best_metric!r} is invalid: the best checkpoint is chosen "
+                         "by an evaluation's metric, a name starting with 'eval/' (eval/reward_mean, "
+                         "eval/pass@1, eval/rewards/<function>/mean, ...), or None")
+    if self.best_metric_mode not in ("max", "min"):
+        raise ValueError(f"TrainerConfig.best_metric_mode={self.best_metric_mode!r} is invalid; valid: 'max' "
+                         "(higher is better), 'min'")
+    t = self.eval_temperature
+    if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0):
+        raise ValueError(f"TrainerConfig.eval_temperature={t!r} is invalid: None (PPOConfig.temperature), 0 "
+                         "(greedy) or a finite number > 0")

@@ -295,7 +295,8 @@ CASES = [
     ("dataset missing column", _dataset_without_column, ValueError,
      r"the dataset has no column 'prompt'; columns: \['question', 'answer'\]"),
     ("prompt longer than query_length", _too_long_prompt, ValueError,
-     r"prompt 0 has \d+ tokens, more than max_length=32 .*raise max_length or pass truncate=True"),
+     r"prompt 0 has \d+ tokens, longer than TrainerConfig.query_length=32 \(--query-length\) .*raise query_length, "
+     r"or set truncate_prompts \(--truncate-prompts\)"),
     # Model directories
     ("model dir missing", lambda ctx: jm.from_pretrained("/no/such/model"), ValueError, r"'/no/such/model' is not a directory"),
     ("model without config.json", _model(_rm_missing), ValueError, r"is not a Hugging Face checkpoint: it has no config.json"),

@@ -6,7 +6,16 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["load_tokenizer", "encode_prompts", "decode_responses"]
+__all__ = ["load_tokenizer", "encode_prompts", "decode_responses", "PromptTooLong"]
+
+
+class PromptTooLong(ValueError):
+    """A prompt with more tokens than `encode_prompts`' `max_length`: `index`, `tokens` (its
+    count) and `text` say which, so that a caller can name its own setting."""
+
+    def __init__(self, message: str, index: int, tokens: int, text: str):
+        super().__init__(message)
+        self.index, self.tokens, self.text = index, tokens, text
 
 
 # Files a tokenizer's vocabulary is usually read from (fast tokenizers, BPE, SentencePiece, WordPiece).
@@ -78,10 +87,10 @@ def encode_prompts(tokenizer, prompts: Sequence[str], max_length: int, *, trunca
         tokens = tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
         if len(tokens) > max_length:
             if not truncate:
-                raise ValueError(
+                raise PromptTooLong(
                     f"prompt {i} has {len(tokens)} tokens, more than max_length={max_length} "
                     f"({text[:60]!r}...); raise max_length or pass truncate=True to keep its last "
-                    f"{max_length} tokens"
+                    f"{max_length} tokens", i, len(tokens), text
                 )
             tokens = tokens[-max_length:]
         if tokens:

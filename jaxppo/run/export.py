@@ -14,7 +14,7 @@ from jaxppo.models.peft import save_peft_adapter
 from jaxppo.run.directory import atomic_replace_dir
 from jaxppo.sharding import to_host
 
-__all__ = ["for_writer", "export_policy", "export_adapter"]
+__all__ = ["for_writer", "export_policy", "export_adapter", "export_checkpoint", "Exportable"]
 
 
 def for_writer(tree):
@@ -57,3 +57,46 @@ def export_adapter(model, params, path: str, base_path=None):
     base = os.path.abspath(os.fspath(base_path)) if base_path is not None else None
     atomic_replace_dir(lambda directory: save_peft_adapter(model, adapters, directory, base_model_name_or_path=base),
                        path)
+
+
+def export_checkpoint(model, params, tokenizer, path: str, base_path=None, drop_value_head: bool = False):
+    """A checkpoint that loads: without LoRA the policy as `export_policy` writes it; with
+    LoRA the PEFT adapter (`export_adapter`) and the tokenizer, in one atomic write."""
+    if model.lora is None:
+        return export_policy(model, params, tokenizer, path, drop_value_head=drop_value_head)
+    adapters = for_writer({"lora": params["lora"]})
+    if adapters is None:
+        return
+    base = os.path.abspath(os.fspath(base_path)) if base_path is not None else None
+
+    def write(directory):
+        save_peft_adapter(model, adapters, directory, base_model_name_or_path=base)
+        if hasattr(tokenizer, "save_pretrained"):
+            tokenizer.save_pretrained(directory)
+
+    atomic_replace_dir(write, path)
+
+
+class Exportable:
+    """The export side of a trainer (`jaxppo.Trainer` is one): reads its `spec`, `state`,
+    `policy_model`, `tokenizer`, `tc` and `parts.policy_source`."""
+
+    def policy_params(self):
+        """The policy's parameters (of the current train state)."""
+        return self.spec.policy_params(self.state.params)
+
+    def export(self, path: str):
+        """Save the current policy (and tokenizer) as a Hugging Face directory; a LoRA
+        policy with its adapters merged into the base weights."""
+        export_policy(self.policy_model, self.policy_params(), self.tokenizer, path, drop_value_head=self.tc.shared_trunk)
+
+    def export_adapter(self, path: str):
+        """Save a LoRA policy's adapters in PEFT's format for the base checkpoint it was
+        loaded from."""
+        export_adapter(self.policy_model, self.policy_params(), path, self.parts.policy_source)
+
+    def export_checkpoint(self, path: str):
+        """A Hugging Face checkpoint of the current policy at `path` (atomically, with the
+        tokenizer): the merged policy, or with LoRA the PEFT adapter."""
+        export_checkpoint(self.policy_model, self.policy_params(), self.tokenizer, path,
+                          base_path=self.parts.policy_source, drop_value_head=self.tc.shared_trunk)

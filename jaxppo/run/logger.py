@@ -106,7 +106,7 @@ class Logger:
             raise error
 
     def plot(self, path: str):
-        """PNG of score, KL and RLHF reward per iteration."""
+        """PNG of score, KL and RLHF reward per iteration (and the eval reward where evaluated)."""
         if not self.history:
             return None
         import matplotlib
@@ -114,11 +114,15 @@ class Logger:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        its = [m["iteration"] for m in self.history]
-        fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
-        for ax, (key, title) in zip(axes, [("objective/scores", "score"), ("objective/kl", "KL(policy || ref)"),
-                                           ("objective/rlhf_reward", "RLHF reward")]):
-            ax.plot(its, [m.get(key, float("nan")) for m in self.history])
+        panels = [("objective/scores", "score"), ("objective/kl", "KL(policy || ref)"),
+                  ("objective/rlhf_reward", "RLHF reward")]
+        if any("eval/reward_mean" in m for m in self.history):
+            panels.append(("eval/reward_mean", "eval reward (held-out prompts)"))
+        fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
+        for ax, (key, title) in zip(axes, panels):
+            rows = [m for m in self.history if key in m] if key.startswith("eval/") else self.history
+            ax.plot([m["iteration"] for m in rows], [m.get(key, float("nan")) for m in rows],
+                    marker="o" if key.startswith("eval/") else None)
             ax.set_title(title)
             ax.set_xlabel("iteration")
             ax.grid(alpha=0.3)

@@ -7,15 +7,21 @@ goes to the logger (whose `history` the trainer holds) and to the callbacks."""
 
 from __future__ import annotations
 
+import json
 import os
 
+import jax
+
 from jaxppo.config import PPOConfig
+from jaxppo.files import atomic_write_text
 from jaxppo.run.interrupts import interrupts_held, interrupts_raise
 from jaxppo.run.logger import Logger
 from jaxppo.testing import failpoints
 from jaxppo.trainer_config import TrainerConfig
 
-__all__ = ["run_loop", "finish_run"]
+__all__ = ["run_loop", "finish_run", "FINAL_EVAL_FILE"]
+
+FINAL_EVAL_FILE = "final_eval.json"  # the final policy's evaluation (with eval prompts)
 
 
 def run_loop(trainer, logger: Logger) -> Logger:
@@ -37,10 +43,14 @@ def run_loop(trainer, logger: Logger) -> Logger:
                     metrics = finish()
                     table = _completions(trainer)  # before the metrics: a step's metrics end what it logs
                     table and logger.log_table(metrics["iteration"], "completions", *table)
+                    if trainer.last_eval_table is not None:  # every completion of this iteration's evaluation
+                        logger.log_table(metrics["iteration"], "eval_completions", *trainer.last_eval_table)
                     logger.log(metrics, echo=progress.bar is None and metrics["iteration"] % tc.log_every == 0)
                 progress.update(metrics, trainer.iteration, table)
                 for cb in trainer.callbacks:
                     cb(metrics["iteration"], metrics)
+                with interrupts_held():  # a Hugging Face checkpoint every save_hf_every iterations
+                    trainer.hf_checkpoints.periodic(trainer.iteration)
                 if tc.checkpoint_every and trainer.iteration % tc.checkpoint_every == 0:
                     with interrupts_held():  # a signal now would tear the save; it is served after
                         trainer.save_checkpoint()
@@ -61,11 +71,18 @@ def run_loop(trainer, logger: Logger) -> Logger:
 
 
 def finish_run(trainer, logger: Logger):
-    """At the end of a run: a checkpoint (a finished run is not redone), the final export,
-    the plot, the summary."""
+    """At the end of a run: a checkpoint (a finished run is not redone), the evaluation of
+    the final policy (with eval prompts: `final_eval.json`), the final export, the plot, the
+    summary."""
     tc = trainer.tc
     with interrupts_held():
         trainer.save_checkpoint()  # at the end, whatever checkpoint_every says: a finished run is not redone
+    if trainer.parts.evaluator is not None and jax.process_index() == 0:
+        final = {"iteration": trainer.iteration, **trainer.evaluate()}
+        atomic_write_text(os.path.join(tc.output_dir, FINAL_EVAL_FILE), json.dumps(final, indent=1) + "\n")
+        print(f"final policy, after {trainer.iteration} iterations: "
+              + "  ".join(f"{k[5:]} {v:.4g}" for k, v in final.items() if k.startswith("eval/") and k != "eval/time"),
+              flush=True)
     if tc.export_final:
         trainer.export(os.path.join(tc.output_dir, "final_policy"))
         if trainer.policy_model.lora is not None:

@@ -16,7 +16,7 @@ import jax
 
 from jaxppo import sharding
 from jaxppo.config import PPOConfig
-from jaxppo.models.tokenizer import encode_prompts
+from jaxppo.models.tokenizer import PromptTooLong, encode_prompts
 from jaxppo.rollout import engines
 from jaxppo.rollout.environments import EnvironmentSpec
 from jaxppo.rollout.prompts import PromptTable, load_prompt_table, render_prompts
@@ -28,6 +28,7 @@ from jaxppo.run import pipeline as pipelining
 from jaxppo.run import stages
 from jaxppo.run.assembly import Assembly, LogitsOf, assemble, optimizer, prompts_digest, schedule
 from jaxppo.run.collect import Collector
+from jaxppo.run.evaluation import Evaluator, build_evaluator, check_best_metric
 from jaxppo.run.state import RunState
 from jaxppo.trainer_config import TrainerConfig
 from jaxppo.update.engine import TrainState
@@ -60,6 +61,7 @@ class RunParts:
       description: what a resumed run must match besides the configs (models, reward,
         tokenizer, prompts).
       policy_source: the policy's checkpoint directory when it was loaded from one.
+      evaluator: the run's `jaxppo.run.evaluation.Evaluator`, or None (no eval prompts).
     """
 
     config: PPOConfig
@@ -82,13 +84,14 @@ class RunParts:
     pipelined: Optional[pipelining.Pipelined]
     description: dict
     policy_source: Optional[str]
+    evaluator: Optional[Evaluator] = None
 
 
 def build(config: PPOConfig, tc: TrainerConfig, *, policy, tokenizer, prompts, reward_model=None, reward_fn=None,
           reward_fn_on: str = "text", reward_fns=None, reward_weights=None, ref_policy=None, critic=None,
           dtype: str = "float32", ref_dtype=None, reward_dtype=None, prompt_column: str = "prompt", mesh=None,
           remat=None, scan_layers=None, logits_chunk_size=None, chat_template=None, lora=None, lora_init=None,
-          environment=None, tools=None) -> RunParts:
+          environment=None, tools=None, eval_prompts=None, eval_reward_fns=None) -> RunParts:
     """The parts of a run (the arguments are the `Trainer`'s): every setting checked before
     anything loads, then the prompts, the models, the rollout engine, the optimizer and the
     run state."""
@@ -99,6 +102,8 @@ def build(config: PPOConfig, tc: TrainerConfig, *, policy, tokenizer, prompts, r
     config = config.replace(share_prompts=True) if config.share_prompts is None else config  # groups share prompts
     iterations = _iterations(config, tc)
     table = _prompt_table(tokenizer, prompts, prompt_column, chat_template, tc, environment and environment.tools)
+    eval_table, eval_rewards = _eval_inputs(tokenizer, eval_prompts, eval_reward_fns, prompt_column, chat_template, tc,
+                                            rewards, environment)
     models = assemble(config, tc, policy=policy, reward_model=rewards.model_spec, ref_policy=ref_policy, critic=critic,
                       dtype=dtype, ref_dtype=ref_dtype, reward_dtype=reward_dtype, remat=remat,
                       scan_layers=scan_layers, logits_chunk_size=logits_chunk_size, lora=lora, lora_init=lora_init)
@@ -128,7 +133,8 @@ def build(config: PPOConfig, tc: TrainerConfig, *, policy, tokenizer, prompts, r
     return RunParts(config, environment, rewards, host_rewards, iterations, table, models, spec, rollout_engine,
                     policy_schedule, run, placed, sampler_mesh, ref_params, reward_params,
                     stages.update_step(make_step, config), collector, pipelined, description,
-                    policy if isinstance(policy, (str, os.PathLike)) else None)
+                    policy if isinstance(policy, (str, os.PathLike)) else None,
+                    build_evaluator(eval_table, eval_rewards, spec, tokenizer, tc, config.prompts_per_batch, placed))
 
 
 def _check_settings(config: PPOConfig, tc: TrainerConfig, rewards, environment, mesh):
@@ -214,9 +220,45 @@ def _prompt_table(tokenizer, prompts, prompt_column, chat_template, tc: TrainerC
     if tools and not is_chat:
         raise ValueError("tools are shown to the model through the chat template: give the prompts as chat messages "
                          "(lists of {role, content} dicts), or use an environment with plain-text prompts")
-    ids, mask = encode_prompts(tokenizer, texts, tc.query_length, truncate=tc.truncate_prompts,
-                               add_special_tokens=not is_chat)
+    try:
+        ids, mask = encode_prompts(tokenizer, texts, tc.query_length, truncate=tc.truncate_prompts,
+                                   add_special_tokens=not is_chat)
+    except PromptTooLong as err:
+        raise ValueError(f"prompt {err.index} has {err.tokens} tokens, longer than TrainerConfig.query_length="
+                         f"{tc.query_length} (--query-length) ({err.text[:60]!r}...); raise query_length, or set "
+                         f"truncate_prompts (--truncate-prompts) to keep each long prompt's last {tc.query_length} "
+                         "tokens") from None
     return PromptTable(table, columns, texts, ids, mask)
+
+
+def _eval_inputs(tokenizer, prompts, reward_fns, prompt_column, chat_template, tc: TrainerConfig, rewards, environment):
+    """(the eval `PromptTable`, its `HostRewards`), or (None, None) without eval prompts;
+    errors name `eval_prompts` / `eval_reward_fns`, before anything loads."""
+    if prompts is None:
+        if reward_fns is not None:
+            raise ValueError("eval_reward_fns were given without eval_prompts: give the prompts to evaluate on")
+        check_best_metric(tc, None)
+        return None, None
+    if environment is not None:
+        raise ValueError("eval_prompts: evaluation samples single-turn completions; a run with an environment or tools "
+                         "is not evaluated yet (leave eval_prompts out)")
+    if reward_fns is not None:
+        fns = list(reward_fns) if isinstance(reward_fns, (list, tuple)) else [reward_fns]
+        if not fns or not all(callable(f) for f in fns):
+            raise ValueError(f"eval_reward_fns={reward_fns!r} is invalid: one or more reward functions "
+                             "f(prompts, completions, **columns)")
+        host = sort_rewards(None, None, "text", fns, None).host_rewards()
+    else:
+        host = rewards.host_rewards()
+        if host is None:
+            raise ValueError("eval_prompts are scored by text reward functions, and this run has none (its reward is "
+                             "a reward model or a token-level function): give eval_reward_fns")
+    check_best_metric(tc, [f.name for f in host.functions])
+    try:
+        table = _prompt_table(tokenizer, prompts, prompt_column, chat_template, tc)
+    except (ValueError, TypeError) as err:
+        raise type(err)(f"eval_prompts: {err}") from err
+    return table, host
 
 
 def _check_vocabulary(tokenizer, policy_model, tc: TrainerConfig):

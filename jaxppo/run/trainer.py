@@ -31,22 +31,20 @@ import numpy as np
 
 from jaxppo.config import PPOConfig
 from jaxppo.errors import RewardError, RunError
-from jaxppo.models.tokenizer import decode_responses
 from jaxppo.rollout.prompts import load_prompts
 from jaxppo.run import export as exporting
-from jaxppo.run import report, save_restore, stages
+from jaxppo.run import report, save_restore, stages, watch
 from jaxppo.run.directory import make_output_dir
 from jaxppo.run.iteration import check_scores, complete, prepare
 from jaxppo.run.logger import Logger, tracked_settings
 from jaxppo.run.loop import finish_run, run_loop
 from jaxppo.run.parts import build
-from jaxppo.sharding import to_host
 from jaxppo.trainer_config import TrainerConfig
 
 __all__ = ["TrainerConfig", "Trainer", "PPOTrainer", "load_prompts", "RunError", "RewardError"]
 
 
-class Trainer(save_restore.Resumable):
+class Trainer(save_restore.Resumable, exporting.Exportable):
     """RLHF with PPO or a critic-free method (GRPO, Dr. GRPO, DAPO, RLOO, REINFORCE++,
     GSPO: `PPOConfig.advantage_estimator` and its neighbours): rollouts from prompts,
     rewards, and compiled `train_step` updates.
@@ -113,6 +111,11 @@ class Trainer(save_restore.Resumable):
         shown to the model through the chat template (`tools=`), called when a turn holds
         tool calls, their results returned as "tool" messages; a turn without a call ends
         the episode. Needs chat-message prompts.
+      eval_prompts: prompts to evaluate the policy on during training (the forms `prompts`
+        takes, columns included; `TrainerConfig.eval_every` and neighbours say when and
+        how): `eval/...` metrics in the iteration's line (`jaxppo.run.evaluation`).
+      eval_reward_fns: the text reward functions that score the evaluation (default: the
+        run's own text reward functions).
     """
 
     def __init__(self, config: PPOConfig, trainer_config: TrainerConfig, *, policy, tokenizer, prompts,
@@ -123,7 +126,8 @@ class Trainer(save_restore.Resumable):
                  callbacks: Sequence[Callable] = (), mesh=None, remat=None, scan_layers: Optional[bool] = None,
                  logits_chunk_size: Optional[int] = None, chat_template: Optional[bool] = None,
                  lora=None, lora_init: Optional[str] = None, environment: Optional[Callable] = None,
-                 tools: Optional[Sequence[Callable]] = None):
+                 tools: Optional[Sequence[Callable]] = None, eval_prompts=None,
+                 eval_reward_fns: Optional[Sequence[Callable]] = None):
         if not isinstance(config, PPOConfig):
             raise TypeError(f"config must be a jaxppo.PPOConfig, got {type(config).__name__}")
         if not isinstance(trainer_config, TrainerConfig):
@@ -134,12 +138,16 @@ class Trainer(save_restore.Resumable):
                       ref_dtype=ref_dtype, reward_dtype=reward_dtype, prompt_column=prompt_column, mesh=mesh,
                       remat=remat, scan_layers=scan_layers, logits_chunk_size=logits_chunk_size,
                       chat_template=chat_template, lora=lora, lora_init=lora_init, environment=environment,
-                      tools=tools)
+                      tools=tools, eval_prompts=eval_prompts, eval_reward_fns=eval_reward_fns)
         self.parts, self.config, self.tc, self.tokenizer = parts, parts.config, trainer_config, tokenizer
         self.callbacks, self.iterations, self.run = list(callbacks), parts.iterations, parts.run
         self.table, self.prompt_ids, self.prompt_mask = parts.table, parts.table.ids, parts.table.mask
         self.policy_model, self.reward_model = parts.models.policy_model, parts.models.reward_model
-        self.history, self.last_samples, self.last_scores = [], None, (None, {})
+        self.history, self.last_samples, self.last_scores, self.last_eval_table = [], None, (None, {}), None
+        tc = trainer_config
+        self.hf_checkpoints = watch.HfCheckpoints(tc.output_dir, self.export_checkpoint, every=tc.save_hf_every,
+                                                  keep=tc.keep_hf, best_metric=tc.best_metric,
+                                                  mode=tc.best_metric_mode)
         self._warned_unknown, self.train_step = False, parts.train_step
 
     # What the run is made of (`RunParts`), by the names they have always had.
@@ -190,6 +198,10 @@ class Trainer(save_restore.Resumable):
         pipelined = self.pipelined  # sampled ahead by the producer, from version max(0, it - k)
         collect = self.collector.collect if pipelined is None else lambda run, it, key: pipelined.take(run)
         prepared = prepare(self.run, collect, self.spec, self.ref_params, self.reward_params, self.mesh)
+        evaluator = self.parts.evaluator  # of the policy that sampled this iteration, before its update
+        evaluated, eval_table = (evaluator.evaluate(self.run.train.params, self.run.key, prepared.iteration)
+                                 if evaluator is not None and evaluator.due(prepared.iteration) else ({}, None))
+        self.hf_checkpoints.consider(prepared.iteration, evaluated)  # the evaluated parameters, before the update
         self._warn_unknown(prepared.iteration, prepared.scores.unknown_tokens)
         check_scores(prepared, self.rewards.source(), self.tc.skip_nonfinite_scores, self.table.texts)
 
@@ -197,8 +209,9 @@ class Trainer(save_restore.Resumable):
             outcome = complete(prepared, train_step=self.train_step, config=self.config, pipelined=pipelined,
                                lr=self.policy_schedule, with_functions=self.host_rewards is not None)
             self.run, self.last_samples, self.last_scores = outcome.run, outcome.samples, outcome.scores
+            self.last_eval_table = eval_table
             pipelined and pipelined.push(self.run)
-            return outcome.metrics
+            return {**outcome.metrics, **evaluated}
 
         return finish
 
@@ -223,29 +236,22 @@ class Trainer(save_restore.Resumable):
             warnings.warn(_unknown_tokens_message(it, unknown, self.tokenizer, self.policy_model), RuntimeWarning,
                           stacklevel=4)
 
+    def evaluate(self) -> dict:
+        """The `eval/...` metrics of the current policy on the eval prompts (the evaluation
+        an iteration starting now would run; `jaxppo.run.evaluation`)."""
+        if self.parts.evaluator is None:
+            raise RuntimeError("this Trainer has no eval_prompts to evaluate on")
+        return self.parts.evaluator.evaluate(self.run.train.params, self.run.key, self.iteration)[0]
+
     def samples(self, n: int):
         """(prompt, response) texts of the first `n` rows of the last iteration."""
-        rows, gen = self.last_samples
-        mask = getattr(gen, "attention_mask", gen.mask)  # a multi-turn episode: the whole conversation
-        responses = decode_responses(self.tokenizer, to_host(gen.tokens)[:n], to_host(mask)[:n])
-        return [(self.table.texts[r], text) for r, text in zip(rows[:n], responses)]
+        return [(row[0], row[1]) for row in self.completion_table(n)[1]]
 
     def completion_table(self, n: int):
-        """(columns, rows) of the first `n` completions of the last iteration: "prompt",
-        "completion", "reward" (the combined raw score), one column per reward function (None
-        where it gave no opinion; the reward model as "reward_model"), "length" (the policy's
-        response tokens) and "stopped" (ended with a stop token)."""
-        raw, per_function = self.last_scores
-        rows, gen = self.last_samples
-        tokens, mask = to_host(gen.tokens)[:n], to_host(gen.mask)[:n]
-        stops = np.isin(tokens, np.asarray(self.spec.stop_token_ids, dtype=tokens.dtype)) & (mask > 0)
-        columns = ["prompt", "completion", "reward", *per_function, "length", "stopped"]
-        table = []
-        for i, (prompt, completion) in enumerate(self.samples(n)):
-            functions = [float(v[i]) if g[i] else None for v, g in per_function.values()]
-            table.append([prompt, completion, None if raw is None else float(raw[i]), *functions,
-                          int(mask[i].sum()), bool(stops[i].any())])
-        return columns, table
+        """(columns, rows) of the first `n` completions of the last iteration
+        (`jaxppo.run.watch.completion_table`)."""
+        return watch.completion_table(self.tokenizer, self.table.texts, self.last_samples, self.last_scores,
+                                      self.spec.stop_token_ids, n)
 
     # ------------------------------------------------------------------ the loop
 
@@ -276,20 +282,6 @@ class Trainer(save_restore.Resumable):
         return self.history
 
     # ------------------------------------------------------------------ output
-
-    def policy_params(self):
-        return self.spec.policy_params(self.state.params)
-
-    def export(self, path: str):
-        """Save the current policy (and tokenizer) as a Hugging Face directory; a LoRA
-        policy with its adapters merged into the base weights."""
-        exporting.export_policy(self.policy_model, self.policy_params(), self.tokenizer, path,
-                                drop_value_head=self.tc.shared_trunk)
-
-    def export_adapter(self, path: str):
-        """Save a LoRA policy's adapters in PEFT's format for the base checkpoint it was
-        loaded from."""
-        exporting.export_adapter(self.policy_model, self.policy_params(), path, self.parts.policy_source)
 
     def summary(self) -> str:
         return report.summary(self)

@@ -27,7 +27,6 @@ need no grouping.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 

@@ -1,0 +1,167 @@
+"""Evaluation during training: held-out prompts sampled from the policy and scored by
+reward functions, as `eval/...` metrics in the metrics line of the iteration it runs at.
+
+The policy evaluated at iteration i is the one that sampled iteration i's rollout (the
+parameters after i updates' iterations, before iteration i's update), the one its
+`objective/scores` describe; so `eval_before_training` is the evaluation at iteration 0.
+An evaluation is due at iteration 0 (with `eval_before_training`) and at every iteration i
+> 0 with i % `eval_every` == 0. Its key is a function of the run's seed and i alone, and
+its metrics travel in the iteration's line: a run killed and resumed computes the same
+evaluation again where the line is recomputed and never twice in a tracker.
+
+Sampling runs on the built-in static sampler, with the eval prompts in chunks of the
+training batch's prompts (one compile of the sampler at that shape; the training program
+is not touched). `eval_temperature` 0 is greedy decoding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from math import comb
+from typing import Any, Optional
+
+import jax
+import numpy as np
+
+from jaxppo.models.tokenizer import decode_responses
+from jaxppo.rollout.prompts import PromptTable, prompt_batch
+from jaxppo.rollout.samplers.static import generate
+from jaxppo.rollout.sampling import RolloutSpec
+from jaxppo.run import stages
+from jaxppo.sharding import to_host
+
+__all__ = ["Evaluator", "pass_at_k", "pass_ks", "check_best_metric", "build_evaluator", "EVAL_KEY"]
+
+EVAL_KEY = 0x5EED_E7A1  # folded into the run's key: evaluation keys never meet the training ones
+
+
+def pass_ks(g: int) -> list:
+    """The k of the pass@k metrics with g samples per prompt: 1, 2, 4, ... up to g, and g."""
+    return sorted({2 ** i for i in range(g.bit_length()) if 2 ** i <= g} | {g})
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased estimator of pass@k from n samples of which c are correct (Chen et al.,
+    2021): 1 - C(n - c, k) / C(n, k)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluator:
+    """What a run evaluates with: the eval `PromptTable`, the reward functions
+    (`HostRewards`), the rollout spec (the policy and its stop tokens), the tokenizer, the
+    schedule (`every`, `before_training`), `generations` per prompt, `temperature` (0:
+    greedy), `chunk` (prompts sampled together) and the mesh (or None)."""
+
+    table: PromptTable
+    rewards: Any
+    spec: RolloutSpec
+    tokenizer: Any
+    every: int
+    before_training: bool
+    generations: int
+    temperature: float
+    chunk: int
+    mesh: Any = None
+
+    def due(self, iteration: int) -> bool:
+        if iteration == 0:
+            return self.before_training
+        return bool(self.every) and iteration % self.every == 0
+
+    def evaluate(self, params, key, iteration: int):
+        """(the `eval/...` metrics of the policy in the train `params` (host floats), the
+        table of its completions: (columns, rows), one row per eval completion)."""
+        t0 = time.perf_counter()
+        n, g = len(self.table.prompts), self.generations
+        key = jax.random.fold_in(jax.random.fold_in(key, EVAL_KEY), iteration)
+        tokens, masks = [], []
+        policy = self.spec.policy_params(params)
+        for start in range(0, n, self.chunk):
+            prompts = np.arange(start, start + self.chunk) % n  # the last chunk padded with the first prompts
+            rows = np.repeat(prompts, g)
+            batch = prompt_batch(self.table, rows, self.mesh)
+            with stages.mesh_context(self.mesh):
+                gen = generate(self.spec.policy, policy, batch.ids, batch.mask, jax.random.fold_in(key, start),
+                               response_length=self.spec.response_length, temperature=self.temperature or 1.0,
+                               greedy=self.temperature == 0, stop_token_ids=self.spec.stop_token_ids,
+                               pad_token_id=self.spec.pad_token_id, num_generations=g)
+            keep = min(self.chunk, n - start) * g
+            tokens.append(to_host(gen.tokens)[:keep])
+            masks.append(to_host(gen.mask)[:keep])
+        tokens, mask = np.concatenate(tokens), np.concatenate(masks)
+        rows = np.repeat(np.arange(n), g)
+        completions = decode_responses(self.tokenizer, tokens, mask)
+        columns = {name: [values[r] for r in rows] for name, values in self.table.columns.items()}
+        total, per_function = self.rewards(iteration, [self.table.prompts[r] for r in rows], completions, columns)
+        total = np.asarray(total, np.float64)
+        out = summarize(total, per_function, mask, tokens, self.spec.stop_token_ids, g)
+        out["eval/time"] = time.perf_counter() - t0
+        return out, self._table(rows, completions, total, per_function, mask, tokens)
+
+    def _table(self, rows, completions, total, per_function, mask, tokens):
+        """(columns, rows) of every eval completion, as the completions table has them."""
+        names = list(per_function)
+        stopped = _stopped(tokens, mask, self.spec.stop_token_ids)
+        table = [[self.table.texts[r], completions[i], float(total[i]),
+                  *[float(per_function[n][0][i]) if per_function[n][1][i] else None for n in names],
+                  int(mask[i].sum()), bool(stopped[i])] for i, r in enumerate(rows)]
+        return ["prompt", "completion", "reward", *names, "length", "stopped"], table
+
+
+def summarize(total: np.ndarray, per_function: dict, mask: np.ndarray, tokens: np.ndarray, stop_ids, g: int) -> dict:
+    """The eval metrics of scored completions: reward_mean (the combined score), each
+    function's mean over the rows it scored, pass@k for k in 1, 2, 4, ..., g (and g) when
+    every combined score is 0 or 1, mean_length (the policy's tokens) and stopped_ratio
+    (completions that ended with a stop token)."""
+    out = {"eval/reward_mean": float(total.mean()), "eval/reward_std": float(total.std())}
+    for name, (values, given) in per_function.items():
+        if given.any():
+            out[f"eval/rewards/{name}/mean"] = float(np.mean(np.asarray(values, np.float64)[given]))
+    if np.isin(total, (0.0, 1.0)).all():
+        correct = total.reshape(-1, g).sum(axis=1).astype(int)
+        for k in pass_ks(g):
+            out[f"eval/pass@{k}"] = float(np.mean([pass_at_k(g, int(c), k) for c in correct]))
+    stopped = _stopped(tokens, mask, stop_ids)
+    out["eval/completions/mean_length"] = float(mask.sum(axis=1).mean())
+    out["eval/completions/stopped_ratio"] = float(stopped.mean())
+    return out
+
+
+def check_best_metric(tc, function_names: Optional[list]) -> None:
+    """A `ValueError` when `tc.best_metric` names an `eval/` metric that this run's
+    evaluation cannot produce (`function_names`: the eval reward functions, None without
+    eval prompts), before any work."""
+    name = tc.best_metric
+    if name is None:
+        return
+    if function_names is None:
+        raise ValueError(f"TrainerConfig.best_metric={name!r} is chosen by an evaluation, and this run has none: give "
+                         "eval_prompts (--eval-prompts), or leave best_metric unset")
+    g = tc.eval_generations
+    valid = ["eval/reward_mean", "eval/reward_std", "eval/completions/mean_length", "eval/completions/stopped_ratio",
+             *[f"eval/rewards/{f}/mean" for f in function_names],
+             *[f"eval/pass@{k}" for k in pass_ks(g)]]
+    if name not in valid:
+        raise ValueError(f"TrainerConfig.best_metric={name!r} is not a metric this run's evaluation produces; valid: "
+                         f"{', '.join(valid)} (pass@k for k up to eval_generations={g}, when the rewards are 0 or 1)")
+
+
+def _stopped(tokens: np.ndarray, mask: np.ndarray, stop_ids) -> np.ndarray:
+    """(B,) bool: the row's completion holds a stop token (it ended with one)."""
+    return (np.isin(tokens, np.asarray(stop_ids, tokens.dtype)) & (mask > 0)).any(axis=1)
+
+
+def build_evaluator(table: Optional[PromptTable], rewards, spec: RolloutSpec, tokenizer, tc, prompts_per_batch: int,
+                    mesh=None) -> Optional[Evaluator]:
+    """The run's `Evaluator` (None without eval prompts)."""
+    if table is None:
+        return None
+    before = tc.eval_before_training if tc.eval_before_training is not None else True
+    temperature = spec.temperature if tc.eval_temperature is None else float(tc.eval_temperature)
+    chunk = max(1, min(len(table.prompts), prompts_per_batch))
+    return Evaluator(table, rewards, spec, tokenizer, tc.eval_every, before, tc.eval_generations, temperature, chunk,
+                     mesh)

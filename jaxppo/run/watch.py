@@ -1,0 +1,107 @@
+"""What a team watches of a run besides its metrics: the completions table of an iteration,
+and the Hugging Face checkpoints written while it trains (every `save_hf_every` iterations
+under `<output_dir>/hf/iteration_<n>`, the newest `keep_hf` kept; and the best by
+`best_metric` under `<output_dir>/hf/best`, with `best.json`). Each checkpoint directory is
+written atomically: a kill leaves the old one or the new one, whole."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+from typing import Callable, Optional
+
+import jax
+import numpy as np
+
+from jaxppo.errors import RunError
+from jaxppo.files import atomic_write_text
+from jaxppo.models.tokenizer import decode_responses
+from jaxppo.sharding import to_host
+
+__all__ = ["completion_table", "HfCheckpoints", "HF_DIR", "BEST_FILE"]
+
+HF_DIR = "hf"
+BEST_FILE = "best.json"
+_PERIODIC = re.compile(r"^iteration_(\d+)$")
+
+
+def completion_table(tokenizer, texts, samples, scores, stop_ids, n: int):
+    """(columns, rows) of the first `n` completions of an iteration (`samples`: its prompt
+    rows and `GenerationOutput`; `scores`: the combined raw scores and the reward functions'
+    `{name: (values, given)}`): "prompt", "completion", "reward", one column per reward
+    function (None where it gave no opinion; the reward model as "reward_model"), "length"
+    (the policy's response tokens) and "stopped" (ended with a stop token)."""
+    raw, per_function = scores
+    rows, gen = samples
+    tokens, mask = to_host(gen.tokens)[:n], to_host(gen.mask)[:n]
+    shown = to_host(getattr(gen, "attention_mask", gen.mask))[:n]  # a multi-turn episode: the whole conversation
+    completions = decode_responses(tokenizer, tokens, shown)
+    stopped = (np.isin(tokens, np.asarray(stop_ids, dtype=tokens.dtype)) & (mask > 0)).any(axis=1)
+    columns = ["prompt", "completion", "reward", *per_function, "length", "stopped"]
+    table = []
+    for i, (row, completion) in enumerate(zip(rows[:n], completions)):
+        functions = [float(v[i]) if g[i] else None for v, g in per_function.values()]
+        table.append([texts[row], completion, None if raw is None else float(raw[i]), *functions, int(mask[i].sum()),
+                      bool(stopped[i])])
+    return columns, table
+
+
+class HfCheckpoints:
+    """The run's Hugging Face checkpoints. `write(path)` writes the current policy (merged
+    weights, or the PEFT adapter with LoRA) and the tokenizer to `path`, atomically."""
+
+    def __init__(self, output_dir: str, write: Callable[[str], None], *, every: int, keep: int,
+                 best_metric: Optional[str], mode: str):
+        self.root, self.write, self.every, self.keep = os.path.join(output_dir, HF_DIR), write, every, keep
+        self.best_metric, self.mode = best_metric, mode
+
+    def periodic(self, iterations_done: int) -> Optional[str]:
+        """After `iterations_done` iterations: `hf/iteration_<n>` when due, the oldest beyond
+        `keep` removed; the path written, or None."""
+        if not self.every or iterations_done % self.every:
+            return None
+        path = os.path.join(self.root, f"iteration_{iterations_done}")
+        self.write(path)
+        if self.keep and jax.process_index() == 0:
+            done = sorted((int(m.group(1)), name) for name in os.listdir(self.root)
+                          if (m := _PERIODIC.match(name)))
+            for _, name in done[:-self.keep]:
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+        return path
+
+    def best(self) -> Optional[dict]:
+        """The best so far (`hf/best.json`: iteration, metric, value), or None."""
+        path = os.path.join(self.root, BEST_FILE)
+        if not os.path.isfile(path):
+            return None
+        try:
+            with open(path) as f:
+                best = json.load(f)
+            float(best["value"]), int(best["iteration"])
+        except (ValueError, KeyError, TypeError) as err:
+            raise RunError(f"{path} is not jaxppo's record of the best checkpoint ({err}); delete it (and "
+                           f"{os.path.join(self.root, 'best')}) to choose the best again from here on") from None
+        return best
+
+    def consider(self, iteration: int, metrics: dict) -> bool:
+        """With `best_metric` among `metrics` (those of the policy that will sample
+        `iteration`) and better than the best so far: write it to `hf/best` and record it
+        (`hf/best.json`, after the directory). Returns whether it was written."""
+        if self.best_metric is None or not metrics:
+            return False
+        if self.best_metric not in metrics:
+            raise RunError(f"best_metric={self.best_metric!r} is not among the evaluation's metrics at iteration "
+                           f"{iteration}: {', '.join(sorted(metrics))} (pass@k needs rewards of 0 or 1)")
+        value = float(metrics[self.best_metric])
+        best = self.best()
+        better = (best is None or (value > best["value"] if self.mode == "max" else value < best["value"]))
+        if not math.isfinite(value) or not better:
+            return False
+        self.write(os.path.join(self.root, "best"))
+        if jax.process_index() == 0:
+            atomic_write_text(os.path.join(self.root, BEST_FILE), json.dumps(
+                {"iteration": iteration, "metric": self.best_metric, "value": value, "mode": self.mode}) + "\n")
+        return True
