@@ -36,7 +36,9 @@ class TrainerConfig:
     Output: output_dir; log_every; sample_every and num_samples (printed completions);
       checkpoint_every (iterations; 0 = only on interrupt and at the end), keep_checkpoints,
       resume (continue from the latest checkpoint in output_dir; False refuses a directory
-      that already holds a run); report_to (the experiment trackers, TRL's option: a
+      that already holds a run); resume_from (another run's directory or one of its
+      checkpoints, `<run>/checkpoints/<step>`: a new output_dir starts from it, with the
+      same settings checks; `jaxppo.run.save_restore.adopt`); report_to (the experiment trackers, TRL's option: a
       comma-separated string or a list of "jsonl", "tensorboard", "wandb", "mlflow",
       "trackio", a name given to `jaxppo.tracking.register_tracker`, "all" or "none";
       `<output_dir>/metrics.jsonl` is written whatever it says; a tracker whose package is
@@ -151,6 +153,7 @@ class TrainerConfig:
     checkpoint_every: int = setting(0, on_resume="free")
     keep_checkpoints: int = setting(2, on_resume="free")
     resume: bool = setting(True, on_resume="free")
+    resume_from: Optional[str] = setting(None, on_resume="free")
     report_to: str = setting("jsonl,tensorboard", on_resume="free")
     tensorboard: bool = setting(True, on_resume="free")
     progress: bool = setting(True, on_resume="free")
@@ -291,7 +294,13 @@ def _check_inflight(self: TrainerConfig):
 
 
 def _check_watching(self: TrainerConfig):
-    """Evaluation and checkpoint settings."""
+    """Evaluation, checkpoint and resume settings."""
+    if self.resume_from is not None and (not isinstance(self.resume_from, str) or not self.resume_from):
+        raise ValueError(f"TrainerConfig.resume_from={self.resume_from!r} is invalid: None, or the path of a run "
+                         "directory or of one of its checkpoints (<run>/checkpoints/<step>)")
+    if self.resume_from is not None and not self.resume:
+        raise ValueError("TrainerConfig.resume_from is given with resume=False: resume_from starts this run from "
+                         "another's checkpoint, which is a resume; drop one of them")
     if self.eval_before_training is not None and not isinstance(self.eval_before_training, bool):
         raise ValueError(f"TrainerConfig.eval_before_training={self.eval_before_training!r} is invalid: None (on "
                          "when eval prompts are given), True or False")

@@ -23,7 +23,7 @@ from jaxppo.tracking import read_metrics, read_table
 
 from trainer_setup import small_trainer
 
-PROMPTS = demo.DEMO_PROMPTS[:20]  # more than a training batch's 16 prompts: two chunks, the second padded
+PROMPTS = demo.DEMO_PROMPTS[:20]  # more than a training batch's 16 rows: several chunks, the last padded
 
 
 def even_length(prompts, completions):
@@ -199,3 +199,45 @@ def test_best_metric_that_no_evaluation_produces_is_refused_before_any_model_loa
         jaxppo.TrainerConfig(best_metric="reward")
     with pytest.raises(ValueError, match=r"best_metric_mode='up' is invalid"):
         jaxppo.TrainerConfig(best_metric_mode="up")
+
+
+def _tree_digest(root):
+    import hashlib
+
+    out = {}
+    for folder, _, files in os.walk(root):
+        for f in files:
+            path = os.path.join(folder, f)
+            out[os.path.relpath(path, root)] = hashlib.sha256(open(path, "rb").read()).hexdigest()
+    return out
+
+
+def test_resume_from_another_runs_checkpoint_continues_it_exactly_and_leaves_it_untouched(tmp_path):
+    source = tmp_path / "source"
+    whole = small_trainer(source, iterations=4, checkpoint_every=2, keep_checkpoints=2, sample_every=2,
+                          num_samples=1, export_final=False).train()
+    before = _tree_digest(source)
+
+    def comparable(rows):
+        return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "eps"} for r in rows]
+
+    # From one of its checkpoints: the run from iteration 2 equals the source's iterations 2-3.
+    branch = small_trainer(tmp_path / "branch", iterations=4, resume_from=str(source / "checkpoints" / "2"),
+                           sample_every=2, num_samples=1, export_final=False).train()
+    assert comparable(branch) == comparable(whole)
+    assert read_table(str(tmp_path / "branch" / "completions.table.jsonl")) == \
+        read_table(str(source / "completions.table.jsonl"))
+    # From the run directory: its newest checkpoint (4), extended to 5 iterations.
+    longer = small_trainer(tmp_path / "longer", iterations=5, resume_from=str(source), sample_every=2, num_samples=1,
+                           export_final=False).train()
+    assert comparable(longer[:4]) == comparable(whole) and longer[4]["iteration"] == 4
+    assert _tree_digest(source) == before  # the source is only read
+    with pytest.raises(jaxppo.RunError, match=r"(?s)resume_from='.*source': the output directory '.*source' holds a run "
+                                              r"with other settings .*learning_rate: was 0.001, now 0.002"):
+        small_trainer(tmp_path / "other", iterations=4, resume_from=str(source), learning_rate=2e-3).train()
+    assert not os.path.exists(tmp_path / "other" / "checkpoints" / "4")  # nothing copied
+    with pytest.raises(jaxppo.RunError, match=r"resume_from='.*nowhere' is neither a run directory with a readable "
+                                              r"checkpoint"):
+        small_trainer(tmp_path / "none", resume_from=str(tmp_path / "nowhere")).train()
+    with pytest.raises(ValueError, match=r"resume_from is given with resume=False"):
+        jaxppo.TrainerConfig(resume_from=str(source), resume=False)

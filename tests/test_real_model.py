@@ -16,6 +16,7 @@ import transformers
 
 import jaxppo
 import jaxppo.models as jm
+from jaxppo import demo
 from jaxppo.rollout.samplers.static import generate
 from jaxppo.models import fixtures
 from jaxppo.rollout.prompts import render_prompts
@@ -165,9 +166,10 @@ def test_two_grpo_iterations_then_the_export_reads_back_in_transformers(smol, tm
 
 
 def test_the_sums_demo_runs_and_scores_the_held_out_sums(smol, tmp_path, monkeypatch):
-    """`jaxppo --demo sums` on the prepared model, one short iteration: the held-out
-    accuracy is measured before and after (`held_out.json`, greedy answers parsed by the
-    demo's rule), and the run trains with the built-in reward."""
+    """`jaxppo --demo sums` on the prepared model, one short iteration: the held-out sums are
+    its eval prompts, answered greedily before (iteration 0's line) and after
+    (`final_eval.json`), each answer scored again here by the demo's rule; the run trains
+    with the built-in reward."""
     import json
 
     from jaxppo.cli import main
@@ -177,10 +179,16 @@ def test_the_sums_demo_runs_and_scores_the_held_out_sums(smol, tmp_path, monkeyp
     assert main(["--demo", "sums", "--iterations", "1", "--response-length", "8", "--output-dir", str(out),
                  "--no-progress", "--no-plot", "--no-tensorboard", "--no-export-final", "--sample-every", "0",
                  "--scan-layers"]) == 0
-    held = json.loads((out / "held_out.json").read_text())
-    assert [p["iteration"] for p in held] == [0, 1] and all(0.0 <= p["accuracy"] <= 1.0 for p in held)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 1 and rows[0]["ppo/updates_applied"] == 2  # 32 completions, mini-batches of 16
+    final = json.loads((out / "final_eval.json").read_text())  # the held-out sums, after the iteration
+    assert final["iteration"] == 1
+    for evaluated in (rows[0], final):  # before training (iteration 0's line) and after
+        assert 0.0 <= evaluated["eval/reward_mean"] == evaluated["eval/pass@1"] <= 1.0
+    table = [json.loads(line) for line in (out / "eval_completions.table.jsonl").read_text().splitlines()]
+    assert len(table) == demo.SUMS_HELD_OUT and {r["iteration"] for r in table} == {0}
+    assert all(r["reward"] == demo.sums_reward(None, [r["completion"]], [int(r["prompt"].split("What is ")[1]
+               .split(" + ")[0]) + int(r["prompt"].split(" + ")[1].split("?")[0])])[0] for r in table)
     settings = json.loads((out / "run_settings.json").read_text())
     assert settings["ppo"]["advantage_estimator"] == "grpo" and settings["ppo"]["num_generations"] == 8
 

@@ -9,9 +9,9 @@ An evaluation is due at iteration 0 (with `eval_before_training`) and at every i
 its metrics travel in the iteration's line: a run killed and resumed computes the same
 evaluation again where the line is recomputed and never twice in a tracker.
 
-Sampling runs on the built-in static sampler, with the eval prompts in chunks of the
-training batch's prompts (one compile of the sampler at that shape; the training program
-is not touched). `eval_temperature` 0 is greedy decoding.
+Sampling runs on the built-in static sampler, with the eval prompts in chunks of at most
+a training batch's rows (one compile of the sampler at that shape; the training program is
+not touched). `eval_temperature` 0 is greedy decoding.
 """
 
 from __future__ import annotations
@@ -155,13 +155,14 @@ def _stopped(tokens: np.ndarray, mask: np.ndarray, stop_ids) -> np.ndarray:
     return (np.isin(tokens, np.asarray(stop_ids, tokens.dtype)) & (mask > 0)).any(axis=1)
 
 
-def build_evaluator(table: Optional[PromptTable], rewards, spec: RolloutSpec, tokenizer, tc, prompts_per_batch: int,
+def build_evaluator(table: Optional[PromptTable], rewards, spec: RolloutSpec, tokenizer, tc, batch_size: int,
                     mesh=None) -> Optional[Evaluator]:
-    """The run's `Evaluator` (None without eval prompts)."""
+    """The run's `Evaluator` (None without eval prompts): prompts sampled in chunks of
+    `batch_size` rows at most (a training batch's, so sampling memory stays as in training)."""
     if table is None:
         return None
     before = tc.eval_before_training if tc.eval_before_training is not None else True
     temperature = spec.temperature if tc.eval_temperature is None else float(tc.eval_temperature)
-    chunk = max(1, min(len(table.prompts), prompts_per_batch))
+    chunk = max(1, min(len(table.prompts), batch_size // tc.eval_generations))
     return Evaluator(table, rewards, spec, tokenizer, tc.eval_every, before, tc.eval_generations, temperature, chunk,
                      mesh)

@@ -134,7 +134,7 @@ def build(config: PPOConfig, tc: TrainerConfig, *, policy, tokenizer, prompts, r
                     policy_schedule, run, placed, sampler_mesh, ref_params, reward_params,
                     stages.update_step(make_step, config), collector, pipelined, description,
                     policy if isinstance(policy, (str, os.PathLike)) else None,
-                    build_evaluator(eval_table, eval_rewards, spec, tokenizer, tc, config.prompts_per_batch, placed))
+                    build_evaluator(eval_table, eval_rewards, spec, tokenizer, tc, config.batch_size, placed))
 
 
 def _check_settings(config: PPOConfig, tc: TrainerConfig, rewards, environment, mesh):

@@ -4,8 +4,12 @@ directory before anything compiles, and saving / restoring the `RunState`."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import shutil
+import tempfile
 import warnings
+from typing import Optional
 
 import jax
 import numpy as np
@@ -13,12 +17,14 @@ import numpy as np
 from jaxppo.config import PPOConfig
 from jaxppo.errors import RunError
 from jaxppo.run import checkpoints as checkpoint
-from jaxppo.run.directory import RunLock, check_settings
+from jaxppo.files import atomic_write_text
+from jaxppo.run.directory import SETTINGS_FILE, RunLock, check_settings
 from jaxppo.run.logger import read_metrics
+from jaxppo.tracking.local import METRICS_FILE, read_table
 from jaxppo.run.state import RunState
 from jaxppo.trainer_config import TrainerConfig
 
-__all__ = ["checkpoint_dir", "log_dir", "run_settings", "save", "restore", "open_run", "Resumable"]
+__all__ = ["checkpoint_dir", "log_dir", "run_settings", "save", "restore", "open_run", "Resumable", "adopt"]
 
 def _recorded(config) -> dict:
     """The fields of a config a resumed run must match (`jaxppo.config.setting`): every
@@ -80,6 +86,8 @@ def open_run(run: RunState, tc: TrainerConfig, settings: dict):
     (the lock, to release when the run ends; the run state to start from)."""
     lock = RunLock(log_dir(tc)).acquire()
     try:
+        if tc.resume_from is not None and tc.resume and jax.process_index() == 0:
+            adopt(tc.resume_from, tc.output_dir, settings)
         saved_metrics = os.path.join(log_dir(tc), "metrics.jsonl")
         existing = os.path.isfile(saved_metrics) or bool(checkpoint.steps(checkpoint_dir(tc)))
         if not tc.resume and existing:
@@ -135,3 +143,65 @@ class Resumable:
         restored = restore(self.run, self.tc)
         self.run = self.run if restored is None else restored
         return restored is not None
+
+
+def adopt(source: str, output_dir: str, settings: dict) -> Optional[int]:
+    """`TrainerConfig.resume_from`: start `output_dir` from another run's checkpoint. `source`
+    is a run directory (its newest checkpoint whose checksums verify) or one of its
+    checkpoints (`<run>/checkpoints/<step>`). When `output_dir` holds no checkpoint yet, the
+    checkpoint, the run's saved settings and its metrics and table lines before the
+    checkpoint are copied in (the source is only read), so the automatic resume continues
+    from it; settings that differ from the source run's (`settings`, as `check_settings`
+    compares them) are refused before anything is copied. Once `output_dir` has checkpoints
+    of its own, it resumes from them and `source` is not read. Returns the step adopted, or
+    None."""
+    own = os.path.join(output_dir, "checkpoints")
+    if checkpoint.steps(own):
+        return None
+    run_dir, step = _adopted_checkpoint(source)
+    try:
+        check_settings(run_dir, settings, write=False)
+    except RunError as err:
+        raise RunError(f"resume_from={source!r}: {err}") from None
+    os.makedirs(own, exist_ok=True)
+    settings = os.path.join(run_dir, SETTINGS_FILE)
+    if os.path.isfile(settings) and not os.path.isfile(os.path.join(output_dir, SETTINGS_FILE)):
+        shutil.copyfile(settings, os.path.join(output_dir, SETTINGS_FILE))
+    for name in sorted(os.listdir(run_dir)):
+        if name == METRICS_FILE or name.endswith(".table.jsonl"):
+            rows = [r for r in read_table(os.path.join(run_dir, name)) if r["iteration"] < step]
+            if not os.path.isfile(os.path.join(output_dir, name)):
+                atomic_write_text(os.path.join(output_dir, name), "".join(json.dumps(r) + "\n" for r in rows))
+    tmp = tempfile.mkdtemp(dir=own, prefix=f".adopt-{step}-")
+    shutil.copytree(os.path.join(run_dir, "checkpoints", str(step)), os.path.join(tmp, str(step)))
+    os.replace(os.path.join(tmp, str(step)), os.path.join(own, str(step)))  # the checkpoint lands last, whole
+    os.rmdir(tmp)
+    print(f"starting from {os.path.join(run_dir, 'checkpoints', str(step))} (copied into {own})", flush=True)
+    return step
+
+
+def _adopted_checkpoint(source: str):
+    """(run directory, step) that `resume_from=source` names; a `RunError` saying what a
+    valid value is otherwise."""
+    source = os.path.abspath(os.fspath(source))
+    parent = os.path.dirname(source)
+    if os.path.basename(parent) == "checkpoints" and os.path.basename(source).isdigit() and os.path.isdir(source):
+        step, run_dir = int(os.path.basename(source)), os.path.dirname(parent)
+        try:
+            checkpoint.verify(source, expected=True)
+        except (checkpoint.ChecksumError, OSError) as err:
+            raise RunError(f"resume_from={source!r}: the checkpoint does not verify ({err}); give another of "
+                           f"{parent}'s checkpoints, or the run directory (its newest that verifies)") from None
+        return run_dir, step
+    folder = os.path.join(source, "checkpoints")
+    steps = sorted((int(n) for n in os.listdir(folder) if n.isdigit()), reverse=True) if os.path.isdir(folder) else []
+    for step in steps:
+        try:
+            checkpoint.verify(os.path.join(folder, str(step)), expected=True)
+            return source, step
+        except (checkpoint.ChecksumError, OSError) as err:
+            warnings.warn(f"resume_from: checkpoint {os.path.join(folder, str(step))} does not verify ({err}); trying "
+                          "the one before", RuntimeWarning, stacklevel=4)
+    raise RunError(f"resume_from={source!r} is neither a run directory with a readable checkpoint "
+                   "(<run>/checkpoints/<step>) nor one of its checkpoints; give the output_dir of a run that saved a "
+                   "checkpoint, or its checkpoints/<step> folder")
