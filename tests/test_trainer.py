@@ -139,7 +139,8 @@ def test_bad_input_is_refused(tokenizer, tmp_path):
     with pytest.raises(ValueError, match="empty"):
         make_trainer(tokenizer, tmp_path, prompts=[])
     long_prompt = ["x" * 40]
-    with pytest.raises(ValueError, match="more than max_length=32.*truncate"):
+    with pytest.raises(ValueError, match=r"longer than TrainerConfig.query_length=32 \(--query-length\).*"
+                                         r"truncate_prompts"):
         make_trainer(tokenizer, tmp_path, prompts=long_prompt)
     trainer = make_trainer(tokenizer, tmp_path, prompts=long_prompt, truncate_prompts=True)
     assert trainer.prompt_mask.all()

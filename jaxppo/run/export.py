@@ -98,5 +98,4 @@ class Exportable:
     def export_checkpoint(self, path: str):
         """A Hugging Face checkpoint of the current policy at `path` (atomically, with the
         tokenizer): the merged policy, or with LoRA the PEFT adapter."""
-        export_checkpoint(self.policy_model, self.policy_params(), self.tokenizer, path,
-                          base_path=self.parts.policy_source, drop_value_head=self.tc.shared_trunk)
+        self.parts.hf_checkpoints.write(path, self.state.params)

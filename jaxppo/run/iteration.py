@@ -23,7 +23,7 @@ from jaxppo.rollout.sampling import RolloutSpec
 from jaxppo.run import report, stages
 from jaxppo.run.state import RunState
 
-__all__ = ["Prepared", "Outcome", "prepare", "check_scores", "complete"]
+__all__ = ["Prepared", "Outcome", "prepare", "evaluate", "check_scores", "complete"]
 
 
 class Prepared(NamedTuple):
@@ -52,15 +52,30 @@ class Prepared(NamedTuple):
 
 
 class Outcome(NamedTuple):
-    """What an iteration gives: the run state after it, its metrics line (host floats), the
-    samples behind it (prompt rows, `GenerationOutput`), for `Trainer.samples`, and their
-    scores (the combined raw scores (B,) on the host, the text reward functions'
-    `{name: (values, given)}`), for `Trainer.completion_table`."""
+    """What an iteration gives: the run state after it, its metrics line (host floats, its
+    evaluation's included), the samples behind it (prompt rows, `GenerationOutput`), for
+    `Trainer.samples`, their scores (the combined raw scores (B,) on the host, the text
+    reward functions' `{name: (values, given)}`), for `Trainer.completion_table`, and the
+    table of its evaluation's completions ((columns, rows), or None)."""
 
     run: RunState
     metrics: dict
     samples: tuple
     scores: tuple = (None, {})
+    eval_table: Optional[tuple] = None
+
+
+def evaluate(prepared: Prepared, evaluator, hf_checkpoints) -> tuple:
+    """The evaluation due at a prepared iteration, of the policy that sampled it (before its
+    update: `prepared.run`'s parameters): (its metrics, its completions table), or ({},
+    None) when none is due; the best checkpoint by it written where it is the best
+    (`jaxppo.run.watch.HfCheckpoints.consider`)."""
+    if evaluator is None or not evaluator.due(prepared.iteration):
+        return {}, None
+    params = prepared.run.train.params
+    metrics, table = evaluator.evaluate(params, prepared.run.key, prepared.iteration)
+    hf_checkpoints.consider(prepared.iteration, metrics, params)
+    return metrics, table
 
 
 def prepare(run: RunState, collect: Callable, spec: RolloutSpec, ref_params, reward_params, mesh=None) -> Prepared:

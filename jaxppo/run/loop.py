@@ -50,7 +50,7 @@ def run_loop(trainer, logger: Logger) -> Logger:
                 for cb in trainer.callbacks:
                     cb(metrics["iteration"], metrics)
                 with interrupts_held():  # a Hugging Face checkpoint every save_hf_every iterations
-                    trainer.hf_checkpoints.periodic(trainer.iteration)
+                    trainer.hf_checkpoints.periodic(trainer.iteration, trainer.state.params)
                 if tc.checkpoint_every and trainer.iteration % tc.checkpoint_every == 0:
                     with interrupts_held():  # a signal now would tear the save; it is served after
                         trainer.save_checkpoint()

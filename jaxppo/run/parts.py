@@ -29,7 +29,9 @@ from jaxppo.run import stages
 from jaxppo.run.assembly import Assembly, LogitsOf, assemble, optimizer, prompts_digest, schedule
 from jaxppo.run.collect import Collector
 from jaxppo.run.evaluation import Evaluator, build_evaluator, check_best_metric
+from jaxppo.run.export import export_checkpoint
 from jaxppo.run.state import RunState
+from jaxppo.run.watch import HfCheckpoints
 from jaxppo.trainer_config import TrainerConfig
 from jaxppo.update.engine import TrainState
 from jaxppo.update.ppo import train_step_donating
@@ -62,6 +64,8 @@ class RunParts:
         tokenizer, prompts).
       policy_source: the policy's checkpoint directory when it was loaded from one.
       evaluator: the run's `jaxppo.run.evaluation.Evaluator`, or None (no eval prompts).
+      hf_checkpoints: the Hugging Face checkpoints written during the run
+        (`jaxppo.run.watch.HfCheckpoints`).
     """
 
     config: PPOConfig
@@ -85,6 +89,7 @@ class RunParts:
     description: dict
     policy_source: Optional[str]
     evaluator: Optional[Evaluator] = None
+    hf_checkpoints: Optional[HfCheckpoints] = None
 
 
 def build(config: PPOConfig, tc: TrainerConfig, *, policy, tokenizer, prompts, reward_model=None, reward_fn=None,
@@ -134,7 +139,19 @@ def build(config: PPOConfig, tc: TrainerConfig, *, policy, tokenizer, prompts, r
                     policy_schedule, run, placed, sampler_mesh, ref_params, reward_params,
                     stages.update_step(make_step, config), collector, pipelined, description,
                     policy if isinstance(policy, (str, os.PathLike)) else None,
-                    build_evaluator(eval_table, eval_rewards, spec, tokenizer, tc, config.batch_size, placed))
+                    build_evaluator(eval_table, eval_rewards, spec, tokenizer, tc, config.batch_size, placed),
+                    _hf_checkpoints(tc, models.policy_model, spec, tokenizer, policy))
+
+
+def _hf_checkpoints(tc: TrainerConfig, policy_model, spec: RolloutSpec, tokenizer, policy) -> HfCheckpoints:
+    source = policy if isinstance(policy, (str, os.PathLike)) else None
+
+    def write(path, params):
+        export_checkpoint(policy_model, spec.policy_params(params), tokenizer, path, base_path=source,
+                          drop_value_head=tc.shared_trunk)
+
+    return HfCheckpoints(tc.output_dir, write, every=tc.save_hf_every, keep=tc.keep_hf, best_metric=tc.best_metric,
+                         mode=tc.best_metric_mode)
 
 
 def _check_settings(config: PPOConfig, tc: TrainerConfig, rewards, environment, mesh):

@@ -35,7 +35,7 @@ from jaxppo.rollout.prompts import load_prompts
 from jaxppo.run import export as exporting
 from jaxppo.run import report, save_restore, stages, watch
 from jaxppo.run.directory import make_output_dir
-from jaxppo.run.iteration import check_scores, complete, prepare
+from jaxppo.run.iteration import check_scores, complete, evaluate, prepare
 from jaxppo.run.logger import Logger, tracked_settings
 from jaxppo.run.loop import finish_run, run_loop
 from jaxppo.run.parts import build
@@ -143,12 +143,7 @@ class Trainer(save_restore.Resumable, exporting.Exportable):
         self.callbacks, self.iterations, self.run = list(callbacks), parts.iterations, parts.run
         self.table, self.prompt_ids, self.prompt_mask = parts.table, parts.table.ids, parts.table.mask
         self.policy_model, self.reward_model = parts.models.policy_model, parts.models.reward_model
-        self.history, self.last_samples, self.last_scores, self.last_eval_table = [], None, (None, {}), None
-        tc = trainer_config
-        self.hf_checkpoints = watch.HfCheckpoints(tc.output_dir, self.export_checkpoint, every=tc.save_hf_every,
-                                                  keep=tc.keep_hf, best_metric=tc.best_metric,
-                                                  mode=tc.best_metric_mode)
-        self._warned_unknown, self.train_step = False, parts.train_step
+        self.history, self.last, self._warned_unknown, self.train_step = [], None, False, parts.train_step
 
     # What the run is made of (`RunParts`), by the names they have always had.
     environment = property(lambda self: self.parts.environment, doc="The multi-turn environment, or None.")
@@ -164,6 +159,11 @@ class Trainer(save_restore.Resumable, exporting.Exportable):
     reward_params = property(lambda self: self.parts.reward_params, doc="The reward model's parameters, or None.")
     policy_schedule = property(lambda self: self.parts.policy_schedule, doc="The policy's learning rate by update.")
     description = property(lambda self: self.parts.description, doc="What a resumed run must match.")
+    hf_checkpoints = property(lambda self: self.parts.hf_checkpoints, doc="The Hugging Face checkpoints of the run.")
+
+    # The last iteration's `Outcome`, by its parts.
+    last_samples = property(lambda self: self.last and self.last.samples, doc="(prompt rows, samples), or None.")
+    last_eval_table = property(lambda self: self.last and self.last.eval_table, doc="Its evaluation's table, or None.")
 
     # The run state's parts, by the names they have always had.
     state = property(lambda self: self.run.train, doc="The `TrainState` (parameters, optimizer, update counters).")
@@ -198,20 +198,17 @@ class Trainer(save_restore.Resumable, exporting.Exportable):
         pipelined = self.pipelined  # sampled ahead by the producer, from version max(0, it - k)
         collect = self.collector.collect if pipelined is None else lambda run, it, key: pipelined.take(run)
         prepared = prepare(self.run, collect, self.spec, self.ref_params, self.reward_params, self.mesh)
-        evaluator = self.parts.evaluator  # of the policy that sampled this iteration, before its update
-        evaluated, eval_table = (evaluator.evaluate(self.run.train.params, self.run.key, prepared.iteration)
-                                 if evaluator is not None and evaluator.due(prepared.iteration) else ({}, None))
-        self.hf_checkpoints.consider(prepared.iteration, evaluated)  # the evaluated parameters, before the update
+        evaluated, eval_table = evaluate(prepared, self.parts.evaluator, self.hf_checkpoints)  # before the update
         self._warn_unknown(prepared.iteration, prepared.scores.unknown_tokens)
         check_scores(prepared, self.rewards.source(), self.tc.skip_nonfinite_scores, self.table.texts)
 
         def finish():
             outcome = complete(prepared, train_step=self.train_step, config=self.config, pipelined=pipelined,
                                lr=self.policy_schedule, with_functions=self.host_rewards is not None)
-            self.run, self.last_samples, self.last_scores = outcome.run, outcome.samples, outcome.scores
-            self.last_eval_table = eval_table
+            self.last = outcome._replace(metrics={**outcome.metrics, **evaluated}, eval_table=eval_table)
+            self.run = outcome.run
             pipelined and pipelined.push(self.run)
-            return {**outcome.metrics, **evaluated}
+            return self.last.metrics
 
         return finish
 
@@ -250,7 +247,7 @@ class Trainer(save_restore.Resumable, exporting.Exportable):
     def completion_table(self, n: int):
         """(columns, rows) of the first `n` completions of the last iteration
         (`jaxppo.run.watch.completion_table`)."""
-        return watch.completion_table(self.tokenizer, self.table.texts, self.last_samples, self.last_scores,
+        return watch.completion_table(self.tokenizer, self.table.texts, self.last.samples, self.last.scores,
                                       self.spec.stop_token_ids, n)
 
     # ------------------------------------------------------------------ the loop

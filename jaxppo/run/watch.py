@@ -11,7 +11,7 @@ import math
 import os
 import re
 import shutil
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import numpy as np
@@ -50,21 +50,23 @@ def completion_table(tokenizer, texts, samples, scores, stop_ids, n: int):
 
 
 class HfCheckpoints:
-    """The run's Hugging Face checkpoints. `write(path)` writes the current policy (merged
-    weights, or the PEFT adapter with LoRA) and the tokenizer to `path`, atomically."""
+    """The run's Hugging Face checkpoints. `write(path, params)` writes the policy of the
+    train parameters `params` (merged weights, or the PEFT adapter with LoRA) and the
+    tokenizer to `path`, atomically (`jaxppo.run.export.export_checkpoint`)."""
 
-    def __init__(self, output_dir: str, write: Callable[[str], None], *, every: int, keep: int,
+    def __init__(self, output_dir: str, write: Callable[[str, Any], None], *, every: int, keep: int,
                  best_metric: Optional[str], mode: str):
         self.root, self.write, self.every, self.keep = os.path.join(output_dir, HF_DIR), write, every, keep
         self.best_metric, self.mode = best_metric, mode
 
-    def periodic(self, iterations_done: int) -> Optional[str]:
-        """After `iterations_done` iterations: `hf/iteration_<n>` when due, the oldest beyond
-        `keep` removed; the path written, or None."""
+    def periodic(self, iterations_done: int, params) -> Optional[str]:
+        """After `iterations_done` iterations (`params`: the train parameters then):
+        `hf/iteration_<n>` when due, the oldest beyond `keep` removed; the path written, or
+        None."""
         if not self.every or iterations_done % self.every:
             return None
         path = os.path.join(self.root, f"iteration_{iterations_done}")
-        self.write(path)
+        self.write(path, params)
         if self.keep and jax.process_index() == 0:
             done = sorted((int(m.group(1)), name) for name in os.listdir(self.root)
                           if (m := _PERIODIC.match(name)))
@@ -86,10 +88,11 @@ class HfCheckpoints:
                            f"{os.path.join(self.root, 'best')}) to choose the best again from here on") from None
         return best
 
-    def consider(self, iteration: int, metrics: dict) -> bool:
-        """With `best_metric` among `metrics` (those of the policy that will sample
-        `iteration`) and better than the best so far: write it to `hf/best` and record it
-        (`hf/best.json`, after the directory). Returns whether it was written."""
+    def consider(self, iteration: int, metrics: dict, params) -> bool:
+        """With `best_metric` among `metrics` (those of the policy in the train parameters
+        `params`, which samples `iteration`) and better than the best so far: write it to
+        `hf/best` and record it (`hf/best.json`, after the directory). Returns whether it was
+        written."""
         if self.best_metric is None or not metrics:
             return False
         if self.best_metric not in metrics:
@@ -100,7 +103,7 @@ class HfCheckpoints:
         better = (best is None or (value > best["value"] if self.mode == "max" else value < best["value"]))
         if not math.isfinite(value) or not better:
             return False
-        self.write(os.path.join(self.root, "best"))
+        self.write(os.path.join(self.root, "best"), params)
         if jax.process_index() == 0:
             atomic_write_text(os.path.join(self.root, BEST_FILE), json.dumps(
                 {"iteration": iteration, "metric": self.best_metric, "value": value, "mode": self.mode}) + "\n")
