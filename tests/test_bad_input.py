@@ -412,6 +412,18 @@ CASES = [
     ("prompts file not UTF-8", lambda ctx: _write_bytes(ctx["tmp"] / "p.txt", b"fine\nbad \xff byte\n",
                                                   lambda path: jaxppo.load_prompts(str(path))), ValueError,
      r"p.txt line 2 is not UTF-8 text: byte 0xff at column 5"),
+    # Watching a run (docs/watching.md)
+    ("report_to unknown tracker", lambda ctx: jaxppo.TrainerConfig(report_to="tensorboard,comet"), ValueError,
+     r"report_to='tensorboard,comet' names unknown trackers \['comet'\]; valid: jsonl, tensorboard, wandb, mlflow"),
+    ("eval prompts empty", lambda ctx: small_trainer(ctx["tmp"], eval_prompts=[]), ValueError,
+     r"eval_prompts: no prompts: the prompt list is empty"),
+    ("eval prompts file malformed", lambda ctx: small_trainer(
+        ctx["tmp"], eval_prompts=_write(ctx["tmp"], "eval.jsonl", '{"prompt": "a"}\n{"prompt": \n')), ValueError,
+     r"eval_prompts: .*eval.jsonl line 2 is not valid JSON"),
+    ("best metric no evaluation produces", lambda ctx: small_trainer(ctx["tmp"], best_metric="eval/reward_mean"),
+     ValueError, r"best_metric='eval/reward_mean' is chosen by an evaluation, and this run has none"),
+    ("resume_from nothing there", lambda ctx: small_trainer(ctx["tmp"] / "run", resume_from=str(ctx["tmp"] / "x"))
+     .train(), jaxppo.RunError, r"resume_from='.*x' is neither a run directory with a readable checkpoint"),
     ("query mask right-padded", lambda ctx: jaxppo.check_rollout(
         _rollout(query_mask=jnp.asarray(np.tile([1, 1, 0, 0], (16, 1)), jnp.int32)),
         jaxppo.PPOConfig(batch_size=16, mini_batch_size=8)), ValueError,

@@ -120,7 +120,7 @@ def test_eval_bad_input_is_refused_before_any_model_loads(tmp_path, monkeypatch)
 
     monkeypatch.setattr(parts, "assemble", lambda *a, **k: pytest.fail("a model was loaded"))
     cases = [
-        (dict(eval_prompts=[]), r"eval_prompts: "),
+        (dict(eval_prompts=[]), r"eval_prompts: no prompts: the prompt list is empty"),
         (dict(eval_reward_fns=[even_length]), r"eval_reward_fns were given without eval_prompts"),
         (dict(eval_prompts=PROMPTS, eval_reward_fns=["not callable"]), r"eval_reward_fns=\['not callable'\] is invalid"),
         (dict(eval_prompts=["word " * 200]), r"eval_prompts: .*longer than"),

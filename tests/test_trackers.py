@@ -13,7 +13,7 @@ import pytest
 from jaxppo import demo
 from jaxppo.errors import RewardError
 from jaxppo.tracking import Tracker, base, parse_report_to, read_metrics, read_table, register_tracker
-from jaxppo.tracking.backends import wandb_files, wandb_history
+from jaxppo.tracking.backends import mlflow_history, wandb_files, wandb_history
 
 from trainer_setup import small_trainer
 
@@ -22,8 +22,8 @@ BACKENDS = ("wandb", "mlflow", "trackio")
 
 def tracker_rows(out, project="jaxppo"):
     """{backend: [(step, {metric: value}), ...] in the store's order} for wandb, MLflow and
-    trackio, read back with each one's own reader; and {backend: [table steps]}."""
-    from mlflow.tracking import MlflowClient
+    trackio, read back with each one's own reader (MLflow's client, wandb's record type,
+    trackio's storage); and {backend: [table steps]}."""
     from trackio.sqlite_storage import SQLiteStorage
 
     uid = json.load(open(os.path.join(out, "trackers.json")))["run_id"]
@@ -32,16 +32,10 @@ def tracker_rows(out, project="jaxppo"):
     rows["wandb"] = [(int(r["_step"]), {k: v for k, v in r.items() if not k.startswith("_") and k != "completions"})
                      for r in history if "iteration" in r]
     tables["wandb"] = [int(r["_step"]) for r in history if "completions/_type" in r or "completions" in r]
-    client = MlflowClient("sqlite:///" + os.path.join(os.path.abspath(out), "mlflow.db"))
-    (run,) = client.search_runs([client.get_experiment_by_name("jaxppo").experiment_id])
-    by_step = {}
-    for key in run.data.metrics:
-        for m in client.get_metric_history(run.info.run_id, key):
-            by_step.setdefault(m.step, []).append((key, m.value))
+    client, run_id, by_step = mlflow_history(str(out))
     rows["mlflow"] = [(step, dict(items)) for step, items in sorted(by_step.items())]
     assert all(len(items) == len(dict(items)) for items in by_step.values()), "a metric held twice at one step"
-    tables["mlflow"] = sorted(int(a.path.split("_")[-1].split(".")[0])
-                              for a in client.list_artifacts(run.info.run_id, "tables"))
+    tables["mlflow"] = sorted(int(a.path.split("_")[-1].split(".")[0]) for a in client.list_artifacts(run_id, "tables"))
     name = f"{os.path.basename(out)}-{uid[:8]}"
     logs = SQLiteStorage.get_logs(project, name)
     rows["trackio"] = [(int(r["step"]), r) for r in logs if "iteration" in r and r.get("iteration") is not None]

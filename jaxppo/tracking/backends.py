@@ -26,7 +26,7 @@ from typing import Iterator, Optional, Sequence
 
 from jaxppo.tracking.base import AppendOnlyTracker, TrackerRun
 
-__all__ = ["WandbTracker", "MlflowTracker", "TrackioTracker", "wandb_history", "wandb_files"]
+__all__ = ["WandbTracker", "MlflowTracker", "TrackioTracker", "wandb_history", "wandb_files", "mlflow_history"]
 
 
 def _scalars(metrics: dict) -> dict:
@@ -180,6 +180,21 @@ class MlflowTracker(AppendOnlyTracker):
 
     def finish(self) -> None:
         self._client.set_terminated(self._run_id)
+
+
+def mlflow_history(output_dir: str, experiment: str = "jaxppo") -> tuple:
+    """(MLflow's client, the run's id, {step: [(metric, value), ...] in the store}) of the run
+    that the default store of `output_dir` (`<output_dir>/mlflow.db`) holds, read with MLflow's
+    own client: a metric held twice at a step appears twice."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient("sqlite:///" + os.path.join(os.path.abspath(output_dir), "mlflow.db"))
+    (run,) = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    by_step = {}
+    for key in run.data.metrics:
+        for m in client.get_metric_history(run.info.run_id, key):
+            by_step.setdefault(m.step, []).append((key, m.value))
+    return client, run.info.run_id, by_step
 
 
 def _mlflow_name(name: str) -> str:
