@@ -25,6 +25,7 @@ from jaxppo.rollout.prompts import load_prompts
 from jaxppo.rollout.engines import sample_responses
 from jaxppo.rollout.sampling import RolloutSpec
 from jaxppo.rollout.scoring import finish_rollout
+from jaxppo.run.callbacks import Callback, Control
 from jaxppo.run.state import RunState
 from jaxppo.run.trainer import PPOTrainer, Trainer
 from jaxppo.trainer_config import TrainerConfig
@@ -75,6 +76,8 @@ __all__ = [
     "sample_responses",
     "finish_rollout",
     "StepResult",
+    "Callback",
+    "Control",
 ]
 
 

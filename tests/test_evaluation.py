@@ -241,3 +241,39 @@ def test_resume_from_another_runs_checkpoint_continues_it_exactly_and_leaves_it_
         small_trainer(tmp_path / "none", resume_from=str(tmp_path / "nowhere")).train()
     with pytest.raises(ValueError, match=r"resume_from is given with resume=False"):
         jaxppo.TrainerConfig(resume_from=str(source), resume=False)
+
+
+def test_callbacks_steer_the_run_stop_it_resumably_and_ask_for_checkpoints(tmp_path):
+    from jaxppo.run import checkpoints
+
+    events = []
+
+    class Steer(jaxppo.Callback):
+        def on_train_begin(self, trainer):
+            events.append(("begin", trainer.iteration))
+
+        def on_iteration_end(self, trainer, iteration, metrics):
+            events.append(("end", iteration))
+            return jaxppo.Control(checkpoint=iteration == 0, stop=iteration == 2)
+
+        def on_train_end(self, trainer, history):
+            events.append(("train_end", len(history)))
+
+    seen = []
+    plain = lambda iteration, metrics: seen.append(iteration)  # noqa: E731 - a callback as since 0.1
+    out = tmp_path / "run"
+    first = small_trainer(out, iterations=5, checkpoint_every=0, keep_checkpoints=5, export_final=False,
+                          callbacks=[Steer(), plain]).train()
+    assert [r["iteration"] for r in first] == [0, 1, 2] and seen == [0, 1, 2]
+    assert events == [("begin", 0), ("end", 0), ("end", 1), ("end", 2), ("train_end", 3)]
+    assert checkpoints.steps(str(out / "checkpoints")) == [1, 3]  # asked for after iteration 0; saved at the stop
+    again = small_trainer(out, iterations=5, export_final=False, callbacks=[plain]).train()  # the same command
+    whole = small_trainer(tmp_path / "whole", iterations=5, export_final=False).train()
+
+    def comparable(rows):
+        return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "eps"} for r in rows]
+
+    assert comparable(again) == comparable(whole) and seen == [0, 1, 2, 3, 4]
+    with pytest.raises(TypeError, match=r"callback <lambda> returned 'stop' after iteration 0; a callback returns "
+                                        r"None or a jaxppo.Control"):
+        small_trainer(tmp_path / "bad", iterations=1, callbacks=[lambda it, m: "stop"]).train()

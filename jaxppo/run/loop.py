@@ -14,6 +14,7 @@ import jax
 
 from jaxppo.config import PPOConfig
 from jaxppo.files import atomic_write_text
+from jaxppo.run.callbacks import call_iteration_end
 from jaxppo.run.interrupts import interrupts_held, interrupts_raise
 from jaxppo.run.logger import Logger
 from jaxppo.testing import failpoints
@@ -25,8 +26,8 @@ FINAL_EVAL_FILE = "final_eval.json"  # the final policy's evaluation (with eval 
 
 
 def run_loop(trainer, logger: Logger) -> Logger:
-    """Run iterations until `trainer.iterations`, logging each line with `logger`; return
-    the (closed) logger. Each iteration's update and its metrics line land together
+    """Run iterations until `trainer.iterations` (or a callback's `Control(stop=True)`),
+    logging each line with `logger`; return the (closed) logger. Each iteration's update and its metrics line land together
     (interrupts held); Ctrl-C or SIGTERM saves a checkpoint and raises KeyboardInterrupt."""
     tc = trainer.tc
     progress = None
@@ -47,13 +48,16 @@ def run_loop(trainer, logger: Logger) -> Logger:
                         logger.log_table(metrics["iteration"], "eval_completions", *trainer.last_eval_table)
                     logger.log(metrics, echo=progress.bar is None and metrics["iteration"] % tc.log_every == 0)
                 progress.update(metrics, trainer.iteration, table)
-                for cb in trainer.callbacks:
-                    cb(metrics["iteration"], metrics)
+                control = call_iteration_end(trainer.callbacks, trainer, metrics["iteration"], metrics)
                 with interrupts_held():  # a Hugging Face checkpoint every save_hf_every iterations
                     trainer.hf_checkpoints.periodic(trainer.iteration, trainer.state.params)
-                if tc.checkpoint_every and trainer.iteration % tc.checkpoint_every == 0:
+                if control.checkpoint or (tc.checkpoint_every and trainer.iteration % tc.checkpoint_every == 0):
                     with interrupts_held():  # a signal now would tear the save; it is served after
                         trainer.save_checkpoint()
+                if control.stop and trainer.iteration < trainer.iterations:
+                    print(f"stopped by a callback after {trainer.iteration} iterations (of {trainer.iterations}); "
+                          "run the same command again to continue", flush=True)
+                    break
     except KeyboardInterrupt:
         # Held from the first line: a second Ctrl-C after the message below (a user presses
         # twice) must wait for the checkpoint, not abort it.

@@ -35,6 +35,7 @@ from jaxppo.rollout.prompts import load_prompts
 from jaxppo.run import export as exporting
 from jaxppo.run import report, save_restore, stages, watch
 from jaxppo.run.directory import make_output_dir
+from jaxppo.run.callbacks import call_hook
 from jaxppo.run.iteration import check_scores, complete, evaluate, prepare
 from jaxppo.run.logger import Logger, tracked_settings
 from jaxppo.run.loop import finish_run, run_loop
@@ -87,7 +88,10 @@ class Trainer(save_restore.Resumable, exporting.Exportable):
         then receive the messages as `prompts`.
       chat_template: None renders chat-message prompts with the tokenizer's template (an
         error when it has none); False refuses them; True is None made explicit.
-      callbacks: functions `cb(iteration, metrics)` called after each iteration.
+      callbacks: functions `cb(iteration, metrics)` called after each iteration, or objects
+        with the hooks of `jaxppo.Callback` (`on_train_begin`, `on_iteration_end`,
+        `on_train_end`); either may return a `jaxppo.Control` to stop the run (saved,
+        resumable) or save a checkpoint now (`jaxppo.run.callbacks`).
       remat, scan_layers, logits_chunk_size: the models' memory and compile-time settings
         (see `jaxppo.models.Model`; they change memory and compute, not results): remat
         of the trained models' blocks (False, True or a `jax.checkpoint_policies` name;
@@ -172,8 +176,9 @@ class Trainer(save_restore.Resumable, exporting.Exportable):
     iteration = property(lambda self: self.run.iteration, doc="Iterations completed.")
     skipped_iterations = property(lambda self: self.run.skipped_iterations, doc="Iterations skipped (non-finite).")
 
-    def add_callback(self, callback: Callable):
-        """Call `callback(iteration, metrics)` after each iteration, after those given."""
+    def add_callback(self, callback):
+        """Add a callback (a function `cb(iteration, metrics)` or a `jaxppo.Callback`), after
+        those given."""
         self.callbacks.append(callback)
 
     def prompt_indices(self, iteration: int) -> np.ndarray:
@@ -271,11 +276,13 @@ class Trainer(save_restore.Resumable, exporting.Exportable):
                         config=tracked_settings(self.config, self.tc, self.iterations))
         self.history = logger.history  # the lines of the iterations before this start, and this run's
         try:
+            call_hook(self.callbacks, "on_train_begin", self)
             run_loop(self, logger)
         finally:
             self.pipelined and self.pipelined.close()
             self.close_run()
         finish_run(self, logger)
+        call_hook(self.callbacks, "on_train_end", self, self.history)
         return self.history
 
     # ------------------------------------------------------------------ output
