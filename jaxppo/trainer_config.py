@@ -31,8 +31,13 @@ class TrainerConfig:
       from scores of responses without a stop token); normalize_scores (running mean/std);
       score_clip; stop_token_id (default: the tokenizer's EOS).
     Optimisation: learning_rate (policy), critic_learning_rate (default: learning_rate),
-      lr_schedule ("constant", "linear" decay to 0, "cosine"), warmup_updates,
-      max_grad_norm (None: no clipping), adam_eps, shared_trunk (value head on the policy).
+      lr_schedule ("constant", "linear" decay to 0, "cosine" to 0, "cosine_with_min_lr" to
+      min_lr_ratio * learning_rate), warmup_updates or warmup_ratio (of the run's updates),
+      max_grad_norm (None: no clipping), adam_eps, adam_beta1, adam_beta2, weight_decay
+      (> 0: AdamW, decoupled decay on the linear layers' kernels and LoRA matrices, not on
+      embeddings, norms and biases; weight_decay_mask="all" decays every parameter),
+      shared_trunk (value head on the policy). `Trainer(optimizer=...)` replaces the
+      built-in Adam/AdamW with any optax transformation.
     Output: output_dir; log_every; sample_every and num_samples (printed completions);
       checkpoint_every (iterations; 0 = only on interrupt and at the end), keep_checkpoints,
       resume (continue from the latest checkpoint in output_dir; False refuses a directory
@@ -145,6 +150,12 @@ class TrainerConfig:
     warmup_updates: int = 0
     max_grad_norm: Optional[float] = 1.0
     adam_eps: float = 1e-5
+    adam_beta1: float = setting(0.9, on_resume="same_if_set")
+    adam_beta2: float = setting(0.999, on_resume="same_if_set")
+    weight_decay: float = setting(0.0, on_resume="same_if_set")
+    weight_decay_mask: str = setting("matrices", on_resume="same_if_set")
+    min_lr_ratio: float = setting(0.0, on_resume="same_if_set")
+    warmup_ratio: float = setting(0.0, on_resume="same_if_set")
     shared_trunk: bool = False
     output_dir: str = setting("runs/jaxppo", on_resume="free")
     log_every: int = setting(1, on_resume="free")
@@ -225,8 +236,10 @@ class TrainerConfig:
                              "own, which only pays when sampling overlaps training: set max_staleness >= 1, or "
                              "sampler_devices=0 (sampler and trainer share the devices)")
         _check_environment(self)
-        if self.lr_schedule not in ("constant", "linear", "cosine"):
-            raise ValueError(f"TrainerConfig.lr_schedule={self.lr_schedule!r} is invalid; valid: constant, linear, cosine")
+        if self.lr_schedule not in ("constant", "linear", "cosine", "cosine_with_min_lr"):
+            raise ValueError(f"TrainerConfig.lr_schedule={self.lr_schedule!r} is invalid; valid: constant, linear, "
+                             "cosine, cosine_with_min_lr")
+        _check_optimizer(self)
         for name in ("learning_rate", "adam_eps"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
@@ -316,3 +329,31 @@ def _check_watching(self: TrainerConfig):
     if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0):
         raise ValueError(f"TrainerConfig.eval_temperature={t!r} is invalid: None (PPOConfig.temperature), 0 "
                          "(greedy) or a finite number > 0")
+
+
+def _check_optimizer(self: TrainerConfig):
+    """The optimizer's settings against the ranges their formulas allow."""
+    def number(name):
+        value = getattr(self, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"TrainerConfig.{name}={value!r} is invalid: {name} must be a finite number")
+        return value
+
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0 <= number(name) < 1:
+            raise ValueError(f"TrainerConfig.{name}={getattr(self, name)!r} is invalid: a beta must be in [0, 1)")
+    if number("weight_decay") < 0:
+        raise ValueError(f"TrainerConfig.weight_decay={self.weight_decay!r} is invalid: it must be >= 0 (0: Adam)")
+    if self.weight_decay_mask not in ("matrices", "all"):
+        raise ValueError(f"TrainerConfig.weight_decay_mask={self.weight_decay_mask!r} is invalid; valid: 'matrices' "
+                         "(linear layers' kernels and LoRA matrices), 'all'")
+    if not 0 <= number("min_lr_ratio") < 1:
+        raise ValueError(f"TrainerConfig.min_lr_ratio={self.min_lr_ratio!r} is invalid: it must be in [0, 1)")
+    if self.min_lr_ratio and self.lr_schedule != "cosine_with_min_lr":
+        raise ValueError(f"TrainerConfig.min_lr_ratio={self.min_lr_ratio} is read by lr_schedule="
+                         f"'cosine_with_min_lr' only; lr_schedule is {self.lr_schedule!r}")
+    if not 0 <= number("warmup_ratio") < 1:
+        raise ValueError(f"TrainerConfig.warmup_ratio={self.warmup_ratio!r} is invalid: it must be in [0, 1)")
+    if self.warmup_ratio and self.warmup_updates:
+        raise ValueError(f"TrainerConfig.warmup_ratio={self.warmup_ratio} and warmup_updates={self.warmup_updates} "
+                         "both set the warm-up; give one")

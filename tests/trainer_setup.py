@@ -29,7 +29,7 @@ def perturbed(params, seed):
 
 def small_trainer(output_dir, iterations=2, mesh=None, reward_fn=demo.lowercase_reward, callbacks=(), prompts=None,
                   ppo=None, lora=None, environment=None, max_len=40, tools=None, reward_fn_on="text", eval_prompts=None,
-                  eval_reward_fns=None, **trainer):
+                  eval_reward_fns=None, optimizer=None, **trainer):
     tokenizer = demo.demo_tokenizer()
     ppo = ppo or jaxppo.PPOConfig(batch_size=16, mini_batch_size=8, ppo_epochs=2, kl_coef=0.1)
     settings = dict(iterations=iterations, query_length=32, response_length=6, learning_rate=1e-3,
@@ -41,7 +41,7 @@ def small_trainer(output_dir, iterations=2, mesh=None, reward_fn=demo.lowercase_
                              tokenizer=tokenizer, prompts=demo.DEMO_PROMPTS if prompts is None else prompts,
                              reward_fn=reward_fn, reward_fn_on=reward_fn_on, callbacks=callbacks, mesh=mesh,
                              lora=lora, environment=environment, tools=tools, eval_prompts=eval_prompts,
-                             eval_reward_fns=eval_reward_fns)
+                             eval_reward_fns=eval_reward_fns, optimizer=optimizer)
 
 
 def run_small(output_dir, iterations=2, mesh=None, **trainer_settings):

@@ -103,30 +103,59 @@ class LogitsOf:
         return self.model.grouped_outputs(params, *args)
 
 
-def schedule(lr, kind, warmup, total):
-    """A learning-rate schedule over `total` updates: constant, linear decay to 0 or cosine,
-    after `warmup` updates of linear warm-up."""
+def schedule(lr, kind, warmup, total, min_lr_ratio: float = 0.0):
+    """A learning-rate schedule over `total` updates: constant, linear decay to 0, cosine
+    to 0, or cosine to `min_lr_ratio * lr` ("cosine_with_min_lr"), after `warmup` updates
+    of linear warm-up from 0."""
     if kind == "constant":
         main = optax.constant_schedule(lr)
     elif kind == "linear":
         main = optax.linear_schedule(lr, 0.0, max(1, total - warmup))
     else:
-        main = optax.cosine_decay_schedule(lr, max(1, total - warmup))
+        alpha = min_lr_ratio if kind == "cosine_with_min_lr" else 0.0
+        main = optax.cosine_decay_schedule(lr, max(1, total - warmup), alpha=alpha)
     if warmup:
         return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), main], [warmup])
     return main
 
 
-def optimizer(policy_lr, critic_lr, tc: TrainerConfig, shared: bool, critic: bool = True):
-    """Adam (after global-norm clipping when `tc.max_grad_norm`) for the trained params:
-    the policy alone (`critic=False`), the policy and a separate critic ({"policy",
-    "critic"} params), or one model whose `value_head` has the critic's rate (`shared`)."""
-    def adam(lr):
-        parts = [clip_by_global_norm(tc.max_grad_norm)] if tc.max_grad_norm else []
-        return optax.chain(*parts, optax.adam(lr, eps=tc.adam_eps))
+DECAYED = ("kernel", "lora_a", "lora_b")  # weight decay's default reach: the matrices of linear layers
+
+
+def decay_mask(params):
+    """True at the parameters weight decay reaches by default: linear layers' kernels and
+    LoRA matrices; not embeddings, norms or biases."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: key_names(path)[-1] in DECAYED, params)
+
+
+def base_optimizer(lr, tc: TrainerConfig, custom=None) -> optax.GradientTransformation:
+    """One model's optimizer at learning rate (or schedule) `lr`: global-norm clipping when
+    `tc.max_grad_norm`, then `custom` (an optax `GradientTransformation`, or a function of
+    the schedule returning one) or the built-in: AdamW with `tc.weight_decay` (on the
+    parameters `decay_mask` names, or on all with `weight_decay_mask="all"`), Adam without."""
+    parts = [clip_by_global_norm(tc.max_grad_norm)] if tc.max_grad_norm else []
+    if custom is not None:
+        inner = custom if isinstance(custom, optax.GradientTransformation) else custom(lr)
+        if not isinstance(inner, optax.GradientTransformation):
+            raise TypeError(f"optimizer={custom!r} returned {type(inner).__name__}; give an optax "
+                            "GradientTransformation, or a function of the learning-rate schedule returning one")
+    elif tc.weight_decay:
+        inner = optax.adamw(lr, b1=tc.adam_beta1, b2=tc.adam_beta2, eps=tc.adam_eps, weight_decay=tc.weight_decay,
+                            mask=decay_mask if tc.weight_decay_mask == "matrices" else None)
+    else:
+        inner = optax.adam(lr, b1=tc.adam_beta1, b2=tc.adam_beta2, eps=tc.adam_eps)
+    return optax.chain(*parts, inner)
+
+
+def optimizer(policy_lr, critic_lr, tc: TrainerConfig, shared: bool, critic: bool = True, custom=None):
+    """`base_optimizer` for the trained params: the policy alone (`critic=False`), the
+    policy and a separate critic ({"policy", "critic"} params), or one model whose
+    `value_head` has the critic's rate (`shared`)."""
+    def make(lr):
+        return base_optimizer(lr, tc, custom)
 
     if not critic:
-        return adam(policy_lr)
+        return make(policy_lr)
 
     if shared:
         # One model: the value head gets the critic's learning rate (the rest, or the LoRA
@@ -134,8 +163,8 @@ def optimizer(policy_lr, critic_lr, tc: TrainerConfig, shared: bool, critic: boo
         def labels(params):
             name = lambda path, _: "critic" if "value_head" in key_names(path) else "policy"
             return jax.tree_util.tree_map_with_path(name, params)
-        return optax.multi_transform({"policy": adam(policy_lr), "critic": adam(critic_lr)}, labels)
-    return optax.multi_transform({"policy": adam(policy_lr), "critic": adam(critic_lr)},
+        return optax.multi_transform({"policy": make(policy_lr), "critic": make(critic_lr)}, labels)
+    return optax.multi_transform({"policy": make(policy_lr), "critic": make(critic_lr)},
                                  {"policy": "policy", "critic": "critic"})
 
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 from typing import Any, Callable, Optional
 
 import jax
+import optax
 
 from jaxppo import sharding
 from jaxppo.config import PPOConfig
@@ -96,7 +98,7 @@ def build(config: PPOConfig, tc: TrainerConfig, *, policy, tokenizer, prompts, r
           reward_fn_on: str = "text", reward_fns=None, reward_weights=None, ref_policy=None, critic=None,
           dtype: str = "float32", ref_dtype=None, reward_dtype=None, prompt_column: str = "prompt", mesh=None,
           remat=None, scan_layers=None, logits_chunk_size=None, chat_template=None, lora=None, lora_init=None,
-          environment=None, tools=None, eval_prompts=None, eval_reward_fns=None) -> RunParts:
+          environment=None, tools=None, eval_prompts=None, eval_reward_fns=None, optimizer=None) -> RunParts:
     """The parts of a run (the arguments are the `Trainer`'s): every setting checked before
     anything loads, then the prompts, the models, the rollout engine, the optimizer and the
     run state."""
@@ -117,7 +119,7 @@ def build(config: PPOConfig, tc: TrainerConfig, *, policy, tokenizer, prompts, r
     spec = _rollout_spec(config, tc, models, tokenizer, rewards, table.ids.shape[1],
                          _common_prefix(config, table, environment))
     rollout_engine = engine.create(spec, models.params, tc, query_width=table.ids.shape[1], mesh=mesh)
-    policy_schedule, tx = _optimizer(config, tc, iterations)
+    policy_schedule, tx = _optimizer(config, tc, iterations, _check_optimizer(optimizer))
     train = TrainState.create(apply_fn=models.apply_fn, params=models.params, tx=tx, freeze=models.freeze)
     run, ref_params, reward_params = _run_state(config, tc, train), models.ref_params, models.reward_params
     placed, make_step = None, lambda c: functools.partial(train_step_donating, config=c)
@@ -132,6 +134,7 @@ def build(config: PPOConfig, tc: TrainerConfig, *, policy, tokenizer, prompts, r
                                          run.train)
         run = pipelined.initial(run)
     description = {**models.description, "reward": rewards.describe(models.reward_model, dtype),
+                   **({} if optimizer is None else {"optimizer": _optimizer_name(optimizer)}),
                    "tokenizer": {"class": type(tokenizer).__name__, "size": len(tokenizer)},
                    "prompts": prompts_digest(table.texts), "prompt_column": prompt_column,
                    **({} if environment is None else {"environment": environment.name})}
@@ -141,6 +144,20 @@ def build(config: PPOConfig, tc: TrainerConfig, *, policy, tokenizer, prompts, r
                     policy if isinstance(policy, (str, os.PathLike)) else None,
                     build_evaluator(eval_table, eval_rewards, spec, tokenizer, tc, config.batch_size, placed),
                     _hf_checkpoints(tc, models.policy_model, spec, tokenizer, policy))
+
+
+def _check_optimizer(custom):
+    if custom is None or isinstance(custom, optax.GradientTransformation) or callable(custom):
+        return custom
+    raise TypeError(f"optimizer={custom!r} is invalid: an optax GradientTransformation, or a function of the "
+                    "learning-rate schedule returning one (None: the built-in Adam/AdamW of TrainerConfig)")
+
+
+def _optimizer_name(custom) -> str:
+    """What the run settings record of a custom optimizer (a resume with another is refused)."""
+    if isinstance(custom, optax.GradientTransformation):
+        return "an optax GradientTransformation (not compared on resume)"
+    return f"{getattr(custom, '__module__', '?')}.{getattr(custom, '__qualname__', type(custom).__name__)}"
 
 
 def _hf_checkpoints(tc: TrainerConfig, policy_model, spec: RolloutSpec, tokenizer, policy) -> HfCheckpoints:
@@ -332,11 +349,12 @@ def _run_state(config: PPOConfig, tc: TrainerConfig, train: TrainState) -> RunSt
                            dynamic_sampling=tc.dynamic_sampling)
 
 
-def _optimizer(config: PPOConfig, tc: TrainerConfig, iterations: int):
+def _optimizer(config: PPOConfig, tc: TrainerConfig, iterations: int, custom=None):
     """(the policy's learning-rate schedule, the optimizer) over the run's updates."""
     total_updates = iterations * config.updates_per_step
-    policy_schedule = schedule(tc.learning_rate, tc.lr_schedule, tc.warmup_updates, total_updates)
-    critic_schedule = schedule(tc.critic_learning_rate or tc.learning_rate, tc.lr_schedule, tc.warmup_updates,
-                               total_updates)
+    warmup = tc.warmup_updates or math.ceil(tc.warmup_ratio * total_updates)
+    policy_schedule = schedule(tc.learning_rate, tc.lr_schedule, warmup, total_updates, tc.min_lr_ratio)
+    critic_schedule = schedule(tc.critic_learning_rate or tc.learning_rate, tc.lr_schedule, warmup, total_updates,
+                               tc.min_lr_ratio)
     return policy_schedule, optimizer(policy_schedule, critic_schedule, tc, shared=tc.shared_trunk,
-                                      critic=config.uses_critic)
+                                      critic=config.uses_critic, custom=custom)

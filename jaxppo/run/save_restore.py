@@ -54,7 +54,7 @@ def run_settings(config: PPOConfig, tc: TrainerConfig, iterations: int, descript
     `description` (models, reward, tokenizer, prompts). Output-only fields may change; so
     may `iterations`/`total_episodes` under a constant learning rate (extending a run)."""
     trainer = _recorded(tc)
-    if tc.lr_schedule != "constant":  # the schedule's length: extending the run would change it
+    if tc.lr_schedule != "constant" or tc.warmup_ratio:  # the schedule's length: extending the run would change it
         trainer["iterations"] = iterations
     ppo = _recorded(config)
     return {"checkpoint_layout": checkpoint.LAYOUT, "ppo": ppo, "trainer": trainer, **description}

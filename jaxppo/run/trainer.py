@@ -120,6 +120,9 @@ class Trainer(save_restore.Resumable, exporting.Exportable):
         how): `eval/...` metrics in the iteration's line (`jaxppo.run.evaluation`).
       eval_reward_fns: the text reward functions that score the evaluation (default: the
         run's own text reward functions).
+      optimizer: an optax `GradientTransformation`, or a function of the learning-rate
+        schedule returning one, instead of the built-in Adam / AdamW (`TrainerConfig`'s
+        `weight_decay`, betas, schedule); `max_grad_norm` clipping still comes first.
     """
 
     def __init__(self, config: PPOConfig, trainer_config: TrainerConfig, *, policy, tokenizer, prompts,
@@ -131,7 +134,7 @@ class Trainer(save_restore.Resumable, exporting.Exportable):
                  logits_chunk_size: Optional[int] = None, chat_template: Optional[bool] = None,
                  lora=None, lora_init: Optional[str] = None, environment: Optional[Callable] = None,
                  tools: Optional[Sequence[Callable]] = None, eval_prompts=None,
-                 eval_reward_fns: Optional[Sequence[Callable]] = None):
+                 eval_reward_fns: Optional[Sequence[Callable]] = None, optimizer=None):
         if not isinstance(config, PPOConfig):
             raise TypeError(f"config must be a jaxppo.PPOConfig, got {type(config).__name__}")
         if not isinstance(trainer_config, TrainerConfig):
@@ -142,7 +145,7 @@ class Trainer(save_restore.Resumable, exporting.Exportable):
                       ref_dtype=ref_dtype, reward_dtype=reward_dtype, prompt_column=prompt_column, mesh=mesh,
                       remat=remat, scan_layers=scan_layers, logits_chunk_size=logits_chunk_size,
                       chat_template=chat_template, lora=lora, lora_init=lora_init, environment=environment,
-                      tools=tools, eval_prompts=eval_prompts, eval_reward_fns=eval_reward_fns)
+                      tools=tools, eval_prompts=eval_prompts, eval_reward_fns=eval_reward_fns, optimizer=optimizer)
         self.parts, self.config, self.tc, self.tokenizer = parts, parts.config, trainer_config, tokenizer
         self.callbacks, self.iterations, self.run = list(callbacks), parts.iterations, parts.run
         self.table, self.prompt_ids, self.prompt_mask = parts.table, parts.table.ids, parts.table.mask
