@@ -5,8 +5,9 @@ the prompt dataset's other columns.
         return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer)]
 
 Each function is called as `f(prompts, completions, **columns)` with the columns it
-accepts (by name, or all of them through `**kwargs`), for the rows of the iteration. It
-returns one number per completion; None means "no opinion on this row": the row is left
+accepts (by name, or all of them through `**kwargs`; `trainer_state` too, where it names
+it), for the rows of the iteration; `async def` functions run concurrently. It returns one
+number per completion (or a dict of named parts, summed); None means "no opinion on this row": the row is left
 out of that function's statistics and adds nothing to the weighted sum (a row that no
 function scored is an error). A NaN, an inf, a
 wrong length or type, or an exception is a `RewardError` naming the function, iteration
@@ -15,8 +16,11 @@ and row.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import dataclasses
 import inspect
+import time
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import jax
@@ -25,7 +29,7 @@ import numpy as np
 from jaxppo.errors import RewardError
 from jaxppo.models.model import describe_model, is_model_spec
 
-__all__ = ["RewardFunction", "HostRewards", "reward_name", "RewardSetup", "sort_rewards", "accepted_columns",
+__all__ = ["RewardFunction", "HostRewards", "Scored", "reward_name", "RewardSetup", "sort_rewards", "accepted_columns",
            "check_scores", "nonfinite_rows", "qualified_name", "HostScores", "load_callable"]
 
 
@@ -40,37 +44,94 @@ class RewardFunction(NamedTuple):
     weight: float
 
 
+class Scored(NamedTuple):
+    """What `HostRewards` returns: the combined scores float32 (B,); per function (and per
+    part of a function that returns a dict) {name: (values float64 (B,), given bool (B,))};
+    each function's wall time in seconds {name: seconds}."""
+
+    total: np.ndarray
+    per_function: dict
+    times: dict
+
+
 class HostRewards:
     """The text reward functions of a run and their weights.
 
-    `__call__(iteration, prompts, completions, columns)` returns (scores, per_function):
-    scores float32 (B,), the weighted sum over functions of the rows they scored;
-    per_function {name: (values float64 (B,), given bool (B,))}."""
+    `__call__(iteration, prompts, completions, columns)` returns a `Scored`: the weighted sum
+    over functions of the rows they scored, each function's values and the rows it scored,
+    and its time. `async def` functions run concurrently (on one event loop, the others in
+    threads beside them); without any, the functions run one after another, as written.
+    A function that accepts `trainer_state` receives {"iteration", "updates"} (the updates
+    applied before this iteration: `updates_per_iteration` per iteration). A function may
+    return a dict of named parts (each a list of numbers or None): its value is their sum,
+    and each part is reported as `<name>/<part>`."""
 
-    def __init__(self, functions: Sequence[RewardFunction]):
+    def __init__(self, functions: Sequence[RewardFunction], updates_per_iteration: int = 0):
         self.functions = list(functions)
+        self.updates_per_iteration = updates_per_iteration
         self._accepts = {f.name: accepted_columns(f.fn) for f in self.functions}
+        self._async = any(_is_async(f.fn) for f in self.functions)
 
-    def __call__(self, iteration: int, prompts: list, completions: list, columns: dict):
+    def _kwargs(self, f, columns: dict, iteration: int) -> dict:
+        accepts = self._accepts[f.name]
+        kwargs = {k: v for k, v in columns.items() if accepts is None or k in accepts}
+        if accepts is not None and "trainer_state" in accepts:
+            kwargs["trainer_state"] = {"iteration": iteration, "updates": iteration * self.updates_per_iteration}
+        return kwargs
+
+    def _raised(self, f, iteration, prompts, kwargs, err):
+        return RewardError(f"iteration {iteration}: reward function {f.name!r} raised {type(err).__name__}: {err} "
+                           f"(called on {len(prompts)} completions; first prompt {prompts[0][:40]!r}; columns passed: "
+                           f"{sorted(k for k in kwargs if k != 'trainer_state')}); nothing was updated")
+
+    def _call_all(self, iteration: int, prompts: list, completions: list, columns: dict):
+        """[(raw result, seconds)] in the functions' order."""
+        calls = [(f, self._kwargs(f, columns, iteration)) for f in self.functions]
+        if not self._async:
+            out = []
+            for f, kwargs in calls:
+                t = time.perf_counter()
+                try:
+                    out.append((f.fn(prompts, completions, **kwargs), time.perf_counter() - t))
+                except Exception as err:
+                    raise self._raised(f, iteration, prompts, kwargs, err) from err
+            return out
+
+        async def one(f, kwargs):
+            t = time.perf_counter()
+            try:
+                if _is_async(f.fn):
+                    raw = await f.fn(prompts, completions, **kwargs)
+                else:
+                    raw = await asyncio.to_thread(f.fn, prompts, completions, **kwargs)
+            except Exception as err:
+                raise self._raised(f, iteration, prompts, kwargs, err) from err
+            return raw, time.perf_counter() - t
+
+        async def gather():
+            return await asyncio.gather(*(one(f, kwargs) for f, kwargs in calls))
+
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no loop in this thread: the usual case
+            return asyncio.run(gather())
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:  # called from inside a running loop (a notebook)
+            return pool.submit(asyncio.run, gather()).result()
+
+    def __call__(self, iteration: int, prompts: list, completions: list, columns: dict) -> Scored:
         total = np.zeros(len(prompts), np.float32)
-        per_function = {}
-        for f in self.functions:
-            accepts = self._accepts[f.name]
-            kwargs = {k: v for k, v in columns.items() if accepts is None or k in accepts}
+        per_function, times = {}, {}
+        for f, (raw, seconds) in zip(self.functions, self._call_all(iteration, prompts, completions, columns)):
             label = f"reward function {f.name!r}"
             try:
-                raw = f.fn(prompts, completions, **kwargs)
-            except Exception as err:
-                raise RewardError(f"iteration {iteration}: {label} raised {type(err).__name__}: {err} (called on "
-                                  f"{len(prompts)} completions; first prompt {prompts[0][:40]!r}; columns passed: "
-                                  f"{sorted(kwargs)}); nothing was updated") from err
-            try:
-                values, given = check_scores(raw, len(prompts), label, prompts, completions, allow_none=True)
+                values, given, parts = _function_values(raw, len(prompts), label, prompts, completions)
             except RewardError as err:
                 raise RewardError(f"iteration {iteration}: {err}; nothing was updated") from None
             per_function[f.name] = (values.astype(np.float64), given)
+            per_function.update({f"{f.name}/{part}": v for part, v in parts.items()})
+            times[f.name] = seconds
             total = total + np.where(given, np.float32(f.weight) * values, np.float32(0.0))
-        scored = np.any([given for _, given in per_function.values()], axis=0)
+        scored = np.any([per_function[f.name][1] for f in self.functions], axis=0)
         if not scored.all():
             i = int(np.flatnonzero(~scored)[0])
             who = (f"reward function {self.functions[0].name!r}" if len(self.functions) == 1
@@ -79,7 +140,28 @@ class HostRewards:
                               f"response {completions[i][:40]!r}): every response needs a score from at least one "
                               f"reward function (None means no opinion); {int((~scored).sum())} such rows; nothing "
                               "was updated")
-        return total, per_function
+        return Scored(total, per_function, times)
+
+
+def _is_async(fn) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+def _function_values(raw, batch: int, label: str, prompts, completions):
+    """(values float32 (B,), given bool (B,), {part: (values float64, given)}) of what a
+    function returned: scores, or a dict of named parts whose sum is its value."""
+    if not isinstance(raw, dict):
+        values, given = check_scores(raw, batch, label, prompts, completions, allow_none=True)
+        return values, given, {}
+    if not raw or not all(isinstance(k, str) for k in raw):
+        raise RewardError(f"{label} returned a dict with keys {list(raw)[:5]!r}; a dict return names its parts (str "
+                          "keys, at least one), each a list of numbers or None")
+    values, given, parts = np.zeros(batch, np.float32), np.zeros(batch, bool), {}
+    for part, scores in raw.items():
+        v, g = check_scores(scores, batch, f"{label} (part {part!r})", prompts, completions, allow_none=True)
+        parts[part] = (v.astype(np.float64), g)
+        values, given = values + np.where(g, v, np.float32(0.0)), given | g
+    return values, given, parts
 
 
 def accepted_columns(fn, skip: int = 2):
@@ -113,8 +195,8 @@ class RewardSetup:
     on: str
     legacy: bool
 
-    def host_rewards(self) -> Optional["HostRewards"]:
-        return HostRewards(self.host) if self.host else None
+    def host_rewards(self, updates_per_iteration: int = 0) -> Optional["HostRewards"]:
+        return HostRewards(self.host, updates_per_iteration) if self.host else None
 
     def describe(self, model, dtype) -> dict:
         """The reward's identity for the run settings."""
@@ -260,11 +342,13 @@ def nonfinite_rows(scores) -> np.ndarray:
 
 class HostScores(NamedTuple):
     """Scores from the text reward functions: float32 (B,) on the device (or None without
-    text rewards), and per function {name: (values (B,), given (B,))} on the host."""
+    text rewards), per function {name: (values (B,), given (B,))} on the host, the count of
+    sampled token ids the tokenizer does not know, and each function's time in seconds."""
 
     scores: Optional[jax.Array]
     per_function: dict
     unknown_tokens: int
+    times: dict = {}
 
 
 def load_callable(text: str, flag: str = "--reward", form: str = "MODULE:FN") -> Callable:

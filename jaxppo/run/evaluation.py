@@ -96,7 +96,7 @@ class Evaluator:
         rows = np.repeat(np.arange(n), g)
         completions = decode_responses(self.tokenizer, tokens, mask)
         columns = {name: [values[r] for r in rows] for name, values in self.table.columns.items()}
-        total, per_function = self.rewards(iteration, [self.table.prompts[r] for r in rows], completions, columns)
+        total, per_function, _ = self.rewards(iteration, [self.table.prompts[r] for r in rows], completions, columns)
         total = np.asarray(total, np.float64)
         out = summarize(total, per_function, mask, tokens, self.spec.stop_token_ids, g)
         out["eval/time"] = time.perf_counter() - t0

@@ -131,6 +131,7 @@ def complete(prepared: Prepared, *, train_step, config: PPOConfig, pipelined=Non
     metrics = report.iteration_metrics(p.iteration, host, p.built.raw_scores, p.scores.per_function,
                                        p.built.model_scores, (*p.times, time.perf_counter()), config=config, lr=lr,
                                        skipped=new_run.skipped_iterations, with_functions=with_functions)
+    metrics.update({f"time/reward/{name}": seconds for name, seconds in p.scores.times.items()})
     per_function = dict(p.scores.per_function)
     if p.built.model_scores is not None:
         model = np.asarray(jax.device_get(p.built.model_scores), np.float64)

@@ -115,7 +115,7 @@ def build(config: PPOConfig, tc: TrainerConfig, *, policy, tokenizer, prompts, r
                       dtype=dtype, ref_dtype=ref_dtype, reward_dtype=reward_dtype, remat=remat,
                       scan_layers=scan_layers, logits_chunk_size=logits_chunk_size, lora=lora, lora_init=lora_init)
     _check_vocabulary(tokenizer, models.policy_model, tc)
-    host_rewards = rewards.host_rewards()
+    host_rewards = rewards.host_rewards(config.updates_per_step)
     spec = _rollout_spec(config, tc, models, tokenizer, rewards, table.ids.shape[1],
                          _common_prefix(config, table, environment))
     rollout_engine = engine.create(spec, models.params, tc, query_width=table.ids.shape[1], mesh=mesh)

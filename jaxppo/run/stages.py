@@ -102,15 +102,15 @@ def score(rewards: Optional[HostRewards], tokenizer, table: PromptTable, batch: 
         return HostScores(None, {}, 0)
     tokens, token_mask = to_host(gen.tokens), to_host(gen.mask)
     completions = episodes.conversations if episodes is not None else decode_responses(tokenizer, tokens, token_mask)
-    total, per_function = np.zeros(len(batch.rows), np.float32), {}
+    total, per_function, times = np.zeros(len(batch.rows), np.float32), {}, {}
     if rewards is not None:
         prompts = [table.prompts[r] for r in batch.rows]
         columns = {name: [values[r] for r in batch.rows] for name, values in table.columns.items()}
-        total, per_function = rewards(iteration, prompts, completions, columns)
+        total, per_function, times = rewards(iteration, prompts, completions, columns)
     if episodes is not None:
         total = np.where(episodes.failed, 0.0, total + episodes.rewards).astype(np.float32)
         per_function = {**per_function, "environment": (episodes.rewards, ~episodes.failed)}
-    return HostScores(jnp.asarray(total), per_function, unknown_token_count(tokenizer, tokens, token_mask))
+    return HostScores(jnp.asarray(total), per_function, unknown_token_count(tokenizer, tokens, token_mask), times)
 
 
 def build_rollout(spec: RolloutSpec, params, ref_params, reward_params, batch: PromptBatch, gen, scores: HostScores,
