@@ -277,3 +277,38 @@ def test_callbacks_steer_the_run_stop_it_resumably_and_ask_for_checkpoints(tmp_p
     with pytest.raises(TypeError, match=r"callback <lambda> returned 'stop' after iteration 0; a callback returns "
                                         r"None or a jaxppo.Control"):
         small_trainer(tmp_path / "bad", iterations=1, callbacks=[lambda it, m: "stop"]).train()
+
+
+def test_a_reward_model_scores_the_evaluation_as_it_scores_training(tmp_path):
+    """The run's reward model scores the eval completions too (weighted as in training, its
+    own scores in the table): equal to the model applied to each greedy completion, one
+    prompt at a time."""
+    from jaxppo.models.model import join_sequences
+
+    tokenizer = demo.demo_tokenizer()
+    model, params = demo.demo_policy(tokenizer, width=32, layers=1, max_len=40)
+    rm = jaxppo.models.Model(model.config, kind="reward")
+    rm_params = rm.init(jax.random.key(1))
+
+    def length(prompts, completions):
+        return [float(len(c)) for c in completions]
+
+    tc = jaxppo.TrainerConfig(iterations=1, query_length=32, response_length=6, output_dir=str(tmp_path / "run"),
+                              progress=False, sample_every=0, plot=False, export_final=False, tensorboard=False,
+                              eval_temperature=0.0)
+    trainer = jaxppo.Trainer(jaxppo.PPOConfig(batch_size=16, mini_batch_size=8), tc, policy=(model, params),
+                             tokenizer=tokenizer, prompts=demo.DEMO_PROMPTS, reward_fns=[(rm, rm_params), length],
+                             reward_weights=[2.0, 1.0], eval_prompts=PROMPTS[:6])
+    initial = jax.tree.map(jnp.copy, trainer.policy_params())
+    line = trainer.train()[0]
+    table = read_table(str(tmp_path / "run" / "eval_completions.table.jsonl"))
+    spec = trainer.spec
+    for row, prompt in zip(table, PROMPTS[:6]):
+        ids, mask = jaxppo.models.encode_prompts(tokenizer, [prompt], 32)
+        out = generate(spec.policy, initial, ids, mask, jax.random.key(0), response_length=6, greedy=True,
+                       stop_token_ids=spec.stop_token_ids, pad_token_id=spec.pad_token_id)
+        score = float(rm.apply(rm_params, *join_sequences(jnp.asarray(ids), jnp.asarray(mask), out.tokens,
+                                                          out.mask))[0])
+        assert row["reward_model"] == pytest.approx(score, abs=1e-4)
+        assert row["reward"] == pytest.approx(2.0 * score + len(row["completion"]), abs=2e-4)
+    assert line["eval/rewards/reward_model/mean"] == pytest.approx(np.mean([r["reward_model"] for r in table]))

@@ -17,23 +17,36 @@ not touched). `eval_temperature` 0 is greedy decoding.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from math import comb
 from typing import Any, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from jaxppo.models.model import join_sequences
 from jaxppo.models.tokenizer import decode_responses
 from jaxppo.rollout.prompts import PromptTable, prompt_batch
 from jaxppo.rollout.samplers.static import generate
 from jaxppo.rollout.sampling import RolloutSpec
 from jaxppo.run import stages
+from jaxppo.run.report import MODEL_REWARD_NAME
 from jaxppo.sharding import to_host
 
 __all__ = ["Evaluator", "pass_at_k", "pass_ks", "check_best_metric", "build_evaluator", "EVAL_KEY"]
 
 EVAL_KEY = 0x5EED_E7A1  # folded into the run's key: evaluation keys never meet the training ones
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _device_scores(spec: RolloutSpec, reward_params, ids, mask, tokens, token_mask):
+    """(B,) float32: the reward model's scores of prompt + completion, or the token-level
+    reward function's."""
+    if spec.reward_apply is not None:
+        return spec.reward_apply(reward_params, *join_sequences(ids, mask, tokens, token_mask)).astype(jnp.float32)
+    return jnp.asarray(spec.token_reward_fn(ids, mask, tokens, token_mask), jnp.float32)
 
 
 def pass_ks(g: int) -> list:
@@ -51,10 +64,12 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class Evaluator:
-    """What a run evaluates with: the eval `PromptTable`, the reward functions
-    (`HostRewards`), the rollout spec (the policy and its stop tokens), the tokenizer, the
-    schedule (`every`, `before_training`), `generations` per prompt, `temperature` (0:
-    greedy), `chunk` (prompts sampled together) and the mesh (or None)."""
+    """What a run evaluates with: the eval `PromptTable`, the text reward functions
+    (`HostRewards`, or None), the rollout spec (the policy and its stop tokens; its reward
+    model or token-level function), the tokenizer, the schedule (`every`,
+    `before_training`), `generations` per prompt, `temperature` (0: greedy), `chunk`
+    (prompts sampled together), the mesh (or None), and `device_scores`: the run's reward
+    model (weighted as in training) or token-level reward function scores too."""
 
     table: PromptTable
     rewards: Any
@@ -66,19 +81,21 @@ class Evaluator:
     temperature: float
     chunk: int
     mesh: Any = None
+    device_scores: bool = False
 
     def due(self, iteration: int) -> bool:
         if iteration == 0:
             return self.before_training
         return bool(self.every) and iteration % self.every == 0
 
-    def evaluate(self, params, key, iteration: int):
+    def evaluate(self, params, key, iteration: int, reward_params=None):
         """(the `eval/...` metrics of the policy in the train `params` (host floats), the
-        table of its completions: (columns, rows), one row per eval completion)."""
+        table of its completions: (columns, rows), one row per eval completion).
+        `reward_params`: the reward model's, where it scores."""
         t0 = time.perf_counter()
         n, g = len(self.table.prompts), self.generations
         key = jax.random.fold_in(jax.random.fold_in(key, EVAL_KEY), iteration)
-        tokens, masks = [], []
+        tokens, masks, device = [], [], []
         policy = self.spec.policy_params(params)
         for start in range(0, n, self.chunk):
             prompts = np.arange(start, start + self.chunk) % n  # the last chunk padded with the first prompts
@@ -89,15 +106,26 @@ class Evaluator:
                                response_length=self.spec.response_length, temperature=self.temperature or 1.0,
                                greedy=self.temperature == 0, stop_token_ids=self.spec.stop_token_ids,
                                pad_token_id=self.spec.pad_token_id, num_generations=g)
+                if self.device_scores:
+                    device.append(to_host(_device_scores(self.spec, reward_params, batch.ids, batch.mask, gen.tokens,
+                                                         gen.mask))[:min(self.chunk, n - start) * g])
             keep = min(self.chunk, n - start) * g
             tokens.append(to_host(gen.tokens)[:keep])
             masks.append(to_host(gen.mask)[:keep])
         tokens, mask = np.concatenate(tokens), np.concatenate(masks)
         rows = np.repeat(np.arange(n), g)
         completions = decode_responses(self.tokenizer, tokens, mask)
-        columns = {name: [values[r] for r in rows] for name, values in self.table.columns.items()}
-        total, per_function, _ = self.rewards(iteration, [self.table.prompts[r] for r in rows], completions, columns)
-        total = np.asarray(total, np.float64)
+        total, per_function = np.zeros(len(rows), np.float64), {}
+        if self.device_scores:  # the reward model's own scores (the table's column), weighted into the total
+            scores = np.concatenate(device).astype(np.float64)
+            name = MODEL_REWARD_NAME if self.spec.reward_apply is not None else "token_reward"
+            weight = self.spec.reward_weight if self.spec.reward_apply is not None else 1.0
+            per_function[name] = (scores, np.ones(len(rows), bool))
+            total = total + weight * scores
+        if self.rewards is not None:
+            columns = {name: [values[r] for r in rows] for name, values in self.table.columns.items()}
+            host, functions, _ = self.rewards(iteration, [self.table.prompts[r] for r in rows], completions, columns)
+            total, per_function = total + np.asarray(host, np.float64), {**per_function, **functions}
         out = summarize(total, per_function, mask, tokens, self.spec.stop_token_ids, g)
         out["eval/time"] = time.perf_counter() - t0
         return out, self._table(rows, completions, total, per_function, mask, tokens)
@@ -164,5 +192,6 @@ def build_evaluator(table: Optional[PromptTable], rewards, spec: RolloutSpec, to
     before = tc.eval_before_training if tc.eval_before_training is not None else True
     temperature = spec.temperature if tc.eval_temperature is None else float(tc.eval_temperature)
     chunk = max(1, min(len(table.prompts), batch_size // tc.eval_generations))
+    rewards, device_scores = rewards
     return Evaluator(table, rewards, spec, tokenizer, tc.eval_every, before, tc.eval_generations, temperature, chunk,
-                     mesh)
+                     mesh, device_scores)

@@ -65,7 +65,7 @@ class Outcome(NamedTuple):
     eval_table: Optional[tuple] = None
 
 
-def evaluate(prepared: Prepared, evaluator, hf_checkpoints) -> tuple:
+def evaluate(prepared: Prepared, evaluator, hf_checkpoints, reward_params=None) -> tuple:
     """The evaluation due at a prepared iteration, of the policy that sampled it (before its
     update: `prepared.run`'s parameters): (its metrics, its completions table), or ({},
     None) when none is due; the best checkpoint by it written where it is the best
@@ -73,7 +73,7 @@ def evaluate(prepared: Prepared, evaluator, hf_checkpoints) -> tuple:
     if evaluator is None or not evaluator.due(prepared.iteration):
         return {}, None
     params = prepared.run.train.params
-    metrics, table = evaluator.evaluate(params, prepared.run.key, prepared.iteration)
+    metrics, table = evaluator.evaluate(params, prepared.run.key, prepared.iteration, reward_params)
     hf_checkpoints.consider(prepared.iteration, metrics, params)
     return metrics, table
 

@@ -32,6 +32,7 @@ from jaxppo.run.assembly import Assembly, LogitsOf, assemble, optimizer, prompts
 from jaxppo.run.collect import Collector
 from jaxppo.run.evaluation import Evaluator, build_evaluator, check_best_metric
 from jaxppo.run.export import export_checkpoint
+from jaxppo.run.report import MODEL_REWARD_NAME
 from jaxppo.run.state import RunState
 from jaxppo.run.watch import HfCheckpoints
 from jaxppo.trainer_config import TrainerConfig
@@ -266,8 +267,9 @@ def _prompt_table(tokenizer, prompts, prompt_column, chat_template, tc: TrainerC
 
 
 def _eval_inputs(tokenizer, prompts, reward_fns, prompt_column, chat_template, tc: TrainerConfig, rewards, environment):
-    """(the eval `PromptTable`, its `HostRewards`), or (None, None) without eval prompts;
-    errors name `eval_prompts` / `eval_reward_fns`, before anything loads."""
+    """(the eval `PromptTable`, (its `HostRewards` or None, whether the run's reward model or
+    token-level function scores too)), or (None, None) without eval prompts; errors name
+    `eval_prompts` / `eval_reward_fns`, before anything loads."""
     if prompts is None:
         if reward_fns is not None:
             raise ValueError("eval_reward_fns were given without eval_prompts: give the prompts to evaluate on")
@@ -281,18 +283,17 @@ def _eval_inputs(tokenizer, prompts, reward_fns, prompt_column, chat_template, t
         if not fns or not all(callable(f) for f in fns):
             raise ValueError(f"eval_reward_fns={reward_fns!r} is invalid: one or more reward functions "
                              "f(prompts, completions, **columns)")
-        host = sort_rewards(None, None, "text", fns, None).host_rewards()
-    else:
+        host, device = sort_rewards(None, None, "text", fns, None).host_rewards(), None
+    else:  # the run's own: text functions, and its reward model or token-level function
         host = rewards.host_rewards()
-        if host is None:
-            raise ValueError("eval_prompts are scored by text reward functions, and this run has none (its reward is "
-                             "a reward model or a token-level function): give eval_reward_fns")
-    check_best_metric(tc, [f.name for f in host.functions])
+        device = (MODEL_REWARD_NAME if rewards.model_spec is not None else
+                  "token_reward" if rewards.token_fn is not None else None)
+    check_best_metric(tc, ([f.name for f in host.functions] if host is not None else []) + ([device] if device else []))
     try:
         table = _prompt_table(tokenizer, prompts, prompt_column, chat_template, tc)
     except (ValueError, TypeError) as err:
         raise type(err)(f"eval_prompts: {err}") from err
-    return table, host
+    return table, (host, device is not None)
 
 
 def _check_vocabulary(tokenizer, policy_model, tc: TrainerConfig):

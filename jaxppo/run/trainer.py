@@ -206,7 +206,8 @@ class Trainer(save_restore.Resumable, exporting.Exportable):
         pipelined = self.pipelined  # sampled ahead by the producer, from version max(0, it - k)
         collect = self.collector.collect if pipelined is None else lambda run, it, key: pipelined.take(run)
         prepared = prepare(self.run, collect, self.spec, self.ref_params, self.reward_params, self.mesh)
-        evaluated, eval_table = evaluate(prepared, self.parts.evaluator, self.hf_checkpoints)  # before the update
+        evaluated, eval_table = evaluate(prepared, self.parts.evaluator, self.hf_checkpoints,  # before the update
+                                         self.reward_params)
         self._warn_unknown(prepared.iteration, prepared.scores.unknown_tokens)
         check_scores(prepared, self.rewards.source(), self.tc.skip_nonfinite_scores, self.table.texts)
 
@@ -246,7 +247,7 @@ class Trainer(save_restore.Resumable, exporting.Exportable):
         an iteration starting now would run; `jaxppo.run.evaluation`)."""
         if self.parts.evaluator is None:
             raise RuntimeError("this Trainer has no eval_prompts to evaluate on")
-        return self.parts.evaluator.evaluate(self.run.train.params, self.run.key, self.iteration)[0]
+        return self.parts.evaluator.evaluate(self.run.train.params, self.run.key, self.iteration, self.reward_params)[0]
 
     def samples(self, n: int):
         """(prompt, response) texts of the first `n` rows of the last iteration."""
