@@ -81,7 +81,8 @@ def test_each_tracker_holds_every_iteration_once_after_a_crash_and_a_resume(tmp_
     history = trainer.train()
     assert [r["iteration"] for r in history] == [0, 1, 2, 3]
     assert_trackers_hold(str(out), "crash-and-resume", table_steps=[0, 1, 2, 3])
-    assert sorted(os.listdir(out / "mlflow")) == ["1"]  # MLflow's artifacts inside the run directory
+    artifacts = sorted(f for _, _, files in os.walk(out / "mlflow") for f in files)  # inside the run directory
+    assert artifacts == [f"completions_{i:06d}.json" for i in range(4)]
     table = read_table(str(out / "completions.table.jsonl"))
     assert [r["iteration"] for r in table] == [0, 0, 1, 1, 2, 2, 3, 3]
     # The last table's rows are the last iteration's completions, scored again here by the reward function.
