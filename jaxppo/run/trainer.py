@@ -45,7 +45,7 @@ from jaxppo.trainer_config import TrainerConfig
 __all__ = ["TrainerConfig", "Trainer", "PPOTrainer", "load_prompts", "RunError", "RewardError"]
 
 
-class Trainer(save_restore.Resumable, exporting.Exportable):
+class Trainer(save_restore.Resumable, exporting.Exportable, watch.Watchable):
     """RLHF with PPO or a critic-free method (GRPO, Dr. GRPO, DAPO, RLOO, REINFORCE++,
     GSPO: `PPOConfig.advantage_estimator` and its neighbours): rollouts from prompts,
     rewards, and compiled `train_step` updates.
@@ -168,9 +168,6 @@ class Trainer(save_restore.Resumable, exporting.Exportable):
     description = property(lambda self: self.parts.description, doc="What a resumed run must match.")
     hf_checkpoints = property(lambda self: self.parts.hf_checkpoints, doc="The Hugging Face checkpoints of the run.")
 
-    # The last iteration's `Outcome`, by its parts.
-    last_samples = property(lambda self: self.last and self.last.samples, doc="(prompt rows, samples), or None.")
-    last_eval_table = property(lambda self: self.last and self.last.eval_table, doc="Its evaluation's table, or None.")
 
     # The run state's parts, by the names they have always had.
     state = property(lambda self: self.run.train, doc="The `TrainState` (parameters, optimizer, update counters).")
@@ -241,23 +238,6 @@ class Trainer(save_restore.Resumable, exporting.Exportable):
             self._warned_unknown = True
             warnings.warn(_unknown_tokens_message(it, unknown, self.tokenizer, self.policy_model), RuntimeWarning,
                           stacklevel=4)
-
-    def evaluate(self) -> dict:
-        """The `eval/...` metrics of the current policy on the eval prompts (the evaluation
-        an iteration starting now would run; `jaxppo.run.evaluation`)."""
-        if self.parts.evaluator is None:
-            raise RuntimeError("this Trainer has no eval_prompts to evaluate on")
-        return self.parts.evaluator.evaluate(self.run.train.params, self.run.key, self.iteration, self.reward_params)[0]
-
-    def samples(self, n: int):
-        """(prompt, response) texts of the first `n` rows of the last iteration."""
-        return [(row[0], row[1]) for row in self.completion_table(n)[1]]
-
-    def completion_table(self, n: int):
-        """(columns, rows) of the first `n` completions of the last iteration
-        (`jaxppo.run.watch.completion_table`)."""
-        return watch.completion_table(self.tokenizer, self.table.texts, self.last.samples, self.last.scores,
-                                      self.spec.stop_token_ids, n)
 
     # ------------------------------------------------------------------ the loop
 

@@ -21,7 +21,7 @@ from jaxppo.files import atomic_write_text
 from jaxppo.models.tokenizer import decode_responses
 from jaxppo.sharding import to_host
 
-__all__ = ["completion_table", "HfCheckpoints", "HF_DIR", "BEST_FILE"]
+__all__ = ["completion_table", "HfCheckpoints", "Watchable", "HF_DIR", "BEST_FILE"]
 
 HF_DIR = "hf"
 BEST_FILE = "best.json"
@@ -47,6 +47,32 @@ def completion_table(tokenizer, texts, samples, scores, stop_ids, n: int):
         table.append([texts[row], completion, None if raw is None else float(raw[i]), *functions, int(mask[i].sum()),
                       bool(stopped[i])])
     return columns, table
+
+
+class Watchable:
+    """What a trainer shows of its last iteration and its policy (`jaxppo.Trainer` is one):
+    reads its `last` (`jaxppo.run.iteration.Outcome`), `parts` (the evaluator), `run`,
+    `tokenizer`, `table`, `spec` and `reward_params`."""
+
+    last_samples = property(lambda self: self.last and self.last.samples, doc="(prompt rows, samples), or None.")
+    last_eval_table = property(lambda self: self.last and self.last.eval_table, doc="Its evaluation's table, or None.")
+
+    def evaluate(self) -> dict:
+        """The `eval/...` metrics of the current policy on the eval prompts (the evaluation
+        an iteration starting now would run; `jaxppo.run.evaluation`)."""
+        if self.parts.evaluator is None:
+            raise RuntimeError("this Trainer has no eval_prompts to evaluate on")
+        return self.parts.evaluator.evaluate(self.run.train.params, self.run.key, self.iteration, self.reward_params)[0]
+
+    def samples(self, n: int):
+        """(prompt, response) texts of the first `n` rows of the last iteration."""
+        return [(row[0], row[1]) for row in self.completion_table(n)[1]]
+
+    def completion_table(self, n: int):
+        """(columns, rows) of the first `n` completions of the last iteration
+        (`completion_table`)."""
+        return completion_table(self.tokenizer, self.table.texts, self.last.samples, self.last.scores,
+                                self.spec.stop_token_ids, n)
 
 
 class HfCheckpoints:
