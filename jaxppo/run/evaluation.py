@@ -33,6 +33,7 @@ from jaxppo.rollout.samplers.static import generate
 from jaxppo.rollout.sampling import RolloutSpec
 from jaxppo.run import stages
 from jaxppo.run.report import MODEL_REWARD_NAME
+from jaxppo.run.watch import stopped_rows, table_rows
 from jaxppo.sharding import to_host
 
 __all__ = ["Evaluator", "pass_at_k", "pass_ks", "check_best_metric", "build_evaluator", "EVAL_KEY"]
@@ -132,12 +133,8 @@ class Evaluator:
 
     def _table(self, rows, completions, total, per_function, mask, tokens):
         """(columns, rows) of every eval completion, as the completions table has them."""
-        names = list(per_function)
-        stopped = _stopped(tokens, mask, self.spec.stop_token_ids)
-        table = [[self.table.texts[r], completions[i], float(total[i]),
-                  *[float(per_function[n][0][i]) if per_function[n][1][i] else None for n in names],
-                  int(mask[i].sum()), bool(stopped[i])] for i, r in enumerate(rows)]
-        return ["prompt", "completion", "reward", *names, "length", "stopped"], table
+        return table_rows([self.table.texts[r] for r in rows], completions, total, per_function, tokens, mask,
+                          self.spec.stop_token_ids)
 
 
 def summarize(total: np.ndarray, per_function: dict, mask: np.ndarray, tokens: np.ndarray, stop_ids, g: int) -> dict:
@@ -153,7 +150,7 @@ def summarize(total: np.ndarray, per_function: dict, mask: np.ndarray, tokens: n
         correct = total.reshape(-1, g).sum(axis=1).astype(int)
         for k in pass_ks(g):
             out[f"eval/pass@{k}"] = float(np.mean([pass_at_k(g, int(c), k) for c in correct]))
-    stopped = _stopped(tokens, mask, stop_ids)
+    stopped = stopped_rows(tokens, mask, stop_ids)
     out["eval/completions/mean_length"] = float(mask.sum(axis=1).mean())
     out["eval/completions/stopped_ratio"] = float(stopped.mean())
     return out
@@ -176,11 +173,6 @@ def check_best_metric(tc, function_names: Optional[list]) -> None:
     if name not in valid:
         raise ValueError(f"TrainerConfig.best_metric={name!r} is not a metric this run's evaluation produces; valid: "
                          f"{', '.join(valid)} (pass@k for k up to eval_generations={g}, when the rewards are 0 or 1)")
-
-
-def _stopped(tokens: np.ndarray, mask: np.ndarray, stop_ids) -> np.ndarray:
-    """(B,) bool: the row's completion holds a stop token (it ended with one)."""
-    return (np.isin(tokens, np.asarray(stop_ids, tokens.dtype)) & (mask > 0)).any(axis=1)
 
 
 def build_evaluator(table: Optional[PromptTable], rewards, spec: RolloutSpec, tokenizer, tc, batch_size: int,

@@ -132,11 +132,8 @@ def complete(prepared: Prepared, *, train_step, config: PPOConfig, pipelined=Non
                                        p.built.model_scores, (*p.times, time.perf_counter()), config=config, lr=lr,
                                        skipped=new_run.skipped_iterations, with_functions=with_functions)
     metrics.update({f"time/reward/{name}": seconds for name, seconds in p.scores.times.items()})
-    per_function = dict(p.scores.per_function)
-    if p.built.model_scores is not None:
-        model = np.asarray(jax.device_get(p.built.model_scores), np.float64)
-        per_function = {report.MODEL_REWARD_NAME: (model, np.ones(model.shape, bool)), **per_function}
-    return Outcome(new_run, metrics, (p.batch.rows, p.gen), (p.built.raw_scores, per_function))
+    return Outcome(new_run, metrics, (p.batch.rows, p.gen),
+                   (p.built.raw_scores, report.with_model_scores(p.scores.per_function, p.built.model_scores)))
 
 
 def _advance(pipelined: Optional[Any], run: RunState, new_run: RunState) -> RunState:

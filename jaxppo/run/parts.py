@@ -139,12 +139,12 @@ def build(config: PPOConfig, tc: TrainerConfig, *, policy, tokenizer, prompts, r
                    "tokenizer": {"class": type(tokenizer).__name__, "size": len(tokenizer)},
                    "prompts": prompts_digest(table.texts), "prompt_column": prompt_column,
                    **({} if environment is None else {"environment": environment.name})}
+    source = policy if isinstance(policy, (str, os.PathLike)) else None  # the policy's checkpoint directory
     return RunParts(config, environment, rewards, host_rewards, iterations, table, models, spec, rollout_engine,
                     policy_schedule, run, placed, sampler_mesh, ref_params, reward_params,
                     stages.update_step(make_step, config), collector, pipelined, description,
-                    policy if isinstance(policy, (str, os.PathLike)) else None,
-                    build_evaluator(eval_table, eval_rewards, spec, tokenizer, tc, config.batch_size, placed),
-                    _hf_checkpoints(tc, models.policy_model, spec, tokenizer, policy))
+                    source, build_evaluator(eval_table, eval_rewards, spec, tokenizer, tc, config.batch_size, placed),
+                    _hf_checkpoints(tc, models.policy_model, spec, tokenizer, source))
 
 
 def _check_optimizer(custom):
@@ -161,9 +161,7 @@ def _optimizer_name(custom) -> str:
     return f"{getattr(custom, '__module__', '?')}.{getattr(custom, '__qualname__', type(custom).__name__)}"
 
 
-def _hf_checkpoints(tc: TrainerConfig, policy_model, spec: RolloutSpec, tokenizer, policy) -> HfCheckpoints:
-    source = policy if isinstance(policy, (str, os.PathLike)) else None
-
+def _hf_checkpoints(tc: TrainerConfig, policy_model, spec: RolloutSpec, tokenizer, source) -> HfCheckpoints:
     def write(path, params):
         export_checkpoint(policy_model, spec.policy_params(params), tokenizer, path, base_path=source,
                           drop_value_head=tc.shared_trunk)

@@ -11,7 +11,7 @@ import numpy as np
 
 from jaxppo.sharding import to_host
 
-__all__ = ["reward_statistics", "iteration_metrics", "summary", "MODEL_REWARD_NAME"]
+__all__ = ["reward_statistics", "iteration_metrics", "summary", "with_model_scores", "MODEL_REWARD_NAME"]
 
 MODEL_REWARD_NAME = "reward_model"
 
@@ -30,9 +30,8 @@ def reward_statistics(raw_scores, per_function: dict, model_scores, stats: dict,
     out = {"reward": float(np.mean(scores)),
            "reward_std": float(np.mean(np.std(scores.reshape(-1, g), axis=1, ddof=1)) if g > 1
                                else np.std(scores, ddof=1) if scores.size > 1 else 0.0)}
-    if model_scores is not None and with_functions:
-        values = to_host(model_scores).astype(np.float64)
-        per_function = {MODEL_REWARD_NAME: (values, np.ones(values.shape, bool)), **per_function}
+    if with_functions:
+        per_function = with_model_scores(per_function, model_scores)
     for name, (values, given) in per_function.items():
         if given.any():
             out[f"rewards/{name}/mean"] = float(np.mean(values[given]))
@@ -41,6 +40,15 @@ def reward_statistics(raw_scores, per_function: dict, model_scores, stats: dict,
     out["completions/mean_length"] = float(stats["val/response_length"])
     out["completions/clipped_ratio"] = 1.0 - float(stats["val/num_eos_tokens"]) / len(scores)
     return out
+
+
+def with_model_scores(per_function: dict, model_scores) -> dict:
+    """`per_function` with the reward model's own scores first, as "reward_model" (every
+    row scored; float64 on the host); unchanged without a reward model."""
+    if model_scores is None:
+        return per_function
+    values = to_host(model_scores).astype(np.float64)
+    return {MODEL_REWARD_NAME: (values, np.ones(values.shape, bool)), **per_function}
 
 
 def _count(tree) -> int:

@@ -20,7 +20,7 @@ from jaxppo.run import checkpoints as checkpoint
 from jaxppo.files import atomic_write_text
 from jaxppo.run.directory import SETTINGS_FILE, RunLock, check_settings
 from jaxppo.run.logger import read_metrics
-from jaxppo.tracking.local import METRICS_FILE, read_table
+from jaxppo.tracking.local import METRICS_FILE, TABLE_SUFFIX, read_table
 from jaxppo.run.state import RunState
 from jaxppo.trainer_config import TrainerConfig
 
@@ -168,7 +168,7 @@ def adopt(source: str, output_dir: str, settings: dict) -> Optional[int]:
     if os.path.isfile(settings) and not os.path.isfile(os.path.join(output_dir, SETTINGS_FILE)):
         shutil.copyfile(settings, os.path.join(output_dir, SETTINGS_FILE))
     for name in sorted(os.listdir(run_dir)):
-        if name == METRICS_FILE or name.endswith(".table.jsonl"):
+        if name == METRICS_FILE or name.endswith(TABLE_SUFFIX):
             rows = [r for r in read_table(os.path.join(run_dir, name)) if r["iteration"] < step]
             if not os.path.isfile(os.path.join(output_dir, name)):
                 atomic_write_text(os.path.join(output_dir, name), "".join(json.dumps(r) + "\n" for r in rows))

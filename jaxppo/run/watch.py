@@ -21,32 +21,44 @@ from jaxppo.files import atomic_write_text
 from jaxppo.models.tokenizer import decode_responses
 from jaxppo.sharding import to_host
 
-__all__ = ["completion_table", "HfCheckpoints", "Watchable", "HF_DIR", "BEST_FILE"]
+__all__ = ["completion_table", "table_rows", "stopped_rows", "HfCheckpoints", "Watchable", "HF_DIR", "BEST_FILE"]
 
 HF_DIR = "hf"
 BEST_FILE = "best.json"
 _PERIODIC = re.compile(r"^iteration_(\d+)$")
 
 
+def stopped_rows(tokens: np.ndarray, mask: np.ndarray, stop_ids) -> np.ndarray:
+    """(B,) bool: the row's completion holds a stop token (it ended with one)."""
+    return (np.isin(tokens, np.asarray(stop_ids, dtype=tokens.dtype)) & (mask > 0)).any(axis=1)
+
+
+def table_rows(texts, completions, total, per_function: dict, tokens, mask, stop_ids):
+    """(columns, rows) of completions: "prompt" (`texts`, one per row), "completion",
+    "reward" (`total`, or None), one column per reward function (None where it gave no
+    opinion), "length" (the policy's response tokens) and "stopped" (ended with a stop
+    token)."""
+    stopped = stopped_rows(tokens, mask, stop_ids)
+    columns = ["prompt", "completion", "reward", *per_function, "length", "stopped"]
+    table = []
+    for i, (text, completion) in enumerate(zip(texts, completions)):
+        functions = [float(v[i]) if g[i] else None for v, g in per_function.values()]
+        table.append([text, completion, None if total is None else float(total[i]), *functions,
+                      int(mask[i].sum()), bool(stopped[i])])
+    return columns, table
+
+
 def completion_table(tokenizer, texts, samples, scores, stop_ids, n: int):
     """(columns, rows) of the first `n` completions of an iteration (`samples`: its prompt
     rows and `GenerationOutput`; `scores`: the combined raw scores and the reward functions'
-    `{name: (values, given)}`): "prompt", "completion", "reward", one column per reward
-    function (None where it gave no opinion; the reward model as "reward_model"), "length"
-    (the policy's response tokens) and "stopped" (ended with a stop token)."""
+    `{name: (values, given)}`), as `table_rows` lays them out (the reward model as
+    "reward_model")."""
     raw, per_function = scores
     rows, gen = samples
     tokens, mask = to_host(gen.tokens)[:n], to_host(gen.mask)[:n]
     shown = to_host(getattr(gen, "attention_mask", gen.mask))[:n]  # a multi-turn episode: the whole conversation
-    completions = decode_responses(tokenizer, tokens, shown)
-    stopped = (np.isin(tokens, np.asarray(stop_ids, dtype=tokens.dtype)) & (mask > 0)).any(axis=1)
-    columns = ["prompt", "completion", "reward", *per_function, "length", "stopped"]
-    table = []
-    for i, (row, completion) in enumerate(zip(rows[:n], completions)):
-        functions = [float(v[i]) if g[i] else None for v, g in per_function.values()]
-        table.append([texts[row], completion, None if raw is None else float(raw[i]), *functions, int(mask[i].sum()),
-                      bool(stopped[i])])
-    return columns, table
+    return table_rows([texts[r] for r in rows[:n]], decode_responses(tokenizer, tokens, shown), raw, per_function,
+                      tokens, mask, stop_ids)
 
 
 class Watchable:

@@ -33,7 +33,24 @@ def _scalars(metrics: dict) -> dict:
     return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
-class WandbTracker(AppendOnlyTracker):
+class _RunLogTracker(AppendOnlyTracker):
+    """What wandb and trackio share: `open` sets `self._run`, an object with `log(dict,
+    step=)` and `finish()`; `table(columns, data)` makes the backend's table."""
+
+    def table(self, columns: list, data: list):
+        raise NotImplementedError
+
+    def write(self, step: int, metrics: dict) -> None:
+        self._run.log(_scalars(metrics), step=step)
+
+    def write_table(self, step: int, name: str, columns: Sequence[str], rows: Sequence[Sequence]) -> None:
+        self._run.log({name: self.table(list(columns), [list(r) for r in rows])}, step=step)
+
+    def finish(self) -> None:
+        self._run.finish()
+
+
+class WandbTracker(_RunLogTracker):
     """Weights & Biases: `wandb.init(id=run_id, resume="allow", dir=output_dir)`; the steps
     held are read from the run's local transaction files (`<output_dir>/wandb/*-<run_id>/`),
     online and offline alike. Tables are `wandb.Table`s."""
@@ -52,16 +69,10 @@ class WandbTracker(AppendOnlyTracker):
             held = max(held if held is not None else -1, self._run.step - 1)
         return held
 
-    def write(self, step: int, metrics: dict) -> None:
-        self._run.log(_scalars(metrics), step=step)
-
-    def write_table(self, step: int, name: str, columns: Sequence[str], rows: Sequence[Sequence]) -> None:
+    def table(self, columns: list, data: list):
         import wandb
 
-        self._run.log({name: wandb.Table(columns=list(columns), data=[list(r) for r in rows])}, step=step)
-
-    def finish(self) -> None:
-        self._run.finish()
+        return wandb.Table(columns=columns, data=data)
 
 
 def wandb_files(output_dir: str, run_id: str) -> list:
@@ -202,7 +213,7 @@ def _mlflow_name(name: str) -> str:
     return "".join(c if c.isalnum() or c in "_-. /" else "_" for c in name)
 
 
-class TrackioTracker(AppendOnlyTracker):
+class TrackioTracker(_RunLogTracker):
     """trackio (local by default: its SQLite database under `TRACKIO_DIR`): the run named
     `<run directory name>-<run_id[:8]>`, resumed by that name; the last step held read back
     from trackio's storage. Tables are `trackio.Table`s."""
@@ -222,13 +233,7 @@ class TrackioTracker(AppendOnlyTracker):
                                  auto_log_cpu=False, auto_log_gpu=False)
         return held
 
-    def write(self, step: int, metrics: dict) -> None:
-        self._run.log(_scalars(metrics), step=step)
-
-    def write_table(self, step: int, name: str, columns: Sequence[str], rows: Sequence[Sequence]) -> None:
+    def table(self, columns: list, data: list):
         import trackio
 
-        self._run.log({name: trackio.Table(columns=list(columns), data=[list(r) for r in rows])}, step=step)
-
-    def finish(self) -> None:
-        self._run.finish()
+        return trackio.Table(columns=columns, data=data)

@@ -18,6 +18,7 @@ from jaxppo.tracking.base import Tracker, TrackerRun
 __all__ = ["JsonlTracker", "TensorBoardTracker", "read_metrics", "read_table", "kept_tables", "METRICS_FILE"]
 
 METRICS_FILE = "metrics.jsonl"
+TABLE_SUFFIX = ".table.jsonl"  # a table's file: <output_dir>/<name>.table.jsonl
 
 
 class JsonlTracker(Tracker):
@@ -26,7 +27,7 @@ class JsonlTracker(Tracker):
 
     On start the metrics file is rewritten atomically to `history` (lines of later
     iterations, written after the checkpoint, are dropped) and each table file to its rows
-    of iterations before `start_iteration`."""
+    of iterations before `start_iteration` (`TrackerRun.tables`)."""
 
     name = "jsonl"
     tables = True
@@ -37,15 +38,18 @@ class JsonlTracker(Tracker):
         self.path = os.path.join(run.output_dir, METRICS_FILE)
         if os.path.isfile(self.path) or run.history:
             atomic_write_text(self.path, "".join(json.dumps(row) + "\n" for row in run.history))
+        kept = {}  # the rows the run's tables held before start_iteration (`run.tables`, read once by the caller)
+        for step, name, columns, rows in run.tables:
+            kept.setdefault(name, []).extend({"iteration": step, **dict(zip(columns, row))} for row in rows)
         for table in self._table_files():
-            kept = [row for row in read_table(table) if row["iteration"] < run.start_iteration]
-            atomic_write_text(table, "".join(json.dumps(row) + "\n" for row in kept))
+            name = os.path.basename(table)[:-len(TABLE_SUFFIX)]
+            atomic_write_text(table, "".join(json.dumps(row) + "\n" for row in kept.get(name, [])))
         self._file = open(self.path, "a")
         self._tables, self._write_failed = {}, False
 
     def _table_files(self):
         names = os.listdir(self.dir) if os.path.isdir(self.dir) else []
-        return [os.path.join(self.dir, n) for n in sorted(names) if n.endswith(".table.jsonl")]
+        return [os.path.join(self.dir, n) for n in sorted(names) if n.endswith(TABLE_SUFFIX)]
 
     def log(self, step: int, metrics: dict) -> None:
         text = json.dumps(metrics) + "\n"
@@ -81,13 +85,13 @@ class JsonlTracker(Tracker):
 
 
 def table_path(output_dir: str, name: str) -> str:
-    return os.path.join(output_dir, f"{name}.table.jsonl")
+    return os.path.join(output_dir, name + TABLE_SUFFIX)
 
 
 def kept_tables(output_dir: str, start_iteration: int) -> tuple:
     """The tables of `output_dir`'s table files logged before `start_iteration`:
     `(step, name, columns, rows)`, by step, then name."""
-    suffix, found = ".table.jsonl", []
+    suffix, found = TABLE_SUFFIX, []
     names = sorted(n for n in os.listdir(output_dir) if n.endswith(suffix)) if os.path.isdir(output_dir) else []
     for file in names:
         by_step = {}
