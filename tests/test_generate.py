@@ -154,7 +154,7 @@ def test_stop_tokens_end_rows_and_nothing_after_is_unmasked(tiny):
     stops = tuple(int(t) for t in np.bincount(first, minlength=V).argsort()[-2:])
     out = generate(model, params, prompt, mask, jax.random.key(4), response_length=10, stop_token_ids=stops,
                       pad_token_id=0)
-    tokens, logprobs, m = (np.asarray(x) for x in out)
+    tokens, logprobs, m = (np.asarray(x) for x in (out.tokens, out.logprobs, out.mask))
     stopped_rows = 0
     for i in range(tokens.shape[0]):
         hits = np.flatnonzero(np.isin(tokens[i], stops) & (m[i] == 1))

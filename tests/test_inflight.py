@@ -102,7 +102,7 @@ def full_forward_tokens(model, versions_params, out, versions):
             pad = Q + R - len(context)  # left-padded to one width: one compile
             logits = forward(model, params, jnp.asarray([[0] * pad + context]),
                              jnp.asarray([[0] * pad + [1] * len(context)]))
-            token, logprob = pick_tokens(logits, step_keys(keys[i][None], t), jnp.float32(1.0), None, None, False)
+            token, logprob, _ = pick_tokens(logits, step_keys(keys[i][None], t), jnp.float32(1.0), None, None, False)
             want_tokens[i, t], want_logprobs[i, t] = int(token[0]), float(logprob[0])
             context.append(int(tokens[i, t]))
     return want_tokens, want_logprobs

@@ -1,7 +1,15 @@
 """The decoding primitives the samplers are made of (`jaxppo.rollout.samplers`): prefill a
 KV cache after left-padded prompts, the decode loop that feeds each sampled token back,
-picking tokens (temperature, top-k, top-p) with per-row keys, and the checks of a sampler's
-arguments. What a sampler returns is a `GenerationOutput`."""
+picking tokens (repetition penalty, temperature, top-k, min-p, top-p) with per-row keys,
+stop strings matched token by token (`jaxppo.rollout.stops`), and the checks of a sampler's
+arguments. What a sampler returns is a `GenerationOutput`.
+
+The order a token is picked in (vLLM's): the repetition penalty on the raw logits (a logit of
+a token already in the row's prompt or response is divided by the penalty when positive,
+multiplied by it when negative: Hugging Face's and vLLM's rule), then the temperature, then
+top-k and min-p (both keep a prefix of the tokens by probability, so their order does not
+matter), then top-p over what is left (its mass renormalised); one draw from the result.
+`GenerationOutput.logprobs` are of that distribution, the one the token was drawn from."""
 
 from __future__ import annotations
 
@@ -16,26 +24,63 @@ from jaxppo.models.family import family_of
 from jaxppo.models.model import Model
 from jaxppo.models.transformer import default_positions
 
-__all__ = ["prefill", "decode_loop", "cap_positions", "GenerationOutput", "filter_logits", "pick_tokens", "step_keys",
-           "inverse_cdf_index", "check_sampler_arguments", "check_max_lengths", "check_groups"]
+__all__ = ["prefill", "decode_loop", "cap_positions", "GenerationOutput", "Extra", "filter_logits", "pick_tokens",
+           "step_keys", "stop_step", "seen_tokens", "penalize", "make_extra", "inverse_cdf_index", "check_sampler_arguments", "check_max_lengths",
+           "check_groups"]
 
 
 class GenerationOutput(NamedTuple):
-    """tokens: int32 (B, R), the response, `pad_token_id` after the first stop token.
-    logprobs: float32 (B, R), log-prob of each token under softmax(logits / temperature)
-      (unfiltered by top-k/top-p: the distribution the PPO loss uses); 0 where masked.
-    mask: int32 (B, R), 1 up to and including the first stop token, 0 after."""
+    """tokens: int32 (B, R), the response, `pad_token_id` after the first stop token (or
+      after the token that completed a stop string).
+    logprobs: float32 (B, R), log-prob of each token under the distribution it was drawn
+      from (the behaviour policy): softmax(logits / temperature), after the repetition
+      penalty and the top-k, min-p and top-p filters when they are on; 0 where masked.
+      With `greedy`: softmax(logits / temperature) at the argmax.
+    mask: int32 (B, R), 1 up to and including the first stop token, 0 after.
+    full_logprobs: None when nothing reshapes the distribution (then `logprobs` are the
+      policy's own), else float32 (B, R): each token's log-prob under the unpenalised,
+      unfiltered softmax(logits / temperature), the distribution the PPO loss computes
+      (the old policy's when `old_logprobs` takes the sampler's)."""
 
     tokens: jax.Array
     logprobs: jax.Array
     mask: jax.Array
+    full_logprobs: Optional[jax.Array] = None
+
+    @property
+    def policy_logprobs(self):
+        """The log-probs under the policy's own temperature-scaled distribution."""
+        return self.logprobs if self.full_logprobs is None else self.full_logprobs
 
 
-def filter_logits(logits, top_k: Optional[int], top_p):
-    """Set logits outside the top-k and outside the top-p nucleus to -inf. (B, V) -> (B, V).
+class Extra(NamedTuple):
+    """The sampler's settings beyond temperature and top-p that are arrays (traced, so a
+    new value does not recompile); each None when off, which is static (None is part of
+    the argument's structure).
 
-    top-p keeps the smallest set of most likely tokens whose probability reaches top_p (the
-    most likely token always stays)."""
+    min_p: float32 scalar in (0, 1): keep the tokens whose probability is at least min_p
+      times the most likely one's.
+    repetition_penalty: float32 scalar > 0 (1: none).
+    stop_table: int32 (K, S, V), the stop strings' automata (`jaxppo.rollout.stops`)."""
+
+    min_p: Optional[jax.Array] = None
+    repetition_penalty: Optional[jax.Array] = None
+    stop_table: Optional[jax.Array] = None
+
+    @property
+    def reshapes(self) -> bool:
+        """The penalty or min-p is on (the sampled distribution is not the policy's)."""
+        return self.min_p is not None or self.repetition_penalty is not None
+
+
+def filter_logits(logits, top_k: Optional[int], top_p, min_p=None):
+    """Set logits outside the top-k, below min-p and outside the top-p nucleus to the
+    dtype's lowest value (probability 0). (B, V) -> (B, V).
+
+    min-p keeps the tokens whose probability is at least min_p times the most likely one's
+    (a floor of max + log(min_p) on the logits); top-p keeps, of what top-k and min-p left,
+    the smallest set of most likely tokens whose renormalised probability reaches top_p
+    (the most likely token always stays)."""
     neg_inf = jnp.finfo(logits.dtype).min
     sorted_logits = None
     if top_k is not None and top_k < logits.shape[-1]:
@@ -44,6 +89,11 @@ def filter_logits(logits, top_k: Optional[int], top_p):
         top = jax.lax.top_k(logits, top_k)[0]
         logits = jnp.where(logits < top[..., -1:], neg_inf, logits)
         sorted_logits = top
+    if min_p is not None:
+        floor = jnp.max(logits, axis=-1, keepdims=True) + jnp.log(min_p)
+        logits = jnp.where(logits < floor, neg_inf, logits)
+        if sorted_logits is not None:
+            sorted_logits = jnp.where(sorted_logits < floor, neg_inf, sorted_logits)
     if top_p is not None:
         if sorted_logits is None:
             sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
@@ -105,17 +155,45 @@ def inverse_cdf_index(probs, u):
     return (j * c + i).astype(jnp.int32)
 
 
-def pick_tokens(next_logits, keys, temperature, top_k, top_p, greedy):
-    """Each row's next token and its temperature-scaled log-prob (unfiltered: the
-    distribution the loss uses). Row i's randomness comes from keys[i] alone, so a row's
-    tokens do not depend on which other rows are decoded beside it."""
-    scaled = next_logits.astype(jnp.float32) / temperature
+def seen_tokens(ids, mask, vocab: int):
+    """(B, V) bool: the tokens of each row of `ids` (B, N) where `mask` is set."""
+    b = ids.shape[0]
+    marks = jnp.zeros((b, vocab), jnp.int8).at[jnp.arange(b)[:, None], ids].max(mask.astype(jnp.int8), mode="drop")
+    return marks > 0
+
+
+def penalize(logits, seen, penalty):
+    """The repetition penalty (Hugging Face's and vLLM's rule) on the logits of the tokens
+    `seen` (B, V): divided by `penalty` where positive, multiplied where not."""
+    return jnp.where(seen, jnp.where(logits > 0, logits / penalty, logits * penalty), logits)
+
+
+def _take(logprobs, token):
+    return jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
+
+
+def pick_tokens(next_logits, keys, temperature, top_k, top_p, greedy, extra: Optional[Extra] = None, seen=None):
+    """Each row's next token, its log-prob under the distribution it was drawn from (see
+    the module for the order), and its log-prob under the policy's own
+    softmax(logits / temperature), or None when the two are the same distribution (no
+    penalty or filter; or `greedy`, whose log-prob is the policy's). `seen` (B, V): the
+    row's tokens so far, for the repetition penalty. Row i's randomness comes from keys[i]
+    alone, so a row's tokens do not depend on which other rows are decoded beside it."""
+    extra = extra or Extra()
+    raw = next_logits.astype(jnp.float32)
+    scaled = raw / temperature
+    if extra.repetition_penalty is not None:
+        raw = penalize(raw, seen, extra.repetition_penalty)
     if greedy:
-        token = jnp.argmax(next_logits, axis=-1).astype(jnp.int32)
-    else:
-        token = _sample_inverse_cdf(keys, filter_logits(scaled, top_k, top_p))
-    logprob = jnp.take_along_axis(jax.nn.log_softmax(scaled, axis=-1), token[:, None], axis=-1)[:, 0]
-    return token, logprob
+        token = jnp.argmax(raw, axis=-1).astype(jnp.int32)
+        return token, _take(jax.nn.log_softmax(scaled, axis=-1), token), None
+    shaped = scaled if extra.repetition_penalty is None else raw / temperature
+    filtered = filter_logits(shaped, top_k, top_p, extra.min_p)
+    token = _sample_inverse_cdf(keys, filtered)
+    policy = _take(jax.nn.log_softmax(scaled, axis=-1), token)
+    if not (extra.reshapes or top_k is not None or top_p is not None):
+        return token, policy, None
+    return token, _take(jax.nn.log_softmax(filtered, axis=-1), token), policy
 
 
 def step_keys(row_keys, t):
@@ -156,52 +234,78 @@ def cap_positions(model, positions):
     return jnp.minimum(positions, model.config.max_position_embeddings - 1)
 
 
+def stop_step(table, state, token):
+    """One token through the stop strings' automata: `table` int32 (K, S, V) (state, token)
+    -> next state, -1 where a string has just been completed (`jaxppo.rollout.stops`);
+    `state` (B, K). Returns (next state (B, K), completed (B,) bool)."""
+    nxt = table[jnp.arange(table.shape[0])[None, :], state, token[:, None]].astype(jnp.int32)
+    return jnp.maximum(nxt, 0), jnp.any(nxt < 0, axis=1)
+
+
 def decode_loop(model, params, cache, next_logits, kv_mask, first_slot, next_position, row_keys, temperature, top_p,
                 max_lengths=None, *, response_length, top_k, use_top_p, greedy, stop_token_ids, pad_token_id,
-                early_stop):
+                early_stop, extra: Optional[Extra] = None, seen=None):
     """Decode `response_length` tokens from a prefilled cache (traced; the samplers' shared
     loop). `next_logits` (B, V): each row's next-token logits; `first_slot`: the cache slot
     of the first new token, an int (every row) or (B,) (each row its own);
     `next_position` (B,): its position; `row_keys` (B,): row i samples step t from
     fold_in(row_keys[i], t). `kv_mask` (B, slots) marks the valid slots; the new tokens'
-    slots are set as they are fed. Returns (`GenerationOutput`, the cache): every token but
-    the last one decoded is in the cache (the last is sampled and not fed back)."""
+    slots are set as they are fed. `extra`: min-p, the repetition penalty (with `seen`
+    (B, V), the tokens each row holds so far) and the stop strings' automata, each matched
+    from this loop's first token on. Returns (`GenerationOutput`, the cache, `seen` with
+    the new tokens, or None without a penalty): every token but the last one decoded is
+    in the cache (the last is sampled and not fed back)."""
     b, r = next_logits.shape[0], response_length
+    extra = extra or Extra()
     per_row = jnp.ndim(first_slot) == 1
     stop_ids = jnp.asarray(stop_token_ids if stop_token_ids else (-1,), jnp.int32)
+    table = extra.stop_table
+    matched = None if table is None else jnp.zeros((b, table.shape[0]), jnp.int32)
+    two = not greedy and (extra.reshapes or top_k is not None or use_top_p)  # a second log-prob: the policy's
+    if extra.repetition_penalty is not None and seen is None:
+        raise ValueError("a repetition penalty needs `seen`, the tokens each row holds (seen_tokens)")
 
-    def choose(next_logits, done, t):
+    def choose(next_logits, done, seen, matched, t):
         """Pick each row's next token; rows already done get pad (masked out, log-prob 0)."""
-        token, logprob = pick_tokens(next_logits, step_keys(row_keys, t), temperature, top_k,
-                               top_p if use_top_p else None, greedy)
+        token, logprob, policy = pick_tokens(next_logits, step_keys(row_keys, t), temperature, top_k,
+                                             top_p if use_top_p else None, greedy, extra, seen)
         live = ~done
         token = jnp.where(live, token, pad_token_id)
         logprob = jnp.where(live, logprob, 0.0)
-        ended = jnp.isin(token, stop_ids) if max_lengths is None else jnp.isin(token, stop_ids) | (t + 1 >= max_lengths)
+        policy = None if policy is None else jnp.where(live, policy, 0.0)
+        ended = jnp.isin(token, stop_ids)
+        if max_lengths is not None:
+            ended = ended | (t + 1 >= max_lengths)
+        if matched is not None:
+            matched, completed = stop_step(table, matched, token)
+            ended = ended | completed
+        if seen is not None:
+            seen = seen | ((jax.nn.one_hot(token, seen.shape[1], dtype=jnp.int8) > 0) & live[:, None])
         done = done | (live & ended)
-        return token, logprob, live, done
+        return token, logprob, policy, live, done, seen, matched
 
     def step(carry, t):
-        cache, next_logits, kv_mask, done = carry
-        token, logprob, live, done = choose(next_logits, done, t)
+        cache, next_logits, kv_mask, done, seen, matched = carry
+        token, logprob, policy, live, done, seen, matched = choose(next_logits, done, seen, matched, t)
         if per_row:
             kv_mask = kv_mask.at[jnp.arange(b), first_slot + t].set(live.astype(jnp.int32))
         else:
             kv_mask = jax.lax.dynamic_update_index_in_dim(kv_mask, live.astype(jnp.int32), first_slot + t, axis=1)
         positions = cap_positions(model, next_position + t)  # a finished row keeps decoding pad past its budget
         logits, cache = model.decode(params, token[:, None], kv_mask, positions[:, None], cache, first_slot + t)
-        return (cache, logits[:, 0], kv_mask, done), (token, logprob, live.astype(jnp.int32))
+        emitted = (token, logprob, live.astype(jnp.int32)) + ((policy,) if two else ())
+        return (cache, logits[:, 0], kv_mask, done, seen, matched), emitted
 
     # R - 1 steps that feed their token back, then the last token, which needs no forward.
-    init = (cache, next_logits, kv_mask, jnp.zeros((b,), bool))
+    init = (cache, next_logits, kv_mask, jnp.zeros((b,), bool), seen, matched)
     if not early_stop or r == 1:  # (R = 1: no step to take)
-        (cache, last_logits, _, done), (tokens, logprobs, mask) = jax.lax.scan(step, init, jnp.arange(r - 1))
+        (cache, last_logits, _, done, seen, matched), outs = jax.lax.scan(step, init, jnp.arange(r - 1))
     else:
         # The same steps in a while loop that ends once every row has stopped. The outputs
         # are preset to what a finished row emits (pad, log-prob 0, mask 0), so the steps not
         # taken change nothing: the result equals the full scan's, token for token.
         outputs = (jnp.full((r - 1, b), pad_token_id, jnp.int32), jnp.zeros((r - 1, b), jnp.float32),
-                   jnp.zeros((r - 1, b), jnp.int32))
+                   jnp.zeros((r - 1, b), jnp.int32)) + ((jnp.zeros((r - 1, b), jnp.float32),) if two else ())
 
         def cond(loop):
             t, carry, _ = loop
@@ -214,17 +318,16 @@ def decode_loop(model, params, cache, next_logits, kv_mask, first_slot, next_pos
                          for o, e in zip(outs, emitted))
             return t + 1, carry, outs
 
-        _, (cache, last_logits, _, done), (tokens, logprobs, mask) = jax.lax.while_loop(
+        _, (cache, last_logits, _, done, seen, matched), outs = jax.lax.while_loop(
             cond, body, (jnp.int32(0), init, outputs))
-    token, logprob, live, _ = choose(last_logits, done, r - 1)
-    tokens = jnp.concatenate([tokens, token[None]], axis=0)
-    logprobs = jnp.concatenate([logprobs, logprob[None]], axis=0)
-    mask = jnp.concatenate([mask, live.astype(jnp.int32)[None]], axis=0)
-    return GenerationOutput(tokens.T, logprobs.T, mask.T), cache
+    token, logprob, policy, live, _, seen, _ = choose(last_logits, done, seen, matched, r - 1)
+    last = (token, logprob, live.astype(jnp.int32)) + ((policy,) if two else ())
+    columns = [jnp.concatenate([o, e[None]], axis=0).T for o, e in zip(outs, last)]
+    return GenerationOutput(*columns), cache, seen
 
 
 def check_sampler_arguments(model, prompt_ids, prompt_mask, response_length, temperature, top_k, top_p, stop_token_ids,
-                     pad_token_id, max_lengths=None):
+                            pad_token_id, max_lengths=None, min_p=None, repetition_penalty=None):
     """Errors in a sampler's arguments, before anything compiles; returns the stop ids
     (default: the model's EOS ids) and the pad id (default: the config's pad, else the
     first EOS, else 0). Learned positions (GPT-2) must cover the longest row: its real
@@ -251,6 +354,11 @@ def check_sampler_arguments(model, prompt_ids, prompt_mask, response_length, tem
         raise ValueError(f"top_k={top_k!r} must be None or a positive int")
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p={top_p!r} must be None or in (0, 1]")
+    if min_p is not None and not (isinstance(min_p, (int, float)) and 0.0 < min_p < 1.0):
+        raise ValueError(f"min_p={min_p!r} must be None or in (0, 1)")
+    if repetition_penalty is not None and not (isinstance(repetition_penalty, (int, float))
+                                               and 0.0 < repetition_penalty < math.inf):
+        raise ValueError(f"repetition_penalty={repetition_penalty!r} must be None or a finite number > 0 (1: none)")
     if stop_token_ids is None:
         stop_token_ids = model.config.eos_token_ids
     stop_token_ids = tuple(int(t) for t in stop_token_ids)
@@ -259,6 +367,14 @@ def check_sampler_arguments(model, prompt_ids, prompt_mask, response_length, tem
         if pad_token_id is None:
             pad_token_id = model.config.eos_token_ids[0] if model.config.eos_token_ids else 0
     return stop_token_ids, pad_token_id
+
+
+def make_extra(min_p=None, repetition_penalty=None, stop_strings=None) -> Extra:
+    """The `Extra` of the samplers' keyword arguments (checked by `check_sampler_arguments`):
+    `stop_strings` a `jaxppo.models.stops.StopStrings` or None; a penalty of 1 is none."""
+    table = None if stop_strings is None else jnp.asarray(stop_strings.table)
+    return Extra(None if min_p is None else jnp.float32(min_p),
+                 None if repetition_penalty in (None, 1, 1.0) else jnp.float32(repetition_penalty), table)
 
 
 def _longest_row(prompt_mask, max_lengths, response_length: int, default: int) -> int:

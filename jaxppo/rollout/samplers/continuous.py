@@ -25,7 +25,8 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
 import jax
 import jax.numpy as jnp
 
-from jaxppo.models.decoding import GenerationOutput, cap_positions, check_max_lengths, check_sampler_arguments, pick_tokens, prefill, step_keys
+from jaxppo.models.decoding import (Extra, GenerationOutput, cap_positions, check_max_lengths, check_sampler_arguments,
+                                    make_extra, pick_tokens, prefill, seen_tokens, step_keys, stop_step)
 from jaxppo.models.model import Model
 from jaxppo.models.transformer import default_positions
 
@@ -42,6 +43,7 @@ class _Requests(NamedTuple):
     max_lengths: Optional[jax.Array]  # (N,) budgets, or None: response_length
     temperature: jax.Array
     top_p: jax.Array
+    extra: Extra  # min-p, the repetition penalty, the stop strings' automata (None fields: off)
 
 
 class _Slots(NamedTuple):
@@ -55,6 +57,8 @@ class _Slots(NamedTuple):
     active: jax.Array  # (S,) bool
     next_req: jax.Array  # the next pending request
     version: jax.Array  # (S,) the parameters' version behind each slot's next_logits
+    seen: Optional[jax.Array]  # (S, V) bool: the tokens each slot's request holds (a repetition penalty), or None
+    matched: Optional[jax.Array]  # (S, K): each slot's stop-string automata states, or None
 
 
 class _Out(NamedTuple):
@@ -62,6 +66,7 @@ class _Out(NamedTuple):
     logprobs: jax.Array
     masks: jax.Array
     versions: jax.Array  # (N, R) int32: the version of the parameters each token was sampled from
+    full_logprobs: Optional[jax.Array]  # (N, R): the policy's own log-probs where a filter or penalty is on, or None
 
 
 class _Static(NamedTuple):
@@ -76,10 +81,22 @@ class _Static(NamedTuple):
     pad_token_id: int
 
 
-def _requests(prompt_ids, prompt_mask, key, temperature, top_p, max_lengths) -> _Requests:
+def _requests(prompt_ids, prompt_mask, key, temperature, top_p, max_lengths, extra=None) -> _Requests:
     mask = prompt_mask.astype(jnp.int32)
     return _Requests(prompt_ids, mask, jax.random.split(key, prompt_ids.shape[0]), jnp.sum(mask, axis=1), max_lengths,
-                     temperature, top_p)
+                     temperature, top_p, extra or Extra())
+
+
+def _two_logprobs(reqs: _Requests, st: "_Static") -> bool:
+    """The sampled distribution differs from the policy's (a second log-prob per token)."""
+    return not st.greedy and (reqs.extra.reshapes or st.top_k is not None or st.use_top_p)
+
+
+def _row_state(reqs: _Requests, ids, mask, vocab: int):
+    """(seen, matched) of rows starting on prompts `ids`/`mask`: None where off."""
+    seen = None if reqs.extra.repetition_penalty is None else seen_tokens(ids, mask, vocab)
+    table = reqs.extra.stop_table
+    return seen, None if table is None else jnp.zeros((ids.shape[0], table.shape[0]), jnp.int32)
 
 
 def _start(model, params, reqs: _Requests, version, st: _Static):
@@ -88,9 +105,11 @@ def _start(model, params, reqs: _Requests, version, st: _Static):
     cache, next_logits = prefill(model, params, reqs.prompt_ids[:s], reqs.prompt_mask[:s], q + r)
     kv_mask = jnp.concatenate([reqs.prompt_mask[:s], jnp.zeros((s, r), jnp.int32)], axis=1)
     slots = _Slots(cache, next_logits, kv_mask, jnp.arange(s, dtype=jnp.int32), jnp.zeros((s,), jnp.int32),
-                   jnp.ones((s,), bool), jnp.int32(s), jnp.full((s,), version, jnp.int32))
+                   jnp.ones((s,), bool), jnp.int32(s), jnp.full((s,), version, jnp.int32),
+                   *_row_state(reqs, reqs.prompt_ids[:s], reqs.prompt_mask[:s], next_logits.shape[-1]))
     out = _Out(jnp.full((n, r), st.pad_token_id, jnp.int32), jnp.zeros((n, r), jnp.float32),
-               jnp.zeros((n, r), jnp.int32), jnp.zeros((n, r), jnp.int32))
+               jnp.zeros((n, r), jnp.int32), jnp.zeros((n, r), jnp.int32),
+               jnp.zeros((n, r), jnp.float32) if _two_logprobs(reqs, st) else None)
     return slots, out
 
 
@@ -108,22 +127,34 @@ def _admit(model, params, reqs: _Requests, version, slots: _Slots, st: _Static) 
                                                       axis=0)
     row_mask = jnp.concatenate([mask, jnp.zeros((1, r), jnp.int32)], axis=1)
     kv_mask = jax.lax.dynamic_update_slice_in_dim(slots.kv_mask, row_mask, j, axis=0)
+    row_seen, row_matched = _row_state(reqs, ids, mask, slots.next_logits.shape[-1])
+    put = lambda buf, row: None if buf is None else jax.lax.dynamic_update_slice_in_dim(buf, row, j, axis=0)
     return _Slots(cache, next_logits, kv_mask, slots.req.at[j].set(slots.next_req), slots.t.at[j].set(0),
-                  slots.active.at[j].set(True), slots.next_req + 1, slots.version.at[j].set(version))
+                  slots.active.at[j].set(True), slots.next_req + 1, slots.version.at[j].set(version),
+                  put(slots.seen, row_seen), put(slots.matched, row_matched))
 
 
 def _step(model, params, reqs: _Requests, version, slots: _Slots, out: _Out, st: _Static):
     """One decode step of every slot, then the free slots refilled."""
     (n, q), r, s = reqs.prompt_ids.shape, st.response_length, st.num_slots
     stop_ids = jnp.asarray(st.stop_token_ids if st.stop_token_ids else (-1,), jnp.int32)
-    token, logprob = pick_tokens(slots.next_logits, step_keys(reqs.keys[slots.req], slots.t), reqs.temperature,
-                                 st.top_k, reqs.top_p if st.use_top_p else None, st.greedy)
+    token, logprob, policy = pick_tokens(slots.next_logits, step_keys(reqs.keys[slots.req], slots.t), reqs.temperature,
+                                         st.top_k, reqs.top_p if st.use_top_p else None, st.greedy, reqs.extra,
+                                         slots.seen)
     # Write each active slot's token into its request's row (inactive slots write nowhere).
     rows, t = jnp.where(slots.active, slots.req, n), slots.t
     out = _Out(out.tokens.at[rows, t].set(token, mode="drop"), out.logprobs.at[rows, t].set(logprob, mode="drop"),
-               out.masks.at[rows, t].set(1, mode="drop"), out.versions.at[rows, t].set(slots.version, mode="drop"))
+               out.masks.at[rows, t].set(1, mode="drop"), out.versions.at[rows, t].set(slots.version, mode="drop"),
+               None if out.full_logprobs is None else out.full_logprobs.at[rows, t].set(policy, mode="drop"))
     budget = r if reqs.max_lengths is None else reqs.max_lengths[slots.req]
-    finished = slots.active & (jnp.isin(token, stop_ids) | (t + 1 >= budget))
+    ended = jnp.isin(token, stop_ids) | (t + 1 >= budget)
+    seen, matched = slots.seen, slots.matched
+    if matched is not None:
+        matched, completed = stop_step(reqs.extra.stop_table, matched, token)
+        ended = ended | completed
+    if seen is not None:
+        seen = seen | (jax.nn.one_hot(token, seen.shape[1], dtype=jnp.int8) > 0)
+    finished = slots.active & ended
     going_on = slots.active & ~finished
     # Feed the token back for the rows that go on (the others' results are not read).
     kv_mask = slots.kv_mask.at[jnp.arange(s), q + jnp.minimum(t, r - 1)].set(going_on.astype(jnp.int32))
@@ -131,7 +162,7 @@ def _step(model, params, reqs: _Requests, version, slots: _Slots, out: _Out, st:
     logits, cache = model.decode(params, token[:, None], kv_mask, positions[:, None], slots.cache,
                                  q + jnp.minimum(t, r - 1))
     slots = _Slots(cache, logits[:, 0], kv_mask, slots.req, t + 1, going_on, slots.next_req,
-                   jnp.where(going_on, version, slots.version))
+                   jnp.where(going_on, version, slots.version), seen, matched)
     slots = jax.lax.while_loop(lambda sl: ~jnp.all(sl.active) & (sl.next_req < n),
                                lambda sl: _admit(model, params, reqs, version, sl, st), slots)
     return slots, out
@@ -139,17 +170,17 @@ def _step(model, params, reqs: _Requests, version, slots: _Slots, out: _Out, st:
 
 @functools.partial(jax.jit, static_argnames=("model", "response_length", "num_slots", "top_k", "use_top_p", "greedy",
                                              "stop_token_ids", "pad_token_id"))
-def continuous_jit(model, params, prompt_ids, prompt_mask, key, temperature, top_p, max_lengths=None, *,
+def continuous_jit(model, params, prompt_ids, prompt_mask, key, temperature, top_p, max_lengths=None, extra=None, *,
                    response_length, num_slots, top_k, use_top_p, greedy, stop_token_ids, pad_token_id):
     """The compiled engine behind `generate_continuous` (arguments checked there): the whole
     generation as one program."""
     static = _Static(response_length, num_slots, top_k, use_top_p, greedy, tuple(stop_token_ids), pad_token_id)
-    reqs = _requests(prompt_ids, prompt_mask, key, temperature, top_p, max_lengths)
+    reqs = _requests(prompt_ids, prompt_mask, key, temperature, top_p, max_lengths, extra)
     model, params = model.for_decoding(params)  # `Model.hoist_layers`
     slots, out = _start(model, params, reqs, 0, static)
     _, out = jax.lax.while_loop(lambda state: jnp.any(state[0].active),
                                 lambda state: _step(model, params, reqs, 0, *state, static), (slots, out))
-    return GenerationOutput(out.tokens, out.logprobs, out.masks)
+    return GenerationOutput(out.tokens, out.logprobs, out.masks, out.full_logprobs)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "static"))
@@ -210,7 +241,8 @@ def generate_inflight(model: Model, params_source: Callable, prompt_ids, prompt_
                       num_slots: int, steps_per_check: int = 8, on_update: str = "keep", temperature: float = 1.0,
                       top_k: Optional[int] = None, top_p: Optional[float] = None, greedy: bool = False,
                       stop_token_ids: Optional[Sequence[int]] = None, pad_token_id: Optional[int] = None,
-                      max_lengths=None):
+                      max_lengths=None, min_p: Optional[float] = None, repetition_penalty: Optional[float] = None,
+                      stop_strings=None):
     """The continuous sampler taking new parameters while it generates: in-flight
     weight updates.
 
@@ -235,13 +267,15 @@ def generate_inflight(model: Model, params_source: Callable, prompt_ids, prompt_
                          "checks for new parameters)")
     _check_slots(num_slots)
     stop_token_ids, pad_token_id = check_sampler_arguments(model, prompt_ids, prompt_mask, response_length, temperature,
-                                                           top_k, top_p, stop_token_ids, pad_token_id, max_lengths)
+                                                           top_k, top_p, stop_token_ids, pad_token_id, max_lengths,
+                                                           min_p, repetition_penalty)
     n = prompt_ids.shape[0]
     static = _Static(response_length, min(num_slots, n), top_k, top_p is not None, bool(greedy),
                      tuple(stop_token_ids), int(pad_token_id))
     reqs = _requests(jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_mask, jnp.int32), key,
                      jnp.float32(temperature), jnp.float32(1.0 if top_p is None else top_p),
-                     check_max_lengths(max_lengths, n, response_length))
+                     check_max_lengths(max_lengths, n, response_length),
+                     make_extra(min_p, repetition_penalty, stop_strings))
     version, params = params_source()
     slots, out = _start_jit(model, params, reqs, jnp.int32(version), static=static)
     while True:
@@ -254,7 +288,7 @@ def generate_inflight(model: Model, params_source: Callable, prompt_ids, prompt_
             version, params = new_version, new_params
             if on_update == "recompute":
                 slots = _recompute_jit(model, params, reqs, jnp.int32(version), slots, out, static=static)
-    return GenerationOutput(out.tokens, out.logprobs, out.masks), out.versions
+    return GenerationOutput(out.tokens, out.logprobs, out.masks, out.full_logprobs), out.versions
 
 
 def _check_slots(num_slots):
@@ -278,6 +312,9 @@ def generate_continuous(
     stop_token_ids: Optional[Sequence[int]] = None,
     pad_token_id: Optional[int] = None,
     max_lengths=None,
+    min_p: Optional[float] = None,
+    repetition_penalty: Optional[float] = None,
+    stop_strings=None,
 ) -> GenerationOutput:
     """Sample `response_length` tokens for each of N left-padded prompts with a slot loop
     of `num_slots` rows (continuous batching; see the module). The arguments and the
@@ -287,10 +324,12 @@ def generate_continuous(
     row is pad, log-prob 0, mask 0."""
     _check_slots(num_slots)
     stop_token_ids, pad_token_id = check_sampler_arguments(model, prompt_ids, prompt_mask, response_length, temperature,
-                                                    top_k, top_p, stop_token_ids, pad_token_id, max_lengths)
+                                                           top_k, top_p, stop_token_ids, pad_token_id, max_lengths,
+                                                           min_p, repetition_penalty)
     return continuous_jit(
         model, params, jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_mask, jnp.int32), key,
         jnp.float32(temperature), jnp.float32(1.0 if top_p is None else top_p),
-        check_max_lengths(max_lengths, prompt_ids.shape[0], response_length), response_length=response_length,
+        check_max_lengths(max_lengths, prompt_ids.shape[0], response_length),
+        make_extra(min_p, repetition_penalty, stop_strings), response_length=response_length,
         num_slots=min(num_slots, prompt_ids.shape[0]), top_k=top_k, use_top_p=top_p is not None,
         greedy=bool(greedy), stop_token_ids=stop_token_ids, pad_token_id=int(pad_token_id))

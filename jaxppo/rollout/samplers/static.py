@@ -14,8 +14,8 @@ from typing import Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxppo.models.decoding import (GenerationOutput, check_groups, check_max_lengths, check_sampler_arguments,
-                                    decode_loop, prefill)
+from jaxppo.models.decoding import (Extra, GenerationOutput, check_groups, check_max_lengths, check_sampler_arguments,
+                                    decode_loop, make_extra, prefill, seen_tokens)
 from jaxppo.models.model import Model
 
 __all__ = ["generate", "generate_jit"]
@@ -28,21 +28,26 @@ __all__ = ["generate", "generate_jit"]
 )
 def generate_jit(model, params, prompt_ids, prompt_mask, key, temperature, top_p, max_lengths=None, *,
                  response_length, top_k, use_top_p, greedy, stop_token_ids, pad_token_id, early_stop,
-                 num_generations=1, return_cache=False):
+                 num_generations=1, return_cache=False, extra: Optional[Extra] = None):
     """The compiled sampler behind `generate` (static: the model and every size and
-    switch), for ahead-of-time lowering (`generate_jit.lower(...)`) and compile counts.
-    With `return_cache`: (output, the KV cache after the decode), for a next turn
+    switch; `extra` is traced, its None fields static), for ahead-of-time lowering
+    (`generate_jit.lower(...)`) and compile counts. With `return_cache`: (output, the KV
+    cache after the decode, the tokens each row holds or None), for a next turn
     (`jaxppo.rollout.samplers.turns`)."""
     model, params = model.for_decoding(params)  # `Model.hoist_layers`
     b, q = prompt_ids.shape
     r = response_length
     kv_mask = jnp.concatenate([prompt_mask.astype(jnp.int32), jnp.zeros((b, r), jnp.int32)], axis=1)
     cache, next_logits = prefill(model, params, prompt_ids, prompt_mask, q + r, num_generations)
-    output, cache = decode_loop(model, params, cache, next_logits, kv_mask, q,
-                                jnp.sum(prompt_mask.astype(jnp.int32), axis=1), jax.random.split(key, b), temperature,
-                                top_p, max_lengths, response_length=r, top_k=top_k, use_top_p=use_top_p, greedy=greedy,
-                                stop_token_ids=stop_token_ids, pad_token_id=pad_token_id, early_stop=early_stop)
-    return (output, cache) if return_cache else output
+    seen = None
+    if extra is not None and extra.repetition_penalty is not None:
+        seen = seen_tokens(prompt_ids, prompt_mask, next_logits.shape[-1])
+    output, cache, seen = decode_loop(model, params, cache, next_logits, kv_mask, q,
+                                      jnp.sum(prompt_mask.astype(jnp.int32), axis=1), jax.random.split(key, b),
+                                      temperature, top_p, max_lengths, response_length=r, top_k=top_k,
+                                      use_top_p=use_top_p, greedy=greedy, stop_token_ids=stop_token_ids,
+                                      pad_token_id=pad_token_id, early_stop=early_stop, extra=extra, seen=seen)
+    return (output, cache, seen) if return_cache else output
 
 
 def generate(
@@ -62,6 +67,9 @@ def generate(
     early_stop: bool = True,
     num_generations: int = 1,
     max_lengths=None,
+    min_p: Optional[float] = None,
+    repetition_penalty: Optional[float] = None,
+    stop_strings=None,
 ) -> GenerationOutput:
     """Sample `response_length` tokens after left-padded prompts, with a KV cache.
 
@@ -74,9 +82,16 @@ def generate(
       temperature: logits are divided by it before sampling and for the returned log-probs.
       top_k: keep only the k most likely tokens (None: all).
       top_p: nucleus sampling threshold in (0, 1] (None: off).
+      min_p: keep only tokens at least min_p times as likely as the most likely one, in
+        (0, 1) (None: off).
+      repetition_penalty: > 0; a token already in the row's prompt or response has its
+        logit divided by it where positive, multiplied where negative (None or 1: off).
+        (The order of these: `jaxppo.models.decoding`.)
       greedy: take the argmax instead of sampling (log-probs still temperature-scaled).
       stop_token_ids: tokens that end a row (default: the model config's EOS ids); the
         stop token itself is kept and masked in, everything after is pad and masked out.
+      stop_strings: a `jaxppo.models.stops.StopStrings` (built with the tokenizer): a row
+        also ends at the token that completes one of its strings (kept and masked in).
       pad_token_id: token written after a stop (default: config pad, else first EOS, else 0).
       early_stop: stop decoding once every row has hit a stop token (a `lax.while_loop`;
         the outputs equal those of `early_stop=False`, which always runs all R steps as a
@@ -90,10 +105,13 @@ def generate(
         `response_length`) if no stop token ended it before: per-request budgets.
 
     Returns:
-      `GenerationOutput(tokens, logprobs, mask)`, each (B, R).
+      `GenerationOutput(tokens, logprobs, mask, full_logprobs)`, each (B, R) (`logprobs`
+      under the distribution sampled from; `full_logprobs` under softmax(logits /
+      temperature), None when that is the same one).
     """
     stop_token_ids, pad_token_id = check_sampler_arguments(model, prompt_ids, prompt_mask, response_length, temperature,
-                                                    top_k, top_p, stop_token_ids, pad_token_id, max_lengths)
+                                                           top_k, top_p, stop_token_ids, pad_token_id, max_lengths,
+                                                           min_p, repetition_penalty)
     check_groups(prompt_ids, prompt_mask, num_generations)
     return generate_jit(
         model, params, jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_mask, jnp.int32), key,
@@ -101,5 +119,5 @@ def generate(
         check_max_lengths(max_lengths, prompt_ids.shape[0], response_length),
         response_length=response_length, top_k=top_k, use_top_p=top_p is not None, greedy=bool(greedy),
         stop_token_ids=stop_token_ids, pad_token_id=int(pad_token_id), early_stop=bool(early_stop),
-        num_generations=num_generations,
+        num_generations=num_generations, extra=make_extra(min_p, repetition_penalty, stop_strings),
     )

@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxppo.models.decoding import cap_positions, check_max_lengths, check_sampler_arguments, decode_loop
+from jaxppo.models.decoding import (cap_positions, check_max_lengths, check_sampler_arguments, decode_loop, make_extra,
+                                    seen_tokens)
 from jaxppo.rollout.samplers.static import generate_jit
 from jaxppo.models.transformer import GroupedKV
 
@@ -43,11 +44,13 @@ _SAMPLER = ("model", "top_k", "use_top_p", "greedy", "stop_token_ids", "pad_toke
 
 
 class TurnCache(NamedTuple):
-    """What a turn leaves for the next: the KV cache (see the module for its layout) and
-    the prompts' mask (B, Q) (a row's positions count its real prompt tokens)."""
+    """What a turn leaves for the next: the KV cache (see the module for its layout), the
+    prompts' mask (B, Q) (a row's positions count its real prompt tokens) and, with a
+    repetition penalty, the tokens each row holds so far (B, V) bool (else None)."""
 
     cache: Any
     prompt_mask: jax.Array
+    seen: Optional[jax.Array] = None
 
 
 def _slot_axis(model) -> int:
@@ -68,17 +71,17 @@ def _widen(cache, extra: int, axis: int):
 
 
 @functools.partial(jax.jit, static_argnames=_SAMPLER + ("turn_length", "extra", "num_generations"))
-def _first_turn_jit(model, params, prompt_ids, prompt_mask, key, temperature, top_p, max_lengths, *, turn_length,
-                    extra, num_generations, **sampler):
-    out, cache = generate_jit(model, params, prompt_ids, prompt_mask, key, temperature, top_p, max_lengths,
-                              response_length=turn_length, early_stop=True, num_generations=num_generations,
-                              return_cache=True, **sampler)
-    return out, _widen(cache, extra, _slot_axis(model))
+def _first_turn_jit(model, params, prompt_ids, prompt_mask, key, temperature, top_p, max_lengths, settings=None, *,
+                    turn_length, extra, num_generations, **sampler):
+    out, cache, seen = generate_jit(model, params, prompt_ids, prompt_mask, key, temperature, top_p, max_lengths,
+                                    response_length=turn_length, early_stop=True, num_generations=num_generations,
+                                    return_cache=True, extra=settings, **sampler)
+    return out, _widen(cache, extra, _slot_axis(model)), seen
 
 
 @functools.partial(jax.jit, static_argnames=_SAMPLER + ("turn_length", "piece"), donate_argnames=("cache",))
 def _next_turn_jit(model, params, cache, prompt_mask, new_tokens, new_start, new_lengths, key, temperature, top_p,
-                   max_lengths, *, turn_length, piece, **sampler):
+                   max_lengths, settings=None, seen=None, *, turn_length, piece, **sampler):
     model, params = model.for_decoding(params)
     b, q = prompt_mask.shape
     prompt_mask = prompt_mask.astype(jnp.int32)
@@ -109,38 +112,45 @@ def _next_turn_jit(model, params, cache, prompt_mask, new_tokens, new_start, new
     hidden = jnp.zeros((b, model.config.hidden_size), model.dtype)
     (cache, hidden), _ = jax.lax.scan(feed, (cache, hidden), jnp.arange(pieces))
     next_logits = model.lm_head(params).logits(hidden)
+    if seen is not None:  # the new tokens join the ones the penalty sees
+        seen = seen | seen_tokens(new_tokens, jnp.arange(new_tokens.shape[1])[None, :] < new_lengths[:, None],
+                                  seen.shape[1])
     return decode_loop(model, params, cache, next_logits, kv_mask, q + used, real + used, jax.random.split(key, b),
-                       temperature, top_p, max_lengths, response_length=turn_length, early_stop=True, **sampler)
+                       temperature, top_p, max_lengths, response_length=turn_length, early_stop=True, extra=settings,
+                       seen=seen, **sampler)
 
 
 def _sampler_settings(model, prompt_ids, prompt_mask, turn_length, response_budget, temperature, top_k, top_p, greedy,
-                      stop_token_ids, pad_token_id, max_lengths):
+                      stop_token_ids, pad_token_id, max_lengths, min_p, repetition_penalty, stop_strings):
     if not isinstance(response_budget, int) or not isinstance(turn_length, int) or not 0 < turn_length <= response_budget:
         raise ValueError(f"turn_length={turn_length!r} and response_budget={response_budget!r} must be ints with "
                          "0 < turn_length <= response_budget")
     stop_token_ids, pad_token_id = check_sampler_arguments(model, prompt_ids, prompt_mask, response_budget, temperature,
-                                                           top_k, top_p, stop_token_ids, pad_token_id)
+                                                           top_k, top_p, stop_token_ids, pad_token_id, None, min_p,
+                                                           repetition_penalty)
     return dict(top_k=top_k, use_top_p=top_p is not None, greedy=bool(greedy), stop_token_ids=stop_token_ids,
                 pad_token_id=int(pad_token_id)), (jnp.float32(temperature), jnp.float32(1.0 if top_p is None else top_p),
-                                                  check_max_lengths(max_lengths, prompt_ids.shape[0], turn_length))
+                                                  check_max_lengths(max_lengths, prompt_ids.shape[0], turn_length),
+                                                  make_extra(min_p, repetition_penalty, stop_strings))
 
 
 def first_turn(model, params, prompt_ids, prompt_mask, key, *, turn_length: int, response_budget: int,
                temperature: float = 1.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
                greedy: bool = False, stop_token_ids: Optional[Sequence[int]] = None,
-               pad_token_id: Optional[int] = None, num_generations: int = 1, max_lengths=None):
+               pad_token_id: Optional[int] = None, num_generations: int = 1, max_lengths=None,
+               min_p: Optional[float] = None, repetition_penalty: Optional[float] = None, stop_strings=None):
     """The first turn of multi-turn sampling: `generate`'s tokens for `turn_length` tokens
     (the same arguments; `max_lengths` the rows' budgets for this turn), and a `TurnCache`
     with room for `response_budget` response tokens (R: every turn and observation of an
     episode) for `next_turn`. Returns (`GenerationOutput` (B, L), `TurnCache`)."""
-    statics, (temperature, top_p, max_lengths) = _sampler_settings(
+    statics, (temperature, top_p, max_lengths, settings) = _sampler_settings(
         model, prompt_ids, prompt_mask, turn_length, response_budget, temperature, top_k, top_p, greedy,
-        stop_token_ids, pad_token_id, max_lengths)
+        stop_token_ids, pad_token_id, max_lengths, min_p, repetition_penalty, stop_strings)
     prompt_ids, prompt_mask = jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_mask, jnp.int32)
-    out, cache = _first_turn_jit(model, params, prompt_ids, prompt_mask, key, temperature, top_p, max_lengths,
-                                 turn_length=turn_length, extra=response_budget, num_generations=num_generations,
-                                 **statics)
-    return out, TurnCache(cache, prompt_mask)
+    out, cache, seen = _first_turn_jit(model, params, prompt_ids, prompt_mask, key, temperature, top_p, max_lengths,
+                                       settings, turn_length=turn_length, extra=response_budget,
+                                       num_generations=num_generations, **statics)
+    return out, TurnCache(cache, prompt_mask, seen)
 
 
 def piece_width(longest: int, turn_length: int) -> int:
@@ -153,7 +163,8 @@ def piece_width(longest: int, turn_length: int) -> int:
 def next_turn(model, params, state: TurnCache, new_tokens, new_start, new_lengths, key, *, turn_length: int,
               response_budget: int, temperature: float = 1.0, top_k: Optional[int] = None,
               top_p: Optional[float] = None, greedy: bool = False, stop_token_ids: Optional[Sequence[int]] = None,
-              pad_token_id: Optional[int] = None, max_lengths=None, place=lambda x: x):
+              pad_token_id: Optional[int] = None, max_lengths=None, place=lambda x: x,
+              min_p: Optional[float] = None, repetition_penalty: Optional[float] = None, stop_strings=None):
     """A later turn: row i's `new_lengths[i]` tokens `new_tokens[i, :new_lengths[i]]` (the
     response tokens not yet in the cache, from response index `new_start[i]` on: the last
     turn's final token and the observation after it) are fed onto the cache, and then
@@ -170,16 +181,16 @@ def next_turn(model, params, state: TurnCache, new_tokens, new_start, new_length
             new_lengths > new_tokens.shape[1]).any():
         raise ValueError(f"new tokens outside the response budget: starts {new_start.tolist()}, lengths "
                          f"{new_lengths.tolist()}, each start + length must be <= response_budget={response_budget}")
-    statics, (temperature, top_p, max_lengths) = _sampler_settings(
+    statics, (temperature, top_p, max_lengths, settings) = _sampler_settings(
         model, state.prompt_mask, state.prompt_mask, turn_length, response_budget, temperature, top_k, top_p, greedy,
-        stop_token_ids, pad_token_id, max_lengths)
+        stop_token_ids, pad_token_id, max_lengths, min_p, repetition_penalty, stop_strings)
     piece = piece_width(int(new_lengths.max(initial=0)), turn_length)
     pieces = max(1, -(-int(new_lengths.max(initial=0)) // piece))
     padded = np.full((b, pieces * piece), statics["pad_token_id"], np.int32)
     width = min(new_tokens.shape[1], pieces * piece)
     padded[:, :width] = new_tokens[:, :width]
-    out, cache = _next_turn_jit(model, params, state.cache, state.prompt_mask, place(padded), place(new_start),
-                                place(new_lengths), key, temperature, top_p,
-                                None if max_lengths is None else place(np.asarray(max_lengths)),
-                                turn_length=turn_length, piece=piece, **statics)
-    return out, TurnCache(cache, state.prompt_mask)
+    out, cache, seen = _next_turn_jit(model, params, state.cache, state.prompt_mask, place(padded), place(new_start),
+                                      place(new_lengths), key, temperature, top_p,
+                                      None if max_lengths is None else place(np.asarray(max_lengths)), settings,
+                                      state.seen, turn_length=turn_length, piece=piece, **statics)
+    return out, TurnCache(cache, state.prompt_mask, seen)

@@ -1,0 +1,287 @@
+"""Sampling settings beyond temperature (top-k, top-p, min-p, the repetition penalty) and
+stop strings, in every built-in sampler: frequencies against probabilities computed in
+numpy by plain loops, the compiled samplers against a plain Python decode loop, stop
+strings against the text decoded token by token."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from jaxppo import demo
+from jaxppo.models.decoding import Extra, pick_tokens
+from jaxppo.models.stops import StopStrings
+from jaxppo.rollout.samplers.continuous import generate_continuous
+from jaxppo.rollout.samplers.static import generate
+from jaxppo.rollout.samplers.turns import first_turn, next_turn
+from trainer_setup import perturbed, tiny_llama
+
+V = 24
+
+
+def _reference_probs(logits, temperature, top_k=None, top_p=None, min_p=None, penalty=None, seen=()):
+    """The distribution a token is drawn from, by plain loops over one row of logits: the
+    penalty on the raw logits, the temperature, top-k and min-p, then top-p over what is
+    left, renormalised."""
+    z = [float(x) for x in logits]
+    if penalty is not None:
+        z = [(x / penalty if x > 0 else x * penalty) if i in seen else x for i, x in enumerate(z)]
+    z = [x / temperature for x in z]
+    m = max(z)
+    p = [np.exp(x - m) for x in z]
+    total = sum(p)
+    p = [x / total for x in p]
+    order = sorted(range(len(p)), key=lambda i: -p[i])
+    keep = set(range(len(p)))
+    if top_k is not None:
+        keep &= set(order[:top_k])
+    if min_p is not None:
+        keep &= {i for i in range(len(p)) if p[i] >= min_p * max(p)}
+    if top_p is not None:
+        mass, nucleus = sum(p[i] for i in keep), set()
+        for i in order:
+            if i not in keep:
+                continue
+            if sum(p[j] for j in nucleus) / mass >= top_p:
+                break
+            nucleus.add(i)
+        keep = nucleus
+    kept = sum(p[i] for i in keep)
+    return np.array([p[i] / kept if i in keep else 0.0 for i in range(len(p))])
+
+
+SETTINGS = [
+    dict(temperature=1.0, top_k=4),
+    dict(temperature=0.8, top_p=0.7),
+    dict(temperature=1.2, min_p=0.15),
+    dict(temperature=1.0, penalty=1.8, seen=(0, 3, 5, 11)),
+    dict(temperature=0.7, top_k=9, min_p=0.05, top_p=0.8, penalty=1.3, seen=(1, 2, 3)),
+]
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: "-".join(k for k in s if k != "seen"))
+def test_picked_tokens_follow_the_filtered_distribution_chi_square(setting):
+    """20000 draws from one row of logits: frequencies against the plain-loop reference
+    (chi-square), no draw outside its support, and the two log-probs each draw reports
+    (the distribution drawn from, the policy's own) against numpy's."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0.0, 1.5, V).astype(np.float32)
+    logits[3], logits[5] = 2.5, -2.0  # a positive and a negative logit among the penalised
+    n, s = 20000, dict(setting)
+    seen = s.pop("seen", ())
+    expected = _reference_probs(logits, **s, seen=seen)
+    extra = Extra(None if s.get("min_p") is None else jnp.float32(s["min_p"]),
+                  None if s.get("penalty") is None else jnp.float32(s["penalty"]))
+    seen_mask = jnp.broadcast_to(jnp.isin(jnp.arange(V), jnp.asarray(seen, jnp.int32)), (n, V))
+    keys = jax.random.split(jax.random.key(1), n)
+    token, logprob, policy = jax.jit(lambda lg, k: pick_tokens(
+        lg, k, jnp.float32(s["temperature"]), s.get("top_k"), s.get("top_p"), False, extra, seen_mask))(
+        jnp.broadcast_to(jnp.asarray(logits), (n, V)), keys)
+    counts = np.bincount(np.asarray(token), minlength=V)
+    support = expected > 0
+    assert counts[~support].sum() == 0, np.flatnonzero(counts * ~support)
+    filters = any(k in s for k in ("top_k", "top_p", "min_p"))
+    assert 1 < support.sum() and (support.sum() < V) == filters  # a filter cuts the vocabulary, leaving a choice
+    p_value = stats.chisquare(counts[support], n * expected[support]).pvalue
+    assert p_value > 1e-3, (p_value, counts, n * expected)
+    np.testing.assert_allclose(np.asarray(logprob), np.log(expected[np.asarray(token)]), atol=2e-5)
+    z = logits / s["temperature"]
+    full = z - z.max() - np.log(np.exp(z - z.max()).sum())
+    np.testing.assert_allclose(np.asarray(policy), full[np.asarray(token)], atol=2e-5)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = tiny_llama(False, V)
+    params = perturbed(model.init(jax.random.key(0)), 3)
+    return model, params
+
+
+def _prompts(rows, width=6, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(3, V, size=(rows, width)).astype(np.int32)
+    mask = np.ones_like(ids)
+    mask[1::2, :2] = 0
+    return np.where(mask > 0, ids, 0), mask
+
+
+def test_top_k_one_samples_the_greedy_tokens(tiny):
+    model, params = tiny
+    ids, mask = _prompts(8)
+    common = dict(response_length=6, stop_token_ids=(), pad_token_id=0)
+    greedy = generate(model, params, ids, mask, jax.random.key(5), greedy=True, **common)
+    top1 = generate(model, params, ids, mask, jax.random.key(5), top_k=1, **common)
+    np.testing.assert_array_equal(np.asarray(top1.tokens), np.asarray(greedy.tokens))
+    np.testing.assert_allclose(np.asarray(top1.logprobs), 0.0, atol=1e-6)  # drawn from one token: probability 1
+    np.testing.assert_allclose(np.asarray(top1.full_logprobs), np.asarray(greedy.logprobs), atol=1e-5)
+
+
+def test_first_tokens_of_the_sampler_follow_the_reference_with_the_prompt_penalised(tiny):
+    """4096 rows of one prompt through `generate`: the first token's frequencies against the
+    plain-loop reference over the model's own logits, the prompt's tokens penalised."""
+    model, params = tiny
+    prompt = np.array([[4, 9, 4, 13, 7]], np.int32)
+    rows = 4096
+    ids, mask = np.repeat(prompt, rows, axis=0), np.ones((rows, 5), np.int32)
+    setting = dict(temperature=0.9, top_k=12, min_p=0.02, top_p=0.9)
+    out = generate(model, params, ids, mask, jax.random.key(8), response_length=1, stop_token_ids=(), pad_token_id=0,
+                   repetition_penalty=1.6, **setting)
+    logits = np.asarray(model.apply(params, prompt, np.ones_like(prompt)))[0, -1]
+    expected = _reference_probs(logits, penalty=1.6, seen={4, 9, 13, 7}, **setting)
+    counts = np.bincount(np.asarray(out.tokens[:, 0]), minlength=V)
+    support = expected > 0
+    assert counts[~support].sum() == 0 and 1 < support.sum() < V
+    assert stats.chisquare(counts[support], rows * expected[support]).pvalue > 1e-3
+
+
+def _plain_greedy_with_penalty(model, params, prompt, steps, penalty):
+    """Greedy decoding with the repetition penalty as a plain Python loop: a full forward
+    over the whole sequence for every token, the penalty on the set of tokens so far."""
+    seq = list(prompt)
+    for _ in range(steps):
+        logits = np.asarray(model.apply(params, np.array([seq]), np.ones((1, len(seq)), np.int32)))[0, -1]
+        logits = np.array([(x / penalty if x > 0 else x * penalty) if i in set(seq) else x
+                           for i, x in enumerate(logits)])
+        seq.append(int(np.argmax(logits)))
+    return seq[len(prompt):]
+
+
+def test_every_sampler_penalises_repetition_as_a_plain_loop_does(tiny):
+    """Greedy with a repetition penalty: the static, continuous and multi-turn samplers
+    (the second turn after an observation, which the penalty must see too) against the
+    plain loop."""
+    model, params = tiny
+    ids, mask = _prompts(4, seed=2)
+    common = dict(stop_token_ids=(), pad_token_id=0, greedy=True, repetition_penalty=2.5)
+    static = np.asarray(generate(model, params, ids, mask, jax.random.key(0), response_length=8, **common).tokens)
+    continuous = np.asarray(generate_continuous(model, params, ids, mask, jax.random.key(0), response_length=8,
+                                                num_slots=3, **common).tokens)
+    first, state = first_turn(model, params, ids, mask, jax.random.key(0), turn_length=3, response_budget=12, **common)
+    observation = np.array([[5, 6]] * 4, np.int32)
+    new = np.concatenate([np.asarray(first.tokens)[:, -1:], observation], axis=1)
+    second, _ = next_turn(model, params, state, new, np.full(4, 2), np.full(4, 3), jax.random.key(1), turn_length=4,
+                          response_budget=12, **common)
+    plain_penalty = repeats = 0
+    for i in range(4):
+        prompt = [int(t) for t, m in zip(ids[i], mask[i]) if m]
+        reference = _plain_greedy_with_penalty(model, params, prompt, 8, 2.5)
+        np.testing.assert_array_equal(static[i], reference)
+        np.testing.assert_array_equal(continuous[i], reference)
+        context = prompt + [int(t) for t in np.asarray(first.tokens)[i]] + [5, 6]
+        np.testing.assert_array_equal(np.asarray(second.tokens)[i], _plain_greedy_with_penalty(
+            model, params, context, 4, 2.5))
+        plain = _plain_greedy_with_penalty(model, params, prompt, 8, 1.0)
+        plain_penalty += plain != reference
+        repeats += len(plain) - len(set(plain))
+    assert plain_penalty > 0 and repeats > 0  # without the penalty the tokens differ: the test sees it
+
+
+def _decoded_stop(tokenizer, tokens, strings):
+    """The index of the first token after which the text decoded so far (as reward
+    functions get it: no special tokens) holds a stop string, by decoding every prefix (the
+    reference), or -1."""
+    for i in range(len(tokens)):
+        text = tokenizer.decode(tokens[:i + 1], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        if any(s in text for s in strings):
+            return i
+    return -1
+
+
+def _bpe_tokenizer(kind):
+    """A small BPE tokenizer trained here: byte-level (GPT-2's scheme) or Metaspace
+    (SentencePiece's leading-space pieces), so that tokens span several characters and a
+    stop string falls across token boundaries."""
+    import tokenizers
+    import transformers
+
+    corpus = ["<answer>42</answer> then more text", "Observation: the tool said END", "a\n\nb and c\n\n",
+              "answers and ends are words here", "the end of the answer"] * 20
+    model = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>" if kind == "metaspace" else None))
+    if kind == "byte_level":
+        model.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+        model.decoder = tokenizers.decoders.ByteLevel()
+        alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet()
+    else:
+        model.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace()
+        model.decoder = tokenizers.decoders.Metaspace()
+        alphabet = sorted(set("".join(corpus).replace(" ", "\u2581")))
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=160, special_tokens=["<pad>", "<eos>", "<unk>"],
+                                             initial_alphabet=alphabet)
+    model.train_from_iterator(corpus, trainer)
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=model, pad_token="<pad>", eos_token="<eos>")
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "metaspace", "byt5"])
+def test_stop_strings_end_where_the_decoded_text_first_holds_one(kind):
+    """Random token sequences made of the stop strings' pieces: the automata's first stop
+    equals the first prefix whose decoded text holds a string, across token boundaries."""
+    tokenizer = demo.demo_tokenizer() if kind == "byt5" else _bpe_tokenizer(kind)
+    strings = ("</answer>", "\n\n", "END")
+    stops = StopStrings.build(strings, tokenizer, len(tokenizer) + 3)  # logits wider than the vocabulary
+    pieces = ["</", "answer", ">", "</answer>", "\n", "\n\n", "E", "N", "D", "EN", "the", " end", "a", " and", "<answer>",
+              "42", "D>", "<eos>"]
+    rng = np.random.default_rng(0)
+    found = split = 0
+    for _ in range(300):
+        text = "".join(rng.choice(pieces, size=rng.integers(1, 8)))
+        tokens = tokenizer.encode(text, add_special_tokens=False)
+        expected = _decoded_stop(tokenizer, tokens, strings)
+        assert stops.first_stop(tokens) == expected, (text, tokens)
+        found += expected >= 0
+        if expected >= 0:  # the last token alone does not hold the string: it began in tokens before
+            split += not any(s in tokenizer.decode(tokens[expected:expected + 1]) for s in strings)
+    assert found > 100 and split > 10  # many stops, many of them over several tokens
+
+
+def test_every_sampler_ends_rows_at_the_first_stop_string_and_changes_nothing_before():
+    """The same keys with and without stop strings: each row with them is the row without
+    them cut after the token that completed a string (pad and mask 0 after), in the static,
+    continuous and multi-turn samplers; the strings (two characters of ByT5's one-byte
+    tokens, so always split across two tokens) are taken from what the model samples."""
+    tokenizer = demo.demo_tokenizer()
+    model, params = demo.demo_policy(tokenizer, width=32, layers=1, max_len=48)
+    rng = np.random.default_rng(4)
+    ids = rng.integers(3, 200, size=(12, 8)).astype(np.int32)
+    mask = np.ones_like(ids)
+    common = dict(stop_token_ids=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id, temperature=1.3,
+                  top_k=50)
+    free = generate(model, params, ids, mask, jax.random.key(2), response_length=16, **common)
+    texts = [tokenizer.decode(row[:int(m.sum())], skip_special_tokens=True) for row, m in zip(np.asarray(free.tokens), np.asarray(free.mask))]
+    pairs = [[t[k:k + 2] for k in range(1, len(t) - 1) if t[k:k + 2].isprintable() and t[k:k + 2].isascii()]
+             for t in texts[::2]]
+    strings = tuple(sorted({p[0] for p in pairs if p}))  # a string from half the rows, the others may meet them
+    stops = StopStrings.build(strings, tokenizer, model.config.vocab_size)
+    runs = {
+        "static": generate(model, params, ids, mask, jax.random.key(2), response_length=16, stop_strings=stops,
+                           **common),
+        "continuous": generate_continuous(model, params, ids, mask, jax.random.key(2), response_length=16, num_slots=5,
+                                          stop_strings=stops, **common),
+        "first turn": first_turn(model, params, ids, mask, jax.random.key(2), turn_length=16, response_budget=20,
+                                 stop_strings=stops, **common)[0],
+    }
+    tokens, m = np.asarray(free.tokens), np.asarray(free.mask)
+    cut = 0
+    for name, out in runs.items():
+        got, got_mask = np.asarray(out.tokens), np.asarray(out.mask)
+        for i in range(12):
+            n = int(m[i].sum())
+            end = _decoded_stop(tokenizer, list(tokens[i, :n]), strings)
+            keep = n if end < 0 else end + 1
+            cut += end >= 0
+            np.testing.assert_array_equal(got[i, :keep], tokens[i, :keep], err_msg=f"{name} row {i}")
+            assert got_mask[i].sum() == keep and (got[i, keep:] == tokenizer.pad_token_id).all(), (name, i)
+            np.testing.assert_allclose(np.asarray(out.logprobs)[i, :keep], np.asarray(free.logprobs)[i, :keep],
+                                       atol=1e-5)
+    assert cut >= 3 * 4  # rows meet a string in every sampler (the others run to their end)
+
+
+def test_bad_sampling_settings_are_refused_before_compiling(tiny):
+    model, params = tiny
+    ids, mask = _prompts(2)
+    for bad, match in [(dict(min_p=1.0), "min_p"), (dict(min_p=-0.1), "min_p"), (dict(repetition_penalty=0.0),
+                       "repetition_penalty"), (dict(repetition_penalty=float("inf")), "repetition_penalty")]:
+        with pytest.raises(ValueError, match=match):
+            generate(model, params, ids, mask, jax.random.key(0), response_length=2, **bad)
+    with pytest.raises(ValueError, match="stop_strings"):
+        StopStrings.build(["ok", ""], demo.demo_tokenizer(), 400)
