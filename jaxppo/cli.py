@@ -111,19 +111,23 @@ def _add_dataclass_flags(parser, cls, group_title):
     hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
         hint = hints[field.name]
-        flag = "--" + field.name.replace("_", "-")
+        # --learning-rate, and TRL's spelling --learning_rate beside it
+        flags = ["--" + field.name.replace("_", "-")] + (["--" + field.name] if "_" in field.name else [])
         default_text = f"(default: {field.default!r})"
         if hint is bool or hint == typing.Optional[bool]:  # --flag / --no-flag (None: neither given)
-            group.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                               help=default_text)
+            group.add_argument(*flags, dest=field.name, action=argparse.BooleanOptionalAction,
+                               default=argparse.SUPPRESS, help=default_text)
             continue
         args = typing.get_args(hint)
-        if type(None) in args:
+        if typing.get_origin(hint) is tuple:  # a list of values: --stop-strings A B
+            group.add_argument(*flags, dest=field.name, type=args[0], nargs="+", default=argparse.SUPPRESS,
+                               metavar=args[0].__name__.upper(), help=default_text)
+        elif type(None) in args:
             inner = next(a for a in args if a is not type(None))
-            group.add_argument(flag, dest=field.name, type=_parse_optional(inner), default=argparse.SUPPRESS,
+            group.add_argument(*flags, dest=field.name, type=_parse_optional(inner), default=argparse.SUPPRESS,
                                metavar=inner.__name__.upper() + "|none", help=default_text)
         else:
-            group.add_argument(flag, dest=field.name, type=hint, default=argparse.SUPPRESS, help=default_text)
+            group.add_argument(*flags, dest=field.name, type=hint, default=argparse.SUPPRESS, help=default_text)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 from jaxppo.config import setting
 from jaxppo.models.transformer import ATTENTION
@@ -29,7 +29,7 @@ class TrainerConfig:
     Rewards: kl_estimator ("k1", "k3", "abs", "mse"); kl_target and kl_horizon (adaptive
       KL controller; None = fixed `PPOConfig.kl_coef`); missing_eos_penalty (subtracted
       from scores of responses without a stop token); normalize_scores (running mean/std);
-      score_clip; stop_token_id (default: the tokenizer's EOS).
+      score_clip.
     Optimisation: learning_rate (policy), critic_learning_rate (default: learning_rate),
       lr_schedule ("constant", "linear" decay to 0, "cosine" to 0, "cosine_with_min_lr" to
       min_lr_ratio * learning_rate), warmup_updates or warmup_ratio (of the run's updates),
@@ -55,7 +55,20 @@ class TrainerConfig:
       (the newest kept; 0: all), best_metric (an `eval/...` metric: the policy that scored
       best on it kept in `<output_dir>/hf/best`, `hf/best.json` saying which) and
       best_metric_mode ("max" or "min").
-    Sampling: num_slots (None: the static sampler, every row of the batch decoded together
+    Sampling (the temperature is `PPOConfig.temperature`): top_k (None or 0: off; keep the
+      k most likely tokens), top_p (1.0: off; the nucleus), min_p (None or 0: off; keep the
+      tokens at least min_p times as likely as the most likely one), repetition_penalty
+      (1.0: off; > 0: a token already in the prompt or the completion has its logit
+      divided by it where positive, multiplied where negative), applied in vLLM's order
+      (penalty, temperature, top-k and min-p, top-p: `jaxppo.models.decoding`). The
+      rollout's behaviour log-probs are of that distribution, the one each token was drawn
+      from; the loss computes the policy's own softmax(logits / temperature), and
+      `PPOConfig.rollout_correction` weighs for the difference (docs/ppo.md, "Sampling
+      settings"). stop_token_id (default: the tokenizer's EOS) and stop_token_ids (more
+      tokens that end a completion; kept and trained on); stop_strings (a completion ends at
+      the token that completes the first of them in its text, also across tokens; every
+      token up to and including that one is kept: `jaxppo.models.stops`).
+      num_slots (None: the static sampler, every row of the batch decoded together
       until the last ends, each prompt prefilled once per group; an int: the
       continuous sampler with that many slots, a finished row's slot refilled at
       once: `jaxppo.rollout.samplers.continuous`; the same tokens either way, so it may change
@@ -144,6 +157,12 @@ class TrainerConfig:
     normalize_scores: bool = False
     score_clip: Optional[float] = None
     stop_token_id: Optional[int] = None
+    stop_token_ids: Tuple[int, ...] = setting((), on_resume="same_if_set")
+    stop_strings: Tuple[str, ...] = setting((), on_resume="same_if_set")
+    top_k: Optional[int] = setting(None, on_resume="same_if_set")
+    top_p: float = setting(1.0, on_resume="same_if_set")
+    min_p: Optional[float] = setting(None, on_resume="same_if_set")
+    repetition_penalty: float = setting(1.0, on_resume="same_if_set")
     learning_rate: float = 1e-5
     critic_learning_rate: Optional[float] = None
     lr_schedule: str = "constant"
@@ -202,6 +221,7 @@ class TrainerConfig:
             if field.type in (bool, "bool") and not isinstance(getattr(self, field.name), bool):
                 raise ValueError(f"TrainerConfig.{field.name}={getattr(self, field.name)!r} is invalid: "
                                  f"{field.name} must be a bool (True or False)")
+        _check_sampling(self)
         names = parse_report_to(self.report_to)
         check_installed(names)
         object.__setattr__(self, "report_to", ",".join(names))  # a list given becomes its string
@@ -284,6 +304,35 @@ def _check_environment(self: TrainerConfig):
         raise ValueError(f"TrainerConfig.environment_errors={self.environment_errors!r} is invalid; valid: 'raise' "
                          "(stop with an error naming the environment, row and turn) or 'end' (end that episode "
                          "with score 0 and count it)")
+
+
+def _check_sampling(self: TrainerConfig):
+    """The sampling settings (a list given for a tuple becomes the tuple)."""
+    def bad(name, valid):
+        return ValueError(f"TrainerConfig.{name}={getattr(self, name)!r} is invalid: {name} must be {valid}")
+
+    for name, kind in (("stop_token_ids", int), ("stop_strings", str)):
+        value = getattr(self, name)
+        if isinstance(value, (str, int)) and not isinstance(value, bool):
+            value = (value,)
+        if not isinstance(value, (list, tuple)):
+            raise bad(name, "a list of " + ("token ids >= 0" if kind is int else "non-empty strings"))
+        value = tuple(value)
+        if kind is int and not all(is_int(v) and v >= 0 for v in value):
+            raise bad(name, "a list of token ids >= 0")
+        if kind is str and not all(isinstance(v, str) and v for v in value):
+            raise bad(name, "a list of non-empty strings (the completion ends where its text first holds one)")
+        object.__setattr__(self, name, value)
+    if self.top_k is not None and (not is_int(self.top_k) or self.top_k < 0):
+        raise bad("top_k", "None or 0 (off), or a positive int (the most likely tokens kept)")
+    if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not 0.0 < self.top_p <= 1.0:
+        raise bad("top_p", "a number in (0, 1] (1.0: off)")
+    if self.min_p is not None and (not isinstance(self.min_p, (int, float)) or isinstance(self.min_p, bool)
+                                   or not 0.0 <= self.min_p < 1.0):
+        raise bad("min_p", "None or 0 (off), or a number in (0, 1)")
+    r = self.repetition_penalty
+    if not isinstance(r, (int, float)) or isinstance(r, bool) or not 0.0 < r < math.inf:
+        raise bad("repetition_penalty", "a finite number > 0 (1.0: off; above 1 discourages repeats)")
 
 
 def _check_inflight(self: TrainerConfig):

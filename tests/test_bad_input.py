@@ -405,6 +405,15 @@ CASES = [
     ("stop token past the vocabulary", lambda ctx: small_trainer(ctx["tmp"], stop_token_id=10**6), ValueError,
      r"TrainerConfig.stop_token_id=1000000 \(--stop-token-id\) is past the policy's vocabulary of \d+ tokens.*"
      r"give an id in \[0, \d+\]"),
+    ("stop token ids past the vocabulary", lambda ctx: small_trainer(ctx["tmp"], stop_token_ids=[3, 10**6]),
+     ValueError, r"TrainerConfig.stop_token_ids=\[3, 1000000\] \(--stop-token-ids\) holds \[1000000\], past the "
+     r"policy's vocabulary"),
+    ("trainer top_p 0", _tc(top_p=0.0), ValueError, r"TrainerConfig.top_p=0.0 is invalid: top_p must be a number in "
+     r"\(0, 1\] \(1.0: off\)"),
+    ("trainer repetition_penalty 0", _tc(repetition_penalty=0), ValueError,
+     r"repetition_penalty=0 is invalid: .*finite number > 0 \(1.0: off"),
+    ("trainer empty stop string", _tc(stop_strings=["</answer>", ""]), ValueError,
+     r"stop_strings=\['</answer>', ''\] is invalid: .*non-empty strings"),
     ("misspelt chat role", lambda ctx: small_trainer(ctx["tmp"], prompts=[[{"role": "usr", "content": "hi"}]]),
      ValueError, r"prompt 0 message 0 has role 'usr', which no chat template knows; a role is one of 'system', "),
     ("model directory without a tokenizer", lambda ctx: jm.load_tokenizer(str(ctx["model_dir"])), ValueError,

@@ -15,40 +15,10 @@ from jaxppo.models.stops import StopStrings
 from jaxppo.rollout.samplers.continuous import generate_continuous
 from jaxppo.rollout.samplers.static import generate
 from jaxppo.rollout.samplers.turns import first_turn, next_turn
+from sampling_reference import decoded_stop as _decoded_stop, reference_probs as _reference_probs
 from trainer_setup import perturbed, tiny_llama
 
 V = 24
-
-
-def _reference_probs(logits, temperature, top_k=None, top_p=None, min_p=None, penalty=None, seen=()):
-    """The distribution a token is drawn from, by plain loops over one row of logits: the
-    penalty on the raw logits, the temperature, top-k and min-p, then top-p over what is
-    left, renormalised."""
-    z = [float(x) for x in logits]
-    if penalty is not None:
-        z = [(x / penalty if x > 0 else x * penalty) if i in seen else x for i, x in enumerate(z)]
-    z = [x / temperature for x in z]
-    m = max(z)
-    p = [np.exp(x - m) for x in z]
-    total = sum(p)
-    p = [x / total for x in p]
-    order = sorted(range(len(p)), key=lambda i: -p[i])
-    keep = set(range(len(p)))
-    if top_k is not None:
-        keep &= set(order[:top_k])
-    if min_p is not None:
-        keep &= {i for i in range(len(p)) if p[i] >= min_p * max(p)}
-    if top_p is not None:
-        mass, nucleus = sum(p[i] for i in keep), set()
-        for i in order:
-            if i not in keep:
-                continue
-            if sum(p[j] for j in nucleus) / mass >= top_p:
-                break
-            nucleus.add(i)
-        keep = nucleus
-    kept = sum(p[i] for i in keep)
-    return np.array([p[i] / kept if i in keep else 0.0 for i in range(len(p))])
 
 
 SETTINGS = [
@@ -177,17 +147,6 @@ def test_every_sampler_penalises_repetition_as_a_plain_loop_does(tiny):
     assert plain_penalty > 0 and repeats > 0  # without the penalty the tokens differ: the test sees it
 
 
-def _decoded_stop(tokenizer, tokens, strings):
-    """The index of the first token after which the text decoded so far (as reward
-    functions get it: no special tokens) holds a stop string, by decoding every prefix (the
-    reference), or -1."""
-    for i in range(len(tokens)):
-        text = tokenizer.decode(tokens[:i + 1], skip_special_tokens=True, clean_up_tokenization_spaces=False)
-        if any(s in text for s in strings):
-            return i
-    return -1
-
-
 def _bpe_tokenizer(kind):
     """A small BPE tokenizer trained here: byte-level (GPT-2's scheme) or Metaspace
     (SentencePiece's leading-space pieces), so that tokens span several characters and a
@@ -285,3 +244,98 @@ def test_bad_sampling_settings_are_refused_before_compiling(tiny):
             generate(model, params, ids, mask, jax.random.key(0), response_length=2, **bad)
     with pytest.raises(ValueError, match="stop_strings"):
         StopStrings.build(["ok", ""], demo.demo_tokenizer(), 400)
+
+
+def test_the_trainer_samples_with_its_settings_and_the_correction_sees_the_filtered_distribution(tmp_path):
+    """Through the trainer (top-k, top-p, a repetition penalty, a stop string; old
+    log-probs from the sampler): the rollout's old log-probs are the policy's own
+    softmax(logits / temperature) and its sampler log-probs those of the filtered,
+    penalised distribution, both against a plain loop over a full forward of each row; the
+    step's importance ratios (policy / behaviour) are then at most 1 and below 1 where the
+    filters cut mass; rows end at the stop strings (the digits)."""
+    import jaxppo
+    from jaxppo.run import stages
+
+    tokenizer = demo.demo_tokenizer()
+    config = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=8, mini_batch_size=8, ppo_epochs=1, num_generations=4,
+                                            temperature=0.9)
+    tc = jaxppo.TrainerConfig(iterations=1, query_length=32, response_length=8, output_dir=str(tmp_path),
+                              progress=False, sample_every=0, export_final=False, plot=False, tensorboard=False,
+                              top_k=40, top_p=0.9, repetition_penalty=1.3, stop_strings=list("0123456789"),
+                              report_to="none")
+    policy = demo.demo_policy(tokenizer, width=32, layers=1, max_len=40)
+    trainer = jaxppo.Trainer(config, tc, policy=policy, tokenizer=tokenizer, prompts=demo.DEMO_PROMPTS,
+                             reward_fn=demo.lowercase_reward)
+    assert trainer.spec.sampler_logprobs_used and trainer.spec.reshapes
+    run = trainer.run
+    batch = stages.select_prompts(trainer.table, run.key, 0, config)
+    gen = stages.sample(trainer.spec, run.train.params, batch, jax.random.key(3))
+    built = stages.build_rollout(trainer.spec, run.train.params, trainer.ref_params, None, batch, gen,
+                                 stages.score(trainer.host_rewards, tokenizer, trainer.table, batch, gen, 0), run)
+    r = built.rollout
+    model, params = policy[0], trainer.spec.policy_params(run.train.params)
+    q_ids, q_mask = np.asarray(r.query_tokens), np.asarray(r.query_mask)
+    tokens, mask = np.asarray(r.response_tokens), np.asarray(r.response_mask)
+    ended = 0
+    for i in range(tokens.shape[0]):
+        prompt = [int(t) for t, m in zip(q_ids[i], q_mask[i]) if m]
+        n = int(mask[i].sum())
+        seq = prompt + [int(t) for t in tokens[i, :n]]
+        logits = np.asarray(model.apply(params, np.array([seq]), np.ones((1, len(seq)), np.int32)))[0]
+        for j in range(n):
+            step = logits[len(prompt) + j - 1].astype(np.float64)
+            z = step / 0.9
+            policy_lp = z - z.max() - np.log(np.exp(z - z.max()).sum())
+            expected = _reference_probs(step, 0.9, top_k=40, top_p=0.9, penalty=1.3, seen=set(seq[:len(prompt) + j]))
+            t = seq[len(prompt) + j]
+            np.testing.assert_allclose(float(r.logprobs[i, j]), policy_lp[t], atol=1e-4)
+            np.testing.assert_allclose(float(r.sampler_logprobs[i, j]), np.log(expected[t]), atol=1e-4)
+        stop = _decoded_stop(tokenizer, seq[len(prompt):], tuple("0123456789"))
+        assert stop in (-1, n - 1)  # nothing sampled past the first digit
+        ended += stop == n - 1
+    assert ended > 0
+    _, metrics = jaxppo.train_step(run.train, r, jax.random.key(1), config)
+    ratio = np.exp(np.asarray(r.logprobs) - np.asarray(r.sampler_logprobs))[mask > 0]
+    low, high = (float(metrics[f"sampling/importance_sampling_ratio/{k}"]) for k in ("min", "max"))
+    np.testing.assert_allclose([low, high], [ratio.min(), ratio.max()], rtol=1e-4)
+    # The filters cut mass (policy < behaviour); the penalty moves it onto unseen tokens (the
+    # penalised seen ones: policy > behaviour).
+    assert low < 0.999 and high > 1.001
+
+
+class _TwoTurns:
+    """Answers the first turn with an observation, ends the episode after the second."""
+
+    def reset(self, prompt):
+        self.turns = 0
+
+    def step(self, completion):
+        from jaxppo.rollout.environments import StepResult
+
+        self.turns += 1
+        if self.turns == 1:
+            return StepResult("ok", 0.5, False)
+        return StepResult(None, float(len(completion)), True)
+
+
+@pytest.mark.parametrize("turn_cache", [True, False], ids=["turn-cache", "reprefill"])
+def test_multi_turn_episodes_keep_the_policy_log_probs_beside_the_filtered_ones(tmp_path, turn_cache):
+    """Multi-turn episodes with top-k and a penalty: the old log-probs the sampler kept
+    through the episode (the policy's own, `EpisodeOutput.full_logprobs`) give the same
+    iteration as recomputing them (f32 rounding), and differ from the filtered ones it
+    drew from (the logged mismatch)."""
+    import jaxppo
+    from trainer_setup import small_trainer
+
+    def step(name, old):
+        ppo = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=8, mini_batch_size=4, ppo_epochs=1, num_generations=2)
+        trainer = small_trainer(tmp_path / name, ppo=ppo, environment=_TwoTurns, reward_fn=None, max_len=48,
+                                response_length=12, turn_length=5, max_turns=3, export_final=False, top_k=30,
+                                repetition_penalty=1.4, old_logprobs=old, turn_cache=turn_cache, report_to="none")
+        return trainer.step()
+
+    kept, recomputed = step("kept", "sampler"), step("recomputed", "recompute")
+    for name in ("sampling/importance_sampling_ratio/mean", "sampling/sampling_logp_difference/mean",
+                 "loss/policy_avg", "loss/total_avg"):
+        assert kept[name] == pytest.approx(recomputed[name], rel=1e-4, abs=1e-6), name
+    assert kept["sampling/sampling_logp_difference/mean"] > 0.05  # the filters and penalty: a real mismatch

@@ -104,6 +104,43 @@ class TestOneEngine:
         for row in range(B):  # no stop token before the last real one
             assert not np.any(np.isin(tokens[row, : lengths[row] - 1], stop))
 
+    def test_vllm_samples_with_the_filters_and_stop_strings(self, engine_and_model):
+        """Top-k, top-p, min-p and a repetition penalty: vLLM's log-probs are those of the
+        distribution it drew from, the plain-loop reference over jaxppo's forward (the
+        penalty on the prompt's and the completion's tokens); stop strings (the digits,
+        matched after sampling) end each row at the first one its text holds."""
+        from sampling_reference import decoded_stop, reference_probs
+
+        engine, model, params = engine_and_model
+        tokenizer = demo.demo_tokenizer()
+        strings = tuple("0123456789")
+        stops = jm.StopStrings.build(strings, tokenizer, V)
+        ids, mask = prompts()
+        setting = dict(top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.5)
+        free = engine.generate(ids, mask, num_generations=G, response_length=R, temperature=0.8, stop_token_ids=(1,),
+                               pad_token_id=0, **setting)
+        cut = engine.generate(ids, mask, num_generations=G, response_length=R, temperature=0.8, stop_token_ids=(1,),
+                              pad_token_id=0, stop_strings=stops, **setting)
+        tokens, logprobs, out_mask = free
+        ended = 0
+        for row in range(B):
+            prompt = [int(t) for t, m in zip(ids[row], mask[row]) if m]
+            n = int(out_mask[row].sum())
+            seq = prompt + [int(t) for t in tokens[row, :n]]
+            out = model.apply(params, np.array([seq]), np.ones((1, len(seq)), np.int32))
+            logits = np.asarray(out[0] if isinstance(out, tuple) else out)[0]  # (a value head: (logits, values))
+            for j in range(n):
+                expected = reference_probs(logits[len(prompt) + j - 1], 0.8, top_k=50, top_p=0.9, min_p=0.01,
+                                           penalty=1.5, seen=set(seq[:len(prompt) + j]))
+                np.testing.assert_allclose(logprobs[row, j], np.log(expected[seq[len(prompt) + j]]), atol=1e-4)
+            # vLLM's seed gives other draws on the second call: the stop strings are checked on its own rows
+            c_tokens, c_mask = cut[0][row], cut[2][row]
+            m = int(c_mask.sum())
+            stop = decoded_stop(tokenizer, [int(t) for t in c_tokens[:m]], strings)
+            assert stop in (-1, m - 1) and np.all(c_tokens[m:] == 0) and np.all(cut[1][row, m:] == 0)
+            ended += stop == m - 1
+        assert ended > 0
+
     def test_a_failed_push_is_an_error_and_nothing_samples_after_it(self, engine_and_model):
         """A push vLLM rejects (a tensor of the wrong shape) is an error naming the version, and
         no later sample is drawn from whatever vLLM holds after it."""

@@ -12,6 +12,7 @@ from jaxppo.models.adapters import add_lora, merge_lora
 from jaxppo.models.peft import load_peft_adapter, save_peft_adapter
 from jaxppo.models.hf import from_pretrained, params_from_hf_tensors, params_to_hf_tensors, save_pretrained
 from jaxppo.models.model import KINDS, Model, PolicyAndCritic, check_attention_backend, stack_layers, unstack_layers
+from jaxppo.models.stops import StopStrings
 from jaxppo.models.tokenizer import decode_responses, encode_prompts, load_tokenizer
 from jaxppo.models.transformer import ATTENTION, default_positions
 from jaxppo.models import families  # registers the built-in families
@@ -39,6 +40,7 @@ __all__ = [
     "params_to_hf_tensors",
     "GenerationOutput",
     "filter_logits",
+    "StopStrings",
     "load_tokenizer",
     "encode_prompts",
     "decode_responses",

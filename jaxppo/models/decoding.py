@@ -25,7 +25,7 @@ from jaxppo.models.model import Model
 from jaxppo.models.transformer import default_positions
 
 __all__ = ["prefill", "decode_loop", "cap_positions", "GenerationOutput", "Extra", "filter_logits", "pick_tokens",
-           "step_keys", "stop_step", "seen_tokens", "penalize", "make_extra", "inverse_cdf_index", "check_sampler_arguments", "check_max_lengths",
+           "step_keys", "stop_step", "strings_completed", "seen_tokens", "penalize", "make_extra", "inverse_cdf_index", "check_sampler_arguments", "check_max_lengths",
            "check_groups"]
 
 
@@ -240,6 +240,20 @@ def stop_step(table, state, token):
     `state` (B, K). Returns (next state (B, K), completed (B,) bool)."""
     nxt = table[jnp.arange(table.shape[0])[None, :], state, token[:, None]].astype(jnp.int32)
     return jnp.maximum(nxt, 0), jnp.any(nxt < 0, axis=1)
+
+
+def strings_completed(table, tokens, mask):
+    """(B,) bool: the tokens (B, R) where `mask` is set, read in order, complete a stop
+    string of `table` (`stop_step`'s); tokens outside the mask are skipped."""
+    def step(state, column):
+        token, m = column
+        nxt, done = stop_step(table, state, token)
+        live = m > 0
+        return jnp.where(live[:, None], nxt, state), done & live
+
+    start = jnp.zeros((tokens.shape[0], table.shape[0]), jnp.int32)
+    _, hits = jax.lax.scan(step, start, (tokens.T, mask.T))
+    return jnp.any(hits, axis=0)
 
 
 def decode_loop(model, params, cache, next_logits, kv_mask, first_slot, next_position, row_keys, temperature, top_p,

@@ -121,6 +121,10 @@ class StopStrings:
             state = nxt
         return -1
 
+    def completed(self, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """(B,) bool: the row's masked tokens (host (B, R)) complete a stop string."""
+        return np.array([self.first_stop(row[m > 0]) >= 0 for row, m in zip(tokens, mask)], bool)
+
     def cut(self, tokens: np.ndarray, mask: np.ndarray, pad_token_id: int):
         """Host (B, R) tokens and mask with every row ended at its first completed stop
         string: the tokens after it set to `pad_token_id` and masked out (for an engine that

@@ -65,6 +65,9 @@ def _take(gens: list, picks: list, mesh, masked: set) -> dict:
     `picks` [(round, row)], placed on the device; `mask` zeroed at the rows in `masked`."""
     fields = {}
     for name in gens[0]:
+        if gens[0][name] is None:  # a field the sampler left out (`GenerationOutput.full_logprobs`)
+            fields[name] = None
+            continue
         value = np.stack([gens[r][name][i] for r, i in picks])
         if name == "mask" and masked:
             value[sorted(masked)] = 0
@@ -87,7 +90,7 @@ def collect(table, key, run, it: int, config, tc, sample: Callable, score: Calla
         scores = score(batch, gen, episodes)
         unknown += scores.unknown_tokens
         values = to_host(scores.scores)
-        rounds.append(dict(rows=rows, gen={k: to_host(v) for k, v in gen._asdict().items()}, values=values,
+        rounds.append(dict(rows=rows, gen={k: None if v is None else to_host(v) for k, v in gen._asdict().items()}, values=values,
                            per_function=scores.per_function, episodes=episodes))
         for j, informative in enumerate(informative_groups(values, g)):
             (kept if informative else dropped).append((r, j))

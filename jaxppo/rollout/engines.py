@@ -69,8 +69,10 @@ class RolloutEngine(abc.ABC):
     `sample_inflight` with `inflight_updates`; `first_turn` / `next_turn` with `turn_cache`).
 
     An engine is built once per run, after the models (`create`), from the `RolloutSpec`
-    (`spec`: the policy `Model`, the sampling settings `temperature`, `stop_token_ids`,
-    `pad_token_id`, `response_length`, `num_generations`) and the train parameters. The
+    (`spec`: the policy `Model`, the sampling settings `temperature`, `top_k`, `top_p`,
+    `min_p`, `repetition_penalty`, `stop_token_ids`, `stop_strings`, `pad_token_id`,
+    `response_length`, `num_generations`; `RolloutSpec.sampling()`) and the train
+    parameters. The
     trainer then calls, from one thread at a time, `set_weights` with the policy's
     parameters before every batch it samples and `sample` for the batch. `sample` may
     return device arrays still being computed."""
@@ -102,9 +104,12 @@ class RolloutEngine(abc.ABC):
         """Sample `response_length` tokens after each left-padded prompt (int (B, Q)) from
         the weights last set. Rows come in groups of `num_generations` consecutive rows with
         the same prompt. `max_lengths`: None, or int (B,) budgets per row (`multi_turn`).
-        Returns a `GenerationOutput` of (B, R) tokens (pad after a stop token), the log-prob
-        of each under the behaviour policy (softmax(logits / temperature), 0 where masked)
-        and the mask (1 up to and including the stop token)."""
+        Returns a `GenerationOutput` of (B, R) tokens (pad after a stop token or the token
+        that completed a stop string), the log-prob of each under the behaviour policy (the
+        distribution it was drawn from: softmax(logits / temperature) after the spec's
+        penalty and filters; 0 where masked), the mask (1 up to and including the stop
+        token) and, where the engine can give them and they differ, `full_logprobs` under
+        the unfiltered softmax(logits / temperature) (None otherwise)."""
 
     def sample_inflight(self, source: Callable, prompt_ids, prompt_mask, key, *, on_update: str,
                         steps: int) -> Tuple[GenerationOutput, jax.Array]:
@@ -136,9 +141,8 @@ class _Builtin(RolloutEngine):
         self.params = params
 
     def settings(self) -> dict:
-        """The sampling settings every sampler takes from the spec."""
-        spec = self.spec
-        return dict(temperature=spec.temperature, stop_token_ids=spec.stop_token_ids, pad_token_id=spec.pad_token_id)
+        """The sampling settings every sampler takes from the spec (`RolloutSpec.sampling`)."""
+        return self.spec.sampling()
 
 
 class StaticEngine(_Builtin):

@@ -70,10 +70,13 @@ class EpisodeOutput(NamedTuple):
     """A batch of episodes as the rollout takes them, each (B, R) on the device unless said.
 
     tokens: the response region: model turns and observations, pad after the last.
-    logprobs: the sampler's temperature-scaled log-probs of the model's tokens, 0 elsewhere.
+    logprobs: the sampler's log-probs of the model's tokens (of the distribution each was
+      drawn from: `jaxppo.models.decoding.GenerationOutput`), 0 elsewhere.
     mask: 1 at the model's tokens (the response mask: what the loss trains on).
     attention_mask: 1 at every real token (model and observation), a prefix of ones.
     truncated: bool (B,): the episode ran out of the response budget.
+    full_logprobs: where a sampling filter or penalty is on, the log-probs of the model's
+      tokens under the policy's own softmax(logits / temperature); else None.
     """
 
     tokens: jax.Array
@@ -81,6 +84,12 @@ class EpisodeOutput(NamedTuple):
     mask: jax.Array
     attention_mask: jax.Array
     truncated: jax.Array
+    full_logprobs: Optional[jax.Array] = None
+
+    @property
+    def policy_logprobs(self):
+        """The log-probs under the policy's own temperature-scaled distribution."""
+        return self.logprobs if self.full_logprobs is None else self.full_logprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,6 +254,7 @@ class _Play:
         b, r = len(batch.rows), spec.response_length
         self.tokens = np.full((b, r), spec.pad_token_id, np.int32)
         self.logprobs = np.zeros((b, r), np.float32)
+        self.full = None  # the policy's own log-probs, where the sampler's differ (filters, a penalty)
         self.policy = np.zeros((b, r), np.int32)
         self.used = np.zeros(b, np.int64)
         self.live = np.ones(b, bool)
@@ -316,18 +326,26 @@ class _Play:
             ids[i, width - seq.size:], mask[i, width - seq.size:] = seq, 1
         return ids, mask
 
-    def add_turn(self, tokens, logprobs, mask):
-        """Append each live row's sampled turn; returns the rows whose turn ended at a stop
-        token (the others ran into the turn's length or the budget)."""
+    def add_turn(self, tokens, logprobs, mask, full=None):
+        """Append each live row's sampled turn (`full`: the policy's own log-probs, or None
+        when they are `logprobs`); returns the rows whose turn ended at a stop token or at
+        the token that completed a stop string (the others ran into the turn's length or
+        the budget)."""
         stops = set(self.spec.stop_token_ids)
+        strings = self.spec.stop_strings
         stopped = np.zeros(len(self.live), bool)
+        if full is not None and self.full is None:
+            self.full = self.logprobs.copy()
         for i in np.flatnonzero(self.live):
             n = int(mask[i].sum())
             at = slice(self.used[i], self.used[i] + n)
             self.tokens[i, at], self.logprobs[i, at], self.policy[i, at] = tokens[i, :n], logprobs[i, :n], 1
+            if self.full is not None:
+                self.full[i, at] = logprobs[i, :n] if full is None else full[i, :n]
             self.used[i] += n
             self.turns[i] += 1
-            stopped[i] = n > 0 and int(tokens[i, n - 1]) in stops
+            stopped[i] = n > 0 and (int(tokens[i, n - 1]) in stops
+                                    or (strings is not None and strings.first_stop(tokens[i, :n]) >= 0))
         return stopped
 
     def step(self, turn: int, turn_texts: dict, stopped):
@@ -398,7 +416,8 @@ class _Sampler:
             ids, mask = play.prompts() if turn == 0 else play.context()
             gen = self.engine.sample(self.place(ids), self.place(mask), key, response_length=self.length,
                                      num_generations=spec.num_generations if turn == 0 else 1, max_lengths=budgets)
-        out = tuple(sharding.to_host(x) for x in (gen.tokens, gen.logprobs, gen.mask))
+        out = tuple(None if x is None else sharding.to_host(x)
+                    for x in (gen.tokens, gen.logprobs, gen.mask, gen.full_logprobs))
         if self.keep_cache:  # every token sampled but each row's last is in the cache now
             self.cached = np.where(play.live, play.used + np.maximum(out[2].sum(axis=1) - 1, 0), self.cached)
         return out
@@ -452,7 +471,7 @@ def run_episodes(env: EnvironmentSpec, spec, params, table, batch, key, tokenize
         place = functools.partial(sharding.place_rows, mesh=mesh)
         attention = (np.arange(r)[None, :] < play.used[:, None]).astype(np.int32)
         output = EpisodeOutput(place(play.tokens), place(play.logprobs), place(play.policy), place(attention),
-                               place(play.truncated))
+                               place(play.truncated), None if play.full is None else place(play.full))
         conversations = decode_responses(tokenizer, play.tokens, attention)
     finally:
         play.workers.close()

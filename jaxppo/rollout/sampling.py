@@ -11,6 +11,7 @@ from typing import Callable, Optional, Tuple
 import jax.numpy as jnp
 
 from jaxppo.models.model import Model
+from jaxppo.models.stops import StopStrings
 from jaxppo.rollout.engines import engine_class
 from jaxppo.update.checks import invalid, is_int, is_real
 from jaxppo.update.kl import check_kl_estimator
@@ -109,6 +110,12 @@ class RolloutSpec:
       token_reward_fn: a jittable `fn(prompt_ids, prompt_mask, response_ids, response_mask)
         -> (B,)` scores, or None.
       response_length, temperature, stop_token_ids, pad_token_id: sampling.
+      top_k, top_p, min_p, repetition_penalty: the sampling filters and penalty
+        (`TrainerConfig`'s, each None when off: a top_k of 0, a top_p of 1, a min_p of 0
+        and a penalty of 1 are off), applied by every built-in engine
+        (`jaxppo.models.decoding`).
+      stop_strings: a `jaxppo.models.stops.StopStrings` (built with the tokenizer from
+        `TrainerConfig.stop_strings`), or None.
       kl_estimator: "k1", "k3", "abs" or "mse".
       missing_eos_penalty: subtracted from the score of responses without a stop token.
       normalize_scores: standardise scores by running mean/std before use.
@@ -165,6 +172,12 @@ class RolloutSpec:
     token_reward_fn: Optional[Callable] = None
     stop_token_ids: Tuple[int, ...] = ()
     pad_token_id: int = 0
+    top_k: Optional[int] = _from("trainer", default=None, convert=lambda k: k or None)
+    top_p: Optional[float] = _from("trainer", default=None, convert=lambda p: None if p in (None, 1, 1.0) else float(p))
+    min_p: Optional[float] = _from("trainer", default=None, convert=lambda p: float(p) if p else None)
+    repetition_penalty: Optional[float] = _from("trainer", default=None,
+                                                convert=lambda r: None if r in (None, 1, 1.0) else float(r))
+    stop_strings: Optional[StopStrings] = None
     kl_estimator: str = _from("trainer", default="k1")
     missing_eos_penalty: Optional[float] = _from("trainer", default=None)
     normalize_scores: bool = _from("trainer", default=False)
@@ -213,6 +226,18 @@ class RolloutSpec:
             raise ValueError("PPOConfig.mask_truncated_completions=True needs a stop token (TrainerConfig."
                              "stop_token_id, or a tokenizer with an eos_token_id): without one every completion "
                              "is truncated and nothing would be trained")
+
+    @property
+    def reshapes(self) -> bool:
+        """A filter or the penalty is on: the distribution sampled from is not the policy's
+        softmax(logits / temperature), and the sampler's log-probs are of the former."""
+        return any(v is not None for v in (self.top_k, self.top_p, self.min_p, self.repetition_penalty))
+
+    def sampling(self) -> dict:
+        """The sampling settings every built-in sampler takes from the spec."""
+        return dict(temperature=self.temperature, stop_token_ids=self.stop_token_ids, pad_token_id=self.pad_token_id,
+                    top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+                    stop_strings=self.stop_strings)
 
     @property
     def sampler_logprobs_used(self) -> bool:

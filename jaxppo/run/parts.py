@@ -18,6 +18,7 @@ import optax
 
 from jaxppo import sharding
 from jaxppo.config import PPOConfig
+from jaxppo.models.stops import StopStrings
 from jaxppo.models.tokenizer import PromptTooLong, encode_prompts
 from jaxppo.rollout import engines
 from jaxppo.rollout.environments import EnvironmentSpec
@@ -305,6 +306,11 @@ def _check_vocabulary(tokenizer, policy_model, tc: TrainerConfig):
                          f"vocabulary of {vocab} tokens: the policy can never sample it, so no completion would stop; "
                          f"give an id in [0, {vocab - 1}] (the tokenizer's EOS is {tokenizer.eos_token_id}), or "
                          "leave it unset for the EOS")
+    past = [t for t in tc.stop_token_ids if t >= vocab]
+    if past:
+        raise ValueError(f"TrainerConfig.stop_token_ids={list(tc.stop_token_ids)} (--stop-token-ids) holds {past}, past "
+                         f"the policy's vocabulary of {vocab} tokens: the policy can never sample them; give ids in "
+                         f"[0, {vocab - 1}]")
 
 
 def _common_prefix(config: PPOConfig, table: PromptTable, environment) -> int:
@@ -330,13 +336,17 @@ def _rollout_spec(config: PPOConfig, tc: TrainerConfig, built, tokenizer, reward
                          f"{tc.response_length}; use pack_length >= {width} or None (that width)")
     stop = tc.stop_token_id if tc.stop_token_id is not None else tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stop or 0)
+    stops = tuple(dict.fromkeys(([] if stop is None else [int(stop)]) + [int(t) for t in tc.stop_token_ids]))
+    strings = None
+    if tc.stop_strings:
+        strings = StopStrings.build(tc.stop_strings, tokenizer, built.policy_model.config.vocab_size)
     return RolloutSpec.from_configs(
         config, tc, policy=built.policy_model, apply_fn=built.apply_fn,
         ref_apply=LogitsOf(built.ref_model) if built.ref_model is not None else None,
         ref_is_policy=built.ref_is_policy, policy_params_key=built.params_key,
         reward_apply=built.reward_model.apply if built.reward_model is not None else None,
         reward_weight=float(rewards.model_weight), token_reward_fn=rewards.token_fn,
-        stop_token_ids=() if stop is None else (int(stop),), pad_token_id=int(pad), common_prefix=common_prefix)
+        stop_token_ids=stops, stop_strings=strings, pad_token_id=int(pad), common_prefix=common_prefix)
 
 
 def _run_state(config: PPOConfig, tc: TrainerConfig, train: TrainState) -> RunState:

@@ -28,17 +28,19 @@ BEST_FILE = "best.json"
 _PERIODIC = re.compile(r"^iteration_(\d+)$")
 
 
-def stopped_rows(tokens: np.ndarray, mask: np.ndarray, stop_ids) -> np.ndarray:
-    """(B,) bool: the row's completion holds a stop token (it ended with one)."""
-    return (np.isin(tokens, np.asarray(stop_ids, dtype=tokens.dtype)) & (mask > 0)).any(axis=1)
+def stopped_rows(tokens: np.ndarray, mask: np.ndarray, stop_ids, stop_strings=None) -> np.ndarray:
+    """(B,) bool: the row's completion holds a stop token or completes one of
+    `stop_strings` (a `jaxppo.models.stops.StopStrings`, or None): it ended with one."""
+    stopped = (np.isin(tokens, np.asarray(stop_ids, dtype=tokens.dtype)) & (mask > 0)).any(axis=1)
+    return stopped if stop_strings is None else stopped | stop_strings.completed(tokens, mask)
 
 
-def table_rows(texts, completions, total, per_function: dict, tokens, mask, stop_ids):
+def table_rows(texts, completions, total, per_function: dict, tokens, mask, stop_ids, stop_strings=None):
     """(columns, rows) of completions: "prompt" (`texts`, one per row), "completion",
     "reward" (`total`, or None), one column per reward function (None where it gave no
     opinion), "length" (the policy's response tokens) and "stopped" (ended with a stop
     token)."""
-    stopped = stopped_rows(tokens, mask, stop_ids)
+    stopped = stopped_rows(tokens, mask, stop_ids, stop_strings)
     columns = ["prompt", "completion", "reward", *per_function, "length", "stopped"]
     table = []
     for i, (text, completion) in enumerate(zip(texts, completions)):
@@ -48,7 +50,7 @@ def table_rows(texts, completions, total, per_function: dict, tokens, mask, stop
     return columns, table
 
 
-def completion_table(tokenizer, texts, samples, scores, stop_ids, n: int):
+def completion_table(tokenizer, texts, samples, scores, stop_ids, n: int, stop_strings=None):
     """(columns, rows) of the first `n` completions of an iteration (`samples`: its prompt
     rows and `GenerationOutput`; `scores`: the combined raw scores and the reward functions'
     `{name: (values, given)}`), as `table_rows` lays them out (the reward model as
@@ -58,7 +60,7 @@ def completion_table(tokenizer, texts, samples, scores, stop_ids, n: int):
     tokens, mask = to_host(gen.tokens)[:n], to_host(gen.mask)[:n]
     shown = to_host(getattr(gen, "attention_mask", gen.mask))[:n]  # a multi-turn episode: the whole conversation
     return table_rows([texts[r] for r in rows[:n]], decode_responses(tokenizer, tokens, shown), raw, per_function,
-                      tokens, mask, stop_ids)
+                      tokens, mask, stop_ids, stop_strings)
 
 
 class Watchable:
@@ -84,7 +86,7 @@ class Watchable:
         """(columns, rows) of the first `n` completions of the last iteration
         (`completion_table`)."""
         return completion_table(self.tokenizer, self.table.texts, self.last.samples, self.last.scores,
-                                self.spec.stop_token_ids, n)
+                                self.spec.stop_token_ids, n, self.spec.stop_strings)
 
 
 class HfCheckpoints:
