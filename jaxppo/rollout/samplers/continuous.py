@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxppo.models.decoding import (Extra, GenerationOutput, cap_positions, check_max_lengths, check_sampler_arguments,
-                                    make_extra, pick_tokens, prefill, seen_tokens, step_keys, stop_step)
+                                    make_extra, mark_seen, pick_tokens, prefill, seen_tokens, step_keys, stop_step)
 from jaxppo.models.model import Model
 from jaxppo.models.transformer import default_positions
 
@@ -153,7 +153,7 @@ def _step(model, params, reqs: _Requests, version, slots: _Slots, out: _Out, st:
         matched, completed = stop_step(reqs.extra.stop_table, matched, token)
         ended = ended | completed
     if seen is not None:
-        seen = seen | (jax.nn.one_hot(token, seen.shape[1], dtype=jnp.int8) > 0)
+        seen = mark_seen(seen, token, slots.active)
     finished = slots.active & ended
     going_on = slots.active & ~finished
     # Feed the token back for the rows that go on (the others' results are not read).
