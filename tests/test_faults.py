@@ -136,7 +136,7 @@ def reference(tmp_path_factory, env):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [14, 7, 5, 0])  # kills after lines -1 (start-up), 1, 3, 5
+@pytest.mark.parametrize("seed", [14, 5])  # kills after lines -1 (start-up) and 3 (the tracker test below: after 2)
 def test_sigkill_at_a_random_point_then_the_same_command_finishes_like_an_uninterrupted_run(
         reference, env, tmp_path, seed):
     out = tmp_path / "run"
@@ -188,7 +188,7 @@ def pipelined(tmp_path_factory, env):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [9, 10])  # kills after lines 2 and 3: with the producer a step ahead
+@pytest.mark.parametrize("seed", [10])  # kills after line 3: with the producer a step ahead
 def test_pipelined_run_killed_at_a_random_point_resumes_to_the_uninterrupted_metrics(pipelined, reference, env,
                                                                                      tmp_path, seed):
     """Killed while the producer samples ahead (its batch is lost), the same command
