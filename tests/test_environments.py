@@ -17,23 +17,9 @@ from jaxppo.rollout.samplers.static import generate
 from jaxppo.rollout.environments import StepResult, chat_continuation, run_episodes
 from jaxppo.run.stages import select_prompts
 
-from trainer_setup import run_command, small_trainer
+from trainer_setup import TwoTurns, run_command, small_trainer
 
 Q, R, L = 32, 16, 4  # prompt width, response budget, tokens per turn
-
-
-class TwoTurns:
-    """Scripted: the first turn is answered "ok" (reward 0.5), the second ends the
-    episode with a reward equal to its text's length."""
-
-    def reset(self, prompt):
-        self.turns = 0
-
-    def step(self, completion):
-        self.turns += 1
-        if self.turns == 1:
-            return StepResult("ok", 0.5, False)
-        return StepResult(None, float(len(completion)), True)
 
 
 class OneTurn:

@@ -16,7 +16,7 @@ from jaxppo.rollout.samplers.continuous import generate_continuous
 from jaxppo.rollout.samplers.static import generate
 from jaxppo.rollout.samplers.turns import first_turn, next_turn
 from sampling_reference import decoded_stop as _decoded_stop, reference_probs as _reference_probs
-from trainer_setup import perturbed, tiny_llama
+from trainer_setup import TwoTurns, perturbed, tiny_llama
 
 V = 24
 
@@ -303,21 +303,6 @@ def test_the_trainer_samples_with_its_settings_and_the_correction_sees_the_filte
     assert low < 0.999 and high > 1.001
 
 
-class _TwoTurns:
-    """Answers the first turn with an observation, ends the episode after the second."""
-
-    def reset(self, prompt):
-        self.turns = 0
-
-    def step(self, completion):
-        from jaxppo.rollout.environments import StepResult
-
-        self.turns += 1
-        if self.turns == 1:
-            return StepResult("ok", 0.5, False)
-        return StepResult(None, float(len(completion)), True)
-
-
 @pytest.mark.parametrize("turn_cache", [True, False], ids=["turn-cache", "reprefill"])
 def test_multi_turn_episodes_keep_the_policy_log_probs_beside_the_filtered_ones(tmp_path, turn_cache):
     """Multi-turn episodes with top-k and a penalty: the old log-probs the sampler kept
@@ -329,7 +314,7 @@ def test_multi_turn_episodes_keep_the_policy_log_probs_beside_the_filtered_ones(
 
     def step(name, old):
         ppo = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=8, mini_batch_size=4, ppo_epochs=1, num_generations=2)
-        trainer = small_trainer(tmp_path / name, ppo=ppo, environment=_TwoTurns, reward_fn=None, max_len=48,
+        trainer = small_trainer(tmp_path / name, ppo=ppo, environment=TwoTurns, reward_fn=None, max_len=48,
                                 response_length=12, turn_length=5, max_turns=3, export_final=False, top_k=30,
                                 repetition_penalty=1.4, old_logprobs=old, turn_cache=turn_cache, report_to="none")
         return trainer.step()

@@ -18,6 +18,22 @@ def tiny_llama(scan_layers: bool, vocab_size: int):
     return jaxppo.models.Model(config, scan_layers=scan_layers)
 
 
+class TwoTurns:
+    """A scripted environment: the first turn is answered "ok" (reward 0.5), the second
+    ends the episode with a reward equal to its text's length."""
+
+    def reset(self, prompt):
+        self.turns = 0
+
+    def step(self, completion):
+        from jaxppo.rollout.environments import StepResult
+
+        self.turns += 1
+        if self.turns == 1:
+            return StepResult("ok", 0.5, False)
+        return StepResult(None, float(len(completion)), True)
+
+
 def perturbed(params, seed):
     """Random weights off the initialisation (zero-initialised heads would hide mistakes)."""
     import jax
