@@ -111,8 +111,7 @@ def _add_dataclass_flags(parser, cls, group_title):
     hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
         hint = hints[field.name]
-        # --learning-rate, and TRL's spelling --learning_rate beside it
-        flags = ["--" + field.name.replace("_", "-")] + (["--" + field.name] if "_" in field.name else [])
+        flags = ["--" + field.name.replace("_", "-")]  # TRL's --learning_rate too: `_dashed`
         default_text = f"(default: {field.default!r})"
         if hint is bool or hint == typing.Optional[bool]:  # --flag / --no-flag (None: neither given)
             group.add_argument(*flags, dest=field.name, action=argparse.BooleanOptionalAction,
@@ -173,11 +172,26 @@ def _read_config_file(path: str) -> dict:
     return {k.replace("-", "_"): v for k, v in data.items()}
 
 
+def _dashed(parser, argv) -> list:
+    """`argv` with TRL's spelling of a flag (`--learning_rate`, `--top_p=0.9`) as this
+    parser's (`--learning-rate`); anything else as given (values are never touched)."""
+    known = set(parser._option_string_actions)
+    out = []
+    for arg in map(str, argv):
+        flag, sep, value = arg.partition("=")
+        dashed = flag.replace("_", "-")
+        if flag.startswith("--") and "_" in flag and dashed in known and flag not in known:
+            arg = dashed + sep + value
+        out.append(arg)
+    return out
+
+
 def resolve(argv=None):
     """Parse arguments -> (PPOConfig, TrainerConfig, extras dict)."""
     from jaxppo import demo
 
-    args = vars(build_parser().parse_args(argv))
+    parser = build_parser()
+    args = vars(parser.parse_args(_dashed(parser, sys.argv[1:] if argv is None else argv)))
     from_file = _read_config_file(args["config"]) if args.get("config") else {}
     values = {name: default for name, (_, default, _) in _EXTRA.items()}
     task = args.get("demo", from_file.get("demo", "lowercase"))

@@ -324,3 +324,18 @@ def test_multi_turn_episodes_keep_the_policy_log_probs_beside_the_filtered_ones(
                  "loss/policy_avg", "loss/total_avg"):
         assert kept[name] == pytest.approx(recomputed[name], rel=1e-4, abs=1e-6), name
     assert kept["sampling/sampling_logp_difference/mean"] > 0.05  # the filters and penalty: a real mismatch
+
+
+def test_the_command_takes_the_sampling_flags_in_trl_spelling_and_its_own():
+    """`--top_p` (TRL's, HfArgumentParser's spelling) and `--top-p` set the same field; a
+    value with underscores is left as it is; an unknown underscored flag is still refused."""
+    from jaxppo import cli
+
+    _, tc, _ = cli.resolve(["--top_k", "5", "--top-p", "0.9", "--min_p=0.05", "--repetition_penalty", "1.1",
+                            "--stop_strings", "</answer>", "\n\n", "--stop-token-ids", "3", "4", "--learning_rate",
+                            "1e-4", "--output-dir", "runs/x_y"])
+    assert (tc.top_k, tc.top_p, tc.min_p, tc.repetition_penalty) == (5, 0.9, 0.05, 1.1)
+    assert tc.stop_strings == ("</answer>", "\n\n") and tc.stop_token_ids == (3, 4)
+    assert tc.learning_rate == 1e-4 and tc.output_dir == "runs/x_y"
+    with pytest.raises(SystemExit):
+        cli.resolve(["--top_q", "0.9"])
