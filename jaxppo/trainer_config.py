@@ -55,19 +55,11 @@ class TrainerConfig:
       (the newest kept; 0: all), best_metric (an `eval/...` metric: the policy that scored
       best on it kept in `<output_dir>/hf/best`, `hf/best.json` saying which) and
       best_metric_mode ("max" or "min").
-    Sampling (the temperature is `PPOConfig.temperature`): top_k (None or 0: off; keep the
-      k most likely tokens), top_p (1.0: off; the nucleus), min_p (None or 0: off; keep the
-      tokens at least min_p times as likely as the most likely one), repetition_penalty
-      (1.0: off; > 0: a token already in the prompt or the completion has its logit
-      divided by it where positive, multiplied where negative), applied in vLLM's order
-      (penalty, temperature, top-k and min-p, top-p: `jaxppo.models.decoding`). The
-      rollout's behaviour log-probs are of that distribution, the one each token was drawn
-      from; the loss computes the policy's own softmax(logits / temperature), and
-      `PPOConfig.rollout_correction` weighs for the difference (docs/ppo.md, "Sampling
-      settings"). stop_token_id (default: the tokenizer's EOS) and stop_token_ids (more
-      tokens that end a completion; kept and trained on); stop_strings (a completion ends at
-      the token that completes the first of them in its text, also across tokens; every
-      token up to and including that one is kept: `jaxppo.models.stops`).
+    Sampling (temperature: `PPOConfig.temperature`; docs/ppo.md, "Sampling settings"): top_k
+      (None/0: off), top_p (1.0: off), min_p (None/0: off), repetition_penalty (1.0: off),
+      in vLLM's order (`jaxppo.models.decoding`; the behaviour log-probs are of the result);
+      stop_token_id (default: the tokenizer's EOS), stop_token_ids (more stop tokens),
+      stop_strings (a completion ends at the token completing one: `jaxppo.models.stops`).
       num_slots (None: the static sampler, every row of the batch decoded together
       until the last ends, each prompt prefilled once per group; an int: the
       continuous sampler with that many slots, a finished row's slot refilled at

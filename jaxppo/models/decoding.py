@@ -184,6 +184,8 @@ def mark_seen(seen, token, live):
 def penalize(logits, seen, penalty):
     """The repetition penalty (Hugging Face's and vLLM's rule) on the logits of the tokens
     `seen` (B, V): divided by `penalty` where positive, multiplied where not."""
+    if seen is None:
+        raise ValueError("a repetition penalty needs `seen`, the tokens each row holds (seen_tokens)")
     return jnp.where(seen, jnp.where(logits > 0, logits / penalty, logits * penalty), logits)
 
 
@@ -283,11 +285,10 @@ def decode_loop(model, params, cache, next_logits, kv_mask, first_slot, next_pos
     of the first new token, an int (every row) or (B,) (each row its own);
     `next_position` (B,): its position; `row_keys` (B,): row i samples step t from
     fold_in(row_keys[i], t). `kv_mask` (B, slots) marks the valid slots; the new tokens'
-    slots are set as they are fed. `extra`: min-p, the repetition penalty (with `seen`
-    (B, V), the tokens each row holds so far) and the stop strings' automata, each matched
-    from this loop's first token on. Returns (`GenerationOutput`, the cache, `seen` with
-    the new tokens, or None without a penalty): every token but the last one decoded is
-    in the cache (the last is sampled and not fed back)."""
+    slots are set as they are fed. `extra`: min-p, the penalty (`seen` (B, V): each row's
+    tokens so far) and the stop strings (matched from this loop's first token). Returns
+    (`GenerationOutput`, the cache, `seen` with the new tokens or None): every token but
+    the last one decoded is in the cache (the last is sampled and not fed back)."""
     b, r = next_logits.shape[0], response_length
     extra = extra or Extra()
     per_row = jnp.ndim(first_slot) == 1
@@ -295,8 +296,6 @@ def decode_loop(model, params, cache, next_logits, kv_mask, first_slot, next_pos
     table = extra.stop_table
     matched = None if table is None else jnp.zeros((b, table.shape[0]), jnp.int32)
     two = not greedy and (extra.reshapes or top_k is not None or use_top_p)  # a second log-prob: the policy's
-    if extra.repetition_penalty is not None and seen is None:
-        raise ValueError("a repetition penalty needs `seen`, the tokens each row holds (seen_tokens)")
 
     def choose(next_logits, done, seen, matched, t):
         """Pick each row's next token; rows already done get pad (masked out, log-prob 0)."""
