@@ -1,7 +1,7 @@
 """The decoding primitives the samplers are made of (`jaxppo.rollout.samplers`): prefill a
 KV cache after left-padded prompts, the decode loop that feeds each sampled token back,
 picking tokens (repetition penalty, temperature, top-k, min-p, top-p) with per-row keys,
-stop strings matched token by token (`jaxppo.rollout.stops`), and the checks of a sampler's
+stop strings matched token by token (`jaxppo.models.stops`), and the checks of a sampler's
 arguments. What a sampler returns is a `GenerationOutput`.
 
 The order a token is picked in (vLLM's): the repetition penalty on the raw logits (a logit of
@@ -25,7 +25,8 @@ from jaxppo.models.model import Model
 from jaxppo.models.transformer import default_positions
 
 __all__ = ["prefill", "decode_loop", "cap_positions", "GenerationOutput", "Extra", "filter_logits", "pick_tokens",
-           "step_keys", "stop_step", "strings_completed", "seen_tokens", "mark_seen", "penalize", "make_extra", "inverse_cdf_index", "check_sampler_arguments", "check_max_lengths",
+           "two_logprobs", "step_keys", "stop_step", "strings_completed", "seen_tokens", "mark_seen", "note_token",
+           "penalize", "make_extra", "inverse_cdf_index", "check_sampler_arguments", "check_max_lengths",
            "check_groups"]
 
 
@@ -61,7 +62,7 @@ class Extra(NamedTuple):
     min_p: float32 scalar in (0, 1): keep the tokens whose probability is at least min_p
       times the most likely one's.
     repetition_penalty: float32 scalar > 0 (1: none).
-    stop_table: int32 (K, S, V), the stop strings' automata (`jaxppo.rollout.stops`)."""
+    stop_table: int32 (K, S, V), the stop strings' automata (`jaxppo.models.stops`)."""
 
     min_p: Optional[jax.Array] = None
     repetition_penalty: Optional[jax.Array] = None
@@ -181,6 +182,18 @@ def mark_seen(seen, token, live):
     return seen.at[rows, token].set(seen[rows, token] | live)
 
 
+def note_token(extra: Extra, token, live, seen, matched):
+    """The per-row state after each row's new `token` (B,): `seen` with the live rows'
+    token marked, the stop strings' states `matched` stepped (each None when off), and
+    (B,) whether the token completed a stop string."""
+    completed = jnp.zeros(token.shape, bool)
+    if matched is not None:
+        matched, completed = stop_step(extra.stop_table, matched, token)
+    if seen is not None:
+        seen = mark_seen(seen, token, live)
+    return seen, matched, completed
+
+
 def penalize(logits, seen, penalty):
     """The repetition penalty (Hugging Face's and vLLM's rule) on the logits of the tokens
     `seen` (B, V): divided by `penalty` where positive, multiplied where not."""
@@ -193,6 +206,12 @@ def _take(logprobs, token):
     return jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
 
 
+def two_logprobs(extra: Optional[Extra], top_k, top_p_on: bool, greedy: bool) -> bool:
+    """Whether the distribution sampled from differs from the policy's own (a filter or the
+    penalty, and not greedy): then a second log-prob per token, the policy's, is kept."""
+    return not greedy and ((extra is not None and extra.reshapes) or top_k is not None or top_p_on)
+
+
 def pick_tokens(next_logits, keys, temperature, top_k, top_p, greedy, extra: Optional[Extra] = None, seen=None):
     """Each row's next token, its log-prob under the distribution it was drawn from (see
     the module for the order), and its log-prob under the policy's own
@@ -201,20 +220,18 @@ def pick_tokens(next_logits, keys, temperature, top_k, top_p, greedy, extra: Opt
     row's tokens so far, for the repetition penalty. Row i's randomness comes from keys[i]
     alone, so a row's tokens do not depend on which other rows are decoded beside it."""
     extra = extra or Extra()
-    raw = next_logits.astype(jnp.float32)
-    scaled = raw / temperature
+    logits = next_logits.astype(jnp.float32)
+    policy = jax.nn.log_softmax(logits / temperature, axis=-1)
     if extra.repetition_penalty is not None:
-        raw = penalize(raw, seen, extra.repetition_penalty)
+        logits = penalize(logits, seen, extra.repetition_penalty)
     if greedy:
-        token = jnp.argmax(raw, axis=-1).astype(jnp.int32)
-        return token, _take(jax.nn.log_softmax(scaled, axis=-1), token), None
-    shaped = scaled if extra.repetition_penalty is None else raw / temperature
-    filtered = filter_logits(shaped, top_k, top_p, extra.min_p)
+        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return token, _take(policy, token), None
+    filtered = filter_logits(logits / temperature, top_k, top_p, extra.min_p)
     token = _sample_inverse_cdf(keys, filtered)
-    policy = _take(jax.nn.log_softmax(scaled, axis=-1), token)
-    if not (extra.reshapes or top_k is not None or top_p is not None):
-        return token, policy, None
-    return token, _take(jax.nn.log_softmax(filtered, axis=-1), token), policy
+    if not two_logprobs(extra, top_k, top_p is not None, greedy):
+        return token, _take(policy, token), None
+    return token, _take(jax.nn.log_softmax(filtered, axis=-1), token), _take(policy, token)
 
 
 def step_keys(row_keys, t):
@@ -257,7 +274,7 @@ def cap_positions(model, positions):
 
 def stop_step(table, state, token):
     """One token through the stop strings' automata: `table` int32 (K, S, V) (state, token)
-    -> next state, -1 where a string has just been completed (`jaxppo.rollout.stops`);
+    -> next state, -1 where a string has just been completed (`jaxppo.models.stops`);
     `state` (B, K). Returns (next state (B, K), completed (B,) bool)."""
     nxt = table[jnp.arange(table.shape[0])[None, :], state, token[:, None]].astype(jnp.int32)
     return jnp.maximum(nxt, 0), jnp.any(nxt < 0, axis=1)
@@ -293,9 +310,8 @@ def decode_loop(model, params, cache, next_logits, kv_mask, first_slot, next_pos
     extra = extra or Extra()
     per_row = jnp.ndim(first_slot) == 1
     stop_ids = jnp.asarray(stop_token_ids if stop_token_ids else (-1,), jnp.int32)
-    table = extra.stop_table
-    matched = None if table is None else jnp.zeros((b, table.shape[0]), jnp.int32)
-    two = not greedy and (extra.reshapes or top_k is not None or use_top_p)  # a second log-prob: the policy's
+    matched = None if extra.stop_table is None else jnp.zeros((b, extra.stop_table.shape[0]), jnp.int32)
+    two = two_logprobs(extra, top_k, use_top_p, greedy)
 
     def choose(next_logits, done, seen, matched, t):
         """Pick each row's next token; rows already done get pad (masked out, log-prob 0)."""
@@ -305,14 +321,10 @@ def decode_loop(model, params, cache, next_logits, kv_mask, first_slot, next_pos
         token = jnp.where(live, token, pad_token_id)
         logprob = jnp.where(live, logprob, 0.0)
         policy = None if policy is None else jnp.where(live, policy, 0.0)
-        ended = jnp.isin(token, stop_ids)
+        seen, matched, completed = note_token(extra, token, live, seen, matched)
+        ended = jnp.isin(token, stop_ids) | completed
         if max_lengths is not None:
             ended = ended | (t + 1 >= max_lengths)
-        if matched is not None:
-            matched, completed = stop_step(table, matched, token)
-            ended = ended | completed
-        if seen is not None:
-            seen = mark_seen(seen, token, live)
         done = done | (live & ended)
         return token, logprob, policy, live, done, seen, matched
 

@@ -17,7 +17,7 @@ from jaxppo.update.checks import invalid, is_int, is_real
 from jaxppo.update.kl import check_kl_estimator
 from jaxppo.update.shaping import default_overlong_buffer
 
-__all__ = ["RolloutConfig", "RolloutSpec", "OLD_LOGPROBS"]
+__all__ = ["RolloutConfig", "RolloutSpec", "OLD_LOGPROBS", "SAMPLING_OFF", "sampling_filters_on"]
 
 # Where a rollout's old-policy log-probs come from (`TrainerConfig.old_logprobs`).
 OLD_LOGPROBS = ("auto", "sampler", "recompute")
@@ -76,6 +76,21 @@ class RolloutConfig:
                               "overlong_penalty_factor > 0, DAPO's is 1.0)")
         if not isinstance(self.mask_truncated_completions, bool):
             raise invalid(o, "mask_truncated_completions", self.mask_truncated_completions, "a bool (True or False)")
+
+
+# The sampling filters and penalty (`TrainerConfig`'s), each with the values that mean off.
+SAMPLING_OFF = {"top_k": (None, 0), "top_p": (None, 1.0), "min_p": (None, 0.0), "repetition_penalty": (None, 1.0)}
+
+
+def _on(name: str, value):
+    """A filter's or the penalty's value as the samplers take it: None where it is off."""
+    return None if value in SAMPLING_OFF[name] else (value if name == "top_k" else float(value))
+
+
+def sampling_filters_on(trainer_config) -> dict:
+    """{name: value} of the trainer config's sampling filters and penalty that are on."""
+    return {name: getattr(trainer_config, name) for name in SAMPLING_OFF
+            if _on(name, getattr(trainer_config, name)) is not None}
 
 
 def _from(config: str, attribute: str = None, *, default=dataclasses.MISSING, convert=lambda value: value):
@@ -172,11 +187,11 @@ class RolloutSpec:
     token_reward_fn: Optional[Callable] = None
     stop_token_ids: Tuple[int, ...] = ()
     pad_token_id: int = 0
-    top_k: Optional[int] = _from("trainer", default=None, convert=lambda k: k or None)
-    top_p: Optional[float] = _from("trainer", default=None, convert=lambda p: None if p in (None, 1, 1.0) else float(p))
-    min_p: Optional[float] = _from("trainer", default=None, convert=lambda p: float(p) if p else None)
+    top_k: Optional[int] = _from("trainer", default=None, convert=lambda k: _on("top_k", k))
+    top_p: Optional[float] = _from("trainer", default=None, convert=lambda p: _on("top_p", p))
+    min_p: Optional[float] = _from("trainer", default=None, convert=lambda p: _on("min_p", p))
     repetition_penalty: Optional[float] = _from("trainer", default=None,
-                                                convert=lambda r: None if r in (None, 1, 1.0) else float(r))
+                                                convert=lambda r: _on("repetition_penalty", r))
     stop_strings: Optional[StopStrings] = None
     kl_estimator: str = _from("trainer", default="k1")
     missing_eos_penalty: Optional[float] = _from("trainer", default=None)

@@ -42,6 +42,7 @@ import numpy as np
 
 from jaxppo.models.family import family_of
 from jaxppo.rollout.engines import Capabilities, RolloutEngine, register_rollout_engine
+from jaxppo.rollout.sampling import sampling_filters_on
 
 __all__ = ["VLLMEngine", "check_available", "CPU_HEAD_DIMS", "hf_weights"]
 
@@ -115,8 +116,7 @@ class VLLMEngine(RolloutEngine):
         """What vLLM cannot do beyond its capabilities (the built-in continuous sampler's
         slots), then whether it can be imported, and that no other engine is open."""
         tc = trainer_config
-        filters = [f"{name}={getattr(tc, name)!r}" for name, off in (("top_k", (None, 0)), ("top_p", (1, 1.0)),
-                   ("min_p", (None, 0, 0.0)), ("repetition_penalty", (1, 1.0))) if getattr(tc, name) not in off]
+        filters = [f"{name}={value!r}" for name, value in sampling_filters_on(tc).items()]
         if filters and tc.old_logprobs == "sampler":
             raise ValueError(f"old_logprobs='sampler' with rollout_engine='vllm' and {', '.join(filters)}: vLLM's "
                              "log-probs are of the filtered distribution it sampled from, not the policy's own "

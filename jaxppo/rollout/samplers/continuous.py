@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxppo.models.decoding import (Extra, GenerationOutput, cap_positions, check_max_lengths, check_sampler_arguments,
-                                    make_extra, mark_seen, pick_tokens, prefill, seen_tokens, step_keys, stop_step)
+                                    make_extra, note_token, pick_tokens, prefill, seen_tokens, step_keys, two_logprobs)
 from jaxppo.models.model import Model
 from jaxppo.models.transformer import default_positions
 
@@ -87,11 +87,6 @@ def _requests(prompt_ids, prompt_mask, key, temperature, top_p, max_lengths, ext
                      temperature, top_p, extra or Extra())
 
 
-def _two_logprobs(reqs: _Requests, st: "_Static") -> bool:
-    """The sampled distribution differs from the policy's (a second log-prob per token)."""
-    return not st.greedy and (reqs.extra.reshapes or st.top_k is not None or st.use_top_p)
-
-
 def _row_state(reqs: _Requests, ids, mask, vocab: int):
     """(seen, matched) of rows starting on prompts `ids`/`mask`: None where off."""
     seen = None if reqs.extra.repetition_penalty is None else seen_tokens(ids, mask, vocab)
@@ -109,7 +104,7 @@ def _start(model, params, reqs: _Requests, version, st: _Static):
                    *_row_state(reqs, reqs.prompt_ids[:s], reqs.prompt_mask[:s], next_logits.shape[-1]))
     out = _Out(jnp.full((n, r), st.pad_token_id, jnp.int32), jnp.zeros((n, r), jnp.float32),
                jnp.zeros((n, r), jnp.int32), jnp.zeros((n, r), jnp.int32),
-               jnp.zeros((n, r), jnp.float32) if _two_logprobs(reqs, st) else None)
+               jnp.zeros((n, r), jnp.float32) if two_logprobs(reqs.extra, st.top_k, st.use_top_p, st.greedy) else None)
     return slots, out
 
 
@@ -147,14 +142,8 @@ def _step(model, params, reqs: _Requests, version, slots: _Slots, out: _Out, st:
                out.masks.at[rows, t].set(1, mode="drop"), out.versions.at[rows, t].set(slots.version, mode="drop"),
                None if out.full_logprobs is None else out.full_logprobs.at[rows, t].set(policy, mode="drop"))
     budget = r if reqs.max_lengths is None else reqs.max_lengths[slots.req]
-    ended = jnp.isin(token, stop_ids) | (t + 1 >= budget)
-    seen, matched = slots.seen, slots.matched
-    if matched is not None:
-        matched, completed = stop_step(reqs.extra.stop_table, matched, token)
-        ended = ended | completed
-    if seen is not None:
-        seen = mark_seen(seen, token, slots.active)
-    finished = slots.active & ended
+    seen, matched, completed = note_token(reqs.extra, token, slots.active, slots.seen, slots.matched)
+    finished = slots.active & (jnp.isin(token, stop_ids) | (t + 1 >= budget) | completed)
     going_on = slots.active & ~finished
     # Feed the token back for the rows that go on (the others' results are not read).
     kv_mask = slots.kv_mask.at[jnp.arange(s), q + jnp.minimum(t, r - 1)].set(going_on.astype(jnp.int32))
