@@ -339,3 +339,24 @@ def test_the_command_takes_the_sampling_flags_in_trl_spelling_and_its_own():
     assert tc.learning_rate == 1e-4 and tc.output_dir == "runs/x_y"
     with pytest.raises(SystemExit):
         cli.resolve(["--top_q", "0.9"])
+
+
+def test_a_run_with_the_sampling_settings_stopped_and_resumed_equals_the_uninterrupted_run(tmp_path):
+    """Top-k, min-p, a penalty and stop strings are run settings: a run stopped by a
+    callback after its second iteration and resumed gives the uninterrupted run's metrics,
+    and resuming with another setting is refused before any work."""
+    import jaxppo
+    from trainer_setup import small_trainer
+
+    settings = dict(iterations=4, checkpoint_every=1, export_final=False, report_to="none", top_k=40, min_p=0.01,
+                    repetition_penalty=1.2, stop_strings=["e", "a"])
+    comparable = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/") and k != "eps"}
+                               for r in rows]  # timings aside
+    straight = small_trainer(tmp_path / "a", **settings).train()
+    stop = lambda iteration, metrics: jaxppo.Control(stop=iteration == 1)
+    small_trainer(tmp_path / "b", callbacks=[stop], **settings).train()
+    with pytest.raises(Exception, match="repetition_penalty"):
+        small_trainer(tmp_path / "b", **{**settings, "repetition_penalty": 1.3}).train()
+    resumed = small_trainer(tmp_path / "b", **settings).train()
+    assert [r["iteration"] for r in resumed] == [0, 1, 2, 3]
+    assert comparable(resumed) == comparable(straight)
