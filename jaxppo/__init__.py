@@ -21,7 +21,7 @@ from jaxppo.errors import EpisodeError, RewardError, RunError, ToolCallError
 from jaxppo.models import GenerationOutput
 from jaxppo.rollout.samplers.static import generate
 from jaxppo.rollout.environments import StepResult
-from jaxppo.rollout.prompts import load_prompts
+from jaxppo.rollout.prompts import PromptStreamEnded, load_prompts, mix_prompts
 from jaxppo.rollout.engines import sample_responses
 from jaxppo.rollout.sampling import RolloutSpec
 from jaxppo.rollout.scoring import finish_rollout
@@ -68,6 +68,8 @@ __all__ = [
     "RunState",
     "TrainerConfig",
     "load_prompts",
+    "mix_prompts",
+    "PromptStreamEnded",
     "RunError",
     "RewardError",
     "EpisodeError",

@@ -55,7 +55,10 @@ _EXTRA = {
                                "score the episodes (with --reward-model or --reward they add)"),
     "critic": (str, None, "local directory to initialise the critic from (default: the reward model)"),
     "ref_model": (str, None, "local directory of the reference policy (default: the initial policy)"),
-    "prompts": (str, None, "prompts file: .txt (one per line), .jsonl or .json; default: the demo's prompts"),
+    "prompts": (str, None, "prompts file: .txt (one per line), .jsonl or .json; default: the demo's prompts. With "
+                           "--prompt-weights, several files separated by commas, mixed"),
+    "prompt_weights": (str, None, "mix the --prompts files (a,b) with these weights (0.7,0.3): each prompt is drawn "
+                                  "from file k with probability weight k / sum, seeded by --seed; streamed"),
     "eval_prompts": (str, None, "prompts to evaluate the policy on during training (a file as --prompts takes; "
                                 "--eval-every, --eval-generations, --eval-temperature say when and how): eval/... "
                                 "metrics in the iterations' lines"),
@@ -285,12 +288,12 @@ def build_trainer(ppo: PPOConfig, tc: TrainerConfig, extras: dict) -> PPOTrainer
     else:
         if not extras["prompts"]:
             raise SystemExit("jaxppo: --prompts is required with --model")
+        prompts = _mixed(extras["prompts"], extras["prompt_weights"], tc.seed, extras["prompt_column"])
         for flag in ("model", "reward_model", "critic", "ref_model"):
             if extras[flag] is not None:
                 check_checkpoint_dir(extras[flag], f"--{flag.replace('_', '-')}")
         tokenizer = load_tokenizer(extras["model"])
         policy = extras["model"]
-        prompts = extras["prompts"]
         rewards = extras["reward"] or ([] if environment is not None or extras["reward_model"] else ["lowercase"])
     if extras["reward_model"] is not None and extras["reward"]:
         raise SystemExit("jaxppo: give --reward-model or --reward, not both")
@@ -381,6 +384,28 @@ def model_options(extras: dict) -> dict:
     return dict(mesh=mesh, remat=False if extras["remat"] == "none" else extras["remat"],
                 scan_layers=True if extras["scan_layers"] else None, logits_chunk_size=extras["logits_chunk_size"],
                 chat_template=extras["chat_template"], lora=lora, lora_init=extras["lora_init"])
+
+
+def _mixed(prompts: str, weights: Optional[str], seed: int, column: str):
+    """`--prompts` as given, or with `--prompt-weights` the mixture of its comma-separated
+    files (`jaxppo.mix_prompts`)."""
+    if weights is None:
+        return prompts
+    from jaxppo.rollout.prompts import mix_prompts
+
+    files = [f.strip() for f in prompts.split(",")]
+    try:
+        values = [float(w) for w in weights.split(",")]
+    except ValueError:
+        raise SystemExit(f"jaxppo: --prompt-weights {weights!r} is invalid: give numbers separated by commas, one per "
+                         "--prompts file (--prompts a.jsonl,b.jsonl --prompt-weights 0.7,0.3)") from None
+    if len(values) != len(files):
+        raise SystemExit(f"jaxppo: --prompts names {len(files)} file(s) ({', '.join(files)}) but --prompt-weights "
+                         f"gives {len(values)} weight(s); give one weight per file")
+    try:
+        return mix_prompts(files, values, seed=seed, prompt_column=column)
+    except (ValueError, TypeError) as err:
+        raise SystemExit(f"jaxppo: --prompts/--prompt-weights: {err}") from None
 
 
 def compilation_cache_dir(setting: Optional[str]) -> Optional[str]:

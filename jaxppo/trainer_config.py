@@ -24,8 +24,13 @@ class TrainerConfig:
 
     Run: seed; iterations (PPO iterations, each `batch_size` episodes) or total_episodes
       (must be a multiple of batch_size; overrides iterations); query_length and
-      response_length (tokens; prompts are left-padded to query_length, longer prompts are
-      an error unless truncate_prompts).
+      response_length (tokens; prompts are left-padded to query_length); overlong_prompts,
+      what a prompt longer than query_length gets: "error" (the default), "truncate" (its
+      last query_length tokens are kept; `truncate_prompts=True` says the same) or "filter"
+      (left out, counted in `data/prompts_filtered`); stream_prompts (read and tokenize the
+      prompts as the run reaches them, in the order given, instead of all up front and
+      reshuffled every pass: `jaxppo.rollout.prompts.PromptStream`; a generator, a
+      `datasets.IterableDataset` or a `jaxppo.mix_prompts` mixture is always streamed).
     Rewards: kl_estimator ("k1", "k3", "abs", "mse"); kl_target and kl_horizon (adaptive
       KL controller; None = fixed `PPOConfig.kl_coef`); missing_eos_penalty (subtracted
       from scores of responses without a stop token); normalize_scores (running mean/std);
@@ -142,6 +147,8 @@ class TrainerConfig:
     query_length: int = 32
     response_length: int = 32
     truncate_prompts: bool = False
+    overlong_prompts: Optional[str] = setting(None, on_resume="same_if_set")
+    stream_prompts: bool = setting(False, on_resume="same_if_set")
     kl_estimator: str = "k1"
     kl_target: Optional[float] = None
     kl_horizon: int = 10000
@@ -208,12 +215,18 @@ class TrainerConfig:
     inflight_updates: Optional[str] = setting(None, on_resume="free")
     inflight_steps: int = setting(8, on_resume="free")
 
+    @property
+    def overlong(self) -> str:
+        """`overlong_prompts`, else "truncate" with `truncate_prompts`, else "error"."""
+        return self.overlong_prompts or ("truncate" if self.truncate_prompts else "error")
+
     def __post_init__(self):
         for field in dataclasses.fields(self):
             if field.type in (bool, "bool") and not isinstance(getattr(self, field.name), bool):
                 raise ValueError(f"TrainerConfig.{field.name}={getattr(self, field.name)!r} is invalid: "
                                  f"{field.name} must be a bool (True or False)")
         _check_sampling(self)
+        _check_overlong(self)
         names = parse_report_to(self.report_to)
         check_installed(names)
         object.__setattr__(self, "report_to", ",".join(names))  # a list given becomes its string
@@ -229,17 +242,7 @@ class TrainerConfig:
         if self.stop_token_id is not None and (not is_int(self.stop_token_id) or self.stop_token_id < 0):
             raise ValueError(f"TrainerConfig.stop_token_id={self.stop_token_id!r} is invalid: stop_token_id must be "
                              "None or a token id >= 0")
-        positive = ("iterations", "query_length", "response_length", "kl_horizon", "log_every", "keep_checkpoints",
-                    "max_turns", "environment_workers", "dynamic_sampling_rounds", "inflight_steps", "eval_generations")
-        for name in positive:
-            value = getattr(self, name)
-            if not is_int(value) or value <= 0:
-                raise ValueError(f"TrainerConfig.{name}={value!r} is invalid: {name} must be a positive int")
-        for name in ("sample_every", "num_samples", "checkpoint_every", "warmup_updates", "seed", "max_staleness",
-                     "sampler_devices", "eval_every", "save_hf_every", "keep_hf"):
-            value = getattr(self, name)
-            if not is_int(value) or value < 0:
-                raise ValueError(f"TrainerConfig.{name}={value!r} is invalid: {name} must be an int >= 0")
+        _check_counts(self)
         check_kl_estimator("TrainerConfig.kl_estimator=", self.kl_estimator)
         _check_watching(self)
         _check_inflight(self)
@@ -252,16 +255,7 @@ class TrainerConfig:
             raise ValueError(f"TrainerConfig.lr_schedule={self.lr_schedule!r} is invalid; valid: constant, linear, "
                              "cosine, cosine_with_min_lr")
         _check_optimizer(self)
-        for name in ("learning_rate", "adam_eps"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-                raise ValueError(f"TrainerConfig.{name}={value!r} is invalid: {name} must be > 0")
-        for name in ("critic_learning_rate", "kl_target", "max_grad_norm", "score_clip", "missing_eos_penalty"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
-                                      or not math.isfinite(value) or (name != "missing_eos_penalty" and value <= 0)):
-                raise ValueError(f"TrainerConfig.{name}={value!r} is invalid: {name} must be None or a finite number"
-                                 + ("" if name == "missing_eos_penalty" else " > 0"))
+        _check_rates(self)
 
     @property
     def trackers(self) -> tuple:
@@ -296,6 +290,45 @@ def _check_environment(self: TrainerConfig):
         raise ValueError(f"TrainerConfig.environment_errors={self.environment_errors!r} is invalid; valid: 'raise' "
                          "(stop with an error naming the environment, row and turn) or 'end' (end that episode "
                          "with score 0 and count it)")
+
+
+def _check_counts(self: TrainerConfig):
+    positive = ("iterations", "query_length", "response_length", "kl_horizon", "log_every", "keep_checkpoints",
+                "max_turns", "environment_workers", "dynamic_sampling_rounds", "inflight_steps", "eval_generations")
+    for name in positive:
+        value = getattr(self, name)
+        if not is_int(value) or value <= 0:
+            raise ValueError(f"TrainerConfig.{name}={value!r} is invalid: {name} must be a positive int")
+    for name in ("sample_every", "num_samples", "checkpoint_every", "warmup_updates", "seed", "max_staleness",
+                 "sampler_devices", "eval_every", "save_hf_every", "keep_hf"):
+        value = getattr(self, name)
+        if not is_int(value) or value < 0:
+            raise ValueError(f"TrainerConfig.{name}={value!r} is invalid: {name} must be an int >= 0")
+
+
+def _check_rates(self: TrainerConfig):
+    for name in ("learning_rate", "adam_eps"):
+        value = getattr(self, name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+            raise ValueError(f"TrainerConfig.{name}={value!r} is invalid: {name} must be > 0")
+    for name in ("critic_learning_rate", "kl_target", "max_grad_norm", "score_clip", "missing_eos_penalty"):
+        value = getattr(self, name)
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                                  or not math.isfinite(value) or (name != "missing_eos_penalty" and value <= 0)):
+            raise ValueError(f"TrainerConfig.{name}={value!r} is invalid: {name} must be None or a finite number"
+                             + ("" if name == "missing_eos_penalty" else " > 0"))
+
+
+OVERLONG_PROMPTS = ("error", "truncate", "filter")
+
+
+def _check_overlong(self: TrainerConfig):
+    if self.overlong_prompts is not None and self.overlong_prompts not in OVERLONG_PROMPTS:
+        raise ValueError(f"TrainerConfig.overlong_prompts={self.overlong_prompts!r} is invalid: what a prompt longer "
+                         f"than query_length gets is one of {', '.join(map(repr, OVERLONG_PROMPTS))}")
+    if self.truncate_prompts and self.overlong_prompts not in (None, "truncate"):
+        raise ValueError(f"TrainerConfig.truncate_prompts=True and overlong_prompts={self.overlong_prompts!r} "
+                         "disagree; set one of them (truncate_prompts=True is overlong_prompts='truncate')")
 
 
 def _check_sampling(self: TrainerConfig):

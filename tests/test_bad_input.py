@@ -118,6 +118,10 @@ def _model(edit):
     return case
 
 
+def _needs_answer(prompts, completions, answer, trainer_state=None):
+    return [float(a in c) for a, c in zip(answer, completions)]
+
+
 def _too_long_prompt(ctx):
     return small_trainer(ctx["tmp"], prompts=["a prompt far longer than the thirty-two tokens of the query"])
 
@@ -297,6 +301,26 @@ CASES = [
     ("prompt longer than query_length", _too_long_prompt, ValueError,
      r"prompt 0 has \d+ tokens, longer than TrainerConfig.query_length=32 \(--query-length\) .*raise query_length, "
      r"or set truncate_prompts \(--truncate-prompts\)"),
+    ("reward function needs a column the prompts lack", lambda ctx: small_trainer(
+        ctx["tmp"], prompts=[{"prompt": "a", "solution": "1"}] * 4, reward_fn=_needs_answer), ValueError,
+     r"reward function '.*_needs_answer' .*needs the column\(s\) \['answer'\], which the prompts lack \(their "
+     r"columns: \['solution'\]\)"),
+    ("overlong_prompts unknown", _tc(overlong_prompts="drop"), ValueError,
+     r"TrainerConfig.overlong_prompts='drop' is invalid: .* one of 'error', 'truncate', 'filter'"),
+    ("truncate_prompts against overlong_prompts", _tc(truncate_prompts=True, overlong_prompts="filter"), ValueError,
+     r"truncate_prompts=True and overlong_prompts='filter' disagree"),
+    ("every prompt filtered out", lambda ctx: small_trainer(ctx["tmp"], prompts=["far longer than the query " * 4],
+                                                            overlong_prompts="filter"), ValueError,
+     r"all 1 prompts are longer than TrainerConfig.query_length=32 .*leaves none"),
+    ("prompt weights not one per file", _main("--model", "m", "--prompts", "a.jsonl,b.jsonl", "--prompt-weights", "1"),
+     SystemExit, r"--prompts names 2 file\(s\) \(a.jsonl, b.jsonl\) but --prompt-weights gives 1 weight"),
+    ("streamed prompt not JSON", lambda ctx: small_trainer(
+        ctx["tmp"], prompts=_write(ctx["tmp"], "s.jsonl", '{"prompt": "a"}\n{"prompt": \n'), stream_prompts=True),
+     ValueError, r"s.jsonl line 2 is not valid JSON"),
+    ("streamed prompts with common_prefix", lambda ctx: small_trainer(
+        ctx["tmp"], prompts=iter(["a b", "a c"] * 8), ppo=jaxppo.PPOConfig(batch_size=16, mini_batch_size=8,
+                                                                         common_prefix=True)),
+     ValueError, r"common_prefix=True needs the whole prompt set up front"),
     # Model directories
     ("model dir missing", lambda ctx: jm.from_pretrained("/no/such/model"), ValueError, r"'/no/such/model' is not a directory"),
     ("model without config.json", _model(_rm_missing), ValueError, r"is not a Hugging Face checkpoint: it has no config.json"),

@@ -6,7 +6,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["load_tokenizer", "encode_prompts", "decode_responses", "PromptTooLong"]
+__all__ = ["load_tokenizer", "encode_prompts", "token_lists", "left_padded", "decode_responses", "PromptTooLong"]
 
 
 class PromptTooLong(ValueError):
@@ -73,29 +73,46 @@ def encode_prompts(tokenizer, prompts: Sequence[str], max_length: int, *, trunca
         raise TypeError("prompts must be a sequence of strings, not a single string")
     if len(prompts) == 0:
         raise ValueError("prompts is empty: give at least one prompt")
+    return left_padded(tokenizer, token_lists(tokenizer, prompts, add_special_tokens), max_length, truncate=truncate,
+                       texts=prompts)
+
+
+def token_lists(tokenizer, prompts: Sequence[str], add_special_tokens: bool = True) -> list:
+    """Each prompt's token ids (a list of ints), as `encode_prompts` encodes them."""
+    out = []
+    for i, text in enumerate(prompts):
+        if not isinstance(text, str):
+            raise TypeError(f"prompt {i} is a {type(text).__name__}, not a str")
+        out.append(list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]))
+    return out
+
+
+def left_padded(tokenizer, tokens: Sequence[Sequence[int]], max_length: int, *, truncate: bool = False,
+                texts: Sequence[str] = ()):
+    """(ids, mask), int32 (len(tokens), max_length): each row's tokens at the right end,
+    padded on the left with the tokenizer's pad (else EOS) token; a row over `max_length` is a
+    `PromptTooLong` (its text from `texts` when given) unless `truncate` (its last tokens)."""
     if not isinstance(max_length, int) or max_length <= 0:
         raise ValueError(f"max_length={max_length!r} must be a positive int")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad is None:
         raise ValueError("the tokenizer has neither a pad token nor an EOS token to pad with; set "
                          "tokenizer.pad_token (any token: padding is masked)")
-    ids = np.full((len(prompts), max_length), pad, np.int32)
-    mask = np.zeros((len(prompts), max_length), np.int32)
-    for i, text in enumerate(prompts):
-        if not isinstance(text, str):
-            raise TypeError(f"prompt {i} is a {type(text).__name__}, not a str")
-        tokens = tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
-        if len(tokens) > max_length:
+    ids = np.full((len(tokens), max_length), pad, np.int32)
+    mask = np.zeros((len(tokens), max_length), np.int32)
+    for i, row in enumerate(tokens):
+        if len(row) > max_length:
             if not truncate:
+                text = texts[i] if i < len(texts) else ""
                 raise PromptTooLong(
-                    f"prompt {i} has {len(tokens)} tokens, more than max_length={max_length} "
+                    f"prompt {i} has {len(row)} tokens, more than max_length={max_length} "
                     f"({text[:60]!r}...); raise max_length or pass truncate=True to keep its last "
-                    f"{max_length} tokens", i, len(tokens), text
+                    f"{max_length} tokens", i, len(row), text
                 )
-            tokens = tokens[-max_length:]
-        if tokens:
-            ids[i, max_length - len(tokens):] = tokens
-            mask[i, max_length - len(tokens):] = 1
+            row = row[-max_length:]
+        if len(row):
+            ids[i, max_length - len(row):] = row
+            mask[i, max_length - len(row):] = 1
     return ids, mask
 
 

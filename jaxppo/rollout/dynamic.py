@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxppo import sharding
-from jaxppo.rollout.prompts import PromptBatch, prompt_batch, prompt_stream
+from jaxppo.rollout.prompts import PromptBatch, prompt_batch
 from jaxppo.rollout.rewards import HostScores
 from jaxppo.sharding import to_host
 
@@ -83,7 +83,7 @@ def collect(table, key, run, it: int, config, tc, sample: Callable, score: Calla
     start = run.prompts_consumed
     rounds, kept, dropped, unknown = [], [], [], 0
     for r in range(tc.dynamic_sampling_rounds):
-        rows = np.repeat(prompt_stream(run.key, len(table.prompts), start, groups), g)
+        rows = np.repeat(table.rows_at(run.key, start, groups), g)
         start += groups
         batch = prompt_batch(table, rows, mesh)
         gen, episodes = sample(batch, key if r == 0 else jax.random.fold_in(key, r))

@@ -30,6 +30,7 @@ from jaxppo.errors import RewardError
 from jaxppo.models.model import describe_model, is_model_spec
 
 __all__ = ["RewardFunction", "HostRewards", "Scored", "reward_name", "RewardSetup", "sort_rewards", "accepted_columns",
+           "required_columns",
            "check_scores", "nonfinite_rows", "qualified_name", "HostScores", "load_callable"]
 
 
@@ -71,6 +72,19 @@ class HostRewards:
         self.updates_per_iteration = updates_per_iteration
         self._accepts = {f.name: accepted_columns(f.fn) for f in self.functions}
         self._async = any(_is_async(f.fn) for f in self.functions)
+
+    def check_columns(self, columns, what: str = "the prompts"):
+        """A `ValueError` naming the function and the parameter where a function needs a
+        column (a parameter without a default besides prompts, completions and
+        `trainer_state`) that `columns` (the names the prompts have) lacks: found before
+        anything compiles, not at the first scoring."""
+        for f in self.functions:
+            missing = sorted(required_columns(f.fn) - set(columns) - {"trainer_state"})
+            if missing:
+                raise ValueError(f"reward function {f.name!r} ({qualified_name(f.fn)}) needs the column(s) {missing}, "
+                                 f"which {what} lack (their columns: {sorted(columns)}); add them to the prompts (a "
+                                 ".jsonl field, a dataset column, a key of each record), or give the parameter a "
+                                 "default")
 
     def _kwargs(self, f, columns: dict, iteration: int) -> dict:
         accepts = self._accepts[f.name]
@@ -178,6 +192,19 @@ def accepted_columns(fn, skip: int = 2):
                                                   inspect.Parameter.POSITIONAL_OR_KEYWORD)]
     named = positional[skip:] + [p for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
     return {p.name for p in named}
+
+
+def required_columns(fn, skip: int = 2) -> set:
+    """The keyword names `fn` needs (no default) besides its first `skip` positional
+    parameters; empty where its signature cannot be read."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return set()
+    positional = [p for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                  inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    named = positional[skip:] + [p for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    return {p.name for p in named if p.default is inspect.Parameter.empty}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import os
 import warnings
 from typing import Any, Callable, Optional
@@ -339,6 +338,3 @@ def _with_attention(model: Model, tc: TrainerConfig) -> Model:
     """`model` with the run's `attention` (TrainerConfig.attention; None keeps its own)."""
     return model if tc.attention is None else dataclasses.replace(model, attention=tc.attention)
 
-
-def prompts_digest(prompts) -> dict:
-    return {"count": len(prompts), "sha256": hashlib.sha256("\x00".join(prompts).encode()).hexdigest()}

@@ -14,6 +14,7 @@ import jax
 
 from jaxppo.config import PPOConfig
 from jaxppo.files import atomic_write_text
+from jaxppo.rollout.prompts import PromptStreamEnded
 from jaxppo.run.callbacks import call_iteration_end
 from jaxppo.run.interrupts import interrupts_held, interrupts_raise
 from jaxppo.run.logger import Logger
@@ -26,7 +27,8 @@ FINAL_EVAL_FILE = "final_eval.json"  # the final policy's evaluation (with eval 
 
 
 def run_loop(trainer, logger: Logger) -> Logger:
-    """Run iterations until `trainer.iterations` (or a callback's `Control(stop=True)`),
+    """Run iterations until `trainer.iterations` (or a callback's `Control(stop=True)`, or the
+    end of a one-shot prompt stream: a checkpoint is saved and the loop ends),
     logging each line with `logger`; return the (closed) logger. Each iteration's update and its metrics line land together
     (interrupts held); Ctrl-C or SIGTERM saves a checkpoint and raises KeyboardInterrupt."""
     tc = trainer.tc
@@ -39,7 +41,14 @@ def run_loop(trainer, logger: Logger) -> Logger:
             progress = _Progress(tc, trainer.iterations, trainer.iteration, trainer.config.advantage_estimator)
             while trainer.iteration < trainer.iterations:
                 failpoints.pause("iteration", at=trainer.iteration)
-                finish = trainer.prepare_iteration()
+                try:
+                    finish = trainer.prepare_iteration()
+                except PromptStreamEnded as ended:
+                    with interrupts_held():
+                        trainer.save_checkpoint()
+                    print(f"stopped after {trainer.iteration} iterations (of {trainer.iterations}): {ended}. The "
+                          "checkpoint holds the stream's position: run again with the stream to continue", flush=True)
+                    break
                 with interrupts_held(what="this iteration's update"):  # the new state and its line land together
                     metrics = finish()
                     table = _completions(trainer)  # before the metrics: a step's metrics end what it logs

@@ -19,17 +19,17 @@ import optax
 from jaxppo import sharding
 from jaxppo.config import PPOConfig
 from jaxppo.models.stops import StopStrings
-from jaxppo.models.tokenizer import PromptTooLong, encode_prompts
 from jaxppo.rollout import engines
 from jaxppo.rollout.environments import EnvironmentSpec
-from jaxppo.rollout.prompts import PromptTable, load_prompt_table, render_prompts
+from jaxppo.rollout.prompts import (PromptEncoder, PromptStream, PromptTable, is_stream, labelled_prompt_table,
+                                    read_prompt_records)
 from jaxppo.update.prefix import common_prefix_length
 from jaxppo.rollout.rewards import RewardSetup, sort_rewards
 from jaxppo.rollout.sampling import RolloutSpec
 from jaxppo.rollout.tools import check_tools, tool_environment
 from jaxppo.run import pipeline as pipelining
 from jaxppo.run import stages
-from jaxppo.run.assembly import Assembly, LogitsOf, assemble, optimizer, prompts_digest, schedule
+from jaxppo.run.assembly import Assembly, LogitsOf, assemble, optimizer, schedule
 from jaxppo.run.collect import Collector
 from jaxppo.run.evaluation import Evaluator, build_evaluator, check_best_metric
 from jaxppo.run.export import export_checkpoint
@@ -110,17 +110,19 @@ def build(config: PPOConfig, tc: TrainerConfig, *, policy, tokenizer, prompts, r
     engine = _check_settings(config, tc, rewards, environment, mesh)
     config = config.replace(share_prompts=True) if config.share_prompts is None else config  # groups share prompts
     iterations = _iterations(config, tc)
-    table = _prompt_table(tokenizer, prompts, prompt_column, chat_template, tc, environment and environment.tools)
+    table = _prompt_table(tokenizer, prompts, prompt_column, chat_template, tc, environment and environment.tools,
+                          config)
     eval_table, eval_rewards = _eval_inputs(tokenizer, eval_prompts, eval_reward_fns, prompt_column, chat_template, tc,
                                             rewards, environment)
+    _check_columns(rewards, table, eval_table, eval_rewards)
     models = assemble(config, tc, policy=policy, reward_model=rewards.model_spec, ref_policy=ref_policy, critic=critic,
                       dtype=dtype, ref_dtype=ref_dtype, reward_dtype=reward_dtype, remat=remat,
                       scan_layers=scan_layers, logits_chunk_size=logits_chunk_size, lora=lora, lora_init=lora_init)
     _check_vocabulary(tokenizer, models.policy_model, tc)
     host_rewards = rewards.host_rewards(config.updates_per_step)
-    spec = _rollout_spec(config, tc, models, tokenizer, rewards, table.ids.shape[1],
+    spec = _rollout_spec(config, tc, models, tokenizer, rewards, table.width,
                          _common_prefix(config, table, environment))
-    rollout_engine = engine.create(spec, models.params, tc, query_width=table.ids.shape[1], mesh=mesh)
+    rollout_engine = engine.create(spec, models.params, tc, query_width=table.width, mesh=mesh)
     policy_schedule, tx = _optimizer(config, tc, iterations, _check_optimizer(optimizer))
     train = TrainState.create(apply_fn=models.apply_fn, params=models.params, tx=tx, freeze=models.freeze)
     run, ref_params, reward_params = _run_state(config, tc, train), models.ref_params, models.reward_params
@@ -138,7 +140,7 @@ def build(config: PPOConfig, tc: TrainerConfig, *, policy, tokenizer, prompts, r
     description = {**models.description, "reward": rewards.describe(models.reward_model, dtype),
                    **({} if optimizer is None else {"optimizer": _optimizer_name(optimizer)}),
                    "tokenizer": {"class": type(tokenizer).__name__, "size": len(tokenizer)},
-                   "prompts": prompts_digest(table.texts), "prompt_column": prompt_column,
+                   "prompts": table.digest(), "prompt_column": prompt_column,
                    **({} if environment is None else {"environment": environment.name})}
     source = policy if isinstance(policy, (str, os.PathLike)) else None  # the policy's checkpoint directory
     return RunParts(config, environment, rewards, host_rewards, iterations, table, models, spec, rollout_engine,
@@ -247,22 +249,28 @@ def _iterations(config: PPOConfig, tc: TrainerConfig) -> int:
     return tc.total_episodes // config.batch_size
 
 
-def _prompt_table(tokenizer, prompts, prompt_column, chat_template, tc: TrainerConfig,
-                  tools=None) -> PromptTable:
-    table, columns = load_prompt_table(prompts, prompt_column)
-    texts, is_chat = render_prompts(tokenizer, table, chat_template, tools)
-    if tools and not is_chat:
-        raise ValueError("tools are shown to the model through the chat template: give the prompts as chat messages "
-                         "(lists of {role, content} dicts), or use an environment with plain-text prompts")
-    try:
-        ids, mask = encode_prompts(tokenizer, texts, tc.query_length, truncate=tc.truncate_prompts,
-                                   add_special_tokens=not is_chat)
-    except PromptTooLong as err:
-        raise ValueError(f"prompt {err.index} has {err.tokens} tokens, longer than TrainerConfig.query_length="
-                         f"{tc.query_length} (--query-length) ({err.text[:60]!r}...); raise query_length, or set "
-                         f"truncate_prompts (--truncate-prompts) to keep each long prompt's last {tc.query_length} "
-                         "tokens") from None
-    return PromptTable(table, columns, texts, ids, mask)
+def _prompt_table(tokenizer, prompts, prompt_column, chat_template, tc: TrainerConfig, tools=None,
+                  config: Optional[PPOConfig] = None):
+    """The run's `PromptTable`, or with a stream (and `config`: the run's prompts, not the
+    eval prompts) its `PromptStream`, its first iteration's prompts read and checked now."""
+    encoder = PromptEncoder(tokenizer, tc.query_length, tc.overlong, chat_template, tuple(tools) if tools else None)
+    if config is not None and (tc.stream_prompts or is_stream(prompts)):
+        per_iteration = config.prompts_per_batch * (tc.dynamic_sampling_rounds if tc.dynamic_sampling else 1)
+        stream = PromptStream(read_prompt_records(prompts, prompt_column), encoder, prompt_column,
+                              keep_behind=max(256, 4 * per_iteration * (1 + tc.max_staleness)))
+        stream.rows_at(None, 0, config.prompts_per_batch)  # bad input is found before anything loads
+        return stream
+    return encoder.table(*labelled_prompt_table(prompts, prompt_column))
+
+
+def _check_columns(rewards, table, eval_table, eval_rewards):
+    """Each text reward function's parameters against the columns the prompts have (a
+    stream's columns are known as it is read: not checked here)."""
+    host = rewards.host_rewards()
+    if host is not None and not table.streamed:
+        host.check_columns(table.columns)
+    if eval_table is not None and eval_rewards[0] is not None:
+        eval_rewards[0].check_columns(eval_table.columns, "the eval prompts")
 
 
 def _eval_inputs(tokenizer, prompts, reward_fns, prompt_column, chat_template, tc: TrainerConfig, rewards, environment):
@@ -320,6 +328,9 @@ def _common_prefix(config: PPOConfig, table: PromptTable, environment) -> int:
     if environment is not None:
         raise ValueError("PPOConfig.common_prefix=True is for single-turn runs: a multi-turn episode's response "
                          "region already holds the environment's tokens; turn it off for environments and tools")
+    if table.streamed:
+        raise ValueError("PPOConfig.common_prefix=True needs the whole prompt set up front (the prefix all prompts "
+                         "share); with streamed prompts turn it off")
     length = common_prefix_length(table.ids, table.mask)
     if length == 0:
         raise ValueError(f"PPOConfig.common_prefix=True, but the {len(table.texts)} prompts share no leading token "

@@ -31,7 +31,7 @@ from jaxppo import sharding
 from jaxppo.config import PPOConfig
 from jaxppo.errors import RewardError
 from jaxppo.models.tokenizer import decode_responses, unknown_token_count
-from jaxppo.rollout.prompts import PromptBatch, PromptTable, prompt_batch, prompt_order
+from jaxppo.rollout.prompts import PromptBatch, PromptTable, prompt_batch
 from jaxppo.rollout.rewards import HostRewards, HostScores, nonfinite_rows
 from jaxppo.rollout.engines import sample_responses
 from jaxppo.rollout.sampling import RolloutSpec
@@ -66,19 +66,21 @@ def mesh_context(mesh):
     return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
 
 
-def prompt_rows(num_prompts: int, key, iteration: int, config: PPOConfig) -> np.ndarray:
+def prompt_rows(table: PromptTable, key, iteration: int, config: PPOConfig) -> np.ndarray:
     """Rows of the prompt set behind the `batch_size` completions of `iteration`: its
-    `batch_size / num_generations` prompts (walked in an order reshuffled every dataset
-    epoch, see `jaxppo.rollout.prompts.prompt_order`), each repeated `num_generations` times in
-    consecutive rows (a prompt's group)."""
-    return np.repeat(prompt_order(key, num_prompts, config.prompts_per_batch, iteration), config.num_generations)
+    `batch_size / num_generations` prompts (positions [i * n, (i + 1) * n) of the table's
+    stream: walked in an order reshuffled every dataset epoch, see
+    `jaxppo.rollout.prompts.prompt_order`, or a `PromptStream`'s own order), each repeated
+    `num_generations` times in consecutive rows (a prompt's group)."""
+    n = config.prompts_per_batch
+    return np.repeat(table.rows_at(key, iteration * n, n), config.num_generations)
 
 
 def select_prompts(table: PromptTable, key, iteration: int, config: PPOConfig, mesh=None) -> PromptBatch:
     """The `batch_size / num_generations` prompts of `iteration` (walked in an order
     reshuffled every dataset epoch from `key`, see `jaxppo.rollout.prompts.prompt_order`), each
     repeated `num_generations` times. Under a mesh each process materialises only its rows."""
-    return prompt_batch(table, prompt_rows(len(table.prompts), key, iteration, config), mesh)
+    return prompt_batch(table, prompt_rows(table, key, iteration, config), mesh)
 
 
 def sample(spec: RolloutSpec, params, batch: PromptBatch, key, mesh=None):
@@ -238,7 +240,7 @@ def precompile(train_step, spec: RolloutSpec, run: RunState, ref_params, reward_
     `train_step` unchanged."""
     if not isinstance(train_step, functools.partial) or run.entropy_coef is not None:
         return train_step
-    width = table.ids.shape[1]
+    width = table.width
     return Precompiled(train_step, lambda: (run.train, abstract_rollout(spec, run, ref_params, reward_params,
                                                                         config.batch_size, width, host_scores), key))
 

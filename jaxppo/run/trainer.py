@@ -184,7 +184,7 @@ class Trainer(save_restore.Resumable, exporting.Exportable, watch.Watchable):
     def prompt_indices(self, iteration: int) -> np.ndarray:
         """Rows of the prompt set behind the completions of `iteration` (see
         `jaxppo.run.stages.prompt_rows`)."""
-        return stages.prompt_rows(len(self.table.prompts), self.run.key, iteration, self.config)
+        return stages.prompt_rows(self.table, self.run.key, iteration, self.config)
 
     # ------------------------------------------------------------------ one iteration
 
@@ -211,7 +211,8 @@ class Trainer(save_restore.Resumable, exporting.Exportable, watch.Watchable):
         def finish():
             outcome = complete(prepared, train_step=self.train_step, config=self.config, pipelined=pipelined,
                                lr=self.policy_schedule, with_functions=self.host_rewards is not None)
-            self.last = outcome._replace(metrics={**outcome.metrics, **evaluated}, eval_table=eval_table)
+            data = {"data/prompts_filtered": self.table.filtered} if self.tc.overlong == "filter" else {}
+            self.last = outcome._replace(metrics={**outcome.metrics, **data, **evaluated}, eval_table=eval_table)
             self.run = outcome.run
             pipelined and pipelined.push(self.run)
             return self.last.metrics
