@@ -511,6 +511,57 @@ def test_reward_function_that_raises_keeps_checkpoint_and_metrics(tmp_path):
     resumed.close_run()
 
 
+def test_a_run_that_finished_no_iteration_does_not_block_the_corrected_command(tmp_path, capsys):
+    def broken(prompts, responses):
+        raise KeyError("answer")
+
+    out = tmp_path / "run"
+    with pytest.raises(RewardError, match=r"iteration 0: reward function '.*broken' raised KeyError"):
+        small_trainer(out, reward_fn=broken, export_final=False).train()
+    assert read_metrics(str(out / "metrics.jsonl")) == [] and (out / "run_settings.json").is_file()
+    corrected = small_trainer(out, learning_rate=2e-3, export_final=False, resume=False)
+    assert corrected.open_run() == 0
+    corrected.close_run()
+    said = capsys.readouterr().out
+    assert "holds the settings of a run that finished no iteration; this run's replace them" in said
+    assert re.search(r"learning_rate: was 0.001, now 0.002", said)
+    assert json.loads((out / "run_settings.json").read_text())["trainer"]["learning_rate"] == 2e-3
+    with pytest.raises(RunError, match="holds a run with other settings"):  # once an iteration is logged, it does
+        (out / "metrics.jsonl").write_text(json.dumps({"iteration": 0, "episode": 16}) + "\n")
+        small_trainer(out, learning_rate=3e-3, export_final=False).open_run()
+
+
+def _rows(iterations):
+    return [{"iteration": i, "episode": 16 * (i + 1), "objective/scores": float(i)} for i in iterations]
+
+
+def _log(tmp_path, rows, start):
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    logger = Logger(str(tmp_path), start_iteration=start, report_to=("jsonl",))
+    logger.close()
+    return logger.history, [json.loads(line)["iteration"] for line in open(tmp_path / "metrics.jsonl")]
+
+
+def test_the_metrics_log_is_checked_against_the_checkpoint_on_resume(tmp_path):
+    """One line per iteration before the checkpoint's: a word-for-word repeat is dropped, a
+    late start continues with a warning; a second, different line, a missing iteration or
+    lines out of order are refused, naming them, before the run starts."""
+    with pytest.warns(RuntimeWarning, match=r"repeated the lines of iteration\(s\) \[1\] word for word"):
+        history, lines = _log(tmp_path, _rows([0, 1, 2, 1, 3]), 3)
+    assert history == _rows([0, 1, 2]) and lines == [0, 1, 2]
+    with pytest.warns(RuntimeWarning, match=r"holds no lines of iterations 0 to 1 .* continues from the checkpoint"):
+        history, lines = _log(tmp_path, _rows([2, 3]), 4)
+    assert history == _rows([2, 3]) and lines == [2, 3]
+    refused = [(_rows([0, 1]) + [{**_rows([1])[0], "objective/scores": 9.0}], 2,
+                r"two different lines for iteration\(s\) \[1\]"),
+               (_rows([0, 2, 3]), 4, r"lacks the lines of iteration\(s\) \[1\] \(the checkpoint is at iteration 4\)"),
+               (_rows([0, 1, 2]), 4, r"lacks the lines of iteration\(s\) \[3\]"),
+               (_rows([1, 0, 2]), 3, r"holds its lines out of order")]
+    for rows, start, message in refused:
+        with pytest.raises(RunError, match=message + r".*move .*metrics.jsonl aside"):
+            _log(tmp_path, rows, start)
+
+
 @pytest.mark.parametrize("bad, message", [
     (lambda n: [None] * n, r"returned None at row 0 \(prompt .*, response .*\): every response needs a score"),
     (lambda n: [1.0] * (n - 1) + [float("nan")], r"gave non-finite scores \[nan\] at rows \[15\]"),

@@ -142,11 +142,13 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
     return out
 
 
-def check_settings(directory: str, settings: dict, *, write: bool = True):
+def check_settings(directory: str, settings: dict, *, write: bool = True, replace: bool = False):
     """Compare `settings` (a JSON-able dict) with those saved in `<directory>/run_settings.json`.
 
     No saved settings: save these (when `write`). Saved settings that differ: a `RunError`
-    listing every differing field with its saved and its new value."""
+    listing every differing field with its saved and its new value; with `replace` (the run
+    there finished no iteration: nothing of it would be mixed in) a line listing them, and
+    these saved instead (when `write`)."""
     path = os.path.join(directory, SETTINGS_FILE)
     new = json.loads(json.dumps(settings))  # the JSON view (tuples -> lists), as saved
     if os.path.isfile(path):
@@ -159,7 +161,12 @@ def check_settings(directory: str, settings: dict, *, write: bool = True):
         a, b = _flatten(old), _flatten(new)
         diffs = [f"  {name}: was {a.get(name, '<unset>')!r}, now {b.get(name, '<unset>')!r}"
                  for name in sorted(set(a) | set(b)) if a.get(name, "<unset>") != b.get(name, "<unset>")]
-        if diffs:
+        if diffs and replace:
+            print(f"{directory!r} holds the settings of a run that finished no iteration; this run's replace them:\n"
+                  + "\n".join(diffs), flush=True)
+            if write:
+                atomic_write_text(path, json.dumps(new, indent=1, sort_keys=True) + "\n")
+        elif diffs:
             raise RunError(
                 f"the output directory {directory!r} holds a run with other settings ({path}); resuming it with these "
                 "would mix two runs. Differences:\n" + "\n".join(diffs) +

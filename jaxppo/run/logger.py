@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import uuid
+import warnings
 from typing import Optional, Sequence
 
 from jaxppo.errors import RunError
@@ -48,6 +49,42 @@ def tracked_settings(config, tc, iterations: int) -> dict:
             for k, v in out.items()}
 
 
+def checked_history(rows: list, start_iteration: int, path: str) -> list:
+    """The lines of `path` (metrics.jsonl) before `start_iteration`, the checkpoint's
+    iteration, checked against it: one line per iteration, in order, the last of them
+    `start_iteration - 1`. A line repeated word for word (a file copied onto itself) is
+    dropped with a warning; a log that starts late (moved aside or deleted) continues with a
+    warning; two different lines for one iteration, a missing iteration, or lines out of
+    order are a `RunError` naming them, as nothing can say which record is the run's."""
+    before = [row for row in rows if row["iteration"] < start_iteration]
+    kept, first, repeated, conflicting = [], {}, [], []
+    for row in before:
+        if row["iteration"] in first:
+            (repeated if row == first[row["iteration"]] else conflicting).append(row["iteration"])
+            continue
+        first[row["iteration"]] = row
+        kept.append(row)
+    iterations = [row["iteration"] for row in kept]
+    expected = list(range(start_iteration - len(kept), start_iteration))
+    advice = (f"restore those lines, or move {path} aside (the run then starts a new log at iteration "
+              f"{start_iteration}, the old one kept where you moved it)")
+    if conflicting:
+        raise RunError(f"{path} holds two different lines for iteration(s) {sorted(set(conflicting))}; the checkpoint "
+                       f"says the run finished {start_iteration} iterations, one line each; {advice}")
+    if iterations != expected:
+        missing = sorted(set(range(min(iterations), start_iteration)) - set(iterations))
+        what = f"lacks the lines of iteration(s) {missing}" if missing else "holds its lines out of order"
+        raise RunError(f"{path} {what} (the checkpoint is at iteration {start_iteration}); {advice}")
+    if repeated:
+        warnings.warn(f"{path} repeated the lines of iteration(s) {sorted(set(repeated))} word for word; the copies "
+                      "are dropped", RuntimeWarning, stacklevel=3)
+    if start_iteration and len(kept) < start_iteration:
+        warnings.warn(f"{path} holds no lines of iterations 0 to {start_iteration - len(kept) - 1} (moved aside or "
+                      f"deleted); the log continues from the checkpoint at iteration {start_iteration}",
+                      RuntimeWarning, stacklevel=3)
+    return kept
+
+
 class Logger:
     """Sends each iteration's metrics to the run's trackers (`report_to`: names of
     `jaxppo.tracking`; "jsonl", `<output_dir>/metrics.jsonl`, always) and holds them in
@@ -63,7 +100,7 @@ class Logger:
                  config: Optional[dict] = None):
         os.makedirs(output_dir, exist_ok=True)
         self.path = os.path.join(output_dir, METRICS_FILE)
-        self.history = [row for row in read_metrics(self.path) if row["iteration"] < start_iteration]
+        self.history = checked_history(read_metrics(self.path), start_iteration, self.path)
         classes = [tracker_class(name) for name in parse_report_to(list(report_to))]
         uid = run_id(output_dir) if any(getattr(c, "needs_run_id", True) for c in classes) else ""
         run = TrackerRun(output_dir, os.path.basename(os.path.abspath(output_dir)), uid, dict(config or {}),

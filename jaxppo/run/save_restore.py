@@ -89,17 +89,22 @@ def open_run(run: RunState, tc: TrainerConfig, settings: dict):
         if tc.resume_from is not None and tc.resume and jax.process_index() == 0:
             adopt(tc.resume_from, tc.output_dir, settings)
         saved_metrics = os.path.join(log_dir(tc), "metrics.jsonl")
-        existing = os.path.isfile(saved_metrics) or bool(checkpoint.steps(checkpoint_dir(tc)))
+        with warnings.catch_warnings():  # a torn last line: the logger warns once, when it rewrites the file
+            warnings.simplefilter("ignore", RuntimeWarning)
+            logged = bool(read_metrics(saved_metrics))
+        # A run that finished no iteration (its first failed or was stopped) left nothing a
+        # new run could be mixed with: it neither blocks a corrected command nor needs resume.
+        existing = logged or bool(checkpoint.steps(checkpoint_dir(tc)))
         if not tc.resume and existing:
             raise RunError(f"the output directory {tc.output_dir!r} already holds a run (metrics.jsonl or "
                            "checkpoints) and resume is off; give this run another output_dir, delete the old "
                            "run, or resume it")
-        check_settings(tc.output_dir, settings, write=jax.process_index() == 0)
+        check_settings(tc.output_dir, settings, write=jax.process_index() == 0, replace=not existing)
         restored = restore(run, tc) if tc.resume else None
         if restored is not None:
             run = restored
             print(f"resumed from iteration {run.iteration} ({checkpoint_dir(tc)})")
-        elif existing and read_metrics(saved_metrics):
+        elif logged:
             warnings.warn(f"{tc.output_dir!r} holds logged iterations but no checkpoint (none was saved before the "
                           "run stopped): starting again from iteration 0 with the same settings; the logged "
                           "iterations are recomputed", RuntimeWarning, stacklevel=4)
