@@ -7,9 +7,12 @@ tracker registered from outside the package; bad input refused before any work."
 import importlib.util
 import json
 import os
+import time
 
+import numpy as np
 import pytest
 
+import jaxppo
 from jaxppo import demo
 from jaxppo.errors import RewardError
 from jaxppo.tracking import Tracker, base, parse_report_to, read_metrics, read_table, register_tracker
@@ -87,12 +90,28 @@ def test_each_tracker_holds_every_iteration_once_after_a_crash_and_a_resume(tmp_
     assert [r["iteration"] for r in table] == [0, 0, 1, 1, 2, 2, 3, 3]
     # The last table's rows are the last iteration's completions, scored again here by the reward function.
     columns, last = trainer.completion_table(2)
-    assert columns == ["prompt", "completion", "reward", "crashing", "length", "stopped"]
+    assert columns == ["prompt", "completion", "reward", "crashing", "advantage", "length", "stopped"]
     for row, kept in zip(last, table[-2:]):
         assert dict(zip(columns, row)) == {k: v for k, v in kept.items() if k != "iteration"}
         assert kept["reward"] == kept["crashing"] == pytest.approx(
             float(demo.lowercase_reward([kept["prompt"]], [kept["completion"]])[0]), abs=1e-6)
         assert 0 <= kept["length"] <= 6
+
+
+def test_the_completions_table_holds_each_rows_advantage_as_the_update_computes_it(tmp_path):
+    """GRPO: the "advantage" column equals (score - group mean) / (group std + eps), Bessel's
+    std, computed here in numpy from the table's own "reward" column."""
+    ppo = jaxppo.PPOConfig(batch_size=16, mini_batch_size=8, ppo_epochs=1, advantage_estimator="grpo",
+                           num_generations=4, kl_coef=0.0)
+    trainer = small_trainer(tmp_path / "run", iterations=1, ppo=ppo, sample_every=1, num_samples=16,
+                            export_final=False, reward_fn=lambda p, c: [float(len(x) % 3) for x in c])
+    trainer.train()
+    table = read_table(str(tmp_path / "run" / "completions.table.jsonl"))
+    rewards = np.asarray([r["reward"] for r in table]).reshape(4, 4)
+    std = rewards.std(axis=1, ddof=1, keepdims=True)
+    expected = ((rewards - rewards.mean(axis=1, keepdims=True)) / (std + ppo.grpo_eps)).ravel()
+    assert np.ptp(rewards) > 0  # the rewards differ, so the advantages say something
+    np.testing.assert_allclose([r["advantage"] for r in table], expected, rtol=1e-5, atol=1e-5)
 
 
 class MemoryTracker(Tracker):
@@ -172,7 +191,11 @@ def test_wandb_transaction_files_cut_anywhere_read_as_a_prefix(tmp_path):
         run.log({"iteration": step, "x": step * 0.5, "text": "y" * 2000}, step=step)  # records span blocks
     run.finish()
     (path,) = wandb_files(str(tmp_path), "cutfile")
-    whole = [r["_step"] for r in wandb_history(path)]
+    # wandb's service process writes the file; on a loaded machine `finish()` has returned
+    # with the last records still on their way (seen once: 37 of 40), so wait for them.
+    deadline = time.monotonic() + 60
+    while len(whole := [r["_step"] for r in wandb_history(path)]) < 40 and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert whole == list(range(40)) and os.path.getsize(path) > 2 * 32768
     data = open(path, "rb").read()
     for cut in range(0, len(data), 997):

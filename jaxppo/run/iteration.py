@@ -55,14 +55,16 @@ class Outcome(NamedTuple):
     """What an iteration gives: the run state after it, its metrics line (host floats, its
     evaluation's included), the samples behind it (prompt rows, `GenerationOutput`), for
     `Trainer.samples`, their scores (the combined raw scores (B,) on the host, the text
-    reward functions' `{name: (values, given)}`), for `Trainer.completion_table`, and the
-    table of its evaluation's completions ((columns, rows), or None)."""
+    reward functions' `{name: (values, given)}`), for `Trainer.completion_table`, the
+    table of its evaluation's completions ((columns, rows), or None), and each row's
+    advantage (B,) (`stages.row_advantages`, a device array; None when not asked for)."""
 
     run: RunState
     metrics: dict
     samples: tuple
     scores: tuple = (None, {})
     eval_table: Optional[tuple] = None
+    advantages: Any = None
 
 
 def evaluate(prepared: Prepared, evaluator, hf_checkpoints, reward_params=None) -> tuple:
@@ -109,10 +111,11 @@ def check_scores(prepared: Prepared, source: str, skip: bool, prompts) -> None:
 
 
 def complete(prepared: Prepared, *, train_step, config: PPOConfig, pipelined=None, lr: Callable,
-             with_functions: bool) -> Outcome:
+             with_functions: bool, advantages: bool = False) -> Outcome:
     """The update of a prepared iteration (`jaxppo.run.stages.update`: consumes the old
     train state, whose buffers are donated) and its metrics line (`lr`: the learning-rate
-    schedule by update; `with_functions`: text reward functions beside a reward model); or,
+    schedule by update; `with_functions`: text reward functions beside a reward model;
+    `advantages`: keep each row's advantage for the completion tables); or,
     for an iteration with non-finite scores, its skip (`jaxppo.run.stages.skip`). With
     `pipelined`, the producer's snapshots advance with the run state."""
     p = prepared
@@ -124,6 +127,7 @@ def complete(prepared: Prepared, *, train_step, config: PPOConfig, pipelined=Non
                    "objective/skipped_nonfinite_scores": new_run.skipped_iterations,
                    "time/generation": time.perf_counter() - p.times[0]}
         return Outcome(new_run, metrics, (p.batch.rows, p.gen), (p.built.raw_scores, p.scores.per_function))
+    rows = stages.row_advantages(p.built, config) if advantages and not config.pack_sequences else None
     new_run, device = stages.update(p.run, p.built, p.train_key, train_step, config)
     new_run = _advance(pipelined, p.run, new_run.replace(prompts_consumed=p.consumed))
     host = jax.device_get(device)  # every metric of the iteration in one transfer
@@ -133,7 +137,8 @@ def complete(prepared: Prepared, *, train_step, config: PPOConfig, pipelined=Non
                                        skipped=new_run.skipped_iterations, with_functions=with_functions)
     metrics.update({f"time/reward/{name}": seconds for name, seconds in p.scores.times.items()})
     return Outcome(new_run, metrics, (p.batch.rows, p.gen),
-                   (p.built.raw_scores, report.with_model_scores(p.scores.per_function, p.built.model_scores)))
+                   (p.built.raw_scores, report.with_model_scores(p.scores.per_function, p.built.model_scores)),
+                   advantages=rows)
 
 
 def _advance(pipelined: Optional[Any], run: RunState, new_run: RunState) -> RunState:

@@ -47,7 +47,8 @@ from jaxppo.update.shaping import adaptive_entropy_coef
 
 __all__ = ["PromptTable", "PromptBatch", "HostScores", "Built", "select_prompts", "sample", "score", "build_rollout",
            "update", "skip", "bad_rows", "update_step", "PackedSteps", "scoring_streams",
-           "Precompiled", "precompile", "abstract_rollout", "nonfinite_error", "prompt_rows", "prompt_batch", "mesh_context"]
+           "Precompiled", "precompile", "abstract_rollout", "nonfinite_error", "prompt_rows", "prompt_batch", "mesh_context",
+           "row_advantages"]
 
 
 class Built(NamedTuple):
@@ -258,6 +259,23 @@ def nonfinite_error(iteration: int, source: str, built: Built, bad, prompts) -> 
         + (f" (and {bad.size - 5} more)" if bad.size > 5 else "") +
         f" (prompts {[prompts[i][:40] for i in bad[:3]]}); nothing was updated. Fix the reward, or set "
         "skip_nonfinite_scores (--skip-nonfinite-scores) to skip such iterations")
+
+
+def row_advantages(built: Built, config: PPOConfig):
+    """Each row's advantage as the update computes it (`jaxppo.compute_advantages` on the
+    rollout), averaged over the row's policy tokens (a sequence estimator's one number per
+    completion), for the completion tables: a device array, not waited for. Dispatched
+    before the update, whose train step may take the rollout's buffers."""
+    return _row_advantages(built.rollout, config=config)
+
+
+@functools.partial(jax.jit, static_argnames="config")
+def _row_advantages(rollout, config):
+    from jaxppo.update.ppo import compute_advantages
+
+    advantages, _ = compute_advantages(rollout, config)
+    mask = rollout.response_mask.astype(jnp.float32)
+    return (advantages * mask).sum(axis=1) / jnp.maximum(mask.sum(axis=1), 1.0)
 
 
 def update(run: RunState, built: Built, key, train_step, config: PPOConfig):

@@ -210,7 +210,8 @@ class Trainer(save_restore.Resumable, exporting.Exportable, watch.Watchable):
 
         def finish():
             outcome = complete(prepared, train_step=self.train_step, config=self.config, pipelined=pipelined,
-                               lr=self.policy_schedule, with_functions=self.host_rewards is not None)
+                               lr=self.policy_schedule, with_functions=self.host_rewards is not None,
+                               advantages=bool(self.tc.sample_every and self.tc.num_samples))
             data = {"data/prompts_filtered": self.table.filtered} if self.tc.overlong == "filter" else {}
             self.last = outcome._replace(metrics={**outcome.metrics, **data, **evaluated}, eval_table=eval_table)
             self.run = outcome.run

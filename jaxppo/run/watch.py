@@ -35,32 +35,36 @@ def stopped_rows(tokens: np.ndarray, mask: np.ndarray, stop_ids, stop_strings=No
     return stopped if stop_strings is None else stopped | stop_strings.completed(tokens, mask)
 
 
-def table_rows(texts, completions, total, per_function: dict, tokens, mask, stop_ids, stop_strings=None):
+def table_rows(texts, completions, total, per_function: dict, tokens, mask, stop_ids, stop_strings=None,
+               advantages=None):
     """(columns, rows) of completions: "prompt" (`texts`, one per row), "completion",
     "reward" (`total`, or None), one column per reward function (None where it gave no
-    opinion), "length" (the policy's response tokens) and "stopped" (ended with a stop
-    token)."""
+    opinion), "advantage" (each row's, averaged over its policy tokens; with `advantages`),
+    "length" (the policy's response tokens) and "stopped" (ended with a stop token)."""
     stopped = stopped_rows(tokens, mask, stop_ids, stop_strings)
-    columns = ["prompt", "completion", "reward", *per_function, "length", "stopped"]
+    with_advantages = advantages is not None
+    columns = ["prompt", "completion", "reward", *per_function, *(["advantage"] if with_advantages else []), "length",
+               "stopped"]
     table = []
     for i, (text, completion) in enumerate(zip(texts, completions)):
         functions = [float(v[i]) if g[i] else None for v, g in per_function.values()]
-        table.append([text, completion, None if total is None else float(total[i]), *functions,
+        advantage = [float(advantages[i])] if with_advantages else []
+        table.append([text, completion, None if total is None else float(total[i]), *functions, *advantage,
                       int(mask[i].sum()), bool(stopped[i])])
     return columns, table
 
 
-def completion_table(tokenizer, texts, samples, scores, stop_ids, n: int, stop_strings=None):
+def completion_table(tokenizer, texts, samples, scores, stop_ids, n: int, stop_strings=None, advantages=None):
     """(columns, rows) of the first `n` completions of an iteration (`samples`: its prompt
     rows and `GenerationOutput`; `scores`: the combined raw scores and the reward functions'
-    `{name: (values, given)}`), as `table_rows` lays them out (the reward model as
-    "reward_model")."""
+    `{name: (values, given)}`; `advantages`: each row's, or None), as `table_rows` lays them
+    out (the reward model as "reward_model")."""
     raw, per_function = scores
     rows, gen = samples
     tokens, mask = to_host(gen.tokens)[:n], to_host(gen.mask)[:n]
     shown = to_host(getattr(gen, "attention_mask", gen.mask))[:n]  # a multi-turn episode: the whole conversation
     return table_rows([texts[r] for r in rows[:n]], decode_responses(tokenizer, tokens, shown), raw, per_function,
-                      tokens, mask, stop_ids, stop_strings)
+                      tokens, mask, stop_ids, stop_strings, None if advantages is None else to_host(advantages)[:n])
 
 
 class Watchable:
@@ -84,9 +88,10 @@ class Watchable:
 
     def completion_table(self, n: int):
         """(columns, rows) of the first `n` completions of the last iteration
-        (`completion_table`)."""
+        (`completion_table`; its "advantage" column when tables are on: `sample_every` and
+        `num_samples`)."""
         return completion_table(self.tokenizer, self.table.texts, self.last.samples, self.last.scores,
-                                self.spec.stop_token_ids, n, self.spec.stop_strings)
+                                self.spec.stop_token_ids, n, self.spec.stop_strings, self.last.advantages)
 
 
 class HfCheckpoints:
