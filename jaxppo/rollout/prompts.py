@@ -434,7 +434,9 @@ class PromptStream:
     def columns(self) -> dict:
         """{name: values by row} of the columns the stream's records have shown so far (None
         where a record lacks one)."""
-        return {name: _Field(self, "column", name) for name in self._column_names}
+        with self._lock:  # a pipelined producer may be adding names while this is read
+            names = list(self._column_names)
+        return {name: _Field(self, "column", name) for name in names}
 
     def rows_at(self, key, start: int, count: int) -> np.ndarray:
         """Positions [start, start + count) of the stream (`key` is unused: a stream is read in
