@@ -52,12 +52,19 @@ from tables import print_markdown, side_by_side_args  # noqa: E402
 BATCH, RESPONSE, QUERY, LR, KL, EPS = 32, 24, 40, 3e-6, 0.05, 1e-8
 
 
+POOL = 10  # iterations' worth of prompts written whatever --iterations is
+
+
 def prompt_rows(iterations):
+    """`BATCH * max(iterations, POOL)` prompts: a run of 2 iterations and one of 5 draw the
+    same prompts in their first two (the order prompts are drawn in depends on the set's
+    size, so a set sized by --iterations made runs of different lengths sample differently)."""
     from jaxppo import demo
 
     train, _ = demo.sum_pairs()
     order = np.random.default_rng(0).permutation(len(train))
-    return [{"messages": r["prompt"]} for r in demo.sums_rows([train[i] for i in order[:BATCH * iterations]])]
+    count = BATCH * max(iterations, POOL)
+    return [{"messages": r["prompt"]} for r in demo.sums_rows([train[i] for i in order[:count]])]
 
 
 def blocked_stages():
