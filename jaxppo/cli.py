@@ -76,8 +76,10 @@ _EXTRA = {
     "remat": (str, "none", "rematerialise the policy's and critic's blocks in the backward pass: none, full, or a "
                            "jax.checkpoint_policies name (dots_saveable, dots_with_no_batch_dims_saveable, "
                            "nothing_saveable)"),
-    "scan_layers": (bool, False, "run the models' transformer blocks as one scan over layer-stacked parameters: "
-                                 "compile time no longer grows with depth (recommended for real models)"),
+    "scan_layers": (bool, None, "run the models' transformer blocks as one scan over layer-stacked parameters "
+                                "(compile time no longer grows with depth) or unrolled (--no-scan-layers: no "
+                                "compile-time limit, on a CPU the faster iteration); default: the layout of the "
+                                "run being resumed, else scanned for checkpoints of 16 layers or more"),
     "logits_chunk_size": (int, None, "apply the LM head this many response positions at a time when scoring (each "
                                      "chunk's logits recomputed in the backward pass): less memory at large "
                                      "vocabularies"),
@@ -382,7 +384,7 @@ def model_options(extras: dict) -> dict:
         except ValueError as err:
             raise SystemExit(f"jaxppo: {err}") from None
     return dict(mesh=mesh, remat=False if extras["remat"] == "none" else extras["remat"],
-                scan_layers=True if extras["scan_layers"] else None, logits_chunk_size=extras["logits_chunk_size"],
+                scan_layers="auto" if extras["scan_layers"] is None else extras["scan_layers"], logits_chunk_size=extras["logits_chunk_size"],
                 chat_template=extras["chat_template"], lora=lora, lora_init=extras["lora_init"])
 
 

@@ -228,6 +228,27 @@ def params_from_hf_tensors(model: Model, get_tensor, names, *, strict: bool = Tr
     return {"params": traverse_util.unflatten_dict(jax.tree.map(jnp.asarray, out))}
 
 
+def layer_count(path: str) -> Optional[int]:
+    """The number of transformer blocks of the checkpoint at `path` (a Hugging Face
+    directory, or a .gguf file's `<arch>.block_count`), read without loading any weights;
+    None when a .gguf file's metadata cannot be read that way."""
+    if is_gguf(path):
+        try:
+            from gguf import GGUFReader
+
+            reader = GGUFReader(os.fspath(path))
+            arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+            return int(reader.fields[f"{arch}.block_count"].parts[-1][0])
+        except Exception:  # noqa: BLE001 - no gguf package, another layout: loaded as it comes
+            return None
+    d = _read_config_dict(path)
+    try:
+        return ModelConfig.from_hf(d).num_layers
+    except (KeyError, TypeError) as err:
+        raise ValueError(f"{os.path.join(path, 'config.json')} lacks or misstates a field a {d['model_type']} config "
+                         f"needs: {err!r}") from None
+
+
 def from_pretrained(
     path: str,
     dtype="float32",

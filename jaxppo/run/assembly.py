@@ -35,11 +35,18 @@ from jaxppo.models.model import (
     unstack_layers,
 )
 from jaxppo.models.peft import load_peft_adapter, read_peft_config
+from jaxppo.run.directory import SETTINGS_FILE
 from jaxppo.trainer_config import TrainerConfig
 from jaxppo.update.engine import Freeze, clip_by_global_norm, key_names
 
 __all__ = ["Assembly", "assemble", "load_model", "critic_from", "LogitsOf",
-           "schedule", "optimizer"]
+           "schedule", "optimizer", "AUTO_SCAN_MIN_LAYERS", "resolve_layout"]
+
+# scan_layers="auto" (the default) scans the layers of checkpoints this deep or deeper: an
+# unrolled program's compile (and, on XLA:CPU, its load from the compilation cache) grows
+# with the depth, a scanned one's does not (SmolLM2-135M, 30 layers, PPO on a 2-core CPU: the
+# first iteration 171.5 s unrolled against 74.9 s scanned; docs/benchmarks.md).
+AUTO_SCAN_MIN_LAYERS = 16
 
 
 def load_model(spec, kind, dtype, param_dtype=None, scan_layers=None):
@@ -55,6 +62,53 @@ def load_model(spec, kind, dtype, param_dtype=None, scan_layers=None):
         convert = stack_layers if scan_layers else unstack_layers
         model, params = dataclasses.replace(model, scan_layers=scan_layers), convert(params, model.config)
     return model, params
+
+
+def check_layout(scan_layers):
+    """A `scan_layers` setting is True, False, "auto" or None (checked before anything loads)."""
+    if not (scan_layers is None or isinstance(scan_layers, bool) or scan_layers == "auto"):
+        raise ValueError(f"scan_layers={scan_layers!r} is invalid; valid: True, False, 'auto' (scanned for checkpoints "
+                         f"of {AUTO_SCAN_MIN_LAYERS} layers or more) or None (as loaded or given)")
+
+
+def resolve_layout(scan_layers, policy, tc: TrainerConfig):
+    """`scan_layers` as the models are loaded: True or False as given; "auto" resolved to
+    the layout of the run being resumed (its saved settings, when they name this policy),
+    else scanned for a checkpoint of `AUTO_SCAN_MIN_LAYERS` layers or more, unrolled below;
+    None (and "auto" for a given `(Model, params)` pair) keeps each model's own layout."""
+    check_layout(scan_layers)
+    if scan_layers != "auto":
+        return scan_layers
+    if not isinstance(policy, (str, os.PathLike)):
+        return None
+    saved = _saved_layout(os.path.abspath(os.fspath(policy)), tc)
+    if saved is not None:
+        return saved
+    layers = hf_io.layer_count(os.fspath(policy))
+    return None if layers is None else layers >= AUTO_SCAN_MIN_LAYERS
+
+
+def _saved_layout(policy_path: str, tc: TrainerConfig) -> Optional[bool]:
+    """The policy's layout in the saved settings of the run `tc` resumes (its output_dir, or
+    resume_from's run), when those settings name the same policy checkpoint."""
+    if not tc.resume:
+        return None
+    places = [tc.output_dir]
+    if tc.resume_from is not None:
+        source = os.path.abspath(os.fspath(tc.resume_from))
+        places += [source, os.path.dirname(os.path.dirname(source))]  # a run, or <run>/checkpoints/<step>
+    for place in places:
+        path = os.path.join(place, SETTINGS_FILE)
+        if not os.path.isfile(path):
+            continue
+        try:
+            policy = hf_io.read_json_object(path).get("policy")
+        except ValueError:
+            return None  # unreadable: check_settings names the problem when the run opens
+        if isinstance(policy, dict) and policy.get("path") == policy_path:
+            return bool(policy.get("scan_layers", False))
+        return None
+    return None
 
 
 def critic_from(model: Model, params, zero_head: bool, dtype=None):
@@ -205,6 +259,7 @@ def assemble(config: PPOConfig, tc: TrainerConfig, *, policy, reward_model=None,
     a critic) are trained, and the reference is the policy with its adapters off."""
     _check_arguments(config, tc, critic, lora, lora_init, dtype)
     ref_dtype, reward_dtype = ref_dtype or dtype, reward_dtype or dtype
+    scan_layers = resolve_layout(scan_layers, policy, tc)
     policy_model, policy_params = _load_policy(policy, tc, dtype, remat, scan_layers, logits_chunk_size, lora,
                                                lora_init)
     ref_model, ref_params, ref_is_policy = _reference(config, tc, policy_model, policy_params, ref_policy, ref_dtype,

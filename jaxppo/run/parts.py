@@ -29,7 +29,7 @@ from jaxppo.rollout.sampling import RolloutSpec
 from jaxppo.rollout.tools import check_tools, tool_environment
 from jaxppo.run import pipeline as pipelining
 from jaxppo.run import stages
-from jaxppo.run.assembly import Assembly, LogitsOf, assemble, optimizer, schedule
+from jaxppo.run.assembly import Assembly, LogitsOf, assemble, check_layout, optimizer, schedule
 from jaxppo.run.collect import Collector
 from jaxppo.run.evaluation import Evaluator, build_evaluator, check_best_metric
 from jaxppo.run.export import export_checkpoint
@@ -104,6 +104,7 @@ def build(config: PPOConfig, tc: TrainerConfig, *, policy, tokenizer, prompts, r
     """The parts of a run (the arguments are the `Trainer`'s): every setting checked before
     anything loads, then the prompts, the models, the rollout engine, the optimizer and the
     run state."""
+    check_layout(scan_layers)
     environment = _environment(environment, tools, tc)
     rewards = sort_rewards(reward_model, reward_fn, reward_fn_on, reward_fns, reward_weights,
                            environment=environment is not None)

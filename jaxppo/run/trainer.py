@@ -95,8 +95,11 @@ class Trainer(save_restore.Resumable, exporting.Exportable, watch.Watchable):
       remat, scan_layers, logits_chunk_size: the models' memory and compile-time settings
         (see `jaxppo.models.Model`; they change memory and compute, not results): remat
         of the trained models' blocks (False, True or a `jax.checkpoint_policies` name;
-        None keeps each model's own), blocks as one scan over stacked layers (None: as
-        loaded or given), and the LM head's chunk of response positions.
+        None keeps each model's own), blocks as one scan over stacked layers (True or
+        False; "auto", the default: the layout of the run being resumed, else scanned for a
+        checkpoint path of `jaxppo.run.assembly.AUTO_SCAN_MIN_LAYERS` (16) layers or more, as
+        given for a `(Model, params)` pair; None: as loaded or given), and the LM head's chunk
+        of response positions.
       lora: a `jaxppo.models.LoraConfig`: train low-rank adapters instead of all weights.
         The base is frozen (held in `dtype`), the reference is the same weights with the
         adapters off, checkpoints hold the adapters (and critic), and the final export
@@ -130,7 +133,7 @@ class Trainer(save_restore.Resumable, exporting.Exportable, watch.Watchable):
                  reward_fns: Optional[Sequence] = None, reward_weights: Optional[Sequence[float]] = None,
                  ref_policy=None, critic=None, dtype: str = "float32", ref_dtype: Optional[str] = None,
                  reward_dtype: Optional[str] = None, prompt_column: str = "prompt",
-                 callbacks: Sequence[Callable] = (), mesh=None, remat=None, scan_layers: Optional[bool] = None,
+                 callbacks: Sequence[Callable] = (), mesh=None, remat=None, scan_layers="auto",
                  logits_chunk_size: Optional[int] = None, chat_template: Optional[bool] = None,
                  lora=None, lora_init: Optional[str] = None, environment: Optional[Callable] = None,
                  tools: Optional[Sequence[Callable]] = None, eval_prompts=None,
