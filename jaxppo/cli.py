@@ -384,7 +384,8 @@ def model_options(extras: dict) -> dict:
         except ValueError as err:
             raise SystemExit(f"jaxppo: {err}") from None
     return dict(mesh=mesh, remat=False if extras["remat"] == "none" else extras["remat"],
-                scan_layers="auto" if extras["scan_layers"] is None else extras["scan_layers"], logits_chunk_size=extras["logits_chunk_size"],
+                scan_layers="auto" if extras["scan_layers"] is None else extras["scan_layers"],
+                logits_chunk_size=extras["logits_chunk_size"],
                 chat_template=extras["chat_template"], lora=lora, lora_init=extras["lora_init"])
 
 

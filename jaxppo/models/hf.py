@@ -241,12 +241,16 @@ def layer_count(path: str) -> Optional[int]:
             return int(reader.fields[f"{arch}.block_count"].parts[-1][0])
         except Exception:  # noqa: BLE001 - no gguf package, another layout: loaded as it comes
             return None
-    d = _read_config_dict(path)
+    return _model_config(_read_config_dict(path), os.path.join(path, "config.json")).num_layers
+
+
+def _model_config(d: dict, source: str) -> ModelConfig:
+    """The `ModelConfig` of a Hugging Face config dict read from `source`; a ValueError
+    naming the file when a field is missing or wrong."""
     try:
-        return ModelConfig.from_hf(d).num_layers
+        return ModelConfig.from_hf(d)
     except (KeyError, TypeError) as err:
-        raise ValueError(f"{os.path.join(path, 'config.json')} lacks or misstates a field a {d['model_type']} config "
-                         f"needs: {err!r}") from None
+        raise ValueError(f"{source} lacks or misstates a field a {d['model_type']} config needs: {err!r}") from None
 
 
 def from_pretrained(
@@ -287,10 +291,7 @@ def from_pretrained(
         d = _read_config_dict(path)
         tensors = _Tensors(path)
         names, get_tensor, source = tensors.names(), tensors.get, os.path.join(path, "config.json")
-    try:
-        config = ModelConfig.from_hf(d)
-    except (KeyError, TypeError) as err:
-        raise ValueError(f"{source} lacks or misstates a field a {d['model_type']} config needs: {err!r}") from None
+    config = _model_config(d, source)
     if kind is None:
         archs = d.get("architectures") or []
         kind = "reward" if any(a.endswith("ForSequenceClassification") for a in archs) else "causal_lm"

@@ -178,33 +178,33 @@ def _function_values(raw, batch: int, label: str, prompts, completions):
     return values, given, parts
 
 
-def accepted_columns(fn, skip: int = 2):
-    """The keyword names `fn` takes besides its first `skip` positional parameters
-    ((prompts, completions) for a reward function, (prompt,) for an environment's `reset`);
-    None: all (**kwargs or a signature that cannot be read)."""
+def _column_parameters(fn, skip: int):
+    """(every parameter of `fn`, those after its first `skip` positional ones that can take
+    a column by name); None where its signature cannot be read."""
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
         return None
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return None
     positional = [p for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
                                                   inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-    named = positional[skip:] + [p for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
-    return {p.name for p in named}
+    return params, positional[skip:] + [p for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
+
+
+def accepted_columns(fn, skip: int = 2):
+    """The keyword names `fn` takes besides its first `skip` positional parameters
+    ((prompts, completions) for a reward function, (prompt,) for an environment's `reset`);
+    None: all (**kwargs or a signature that cannot be read)."""
+    read = _column_parameters(fn, skip)
+    if read is None or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in read[0]):
+        return None
+    return {p.name for p in read[1]}
 
 
 def required_columns(fn, skip: int = 2) -> set:
     """The keyword names `fn` needs (no default) besides its first `skip` positional
     parameters; empty where its signature cannot be read."""
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        return set()
-    positional = [p for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
-                                                  inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-    named = positional[skip:] + [p for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
-    return {p.name for p in named if p.default is inspect.Parameter.empty}
+    read = _column_parameters(fn, skip)
+    return set() if read is None else {p.name for p in read[1] if p.default is inspect.Parameter.empty}
 
 
 @dataclasses.dataclass(frozen=True)
