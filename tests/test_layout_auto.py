@@ -71,6 +71,17 @@ def test_auto_follows_the_saved_settings_of_the_run_it_resumes(checkpoints, tmp_
     saved({"path": deep})
     assert resolve_layout("auto", deep, _tc(tmp_path, resume=False)) is True  # not resuming: the rule
 
+    # resume_from: the source run's settings, named by its directory or one of its checkpoints
+    source = tmp_path / "source"
+    (source / "checkpoints" / "3").mkdir(parents=True)
+    (source / SETTINGS_FILE).write_text(json.dumps({"policy": {"path": deep}}))
+    for named in (source, source / "checkpoints" / "3"):
+        assert resolve_layout("auto", deep, _tc(tmp_path / "new", resume_from=str(named))) is False
+    # a run directory's own settings only, not those of a folder above it
+    (source / "runs" / "run").mkdir(parents=True)
+    tc = _tc(tmp_path / "other", resume_from=str(source / "runs" / "run"))
+    assert resolve_layout("auto", deep, tc) is True
+
 
 def test_a_run_made_unrolled_resumes_unrolled_under_the_default(tmp_path, capsys, monkeypatch):
     """Through the trainer: a checkpoint at the threshold loads scanned by default (and the

@@ -35,7 +35,7 @@ from jaxppo.models.model import (
     unstack_layers,
 )
 from jaxppo.models.peft import load_peft_adapter, read_peft_config
-from jaxppo.run.directory import SETTINGS_FILE
+from jaxppo.run.directory import SETTINGS_FILE, named_checkpoint
 from jaxppo.trainer_config import TrainerConfig
 from jaxppo.update.engine import Freeze, clip_by_global_norm, key_names
 
@@ -93,10 +93,7 @@ def _saved_layout(policy_path: str, tc: TrainerConfig) -> Optional[bool]:
     resume_from's run), when those settings name the same policy checkpoint."""
     if not tc.resume:
         return None
-    places = [tc.output_dir]
-    if tc.resume_from is not None:
-        source = os.path.abspath(os.fspath(tc.resume_from))
-        places += [source, os.path.dirname(os.path.dirname(source))]  # a run, or <run>/checkpoints/<step>
+    places = [tc.output_dir] + ([] if tc.resume_from is None else [named_checkpoint(tc.resume_from)[0]])
     for place in places:
         path = os.path.join(place, SETTINGS_FILE)
         if not os.path.isfile(path):

@@ -17,8 +17,8 @@ from typing import Optional
 from jaxppo.errors import RunError
 from jaxppo.files import atomic_write_text
 
-__all__ = ["RunError", "atomic_write_text", "atomic_replace_dir", "RunLock", "check_settings", "SETTINGS_FILE",
-           "make_output_dir"]
+__all__ = ["RunError", "atomic_write_text", "atomic_replace_dir", "RunLock", "check_settings", "named_checkpoint",
+           "SETTINGS_FILE", "make_output_dir"]
 
 SETTINGS_FILE = "run_settings.json"
 LOCK_FILE = ".jaxppo.lock"
@@ -140,6 +140,17 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
         else:
             out[name] = value
     return out
+
+
+def named_checkpoint(source) -> tuple:
+    """(run directory, step) when `source` is one of a run's checkpoint folders
+    (`<run>/checkpoints/<step>`), else (`source`, None): what `resume_from` names, read
+    without opening the checkpoint."""
+    source = os.path.abspath(os.fspath(source))
+    parent = os.path.dirname(source)
+    if os.path.basename(parent) == "checkpoints" and os.path.basename(source).isdigit() and os.path.isdir(source):
+        return os.path.dirname(parent), int(os.path.basename(source))
+    return source, None
 
 
 def check_settings(directory: str, settings: dict, *, write: bool = True, replace: bool = False):

@@ -18,7 +18,7 @@ from jaxppo.config import PPOConfig
 from jaxppo.errors import RunError
 from jaxppo.run import checkpoints as checkpoint
 from jaxppo.files import atomic_write_text
-from jaxppo.run.directory import SETTINGS_FILE, RunLock, check_settings
+from jaxppo.run.directory import SETTINGS_FILE, RunLock, check_settings, named_checkpoint
 from jaxppo.run.logger import read_metrics
 from jaxppo.tracking.local import METRICS_FILE, TABLE_SUFFIX, read_table
 from jaxppo.run.state import RunState
@@ -189,9 +189,9 @@ def _adopted_checkpoint(source: str):
     """(run directory, step) that `resume_from=source` names; a `RunError` saying what a
     valid value is otherwise."""
     source = os.path.abspath(os.fspath(source))
-    parent = os.path.dirname(source)
-    if os.path.basename(parent) == "checkpoints" and os.path.basename(source).isdigit() and os.path.isdir(source):
-        step, run_dir = int(os.path.basename(source)), os.path.dirname(parent)
+    run_dir, step = named_checkpoint(source)
+    if step is not None:
+        parent = os.path.dirname(source)
         try:
             checkpoint.verify(source, expected=True)
         except (checkpoint.ChecksumError, OSError) as err:
