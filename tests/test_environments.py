@@ -17,6 +17,8 @@ from jaxppo.rollout.samplers.static import generate
 from jaxppo.rollout.environments import StepResult, chat_continuation, run_episodes
 from jaxppo.run.stages import select_prompts
 
+from jaxppo.tracking import read_table
+
 from trainer_setup import TwoTurns, run_command, small_trainer
 
 Q, R, L = 32, 16, 4  # prompt width, response budget, tokens per turn
@@ -272,12 +274,56 @@ def test_chat_observations_continue_the_template_after_the_stop_token():
 
 
 def test_multiturn_resume_equals_the_uninterrupted_run(tmp_path):
-    straight = trainer_with(tmp_path / "a", demo.GuessTheDigit, iterations=3,
-                            prompts=demo.multiturn_prompts()).train()
-    trainer_with(tmp_path / "b", demo.GuessTheDigit, iterations=1, prompts=demo.multiturn_prompts()).train()
-    resumed = trainer_with(tmp_path / "b", demo.GuessTheDigit, iterations=3, prompts=demo.multiturn_prompts()).train()
-    drop = lambda r: {k: v for k, v in r.items() if not k.startswith("time/") and k != "eps"}
+    """Also the evaluation's episodes (sampled, every iteration): the resumed run's equal."""
+    settings = dict(prompts=demo.multiturn_prompts(), eval_prompts=demo.multiturn_prompts()[:3], eval_every=1,
+                    eval_generations=2, eval_temperature=1.0)
+    straight = trainer_with(tmp_path / "a", demo.GuessTheDigit, iterations=3, **settings).train()
+    trainer_with(tmp_path / "b", demo.GuessTheDigit, iterations=1, **settings).train()
+    resumed = trainer_with(tmp_path / "b", demo.GuessTheDigit, iterations=3, **settings).train()
+    drop = lambda r: {k: v for k, v in r.items() if not k.startswith("time/") and k not in ("eps", "eval/time")}
     assert len(resumed) == 3 and [drop(r) for r in resumed] == [drop(r) for r in straight]
+    assert all("eval/rewards/environment/mean" in r for r in straight)
+    assert read_table(str(tmp_path / "a" / "eval_completions.table.jsonl")) == read_table(
+        str(tmp_path / "b" / "eval_completions.table.jsonl"))
+
+
+def test_the_evaluation_plays_episodes_as_a_hand_built_greedy_loop(tmp_path):
+    """With an environment, the evaluation plays each eval prompt's episodes on the run's
+    engine (turn cache kept) at eval_temperature 0: every completion is the greedy first
+    turn, the observation and the greedy second turn decoded as a hand-built loop of
+    `generate` calls gives them, scored by the environment (0.5 + the second turn's length)."""
+    prompts = demo.DEMO_PROMPTS[:5]  # 10 rows: chunks of 4 prompts x 2, the last padded
+    trainer = trainer_with(tmp_path, TwoTurns, iterations=1, eval_prompts=prompts, eval_temperature=0.0,
+                           eval_generations=2)
+    tok, spec = trainer.tokenizer, trainer.spec
+    params = jax.tree.map(jnp.copy, spec.policy_params(trainer.state.params))  # the update donates the originals
+    metrics = trainer.step()
+    table = trainer.last_eval_table[1]
+    evaluator = trainer.parts.evaluator
+    ids, mask = np.repeat(evaluator.table.ids, 2, axis=0), np.repeat(evaluator.table.mask, 2, axis=0)
+    common = dict(temperature=spec.temperature, stop_token_ids=spec.stop_token_ids, pad_token_id=spec.pad_token_id,
+                  greedy=True)
+    b, q = ids.shape
+    first = jax.device_get(generate(spec.policy, params, ids, mask, jax.random.key(0), response_length=L,
+                                    max_lengths=np.full(b, L), **common))
+    contexts, context_mask, budgets = np.zeros((b, q + R), np.int32), np.zeros((b, q + R), np.int32), []
+    for i in range(b):
+        sequence = ids[i][mask[i] > 0].tolist() + first.tokens[i, :first.mask[i].sum()].tolist() + byte_ids("ok")
+        contexts[i, q + R - len(sequence):], context_mask[i, q + R - len(sequence):] = sequence, 1
+        budgets.append(min(L, R - int(first.mask[i].sum()) - 2))
+    second = jax.device_get(generate(spec.policy, params, contexts, context_mask, jax.random.key(0),
+                                     response_length=L, max_lengths=np.asarray(budgets), **common))
+    rewards = []
+    for i, row in enumerate(table):
+        turn1 = tok.decode(first.tokens[i, :first.mask[i].sum()].tolist(), skip_special_tokens=True)
+        turn2 = tok.decode(second.tokens[i, :second.mask[i].sum()].tolist(), skip_special_tokens=True)
+        assert row[0] == prompts[i // 2] and row[1] == turn1 + "ok" + turn2
+        rewards.append(0.5 + len(turn2))
+        assert row[2] == row[3] == rewards[-1]  # the reward, the environment's column
+        assert row[4] == int(first.mask[i].sum() + second.mask[i].sum())  # the policy's tokens
+    assert len(table) == 10
+    assert metrics["eval/reward_mean"] == pytest.approx(np.mean(rewards))
+    assert metrics["eval/rewards/environment/mean"] == pytest.approx(np.mean(rewards))
 
 
 class KilledMidEpisode(demo.GuessTheDigit):

@@ -2,7 +2,7 @@
 `LoopEngine` samples with a plain loop of full forwards (no KV cache, none of jaxppo's
 samplers), declares no capabilities, and is registered by name. The trainer runs GRPO with
 it, synchronous and pipelined; the behaviour log-probs it returns agree with the trainer's
-own scoring pass; settings it cannot run are refused before anything starts; the registry
+own scoring pass; the evaluation samples on it; settings it cannot run are refused before anything starts; the registry
 and the built-in engines answer as documented."""
 
 import jax
@@ -13,8 +13,11 @@ import pytest
 import jaxppo
 from jaxppo import demo
 from jaxppo.models.decoding import GenerationOutput
+from jaxppo.models.tokenizer import decode_responses
 from jaxppo.rollout.engines import (BUILT_IN, ROLLOUT_ENGINES, Capabilities, ContinuousEngine, RolloutEngine,
                                     StaticEngine, engine_class, register_rollout_engine, rollout_engine_names)
+from jaxppo.run.evaluation import EVAL_KEY
+from jaxppo.tracking import read_table
 
 from trainer_setup import small_trainer
 
@@ -93,6 +96,34 @@ def test_a_pipelined_run_samples_from_stale_versions_with_an_engine_from_outside
     assert [row["rollout/policy_version"] for row in history] == [0, 0, 1]
     assert LoopEngine.versions == [0, 0, 1]  # the version each iteration samples from: max(0, i - 1)
     assert all(row["sampling/sampling_logp_difference/max"] < 1e-4 for row in history[:1])
+
+
+def test_the_evaluation_samples_on_the_runs_engine(loop_engine, tmp_path):
+    """Eval prompts in a run on an engine from outside: the evaluation samples on it, given
+    the policy of its iteration (its completions are the engine's own for the
+    evaluation's key), at the spec's temperature, since LoopEngine's `sample` takes no
+    `temperature`: an eval_temperature is refused before any model loads, naming it."""
+    prompts = demo.DEMO_PROMPTS[:3]
+    with pytest.raises(ValueError, match=r"eval_temperature=0.0 \(--eval-temperature\) .* rollout_engine='loop' "
+                                         r"\(LoopEngine\) takes none: its sample lack"):
+        small_trainer(tmp_path / "refused", ppo=GRPO, rollout_engine="loop", eval_prompts=prompts,
+                      eval_temperature=0.0)
+    trainer = small_trainer(tmp_path / "run", iterations=1, ppo=GRPO, rollout_engine="loop", eval_prompts=prompts,
+                            eval_generations=2, export_final=False)
+    initial, key = jax.tree.map(jnp.copy, trainer.policy_params()), trainer.run.key
+    trainer.train()
+    # Iteration 0's batch, its evaluation (the same version: no push needed by an engine that
+    # holds a copy), the final policy's evaluation (after one iteration).
+    assert LoopEngine.versions == [0, 0, 1]
+    table = read_table(str(tmp_path / "run" / "eval_completions.table.jsonl"))
+    evaluator, engine = trainer.parts.evaluator, LoopEngine(trainer.spec)
+    engine.set_weights(initial, 0)
+    eval_key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, EVAL_KEY), 0), 0)  # iteration 0, chunk 0
+    rows = np.repeat(np.arange(3), 2)
+    gen = engine.sample(evaluator.table.ids[rows], evaluator.table.mask[rows], eval_key, num_generations=2,
+                        response_length=trainer.spec.response_length)
+    expected = decode_responses(trainer.tokenizer, np.asarray(gen.tokens), np.asarray(gen.mask))
+    assert [r["completion"] for r in table] == expected and len(set(expected)) > 1
 
 
 @pytest.mark.parametrize("settings,what", [

@@ -144,6 +144,32 @@ class TestOneEngine:
             ended += stop == m - 1
         assert ended > 0
 
+    def test_vllm_samples_follow_their_seeds_and_greedy_takes_the_argmax(self, engine_and_model):
+        """Each prompt group seeded (`request_seeds` of a key): the same key gives the same
+        tokens on another call, another key other tokens; greedy decoding (an evaluation at
+        temperature 0) takes at every step a token whose log-prob under jaxppo's own
+        forward of the same sequence is the largest (up to float rounding)."""
+        engine, model, params = engine_and_model
+        engine.push(params, 3)
+        ids, mask = prompts()
+        settings = dict(num_generations=G, response_length=R, temperature=1.0, stop_token_ids=(1,), pad_token_id=0)
+        seeds = vllm_engine.request_seeds(jax.random.key(5), B // G)
+        assert seeds == vllm_engine.request_seeds(jax.random.key(5), B // G) and len(set(seeds)) == B // G
+        first = engine.generate(ids, mask, seeds=seeds, **settings)
+        again = engine.generate(ids, mask, seeds=seeds, **settings)
+        other = engine.generate(ids, mask, seeds=vllm_engine.request_seeds(jax.random.key(6), B // G), **settings)
+        for a, b in zip(first, again):
+            np.testing.assert_array_equal(a, b)
+        assert not np.array_equal(first[0], other[0])
+        assert len({tuple(row) for row in first[0][:G]}) > 1  # a group's samples differ (seed, seed + 1, ...)
+        tokens, _, out_mask = engine.generate(ids, mask, greedy=True, **settings)
+        out = model.apply(params, jnp.asarray(np.concatenate([ids, tokens], 1)),
+                          jnp.asarray(np.concatenate([mask, out_mask], 1)))
+        logp = np.asarray(jax.nn.log_softmax(out[0] if isinstance(out, tuple) else out))[:, Q - 1:Q - 1 + R]
+        chosen = np.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
+        assert out_mask.sum() > B
+        assert np.max((logp.max(-1) - chosen) * out_mask) < 1e-4
+
     def test_a_failed_push_is_an_error_and_nothing_samples_after_it(self, engine_and_model):
         """A push vLLM rejects (a tensor of the wrong shape) is an error naming the version, and
         no later sample is drawn from whatever vLLM holds after it."""
@@ -166,16 +192,18 @@ def test_a_head_size_the_cpu_kernel_lacks_is_refused_before_vllm_starts():
         vllm_engine.VLLMEngine(model, model.init(jax.random.key(0)), seed=0, max_model_len=32)
 
 
-def vllm_trainer(tmp_path, iterations=2, **settings):
+def vllm_trainer(tmp_path, iterations=2, eval_prompts=None, **settings):
     tokenizer = demo.demo_tokenizer()
     model = jm.Model(tiny_config())
     params = model.init(jax.random.key(1))
     ppo = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=8, mini_batch_size=4, ppo_epochs=1, num_generations=4)
-    tc = jaxppo.TrainerConfig(iterations=iterations, query_length=32, response_length=8, learning_rate=3e-2,
-                              output_dir=str(tmp_path), progress=False, sample_every=0, checkpoint_every=0,
-                              export_final=False, plot=False, tensorboard=False, rollout_engine="vllm", **settings)
+    tc = jaxppo.TrainerConfig(**{**dict(iterations=iterations, query_length=32, response_length=8, learning_rate=3e-2,
+                                        output_dir=str(tmp_path), progress=False, sample_every=0, checkpoint_every=0,
+                                        export_final=False, plot=False, tensorboard=False, rollout_engine="vllm"),
+                                 **settings})
     return jaxppo.Trainer(ppo, tc, policy=(model, params), tokenizer=tokenizer, prompts=demo.DEMO_PROMPTS[:8],
-                          reward_fn=demo.lowercase_reward, lora=jm.LoraConfig(rank=4, alpha=8.0))
+                          reward_fn=demo.lowercase_reward, lora=jm.LoraConfig(rank=4, alpha=8.0),
+                          eval_prompts=eval_prompts)
 
 
 def run_trainer(tmp_path, push=True, iterations=2, **settings):
@@ -233,3 +261,26 @@ def test_pipelined_iterations_sample_with_vllm_from_the_version_k_behind(tmp_pat
     assert [r["rollout/staleness_max"] for r in history] == [0, 1, 1]
     assert history[0]["sampling/sampling_logp_difference/max"] < 1e-4
     assert history[2]["sampling/sampling_logp_difference/max"] > 1e-3  # version 1 sampled, version 2 trained
+
+
+def test_the_evaluation_samples_on_vllm_and_a_resumed_run_repeats_it(tmp_path):
+    """Eval prompts with rollout_engine="vllm": the evaluation samples on vLLM, given the
+    policy of its iteration (pushed; the final policy's too); its samples, and the
+    training samples, are seeded from the run's keys, so a run stopped after one iteration
+    and resumed logs what the uninterrupted run logs: every metric, the evaluations'
+    included, and the same evaluation completions."""
+    settings = dict(eval_prompts=demo.DEMO_PROMPTS[8:13], eval_every=1, eval_generations=2, eval_temperature=1.0,
+                    checkpoint_every=1)
+    whole, pushed = run_trainer(tmp_path / "whole", **settings)
+    # Each iteration's batch and its evaluation (two chunks of 4 prompts x 2 rows: 8 rows at most, a training
+    # batch's), then the final policy's evaluation; a version already in vLLM is not loaded again.
+    assert pushed == [0, 0, 0, 1, 1, 1, 2, 2]
+    run_trainer(tmp_path / "resumed", iterations=1, **settings)
+    resumed, _ = run_trainer(tmp_path / "resumed", **settings)
+    drop = lambda r: {k: v for k, v in r.items() if not k.startswith("time/") and k not in ("eps", "eval/time")}
+    assert [drop(r) for r in resumed] == [drop(r) for r in whole]
+    assert "eval/reward_mean" in whole[0] and "eval/reward_mean" in whole[1]
+    from jaxppo.tracking import read_table
+
+    tables = [read_table(str(tmp_path / name / "eval_completions.table.jsonl")) for name in ("whole", "resumed")]
+    assert tables[0] == tables[1] and len(tables[0]) == 2 * 5 * 2

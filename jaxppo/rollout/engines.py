@@ -4,6 +4,7 @@
     engine.set_weights(policy_params, version)       # take new weights
     gen = engine.sample(prompt_ids, prompt_mask, key, num_generations=G, response_length=R)
       # GenerationOutput: tokens, the behaviour policy's log-probs, mask; each (B, R)
+    gen = engine.sample(..., temperature=0.0)      # an evaluation's own temperature (0: greedy)
     engine.close()
 
 An engine declares what it can do (`Capabilities`); the trainer checks a run's settings
@@ -30,7 +31,8 @@ from jaxppo.rollout.samplers.static import generate
 from jaxppo.rollout.samplers.turns import first_turn, next_turn
 
 __all__ = ["Capabilities", "RolloutEngine", "StaticEngine", "ContinuousEngine", "BUILT_IN", "ROLLOUT_ENGINES",
-           "register_rollout_engine", "rollout_engine_names", "engine_class", "check_settings", "sample_responses"]
+           "register_rollout_engine", "rollout_engine_names", "engine_class", "check_settings", "sample_responses",
+           "sampling_settings", "takes_temperature"]
 
 BUILT_IN = "jaxppo"  # the built-in engines' name: static, or continuous with num_slots
 
@@ -100,10 +102,14 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def sample(self, prompt_ids, prompt_mask, key, *, num_generations: int, response_length: int,
-               max_lengths=None) -> GenerationOutput:
+               max_lengths=None, temperature: Optional[float] = None) -> GenerationOutput:
         """Sample `response_length` tokens after each left-padded prompt (int (B, Q)) from
         the weights last set. Rows come in groups of `num_generations` consecutive rows with
         the same prompt. `max_lengths`: None, or int (B,) budgets per row (`multi_turn`).
+        `temperature`: None samples at the spec's; a value replaces it for this call (0:
+        greedy, the argmax), as an evaluation asks (`TrainerConfig.eval_temperature`; an
+        engine whose `sample` lacks this keyword is refused eval_temperature before the run
+        starts, and evaluates at the spec's).
         Returns a `GenerationOutput` of (B, R) tokens (pad after a stop token or the token
         that completed a stop string), the log-prob of each under the behaviour policy (the
         distribution it was drawn from: softmax(logits / temperature) after the spec's
@@ -140,9 +146,10 @@ class _Builtin(RolloutEngine):
     def set_weights(self, params, version=None) -> None:
         self.params = params
 
-    def settings(self) -> dict:
-        """The sampling settings every sampler takes from the spec (`RolloutSpec.sampling`)."""
-        return self.spec.sampling()
+    def settings(self, temperature: Optional[float] = None) -> dict:
+        """The sampling settings every sampler takes from the spec (`RolloutSpec.sampling`),
+        with `temperature` instead of the spec's where given (0: greedy)."""
+        return sampling_settings(self.spec, temperature)
 
 
 class StaticEngine(_Builtin):
@@ -153,21 +160,23 @@ class StaticEngine(_Builtin):
     capabilities = Capabilities(multi_turn=True, turn_cache=True, meshes=True, exact_logprobs=True)
 
     def sample(self, prompt_ids, prompt_mask, key, *, num_generations: int, response_length: int,
-               max_lengths=None) -> GenerationOutput:
+               max_lengths=None, temperature: Optional[float] = None) -> GenerationOutput:
         return generate(self.spec.policy, self.params, prompt_ids, prompt_mask, key, response_length=response_length,
-                        num_generations=num_generations, max_lengths=max_lengths, **self.settings())
+                        num_generations=num_generations, max_lengths=max_lengths, **self.settings(temperature))
 
-    def first_turn(self, prompt_ids, prompt_mask, key, *, num_generations: int, turn_length: int, max_lengths):
+    def first_turn(self, prompt_ids, prompt_mask, key, *, num_generations: int, turn_length: int, max_lengths,
+                   temperature: Optional[float] = None):
         """The first turn of multi-turn episodes, its KV cache kept (`samplers.turns`)."""
         return first_turn(self.spec.policy, self.params, prompt_ids, prompt_mask, key, num_generations=num_generations,
                           turn_length=turn_length, response_budget=self.spec.response_length,
-                          max_lengths=max_lengths, **self.settings())
+                          max_lengths=max_lengths, **self.settings(temperature))
 
-    def next_turn(self, state, new_tokens, new_start, new_lengths, key, *, turn_length: int, max_lengths, place):
+    def next_turn(self, state, new_tokens, new_start, new_lengths, key, *, turn_length: int, max_lengths, place,
+                  temperature: Optional[float] = None):
         """A later turn from the kept cache: only the tokens new since it are fed."""
         return next_turn(self.spec.policy, self.params, state, new_tokens, new_start, new_lengths, key, place=place,
                          turn_length=turn_length, response_budget=self.spec.response_length,
-                         max_lengths=max_lengths, **self.settings())
+                         max_lengths=max_lengths, **self.settings(temperature))
 
 
 class ContinuousEngine(_Builtin):
@@ -180,10 +189,10 @@ class ContinuousEngine(_Builtin):
                                 exact_logprobs=True)
 
     def sample(self, prompt_ids, prompt_mask, key, *, num_generations: int, response_length: int,
-               max_lengths=None) -> GenerationOutput:
+               max_lengths=None, temperature: Optional[float] = None) -> GenerationOutput:
         return generate_continuous(self.spec.policy, self.params, prompt_ids, prompt_mask, key,
                                    num_slots=self.spec.num_slots, response_length=response_length,
-                                   max_lengths=max_lengths, **self.settings())
+                                   max_lengths=max_lengths, **self.settings(temperature))
 
     def sample_inflight(self, source, prompt_ids, prompt_mask, key, *, on_update: str, steps: int):
         spec = self.spec
@@ -258,6 +267,27 @@ def check_settings(trainer_config, *, multi_turn: bool, mesh, processes: int = 1
 
 def _declared(caps: Capabilities) -> str:
     return ", ".join(f.name for f in dataclasses.fields(caps) if getattr(caps, f.name)) or "none"
+
+
+def sampling_settings(spec, temperature: Optional[float] = None) -> dict:
+    """`spec.sampling()` (a `RolloutSpec`'s settings), at `temperature` instead of the
+    spec's where it is given: 0 is greedy decoding (the argmax; log-probs at temperature 1)."""
+    settings = spec.sampling()
+    if temperature is None:
+        return settings
+    return {**settings, "temperature": float(temperature) or 1.0, "greedy": float(temperature) == 0.0}
+
+
+def takes_temperature(engine_cls: type, method: str = "sample") -> bool:
+    """Whether `engine_cls.method` accepts `temperature=` (every built-in engine's does;
+    an engine written before it was part of the interface may not)."""
+    import inspect
+
+    fn = getattr(engine_cls, method, None)
+    if fn is None:
+        return False
+    parameters = inspect.signature(fn).parameters
+    return "temperature" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
 
 
 def sample_responses(spec, params, prompt_ids, prompt_mask, key) -> GenerationOutput:

