@@ -92,3 +92,71 @@ def test_a_missing_checksum_file_falls_back_and_an_old_checkpoint_restores_with_
     (step, tree), messages = _restore(old)
     assert step == 3 and _same(tree, _tree(3.0))
     assert any("written without checksums" in m and "restored unverified" in m for m in messages)
+
+
+def _flip(path, at):
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+def test_exported_policies_and_adapters_carry_checksums_checked_on_load(tmp_path):
+    """An export (the policy, a PEFT adapter) carries the SHA-256 of its files; jaxppo loads
+    it back unchanged, allows files added beside it, and refuses a copy with a flipped byte
+    or a missing file, naming the folder and the file."""
+    from jaxppo import demo
+    from jaxppo.files import CHECKSUMS
+    from jaxppo.models import LoraConfig, from_pretrained
+    from jaxppo.models.adapters import add_lora
+    from jaxppo.models.peft import load_peft_adapter
+    from jaxppo.run.export import export_adapter, export_policy
+
+    tokenizer = demo.demo_tokenizer()
+    model, params = demo.demo_policy(tokenizer, width=32, layers=1)
+    export_policy(model, params, tokenizer, str(tmp_path / "policy"))
+    saved = ck.checksums(str(tmp_path / "policy"))
+    assert (tmp_path / "policy" / CHECKSUMS).is_file() and "model.safetensors" in saved and "config.json" in saved
+    (tmp_path / "policy" / "README.md").write_text("a model card added later\n")
+    _, loaded = from_pretrained(str(tmp_path / "policy"))
+    assert _same(loaded, params)
+    _flip(tmp_path / "policy" / "model.safetensors", os.path.getsize(tmp_path / "policy" / "model.safetensors") // 2)
+    with pytest.raises(ValueError, match=r"the checkpoint '.*policy' is damaged: file model.safetensors does not "
+                                         r"match its checksum .* copy or export it again"):
+        from_pretrained(str(tmp_path / "policy"))
+
+    lora_model, variables = add_lora(model, params, LoraConfig(rank=2, alpha=4.0, targets=("c_attn",)), jax.random.key(1))
+    variables = {**variables, "lora": jax.tree.map(lambda x: x + 0.01, variables["lora"])}
+    export_adapter(lora_model, variables, str(tmp_path / "adapter"))
+    _, back = load_peft_adapter(model, params, str(tmp_path / "adapter"))
+    assert _same(back["lora"], variables["lora"])
+    os.remove(tmp_path / "adapter" / "adapter_config.json")
+    with pytest.raises(ValueError, match=r"the PEFT adapter '.*adapter' is damaged: file adapter_config.json is "
+                                         r"missing"):
+        load_peft_adapter(model, params, str(tmp_path / "adapter"))
+
+
+def test_run_settings_carry_a_checksum_checked_when_a_run_opens(tmp_path):
+    """run_settings.json holds the SHA-256 of the settings: a value changed in the file (a
+    flipped bit that still parses) is refused with the file named, not taken for the run's
+    settings; settings saved without one (jaxppo 0.4) are read as they are."""
+    import json
+
+    from jaxppo.errors import RunError
+    from jaxppo.run.directory import SETTINGS_FILE, check_settings
+
+    settings = {"ppo": {"batch_size": 16, "kl_coef": 0.05}, "trainer": {"learning_rate": 1e-3}}
+    check_settings(str(tmp_path), settings)
+    path = tmp_path / SETTINGS_FILE
+    check_settings(str(tmp_path), settings)  # the same settings: accepted
+    text = path.read_text()
+    path.write_text(text.replace('"batch_size": 16', '"batch_size": 17'))
+    with pytest.raises(RunError, match=r"run_settings.json does not match the checksum saved in it \(_sha256\)"):
+        check_settings(str(tmp_path), {**settings, "ppo": {"batch_size": 17, "kl_coef": 0.05}})
+    old = json.loads(text)
+    del old["_sha256"]
+    path.write_text(json.dumps(old))  # as jaxppo 0.4 wrote it
+    check_settings(str(tmp_path), settings)
+    with pytest.raises(RunError, match=r"(?s)holds a run with other settings.*batch_size: was 16, now 17"):
+        check_settings(str(tmp_path), {**settings, "ppo": {"batch_size": 17, "kl_coef": 0.05}})

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from jaxppo.files import verify_if_present
 from jaxppo.models.adapters import merge_lora
 from jaxppo.models.config import ModelConfig
 from jaxppo.models.family import family_of, model_types
@@ -288,6 +289,7 @@ def from_pretrained(
         d, arrays = read_gguf(path)
         names, get_tensor, source = arrays.keys(), arrays.__getitem__, os.fspath(path)
     else:
+        verify_if_present(os.fspath(path), "the checkpoint")  # an export of jaxppo's carries checksums
         d = _read_config_dict(path)
         tensors = _Tensors(path)
         names, get_tensor, source = tensors.names(), tensors.get, os.path.join(path, "config.json")

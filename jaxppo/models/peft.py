@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from jaxppo.files import verify_if_present
 from jaxppo.models.adapters import add_lora, check_model
 from jaxppo.models.family import family_of
 from jaxppo.models.hf import hf_name, read_json_object
@@ -109,6 +110,7 @@ def load_peft_adapter(model, params, path: str):
 
 
     check_model(model)
+    verify_if_present(os.fspath(path), "the PEFT adapter")
     lora = read_peft_config(path)
     weights = os.path.join(path, ADAPTER_WEIGHTS)
     if not os.path.isfile(weights):

@@ -18,7 +18,6 @@ that is a `RunError` (never a silent fresh start). Checkpoints written before ch
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -29,6 +28,7 @@ from typing import Any, Optional, Tuple
 import jax
 
 from jaxppo.errors import RunError
+from jaxppo.files import CHECKSUMS, ChecksumError, checksums, verify, write_checksums
 from jaxppo.testing import failpoints
 from jaxppo.version import __version__
 
@@ -37,12 +37,7 @@ __all__ = ["LAYOUT", "CHECKSUMS", "ChecksumError", "save", "restore_latest", "st
 # Version of what a checkpoint holds. 1: jaxppo 0.1.0 (no metadata); 2: jaxppo 0.2.0.
 LAYOUT = 2
 _LAYOUT_KEY = "jaxppo_checkpoint_layout"
-CHECKSUMS = "jaxppo_checksums.json"  # in each checkpoint's folder: {relative path: sha256}
 _CHECKSUMS_KEY = "jaxppo_checksums"  # in the custom metadata: a checksum file is due
-
-
-class ChecksumError(Exception):
-    """A checkpoint's files do not match the checksums saved with it."""
 
 
 def _manager(directory: str, keep: int = 2):
@@ -85,7 +80,7 @@ def save(directory: str, step: int, tree: Any, *, keep: int = 2):
                      custom_metadata={_LAYOUT_KEY: LAYOUT, "jaxppo_version": __version__, _CHECKSUMS_KEY: 1})
         manager.wait_until_finished()
         if jax.process_index() == 0:
-            _write_checksums(os.path.join(directory, str(step)))
+            write_checksums(os.path.join(directory, str(step)))
     except Exception as err:  # orbax and tensorstore raise many types for one cause
         last = f"the checkpoint of iteration {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
         raise RunError(f"could not save the checkpoint of iteration {step} in {directory}: {type(err).__name__}: "
@@ -96,67 +91,6 @@ def save(directory: str, step: int, tree: Any, *, keep: int = 2):
             manager.close()
         except Exception:  # noqa: BLE001 - the save error above is the one to report
             pass
-
-
-def _digest(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(8 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def checksums(folder: str) -> dict:
-    """{path relative to `folder`: SHA-256} of every file under `folder` but the checksum
-    file itself (and its temporary file)."""
-    out = {}
-    for root, _, files in os.walk(folder):
-        for name in files:
-            path = os.path.join(root, name)
-            rel = os.path.relpath(path, folder)
-            if not rel.startswith(CHECKSUMS):
-                out[rel.replace(os.sep, "/")] = _digest(path)
-    return dict(sorted(out.items()))
-
-
-def _write_checksums(folder: str):
-    """The checksum file of a saved checkpoint, written atomically (a temporary file,
-    flushed to disk, renamed)."""
-    tmp = os.path.join(folder, CHECKSUMS + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump({"sha256": checksums(folder)}, f, indent=0)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(folder, CHECKSUMS))
-
-
-def verify(folder: str, expected: bool = True) -> bool:
-    """Check a checkpoint's files against its checksum file; True when verified, False when
-    it has none and none is `expected` (written before checksums). Raises `ChecksumError`
-    naming the first file that differs, is missing or is extra, or a checksum file that
-    is missing where expected or cannot be read."""
-    path = os.path.join(folder, CHECKSUMS)
-    if not os.path.isfile(path):
-        if expected:
-            raise ChecksumError(f"its checksum file {CHECKSUMS} is missing (the save was cut short)")
-        return False
-    try:
-        with open(path) as f:
-            saved = json.load(f)["sha256"]
-        if not isinstance(saved, dict):
-            raise TypeError("not a mapping")
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ChecksumError(f"its checksum file {CHECKSUMS} cannot be read ({type(err).__name__})") from None
-    found = checksums(folder)
-    for name in sorted(set(saved) | set(found)):
-        if name not in found:
-            raise ChecksumError(f"file {name} is missing")
-        if name not in saved:
-            raise ChecksumError(f"file {name} is not among the files saved")
-        if found[name] != saved[name]:
-            raise ChecksumError(f"file {name} does not match its checksum (sha256 {found[name][:12]}..., saved "
-                                f"{str(saved[name])[:12]}...)")
-    return True
 
 
 def _writing(directory: str, step: int) -> bool:

@@ -18,7 +18,7 @@ from jaxppo.errors import RunError
 from jaxppo.files import atomic_write_text
 
 __all__ = ["RunError", "atomic_write_text", "atomic_replace_dir", "RunLock", "check_settings", "named_checkpoint",
-           "SETTINGS_FILE", "make_output_dir"]
+           "SETTINGS_FILE", "make_output_dir", "read_settings"]
 
 SETTINGS_FILE = "run_settings.json"
 LOCK_FILE = ".jaxppo.lock"
@@ -153,6 +153,40 @@ def named_checkpoint(source) -> tuple:
     return source, None
 
 
+SETTINGS_CHECKSUM = "_sha256"  # in run_settings.json: the SHA-256 of the settings it holds
+
+
+def _settings_digest(settings: dict) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _settings_text(settings: dict) -> str:
+    """run_settings.json's text: the settings and their checksum."""
+    return json.dumps({**settings, SETTINGS_CHECKSUM: _settings_digest(settings)}, indent=1, sort_keys=True) + "\n"
+
+
+def read_settings(path: str, directory: str) -> dict:
+    """The settings saved at `path` (a run's run_settings.json), checked against the checksum
+    saved in them (settings saved by jaxppo 0.4 have none and are taken as they are); a
+    `RunError` naming the file when it cannot be read or does not match."""
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+        if not isinstance(saved, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as err:
+        raise RunError(f"{path} cannot be read ({err}); it records the settings of the run in {directory!r}. "
+                       "Restore it, or give this run another output_dir") from None
+    digest = saved.pop(SETTINGS_CHECKSUM, None)
+    if digest is not None and digest != _settings_digest(saved):
+        raise RunError(f"{path} does not match the checksum saved in it ({SETTINGS_CHECKSUM}): the settings of the run "
+                       f"in {directory!r} are damaged (a bad disk or an interrupted copy) or were edited by hand. "
+                       f"Restore the file; if you edited it on purpose, delete its {SETTINGS_CHECKSUM!r} line")
+    return saved
+
+
 def check_settings(directory: str, settings: dict, *, write: bool = True, replace: bool = False):
     """Compare `settings` (a JSON-able dict) with those saved in `<directory>/run_settings.json`.
 
@@ -163,12 +197,7 @@ def check_settings(directory: str, settings: dict, *, write: bool = True, replac
     path = os.path.join(directory, SETTINGS_FILE)
     new = json.loads(json.dumps(settings))  # the JSON view (tuples -> lists), as saved
     if os.path.isfile(path):
-        try:
-            with open(path) as f:
-                old = json.load(f)
-        except (OSError, ValueError) as err:
-            raise RunError(f"{path} cannot be read ({err}); it records the settings of the run in {directory!r}. "
-                           "Restore it, or give this run another output_dir") from None
+        old = read_settings(path, directory)
         a, b = _flatten(old), _flatten(new)
         diffs = [f"  {name}: was {a.get(name, '<unset>')!r}, now {b.get(name, '<unset>')!r}"
                  for name in sorted(set(a) | set(b)) if a.get(name, "<unset>") != b.get(name, "<unset>")]
@@ -176,7 +205,7 @@ def check_settings(directory: str, settings: dict, *, write: bool = True, replac
             print(f"{directory!r} holds the settings of a run that finished no iteration; this run's replace them:\n"
                   + "\n".join(diffs), flush=True)
             if write:
-                atomic_write_text(path, json.dumps(new, indent=1, sort_keys=True) + "\n")
+                atomic_write_text(path, _settings_text(new))
         elif diffs:
             raise RunError(
                 f"the output directory {directory!r} holds a run with other settings ({path}); resuming it with these "
@@ -184,4 +213,4 @@ def check_settings(directory: str, settings: dict, *, write: bool = True, replac
                 "\nUse the saved settings to resume, or give this run another output_dir")
     elif write:
         os.makedirs(directory, exist_ok=True)
-        atomic_write_text(path, json.dumps(new, indent=1, sort_keys=True) + "\n")
+        atomic_write_text(path, _settings_text(new))

@@ -1,6 +1,8 @@
 """Writing a trained policy out: a Hugging Face directory (LoRA merged) and a PEFT adapter.
-Each write is atomic (a kill mid-export leaves the old export or the new one, whole), and
-in multi-host runs only process 0 writes, after gathering what it writes to its host."""
+Each write is atomic (a kill mid-export leaves the old export or the new one, whole) and
+carries the SHA-256 of its files (`jaxppo_checksums.json`, checked when jaxppo loads it:
+`jaxppo.files.verify_if_present`), and in multi-host runs only process 0 writes, after
+gathering what it writes to its host."""
 
 from __future__ import annotations
 
@@ -9,9 +11,10 @@ import os
 
 import jax
 
+from jaxppo.files import write_checksums
 from jaxppo.models import hf as hf_io
 from jaxppo.models.peft import save_peft_adapter
-from jaxppo.run.directory import atomic_replace_dir
+from jaxppo.run.directory import atomic_replace_dir as _atomic_replace_dir
 from jaxppo.sharding import to_host
 
 __all__ = ["for_writer", "export_policy", "export_adapter", "export_checkpoint", "Exportable"]
@@ -75,6 +78,16 @@ def export_checkpoint(model, params, tokenizer, path: str, base_path=None, drop_
             tokenizer.save_pretrained(directory)
 
     atomic_replace_dir(write, path)
+
+
+def atomic_replace_dir(write, path: str):
+    """`jaxppo.run.directory.atomic_replace_dir`, the folder's checksum file written last."""
+
+    def write_with_checksums(directory):
+        write(directory)
+        write_checksums(directory)
+
+    _atomic_replace_dir(write_with_checksums, path)
 
 
 class Exportable:
