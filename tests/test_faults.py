@@ -468,6 +468,26 @@ def test_write_error_while_checkpointing_or_logging_keeps_the_previous_checkpoin
     assert [r["iteration"] for r in history] == [0, 1, 2, 3]
 
 
+def test_a_full_disk_during_a_checkpoint_is_one_clear_line_from_the_command(tmp_path, env):
+    """The command under a file-size limit its checkpoint outgrows (a full disk as a write
+    sees it): it stops with the save's error once, on stderr, and none of the cascade of
+    orbax's background threads (before: about a thousand lines of "Event loop is closed"
+    tracebacks from the writes still in flight, and absl's ERROR record of the same error)."""
+    hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+
+    def limited():
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200 << 10, hard))
+
+    proc = subprocess.run([sys.executable, "-m", "jaxppo", *CLI_ARGS, "--output-dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, env=env, preexec_fn=limited, timeout=600)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert len(re.findall(r"jaxppo: error: could not save the checkpoint of iteration \d+ in .*File too large",
+                          proc.stderr)) == 1, proc.stderr[-3000:]
+    for noise in ("Traceback", "Event loop is closed", "raised an exception"):
+        assert noise not in proc.stderr, proc.stderr[-3000:]
+
+
 # ---------------------------------------------------------------------------- settings, reward faults
 
 

@@ -70,7 +70,9 @@ def save(directory: str, step: int, tree: Any, *, keep: int = 2):
     import orbax.checkpoint as ocp
 
     manager = _manager(directory, keep)
+    quiet = _BackgroundFaults()
     try:
+        quiet.start()
         previous = sorted(manager.all_steps())
         if step in previous:
             return
@@ -82,6 +84,7 @@ def save(directory: str, step: int, tree: Any, *, keep: int = 2):
         if jax.process_index() == 0:
             write_checksums(os.path.join(directory, str(step)))
     except Exception as err:  # orbax and tensorstore raise many types for one cause
+        quiet.keep()  # the writes still in flight fail after this, each into a closed event loop: not a cascade
         last = f"the checkpoint of iteration {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
         raise RunError(f"could not save the checkpoint of iteration {step} in {directory}: {type(err).__name__}: "
                        f"{_first_line(err)}. Nothing was overwritten ({last}); free disk space or fix the directory, "
@@ -91,6 +94,109 @@ def save(directory: str, step: int, tree: Any, *, keep: int = 2):
             manager.close()
         except Exception:  # noqa: BLE001 - the save error above is the one to report
             pass
+        quiet.stop()
+
+
+_LOOP_CLOSED = "RuntimeError: Event loop is closed"
+_HEADER = "Traceback (most recent call last):"
+
+
+class _DropClosedLoopTracebacks:
+    """`sys.stderr` less the tracebacks of "RuntimeError: Event loop is closed": when one
+    write of a checkpoint fails (a full disk), orbax's save gives up and closes its event
+    loop while tensorstore still finishes the other writes, each of which then reports its
+    completion into the closed loop and prints that traceback from its own thread (hundreds
+    of them). They say nothing the save's own error does not. Everything else passes
+    through unchanged: a traceback is held, per thread, until its exception line shows
+    which it is."""
+
+    def __init__(self, stream):
+        import threading
+
+        self.stream, self.lock = stream, threading.Lock()
+        self.held = {}  # thread id -> [the traceback's lines so far, its unfinished line]
+
+    def write(self, s):
+        import threading
+
+        with self.lock:
+            self._write(threading.get_ident(), s)
+        return len(s)
+
+    def _write(self, thread: int, s: str):
+        while s:
+            held = self.held.get(thread)
+            if held is None:
+                i = s.find(_HEADER)
+                if i < 0:
+                    self.stream.write(s)
+                    return
+                self.stream.write(s[:i])
+                held = self.held[thread] = [[], ""]
+                s = s[i:]
+            held[1] += s
+            s = ""
+            while "\n" in held[1]:
+                line, held[1] = held[1].split("\n", 1)
+                held[0].append(line)
+                if len(held[0]) > 1 and not line.startswith((" ", "\t")):  # the exception line ends it
+                    if line.strip() != _LOOP_CLOSED:
+                        self.stream.write("\n".join(held[0]) + "\n")
+                    s = held[1]
+                    del self.held[thread]
+                    break
+
+    def flush(self):
+        with self.lock:
+            self.stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+class _BackgroundFaults:
+    """Quiet orbax's background threads while a checkpoint saves: their closed-loop
+    tracebacks (`_DropClosedLoopTracebacks` over `sys.stderr`), absl's ERROR record of the
+    failed write and asyncio's of the write tasks it abandoned, which the save's own
+    `RunError` reports once. After a failed save the
+    filter stays on (`keep`): the writes still in flight fail later, until the process ends."""
+
+    def __init__(self):
+        self.filter, self.kept, self.previous = None, False, None
+
+    def start(self):
+        import logging
+        import sys
+
+        if not isinstance(sys.stderr, _DropClosedLoopTracebacks):
+            self.previous = sys.stderr
+            sys.stderr = _DropClosedLoopTracebacks(sys.stderr)
+        def background_error(record):
+            message = record.getMessage()
+            return record.levelno >= logging.ERROR and ("Thread.run() raised an exception" in message
+                                                        or "exception was never retrieved" in message)
+
+        self.filter = lambda record: not background_error(record)
+        for name in ("absl", "asyncio"):
+            logging.getLogger(name).addFilter(self.filter)
+
+    def keep(self):
+        import warnings
+
+        self.kept = True
+        # (and the abandoned writes' coroutines, reported by the garbage collector at exit)
+        warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning)
+
+    def stop(self):
+        import logging
+        import sys
+
+        if not self.kept:
+            for name in ("absl", "asyncio"):
+                logging.getLogger(name).removeFilter(self.filter)
+            if self.previous is not None and isinstance(sys.stderr, _DropClosedLoopTracebacks):
+                sys.stderr.flush()
+                sys.stderr = self.previous
 
 
 def _writing(directory: str, step: int) -> bool:
