@@ -32,6 +32,23 @@ def model_dir(tmp_path_factory, tokenizer):
     return path
 
 
+def _reward_dir(ctx):
+    """A tiny sequence-classification checkpoint (a score head, no language-model head)."""
+    import jax
+
+    model, _ = demo.demo_policy(ctx["tokenizer"], width=32, layers=1, max_len=40)
+    reward = jm.Model(model.config, kind="reward")
+    jm.save_pretrained(reward, reward.init(jax.random.key(0)), str(ctx["tmp"] / "reward"))
+    return str(ctx["tmp"] / "reward")
+
+
+def _trainer_of(ctx, policy, **models):
+    return jaxppo.Trainer(jaxppo.PPOConfig(batch_size=16, mini_batch_size=8),
+                          jaxppo.TrainerConfig(output_dir=str(ctx["tmp"] / "run"), query_length=32, response_length=6,
+                                               progress=False),
+                          policy=policy, tokenizer=ctx["tokenizer"], prompts=demo.DEMO_PROMPTS, **models)
+
+
 def _write_bytes(path, data: bytes, then):
     path.write_bytes(data)
     return then(path)
@@ -440,6 +457,14 @@ CASES = [
      r"stop_strings=\['</answer>', ''\] is invalid: .*non-empty strings"),
     ("misspelt chat role", lambda ctx: small_trainer(ctx["tmp"], prompts=[[{"role": "usr", "content": "hi"}]]),
      ValueError, r"prompt 0 message 0 has role 'usr', which no chat template knows; a role is one of 'system', "),
+    ("reward model given as the policy", lambda ctx: _trainer_of(ctx, _reward_dir(ctx), reward_fn=demo.lowercase_reward),
+     ValueError, r"policy= \(--model\) '.*reward': checkpoint does not fit .* unexpected weights: \['score.weight'\]\. "
+                 r"It is a sequence-classification checkpoint \(GPT2ForSequenceClassification.*give it as "
+                 r"reward_model= \(--reward-model\) or critic= \(--critic\)"),
+    ("causal LM given as the reward model", lambda ctx: _trainer_of(ctx, str(ctx["model_dir"]),
+                                                                    reward_model=str(ctx["model_dir"])),
+     ValueError, r"reward_model= \(--reward-model\) '.*policy': checkpoint does not fit .* missing weights: "
+                 r"\['score.weight'\]\. It is not a sequence-classification checkpoint \(GPT2LMHeadModel\)"),
     ("model directory without a tokenizer", lambda ctx: jm.load_tokenizer(str(ctx["model_dir"])), ValueError,
      r"policy holds no usable tokenizer: transformers built one of 1 token\(s\) .*every prompt would encode to nothing"),
     ("prompts file not UTF-8", lambda ctx: _write_bytes(ctx["tmp"] / "p.txt", b"fine\nbad \xff byte\n",

@@ -49,12 +49,25 @@ __all__ = ["Assembly", "assemble", "load_model", "critic_from", "LogitsOf",
 AUTO_SCAN_MIN_LAYERS = 16
 
 
-def load_model(spec, kind, dtype, param_dtype=None, scan_layers=None):
+# The Trainer's keyword and the command's flag of each model it loads (errors name both).
+ROLES = {"policy": "policy= (--model)", "reward_model": "reward_model= (--reward-model)",
+         "ref_policy": "ref_policy= (--ref-model)", "critic": "critic= (--critic)"}
+
+
+def load_model(spec, kind, dtype, param_dtype=None, scan_layers=None, role: Optional[str] = None):
     """(model, params) from a checkpoint path or a (Model, params) pair; `scan_layers`
-    True/False puts the layers in that layout (None: as loaded / as given)."""
+    True/False puts the layers in that layout (None: as loaded / as given). `role` (a key of
+    `ROLES`): a checkpoint that does not load is a `ValueError` naming the keyword, the flag
+    and the path, and what the checkpoint is where that explains it (a reward model given
+    as the policy, a causal LM as the reward model)."""
     if isinstance(spec, (str, os.PathLike)):
-        return hf_io.from_pretrained(os.fspath(spec), dtype=dtype, param_dtype=param_dtype or dtype, kind=kind,
-                                     scan_layers=bool(scan_layers))
+        try:
+            return hf_io.from_pretrained(os.fspath(spec), dtype=dtype, param_dtype=param_dtype or dtype, kind=kind,
+                                         scan_layers=bool(scan_layers))
+        except ValueError as err:
+            if role is None:
+                raise
+            raise ValueError(f"{ROLES[role]} {os.fspath(spec)!r}: {err}{_what_it_is(spec, kind)}") from None
     model, params = spec
     if not isinstance(model, Model):
         raise TypeError(f"expected a checkpoint path or a (jaxppo.models.Model, params) pair, got {type(model).__name__}")
@@ -62,6 +75,25 @@ def load_model(spec, kind, dtype, param_dtype=None, scan_layers=None):
         convert = stack_layers if scan_layers else unstack_layers
         model, params = dataclasses.replace(model, scan_layers=scan_layers), convert(params, model.config)
     return model, params
+
+
+def _what_it_is(path, kind: str) -> str:
+    """A hint when a checkpoint's architecture is not what `kind` needs: a
+    sequence-classification checkpoint where a causal LM is wanted, or the reverse."""
+    try:
+        archs = hf_io.read_json_object(os.path.join(os.fspath(path), "config.json")).get("architectures") or []
+    except (ValueError, OSError):
+        return ""
+    classifier = [a for a in archs if str(a).endswith("ForSequenceClassification")]
+    if kind == "causal_lm" and classifier:
+        return (f". It is a sequence-classification checkpoint ({classifier[0]}: a score head, no language-model "
+                "head): a reward model or a critic; give it as reward_model= (--reward-model) or critic= (--critic), "
+                "and a causal LM as the policy")
+    if kind == "reward" and archs and not classifier:
+        return (f". It is not a sequence-classification checkpoint ({archs[0]}): a reward model needs a score head "
+                "(...ForSequenceClassification; `jaxppo-fixture --score-head` makes one from SmolLM2), or score "
+                "with reward functions (--reward MODULE:FN)")
+    return ""
 
 
 def check_layout(scan_layers):
@@ -263,7 +295,8 @@ def assemble(config: PPOConfig, tc: TrainerConfig, *, policy, reward_model=None,
                                                       scan_layers, logits_chunk_size)
     reward = reward_params = None
     if reward_model is not None:
-        reward, reward_params = load_model(reward_model, "reward", reward_dtype, scan_layers=scan_layers)
+        reward, reward_params = load_model(reward_model, "reward", reward_dtype, scan_layers=scan_layers,
+                                           role="reward_model")
         reward = _with_attention(reward, tc)
         if reward.kind != "reward":
             raise ValueError(f"reward_model must be of kind 'reward', got {reward.kind!r}")
@@ -313,7 +346,8 @@ def _load_policy(policy, tc: TrainerConfig, dtype, remat, scan_layers, logits_ch
     """The policy as a causal LM with its settings, and with LoRA adapters when asked."""
     use_lora = lora is not None or lora_init is not None
     # The trained policy is held in float32; a LoRA base is frozen, so it stays in `dtype`.
-    policy_model, policy_params = load_model(policy, "causal_lm", dtype, dtype if use_lora else "float32", scan_layers)
+    policy_model, policy_params = load_model(policy, "causal_lm", dtype, dtype if use_lora else "float32", scan_layers,
+                                             role="policy")
     if use_lora and policy_model.lora is not None:
         raise ValueError("the given policy already has LoRA adapters; drop lora / lora_init, or give the base model")
     if remat is not None:
@@ -350,7 +384,7 @@ def _reference(config: PPOConfig, tc: TrainerConfig, policy_model, policy_params
         # A copy of the initial policy, held in ref_dtype (jnp.array copies even without a cast).
         ref_model = dataclasses.replace(policy_model, dtype=ref_dtype, param_dtype=ref_dtype)
         return ref_model, copy_as(policy_params, ref_dtype), False
-    ref_model, ref_params = load_model(ref_policy, "causal_lm", ref_dtype, scan_layers=scan_layers)
+    ref_model, ref_params = load_model(ref_policy, "causal_lm", ref_dtype, scan_layers=scan_layers, role="ref_policy")
     ref_model = _with_attention(ref_model, tc)
     if logits_chunk_size is not None:
         ref_model = dataclasses.replace(ref_model, logits_chunk_size=logits_chunk_size)
@@ -371,7 +405,7 @@ def _trained(config: PPOConfig, tc: TrainerConfig, policy_model, policy_params, 
         params = {**policy_params, "params": dict(policy_params["params"], value_head=head)}
         return policy_model, policy_model.apply, params, None, "shared trunk"
     if critic is not None:
-        critic_model, critic_params = load_model(critic, "value", dtype, "float32", scan_layers)
+        critic_model, critic_params = load_model(critic, "value", dtype, "float32", scan_layers, role="critic")
         critic_model = _with_attention(critic_model, tc)
         if critic_model.kind != "value":
             critic_model, critic_params = critic_from(critic_model, critic_params, zero_head=False)
