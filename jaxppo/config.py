@@ -277,7 +277,13 @@ def _check_algorithm(c: "PPOConfig"):
 
 def _check_numbers(c: "PPOConfig"):
     """The adaptive entropy coefficient (the run's), and the packed streams against the
-    micro-batch."""
+    micro-batch; a warning for a clip range of 0 (legal, almost surely a mistake)."""
+    if c.cliprange == 0 and c.cliprange_low is None and c.cliprange_high is None:
+        import warnings
+
+        warnings.warn("PPOConfig.cliprange=0: the ratio is clipped to exactly 1, so every update after the first of "
+                      "an iteration's mini-batches gets no policy gradient where the advantage pushes past it "
+                      "(typical: 0.1 to 0.3)", UserWarning, stacklevel=4)
     if c.entropy_target is not None and (not is_real(c.entropy_target) or c.entropy_target <= 0):
         _fail("entropy_target", c.entropy_target,
               "None (a fixed ent_coef) or a finite real number > 0 (nats per token)")

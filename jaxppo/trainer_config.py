@@ -304,19 +304,34 @@ def _check_counts(self: TrainerConfig):
         value = getattr(self, name)
         if not is_int(value) or value < 0:
             raise ValueError(f"TrainerConfig.{name}={value!r} is invalid: {name} must be an int >= 0")
+    if self.seed >= SEED_LIMIT:  # jax.random.key keeps 32 bits: 2**32 would be the run of seed 0
+        raise ValueError(f"TrainerConfig.seed={self.seed!r} (--seed) is invalid: the run's PRNG key takes seeds in "
+                         f"[0, 2**32) = [0, {SEED_LIMIT - 1}]; a larger one is cut to its low 32 bits, so it would "
+                         f"repeat the run of seed {self.seed % SEED_LIMIT}")
 
 
 def _check_rates(self: TrainerConfig):
     for name in ("learning_rate", "adam_eps"):
         value = getattr(self, name)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-            raise ValueError(f"TrainerConfig.{name}={value!r} is invalid: {name} must be > 0")
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
+            raise ValueError(f"TrainerConfig.{name}={value!r} is invalid: {name} must be a finite number > 0")
+    for name in ("learning_rate", "critic_learning_rate"):  # legal, but almost surely a mistake
+        value = getattr(self, name)
+        if value is not None and value > 1:
+            import warnings
+
+            warnings.warn(f"TrainerConfig.{name}={value!r} is above 1: Adam steps each parameter by about that much "
+                          "per update, which destroys a pretrained model at once (typical: 1e-6 to 1e-4 for "
+                          "language models)", UserWarning, stacklevel=4)
     for name in ("critic_learning_rate", "kl_target", "max_grad_norm", "score_clip", "missing_eos_penalty"):
         value = getattr(self, name)
         if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
                                   or not math.isfinite(value) or (name != "missing_eos_penalty" and value <= 0)):
             raise ValueError(f"TrainerConfig.{name}={value!r} is invalid: {name} must be None or a finite number"
                              + ("" if name == "missing_eos_penalty" else " > 0"))
+
+
+SEED_LIMIT = 2 ** 32  # seeds are in [0, SEED_LIMIT): what jax.random.key keeps of an int
 
 
 OVERLONG_PROMPTS = ("error", "truncate", "filter")

@@ -72,7 +72,33 @@ def test_invalid_values_name_field_value_and_valid_range(kwargs, fragments):
 
 
 def test_valid_edge_values_accepted():
-    cfg = PPOConfig(
-        batch_size=1, mini_batch_size=1, cliprange=0, gamma=0, lam=1, ent_coef=0.0, target_kl=0.02, temperature=0.7
-    )
+    with pytest.warns(UserWarning, match=r"PPOConfig.cliprange=0: the ratio is clipped to exactly 1"):
+        cfg = PPOConfig(
+            batch_size=1, mini_batch_size=1, cliprange=0, gamma=0, lam=1, ent_coef=0.0, target_kl=0.02, temperature=0.7
+        )
     assert cfg.updates_per_step == cfg.ppo_epochs
+
+
+def test_legal_settings_that_are_almost_surely_mistakes_warn_and_the_seed_fits_the_key():
+    """A learning rate above 1 and a clip range of 0 are accepted with a warning; seeds
+    span what jax.random.key keeps (32 bits): 2**32 - 1 is valid, 2**32 (which the key would
+    cut to 0, repeating seed 0's run) is refused; so is an infinite learning rate."""
+    import warnings
+
+    import jax
+
+    from jaxppo import TrainerConfig
+
+    with pytest.warns(UserWarning, match=r"learning_rate=3.0 is above 1"):
+        TrainerConfig(learning_rate=3.0)
+    with pytest.warns(UserWarning, match=r"critic_learning_rate=2.0 is above 1"):
+        TrainerConfig(critic_learning_rate=2.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TrainerConfig(learning_rate=1e-5, seed=2**32 - 1)
+        PPOConfig(cliprange=0.2)
+    assert (jax.random.key_data(jax.random.key(2**32)) == jax.random.key_data(jax.random.key(0))).all()
+    with pytest.raises(ValueError, match=r"seed=4294967296 \(--seed\) is invalid: .* repeat the run of seed 0"):
+        TrainerConfig(seed=2**32)
+    with pytest.raises(ValueError, match=r"learning_rate=inf is invalid: learning_rate must be a finite number > 0"):
+        TrainerConfig(learning_rate=float("inf"))
