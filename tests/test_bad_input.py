@@ -261,7 +261,7 @@ CASES = [
     ("trainer negative query_length", _tc(query_length=-4), ValueError, r"query_length=-4 .*positive int"),
     ("trainer unknown kl_estimator", _tc(kl_estimator="k9"), ValueError, r"kl_estimator='k9' is invalid; valid: k1, k3"),
     ("trainer unknown lr_schedule", _tc(lr_schedule="exp"), ValueError, r"lr_schedule='exp' .*valid: constant, linear, cosine"),
-    ("trainer zero learning_rate", _tc(learning_rate=0.0), ValueError, r"learning_rate=0.0 .*must be > 0"),
+    ("trainer zero learning_rate", _tc(learning_rate=0.0), ValueError, r"learning_rate=0.0 .*must be a finite number > 0"),
     ("trainer NaN max_grad_norm", _tc(max_grad_norm=float("nan")), ValueError, r"max_grad_norm=nan .*finite number > 0"),
     ("trainer bool as string", _tc(tensorboard="no"), ValueError, r"tensorboard='no' is invalid: .*bool"),
     ("trainer empty output_dir", _tc(output_dir=""), ValueError, r"output_dir='' .*non-empty path"),
@@ -465,6 +465,9 @@ CASES = [
                                                                     reward_model=str(ctx["model_dir"])),
      ValueError, r"reward_model= \(--reward-model\) '.*policy': checkpoint does not fit .* missing weights: "
                  r"\['score.weight'\]\. It is not a sequence-classification checkpoint \(GPT2LMHeadModel\)"),
+    ("prompt plus response past the learned positions", lambda ctx: small_trainer(ctx["tmp"], max_len=30),
+     ValueError, r"the longest prompt \(25 tokens\) plus response_length=6 \(--response-length\) is 31 tokens, past "
+                 r"the policy's 30 learned positions \(max_position_embeddings\)"),
     ("model directory without a tokenizer", lambda ctx: jm.load_tokenizer(str(ctx["model_dir"])), ValueError,
      r"policy holds no usable tokenizer: transformers built one of 1 token\(s\) .*every prompt would encode to nothing"),
     ("prompts file not UTF-8", lambda ctx: _write_bytes(ctx["tmp"] / "p.txt", b"fine\nbad \xff byte\n",

@@ -121,6 +121,7 @@ def build(config: PPOConfig, tc: TrainerConfig, *, policy, tokenizer, prompts, r
                       dtype=dtype, ref_dtype=ref_dtype, reward_dtype=reward_dtype, remat=remat,
                       scan_layers=scan_layers, logits_chunk_size=logits_chunk_size, lora=lora, lora_init=lora_init)
     _check_vocabulary(tokenizer, models.policy_model, tc)
+    _check_positions(models.policy_model, tc, table, eval_table)
     host_rewards = rewards.host_rewards(config.updates_per_step)
     spec = _rollout_spec(config, tc, models, tokenizer, rewards, table.width,
                          _common_prefix(config, table, environment))
@@ -319,6 +320,31 @@ def _eval_inputs(tokenizer, prompts, reward_fns, prompt_column, chat_template, t
     except (ValueError, TypeError) as err:
         raise type(err)(f"eval_prompts: {err}") from err
     return table, (host, device is not None)
+
+
+def _check_positions(policy_model, tc: TrainerConfig, table, eval_table):
+    """The longest prompt (query_length for a stream) plus response_length against the
+    policy's positions, before anything compiles: past a learned position table (GPT-2's)
+    an error (its rows would be read out of range); past a rotary model's
+    max_position_embeddings a warning (it runs, beyond the context it was trained for)."""
+    from jaxppo.models.family import family_of
+
+    limit = policy_model.config.max_position_embeddings
+    longest = max(int(t.mask.sum(axis=1).max()) if not t.streamed else tc.query_length
+                  for t in (table, eval_table) if t is not None)
+    total = longest + tc.response_length
+    if total <= limit:
+        return
+    what = (f"the longest prompt ({longest} tokens{'' if not table.streamed else ', query_length for a stream'}) plus "
+            f"response_length={tc.response_length} (--response-length) is {total} tokens")
+    if family_of(policy_model.config).learned_positions:
+        raise ValueError(f"{what}, past the policy's {limit} learned positions (max_position_embeddings): they would "
+                         f"be read out of range. Keep prompts (query_length, --query-length) and responses within "
+                         f"{limit} tokens")
+    import warnings
+
+    warnings.warn(f"{what}, past the policy's max_position_embeddings={limit}: it runs (rotary positions), beyond "
+                  "the context the model was trained for", UserWarning, stacklevel=3)
 
 
 def _check_vocabulary(tokenizer, policy_model, tc: TrainerConfig):
