@@ -93,3 +93,28 @@ def test_prompt_files_are_known_by_their_extension_in_any_case(tmp_path):
     assert load_prompt_table(str(tmp_path / "b.Json"))[0] == [messages]
     (tmp_path / "c.TXT").write_text("first\n\nsecond\n")
     assert load_prompt_table(str(tmp_path / "c.TXT"))[0] == ["first", "second"]
+
+
+def test_prompt_files_without_a_known_extension_are_read_by_their_content(tmp_path):
+    """No extension or another one: JSON lines are records, a JSON list is a list, other
+    text is one prompt per line; streamed the same way. A .txt file of JSON records is
+    read as its extension says (each line a prompt), with a warning naming the file."""
+    import warnings
+
+    from jaxppo.rollout.prompts import read_prompt_records
+
+    (tmp_path / "records").write_text(json.dumps({"prompt": "one", "answer": 1}) + "\n\n"
+                                      + json.dumps({"prompt": "two", "answer": 2}) + "\n")
+    assert load_prompt_table(str(tmp_path / "records")) == (["one", "two"], {"answer": [1, 2]})
+    assert [r.record["prompt"] for r in read_prompt_records(str(tmp_path / "records"))] == ["one", "two"]
+    (tmp_path / "list.data").write_text(json.dumps(["three", "four"], indent=1))
+    assert load_prompt_table(str(tmp_path / "list.data"))[0] == ["three", "four"]
+    (tmp_path / "plain.prompts").write_text("What is {x}?\n[not json\n")
+    assert load_prompt_table(str(tmp_path / "plain.prompts"))[0] == ["What is {x}?", "[not json"]
+    (tmp_path / "records.txt").write_text(json.dumps({"prompt": "five"}) + "\n")
+    with pytest.warns(UserWarning, match=r"records.txt is read as a .txt file, .* Name it .jsonl to read the field"):
+        assert load_prompt_table(str(tmp_path / "records.txt"))[0] == ['{"prompt": "five"}']
+    with warnings.catch_warnings():  # plain text in a .txt file: no warning
+        warnings.simplefilter("error")
+        (tmp_path / "plain.txt").write_text("six\n{not a record}\n")
+        assert load_prompt_table(str(tmp_path / "plain.txt"))[0] == ["six", "{not a record}"]

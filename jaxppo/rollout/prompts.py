@@ -122,12 +122,49 @@ def _json_line(path: str, n: int, line: str, prompt_column: str):
                          f'line must be an object such as {{"{prompt_column}": "..."}}') from None
 
 
+FILE_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".txt": "txt"}  # by extension, any case
+
+
+def _is_object(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
+
+
+def file_format(path: str, numbered: list, prompt_column: str = "prompt") -> str:
+    """How a prompts file is read: "jsonl", "json" or "txt". By its extension in any case
+    (`FILE_FORMATS`); a file with another extension or none by its content (`numbered`: its
+    (line number, text) lines, or the first of them): a JSON list is .json, lines that are
+    all JSON objects are .jsonl, anything else text. A .txt file whose lines are all JSON
+    objects holding `prompt_column` is read as text, as its extension says, with a warning
+    (each line would be a prompt, braces and all)."""
+    lines = [line for _, line in numbered if line.strip()][:1000]
+    objects = bool(lines) and all(_is_object(line) for line in lines)
+    known = FILE_FORMATS.get(os.path.splitext(path)[1].lower())
+    if known == "txt" and objects and all(prompt_column in json.loads(line) for line in lines):
+        import warnings
+
+        warnings.warn(f"{path} is read as a .txt file, one prompt per line, but its lines are JSON objects with a "
+                      f"{prompt_column!r} field: each whole line becomes a prompt. Name it .jsonl to read the field",
+                      UserWarning, stacklevel=4)
+    if known is not None:
+        return known
+    if lines and lines[0].lstrip().startswith("["):
+        try:
+            if isinstance(json.loads("\n".join(line for _, line in numbered)), list):
+                return "json"
+        except ValueError:
+            pass
+    return "jsonl" if objects else "txt"
+
+
 def _read_records(path: str, prompt_column: str):
     """(rows, labels) of a prompts file: .jsonl objects, a .json list, or .txt lines (blank
-    lines skipped), the extension in any case; each label names the file and line or item,
-    for errors."""
-    extension = os.path.splitext(path)[1].lower()
+    lines skipped), the extension in any case, or the content where the extension says
+    nothing (`file_format`); each label names the file and line or item, for errors."""
     numbered = _read_lines(path)
+    extension = "." + file_format(path, numbered, prompt_column)
     if extension == ".jsonl":
         rows, labels = [], []
         for n, line in numbered:
@@ -673,7 +710,8 @@ class _FileRecords:
         self.path, self.prompt_column = path, prompt_column
 
     def __iter__(self):
-        extension = os.path.splitext(self.path)[1].lower()
+        extension = "." + file_format(self.path, list(itertools.islice(_iter_lines(self.path), 1000)),
+                                      self.prompt_column)
         if extension == ".json":
             rows, labels = _read_records(self.path, self.prompt_column)
             yield from (_Labelled(r, label) for r, label in zip(rows, labels))
