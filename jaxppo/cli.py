@@ -228,7 +228,7 @@ def resolve(argv=None):
         ppo = PPOConfig(**{f.name: values[f.name] for f in dataclasses.fields(PPOConfig) if f.name in values})
         trainer = TrainerConfig(**{f.name: values[f.name] for f in dataclasses.fields(TrainerConfig) if f.name in values})
     except ValueError as err:
-        raise SystemExit(f"jaxppo: {err}") from None
+        raise SystemExit(f"jaxppo: {name_the_flag(str(err))}") from None
     for name in ("reward", "reward_weight"):  # one value in a config file stands for a list of one
         if values[name] is not None and not isinstance(values[name], list):
             values[name] = [values[name]]
@@ -349,7 +349,7 @@ def _reward_function(text: str):
     try:
         return load_callable(text, "--reward", "MODULE:FN")
     except ValueError as err:
-        raise SystemExit(f"jaxppo: {err}") from None
+        raise SystemExit(f"jaxppo: {name_the_flag(str(err))}") from None
 
 
 def _load_environment(text: str):
@@ -358,7 +358,7 @@ def _load_environment(text: str):
     try:
         return load_factory(text)
     except ValueError as err:
-        raise SystemExit(f"jaxppo: {err}") from None
+        raise SystemExit(f"jaxppo: {name_the_flag(str(err))}") from None
 
 
 def model_options(extras: dict) -> dict:
@@ -382,7 +382,7 @@ def model_options(extras: dict) -> dict:
         try:
             lora = LoraConfig(rank=rank, alpha=extras["lora_alpha"] or 2.0 * rank, targets=targets)
         except ValueError as err:
-            raise SystemExit(f"jaxppo: {err}") from None
+            raise SystemExit(f"jaxppo: {name_the_flag(str(err))}") from None
     return dict(mesh=mesh, remat=False if extras["remat"] == "none" else extras["remat"],
                 scan_layers="auto" if extras["scan_layers"] is None else extras["scan_layers"],
                 logits_chunk_size=extras["logits_chunk_size"],
@@ -451,7 +451,7 @@ def main(argv=None) -> int:
     try:
         trainer = build_trainer(ppo, tc, extras)
     except (ValueError, TypeError) as err:
-        raise SystemExit(f"jaxppo: {err}") from None
+        raise SystemExit(f"jaxppo: {name_the_flag(str(err))}") from None
     from jaxppo.errors import EpisodeError, RewardError, RunError
 
     try:
@@ -462,6 +462,20 @@ def main(argv=None) -> int:
         print(f"jaxppo: error: {err}", file=sys.stderr)
         return 1
     return 0
+
+
+def name_the_flag(message: str) -> str:
+    """An error about a setting, as the command's user typed it: a message naming
+    `PPOConfig.x` or `TrainerConfig.x` (the Python API's names) and not the flag already
+    gets the flag of its first such setting in front ("--batch-size: PPOConfig.batch_size=3
+    is not divisible ...")."""
+    import re
+
+    match = re.search(r"\b(PPOConfig|TrainerConfig)\.([a-z_0-9]+)\b", message)
+    if match is None:
+        return message
+    flag = "--" + match.group(2).replace("_", "-")
+    return message if flag in message else f"{flag}: {message}"
 
 
 if __name__ == "__main__":

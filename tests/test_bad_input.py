@@ -275,7 +275,8 @@ CASES = [
     ("cli config file not TOML", _cli_file("run.toml", "batch_size = = 3\n"), SystemExit, r"run.toml' is not valid TOML"),
     ("cli config file not a table", _cli_file("run.json", "[1, 2]"), SystemExit, r"holds a list; expected a table"),
     ("cli config file missing", _cli("--config", "/no/such/run.toml"), SystemExit, r"--config '/no/such/run.toml': no such file"),
-    ("cli non-dividing mini-batch", _cli("--mini-batch-size", "7"), SystemExit, r"batch_size=64 is not divisible by .*mini_batch_size=7"),
+    ("cli non-dividing mini-batch", _cli("--mini-batch-size", "7"), SystemExit,
+     r"^jaxppo: --batch-size: PPOConfig.batch_size=64 is not divisible by .*mini_batch_size=7"),  # the flag named
     ("cli flag of the wrong type", _cli("--batch-size", "many"), SystemExit, r"^2$"),  # argparse: exit 2, names the flag
     ("cli unknown dtype", _cli("--dtype", "float8"), SystemExit, r"--dtype 'float8' is invalid; valid: float32, bfloat16"),
     ("cli logits chunk size 0", _cli("--logits-chunk-size", "0"), SystemExit,
