@@ -76,7 +76,8 @@ class LoraConfig:
             return frozenset(m for ms in names.values() for m in ms)
         unknown = [t for t in self.targets if t not in names]
         if unknown:
-            raise ValueError(f"LoRA targets {unknown} are not linear layers of a {config.model_type} model; valid: "
+            raise ValueError(f"LoRA targets (LoraConfig.targets, --lora-targets) {unknown} are not linear layers of a "
+                             f"{config.model_type} model; valid: "
                              f"{', '.join(names)} or '{ALL_LINEAR}'")
         return frozenset(m for t in self.targets for m in names[t])
 
