@@ -20,7 +20,6 @@ rewards plus the eval reward functions on the whole conversation (failed episode
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import time
@@ -33,7 +32,6 @@ import numpy as np
 
 from jaxppo.models.model import join_sequences
 from jaxppo.models.tokenizer import decode_responses
-from jaxppo.rollout.engines import StaticEngine
 from jaxppo.rollout.environments import run_episodes
 from jaxppo.rollout.prompts import PromptTable, prompt_batch
 from jaxppo.rollout.sampling import RolloutSpec
@@ -75,11 +73,10 @@ class Evaluator:
     (`HostRewards`, or None), the rollout spec (the policy and its stop tokens; its reward
     model or token-level function), the tokenizer, the schedule (`every`,
     `before_training`), `generations` per prompt, `temperature` (None: the spec's; 0:
-    greedy), `chunk` (prompts sampled together), the mesh (or None), `device_scores`: the
-    run's reward model (weighted as in training) or token-level reward function scores too;
-    `collector`: the run's `jaxppo.run.collect.Collector`, whose rollout engine samples (under
-    its lock) and whose environment plays episodes (None: the built-in static engine of
-    `spec`, single-turn)."""
+    greedy), `chunk` (prompts sampled together), `collector`: the run's
+    `jaxppo.run.collect.Collector`, whose rollout engine samples (under its lock) and whose
+    environment (or None) plays episodes; the mesh (or None), and `device_scores`: the run's
+    reward model (weighted as in training) or token-level reward function scores too."""
 
     table: PromptTable
     rewards: Any
@@ -90,9 +87,9 @@ class Evaluator:
     generations: int
     temperature: Optional[float]
     chunk: int
+    collector: Any
     mesh: Any = None
     device_scores: bool = False
-    collector: Any = None
 
     def due(self, iteration: int) -> bool:
         if iteration == 0:
@@ -151,11 +148,9 @@ class Evaluator:
         """(a chunk's samples: `GenerationOutput`, or an episode batch's `EpisodeOutput`; the
         `Episodes`, or None), from the run's engine holding the policy of `params`."""
         collector, spec = self.collector, self.spec
-        engine = collector.rollout_engine if collector is not None else StaticEngine(spec)
-        environment = collector.environment if collector is not None else None
+        engine, environment = collector.rollout_engine, collector.environment
         settings = {} if self.temperature is None else {"temperature": self.temperature}
-        lock = collector.lock if collector is not None else contextlib.nullcontext()
-        with lock, stages.mesh_context(self.mesh):
+        with collector.lock, stages.mesh_context(self.mesh):
             engine.set_weights(spec.policy_params(params), iteration)
             if environment is None:
                 return engine.sample(batch.ids, batch.mask, key, num_generations=self.generations,
@@ -211,7 +206,7 @@ def check_best_metric(tc, function_names: Optional[list]) -> None:
 
 
 def build_evaluator(table: Optional[PromptTable], rewards, spec: RolloutSpec, tokenizer, tc, batch_size: int,
-                    mesh=None, collector=None) -> Optional[Evaluator]:
+                    collector, mesh=None) -> Optional[Evaluator]:
     """The run's `Evaluator` (None without eval prompts): prompts sampled in chunks of
     `batch_size` rows at most (a training batch's, so sampling memory stays as in training)
     by the `collector`'s rollout engine (and environment)."""
@@ -222,4 +217,4 @@ def build_evaluator(table: Optional[PromptTable], rewards, spec: RolloutSpec, to
     chunk = max(1, min(len(table.prompts), batch_size // tc.eval_generations))
     rewards, device_scores = rewards
     return Evaluator(table, rewards, spec, tokenizer, tc.eval_every, before, tc.eval_generations, temperature, chunk,
-                     mesh, device_scores, collector)
+                     collector, mesh, device_scores)

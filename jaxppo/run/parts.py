@@ -150,8 +150,8 @@ def build(config: PPOConfig, tc: TrainerConfig, *, policy, tokenizer, prompts, r
     return RunParts(config, environment, rewards, host_rewards, iterations, table, models, spec, rollout_engine,
                     policy_schedule, run, placed, sampler_mesh, ref_params, reward_params,
                     stages.update_step(make_step, config), collector, pipelined, description,
-                    source, build_evaluator(eval_table, eval_rewards, spec, tokenizer, tc, config.batch_size, placed,
-                                            collector),
+                    source, build_evaluator(eval_table, eval_rewards, spec, tokenizer, tc, config.batch_size, collector,
+                                            placed),
                     _hf_checkpoints(tc, models.policy_model, spec, tokenizer, source))
 
 
