@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxppo.config import PPOConfig
+from jaxppo.errors import RunError
 from jaxppo.models import hf as hf_io
 from jaxppo.models.adapters import add_lora
 from jaxppo.models.lora import LoraConfig
@@ -35,7 +36,7 @@ from jaxppo.models.model import (
     unstack_layers,
 )
 from jaxppo.models.peft import load_peft_adapter, read_peft_config
-from jaxppo.run.directory import SETTINGS_FILE, named_checkpoint
+from jaxppo.run.directory import SETTINGS_FILE, named_checkpoint, read_settings
 from jaxppo.trainer_config import TrainerConfig
 from jaxppo.update.engine import Freeze, clip_by_global_norm, key_names
 
@@ -131,9 +132,9 @@ def _saved_layout(policy_path: str, tc: TrainerConfig) -> Optional[bool]:
         if not os.path.isfile(path):
             continue
         try:
-            policy = hf_io.read_json_object(path).get("policy")
-        except ValueError:
-            return None  # unreadable: check_settings names the problem when the run opens
+            policy = read_settings(path, place).get("policy")
+        except RunError:
+            return None  # unreadable or damaged: check_settings names the problem when the run opens
         if isinstance(policy, dict) and policy.get("path") == policy_path:
             return bool(policy.get("scan_layers", False))
         return None
