@@ -158,8 +158,8 @@ class _BackgroundFaults:
     """Quiet orbax's background threads while a checkpoint saves: their closed-loop
     tracebacks (`_DropClosedLoopTracebacks` over `sys.stderr`), absl's ERROR record of the
     failed write and asyncio's of the write tasks it abandoned, which the save's own
-    `RunError` reports once. After a failed save the
-    filter stays on (`keep`): the writes still in flight fail later, until the process ends."""
+    `RunError` reports once. After a failed save the filter stays on (`keep`): the writes
+    still in flight fail later, until the process ends."""
 
     def __init__(self):
         self.filter, self.kept, self.previous = None, False, None
@@ -171,6 +171,7 @@ class _BackgroundFaults:
         if not isinstance(sys.stderr, _DropClosedLoopTracebacks):
             self.previous = sys.stderr
             sys.stderr = _DropClosedLoopTracebacks(sys.stderr)
+
         def background_error(record):
             message = record.getMessage()
             return record.levelno >= logging.ERROR and ("Thread.run() raised an exception" in message
