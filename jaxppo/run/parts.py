@@ -330,12 +330,12 @@ def _check_positions(policy_model, tc: TrainerConfig, table, eval_table):
     from jaxppo.models.family import family_of
 
     limit = policy_model.config.max_position_embeddings
-    longest = max(int(t.mask.sum(axis=1).max()) if not t.streamed else tc.query_length
-                  for t in (table, eval_table) if t is not None)
+    longest, streamed = max((tc.query_length, True) if t.streamed else (int(t.mask.sum(axis=1).max()), False)
+                            for t in (table, eval_table) if t is not None)
     total = longest + tc.response_length
     if total <= limit:
         return
-    what = (f"the longest prompt ({longest} tokens{'' if not table.streamed else ', query_length for a stream'}) plus "
+    what = (f"the longest prompt ({longest} tokens{', query_length for a stream' if streamed else ''}) plus "
             f"response_length={tc.response_length} (--response-length) is {total} tokens")
     if family_of(policy_model.config).learned_positions:
         raise ValueError(f"{what}, past the policy's {limit} learned positions (max_position_embeddings): they would "
