@@ -125,30 +125,36 @@ def _json_line(path: str, n: int, line: str, prompt_column: str):
 FILE_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".txt": "txt"}  # by extension, any case
 
 
-def _is_object(line: str) -> bool:
+def _json_object(line: str):
+    """The JSON object a line holds, or None."""
     try:
-        return isinstance(json.loads(line), dict)
+        value = json.loads(line)
     except ValueError:
-        return False
+        return None
+    return value if isinstance(value, dict) else None
 
 
-def file_format(path: str, numbered: list, prompt_column: str = "prompt") -> str:
+def file_format(path: str, head, prompt_column: str = "prompt") -> str:
     """How a prompts file is read: "jsonl", "json" or "txt". By its extension in any case
-    (`FILE_FORMATS`); a file with another extension or none by its content (`numbered`: its
-    (line number, text) lines, or the first of them): a JSON list is .json, lines that are
-    all JSON objects are .jsonl, anything else text. A .txt file whose lines are all JSON
-    objects holding `prompt_column` is read as text, as its extension says, with a warning
-    (each line would be a prompt, braces and all)."""
-    lines = [line for _, line in numbered if line.strip()][:1000]
-    objects = bool(lines) and all(_is_object(line) for line in lines)
+    (`FILE_FORMATS`); a file with another extension or none by its content (`head()`: its
+    (line number, text) lines, or the first of them; read only where needed): a JSON list
+    is .json, lines that are all JSON objects are .jsonl, anything else text. A .txt file
+    whose lines are all JSON objects holding `prompt_column` is read as text, as its
+    extension says, with a warning (each line would be a prompt, braces and all)."""
     known = FILE_FORMATS.get(os.path.splitext(path)[1].lower())
-    if known == "txt" and objects and all(prompt_column in json.loads(line) for line in lines):
-        import warnings
+    if known not in (None, "txt"):
+        return known
+    numbered = head()
+    lines = [line for _, line in numbered if line.strip()][:1000]
+    records = [_json_object(line) for line in lines]
+    objects = bool(records) and all(r is not None for r in records)
+    if known == "txt":
+        if objects and all(prompt_column in r for r in records):
+            import warnings
 
-        warnings.warn(f"{path} is read as a .txt file, one prompt per line, but its lines are JSON objects with a "
-                      f"{prompt_column!r} field: each whole line becomes a prompt. Name it .jsonl to read the field",
-                      UserWarning, stacklevel=4)
-    if known is not None:
+            warnings.warn(f"{path} is read as a .txt file, one prompt per line, but its lines are JSON objects with "
+                          f"a {prompt_column!r} field: each whole line becomes a prompt. Name it .jsonl to read the "
+                          "field", UserWarning, stacklevel=4)
         return known
     if lines and lines[0].lstrip().startswith("["):
         try:
@@ -164,7 +170,7 @@ def _read_records(path: str, prompt_column: str):
     lines skipped), the extension in any case, or the content where the extension says
     nothing (`file_format`); each label names the file and line or item, for errors."""
     numbered = _read_lines(path)
-    extension = "." + file_format(path, numbered, prompt_column)
+    extension = "." + file_format(path, lambda: numbered, prompt_column)
     if extension == ".jsonl":
         rows, labels = [], []
         for n, line in numbered:
@@ -710,7 +716,7 @@ class _FileRecords:
         self.path, self.prompt_column = path, prompt_column
 
     def __iter__(self):
-        extension = "." + file_format(self.path, list(itertools.islice(_iter_lines(self.path), 1000)),
+        extension = "." + file_format(self.path, lambda: list(itertools.islice(_iter_lines(self.path), 1000)),
                                       self.prompt_column)
         if extension == ".json":
             rows, labels = _read_records(self.path, self.prompt_column)
