@@ -220,8 +220,8 @@ class VLLMEngine(RolloutEngine):
         prompts = [{"prompt_token_ids": ids[i][mask[i] > 0].tolist()} for i in range(0, b, g)]
         # Greedy (vLLM takes n = 1 only): one completion per group, the same for its g rows.
         settings = dict(n=1 if greedy else g, temperature=0.0 if greedy else temperature,
-                        max_tokens=response_length, stop_token_ids=list(stop_token_ids), ignore_eos=True, logprobs=0, detokenize=False,
-                        top_k=top_k or 0, top_p=1.0 if top_p is None else top_p, min_p=min_p or 0.0,
+                        max_tokens=response_length, stop_token_ids=list(stop_token_ids), ignore_eos=True, logprobs=0,
+                        detokenize=False, top_k=top_k or 0, top_p=1.0 if top_p is None else top_p, min_p=min_p or 0.0,
                         repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty)
         if seeds is None:
             params = SamplingParams(**settings)
@@ -272,9 +272,9 @@ class VLLMEngine(RolloutEngine):
 
 
 def request_seeds(key, groups: int) -> list:
-    """One vLLM request seed per prompt group, a function of the jax `key` alone: 31-bit
-    ints spaced so that a group's `num_generations` children (seed, seed + 1, ...; vLLM's
-    rule for n > 1) never meet another group's."""
+    """One vLLM request seed per prompt group, a function of the jax `key` alone: 31 random
+    bits shifted left by 16, so that a group's `num_generations` children (seed, seed + 1,
+    ...; vLLM's rule for n > 1) never meet another group's."""
     import jax
 
     bits = np.asarray(jax.random.bits(key, (groups,), dtype=np.uint32)) >> 1  # 31 bits
