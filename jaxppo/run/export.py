@@ -14,7 +14,7 @@ import jax
 from jaxppo.files import write_checksums
 from jaxppo.models import hf as hf_io
 from jaxppo.models.peft import save_peft_adapter
-from jaxppo.run.directory import atomic_replace_dir as _atomic_replace_dir
+from jaxppo.run.directory import atomic_replace_dir
 from jaxppo.sharding import to_host
 
 __all__ = ["for_writer", "export_policy", "export_adapter", "export_checkpoint", "Exportable"]
@@ -46,7 +46,7 @@ def export_policy(model, params, tokenizer, path: str, drop_value_head: bool = F
         if hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(directory)
 
-    atomic_replace_dir(write, path)
+    _replace_with_checksums(write, path)
 
 
 def export_adapter(model, params, path: str, base_path=None):
@@ -58,8 +58,8 @@ def export_adapter(model, params, path: str, base_path=None):
     if adapters is None:
         return
     base = os.path.abspath(os.fspath(base_path)) if base_path is not None else None
-    atomic_replace_dir(lambda directory: save_peft_adapter(model, adapters, directory, base_model_name_or_path=base),
-                       path)
+    _replace_with_checksums(
+        lambda directory: save_peft_adapter(model, adapters, directory, base_model_name_or_path=base), path)
 
 
 def export_checkpoint(model, params, tokenizer, path: str, base_path=None, drop_value_head: bool = False):
@@ -77,17 +77,17 @@ def export_checkpoint(model, params, tokenizer, path: str, base_path=None, drop_
         if hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(directory)
 
-    atomic_replace_dir(write, path)
+    _replace_with_checksums(write, path)
 
 
-def atomic_replace_dir(write, path: str):
+def _replace_with_checksums(write, path: str):
     """`jaxppo.run.directory.atomic_replace_dir`, the folder's checksum file written last."""
 
     def write_with_checksums(directory):
         write(directory)
         write_checksums(directory)
 
-    _atomic_replace_dir(write_with_checksums, path)
+    atomic_replace_dir(write_with_checksums, path)
 
 
 class Exportable:
