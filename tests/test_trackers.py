@@ -203,3 +203,33 @@ def test_wandb_transaction_files_cut_anywhere_read_as_a_prefix(tmp_path):
             f.write(data[:cut])
         steps = [r["_step"] for r in wandb_history(path)]
         assert steps == whole[:len(steps)]
+
+
+def test_trackio_resume_writes_the_metrics_of_a_step_whose_table_alone_was_held(tmp_path, monkeypatch):
+    """A process killed between a step's table and its metrics leaves trackio the table
+    row alone (seen in CI: the store then held iterations 0, 1, 3, 4, 5): the resume writes
+    the step's metrics and not its table a second time."""
+    import trackio
+    from trackio.sqlite_storage import SQLiteStorage
+
+    from jaxppo.tracking.backends import TrackioTracker
+
+    monkeypatch.setenv("TRACKIO_PROJECT", "table-alone")
+    table = ("completions", ["prompt", "completion"], [["a", "b"]])
+    old = trackio.init(project="table-alone", name="run-abcdefgh", embed=False, auto_log_cpu=False, auto_log_gpu=False)
+    for step in range(3):  # the killed process: iterations 0 and 1 whole, iteration 2's table only
+        old.log({"completions": trackio.Table(columns=table[1], data=table[2])}, step=step)
+        if step < 2:
+            old.log({"iteration": step, "x": float(step)}, step=step)
+    old.finish()
+    history = tuple({"iteration": step, "x": float(step)} for step in range(3))
+    tables = tuple((step, *table) for step in range(3))
+    tracker = TrackioTracker()
+    tracker.start(base.TrackerRun(str(tmp_path), "run", "abcdefgh-id", {}, 3, history, tables))
+    assert tracker.holds(1) and not tracker.holds(2)
+    tracker.log_table(3, *table)
+    tracker.log(3, {"iteration": 3, "x": 3.0})
+    tracker.finish()
+    logs = SQLiteStorage.get_logs("table-alone", "run-abcdefgh")
+    assert [(r["step"], r["x"]) for r in logs if r.get("iteration") is not None] == [(s, float(s)) for s in range(4)]
+    assert [r["step"] for r in logs if r.get("completions") is not None] == [0, 1, 2, 3]

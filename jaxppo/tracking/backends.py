@@ -215,20 +215,26 @@ def _mlflow_name(name: str) -> str:
 
 class TrackioTracker(_RunLogTracker):
     """trackio (local by default: its SQLite database under `TRACKIO_DIR`): the run named
-    `<run directory name>-<run_id[:8]>`, resumed by that name; the last step held read back
-    from trackio's storage. Tables are `trackio.Table`s."""
+    `<run directory name>-<run_id[:8]>`, resumed by that name; the steps held read back
+    row by row from trackio's storage (a step's table and its metrics are rows apart, and a
+    killed process can leave the one without the other). Tables are `trackio.Table`s."""
 
     name = "trackio"
     requires = ("trackio", "jaxppo[trackio]")
     tables = True
 
-    def open(self, run: TrackerRun) -> Optional[int]:
+    def open(self, run: TrackerRun) -> Optional[frozenset]:
         import trackio
         from trackio.sqlite_storage import SQLiteStorage
 
         project = os.environ.get("TRACKIO_PROJECT", "jaxppo")
         name = f"{run.name}-{run.run_id[:8]}"
-        held = SQLiteStorage.get_max_step_for_run(project, name) if name in SQLiteStorage.get_runs(project) else None
+        held = None
+        if name in SQLiteStorage.get_runs(project):
+            logs = SQLiteStorage.get_logs(project, name)
+            held = frozenset(int(row["step"]) for row in logs if row.get("iteration") is not None)
+            self.held_tables = frozenset((int(row["step"]), key) for row in logs for key, value in row.items()
+                                         if isinstance(value, dict) and value.get("_type") == trackio.Table.TYPE)
         self._run = trackio.init(project=project, name=name, resume="allow", config=run.config, embed=False,
                                  auto_log_cpu=False, auto_log_gpu=False)
         return held

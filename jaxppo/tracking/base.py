@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import abc
 import importlib.util
-from typing import Callable, ClassVar, Dict, NamedTuple, Optional, Sequence, Tuple
+from typing import AbstractSet, Callable, ClassVar, Dict, NamedTuple, Optional, Sequence, Tuple, Union
 
 __all__ = ["Tracker", "AppendOnlyTracker", "TrackerRun", "register_tracker", "tracker_class", "tracker_names",
            "parse_report_to", "check_installed", "ALWAYS"]
@@ -83,15 +83,23 @@ class Tracker(abc.ABC):
 
 class AppendOnlyTracker(Tracker):
     """A tracker whose store only appends (a step logged twice is held twice). Subclasses
-    implement `open(run) -> last step held or None`, `write(step, metrics)`, and optionally
-    `write_table`; this class applies the resume rule: it fills in the `history` rows the
-    store lacks and skips every step the store already holds."""
+    implement `open(run)`, `write(step, metrics)`, and optionally `write_table`; this class
+    applies the resume rule: it fills in the `history` rows the store lacks and skips every
+    step the store already holds.
 
-    held: Optional[int] = None
+    `open` returns what the store holds of the run's metrics: None (nothing), an int (every
+    step up to it: for stores that take only increasing steps) or a set of steps (the
+    store's own record, read row by row). It may set `held_tables` to the `(step, name)`
+    tables the store holds; without it a table is held where its step's metrics are. A
+    store that keeps a step's table and its metrics apart must say which it holds: a
+    process killed between the two leaves the table without the metrics."""
+
+    held: Union[None, int, AbstractSet[int]] = None
+    held_tables: Optional[AbstractSet[Tuple[int, str]]] = None
 
     @abc.abstractmethod
-    def open(self, run: TrackerRun) -> Optional[int]:
-        """Open or continue the run's record (by `run.run_id`); return the last step it holds."""
+    def open(self, run: TrackerRun) -> Union[None, int, AbstractSet[int]]:
+        """Open or continue the run's record (by `run.run_id`); return the steps it holds."""
 
     @abc.abstractmethod
     def write(self, step: int, metrics: dict) -> None:
@@ -110,12 +118,21 @@ class AppendOnlyTracker(Tracker):
                 self.log_table(step, name, columns, rows)
             self.log(row["iteration"], row)
 
+    def holds(self, step: int) -> bool:
+        """Whether the store held `step`'s metrics when the run opened."""
+        if self.held is None:
+            return False
+        if isinstance(self.held, int):
+            return step <= self.held
+        return step in self.held
+
     def log(self, step: int, metrics: dict) -> None:
-        if self.held is None or step > self.held:
+        if not self.holds(step):
             self.write(step, metrics)
 
     def log_table(self, step: int, name: str, columns: Sequence[str], rows: Sequence[Sequence]) -> None:
-        if self.held is None or step > self.held:
+        held = (step, name) in self.held_tables if self.held_tables is not None else self.holds(step)
+        if not held:
             self.write_table(step, name, columns, rows)
 
 
