@@ -11,7 +11,8 @@ Settings (both): float32, no activation recomputation; 4 prompts x 8 completions
 system prompt, about 40 tokens; jaxppo pads them to 48), temperature 1, 2 mini-batches of
 16 (2 optimizer steps per iteration), one epoch, beta 0 (no reference model), learning rate
 5e-6, the sums demo's prompts (`jaxppo.demo.sum_pairs`) and reward (1 where the
-completion's last integer is the sum). TRL: per_device_train_batch_size=16,
+completion's last integer is the sum), no evaluation during training (jaxppo's side turns
+the sums demo's off). TRL: per_device_train_batch_size=16,
 steps_per_generation=2, num_iterations=1. Arguments after `--` go to the `jaxppo` command.
 
 Each side prints one row per iteration (generation, scoring, update, whole iteration, the
