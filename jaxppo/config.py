@@ -150,7 +150,7 @@ class PPOConfig(BatchSizes):
     loss_norm_length: Optional[int] = setting(None, on_resume="same_if_set")
     kl_loss_bias_correction: bool = setting(False, on_resume="same_if_set")
     share_prompts: Optional[bool] = setting(None, on_resume="free")
-    common_prefix: bool = setting(False, on_resume="free")
+    common_prefix: Optional[bool] = setting(None, on_resume="free")
     pack_sequences: bool = setting(False, on_resume="free")
     pack_streams: Optional[int] = setting(None, on_resume="free")
     pack_length: Optional[int] = setting(None, on_resume="free")

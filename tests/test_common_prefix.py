@@ -182,12 +182,14 @@ def test_check_rollout_refuses_rows_with_another_query(scored):
 PREFIX_TEXT = "Answer in one word: "
 
 
-def test_trainer_with_common_prefix_trains_as_the_usual_layout(tmp_path):
+def test_trainer_with_common_prefix_trains_as_the_usual_layout(tmp_path, capsys):
     """The trainer end to end: the same samples, scores and update count, parameters equal
-    up to float rounding; the prompts' common prefix found by itself."""
+    up to float rounding; the prompts' common prefix found by itself; the default (None)
+    turns it on for these prompts (a shared prefix of 20 tokens, a quarter of a row) and
+    trains exactly as True does."""
     prompts = [PREFIX_TEXT + p for p in demo.DEMO_PROMPTS]
     runs = []
-    for flag in (True, False):
+    for flag in (True, False, None):
         trainer = small_trainer(tmp_path / str(flag), iterations=1, prompts=prompts, checkpoint_every=0, max_len=64,
                                 query_length=48,
                                 export_final=False,
@@ -195,8 +197,15 @@ def test_trainer_with_common_prefix_trains_as_the_usual_layout(tmp_path):
                                                      common_prefix=flag))
         history = trainer.train()
         runs.append((trainer, history[-1]))
-    (moved, m_moved), (usual, m_usual) = runs
+    (moved, m_moved), (usual, m_usual), (auto, m_auto) = runs
+    headline = f"the prompts' common prefix ({moved.spec.common_prefix} tokens) runs once"
+    assert capsys.readouterr().out.count(headline) == 2  # the True and the default run say so
     assert moved.spec.common_prefix >= len(PREFIX_TEXT) and usual.spec.common_prefix == 0
+    assert auto.spec.common_prefix == moved.spec.common_prefix and auto.config.common_prefix is True
+    assert moved.config.common_prefix is True and usual.config.common_prefix is False
+    timing = lambda m: {k: v for k, v in m.items() if not k.startswith("time/") and k != "eps"}  # noqa: E731
+    assert timing(m_auto) == timing(m_moved)
+    chex.assert_trees_all_equal(auto.state.params, moved.state.params)
     assert m_moved["ppo/updates_applied"] == m_usual["ppo/updates_applied"] == 4
     for key in ("objective/scores", "val/response_length", "objective/kl", "loss/policy_avg", "loss/value_avg"):
         np.testing.assert_allclose(m_moved[key], m_usual[key], rtol=1e-3, atol=1e-5, err_msg=key)
@@ -230,3 +239,39 @@ def test_a_token_reward_function_reads_the_usual_layout():
         scores[prefix] = np.asarray(stats["per_row/raw_scores"])
         expected = np.sum((np.asarray(gen.tokens) == 7) * np.asarray(gen.mask), axis=1)
         np.testing.assert_array_equal(scores[prefix], expected)
+
+
+def test_the_default_turns_the_common_prefix_on_where_it_pays():
+    """`PPOConfig.common_prefix=None` (the trainer's default): on for a single-turn run of one
+    completion per prompt, the whole set up front, no packing and no mesh, when the prompts
+    share at least AUTO_COMMON_PREFIX_MIN_TOKENS tokens and AUTO_COMMON_PREFIX_MIN_SHARE of a
+    row; off otherwise (the rule read back from a plain count of the rows' shared tokens)."""
+    from types import SimpleNamespace
+
+    from jaxppo.run.parts import AUTO_COMMON_PREFIX_MIN_SHARE, AUTO_COMMON_PREFIX_MIN_TOKENS, auto_common_prefix
+
+    def table(shared, width=40, rows=6, streamed=False):
+        rng = np.random.default_rng(shared)
+        ids, mask = np.zeros((rows, width), np.int32), np.zeros((rows, width), np.int32)
+        prefix = rng.integers(3, V, shared)
+        for i in range(rows):  # own tokens that differ in their first token from every other row's
+            row = np.concatenate([prefix, [3 + i], rng.integers(3, V, i % 3)])
+            ids[i, width - len(row):], mask[i, width - len(row):] = row, 1
+        return SimpleNamespace(ids=ids, mask=mask, width=width, streamed=streamed)
+
+    ppo = jaxppo.PPOConfig(batch_size=16, mini_batch_size=8)
+    tc = jaxppo.TrainerConfig(query_length=40, response_length=24)
+    assert AUTO_COMMON_PREFIX_MIN_TOKENS == 16 and AUTO_COMMON_PREFIX_MIN_SHARE == 1 / 8
+    assert auto_common_prefix(ppo, tc, table(30), None, None) == 30
+    assert auto_common_prefix(ppo, tc, table(16), None, None) == 16
+    assert auto_common_prefix(ppo, tc, table(15), None, None) == 0  # too few tokens
+    long_rows = jaxppo.TrainerConfig(query_length=40, response_length=100)  # 16 < (40 + 100) / 8
+    assert auto_common_prefix(ppo, long_rows, table(16), None, None) == 0
+    assert auto_common_prefix(ppo, long_rows, table(18), None, None) == 18  # 18 >= 140 / 8
+    assert auto_common_prefix(ppo, tc, table(30, streamed=True), None, None) == 0
+    assert auto_common_prefix(ppo, tc, table(30), object(), None) == 0  # an environment
+    assert auto_common_prefix(ppo, tc, table(30), None, object()) == 0  # a mesh
+    grpo = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=16, mini_batch_size=8, num_generations=4)
+    assert auto_common_prefix(grpo, tc, table(30), None, None) == 0  # groups share their whole prompt instead
+    packed = jaxppo.PPOConfig(batch_size=16, mini_batch_size=8, pack_sequences=True)
+    assert auto_common_prefix(packed, tc, table(30), None, None) == 0

@@ -37,7 +37,7 @@ def run_loop(trainer, logger: Logger) -> Logger:
         with interrupts_raise():
             # The SIGTERM handler is in place before the first line: a signal from here on
             # is a checkpoint and a clean exit, never the default kill.
-            print(_headline(trainer.config, trainer.iterations), flush=True)
+            print(_headline(trainer.config, trainer.iterations, trainer.spec.common_prefix), flush=True)
             progress = _Progress(tc, trainer.iterations, trainer.iteration, trainer.config.advantage_estimator)
             while trainer.iteration < trainer.iterations:
                 failpoints.pause("iteration", at=trainer.iteration)
@@ -139,8 +139,10 @@ def _completions(trainer):
     return None
 
 
-def _headline(c: PPOConfig, iterations: int) -> str:
+def _headline(c: PPOConfig, iterations: int, common_prefix: int = 0) -> str:
     groups = f" ({c.prompts_per_batch} prompts x {c.num_generations} completions)" if c.num_generations > 1 else ""
+    prefix = (f"; the prompts' common prefix ({common_prefix} tokens) runs once (--no-common-prefix: every row)"
+              if common_prefix else "")
     return (f"jaxppo: {iterations} iterations x {c.batch_size} episodes{groups}; optimizer updates per iteration = "
             f"ppo_epochs * batch_size / mini_batch_size = {c.ppo_epochs} * {c.batch_size} / {c.mini_batch_size} = "
-            f"{c.updates_per_step}; advantages: {c.advantage_estimator}")
+            f"{c.updates_per_step}; advantages: {c.advantage_estimator}{prefix}")

@@ -40,7 +40,7 @@ from jaxppo.trainer_config import TrainerConfig
 from jaxppo.update.engine import TrainState
 from jaxppo.update.ppo import train_step_donating
 
-__all__ = ["RunParts", "build"]
+__all__ = ["RunParts", "build", "auto_common_prefix", "AUTO_COMMON_PREFIX_MIN_TOKENS", "AUTO_COMMON_PREFIX_MIN_SHARE"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,8 +123,9 @@ def build(config: PPOConfig, tc: TrainerConfig, *, policy, tokenizer, prompts, r
     _check_vocabulary(tokenizer, models.policy_model, tc)
     _check_positions(models.policy_model, tc, table, eval_table)
     host_rewards = rewards.host_rewards(config.updates_per_step)
-    spec = _rollout_spec(config, tc, models, tokenizer, rewards, table.width,
-                         _common_prefix(config, table, environment))
+    prefix = _common_prefix(config, tc, table, environment, mesh)
+    config = config.replace(common_prefix=prefix > 0)  # None (auto) resolved: what the loss is compiled for
+    spec = _rollout_spec(config, tc, models, tokenizer, rewards, table.width, prefix)
     rollout_engine = engine.create(spec, models.params, tc, mesh=mesh,  # wide enough for the eval prompts too
                                    query_width=max(table.width, 0 if eval_table is None else eval_table.width))
     policy_schedule, tx = _optimizer(config, tc, iterations, _check_optimizer(optimizer))
@@ -365,10 +366,15 @@ def _check_vocabulary(tokenizer, policy_model, tc: TrainerConfig):
                          f"[0, {vocab - 1}]")
 
 
-def _common_prefix(config: PPOConfig, table: PromptTable, environment) -> int:
-    """The prompt set's common prefix in tokens, with `PPOConfig.common_prefix` (else 0)."""
-    if not config.common_prefix:
+def _common_prefix(config: PPOConfig, tc: TrainerConfig, table: PromptTable, environment, mesh) -> int:
+    """The prompt set's common prefix in tokens that the run's rollouts put in the
+    common-prefix layout (`jaxppo.update.prefix`), else 0: with `PPOConfig.common_prefix`
+    True the set's whole common prefix (refused where the layout cannot be built); with
+    None (the default) the same where `auto_common_prefix` says it pays; with False 0."""
+    if config.common_prefix is False:
         return 0
+    if config.common_prefix is None:
+        return auto_common_prefix(config, tc, table, environment, mesh)
     if environment is not None:
         raise ValueError("PPOConfig.common_prefix=True is for single-turn runs: a multi-turn episode's response "
                          "region already holds the environment's tokens; turn it off for environments and tools")
@@ -380,6 +386,29 @@ def _common_prefix(config: PPOConfig, table: PromptTable, environment) -> int:
         raise ValueError(f"PPOConfig.common_prefix=True, but the {len(table.texts)} prompts share no leading token "
                          "(no common system prompt or instructions): there is nothing to run once; turn it off")
     return length
+
+
+# PPOConfig.common_prefix=None (the default) puts the trainer's rollouts in the common-prefix
+# layout when the prompts share at least this many leading tokens, and at least this share of
+# a row (the padded prompt plus response_length): below, the tokens saved are too few to pay
+# for the second pass (a prefix pass and a region pass) the layout compiles and runs.
+AUTO_COMMON_PREFIX_MIN_TOKENS = 16
+AUTO_COMMON_PREFIX_MIN_SHARE = 1 / 8
+
+
+def auto_common_prefix(config: PPOConfig, tc: TrainerConfig, table: PromptTable, environment, mesh) -> int:
+    """The common prefix `PPOConfig.common_prefix=None` runs once, or 0 where it stays off: on
+    for single-turn runs of one completion per prompt (with groups, `share_prompts` runs each
+    group's whole prompt once, which saves more; the two do not combine), the whole prompt set
+    up front, no packing, no mesh (under a mesh of several devices the loss runs every row),
+    and a common prefix of at least `AUTO_COMMON_PREFIX_MIN_TOKENS` tokens and
+    `AUTO_COMMON_PREFIX_MIN_SHARE` of a row."""
+    if (environment is not None or table.streamed or config.pack_sequences or config.num_generations > 1
+            or mesh is not None or tc.sampler_devices):
+        return 0
+    length = common_prefix_length(table.ids, table.mask)
+    row = table.width + tc.response_length
+    return length if length >= AUTO_COMMON_PREFIX_MIN_TOKENS and length >= AUTO_COMMON_PREFIX_MIN_SHARE * row else 0
 
 
 def _rollout_spec(config: PPOConfig, tc: TrainerConfig, built, tokenizer, rewards, query_width: int,

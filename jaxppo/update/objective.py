@@ -118,7 +118,10 @@ class LossConfig:
       pass); `train_step` on a rollout you build: give it in that layout
       (`jaxppo.check_rollout` checks that every row shares the query). Built-in models
       (any other runs every row); not with `pack_sequences`. Under a mesh of several
-      devices the loss runs every row (see `share_prompts`).
+      devices the loss runs every row (see `share_prompts`). None (the default): the
+      trainer decides (on when its prompts share enough leading tokens to pay:
+      `jaxppo.run.parts.AUTO_COMMON_PREFIX_MIN_TOKENS`, docs/ppo.md); `train_step` reads
+      None as False. True: your rollout is in that layout. False: the usual layout.
 
     Packed sequences (`jaxppo.update.packing`; the same losses and gradients, up to float rounding):
       pack_sequences: run the loss's forward on each micro-batch's rows of real tokens
@@ -158,7 +161,7 @@ class LossConfig:
     temperature: float = 1.0
     num_generations: int = 1
     share_prompts: Optional[bool] = None
-    common_prefix: bool = False
+    common_prefix: Optional[bool] = None
     pack_sequences: bool = False
     pack_streams: Optional[int] = None
     pack_length: Optional[int] = None
@@ -187,13 +190,17 @@ def _check_choices(c: LossConfig):
     for name, valid in choices.items():
         if getattr(c, name) not in valid:
             raise invalid(c.owner, name, getattr(c, name), "one of " + ", ".join(repr(v) for v in valid))
-    for name in ("uses_critic", "kl_loss_bias_correction", "pack_sequences", "common_prefix"):
+    for name in ("uses_critic", "kl_loss_bias_correction", "pack_sequences"):
         if not isinstance(getattr(c, name), bool):
             raise invalid(c.owner, name, getattr(c, name), "a bool (True or False)")
     if c.share_prompts not in (None, True, False):
         raise invalid(c.owner, "share_prompts", c.share_prompts,
                       "None (the trainer: on; train_step: off), True or False")
-    if c.common_prefix and c.pack_sequences:
+    if c.common_prefix not in (None, True, False):
+        raise invalid(c.owner, "common_prefix", c.common_prefix,
+                      "None (the trainer: on when the prompts share enough leading tokens; train_step: off), "
+                      "True or False")
+    if c.common_prefix is True and c.pack_sequences:
         raise invalid(c.owner, "common_prefix", c.common_prefix,
                       "False with pack_sequences=True (packing packs whole rows instead); or turn packing off")
 
@@ -324,7 +331,7 @@ def prompt_rows(config: LossConfig, rows: int) -> int:
     G > 1 dividing `rows` (whole groups in the batch: the engine keeps them whole when G
     divides the mini-batch) and no packing; `rows` with `common_prefix` (one query for
     every row); else 1."""
-    if config.common_prefix and not config.pack_sequences:
+    if config.common_prefix is True and not config.pack_sequences:
         return rows
     g = config.num_generations
     return g if g > 1 and rows % g == 0 and config.share_prompts is True and not config.pack_sequences else 1

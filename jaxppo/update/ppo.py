@@ -383,7 +383,7 @@ def check_rollout(rollout: RolloutBatch, config):
             raise ValueError(f"rollout.{name} row {row} holds negative token ids; ids must be >= 0")
     group = prompt_group(config)
     if group > 1:  # the loss runs each group's prompt once: the group's rows must share it
-        _check_shared_queries(rollout, group, update_config(config).loss.common_prefix)
+        _check_shared_queries(rollout, group, update_config(config).loss.common_prefix is True)
     mask = np.asarray(rollout.response_mask) > 0
     for name in _float_fields(rollout):
         x = np.asarray(getattr(rollout, name), np.float64)
