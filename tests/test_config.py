@@ -57,6 +57,8 @@ def test_replace_revalidates():
         (dict(lam="0.9"), ["lam='0.9'"]),
         (dict(whiten_advantages=1), ["whiten_advantages=1", "bool"]),
         (dict(whiten_rewards="yes"), ["whiten_rewards='yes'"]),
+        (dict(common_prefix=1), ["common_prefix=1", "None", "True or False"]),
+        (dict(share_prompts=0), ["share_prompts=0", "None", "True or False"]),
         (dict(temperature=0.0), ["temperature=0.0", "> 0"]),
         (dict(temperature=float("inf")), ["temperature=inf"]),
         (dict(target_kl=0.0), ["target_kl=0.0", "None"]),

@@ -193,13 +193,12 @@ def _check_choices(c: LossConfig):
     for name in ("uses_critic", "kl_loss_bias_correction", "pack_sequences"):
         if not isinstance(getattr(c, name), bool):
             raise invalid(c.owner, name, getattr(c, name), "a bool (True or False)")
-    if c.share_prompts not in (None, True, False):
-        raise invalid(c.owner, "share_prompts", c.share_prompts,
-                      "None (the trainer: on; train_step: off), True or False")
-    if c.common_prefix not in (None, True, False):
-        raise invalid(c.owner, "common_prefix", c.common_prefix,
-                      "None (the trainer: on when the prompts share enough leading tokens; train_step: off), "
-                      "True or False")
+    optional = {"share_prompts": "None (the trainer: on; train_step: off), True or False",
+                "common_prefix": "None (the trainer: on when the prompts share enough leading tokens; train_step: "
+                                 "off), True or False"}
+    for name, valid in optional.items():  # a bool itself: 1 == True, but the loss reads `is True`
+        if getattr(c, name) is not None and not isinstance(getattr(c, name), bool):
+            raise invalid(c.owner, name, getattr(c, name), valid)
     if c.common_prefix is True and c.pack_sequences:
         raise invalid(c.owner, "common_prefix", c.common_prefix,
                       "False with pack_sequences=True (packing packs whole rows instead); or turn packing off")
