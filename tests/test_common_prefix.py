@@ -275,3 +275,66 @@ def test_the_default_turns_the_common_prefix_on_where_it_pays():
     assert auto_common_prefix(grpo, tc, table(30), None, None) == 0  # groups share their whole prompt instead
     packed = jaxppo.PPOConfig(batch_size=16, mini_batch_size=8, pack_sequences=True)
     assert auto_common_prefix(packed, tc, table(30), None, None) == 0
+
+
+def test_the_sampler_prefills_the_common_prefix_once():
+    """`generate(..., common_prefix=p)`: the prefix prefilled once for every row. Greedy
+    tokens equal a plain loop of full forwards (a prompt that is the prefix alone
+    included); sampled tokens equal the usual prefill's for the same key, log-probs up to
+    float rounding; the compiled prefill's FLOPs drop with the rows' shared tokens; the
+    run's engine uses it for batches that begin with the prefix only; bad input refused."""
+    from jaxppo.rollout.engines import StaticEngine
+    from jaxppo.rollout.samplers.static import generate, generate_jit
+
+    policy = jm.Model(_config())
+    params = perturbed(policy.init(jax.random.key(0)), 1)
+    ids, mask = _prompts(11, 7)
+    ids[0], mask[0] = 0, 0  # a prompt that is the prefix alone
+    ids[0, Q - P:], mask[0, Q - P:] = ids[1][mask[1] > 0][:P], 1
+    greedy = generate(policy, params, ids, mask, jax.random.key(0), response_length=R, greedy=True,
+                      stop_token_ids=(2,), pad_token_id=0, common_prefix=P)
+    forward = jax.jit(policy.apply)  # full forwards, no cache: every row left-padded to Q + R
+    rows = [list(r[m > 0]) for r, m in zip(ids, mask)]
+    expected = [[] for _ in rows]
+    for _ in range(R):
+        tokens, real = np.zeros((len(rows), Q + R), np.int32), np.zeros((len(rows), Q + R), np.int32)
+        for i, row in enumerate(rows):
+            tokens[i, Q + R - len(row):], real[i, Q + R - len(row):] = row, 1
+        picked = np.asarray(jnp.argmax(forward(params, jnp.asarray(tokens), jnp.asarray(real))[:, -1], -1))
+        for i, row in enumerate(rows):
+            if not expected[i] or expected[i][-1] != 2:
+                expected[i].append(int(picked[i]))
+                row.append(int(picked[i]))
+    for i, tokens in enumerate(expected):
+        n = len(tokens)
+        assert np.asarray(greedy.tokens[i, :n]).tolist() == tokens, i
+        assert np.asarray(greedy.mask[i]).tolist() == [1] * n + [0] * (R - n)
+    sampled = {p: generate(policy, params, ids, mask, jax.random.key(3), response_length=R, stop_token_ids=(2,),
+                           pad_token_id=0, common_prefix=p) for p in (P, 0)}
+    np.testing.assert_array_equal(np.asarray(sampled[P].tokens), np.asarray(sampled[0].tokens))
+    np.testing.assert_allclose(np.asarray(sampled[P].logprobs), np.asarray(sampled[0].logprobs), atol=1e-5)
+
+    # Compiled FLOPs with abstract parameters (nothing runs): 16 prompts of 48 tokens sharing 40.
+    ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    settings = dict(response_length=2, top_k=None, use_top_p=False, greedy=True, stop_token_ids=(2,),
+                    pad_token_id=0, early_stop=False)
+    wide = jm.Model(_config(max_position_embeddings=64))
+    abstract = jax.eval_shape(wide.init, jax.random.key(0))
+    flops = {p: generate_jit.lower(wide, abstract, ints(16, 48), ints(16, 48), jax.random.key(0), jnp.float32(1),
+                                   jnp.float32(1), **settings, common_prefix=p).compile().cost_analysis()["flops"]
+             for p in (40, 0)}
+    # prompt tokens: 40 + 16 * 8 = 168 against 16 * 48 = 768
+    assert flops[40] < 0.5 * flops[0], flops
+
+    spec = RolloutSpec(policy=policy, apply_fn=policy.apply, ref_apply=None, response_length=R, stop_token_ids=(2,),
+                       uses_critic=False, common_prefix=P)
+    engine = StaticEngine(spec)
+    assert engine.prefix_of(ids, mask, 1) == P
+    assert engine.prefix_of(ids, mask, 7) == 0  # groups prefill their own prompt once already
+    other = ids.copy()
+    other[3, Q - mask[3].sum()] += 1  # an evaluation batch without the prefix
+    assert engine.prefix_of(other, mask, 1) == 0
+    with pytest.raises(ValueError, match=rf"common_prefix={P}: the prompts do not all begin with the same {P}"):
+        generate(policy, params, other, mask, jax.random.key(0), response_length=R, common_prefix=P)
+    with pytest.raises(ValueError, match="common_prefix=True must be an int >= 0"):
+        generate(policy, params, ids, mask, jax.random.key(0), response_length=R, common_prefix=True)

@@ -27,7 +27,7 @@ from jaxppo.models.transformer import default_positions
 __all__ = ["prefill", "decode_loop", "cap_positions", "GenerationOutput", "Extra", "filter_logits", "pick_tokens",
            "two_logprobs", "step_keys", "stop_step", "strings_completed", "seen_tokens", "mark_seen", "note_token",
            "penalize", "make_extra", "inverse_cdf_index", "check_sampler_arguments", "check_max_lengths",
-           "check_groups"]
+           "check_groups", "prefill_common", "shares_prefix", "check_common_prefix"]
 
 
 class GenerationOutput(NamedTuple):
@@ -261,6 +261,41 @@ def prefill(model, params, prompt_ids, prompt_mask, max_len: int, num_generation
     return cache, logits[:, -1]
 
 
+def prefill_common(model, params, prompt_ids, prompt_mask, max_len: int, prefix: int):
+    """`prefill` for prompts whose first `prefix` real tokens are the same in every row
+    (a chat template's system prompt): the prefix is run once, for one row, and kept once
+    (a `GroupedKV` of one group); each row's rest of the prompt then runs against it.
+    p + B * (Q - p) prompt tokens instead of B * Q. Returns (cache, next-token logits
+    (B, V), the cache's slot mask (B, max_len)), the slots laid out as
+
+        [P P P P | pad pad S S S | response slots]
+
+    (P: the prefix, S: the row's rest, left-padded to Q - p), so every row's next token
+    takes slot Q, as after `prefill`; positions count real tokens, so each token keeps its
+    position and attends to the same tokens. Needs 0 < prefix < Q and every row at least
+    `prefix` real tokens; not for sliding-window layers (slots then measure the window)."""
+    b, q = prompt_ids.shape
+    if not 0 < prefix < q:
+        raise ValueError(f"prefill_common: prefix={prefix} must be in [1, {q - 1}] (the prompts' width less one)")
+    start = q - jnp.sum(prompt_mask[0] > 0).astype(jnp.int32)  # where row 0's real tokens begin
+    prefix_ids = jax.lax.dynamic_slice_in_dim(prompt_ids[0], start, prefix)[None]
+    ones = jnp.ones((1, prefix), jnp.int32)
+    _, cache = model.decode(params, prefix_ids, ones, jnp.arange(prefix)[None], model.init_cache(1, prefix), 0,
+                            last_only=True)
+    cache = model.grouped_cache(cache, b, max_len - prefix)
+    # Row i's rest sits at its prompt's columns p ... Q - 1 from its first real token on: a
+    # region of Q - p slots, left-padded exactly as the prompt (`prompt_mask[:, :Q - p]`).
+    rest_mask = prompt_mask[:, : q - prefix].astype(jnp.int32)
+    kv_mask = jnp.concatenate([jnp.ones((b, prefix), jnp.int32), rest_mask,
+                               jnp.zeros((b, max_len - q), jnp.int32)], axis=1)
+    positions = default_positions(kv_mask[:, :q])[:, prefix:]
+    # A prompt that is the prefix alone has no rest, and needs nothing of its own: its last
+    # column is the prefix's last token, at position p - 1, attending to the prefix's slots
+    # only (its own slots are masked), so its output there is the prefix's last one.
+    logits, cache = model.decode(params, prompt_ids[:, prefix:], kv_mask, positions, cache, prefix, last_only=True)
+    return cache, logits[:, -1], kv_mask
+
+
 def cap_positions(model, positions):
     """`positions` held inside a learned position table (a family with
     `learned_positions`: GPT-2's), as they are otherwise.
@@ -470,3 +505,32 @@ def check_groups(prompt_ids, prompt_mask, g):
         raise ValueError(f"num_generations={g}: the prompts of group {int(unequal[0])} (rows {int(unequal[0]) * g} to "
                          f"{int(unequal[0]) * g + g - 1}) differ; with shared prefixes each group of {g} consecutive "
                          "rows must hold the same prompt")
+
+
+def shares_prefix(prompt_ids, prompt_mask, prefix: int):
+    """Whether every row of the left-padded prompts has at least `prefix` real tokens and
+    the same first `prefix` of them (`prefill_common`'s condition); None when the values are
+    not known (traced, or a multi-host array)."""
+    if not getattr(prompt_ids, "is_fully_addressable", True):
+        return None
+    try:
+        ids, mask = np.asarray(prompt_ids), np.asarray(prompt_mask) > 0
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+    lengths = mask.sum(axis=1)
+    if prefix > ids.shape[1] or int(lengths.min()) < prefix:
+        return False
+    starts = ids.shape[1] - lengths
+    heads = ids[np.arange(len(ids))[:, None], starts[:, None] + np.arange(prefix)[None, :]]
+    return bool((heads == heads[:1]).all())
+
+
+def check_common_prefix(prompt_ids, prompt_mask, prefix):
+    """ValueError unless `prefix` is an int >= 0 and, when it is > 0, every row's first
+    `prefix` real tokens are the same (checked when the values are concrete)."""
+    if isinstance(prefix, bool) or not isinstance(prefix, int) or prefix < 0:
+        raise ValueError(f"common_prefix={prefix!r} must be an int >= 0 (the prompts' shared leading tokens)")
+    if prefix and shares_prefix(prompt_ids, prompt_mask, prefix) is False:
+        raise ValueError(f"common_prefix={prefix}: the prompts do not all begin with the same {prefix} real tokens "
+                         "(or one is shorter); give their shared length "
+                         "(`jaxppo.update.prefix.common_prefix_length`) or 0")

@@ -25,9 +25,9 @@ from typing import Callable, ClassVar, Optional, Tuple
 
 import jax
 
-from jaxppo.models.decoding import GenerationOutput
+from jaxppo.models.decoding import GenerationOutput, shares_prefix
 from jaxppo.rollout.samplers.continuous import generate_continuous, generate_inflight
-from jaxppo.rollout.samplers.static import generate
+from jaxppo.rollout.samplers.static import effective_prefix, generate
 from jaxppo.rollout.samplers.turns import first_turn, next_turn
 
 __all__ = ["Capabilities", "RolloutEngine", "StaticEngine", "ContinuousEngine", "BUILT_IN", "ROLLOUT_ENGINES",
@@ -162,7 +162,15 @@ class StaticEngine(_Builtin):
     def sample(self, prompt_ids, prompt_mask, key, *, num_generations: int, response_length: int,
                max_lengths=None, temperature: Optional[float] = None) -> GenerationOutput:
         return generate(self.spec.policy, self.params, prompt_ids, prompt_mask, key, response_length=response_length,
-                        num_generations=num_generations, max_lengths=max_lengths, **self.settings(temperature))
+                        num_generations=num_generations, max_lengths=max_lengths, **self.settings(temperature),
+                        common_prefix=self.prefix_of(prompt_ids, prompt_mask, num_generations))
+
+    def prefix_of(self, prompt_ids, prompt_mask, num_generations: int) -> int:
+        """The run's common prefix (`RolloutSpec.common_prefix`) where these prompts begin
+        with it (the training batches do; an evaluation's prompts may not) and the sampler
+        can prefill it once (`samplers.static.effective_prefix`), else 0."""
+        prefix = effective_prefix(self.spec.policy, self.spec.common_prefix, num_generations, prompt_ids.shape[1])
+        return prefix if prefix and shares_prefix(prompt_ids, prompt_mask, prefix) else 0
 
     def first_turn(self, prompt_ids, prompt_mask, key, *, num_generations: int, turn_length: int, max_lengths,
                    temperature: Optional[float] = None):

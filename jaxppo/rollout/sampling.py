@@ -171,7 +171,8 @@ class RolloutSpec:
         the rollout is built in the common-prefix layout (`jaxppo.update.prefix`): the
         prefix is every row's query, run once by the policy, the reference, the critic and
         the reward model; `PPOConfig.common_prefix` then runs it once per micro-batch in
-        the loss. 0: the usual layout.
+        the loss; the static sampler prefills it once for batches that begin with it
+        (`jaxppo.rollout.samplers.static.generate`'s `common_prefix`). 0: the usual layout.
     """
 
     policy: Model

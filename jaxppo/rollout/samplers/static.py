@@ -14,31 +14,41 @@ from typing import Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxppo.models.decoding import (Extra, GenerationOutput, check_groups, check_max_lengths, check_sampler_arguments,
-                                    decode_loop, make_extra, prefill, seen_tokens)
+from jaxppo.models.decoding import (Extra, GenerationOutput, check_common_prefix, check_groups, check_max_lengths,
+                                    check_sampler_arguments, decode_loop, make_extra, prefill, prefill_common,
+                                    seen_tokens)
 from jaxppo.models.model import Model
 
-__all__ = ["generate", "generate_jit"]
+__all__ = ["generate", "generate_jit", "effective_prefix"]
 
 
 @functools.partial(
     jax.jit,
     static_argnames=("model", "response_length", "top_k", "use_top_p", "greedy", "stop_token_ids", "pad_token_id",
-                     "early_stop", "num_generations", "return_cache"),
+                     "early_stop", "num_generations", "return_cache", "common_prefix"),
 )
 def generate_jit(model, params, prompt_ids, prompt_mask, key, temperature, top_p, max_lengths=None, *,
                  response_length, top_k, use_top_p, greedy, stop_token_ids, pad_token_id, early_stop,
-                 num_generations=1, return_cache=False, extra: Optional[Extra] = None):
+                 num_generations=1, return_cache=False, extra: Optional[Extra] = None, common_prefix: int = 0):
     """The compiled sampler behind `generate` (static: the model and every size and
     switch; `extra` is traced, its None fields static), for ahead-of-time lowering
     (`generate_jit.lower(...)`) and compile counts. With `return_cache`: (output, the KV
     cache after the decode, the tokens each row holds or None), for a next turn
-    (`jaxppo.rollout.samplers.turns`)."""
+    (`jaxppo.rollout.samplers.turns`). `common_prefix` p > 0: the prompts' first p real
+    tokens are the same in every row, prefilled once (`prefill_common`; one completion per
+    prompt, no sliding-window layers, p < Q: `effective_prefix` says what applies)."""
     model, params = model.for_decoding(params)  # `Model.hoist_layers`
     b, q = prompt_ids.shape
     r = response_length
-    kv_mask = jnp.concatenate([prompt_mask.astype(jnp.int32), jnp.zeros((b, r), jnp.int32)], axis=1)
-    cache, next_logits = prefill(model, params, prompt_ids, prompt_mask, q + r, num_generations)
+    if common_prefix:
+        if effective_prefix(model, common_prefix, num_generations, q) != common_prefix:
+            raise ValueError(f"generate_jit: common_prefix={common_prefix} does not apply here "
+                             f"(num_generations={num_generations}, width {q}, sliding-window layers: "
+                             f"{any(model.config.sliding_layers)}); pass effective_prefix(...)")
+        cache, next_logits, kv_mask = prefill_common(model, params, prompt_ids, prompt_mask, q + r, common_prefix)
+    else:
+        kv_mask = jnp.concatenate([prompt_mask.astype(jnp.int32), jnp.zeros((b, r), jnp.int32)], axis=1)
+        cache, next_logits = prefill(model, params, prompt_ids, prompt_mask, q + r, num_generations)
     seen = None
     if extra is not None and extra.repetition_penalty is not None:
         seen = seen_tokens(prompt_ids, prompt_mask, next_logits.shape[-1])
@@ -48,6 +58,16 @@ def generate_jit(model, params, prompt_ids, prompt_mask, key, temperature, top_p
                                       use_top_p=use_top_p, greedy=greedy, stop_token_ids=stop_token_ids,
                                       pad_token_id=pad_token_id, early_stop=early_stop, extra=extra, seen=seen)
     return (output, cache, seen) if return_cache else output
+
+
+def effective_prefix(model: Model, common_prefix: int, num_generations: int, width: int) -> int:
+    """The common prefix the static sampler prefills once for prompts that share
+    `common_prefix` leading tokens: 0 with several completions per prompt (each group's
+    prompt is prefilled once already), with sliding-window layers (the window is measured
+    in cache slots, which `prefill_common`'s layout spaces out), else at most width - 1."""
+    if not common_prefix or num_generations != 1 or any(model.config.sliding_layers):
+        return 0
+    return min(common_prefix, width - 1)
 
 
 def generate(
@@ -70,6 +90,7 @@ def generate(
     min_p: Optional[float] = None,
     repetition_penalty: Optional[float] = None,
     stop_strings=None,
+    common_prefix: int = 0,
 ) -> GenerationOutput:
     """Sample `response_length` tokens after left-padded prompts, with a KV cache.
 
@@ -103,6 +124,12 @@ def generate(
         must be equal within each group (checked when the arrays are concrete).
       max_lengths: optional int (B,): row i ends after max_lengths[i] tokens (at most
         `response_length`) if no stop token ended it before: per-request budgets.
+      common_prefix: p > 0 says every prompt begins with the same p real tokens (a chat
+        template's system prompt; `jaxppo.update.prefix.common_prefix_length` measures it,
+        checked here when the arrays are concrete): the prefix is prefilled once and
+        shared by every row, p + B * (Q - p) prompt tokens instead of B * Q. The same tokens
+        as p = 0 for the same key, up to float rounding. Applies with one completion per
+        prompt and no sliding-window layers (`effective_prefix`); elsewhere ignored.
 
     Returns:
       `GenerationOutput(tokens, logprobs, mask, full_logprobs)`, each (B, R) (`logprobs`
@@ -113,6 +140,7 @@ def generate(
                                                            top_k, top_p, stop_token_ids, pad_token_id, max_lengths,
                                                            min_p, repetition_penalty)
     check_groups(prompt_ids, prompt_mask, num_generations)
+    check_common_prefix(prompt_ids, prompt_mask, common_prefix)
     return generate_jit(
         model, params, jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_mask, jnp.int32), key,
         jnp.float32(temperature), jnp.float32(1.0 if top_p is None else top_p),
@@ -120,4 +148,5 @@ def generate(
         response_length=response_length, top_k=top_k, use_top_p=top_p is not None, greedy=bool(greedy),
         stop_token_ids=stop_token_ids, pad_token_id=int(pad_token_id), early_stop=bool(early_stop),
         num_generations=num_generations, extra=make_extra(min_p, repetition_penalty, stop_strings),
+        common_prefix=effective_prefix(model, common_prefix, num_generations, prompt_ids.shape[1]),
     )
