@@ -150,6 +150,30 @@ def test_train_step_in_the_common_prefix_layout_equals_the_usual_one(scored):
         np.testing.assert_allclose(m_moved[key], m_usual[key], rtol=5e-4, atol=1e-5, err_msg=key)
 
 
+def test_seq_mean_token_sum_norm_divides_by_the_response_length_in_either_layout(scored, tmp_path):
+    """Dr. GRPO's aggregation divides by a constant, by default the batch's width: in the
+    common-prefix layout that width also counts the rest of each prompt. `train_step`
+    refuses the layout without `loss_norm_length`; given the response length it trains as
+    the usual layout does; the trainer sets it by itself."""
+    out, params, apply_fn, _ = scored
+    config = jaxppo.PPOConfig(batch_size=8, mini_batch_size=4, ppo_epochs=1, loss_aggregation="seq_mean_token_sum_norm")
+    state = jaxppo.TrainState.create(apply_fn=apply_fn, params=params, tx=optax.sgd(0.5))
+    with pytest.raises(ValueError, match=r"loss_norm_length=None is invalid: .*the response length .*common_prefix=True"):
+        jaxppo.train_step(state, out[P][0], jax.random.key(9), config.replace(common_prefix=True))
+    results = []
+    for prefix, changes in ((P, dict(common_prefix=True, loss_norm_length=R)), (0, dict(common_prefix=False))):
+        state = jaxppo.TrainState.create(apply_fn=apply_fn, params=params, tx=optax.sgd(0.5))
+        results.append(jaxppo.train_step(state, out[prefix][0], jax.random.key(9), config.replace(**changes)))
+    (moved, m_moved), (usual, m_usual) = results
+    np.testing.assert_allclose(m_moved["per_minibatch/loss/policy"], m_usual["per_minibatch/loss/policy"], rtol=5e-4,
+                               atol=1e-5)
+    chex.assert_trees_all_close(moved.params, usual.params, rtol=5e-4, atol=5e-5)
+    trainer = small_trainer(tmp_path, iterations=1, prompts=[PREFIX_TEXT + p for p in demo.DEMO_PROMPTS],
+                            max_len=64, query_length=48, export_final=False,
+                            ppo=config.replace(batch_size=16, mini_batch_size=8, common_prefix=True))
+    assert trainer.config.loss_norm_length == trainer.tc.response_length == 6
+
+
 def test_the_query_runs_once_per_micro_batch_in_the_compiled_loss():
     """Compiled FLOPs of the loss's forward: one query of p tokens for the micro-batch, not
     B of Q (abstract parameters; nothing runs)."""

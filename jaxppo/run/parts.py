@@ -124,7 +124,11 @@ def build(config: PPOConfig, tc: TrainerConfig, *, policy, tokenizer, prompts, r
     _check_positions(models.policy_model, tc, table, eval_table)
     host_rewards = rewards.host_rewards(config.updates_per_step)
     prefix = _common_prefix(config, tc, table, environment, mesh)
-    config = config.replace(common_prefix=prefix > 0)  # None (auto) resolved: what the loss is compiled for
+    resolved = {"common_prefix": prefix > 0}  # None (auto) resolved: what the loss is compiled for
+    if prefix and config.loss_aggregation == "seq_mean_token_sum_norm" and config.loss_norm_length is None:
+        # The default divisor, the batch's width, is the response length in the usual layout only.
+        resolved["loss_norm_length"] = tc.response_length
+    config = config.replace(**resolved)
     spec = _rollout_spec(config, tc, models, tokenizer, rewards, table.width, prefix)
     rollout_engine = engine.create(spec, models.params, tc, mesh=mesh,  # wide enough for the eval prompts too
                                    query_width=max(table.width, 0 if eval_table is None else eval_table.width))

@@ -365,6 +365,12 @@ def loss_normaliser(batch, config: LossConfig):
     batch as `loss_token_norm`)."""
     if config.loss_aggregation == "token_sum_batch_norm":
         return batch["loss_token_norm"][0]
+    if (config.loss_aggregation == "seq_mean_token_sum_norm" and config.loss_norm_length is None
+            and config.common_prefix is True):  # refused while tracing, before anything compiles
+        raise invalid(config.owner, "loss_norm_length", None,
+                      "the response length (an int > 0) with loss_aggregation='seq_mean_token_sum_norm' and "
+                      "common_prefix=True: the layout's response region also holds the rest of each prompt, so its "
+                      "width is not the response length the aggregation divides by (the trainer sets it itself)")
     return config.loss_norm_length or batch["response_tokens"].shape[1]
 
 
