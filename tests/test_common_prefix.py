@@ -191,6 +191,48 @@ def test_the_query_runs_once_per_micro_batch_in_the_compiled_loss():
     assert flops_moved < 0.6 * flops_usual, (flops_moved, flops_usual)
 
 
+def test_the_lm_head_window_equals_the_whole_region_where_it_is_read():
+    """`Model.head_window`: in the common-prefix layout the log-probs and entropies at each
+    row's last w attended region positions equal those of the LM head over the whole
+    region (0 at the others), and so do the gradients of a loss on the response tokens;
+    the compiled forward and backward do less work; bad values refused."""
+    model = jm.Model(_config())
+    params = perturbed(model.init(jax.random.key(0)), 1)
+    ids, mask = _prompts(4, 6)
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(3, V, (6, R)).astype(np.int32)
+    lengths = rng.integers(1, R + 1, 6)
+    response_mask = (np.arange(R)[None] < lengths[:, None]).astype(np.int32)
+    layout = prefix_layout(jnp.asarray(mask), P, R)
+    query, query_mask = prefix_query(layout, jnp.asarray(ids))
+    region = to_region(layout, jnp.asarray(ids), jnp.asarray(tokens))
+    attention = to_region(layout, jnp.asarray(mask), jnp.asarray(response_mask))
+    trained = to_region(layout, jnp.zeros_like(jnp.asarray(mask)), jnp.asarray(response_mask)).astype(jnp.float32)
+    windowed = jm.Model(model.config, head_window=R)
+
+    def outputs(m, prm):
+        return m.grouped_outputs(prm, query[:1], query_mask[:1], region, attention)
+
+    (lp_all, _, ent_all), (lp_win, _, ent_win) = outputs(model, params), outputs(windowed, params)
+    end = np.asarray(attention).sum(axis=1)
+    for i in range(6):
+        inside = np.zeros(region.shape[1], bool)
+        inside[max(end[i] - R, 0): max(end[i] - R, 0) + R] = True
+        np.testing.assert_allclose(np.asarray(lp_win[i])[inside], np.asarray(lp_all[i])[inside], rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(ent_win[i])[inside], np.asarray(ent_all[i])[inside], rtol=1e-6, atol=1e-6)
+        assert not np.asarray(lp_win[i])[~inside].any() and not np.asarray(ent_win[i])[~inside].any()
+        assert np.all(np.asarray(trained[i])[~inside] == 0)  # every trained token is inside the window
+    loss = lambda m: lambda prm: jnp.sum(outputs(m, prm)[0] * trained)  # noqa: E731
+    chex.assert_trees_all_close(jax.grad(loss(windowed))(params), jax.grad(loss(model))(params), rtol=1e-4, atol=5e-6)
+    wide = _config(vocab_size=4096)  # the head's share of the work as in a real vocabulary
+    abstract = jax.eval_shape(jm.Model(wide).init, jax.random.key(0))
+    flops = {w: jax.jit(jax.grad(loss(jm.Model(wide, head_window=w)))).lower(abstract).compile().cost_analysis()["flops"]
+             for w in (None, R)}
+    assert flops[R] < 0.85 * flops[None], flops  # the head at 6 of 13 positions per row
+    with pytest.raises(ValueError, match=r"Model.head_window=0 is invalid; use None \(every position\) or a positive"):
+        jm.Model(model.config, head_window=0)
+
+
 def test_check_rollout_refuses_rows_with_another_query(scored):
     out, _, _, _ = scored
     rollout, _ = out[P]
@@ -225,6 +267,8 @@ def test_trainer_with_common_prefix_trains_as_the_usual_layout(tmp_path, capsys)
     headline = f"the prompts' common prefix ({moved.spec.common_prefix} tokens) runs once"
     assert capsys.readouterr().out.count(headline) == 2  # the True and the default run say so
     assert moved.spec.common_prefix >= len(PREFIX_TEXT) and usual.spec.common_prefix == 0
+    # the LM head at each row's last response_length region positions only
+    assert moved.policy_model.head_window == 6 and usual.policy_model.head_window is None
     assert auto.spec.common_prefix == moved.spec.common_prefix and auto.config.common_prefix is True
     assert moved.config.common_prefix is True and usual.config.common_prefix is False
     timing = lambda m: {k: v for k, v in m.items() if not k.startswith("time/") and k != "eps"}  # noqa: E731

@@ -116,7 +116,13 @@ class Model:
       inside the layer scan. Faster decoding (`benchmarks/generation.py --layouts`), for
       a second copy of the weights held while sampling and a decode step compiled per
       layer. The tokens are the unrolled layout's, which equal the scanned layout's up to
-      rounding. No effect without `scan_layers` or outside the samplers."""
+      rounding. No effect without `scan_layers` or outside the samplers.
+    head_window: for `grouped_outputs`, apply the LM head at each row's last `head_window`
+      attended positions of the response region only (their log-probs and entropies; 0 at
+      the others). For a layout whose trained tokens are the last of each row's region: the
+      common-prefix layout (`jaxppo.update.prefix`), where the region opens with the rest of
+      the prompt and the response is at most `head_window` tokens; the trainer sets it to
+      `response_length` there. None: every position."""
 
     config: ModelConfig
     kind: str = "causal_lm"
@@ -129,6 +135,7 @@ class Model:
     adapters: bool = True
     attention: str = "einsum"
     hoist_layers: bool = False
+    head_window: Optional[int] = None
 
     def __post_init__(self):
         if self.remat == "full":
@@ -142,6 +149,9 @@ class Model:
         k = self.logits_chunk_size
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k <= 0):
             raise ValueError(f"Model.logits_chunk_size={k!r} is invalid; use None (no chunking) or a positive int")
+        w = self.head_window
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0):
+            raise ValueError(f"Model.head_window={w!r} is invalid; use None (every position) or a positive int")
         if self.kind not in KINDS:
             raise ValueError(f"Model.kind={self.kind!r} is invalid; valid kinds: {', '.join(KINDS)}")
         if self.lora is not None:
@@ -239,14 +249,27 @@ class Model:
         rows (the sampler's grouped cache, `GroupedKV`). Under `jax.grad` the prompts'
         activations receive the sum of their G responses' gradients. The LM head runs at
         the positions that predict response tokens only: the prompt's last position for
-        token 0, the response's own positions after it."""
+        token 0, the response's own positions after it; with `head_window`, at each row's last
+        `head_window` attended positions only (0 at the others)."""
         hidden, values = self._grouped_hidden(params, query_tokens, query_mask, response_tokens, response_mask)
         values = None if values is None else values.astype(jnp.float32)
         if not self.is_causal_lm:
             return None, values, None
-        logprobs, entropy = token_logprobs(hidden, self.lm_head(params), response_tokens, temperature,
-                                           self.logits_chunk_size)
-        return logprobs, values, entropy
+        w, width = self.head_window, response_tokens.shape[1]
+        if w is None or w >= width:
+            logprobs, entropy = token_logprobs(hidden, self.lm_head(params), response_tokens, temperature,
+                                               self.logits_chunk_size)
+            return logprobs, values, entropy
+        # `head_window`: each row's last w attended positions (its attended region is a prefix
+        # of ones), from 0 where it holds fewer.
+        end = jnp.sum(response_mask > 0, axis=1)
+        index = jnp.maximum(end - w, 0)[:, None] + jnp.arange(w)[None, :]  # (B, w)
+        picked, entropy = token_logprobs(jnp.take_along_axis(hidden, index[:, :, None], axis=1), self.lm_head(params),
+                                         jnp.take_along_axis(response_tokens, index, axis=1), temperature,
+                                         self.logits_chunk_size)
+        rows = jnp.arange(index.shape[0])[:, None]
+        spread = lambda x: jnp.zeros(response_tokens.shape, x.dtype).at[rows, index].set(x)  # noqa: E731
+        return spread(picked), values, spread(entropy)
 
     def _grouped_hidden(self, params, query_tokens, query_mask, response_tokens, response_mask):
         """(hidden states (B, R, D) or None, values or scores (B, R) or None) at the positions

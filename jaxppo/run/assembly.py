@@ -281,8 +281,11 @@ def needs_reference(config: PPOConfig, tc: TrainerConfig) -> bool:
 def assemble(config: PPOConfig, tc: TrainerConfig, *, policy, reward_model=None, ref_policy=None, critic=None,
              dtype: str = "float32", ref_dtype: Optional[str] = None, reward_dtype: Optional[str] = None,
              remat=None, scan_layers: Optional[bool] = None, logits_chunk_size: Optional[int] = None,
-             lora: Optional[LoraConfig] = None, lora_init: Optional[str] = None) -> Assembly:
-    """Load or adopt the models of a run (see `PPOTrainer` for the arguments).
+             lora: Optional[LoraConfig] = None, lora_init: Optional[str] = None,
+             head_window: Optional[int] = None) -> Assembly:
+    """Load or adopt the models of a run (see `PPOTrainer` for the arguments; `head_window`:
+    the policy's and reference's `Model.head_window`, for rollouts in the common-prefix
+    layout).
 
     With LoRA (`lora`, `lora_init`, or a given policy Model that has adapters) the base
     weights are frozen (held in `dtype`, loaded from a checkpoint), only the adapters (and
@@ -292,8 +295,12 @@ def assemble(config: PPOConfig, tc: TrainerConfig, *, policy, reward_model=None,
     scan_layers = resolve_layout(scan_layers, policy, tc)
     policy_model, policy_params = _load_policy(policy, tc, dtype, remat, scan_layers, logits_chunk_size, lora,
                                                lora_init)
+    if head_window is not None:
+        policy_model = dataclasses.replace(policy_model, head_window=head_window)
     ref_model, ref_params, ref_is_policy = _reference(config, tc, policy_model, policy_params, ref_policy, ref_dtype,
                                                       scan_layers, logits_chunk_size)
+    if head_window is not None and ref_model is not None:
+        ref_model = dataclasses.replace(ref_model, head_window=head_window)
     reward = reward_params = None
     if reward_model is not None:
         reward, reward_params = load_model(reward_model, "reward", reward_dtype, scan_layers=scan_layers,

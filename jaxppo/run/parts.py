@@ -117,13 +117,16 @@ def build(config: PPOConfig, tc: TrainerConfig, *, policy, tokenizer, prompts, r
                                             rewards, environment)
     _check_columns(rewards, table, eval_table, eval_rewards)
     _check_eval_engine(engine, tc, eval_table, environment)
+    prefix = _common_prefix(config, tc, table, environment, mesh)
+    # In the common-prefix layout a row's region opens with the rest of its prompt: the LM head
+    # runs at its last response_length positions only (`Model.head_window`).
     models = assemble(config, tc, policy=policy, reward_model=rewards.model_spec, ref_policy=ref_policy, critic=critic,
                       dtype=dtype, ref_dtype=ref_dtype, reward_dtype=reward_dtype, remat=remat,
-                      scan_layers=scan_layers, logits_chunk_size=logits_chunk_size, lora=lora, lora_init=lora_init)
+                      scan_layers=scan_layers, logits_chunk_size=logits_chunk_size, lora=lora, lora_init=lora_init,
+                      head_window=tc.response_length if prefix else None)
     _check_vocabulary(tokenizer, models.policy_model, tc)
     _check_positions(models.policy_model, tc, table, eval_table)
     host_rewards = rewards.host_rewards(config.updates_per_step)
-    prefix = _common_prefix(config, tc, table, environment, mesh)
     resolved = {"common_prefix": prefix > 0}  # None (auto) resolved: what the loss is compiled for
     if prefix and config.loss_aggregation == "seq_mean_token_sum_norm" and config.loss_norm_length is None:
         # The default divisor, the batch's width, is the response length in the usual layout only.
