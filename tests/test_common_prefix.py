@@ -52,19 +52,27 @@ def test_common_prefix_length_matches_a_plain_loop():
         common_prefix_length(np.zeros((0, 3)), np.zeros((0, 3)))
 
 
-def test_layout_matches_a_plain_loop():
-    """Every row: the query is the prefix, the region the rest of the prompt then the
-    response, padding at the end; the masks follow their tokens."""
-    ids, mask = _prompts(1, 5)
-    rng = np.random.default_rng(2)
-    tokens = rng.integers(3, V, (5, R)).astype(np.int32)
-    lengths = rng.integers(1, R + 1, 5)
+def _moved_batch(seed, response_seed, b):
+    """`b` prompts with responses of random lengths, and the batch in the common-prefix
+    layout: (ids, mask, tokens, response_mask, (query, query_mask, region, attention mask,
+    trained mask))."""
+    ids, mask = _prompts(seed, b)
+    rng = np.random.default_rng(response_seed)
+    tokens = rng.integers(3, V, (b, R)).astype(np.int32)
+    lengths = rng.integers(1, R + 1, b)
     response_mask = (np.arange(R)[None] < lengths[:, None]).astype(np.int32)
     layout = prefix_layout(jnp.asarray(mask), P, R)
     query, query_mask = prefix_query(layout, jnp.asarray(ids))
-    region = to_region(layout, jnp.asarray(ids), jnp.asarray(tokens))
-    attention = to_region(layout, jnp.asarray(mask), jnp.asarray(response_mask))
-    trained = to_region(layout, jnp.zeros_like(mask), jnp.asarray(response_mask))
+    moved = (query, query_mask, to_region(layout, jnp.asarray(ids), jnp.asarray(tokens)),
+             to_region(layout, jnp.asarray(mask), jnp.asarray(response_mask)),
+             to_region(layout, jnp.zeros_like(jnp.asarray(mask)), jnp.asarray(response_mask)))
+    return ids, mask, tokens, response_mask, moved
+
+
+def test_layout_matches_a_plain_loop():
+    """Every row: the query is the prefix, the region the rest of the prompt then the
+    response, padding at the end; the masks follow their tokens."""
+    ids, mask, tokens, response_mask, (query, query_mask, region, attention, trained) = _moved_batch(1, 2, 5)
     assert region.shape == (5, Q - P + R) and query.shape == (5, P)
     for i in range(5):
         real = list(ids[i][mask[i] > 0])
@@ -198,16 +206,8 @@ def test_the_lm_head_window_equals_the_whole_region_where_it_is_read():
     the compiled forward and backward do less work; bad values refused."""
     model = jm.Model(_config())
     params = perturbed(model.init(jax.random.key(0)), 1)
-    ids, mask = _prompts(4, 6)
-    rng = np.random.default_rng(5)
-    tokens = rng.integers(3, V, (6, R)).astype(np.int32)
-    lengths = rng.integers(1, R + 1, 6)
-    response_mask = (np.arange(R)[None] < lengths[:, None]).astype(np.int32)
-    layout = prefix_layout(jnp.asarray(mask), P, R)
-    query, query_mask = prefix_query(layout, jnp.asarray(ids))
-    region = to_region(layout, jnp.asarray(ids), jnp.asarray(tokens))
-    attention = to_region(layout, jnp.asarray(mask), jnp.asarray(response_mask))
-    trained = to_region(layout, jnp.zeros_like(jnp.asarray(mask)), jnp.asarray(response_mask)).astype(jnp.float32)
+    *_, (query, query_mask, region, attention, trained) = _moved_batch(4, 5, 6)
+    trained = trained.astype(jnp.float32)
     windowed = jm.Model(model.config, head_window=R)
 
     def outputs(m, prm):
