@@ -251,53 +251,12 @@ class Model:
         the positions that predict response tokens only: the prompt's last position for
         token 0, the response's own positions after it; with `head_window`, at each row's last
         `head_window` attended positions only (0 at the others)."""
-        hidden, values = self._grouped_hidden(params, query_tokens, query_mask, response_tokens, response_mask)
+        hidden, values = _grouped_hidden(self, params, query_tokens, query_mask, response_tokens, response_mask)
         values = None if values is None else values.astype(jnp.float32)
         if not self.is_causal_lm:
             return None, values, None
-        w, width = self.head_window, response_tokens.shape[1]
-        if w is None or w >= width:
-            logprobs, entropy = token_logprobs(hidden, self.lm_head(params), response_tokens, temperature,
-                                               self.logits_chunk_size)
-            return logprobs, values, entropy
-        # `head_window`: each row's last w attended positions (its attended region is a prefix
-        # of ones), from 0 where it holds fewer.
-        end = jnp.sum(response_mask > 0, axis=1)
-        index = jnp.maximum(end - w, 0)[:, None] + jnp.arange(w)[None, :]  # (B, w)
-        picked, entropy = token_logprobs(jnp.take_along_axis(hidden, index[:, :, None], axis=1), self.lm_head(params),
-                                         jnp.take_along_axis(response_tokens, index, axis=1), temperature,
-                                         self.logits_chunk_size)
-        rows = jnp.arange(index.shape[0])[:, None]
-        spread = lambda x: jnp.zeros(response_tokens.shape, x.dtype).at[rows, index].set(x)  # noqa: E731
-        return spread(picked), values, spread(entropy)
-
-    def _grouped_hidden(self, params, query_tokens, query_mask, response_tokens, response_mask):
-        """(hidden states (B, R, D) or None, values or scores (B, R) or None) at the positions
-        that predict each response token, the groups' prompts run once."""
-        groups, q = query_tokens.shape
-        b = response_tokens.shape[0]
-        if b % groups:
-            raise ValueError(f"grouped outputs: {b} response rows do not come in groups of the {groups} prompts")
-        g = b // groups
-
-        def run(ids, kv_mask, positions, cache, index):
-            if self.is_causal_lm:
-                return self.module.apply(params, ids, kv_mask, positions, cache, index, return_hidden=True)
-            scores, cache = self.module.apply(params, ids, kv_mask, positions, cache=cache, cache_index=index)
-            return None, scores[..., 0], cache
-
-        hidden_p, values_p, cache = run(query_tokens, query_mask, default_positions(query_mask),
-                                        self.init_cache(groups, q), 0)
-        kv_mask = jnp.concatenate([jnp.repeat(query_mask, g, axis=0), response_mask.astype(query_mask.dtype)], axis=1)
-        hidden_r, values_r, _ = run(response_tokens, kv_mask, default_positions(kv_mask)[:, q:],
-                                    self.grouped_cache(cache, b, 0), q)
-
-        def predicting(prompt, response):  # the prompt's last position, then the response's own but its last
-            if prompt is None:
-                return None
-            return jnp.concatenate([jnp.repeat(prompt[:, -1:], g, axis=0), response[:, :-1]], axis=1)
-
-        return predicting(hidden_p, hidden_r), predicting(values_p, values_r)
+        logprobs, entropy = _head_outputs(self, params, hidden, response_tokens, response_mask, temperature)
+        return logprobs, values, entropy
 
     def packed_outputs(self, params, tokens, segment_ids, positions, targets, temperature=1.0):
         """Outputs over packed streams (`jaxppo.update.packing`): tokens, segment_ids (0 at the
@@ -406,6 +365,53 @@ def _init(model: Model, key, seq_len: int):
     ids = jnp.zeros((1, seq_len), jnp.int32)
     mask = jnp.ones_like(ids)
     return model.module.init(key, ids, mask, default_positions(mask))
+
+
+def _grouped_hidden(model: "Model", params, query_tokens, query_mask, response_tokens, response_mask):
+    """(hidden states (B, R, D) or None, values or scores (B, R) or None) at the positions
+    that predict each response token, the groups' prompts run once."""
+    groups, q = query_tokens.shape
+    b = response_tokens.shape[0]
+    if b % groups:
+        raise ValueError(f"grouped outputs: {b} response rows do not come in groups of the {groups} prompts")
+    g = b // groups
+
+    def run(ids, kv_mask, positions, cache, index):
+        if model.is_causal_lm:
+            return model.module.apply(params, ids, kv_mask, positions, cache, index, return_hidden=True)
+        scores, cache = model.module.apply(params, ids, kv_mask, positions, cache=cache, cache_index=index)
+        return None, scores[..., 0], cache
+
+    hidden_p, values_p, cache = run(query_tokens, query_mask, default_positions(query_mask),
+                                    model.init_cache(groups, q), 0)
+    kv_mask = jnp.concatenate([jnp.repeat(query_mask, g, axis=0), response_mask.astype(query_mask.dtype)], axis=1)
+    hidden_r, values_r, _ = run(response_tokens, kv_mask, default_positions(kv_mask)[:, q:],
+                                model.grouped_cache(cache, b, 0), q)
+
+    def predicting(prompt, response):  # the prompt's last position, then the response's own but its last
+        if prompt is None:
+            return None
+        return jnp.concatenate([jnp.repeat(prompt[:, -1:], g, axis=0), response[:, :-1]], axis=1)
+
+    return predicting(hidden_p, hidden_r), predicting(values_p, values_r)
+
+
+def _head_outputs(model: "Model", params, hidden, response_tokens, response_mask, temperature):
+    """(log-probs, entropies) of the response tokens from the hidden states that predict
+    them (B, R, D): the LM head at every position, or with `head_window` w at each row's
+    last w attended positions (its attended region a prefix of ones; from 0 where it holds
+    fewer), 0 at the others."""
+    w, head = model.head_window, model.lm_head(params)
+    if w is None or w >= response_tokens.shape[1]:
+        return token_logprobs(hidden, head, response_tokens, temperature, model.logits_chunk_size)
+    end = jnp.sum(response_mask > 0, axis=1)
+    index = jnp.maximum(end - w, 0)[:, None] + jnp.arange(w)[None, :]  # (B, w)
+    picked, entropy = token_logprobs(jnp.take_along_axis(hidden, index[:, :, None], axis=1), head,
+                                     jnp.take_along_axis(response_tokens, index, axis=1), temperature,
+                                     model.logits_chunk_size)
+    rows = jnp.arange(index.shape[0])[:, None]
+    spread = lambda x: jnp.zeros(response_tokens.shape, x.dtype).at[rows, index].set(x)  # noqa: E731
+    return spread(picked), spread(entropy)
 
 
 def join_sequences(query_tokens, query_mask, response_tokens, response_mask):
