@@ -27,7 +27,7 @@ from jaxppo.models.transformer import default_positions
 __all__ = ["prefill", "decode_loop", "cap_positions", "GenerationOutput", "Extra", "filter_logits", "pick_tokens",
            "two_logprobs", "step_keys", "stop_step", "strings_completed", "seen_tokens", "mark_seen", "note_token",
            "penalize", "make_extra", "inverse_cdf_index", "check_sampler_arguments", "check_max_lengths",
-           "check_groups", "prefill_common", "shares_prefix", "check_common_prefix"]
+           "check_groups", "prefill_common"]
 
 
 class GenerationOutput(NamedTuple):
@@ -506,31 +506,3 @@ def check_groups(prompt_ids, prompt_mask, g):
                          f"{int(unequal[0]) * g + g - 1}) differ; with shared prefixes each group of {g} consecutive "
                          "rows must hold the same prompt")
 
-
-def shares_prefix(prompt_ids, prompt_mask, prefix: int):
-    """Whether every row of the left-padded prompts has at least `prefix` real tokens and
-    the same first `prefix` of them (`prefill_common`'s condition); None when the values are
-    not known (traced, or a multi-host array)."""
-    if not getattr(prompt_ids, "is_fully_addressable", True):
-        return None
-    try:
-        ids, mask = np.asarray(prompt_ids), np.asarray(prompt_mask) > 0
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return None
-    lengths = mask.sum(axis=1)
-    if prefix > ids.shape[1] or int(lengths.min()) < prefix:
-        return False
-    starts = ids.shape[1] - lengths
-    heads = ids[np.arange(len(ids))[:, None], starts[:, None] + np.arange(prefix)[None, :]]
-    return bool((heads == heads[:1]).all())
-
-
-def check_common_prefix(prompt_ids, prompt_mask, prefix):
-    """ValueError unless `prefix` is an int >= 0 and, when it is > 0, every row's first
-    `prefix` real tokens are the same (checked when the values are concrete)."""
-    if isinstance(prefix, bool) or not isinstance(prefix, int) or prefix < 0:
-        raise ValueError(f"common_prefix={prefix!r} must be an int >= 0 (the prompts' shared leading tokens)")
-    if prefix and shares_prefix(prompt_ids, prompt_mask, prefix) is False:
-        raise ValueError(f"common_prefix={prefix}: the prompts do not all begin with the same {prefix} real tokens "
-                         "(or one is shorter); give their shared length "
-                         "(`jaxppo.update.prefix.common_prefix_length`) or 0")

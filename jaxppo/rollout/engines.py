@@ -25,9 +25,9 @@ from typing import Callable, ClassVar, Optional, Tuple
 
 import jax
 
-from jaxppo.models.decoding import GenerationOutput, shares_prefix
+from jaxppo.models.decoding import GenerationOutput
 from jaxppo.rollout.samplers.continuous import generate_continuous, generate_inflight
-from jaxppo.rollout.samplers.static import effective_prefix, generate
+from jaxppo.rollout.samplers.static import effective_prefix, generate, shares_prefix
 from jaxppo.rollout.samplers.turns import first_turn, next_turn
 
 __all__ = ["Capabilities", "RolloutEngine", "StaticEngine", "ContinuousEngine", "BUILT_IN", "ROLLOUT_ENGINES",

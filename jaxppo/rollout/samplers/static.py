@@ -13,13 +13,14 @@ from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jaxppo.models.decoding import (Extra, GenerationOutput, check_common_prefix, check_groups, check_max_lengths,
-                                    check_sampler_arguments, decode_loop, make_extra, prefill, prefill_common,
-                                    seen_tokens)
+from jaxppo.models.decoding import (Extra, GenerationOutput, check_groups, check_max_lengths, check_sampler_arguments,
+                                    decode_loop, make_extra, prefill, prefill_common, seen_tokens)
 from jaxppo.models.model import Model
+from jaxppo.update.prefix import common_prefix_length
 
-__all__ = ["generate", "generate_jit", "effective_prefix"]
+__all__ = ["generate", "generate_jit", "effective_prefix", "shares_prefix", "check_common_prefix"]
 
 
 @functools.partial(
@@ -68,6 +69,30 @@ def effective_prefix(model: Model, common_prefix: int, num_generations: int, wid
     if not common_prefix or num_generations != 1 or any(model.config.sliding_layers):
         return 0
     return min(common_prefix, width - 1)
+
+
+def shares_prefix(prompt_ids, prompt_mask, prefix: int):
+    """Whether every row of the left-padded prompts begins with the same `prefix` real
+    tokens (`common_prefix_length` at least `prefix`: `prefill_common`'s condition); None
+    when the values are not known (traced, or a multi-host array)."""
+    if not getattr(prompt_ids, "is_fully_addressable", True):
+        return None
+    try:
+        ids, mask = np.asarray(prompt_ids), np.asarray(prompt_mask)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+    return common_prefix_length(ids, mask) >= prefix
+
+
+def check_common_prefix(prompt_ids, prompt_mask, prefix):
+    """ValueError unless `prefix` is an int >= 0 and, when it is > 0, every row's first
+    `prefix` real tokens are the same (checked when the values are concrete)."""
+    if isinstance(prefix, bool) or not isinstance(prefix, int) or prefix < 0:
+        raise ValueError(f"common_prefix={prefix!r} must be an int >= 0 (the prompts' shared leading tokens)")
+    if prefix and shares_prefix(prompt_ids, prompt_mask, prefix) is False:
+        raise ValueError(f"common_prefix={prefix}: the prompts do not all begin with the same {prefix} real tokens "
+                         "(or one is shorter); give their shared length "
+                         "(`jaxppo.update.prefix.common_prefix_length`) or 0")
 
 
 def generate(
