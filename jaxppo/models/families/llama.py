@@ -14,7 +14,8 @@ import jax.numpy as jnp
 from jaxppo.models.config import ModelConfig
 from jaxppo.models.family import ModelFamily
 from jaxppo.models.lora import LoraConfig
-from jaxppo.models.transformer import RMSNorm, activation, apply_rope, attend_with_cache, dense, rope_inv_freq
+from jaxppo.models.gated_mlp import gated_mlp
+from jaxppo.models.transformer import RMSNorm, apply_rope, attend_with_cache, dense, rope_inv_freq
 
 __all__ = ["LlamaBlock", "FAMILY", "embed_tokens", "rope_fields", "config_kwargs", "to_hf_kwargs", "hf_layer_types",
            "make_hf_config"]
@@ -63,9 +64,7 @@ class LlamaBlock(nn.Module):
         # Hugging Face's `attention_bias` covers the output projection too, except in Qwen2,
         # whose q/k/v biases are built in.
         attn = proj(c.hidden_size, c.qkv_bias and c.model_type != "qwen2", "o_proj")(attn)
-        act = activation(c.activation)
-        mlp = lambda h: proj(c.hidden_size, c.mlp_bias, "down_proj")(
-            act(proj(c.intermediate_size, c.mlp_bias, "gate_proj")(h)) * proj(c.intermediate_size, c.mlp_bias, "up_proj")(h))
+        mlp = lambda h: gated_mlp(self, h)  # noqa: E731
         if self.sandwich_norms:
             x = x + norm("post_attention_layernorm")(attn)
             return x + norm("post_feedforward_layernorm")(mlp(norm("pre_feedforward_layernorm")(x))), layer_cache
