@@ -280,6 +280,33 @@ def test_trainer_with_common_prefix_trains_as_the_usual_layout(tmp_path, capsys)
     chex.assert_trees_all_close(moved.state.params, usual.state.params, rtol=1e-3, atol=1e-5)
 
 
+def test_a_resumed_run_in_the_common_prefix_layout_gives_the_uninterrupted_one(tmp_path):
+    """Stopped after iteration 2 (its checkpoint) and resumed to 3: the same metrics and
+    parameters as three iterations straight, with the layout (on by default for these
+    prompts) and the LM-head window the resumed run derives again from the same settings."""
+    prompts = [PREFIX_TEXT + p for p in demo.DEMO_PROMPTS]
+    starts = []
+
+    class Start:
+        def on_train_begin(self, trainer):
+            starts.append(trainer.iteration)
+
+    make = lambda out, iterations: small_trainer(out, iterations=iterations, prompts=prompts, max_len=64,  # noqa: E731
+                                                 query_length=48, export_final=False, callbacks=(Start(),))
+    straight_trainer = make(tmp_path / "straight", 3)
+    straight = straight_trainer.train()
+    make(tmp_path / "stopped", 2).train()
+    resumed_trainer = make(tmp_path / "stopped", 3)
+    resumed = resumed_trainer.train()
+    assert starts == [0, 0, 2]  # the third run restored iteration 2's checkpoint, not trained from the start
+    assert resumed_trainer.spec.common_prefix == straight_trainer.spec.common_prefix >= len(PREFIX_TEXT)
+    assert resumed_trainer.policy_model.head_window == straight_trainer.policy_model.head_window == 6
+    drop = lambda r: {k: v for k, v in r.items() if not k.startswith("time/") and k != "eps"}  # noqa: E731
+    assert len(resumed) == len(straight) == 3
+    assert [drop(r) for r in resumed] == [drop(r) for r in straight]
+    chex.assert_trees_all_equal(resumed_trainer.state.params, straight_trainer.state.params)
+
+
 def test_common_prefix_refuses_prompts_without_one(tmp_path):
     with pytest.raises(ValueError, match="common_prefix=True, but the .* prompts share no leading token"):
         small_trainer(tmp_path, iterations=1, prompts=["abc", "xyz"],
