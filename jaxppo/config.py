@@ -284,6 +284,14 @@ def _check_numbers(c: "PPOConfig"):
         warnings.warn("PPOConfig.cliprange=0: the ratio is clipped to exactly 1, so every update after the first of "
                       "an iteration's mini-batches gets no policy gradient where the advantage pushes past it "
                       "(typical: 0.1 to 0.3)", UserWarning, stacklevel=4)
+    if c.clip_low >= 1:
+        import warnings
+
+        which = "cliprange_low" if c.cliprange_low is not None else "cliprange"
+        warnings.warn(f"PPOConfig.{which}={getattr(c, which)}: the ratio's lower clip 1 - {getattr(c, which)} is <= 0, "
+                      "which no ratio reaches: the lower clip is gone, and an update may push a token's probability "
+                      "down without limit where the advantage is negative (typical: 0.1 to 0.3)", UserWarning,
+                      stacklevel=4)
     if c.entropy_target is not None and (not is_real(c.entropy_target) or c.entropy_target <= 0):
         _fail("entropy_target", c.entropy_target,
               "None (a fixed ent_coef) or a finite real number > 0 (nats per token)")

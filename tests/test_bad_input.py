@@ -153,6 +153,48 @@ def _small_vocab_policy(ctx):
                              tokenizer=tok, prompts=demo.DEMO_PROMPTS, reward_fn=demo.lowercase_reward)
 
 
+def _module_reward(source: str, name: str):
+    """`jaxppo --reward <name>:f` where module `name` (written to the test's directory, put on
+    the path) is `source`."""
+    def case(ctx):
+        (ctx["tmp"] / f"{name}.py").write_text(source)
+        sys.path.insert(0, str(ctx["tmp"]))
+        try:
+            return main(["--reward", f"{name}:f", "--output-dir", str(ctx["tmp"] / "run")])
+        finally:
+            sys.path.remove(str(ctx["tmp"]))
+            sys.modules.pop(name, None)
+    return case
+
+
+class _SkippingTokenizer:
+    """The demo tokenizer with an end-of-sequence token whose id (1000) lies past the 384 its
+    length counts: a tokenizer whose added tokens skip ids."""
+
+    def __init__(self, inner):
+        self.inner, self.eos_token_id = inner, 1000
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __call__(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _tokenizer_past_the_vocabulary(ctx):
+    tok = _SkippingTokenizer(ctx["tokenizer"])
+    config = jm.ModelConfig(model_type="gpt2", vocab_size=512, hidden_size=16, num_layers=1, num_heads=2,
+                            num_kv_heads=2, intermediate_size=32, max_position_embeddings=40)
+    model = jm.Model(config)
+    tc = jaxppo.TrainerConfig(output_dir=str(ctx["tmp"]), query_length=32, response_length=6)
+    return jaxppo.PPOTrainer(jaxppo.PPOConfig(batch_size=16, mini_batch_size=8), tc,
+                             policy=(model, model.init(jaxppo_key())), tokenizer=tok, prompts=demo.DEMO_PROMPTS,
+                             reward_fn=demo.lowercase_reward)
+
+
 def _mesh_not_dividing(ctx):
     from jaxppo.sharding import MeshConfig
 
@@ -411,7 +453,7 @@ CASES = [
     ("dynamic sampling without groups", lambda ctx: small_trainer(ctx["tmp"], dynamic_sampling=True), ValueError,
      r"dynamic_sampling=True needs groups: PPOConfig.num_generations=1; give num_generations >= 2"),
     ("dynamic sampling with device scores", lambda ctx: small_trainer(
-        ctx["tmp"], dynamic_sampling=True, reward_fn_on="tokens",
+        ctx["tmp"], dynamic_sampling=True, reward_fn_on="tokens", reward_fn=lambda ids, mask, tokens, tmask: tmask.sum(1),
         ppo=jaxppo.PPOConfig.for_algorithm("grpo", batch_size=16, mini_batch_size=8, num_generations=4)),
      ValueError, r"dynamic_sampling=True filters groups on scores computed on the host"),
     ("dynamic sampling rounds < 1", lambda ctx: jaxppo.TrainerConfig(dynamic_sampling_rounds=0), ValueError,
@@ -486,6 +528,28 @@ CASES = [
      ValueError, r"best_metric='eval/reward_mean' is chosen by an evaluation, and this run has none"),
     ("resume_from nothing there", lambda ctx: small_trainer(ctx["tmp"] / "run", resume_from=str(ctx["tmp"] / "x"))
      .train(), jaxppo.RunError, r"resume_from='.*x' is neither a run directory with a readable checkpoint"),
+    ("prompts path is a directory", lambda ctx: jaxppo.load_prompts(str(ctx["tmp"])), ValueError,
+     r"prompts file '.*' is a directory; give a .txt, .jsonl or .json file"),
+    ("trainer prompts path is a directory", lambda ctx: small_trainer(ctx["tmp"] / "run", prompts=str(ctx["tmp"])),
+     ValueError, r"prompts file '.*' is a directory"),
+    ("--reward module with a syntax error", _module_reward("def f(:\n    pass\n", "jaxppo_bad_syntax"), SystemExit,
+     r"^jaxppo: --reward 'jaxppo_bad_syntax:f': importing module 'jaxppo_bad_syntax' failed: SyntaxError: "
+     r"invalid syntax \(.*jaxppo_bad_syntax.py, line 1\); fix the module"),
+    ("--reward module raising at import", _module_reward("raise RuntimeError('no GPU here')\n", "jaxppo_raises"),
+     SystemExit, r"^jaxppo: --reward 'jaxppo_raises:f': importing module 'jaxppo_raises' failed: RuntimeError: "
+                 r"no GPU here; fix the module"),
+    ("reward function of one parameter", lambda ctx: small_trainer(ctx["tmp"], reward_fn=lambda completions: [0.0]),
+     ValueError, r"the reward function .*<lambda> cannot take the call it gets, f\(prompts, completions, "
+                 r"\*\*columns\): <lambda>\(completions\): it takes 1 positional parameter"),
+    ("token reward function of two parameters", lambda ctx: small_trainer(
+        ctx["tmp"], reward_fn=lambda ids, mask: ids.sum(axis=1), reward_fn_on="tokens"), ValueError,
+     r"the token-level reward function .* cannot take the call it gets, fn\(prompt_ids, prompt_mask, response_ids, "
+     r"response_mask\)"),
+    ("eval reward function of no parameters", lambda ctx: small_trainer(
+        ctx["tmp"], eval_prompts=["a"], eval_reward_fns=[lambda: 0.0]), ValueError,
+     r"the reward function .* cannot take the call it gets"),
+    ("tokenizer ids past the vocabulary", _tokenizer_past_the_vocabulary, ValueError,
+     r"the tokenizer has 384 tokens but produces ids up to 1000 .*past the policy's vocabulary of 512"),
     ("query mask right-padded", lambda ctx: jaxppo.check_rollout(
         _rollout(query_mask=jnp.asarray(np.tile([1, 1, 0, 0], (16, 1)), jnp.int32)),
         jaxppo.PPOConfig(batch_size=16, mini_batch_size=8)), ValueError,

@@ -95,10 +95,17 @@ def test_legal_settings_that_are_almost_surely_mistakes_warn_and_the_seed_fits_t
         TrainerConfig(learning_rate=3.0)
     with pytest.warns(UserWarning, match=r"critic_learning_rate=2.0 is above 1"):
         TrainerConfig(critic_learning_rate=2.0)
+    with pytest.warns(UserWarning, match=r"PPOConfig.cliprange=1.0: the ratio's lower clip 1 - 1.0 is <= 0.* the "
+                                         r"lower clip is gone"):
+        PPOConfig(cliprange=1.0)
+    with pytest.warns(UserWarning, match=r"PPOConfig.cliprange_low=1.0: .*the lower clip is gone"):
+        PPOConfig(cliprange_low=1.0, cliprange_high=0.28)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         TrainerConfig(learning_rate=1e-5, seed=2**32 - 1)
         PPOConfig(cliprange=0.2)
+        PPOConfig(cliprange=0.99)
+        PPOConfig(cliprange=1.5, cliprange_low=0.2)  # the lower clip is cliprange_low's
     assert (jax.random.key_data(jax.random.key(2**32)) == jax.random.key_data(jax.random.key(0))).all()
     with pytest.raises(ValueError, match=r"seed=4294967296 \(--seed\) is invalid: .* repeat the run of seed 0"):
         TrainerConfig(seed=2**32)

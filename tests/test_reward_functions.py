@@ -103,3 +103,23 @@ def test_the_trainer_passes_trainer_state_and_logs_parts_and_times(tmp_path):
     for line in history:
         assert {"rewards/graded/length/mean", "rewards/graded/lower/mean", "time/reward/graded"} <= set(line)
         assert line["reward"] == pytest.approx(line["rewards/graded/mean"])
+
+
+def test_a_jax_array_of_scores_is_taken_as_the_numpy_array_it_holds():
+    """A reward function that returns a JAX array (or a list of JAX scalars) is scored as one
+    returning the same NumPy values; a JAX array of the wrong shape is refused as NumPy's is."""
+    import jax.numpy as jnp
+
+    from jaxppo.rollout.rewards import check_scores
+
+    expected = np.array([0.5, -1.0, 2.0], np.float32)
+    for scores in (jnp.asarray(expected), list(jnp.asarray(expected)), [jnp.float32(v) for v in expected]):
+        np.testing.assert_array_equal(check_scores(scores, 3), check_scores(expected, 3))
+    rewards = HostRewards([RewardFunction("jax", lambda p, c: jnp.arange(len(c), dtype=jnp.float32), 1.0)])
+    total, per_function, _ = rewards(0, PROMPTS, COMPLETIONS, {})
+    np.testing.assert_array_equal(total, [0.0, 1.0, 2.0])
+    np.testing.assert_array_equal(per_function["jax"][0], [0.0, 1.0, 2.0])
+    with pytest.raises(RewardError, match=r"returned an array of shape \(3, 1\); expected \(3,\)"):
+        check_scores(jnp.zeros((3, 1)), 3)
+    with pytest.raises(RewardError, match=r"returned (np\.)?True_? \(bool_?\) at row 0; each score must be a real number"):
+        check_scores(jnp.asarray([True, False, True]), 3)

@@ -181,6 +181,24 @@ def test_report_to_names_are_checked_before_any_work(monkeypatch):
         register_tracker("mlflow", MemoryTracker)
 
 
+def test_a_tracking_store_mlflow_refuses_is_one_line_naming_the_variable(tmp_path, monkeypatch):
+    """`MLFLOW_TRACKING_URI` naming a store MLflow refuses: a `RunError` of one line naming
+    the variable, the URI and what is valid (the command prints it as `jaxppo: error: ...`,
+    no traceback), not MLflow's exception from deep in its registry."""
+    from jaxppo.tracking.backends import MlflowTracker
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "bogus://nowhere")
+    run = base.TrackerRun(output_dir=str(tmp_path), run_id="0" * 16, name="run", config={}, start_iteration=0,
+                          history=(), tables=())
+    with pytest.raises(jaxppo.RunError) as raised:
+        MlflowTracker().start(run)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert message.startswith("report_to 'mlflow': MLflow refuses the tracking store 'bogus://nowhere' "
+                              "(MLFLOW_TRACKING_URI): ")
+    assert "Set MLFLOW_TRACKING_URI to a store MLflow supports" in message
+
+
 def test_wandb_transaction_files_cut_anywhere_read_as_a_prefix(tmp_path):
     """A killed process leaves a transaction file cut anywhere: the reader returns the
     complete records before the cut and no error."""

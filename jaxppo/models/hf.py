@@ -19,7 +19,8 @@ from jaxppo.models.family import family_of, model_types
 from jaxppo.models.gguf import check_gguf, is_gguf, read_gguf
 from jaxppo.models.model import KINDS, Model, stack_layers, trunk_name, unstack_layers
 
-__all__ = ["from_pretrained", "save_pretrained", "params_from_hf_tensors", "params_to_hf_tensors", "hf_arrays", "check_checkpoint_dir"]
+__all__ = ["from_pretrained", "save_pretrained", "params_from_hf_tensors", "params_to_hf_tensors", "hf_arrays", "check_checkpoint_dir",
+           "checkpoint_config", "layer_count"]
 
 _LEAF_NAMES = {"kernel": "weight", "embedding": "weight", "scale": "weight", "weight": "weight", "bias": "bias"}
 # Buffers some checkpoints carry that are not parameters.
@@ -229,6 +230,15 @@ def params_from_hf_tensors(model: Model, get_tensor, names, *, strict: bool = Tr
     return {"params": traverse_util.unflatten_dict(jax.tree.map(jnp.asarray, out))}
 
 
+def checkpoint_config(path: str) -> Optional[ModelConfig]:
+    """The `ModelConfig` of the Hugging Face checkpoint directory at `path`, read from its
+    config.json without loading any weights; None for a .gguf file (its metadata is read
+    when it loads). A ValueError naming the file when it is missing or wrong."""
+    if is_gguf(path):
+        return None
+    return _model_config(_read_config_dict(path), os.path.join(path, "config.json"))
+
+
 def layer_count(path: str) -> Optional[int]:
     """The number of transformer blocks of the checkpoint at `path` (a Hugging Face
     directory, or a .gguf file's `<arch>.block_count`), read without loading any weights;
@@ -242,7 +252,7 @@ def layer_count(path: str) -> Optional[int]:
             return int(reader.fields[f"{arch}.block_count"].parts[-1][0])
         except Exception:  # noqa: BLE001 - no gguf package, another layout: loaded as it comes
             return None
-    return _model_config(_read_config_dict(path), os.path.join(path, "config.json")).num_layers
+    return checkpoint_config(path).num_layers
 
 
 def _model_config(d: dict, source: str) -> ModelConfig:

@@ -6,7 +6,8 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["load_tokenizer", "encode_prompts", "token_lists", "left_padded", "decode_responses", "PromptTooLong"]
+__all__ = ["load_tokenizer", "encode_prompts", "token_lists", "left_padded", "decode_responses", "PromptTooLong",
+           "largest_token_id"]
 
 
 class PromptTooLong(ValueError):
@@ -137,3 +138,17 @@ def decode_responses(tokenizer, tokens, mask) -> list:
 def unknown_token_count(tokenizer, tokens, mask) -> int:
     """How many real response tokens (`mask` 1) are ids the tokenizer does not know."""
     return int(np.sum((np.asarray(tokens) >= len(tokenizer)) & (np.asarray(mask) > 0)))
+
+
+def largest_token_id(tokenizer) -> int:
+    """The largest token id `tokenizer` can produce: `len(tokenizer) - 1`, or a larger id its
+    vocabulary or its special tokens hold (a tokenizer whose added tokens skip ids)."""
+    ids = [len(tokenizer) - 1]
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if callable(get_vocab):
+        ids.append(max(get_vocab().values(), default=0))
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        value = getattr(tokenizer, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            ids.append(value)
+    return max(ids)

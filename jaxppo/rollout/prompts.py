@@ -32,7 +32,7 @@ from jaxppo import sharding
 
 __all__ = ["load_prompts", "load_prompt_table", "prompt_order", "prompt_stream", "render_prompts", "PromptTable",
            "PromptBatch", "prompt_batch", "PromptEncoder", "PromptStream", "PromptStreamEnded", "is_stream",
-           "mix_prompts", "PromptMixture", "read_prompt_records", "labelled_prompt_table"]
+           "mix_prompts", "PromptMixture", "read_prompt_records", "labelled_prompt_table", "check_prompts_file"]
 
 
 def load_prompts(source, prompt_column: str = "prompt") -> list:
@@ -55,6 +55,16 @@ def load_prompt_table(source, prompt_column: str = "prompt"):
     return labelled_prompt_table(source, prompt_column)[:2]
 
 
+def check_prompts_file(path: str) -> None:
+    """A `ValueError` unless `path` is a file: one that does not exist, and a directory, are
+    named as what they are, with what is valid."""
+    if os.path.isdir(path):
+        raise ValueError(f"prompts file {path!r} is a directory; give a .txt, .jsonl or .json file (one prompt per "
+                         "line or record), not the folder that holds it")
+    if not os.path.isfile(path):
+        raise ValueError(f"prompts file {path!r} does not exist (give a .txt, .jsonl or .json file)")
+
+
 def labelled_prompt_table(source, prompt_column: str = "prompt"):
     """(prompts, columns, labels): `load_prompt_table`'s, and each prompt's name for errors
     (the file and line, the dataset row, or "prompt i")."""
@@ -62,8 +72,7 @@ def labelled_prompt_table(source, prompt_column: str = "prompt"):
     rows = None  # the records, when the source has any
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
-        if not os.path.isfile(path):
-            raise ValueError(f"prompts file {path!r} does not exist (give a .txt, .jsonl or .json file)")
+        check_prompts_file(path)
         where = path
         rows, labels = _read_records(path, prompt_column)
         prompts = [_prompt_of(row, prompt_column, label) for row, label in zip(rows, labels)]
@@ -734,8 +743,7 @@ def read_prompt_records(source, prompt_column: str = "prompt"):
     it (it must exist), a list or `datasets.Dataset` walked in its order, a stream as it is."""
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
-        if not os.path.isfile(path):
-            raise ValueError(f"prompts file {path!r} does not exist (give a .txt, .jsonl or .json file)")
+        check_prompts_file(path)
         return _FileRecords(path, prompt_column)
     if isinstance(source, (str, bytes)):
         raise TypeError("prompts must be a list of strings or a file path, not a single string")

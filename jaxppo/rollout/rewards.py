@@ -30,7 +30,7 @@ from jaxppo.errors import RewardError
 from jaxppo.models.model import describe_model, is_model_spec
 
 __all__ = ["RewardFunction", "HostRewards", "Scored", "reward_name", "RewardSetup", "sort_rewards", "accepted_columns",
-           "required_columns",
+           "required_columns", "check_signature",
            "check_scores", "nonfinite_rows", "qualified_name", "HostScores", "load_callable"]
 
 
@@ -200,6 +200,27 @@ def accepted_columns(fn, skip: int = 2):
     return {p.name for p in read[1]}
 
 
+def check_signature(fn, positional: int, what: str, call: str) -> None:
+    """A `ValueError` naming `what` (the function and where it was given) unless `fn` can be
+    called with `positional` positional arguments (`call` shows the call it receives): a
+    function that takes fewer, or that requires more positional-only ones, is refused
+    before anything compiles. A signature that cannot be read (a builtin) passes."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return
+    P = inspect.Parameter
+    takes = [p for p in params if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+    variadic = any(p.kind is P.VAR_POSITIONAL for p in params)
+    stranded = [p.name for p in takes[positional:] if p.kind is P.POSITIONAL_ONLY and p.default is P.empty]
+    if (len(takes) < positional and not variadic) or stranded:
+        signature = f"{getattr(fn, '__name__', type(fn).__name__)}{inspect.signature(fn)}"
+        why = (f"it takes {len(takes)} positional parameter(s)" if not stranded else
+               f"its positional-only parameter(s) {stranded} cannot be given")
+        raise ValueError(f"{what} {qualified_name(fn)} cannot take the call it gets, {call}: {signature}: {why}; "
+                         "change its parameters")
+
+
 def required_columns(fn, skip: int = 2) -> set:
     """The keyword names `fn` needs (no default) besides its first `skip` positional
     parameters; empty where its signature cannot be read."""
@@ -302,6 +323,10 @@ def sort_rewards(reward_model, reward_fn, reward_fn_on: str, reward_fns, reward_
     token_fn = None
     if reward_fn_on == "tokens":
         token_fn, fns = fns[0][0], []
+        check_signature(token_fn, 4, "the token-level reward function",
+                        "fn(prompt_ids, prompt_mask, response_ids, response_mask)")
+    for fn, _ in fns:
+        check_signature(fn, 2, "the reward function", "f(prompts, completions, **columns)")
     names = {}
     host = []
     for fn, weight in fns:
@@ -335,6 +360,8 @@ def check_scores(scores, batch: int, name: str = "reward function", prompts=None
             return ""
         return f" (prompt {prompts[i][:40]!r}, response {responses[i][:40]!r})"
 
+    if isinstance(scores, jax.Array):  # a JAX array is taken as the NumPy array it holds
+        scores = np.asarray(scores)
     if isinstance(scores, (str, bytes, dict)) or not hasattr(scores, "__len__"):
         raise RewardError(f"{name} returned a {type(scores).__name__} ({scores!r:.60}); it must return a list or 1-D "
                           f"array of {batch} numbers, one per response")
@@ -353,8 +380,8 @@ def check_scores(scores, batch: int, name: str = "reward function", prompts=None
         if value is None:
             raise RewardError(f"{name} returned None at row {i}{row_text(i)}: every response needs a score (a reward "
                               "function with no opinion on a row must still return a number for it)")
-        if isinstance(value, np.ndarray) and value.ndim == 0:
-            value = value.item()
+        if isinstance(value, (np.ndarray, jax.Array)) and value.ndim == 0:  # a 0-d array (NumPy's or JAX's)
+            value = np.asarray(value).item()
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
             raise RewardError(f"{name} returned {value!r:.60} ({type(value).__name__}) at row {i}{row_text(i)}; "
                               "each score must be a real number (int or float)")
@@ -391,6 +418,10 @@ def load_callable(text: str, flag: str = "--reward", form: str = "MODULE:FN") ->
         module = importlib.import_module(module_name)
     except ImportError as err:
         raise ValueError(f"{flag} {text!r}: cannot import module {module_name!r}: {err}") from None
+    except Exception as err:  # noqa: BLE001 - a SyntaxError, or anything the module raised while it was imported
+        where = f" ({err.filename}, line {err.lineno})" if isinstance(err, SyntaxError) and err.filename else ""
+        raise ValueError(f"{flag} {text!r}: importing module {module_name!r} failed: {type(err).__name__}: "
+                         f"{getattr(err, 'msg', None) or err}{where}; fix the module, then run again") from None
     found = module
     for part in attr.split("."):
         found = getattr(found, part, None)

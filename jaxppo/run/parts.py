@@ -19,6 +19,7 @@ import optax
 from jaxppo import sharding
 from jaxppo.config import PPOConfig
 from jaxppo.models.stops import StopStrings
+from jaxppo.models.tokenizer import largest_token_id
 from jaxppo.rollout import engines
 from jaxppo.rollout.environments import EnvironmentSpec
 from jaxppo.rollout.prompts import (PromptEncoder, PromptStream, PromptTable, is_stream, labelled_prompt_table,
@@ -111,6 +112,7 @@ def build(config: PPOConfig, tc: TrainerConfig, *, policy, tokenizer, prompts, r
     engine = _check_settings(config, tc, rewards, environment, mesh)
     config = config.replace(share_prompts=True) if config.share_prompts is None else config  # groups share prompts
     iterations = _iterations(config, tc)
+    _check_vocabulary(tokenizer, _policy_config(policy), tc)  # before any prompt is tokenized or weights load
     table = _prompt_table(tokenizer, prompts, prompt_column, chat_template, tc, environment and environment.tools,
                           config)
     eval_table, eval_rewards = _eval_inputs(tokenizer, eval_prompts, eval_reward_fns, prompt_column, chat_template, tc,
@@ -124,7 +126,7 @@ def build(config: PPOConfig, tc: TrainerConfig, *, policy, tokenizer, prompts, r
                       dtype=dtype, ref_dtype=ref_dtype, reward_dtype=reward_dtype, remat=remat,
                       scan_layers=scan_layers, logits_chunk_size=logits_chunk_size, lora=lora, lora_init=lora_init,
                       head_window=tc.response_length if prefix else None)
-    _check_vocabulary(tokenizer, models.policy_model, tc)
+    _check_vocabulary(tokenizer, models.policy_model.config, tc)
     _check_positions(models.policy_model, tc, table, eval_table)
     host_rewards = rewards.host_rewards(config.updates_per_step)
     resolved = {"common_prefix": prefix > 0}  # None (auto) resolved: what the loss is compiled for
@@ -355,12 +357,37 @@ def _check_positions(policy_model, tc: TrainerConfig, table, eval_table):
                   "the context the model was trained for", UserWarning, stacklevel=3)
 
 
-def _check_vocabulary(tokenizer, policy_model, tc: TrainerConfig):
-    vocab = policy_model.config.vocab_size
+def _policy_config(policy):
+    """The policy's `ModelConfig` without loading its weights: a `(Model, params)` pair's, a
+    checkpoint directory's config.json; None where it must load first (a .gguf file) or
+    cannot be read (loading it then names the problem)."""
+    if isinstance(policy, (str, os.PathLike)):
+        from jaxppo.models.hf import checkpoint_config
+
+        try:
+            return checkpoint_config(os.fspath(policy))
+        except (ValueError, OSError):
+            return None
+    model = policy[0] if isinstance(policy, tuple) and policy else None
+    return getattr(model, "config", None)
+
+
+def _check_vocabulary(tokenizer, config, tc: TrainerConfig):
+    """The tokenizer's ids and the stop tokens against the policy's vocabulary (`config`: the
+    policy's `ModelConfig`; nothing is checked for None)."""
+    if config is None:
+        return
+    vocab = config.vocab_size
     if len(tokenizer) > vocab:
         raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the policy's vocabulary has {vocab} "
                          "(config.json vocab_size); token ids past the vocabulary would index out of range. Use the "
                          "tokenizer saved with the policy, or resize the policy's embeddings")
+    largest = largest_token_id(tokenizer)
+    if largest >= vocab:
+        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but produces ids up to {largest} (its vocabulary "
+                         f"or special tokens), past the policy's vocabulary of {vocab} (config.json vocab_size); "
+                         "those ids would index out of range. Use the tokenizer saved with the policy, or resize the "
+                         "policy's embeddings")
     if tc.stop_token_id is not None and tc.stop_token_id >= vocab:
         raise ValueError(f"TrainerConfig.stop_token_id={tc.stop_token_id} (--stop-token-id) is past the policy's "
                          f"vocabulary of {vocab} tokens: the policy can never sample it, so no completion would stop; "

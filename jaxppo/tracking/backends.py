@@ -24,6 +24,7 @@ import struct
 import time
 from typing import Iterator, Optional, Sequence
 
+from jaxppo.errors import RunError
 from jaxppo.tracking.base import AppendOnlyTracker, TrackerRun
 
 __all__ = ["WandbTracker", "MlflowTracker", "TrackioTracker", "wandb_history", "wandb_files", "mlflow_history"]
@@ -158,9 +159,17 @@ class MlflowTracker(AppendOnlyTracker):
         if not uri:  # a store inside the run directory, its artifacts beside it (not in the working directory)
             here = os.path.abspath(run.output_dir)
             uri, artifacts = "sqlite:///" + os.path.join(here, "mlflow.db"), "file://" + os.path.join(here, "mlflow")
-        self._client = client = MlflowClient(uri)
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "jaxppo")
-        experiment = client.get_experiment_by_name(name)
+        try:
+            self._client = client = MlflowClient(uri)
+            experiment = client.get_experiment_by_name(name)
+        except Exception as err:  # noqa: BLE001 - MLflow raises its own type per store; one line names the cause
+            given = "MLFLOW_TRACKING_URI" if os.environ.get("MLFLOW_TRACKING_URI") else "the run's own store"
+            message = " ".join(str(err).split())[:300]
+            raise RunError(f"report_to 'mlflow': MLflow refuses the tracking store {uri!r} ({given}): "
+                           f"{type(err).__name__}: {message}. Set MLFLOW_TRACKING_URI to a store MLflow supports "
+                           "(sqlite:///path/mlflow.db, file:///path, http(s)://server), or unset it for a store in the "
+                           "run directory") from None
         experiment_id = (experiment.experiment_id if experiment is not None else
                          client.create_experiment(name, artifact_location=artifacts))
         found = client.search_runs([experiment_id], filter_string=f"tags.`jaxppo.run_id` = '{run.run_id}'")
