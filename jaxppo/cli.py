@@ -7,10 +7,12 @@
     jaxppo --demo multiturn                  # the multi-turn demo: guess a hidden digit from feedback
     jaxppo --model DIR --prompts p.jsonl --environment mypkg.envs:make_env   # multi-turn episodes
 
-Every `PPOConfig` and `TrainerConfig` field is a flag (`--mini-batch-size 8`,
-`--no-whiten-advantages`, `--target-kl none`, ...). Values come from, lowest first: the
-defaults (the demo's when no --model is given), the --algorithm's defaults, the --config
-file (JSON or TOML with the same names, dashes or underscores), then the flags.
+Every setting of `jaxppo.Config` is a flag, by its name (`--mini-batch-size 8`,
+`--no-whiten-advantages`, `--target-kl none`, ...), listed by concern in `--help`. Values
+come from, lowest first: the defaults (the demo's when no --model is given), the
+--algorithm's defaults, the --config file (JSON or TOML with the same names, dashes or
+underscores, flat or in tables named by concern: `[sampling] top_p = 0.9`), then the flags.
+The flags of 0.4 that said one thing twice still work, with a note naming the new one.
 """
 
 from __future__ import annotations
@@ -21,13 +23,16 @@ import json
 import os
 import sys
 import typing
+import warnings
 from typing import Optional
 
 from jaxppo.algorithms import REGISTRY
-from jaxppo.config import PPOConfig
-from jaxppo.run.trainer import PPOTrainer, TrainerConfig
+from jaxppo.config.fields import describe
+from jaxppo.config.renamed import DEPRECATED
+from jaxppo.config.settings import CONCERNS, Config
+from jaxppo.run.trainer import Trainer
 
-__all__ = ["main", "build_parser", "resolve", "model_options"]
+__all__ = ["main", "build_parser", "resolve", "model_options", "build_trainer"]
 
 DEMOS = ("lowercase", "multiturn", "sums")
 # The built-in reward functions `--reward NAME` names (else MODULE:FN).
@@ -64,25 +69,6 @@ _EXTRA = {
                                 "metrics in the iterations' lines"),
     "eval_reward": (list, None, "a reward function scoring the evaluation, repeatable, as --reward (default: the "
                                 "run's --reward functions)"),
-    "prompt_column": (str, "prompt", "field holding the prompt in .jsonl/.json files (a string, or a list of "
-                                     "{role, content} chat messages; a 'messages' field is found by itself)"),
-    "chat_template": (bool, None, "render chat-message prompts with the tokenizer's chat template (the default when "
-                                  "prompts are messages; an error if the tokenizer has no template); "
-                                  "--no-chat-template refuses message prompts"),
-    "dtype": (str, "float32", "compute dtype: float32, bfloat16 or float16 (trained parameters and optimizer "
-                              "states stay float32)"),
-    "ref_dtype": (str, None, "dtype of the frozen reference policy (default: --dtype)"),
-    "reward_dtype": (str, None, "dtype of the frozen reward model (default: --dtype)"),
-    "remat": (str, "none", "rematerialise the policy's and critic's blocks in the backward pass: none, full, or a "
-                           "jax.checkpoint_policies name (dots_saveable, dots_with_no_batch_dims_saveable, "
-                           "nothing_saveable)"),
-    "scan_layers": (bool, None, "run the models' transformer blocks as one scan over layer-stacked parameters "
-                                "(compile time no longer grows with depth) or unrolled (--no-scan-layers: no "
-                                "compile-time limit, on a CPU the faster iteration); default: the layout of the "
-                                "run being resumed, else scanned for checkpoints of 16 layers or more"),
-    "logits_chunk_size": (int, None, "apply the LM head this many response positions at a time when scoring (each "
-                                     "chunk's logits recomputed in the backward pass): less memory at large "
-                                     "vocabularies"),
     "lora_rank": (int, None, "train LoRA adapters of this rank instead of every policy weight (base frozen in "
                              "--dtype; the reference is the policy with adapters off; the final export adds "
                              "final_adapter/ in PEFT's format)"),
@@ -111,27 +97,49 @@ def _parse_optional(kind):
     return parse
 
 
-def _add_dataclass_flags(parser, cls, group_title):
-    group = parser.add_argument_group(group_title)
-    hints = typing.get_type_hints(cls)
-    for field in dataclasses.fields(cls):
-        hint = hints[field.name]
-        flags = ["--" + field.name.replace("_", "-")]  # TRL's --learning_rate too: `_dashed`
-        default_text = f"(default: {field.default!r})"
-        if hint is bool or hint == typing.Optional[bool]:  # --flag / --no-flag (None: neither given)
-            group.add_argument(*flags, dest=field.name, action=argparse.BooleanOptionalAction,
-                               default=argparse.SUPPRESS, help=default_text)
-            continue
-        args = typing.get_args(hint)
-        if typing.get_origin(hint) is tuple:  # a list of values: --stop-strings A B
-            group.add_argument(*flags, dest=field.name, type=args[0], nargs="+", default=argparse.SUPPRESS,
-                               metavar=args[0].__name__.upper(), help=default_text)
-        elif type(None) in args:
-            inner = next(a for a in args if a is not type(None))
-            group.add_argument(*flags, dest=field.name, type=_parse_optional(inner), default=argparse.SUPPRESS,
-                               metavar=inner.__name__.upper() + "|none", help=default_text)
-        else:
-            group.add_argument(*flags, dest=field.name, type=hint, default=argparse.SUPPRESS, help=default_text)
+def _stop_token(text: str):
+    """A `--stop-tokens` value: a token id, or "eos"."""
+    return text if text == "eos" else int(text)
+
+
+def _warmup(text: str):
+    """A `--warmup-updates` value: an int (updates), or a float in (0, 1) (a fraction)."""
+    return float(text) if any(c in text for c in ".eE") else int(text)
+
+
+def _remat(text: str):
+    """A `--remat` value: none (off), full, or a policy name."""
+    return {"none": False, "full": True}.get(text, text)
+
+
+# Flags whose setting's type the generic rule below does not read: (type, nargs, metavar).
+_FLAG_TYPES = {"stop_tokens": (_stop_token, "+", "ID|eos"), "warmup_updates": (_warmup, None, "N|FRACTION"),
+               "remat": (_remat, None, "none|full|POLICY"), "report_to": (str, None, "NAMES")}
+# The flags of 0.4 that said one thing twice (their settings are translated, with a note).
+_DEPRECATED_FLAGS = {"truncate_prompts": bool, "tensorboard": bool, "total_episodes": int, "warmup_ratio": float,
+                     "stop_token_id": int, "stop_token_ids": int}
+
+
+def _add_flag(group, name: str, hint, default_text: str):
+    flags = ["--" + name.replace("_", "-")]  # TRL's --learning_rate too: `_dashed`
+    if name in _FLAG_TYPES:
+        kind, nargs, metavar = _FLAG_TYPES[name]
+        group.add_argument(*flags, dest=name, type=kind, nargs=nargs, metavar=metavar, default=argparse.SUPPRESS,
+                           help=default_text)
+        return
+    args = typing.get_args(hint)
+    if hint is bool or hint == typing.Optional[bool] or (bool in args and len(args) >= 2):  # --flag / --no-flag
+        group.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                           help=default_text)
+    elif typing.get_origin(hint) is tuple:  # a list of values: --stop-strings A B
+        group.add_argument(*flags, dest=name, type=args[0], nargs="+", default=argparse.SUPPRESS,
+                           metavar=args[0].__name__.upper(), help=default_text)
+    elif type(None) in args:
+        inner = next(a for a in args if a is not type(None))
+        group.add_argument(*flags, dest=name, type=_parse_optional(inner), default=argparse.SUPPRESS,
+                           metavar=inner.__name__.upper() + "|none", help=default_text)
+    else:
+        group.add_argument(*flags, dest=name, type=hint, default=argparse.SUPPRESS, help=default_text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -151,12 +159,23 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         group.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=argparse.SUPPRESS,
                            help=f"{text} (default: {default!r})")
-    _add_dataclass_flags(parser, PPOConfig, "PPO update (PPOConfig)")
-    _add_dataclass_flags(parser, TrainerConfig, "training loop (TrainerConfig)")
+    flags = Config.flags()
+    for concern, cls in CONCERNS.items():
+        group = parser.add_argument_group(f"{concern} (jaxppo.{cls.__name__})")
+        hints, described = typing.get_type_hints(cls), describe(cls)
+        for field in dataclasses.fields(cls):
+            if field.name in flags:
+                text = described[field.name].replace("%", "%%")  # argparse formats help with %
+                _add_flag(group, field.name, hints[field.name], f"{text} (default: {field.default!r})")
+    group = parser.add_argument_group("deprecated since 0.5 (each says one thing another flag says)")
+    for name, kind in _DEPRECATED_FLAGS.items():
+        _add_flag(group, name, typing.Optional[kind] if name == "stop_token_id" else
+                  typing.Tuple[int, ...] if name == "stop_token_ids" else kind, f"deprecated: {DEPRECATED[name]}")
     return parser
 
 
 def _read_config_file(path: str) -> dict:
+    """The settings of a JSON or TOML file: flat, or in tables named by concern."""
     if not os.path.isfile(path):
         raise SystemExit(f"jaxppo: --config {path!r}: no such file")
     try:
@@ -174,7 +193,14 @@ def _read_config_file(path: str) -> dict:
     if not isinstance(data, dict):
         raise SystemExit(f"jaxppo: --config {path!r} holds a {type(data).__name__}; expected a table of settings "
                          "(names as in --help, dashes or underscores)")
-    return {k.replace("-", "_"): v for k, v in data.items()}
+    out = {}
+    for key, value in data.items():
+        key = key.replace("-", "_")
+        if key in CONCERNS and isinstance(value, dict):  # a table of one concern's settings
+            out.update({k.replace("-", "_"): v for k, v in value.items()})
+        else:
+            out[key] = value
+    return out
 
 
 def _dashed(parser, argv) -> list:
@@ -192,7 +218,7 @@ def _dashed(parser, argv) -> list:
 
 
 def resolve(argv=None):
-    """Parse arguments -> (PPOConfig, TrainerConfig, extras dict)."""
+    """Parse arguments -> (the `jaxppo.Config`, extras dict: the flags that are not settings)."""
     from jaxppo import demo
 
     parser = build_parser()
@@ -220,15 +246,18 @@ def resolve(argv=None):
         values.update(demo.DEMO_SUMS_PPO if task == "sums" else {})
     values.update(from_file)
     values.update(args)
-    known = {f.name for f in dataclasses.fields(PPOConfig)} | {f.name for f in dataclasses.fields(TrainerConfig)} | set(_EXTRA)
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise SystemExit(f"jaxppo: unknown settings {unknown} in {args.get('config')}")
+    settings = {k: v for k, v in values.items() if k not in _EXTRA}
+    for name in sorted(set(settings) & set(DEPRECATED)):
+        if name in args or name in from_file:
+            print(f"jaxppo: note: --{name.replace('_', '-')} is deprecated since 0.5 (removed in 0.6): "
+                  f"{DEPRECATED[name]}", file=sys.stderr)
     try:
-        ppo = PPOConfig(**{f.name: values[f.name] for f in dataclasses.fields(PPOConfig) if f.name in values})
-        trainer = TrainerConfig(**{f.name: values[f.name] for f in dataclasses.fields(TrainerConfig) if f.name in values})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # said above, as the flags a user typed
+            config = Config.from_settings(settings)
     except ValueError as err:
-        raise SystemExit(f"jaxppo: {name_the_flag(str(err))}") from None
+        where = f" in {args.get('config')}" if "unknown setting" in str(err) and args.get("config") else ""
+        raise SystemExit(f"jaxppo: {name_the_flag(str(err))}{where}") from None
     for name in ("reward", "reward_weight"):  # one value in a config file stands for a list of one
         if values[name] is not None and not isinstance(values[name], list):
             values[name] = [values[name]]
@@ -237,19 +266,6 @@ def resolve(argv=None):
         if value is not None and not (isinstance(value, kind) and (kind is not int or not isinstance(value, bool))):
             raise SystemExit(f"jaxppo: setting {name}={value!r} is invalid: {name} must be a {kind.__name__}")
     _check_rewards(values["reward"], values["reward_weight"])
-    from jaxppo.models.model import DTYPES, REMAT_POLICIES
-
-    if values["logits_chunk_size"] is not None and values["logits_chunk_size"] <= 0:
-        raise SystemExit(f"jaxppo: --logits-chunk-size {values['logits_chunk_size']} is invalid; give a positive "
-                         "number of positions (or leave it unset: the head then runs on all response positions at "
-                         "once)")
-    if values["remat"] not in ("none", "full") + REMAT_POLICIES:
-        raise SystemExit(f"jaxppo: --remat {values['remat']!r} is invalid; valid: none, full, "
-                         f"{', '.join(REMAT_POLICIES)}")
-    for name in ("dtype", "ref_dtype", "reward_dtype"):
-        if values[name] is not None and values[name] not in DTYPES:
-            raise SystemExit(f"jaxppo: --{name.replace('_', '-')} {values[name]!r} is invalid; valid: "
-                             f"{', '.join(DTYPES)}")
     for name in ("mesh_data", "mesh_fsdp", "mesh_tensor"):
         if values[name] is not None and values[name] <= 0:
             raise SystemExit(f"jaxppo: --{name.replace('_', '-')} {values[name]} is invalid: a mesh axis needs at "
@@ -263,34 +279,38 @@ def resolve(argv=None):
             raise SystemExit(f"jaxppo: {' and '.join(given)} need --lora-rank (or --lora-init)")
     extras = {name: values[name] for name in _EXTRA}
     extras["is_demo"] = is_demo
-    return ppo, trainer, extras
+    mesh = _mesh(extras)
+    if mesh is not None:
+        config = config.replace(mesh=mesh)
+    return config, extras
 
 
-def build_trainer(ppo: PPOConfig, tc: TrainerConfig, extras: dict) -> PPOTrainer:
+def build_trainer(config: Config, extras: dict) -> Trainer:
     from jaxppo import demo
     from jaxppo.models.hf import check_checkpoint_dir
     from jaxppo.models.tokenizer import load_tokenizer
 
     environment = None if extras["environment"] is None else _load_environment(extras["environment"])
     task = extras["demo"] if extras["is_demo"] else None
-    callbacks = []
+    seed = config.run.seed
     if task == "sums":
         policy = extras["model"] or _sums_model()
         tokenizer = load_tokenizer(policy)
-        train_pairs, held_out = demo.sum_pairs(tc.seed)
+        train_pairs, held_out = demo.sum_pairs(seed)
         prompts = extras["prompts"] or demo.sums_rows(train_pairs)
         rewards = extras["reward"] or ["sums"]
         extras = {**extras, "eval_prompts": extras["eval_prompts"] or demo.sums_rows(held_out)}
     elif extras["is_demo"]:
         tokenizer = demo.demo_tokenizer()
-        policy = demo.demo_policy(tokenizer, seed=tc.seed, max_len=tc.query_length + tc.response_length)
+        policy = demo.demo_policy(tokenizer, seed=seed,
+                                  max_len=config.data.query_length + config.sampling.response_length)
         prompts = extras["prompts"] or (demo.multiturn_prompts() if task == "multiturn" else demo.DEMO_PROMPTS)
         environment = environment or (demo.GuessTheDigit if task == "multiturn" else None)
         rewards = extras["reward"] or ([] if environment is not None else ["lowercase"])
     else:
         if not extras["prompts"]:
             raise SystemExit("jaxppo: --prompts is required with --model")
-        prompts = _mixed(extras["prompts"], extras["prompt_weights"], tc.seed, extras["prompt_column"])
+        prompts = _mixed(extras["prompts"], extras["prompt_weights"], seed, config.data.prompt_column)
         for flag in ("model", "reward_model", "critic", "ref_model"):
             if extras[flag] is not None:
                 check_checkpoint_dir(extras[flag], f"--{flag.replace('_', '-')}")
@@ -300,18 +320,14 @@ def build_trainer(ppo: PPOConfig, tc: TrainerConfig, extras: dict) -> PPOTrainer
     if extras["reward_model"] is not None and extras["reward"]:
         raise SystemExit("jaxppo: give --reward-model or --reward, not both")
     functions = [_reward_function(text) for text in rewards]
-    # One unweighted function is `reward_fn` (as before 0.4: a resumed run's settings match).
+    # One unweighted function is given alone (as 0.4's reward_fn: a resumed run's settings match).
     single = len(functions) == 1 and extras["reward_weight"] is None
-    trainer = PPOTrainer(ppo, tc, policy=policy, tokenizer=tokenizer, prompts=prompts,
-                         reward_model=extras["reward_model"], reward_fn=functions[0] if single else None,
-                         reward_fns=None if single or not functions else functions,
-                         reward_weights=extras["reward_weight"], critic=extras["critic"],
-                         ref_policy=extras["ref_model"], dtype=extras["dtype"], ref_dtype=extras["ref_dtype"],
-                         reward_dtype=extras["reward_dtype"], prompt_column=extras["prompt_column"],
-                         environment=environment, callbacks=callbacks, eval_prompts=extras["eval_prompts"],
-                         eval_reward_fns=[_reward_function(t) for t in extras["eval_reward"]] if extras["eval_reward"]
-                         else None, **model_options(extras))
-    return trainer
+    return Trainer(config, policy=policy, tokenizer=tokenizer, prompts=prompts, reward_model=extras["reward_model"],
+                   reward_fns=functions[0] if single else (functions or None),
+                   reward_weights=extras["reward_weight"], critic=extras["critic"], ref_policy=extras["ref_model"],
+                   environment=environment, eval_prompts=extras["eval_prompts"],
+                   eval_reward_fns=[_reward_function(t) for t in extras["eval_reward"]] if extras["eval_reward"]
+                   else None, **model_options(extras))
 
 
 def _sums_model() -> str:
@@ -361,16 +377,19 @@ def _load_environment(text: str):
         raise SystemExit(f"jaxppo: {name_the_flag(str(err))}") from None
 
 
-def model_options(extras: dict) -> dict:
-    """The `PPOTrainer` keyword arguments that the command's flags set for how models run:
-    mesh, remat, scan_layers, logits_chunk_size, chat_template, lora, lora_init (for
-    scripts that build their own trainer from `resolve`)."""
-    mesh = None
+def _mesh(extras: dict):
+    """The `MeshConfig` the mesh flags (and `--distributed`) give, or None."""
     axes = (extras["mesh_data"], extras["mesh_fsdp"], extras["mesh_tensor"])
-    if any(a is not None for a in axes) or extras["distributed"]:
-        from jaxppo.sharding import MeshConfig
+    if not any(a is not None for a in axes) and not extras["distributed"]:
+        return None
+    from jaxppo.sharding import MeshConfig
 
-        mesh = MeshConfig(data=axes[0], fsdp=axes[1], tensor=1 if axes[2] is None else axes[2])
+    return MeshConfig(data=axes[0], fsdp=axes[1], tensor=1 if axes[2] is None else axes[2])
+
+
+def model_options(extras: dict) -> dict:
+    """The `Trainer` keyword arguments that the command's flags set for the policy's form:
+    lora, lora_init (for scripts that build their own trainer from `resolve`)."""
     lora = None
     if extras["lora_init"] is not None and extras["lora_rank"] is not None:
         raise SystemExit("jaxppo: --lora-init takes its rank, alpha and targets from the adapter; drop --lora-rank")
@@ -383,10 +402,7 @@ def model_options(extras: dict) -> dict:
             lora = LoraConfig(rank=rank, alpha=extras["lora_alpha"] or 2.0 * rank, targets=targets)
         except ValueError as err:
             raise SystemExit(f"jaxppo: {name_the_flag(str(err))}") from None
-    return dict(mesh=mesh, remat=False if extras["remat"] == "none" else extras["remat"],
-                scan_layers="auto" if extras["scan_layers"] is None else extras["scan_layers"],
-                logits_chunk_size=extras["logits_chunk_size"],
-                chat_template=extras["chat_template"], lora=lora, lora_init=extras["lora_init"])
+    return dict(lora=lora, lora_init=extras["lora_init"])
 
 
 def _mixed(prompts: str, weights: Optional[str], seed: int, column: str):
@@ -440,7 +456,7 @@ def main(argv=None) -> int:
     # found. Models won't be available ..."); jaxppo never needs PyTorch, so that line is
     # noise here. Only advisory messages are silenced: transformers' warnings still show.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    ppo, tc, extras = resolve(argv)
+    config, extras = resolve(argv)
     # Before anything compiles: jax decides once per process whether it uses the cache.
     _use_compilation_cache(extras["compilation_cache"])
     if extras["distributed"]:
@@ -449,7 +465,7 @@ def main(argv=None) -> int:
         process, count = initialize_distributed()
         print(f"jaxppo: process {process} of {count}")
     try:
-        trainer = build_trainer(ppo, tc, extras)
+        trainer = build_trainer(config, extras)
     except (ValueError, TypeError) as err:
         raise SystemExit(f"jaxppo: {name_the_flag(str(err))}") from None
     from jaxppo.errors import EpisodeError, RewardError, RunError
@@ -466,12 +482,11 @@ def main(argv=None) -> int:
 
 def name_the_flag(message: str) -> str:
     """An error about a setting, as the command's user typed it: a message naming
-    `PPOConfig.x` or `TrainerConfig.x` (the Python API's names) and not the flag already
-    gets the flag of its first such setting in front ("--batch-size: PPOConfig.batch_size=3
-    is not divisible ...")."""
+    `<Concern>Config.x` (the Python API's names) and not the flag already gets the flag of
+    its first such setting in front ("--batch-size: BatchConfig.batch_size=3 is not ...")."""
     import re
 
-    match = re.search(r"\b(PPOConfig|TrainerConfig)\.([a-z_0-9]+)\b", message)
+    match = re.search(r"\b([A-Z][A-Za-z]*Config)\.([a-z_0-9]+)\b", message)
     if match is None:
         return message
     flag = "--" + match.group(2).replace("_", "-")

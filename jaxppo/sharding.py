@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxppo.update.engine import engine_config, key_names
+from jaxppo.update.minibatches import batch_config, key_names
 from jaxppo.update.ppo import jit_train_step
 
 __all__ = ["MeshConfig", "make_mesh", "batch_sharding", "shard_batch", "param_spec", "tree_shardings", "shard_state",
@@ -84,14 +84,14 @@ def _data_size(mesh: Mesh) -> int:
 
 def check_batch_divides(config, mesh: Mesh):
     """Raise ValueError unless every per-update row count splits evenly over the data axes
-    (`config`: a `PPOConfig`, `UpdateConfig` or `EngineConfig`)."""
+    (`config`: a `jaxppo.Config`, an `UpdateConfig` or a `BatchConfig`)."""
     n = _data_size(mesh)
-    config = engine_config(config)
+    config = batch_config(config)
     micro = config.micro_batch_size
     if config.batch_size % n or micro % n:
         raise ValueError(
             f"the mesh splits rows over data x fsdp = {mesh.shape['data']} x {mesh.shape['fsdp']} = {n} devices, "
-            f"but {config.owner}.batch_size={config.batch_size}, mini_batch_size={config.mini_batch_size} and the "
+            f"but BatchConfig.batch_size={config.batch_size}, mini_batch_size={config.mini_batch_size} and the "
             f"micro-batch size {micro} (mini_batch_size / gradient_accumulation_steps) must all be multiples of {n}"
         )
 
@@ -193,14 +193,13 @@ def sharded_train_step(state, config, mesh: Mesh, *, donate: bool = False):
 
 def place_run(mesh, config, run, ref_params, reward_params):
     """A trainer's state on `mesh` (a `MeshConfig` or `Mesh`): (the mesh, the run state with
-    its train state sharded, the sharded frozen parameters (None stays None), and
-    `make_step(config)`: the train step of a config on that mesh, donating the old state)."""
+    its train state sharded, the sharded frozen parameters (None stays None)); the train
+    step of a config on that mesh is `sharded_train_step` (`jaxppo.run.compiled.Step`)."""
     mesh = mesh if isinstance(mesh, Mesh) else make_mesh(mesh)
     check_batch_divides(config, mesh)
     run = run.replace(train=shard_state(run.train, mesh))
     ref_params, reward_params = (None if p is None else shard_state(p, mesh) for p in (ref_params, reward_params))
-    state = run.train
-    return mesh, run, ref_params, reward_params, lambda c: sharded_train_step(state, c, mesh, donate=True)
+    return mesh, run, ref_params, reward_params
 
 
 class MeshBound:

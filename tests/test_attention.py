@@ -108,8 +108,8 @@ def test_trainer_settings_reach_the_models(tmp_path):
     trainer = small_trainer(tmp_path, iterations=1, attention="xla", hoist_layers=True)
     critic = trainer.state.apply_fn.critic
     assert (trainer.policy_model.attention, critic.attention) == ("xla", "xla")
-    assert trainer.spec.policy.hoist_layers  # the sampler's model
-    assert trainer.spec.ref_apply.model.attention == "xla"
+    assert trainer.parts.spec.policy.hoist_layers  # the sampler's model
+    assert trainer.parts.spec.ref_apply.model.attention == "xla"
 
 
 def test_attention_settings_are_checked(tmp_path):
@@ -122,8 +122,8 @@ def test_attention_settings_are_checked(tmp_path):
                          num_kv_heads=3, intermediate_size=64, max_position_embeddings=32)  # head size 12
     with pytest.raises(ValueError, match="head size that is a multiple of 8 and at most 256.*is 12"):
         jm.Model(odd, dtype="bfloat16", attention="cudnn")
-    with pytest.raises(ValueError, match=r"TrainerConfig.attention='flash' is invalid"):
-        jaxppo.TrainerConfig(attention="flash")
+    with pytest.raises(ValueError, match=r"LayoutConfig.attention='flash' is invalid"):
+        jaxppo.Config.from_settings(attention="flash")
     if jax.default_backend() != "gpu":  # refused before any weights load or anything compiles
         from trainer_setup import small_trainer
 

@@ -43,10 +43,9 @@ def _reward_dir(ctx):
 
 
 def _trainer_of(ctx, policy, **models):
-    return jaxppo.Trainer(jaxppo.PPOConfig(batch_size=16, mini_batch_size=8),
-                          jaxppo.TrainerConfig(output_dir=str(ctx["tmp"] / "run"), query_length=32, response_length=6,
-                                               progress=False),
-                          policy=policy, tokenizer=ctx["tokenizer"], prompts=demo.DEMO_PROMPTS, **models)
+    config = jaxppo.Config.from_settings(batch_size=16, mini_batch_size=8, output_dir=str(ctx["tmp"] / "run"),
+                                         query_length=32, response_length=6, progress=False)
+    return jaxppo.Trainer(config, policy=policy, tokenizer=ctx["tokenizer"], prompts=demo.DEMO_PROMPTS, **models)
 
 
 def _write_bytes(path, data: bytes, then):
@@ -98,7 +97,7 @@ def _train_step(rollout):
 
     apply_fn, params = make_toy(jaxppo_key(), vocab_size=8, width=8, depth=1, heads=1, max_len=10, seq_len=10)
     state = jaxppo.TrainState.create(apply_fn=apply_fn, params=params, tx=optax.sgd(0.1))
-    return jaxppo.train_step(state, rollout, jaxppo_key(), config=jaxppo.PPOConfig(batch_size=16, mini_batch_size=8))
+    return jaxppo.train_step(state, rollout, jaxppo_key(), config=jaxppo.Config.from_settings(batch_size=16, mini_batch_size=8))
 
 
 def jaxppo_key():
@@ -108,11 +107,11 @@ def jaxppo_key():
 
 
 def _ppo(**kw):
-    return lambda ctx: jaxppo.PPOConfig(**kw)
+    return lambda ctx: jaxppo.Config.from_settings(**kw)
 
 
 def _tc(**kw):
-    return lambda ctx: jaxppo.TrainerConfig(**kw)
+    return lambda ctx: jaxppo.Config.from_settings(**kw)
 
 
 def _cli(*argv):
@@ -124,7 +123,7 @@ def _cli_file(name, text, *argv):
 
 
 def _prompts(name, text, column="prompt"):
-    return lambda ctx: jaxppo.load_prompts(_write(ctx["tmp"], name, text), column)
+    return lambda ctx: jaxppo.rollout.load_prompts(_write(ctx["tmp"], name, text), column)
 
 
 def _model(edit):
@@ -148,9 +147,9 @@ def _small_vocab_policy(ctx):
     config = jm.ModelConfig(model_type="gpt2", vocab_size=100, hidden_size=16, num_layers=1, num_heads=2,
                             num_kv_heads=2, intermediate_size=32, max_position_embeddings=40)
     model = jm.Model(config)
-    tc = jaxppo.TrainerConfig(output_dir=str(ctx["tmp"]), query_length=32, response_length=6)
-    return jaxppo.PPOTrainer(jaxppo.PPOConfig(batch_size=16, mini_batch_size=8), tc, policy=(model, model.init(jaxppo_key())),
-                             tokenizer=tok, prompts=demo.DEMO_PROMPTS, reward_fn=demo.lowercase_reward)
+    tc = dict(output_dir=str(ctx["tmp"]), query_length=32, response_length=6)
+    return jaxppo.Trainer(jaxppo.Config.from_settings(batch_size=16, mini_batch_size=8).replace(**tc), policy=(model, model.init(jaxppo_key())),
+                             tokenizer=tok, prompts=demo.DEMO_PROMPTS, reward_fns=demo.lowercase_reward)
 
 
 def _module_reward(source: str, name: str):
@@ -189,24 +188,24 @@ def _tokenizer_past_the_vocabulary(ctx):
     config = jm.ModelConfig(model_type="gpt2", vocab_size=512, hidden_size=16, num_layers=1, num_heads=2,
                             num_kv_heads=2, intermediate_size=32, max_position_embeddings=40)
     model = jm.Model(config)
-    tc = jaxppo.TrainerConfig(output_dir=str(ctx["tmp"]), query_length=32, response_length=6)
-    return jaxppo.PPOTrainer(jaxppo.PPOConfig(batch_size=16, mini_batch_size=8), tc,
+    tc = dict(output_dir=str(ctx["tmp"]), query_length=32, response_length=6)
+    return jaxppo.Trainer(jaxppo.Config.from_settings(batch_size=16, mini_batch_size=8).replace(**tc),
                              policy=(model, model.init(jaxppo_key())), tokenizer=tok, prompts=demo.DEMO_PROMPTS,
-                             reward_fn=demo.lowercase_reward)
+                             reward_fns=demo.lowercase_reward)
 
 
 def _mesh_not_dividing(ctx):
     from jaxppo.sharding import MeshConfig
 
     return small_trainer(ctx["tmp"], mesh=MeshConfig(data=8, fsdp=1),
-                         ppo=jaxppo.PPOConfig(batch_size=16, mini_batch_size=4))
+                         ppo=jaxppo.Config.from_settings(batch_size=16, mini_batch_size=4))
 
 
 def _dataset_without_column(ctx):
     class Dataset:  # what load_prompts reads of a datasets.Dataset
         column_names = ["question", "answer"]
 
-    return jaxppo.load_prompts(Dataset(), "prompt")
+    return jaxppo.rollout.load_prompts(Dataset(), "prompt")
 
 
 def _rm_missing(path):
@@ -287,44 +286,56 @@ def _output_dir_not_writable(ctx):
 
 CASES = [
     # PPOConfig
-    ("ppo batch_size 0", _ppo(batch_size=0), ValueError, r"PPOConfig.batch_size=0 is invalid: batch_size must be a positive int"),
+    ("ppo batch_size 0", _ppo(batch_size=0), ValueError, r"BatchConfig.batch_size=0 is invalid: batch_size must be a positive int"),
     ("ppo batch_size float", _ppo(batch_size=64.0), ValueError, r"batch_size=64.0 .* positive int \(got type float\)"),
     ("ppo mini_batch_size > batch_size", _ppo(batch_size=8, mini_batch_size=16), ValueError,
-     r"batch_size=8 is not divisible by PPOConfig.mini_batch_size=16.*Valid mini_batch_size values .*\[1, 2, 4, 8\]"),
+     r"batch_size=8 is not divisible by BatchConfig.mini_batch_size=16.*Valid mini_batch_size values .*\[1, 2, 4, 8\]"),
     ("ppo accumulation does not divide", _ppo(mini_batch_size=16, gradient_accumulation_steps=3), ValueError,
-     r"mini_batch_size=16 is not divisible by PPOConfig.gradient_accumulation_steps=3.*Valid .*\[1, 2, 4, 8, 16\]"),
+     r"mini_batch_size=16 is not divisible by BatchConfig.gradient_accumulation_steps=3.*Valid .*\[1, 2, 4, 8, 16\]"),
     ("ppo negative cliprange", _ppo(cliprange=-0.1), ValueError, r"cliprange=-0.1 is invalid: .*>= 0"),
     ("ppo gamma above 1", _ppo(gamma=1.5), ValueError, r"gamma=1.5 is invalid: gamma must be a real number in \[0, 1\]"),
     ("ppo temperature 0", _ppo(temperature=0.0), ValueError, r"temperature=0.0 is invalid: .*> 0"),
     ("ppo bool as string", _ppo(whiten_advantages="yes"), ValueError, r"whiten_advantages='yes' .* a bool"),
     ("ppo negative target_kl", _ppo(target_kl=-1.0), ValueError, r"target_kl=-1.0 .*None \(no early stopping\)"),
     # TrainerConfig
-    ("trainer iterations 0", _tc(iterations=0), ValueError, r"TrainerConfig.iterations=0 is invalid: .*positive int"),
+    ("trainer iterations 0", _tc(iterations=0), ValueError, r"RunConfig.iterations=0 is invalid: .*positive int"),
     ("trainer negative query_length", _tc(query_length=-4), ValueError, r"query_length=-4 .*positive int"),
     ("trainer unknown kl_estimator", _tc(kl_estimator="k9"), ValueError, r"kl_estimator='k9' is invalid; valid: k1, k3"),
     ("trainer unknown lr_schedule", _tc(lr_schedule="exp"), ValueError, r"lr_schedule='exp' .*valid: constant, linear, cosine"),
     ("trainer zero learning_rate", _tc(learning_rate=0.0), ValueError, r"learning_rate=0.0 .*must be a finite number > 0"),
     ("trainer NaN max_grad_norm", _tc(max_grad_norm=float("nan")), ValueError, r"max_grad_norm=nan .*finite number > 0"),
-    ("trainer bool as string", _tc(tensorboard="no"), ValueError, r"tensorboard='no' is invalid: .*bool"),
+    ("trainer bool as string", _tc(progress="no"), ValueError, r"progress='no' is invalid: .*bool"),
+    ("deprecated bool as string", _tc(tensorboard="no"), ValueError, r"tensorboard='no' is invalid: .*bool"),
     ("trainer empty output_dir", _tc(output_dir=""), ValueError, r"output_dir='' .*non-empty path"),
     ("trainer total_episodes not a multiple", lambda ctx: small_trainer(ctx["tmp"], total_episodes=20), ValueError,
-     r"total_episodes=20 is not a multiple of PPOConfig.batch_size=16"),
+     r"total_episodes=20 is not a multiple of BatchConfig.batch_size=16"),
     # The command line and its config file
     ("cli unknown key in config file", _cli_file("run.json", '{"batch_sise": 4}'), SystemExit,
-     r"unknown settings \['batch_sise'\]"),
+     r"unknown setting 'batch_sise' \(did you mean 'batch_size'\?\).* in .*run.json"),
+    ("unknown setting by name", _tc(temprature=0.7), ValueError, r"unknown setting 'temprature' \(did you mean "
+     r"'temperature'\?\); `jaxppo --help` lists every setting, grouped by concern"),
+    ("cli unknown key in a concern's table", _cli_file("run.toml", "[sampling]\ntop_q = 0.9\n"), SystemExit,
+     r"unknown setting 'top_q' \(did you mean 'top_p'\?\)"),
+    ("concern given as a dict with a stranger", lambda ctx: jaxppo.Config(loss={"clip": 0.1}), ValueError,
+     r"LossConfig has no setting 'clip' \(did you mean 'dual_clip'\?\); its settings: cliprange, "),
+    ("concern of the wrong type", lambda ctx: jaxppo.Config(loss=jaxppo.KLConfig()), TypeError,
+     r"Config.loss must be a jaxppo.LossConfig \(or a dict of its settings\), got KLConfig"),
     ("cli wrong type in config file", _cli_file("run.toml", 'batch_size = "eight"\n'), SystemExit,
      r"batch_size='eight' is invalid: .*positive int \(got type str\)"),
     ("cli config file not TOML", _cli_file("run.toml", "batch_size = = 3\n"), SystemExit, r"run.toml' is not valid TOML"),
     ("cli config file not a table", _cli_file("run.json", "[1, 2]"), SystemExit, r"holds a list; expected a table"),
     ("cli config file missing", _cli("--config", "/no/such/run.toml"), SystemExit, r"--config '/no/such/run.toml': no such file"),
     ("cli non-dividing mini-batch", _cli("--mini-batch-size", "7"), SystemExit,
-     r"^jaxppo: --batch-size: PPOConfig.batch_size=64 is not divisible by .*mini_batch_size=7"),  # the flag named
+     r"^jaxppo: --batch-size: BatchConfig.batch_size=64 is not divisible by .*mini_batch_size=7"),  # the flag named
     ("cli flag of the wrong type", _cli("--batch-size", "many"), SystemExit, r"^2$"),  # argparse: exit 2, names the flag
-    ("cli unknown dtype", _cli("--dtype", "float8"), SystemExit, r"--dtype 'float8' is invalid; valid: float32, bfloat16"),
+    ("cli unknown dtype", _cli("--dtype", "float8"), SystemExit,
+     r"^jaxppo: --dtype: LayoutConfig.dtype='float8' is invalid: dtype must be one of 'float32', 'bfloat16'"),
     ("cli logits chunk size 0", _cli("--logits-chunk-size", "0"), SystemExit,
-     r"--logits-chunk-size 0 is invalid; give a positive number of positions"),
+     r"^jaxppo: --logits-chunk-size: LayoutConfig.logits_chunk_size=0 is invalid: logits_chunk_size must be a "
+     r"positive int"),
     ("cli unknown remat policy", _cli("--remat", "some"), SystemExit,
-     r"--remat 'some' is invalid; valid: none, full, nothing_saveable, dots_saveable"),
+     r"^jaxppo: --remat: LayoutConfig.remat='some' is invalid; valid: None \(each model's own\), False, True \(or "
+     r"'full'\), or a policy name: nothing_saveable, dots_saveable"),
     ("cli zero-size mesh axis", _cli("--mesh-fsdp", "0"), SystemExit, r"--mesh-fsdp 0 is invalid: a mesh axis needs"),
     ("cli model without prompts", lambda ctx: main(["--model", str(ctx["model_dir"]), "--output-dir", str(ctx["tmp"])]),
      SystemExit, r"--prompts is required with --model"),
@@ -346,7 +357,7 @@ CASES = [
     ("mesh does not divide the batch", _mesh_not_dividing, ValueError,
      r"data x fsdp = 8 x 1 = 8 devices, but .*mini_batch_size=4 .* must all be multiples of 8"),
     # Prompt sources
-    ("prompts file missing", lambda ctx: jaxppo.load_prompts("/no/such/prompts.jsonl"), ValueError,
+    ("prompts file missing", lambda ctx: jaxppo.rollout.load_prompts("/no/such/prompts.jsonl"), ValueError,
      r"prompts file '/no/such/prompts.jsonl' does not exist"),
     ("prompts file empty", _prompts("empty.txt", "\n\n"), ValueError, r"no prompts: .*empty.txt is empty"),
     ("prompts invalid JSON on a line", _prompts("p.jsonl", '{"prompt": "a"}\n\n{"prompt": "b"\n'), ValueError,
@@ -359,26 +370,26 @@ CASES = [
     ("dataset missing column", _dataset_without_column, ValueError,
      r"the dataset has no column 'prompt'; columns: \['question', 'answer'\]"),
     ("prompt longer than query_length", _too_long_prompt, ValueError,
-     r"prompt 0 has \d+ tokens, longer than TrainerConfig.query_length=32 \(--query-length\) .*raise query_length, "
-     r"or set truncate_prompts \(--truncate-prompts\)"),
+     r"prompt 0 has \d+ tokens, longer than DataConfig.query_length=32 \(--query-length\) .*raise query_length, "
+     r"or set overlong_prompts='truncate' \(--overlong-prompts truncate\)"),
     ("reward function needs a column the prompts lack", lambda ctx: small_trainer(
-        ctx["tmp"], prompts=[{"prompt": "a", "solution": "1"}] * 4, reward_fn=_needs_answer), ValueError,
+        ctx["tmp"], prompts=[{"prompt": "a", "solution": "1"}] * 4, reward_fns=_needs_answer), ValueError,
      r"reward function '.*_needs_answer' .*needs the column\(s\) \['answer'\], which the prompts lack \(their "
      r"columns: \['solution'\]\)"),
     ("overlong_prompts unknown", _tc(overlong_prompts="drop"), ValueError,
-     r"TrainerConfig.overlong_prompts='drop' is invalid: .* one of 'error', 'truncate', 'filter'"),
+     r"DataConfig.overlong_prompts='drop' is invalid: .* one of 'error', 'truncate', 'filter'"),
     ("truncate_prompts against overlong_prompts", _tc(truncate_prompts=True, overlong_prompts="filter"), ValueError,
      r"truncate_prompts=True and overlong_prompts='filter' disagree"),
     ("every prompt filtered out", lambda ctx: small_trainer(ctx["tmp"], prompts=["far longer than the query " * 4],
                                                             overlong_prompts="filter"), ValueError,
-     r"all 1 prompts are longer than TrainerConfig.query_length=32 .*leaves none"),
+     r"all 1 prompts are longer than DataConfig.query_length=32 .*leaves none"),
     ("prompt weights not one per file", _main("--model", "m", "--prompts", "a.jsonl,b.jsonl", "--prompt-weights", "1"),
      SystemExit, r"--prompts names 2 file\(s\) \(a.jsonl, b.jsonl\) but --prompt-weights gives 1 weight"),
     ("streamed prompt not JSON", lambda ctx: small_trainer(
         ctx["tmp"], prompts=_write(ctx["tmp"], "s.jsonl", '{"prompt": "a"}\n{"prompt": \n'), stream_prompts=True),
      ValueError, r"s.jsonl line 2 is not valid JSON"),
     ("streamed prompts with common_prefix", lambda ctx: small_trainer(
-        ctx["tmp"], prompts=iter(["a b", "a c"] * 8), ppo=jaxppo.PPOConfig(batch_size=16, mini_batch_size=8,
+        ctx["tmp"], prompts=iter(["a b", "a c"] * 8), ppo=jaxppo.Config.from_settings(batch_size=16, mini_batch_size=8,
                                                                          common_prefix=True)),
      ValueError, r"common_prefix=True needs the whole prompt set up front"),
     # Model directories
@@ -400,28 +411,28 @@ CASES = [
      r"the tokenizer has 384 tokens but the policy's vocabulary has 100"),
     # train_step inputs (checked while tracing: nothing compiles)
     ("rollout rows != batch_size", lambda ctx: _train_step(_rollout(b=12)), ValueError,
-     r"rollout has 12 rows but PPOConfig.batch_size=16"),
+     r"rollout has 12 rows but BatchConfig.batch_size=16"),
     ("rollout field mis-shaped", lambda ctx: _train_step(_rollout(values=jnp.zeros((16, 5)))), ValueError,
      r"rollout.values has shape \(16, 5\); expected \(batch, response_len\) = \(16, 6\)"),
     ("rollout float token ids", lambda ctx: _train_step(_rollout(response_tokens=jnp.ones((16, 6)))), TypeError,
      r"rollout.response_tokens has dtype float32; token ids must be integers"),
     ("rollout integer log-probs", lambda ctx: _train_step(_rollout(logprobs=jnp.zeros((16, 6), jnp.int32))), TypeError,
      r"rollout.logprobs has dtype int32; it must be a float array"),
-    ("mask not 0/1", lambda ctx: jaxppo.check_rollout(_rollout(response_mask=jnp.full((16, 6), 2, jnp.int32)),
-                                                       jaxppo.PPOConfig(batch_size=16, mini_batch_size=8)),
+    ("mask not 0/1", lambda ctx: jaxppo.update.check_rollout(_rollout(response_mask=jnp.full((16, 6), 2, jnp.int32)),
+                                                       jaxppo.Config.from_settings(batch_size=16, mini_batch_size=8)),
      ValueError, r"rollout.response_mask row 0 holds values other than 0 and 1: \[2.0\]"),
-    ("response mask not a prefix", lambda ctx: jaxppo.check_rollout(
+    ("response mask not a prefix", lambda ctx: jaxppo.update.check_rollout(
         _rollout(response_mask=jnp.asarray(np.tile([1, 0, 1, 0, 0, 0], (16, 1)), jnp.int32)),
-        jaxppo.PPOConfig(batch_size=16, mini_batch_size=8)), ValueError,
+        jaxppo.Config.from_settings(batch_size=16, mini_batch_size=8)), ValueError,
      r"rollout.response_mask row 0 is \[1, 0, 1, 0, 0, 0\]; each row must be non-increasing \(a prefix of ones"),
-    ("group rows with different prompts", lambda ctx: jaxppo.check_rollout(
+    ("group rows with different prompts", lambda ctx: jaxppo.update.check_rollout(
         _rollout(query_tokens=jnp.ones((16, 4), jnp.int32).at[5, 2].set(3)),
-        jaxppo.PPOConfig.for_algorithm("grpo", batch_size=16, mini_batch_size=8, num_generations=4,
+        jaxppo.Config.for_algorithm("grpo", batch_size=16, mini_batch_size=8, num_generations=4,
                                        kl_loss_coef=0.0, share_prompts=True)), ValueError,
      r"rollout row 5 has another prompt than row 4, the first of its group \(rows 4-7\): with "
-     r"PPOConfig.share_prompts=True"),
-    ("old_logprobs unknown", lambda ctx: jaxppo.TrainerConfig(old_logprobs="vllm"), ValueError,
-     r"TrainerConfig.old_logprobs='vllm' is invalid; valid: 'auto' .* 'sampler' .* 'recompute'"),
+     r"LayoutConfig.share_prompts=True"),
+    ("old_logprobs unknown", lambda ctx: jaxppo.Config.from_settings(old_logprobs="vllm"), ValueError,
+     r"SamplingConfig.old_logprobs='vllm' is invalid; valid: 'auto' .* 'sampler' .* 'recompute'"),
     # multi-turn episodes and tools
     ("--environment not importable", lambda ctx: main(["--environment", "no_such_module:make", "--output-dir",
                                                        str(ctx["tmp"])]),
@@ -435,72 +446,74 @@ CASES = [
      r"the output directory '.*ro' cannot be written to \(a read-only file system, or its permissions\)"),
     ("environment not a factory", lambda ctx: small_trainer(ctx["tmp"], environment=object()), TypeError,
      r"environment must be a factory"),
-    ("turn_length past the budget", lambda ctx: jaxppo.TrainerConfig(response_length=8, turn_length=9), ValueError,
-     r"TrainerConfig.turn_length=9 is invalid: .* \[1, response_length=8\]"),
-    ("environment_errors unknown", lambda ctx: jaxppo.TrainerConfig(environment_errors="skip"), ValueError,
+    ("turn_length past the budget", lambda ctx: jaxppo.Config.from_settings(response_length=8, turn_length=9), ValueError,
+     r"EnvironmentConfig.turn_length=9 is invalid: .* \[1, SamplingConfig.response_length=8\]"),
+    ("environment_errors unknown", lambda ctx: jaxppo.Config.from_settings(environment_errors="skip"), ValueError,
      r"environment_errors='skip' is invalid; valid: 'raise' .* or 'end'"),
-    ("environment_timeout not positive", lambda ctx: jaxppo.TrainerConfig(environment_timeout=0), ValueError,
-     r"TrainerConfig.environment_timeout=0 is invalid"),
+    ("environment_timeout not positive", lambda ctx: jaxppo.Config.from_settings(environment_timeout=0), ValueError,
+     r"EnvironmentConfig.environment_timeout=0 is invalid"),
     ("tool without a docstring", lambda ctx: small_trainer(ctx["tmp"], tools=[lambda x: x]), ValueError,
      r"tool '<lambda>' cannot be described to the model"),
-    ("attention mask not a prefix", lambda ctx: jaxppo.check_rollout(
+    ("attention mask not a prefix", lambda ctx: jaxppo.update.check_rollout(
         _rollout(response_attention_mask=jnp.asarray(np.tile([1, 0, 1, 0, 0, 0], (16, 1)), jnp.int32)),
-        jaxppo.PPOConfig(batch_size=16, mini_batch_size=8)), ValueError,
+        jaxppo.Config.from_settings(batch_size=16, mini_batch_size=8)), ValueError,
      r"rollout.response_attention_mask row 0 is \[1, 0, 1, 0, 0, 0\]; each row must be non-increasing"),
-    ("loss_norm_length not positive", lambda ctx: jaxppo.PPOConfig(loss_norm_length=0), ValueError,
-     r"PPOConfig.loss_norm_length=0 is invalid.*None \(the response width\) or a positive int"),
+    ("loss_norm_length not positive", lambda ctx: jaxppo.Config.from_settings(loss_norm_length=0), ValueError,
+     r"LossConfig.loss_norm_length=0 is invalid.*None \(the response width\) or a positive int"),
     # dynamic sampling
     ("dynamic sampling without groups", lambda ctx: small_trainer(ctx["tmp"], dynamic_sampling=True), ValueError,
-     r"dynamic_sampling=True needs groups: PPOConfig.num_generations=1; give num_generations >= 2"),
+     r"dynamic_sampling=True needs groups: AdvantageConfig.num_generations=1; give num_generations >= 2"),
     ("dynamic sampling with device scores", lambda ctx: small_trainer(
-        ctx["tmp"], dynamic_sampling=True, reward_fn_on="tokens", reward_fn=lambda ids, mask, tokens, tmask: tmask.sum(1),
-        ppo=jaxppo.PPOConfig.for_algorithm("grpo", batch_size=16, mini_batch_size=8, num_generations=4)),
+        ctx["tmp"], dynamic_sampling=True, reward_fn_on="tokens", reward_fns=lambda ids, mask, tokens, tmask: tmask.sum(1),
+        ppo=jaxppo.Config.for_algorithm("grpo", batch_size=16, mini_batch_size=8, num_generations=4)),
      ValueError, r"dynamic_sampling=True filters groups on scores computed on the host"),
-    ("dynamic sampling rounds < 1", lambda ctx: jaxppo.TrainerConfig(dynamic_sampling_rounds=0), ValueError,
-     r"TrainerConfig.dynamic_sampling_rounds=0 is invalid: dynamic_sampling_rounds must be a positive int"),
+    ("dynamic sampling rounds < 1", lambda ctx: jaxppo.Config.from_settings(dynamic_sampling_rounds=0), ValueError,
+     r"RewardConfig.dynamic_sampling_rounds=0 is invalid: dynamic_sampling_rounds must be a positive int"),
     # packed sequences
     ("pack_length shorter than a row", lambda ctx: small_trainer(
-        ctx["tmp"], ppo=jaxppo.PPOConfig(batch_size=16, mini_batch_size=8, pack_sequences=True, pack_length=30)),
-     ValueError, r"PPOConfig.pack_length=30 is shorter than a row can be: .*use pack_length >= 38"),
-    ("pack_streams above the micro-batch", lambda ctx: jaxppo.PPOConfig(
+        ctx["tmp"], ppo=jaxppo.Config.from_settings(batch_size=16, mini_batch_size=8, pack_sequences=True, pack_length=30)),
+     ValueError, r"LayoutConfig.pack_length=30 is shorter than a row can be: .*use pack_length >= 38"),
+    ("pack_streams above the micro-batch", lambda ctx: jaxppo.Config.from_settings(
         batch_size=16, mini_batch_size=8, pack_sequences=True, pack_streams=9), ValueError,
-     r"PPOConfig.pack_streams=9 is invalid: .*an int in \[1, micro_batch_size=8\]"),
-    ("pack_streams without packing", lambda ctx: jaxppo.PPOConfig(pack_streams=2), ValueError,
-     r"PPOConfig.pack_streams=2 is invalid: .*None unless pack_sequences=True"),
+     r"LayoutConfig.pack_streams=9 is invalid: .*an int in \[1, micro_batch_size=8\]"),
+    ("pack_streams without packing", lambda ctx: jaxppo.Config.from_settings(pack_streams=2), ValueError,
+     r"LayoutConfig.pack_streams=2 is invalid: .*None unless pack_sequences=True"),
     # the vLLM engine (not installed in the main test environment; tests/test_vllm.py runs with it)
-    ("unknown rollout engine", lambda ctx: jaxppo.TrainerConfig(rollout_engine="sglang"), ValueError,
-     r"TrainerConfig.rollout_engine='sglang' is invalid; valid: 'jaxppo' .*, 'vllm'"),
+    ("unknown rollout engine", lambda ctx: jaxppo.Config.from_settings(rollout_engine="sglang"), ValueError,
+     r"SamplingConfig.rollout_engine='sglang' is invalid; valid: 'jaxppo' .*, 'vllm'"),
     ("vllm with an environment", lambda ctx: small_trainer(
-        ctx["tmp"], rollout_engine="vllm", environment=__import__("jaxppo.demo").demo.GuessTheDigit, reward_fn=None,
+        ctx["tmp"], rollout_engine="vllm", environment=__import__("jaxppo.demo").demo.GuessTheDigit, reward_fns=None,
         prompts=__import__("jaxppo.demo").demo.multiturn_prompts()), ValueError,
      r"rollout_engine='vllm' \(VLLMEngine\) cannot run multi-turn episodes .* does not declare multi_turn"),
     ("vllm not installed", lambda ctx: _without_vllm(lambda: small_trainer(ctx["tmp"], rollout_engine="vllm")),
      ImportError, r"rollout_engine='vllm' needs vLLM in this environment: pip install 'jaxppo\[vllm\]'"),
-    # how attention is computed (Model.attention, TrainerConfig.attention)
-    ("unknown attention", lambda ctx: jaxppo.TrainerConfig(attention="flash"), ValueError,
-     r"TrainerConfig.attention='flash' is invalid; valid: None \(each model as given\), 'einsum', 'xla', 'cudnn'"),
+    # how attention is computed (Model.attention, LayoutConfig.attention)
+    ("unknown attention", lambda ctx: jaxppo.Config.from_settings(attention="flash"), ValueError,
+     r"LayoutConfig.attention='flash' is invalid; valid: None \(each model as given\), 'einsum', 'xla', 'cudnn'"),
     ("cudnn attention in float32", lambda ctx: small_trainer(ctx["tmp"], attention="cudnn"), ValueError,
-     r"TrainerConfig.attention='cudnn' needs a bfloat16 or float16 compute dtype .* got dtype='float32'"),
+     r"LayoutConfig.attention='cudnn' needs a bfloat16 or float16 compute dtype .* got dtype='float32'"),
     ("cudnn attention with an odd head size", lambda ctx: jm.Model(jm.ModelConfig(
         model_type="llama", vocab_size=64, hidden_size=36, num_layers=1, num_heads=3, num_kv_heads=3,
         intermediate_size=64, max_position_embeddings=32), dtype="bfloat16", attention="cudnn"), ValueError,
      r"Model.attention='cudnn' needs a head size that is a multiple of 8 and at most 256 .* this model's is 12"),
     # inputs against what they must fit (issue 40, item 2)
-    ("stop token past the vocabulary", lambda ctx: small_trainer(ctx["tmp"], stop_token_id=10**6), ValueError,
-     r"TrainerConfig.stop_token_id=1000000 \(--stop-token-id\) is past the policy's vocabulary of \d+ tokens.*"
-     r"give an id in \[0, \d+\]"),
-    ("stop token ids past the vocabulary", lambda ctx: small_trainer(ctx["tmp"], stop_token_ids=[3, 10**6]),
-     ValueError, r"TrainerConfig.stop_token_ids=\[3, 1000000\] \(--stop-token-ids\) holds \[1000000\], past the "
+    ("stop token past the vocabulary", lambda ctx: small_trainer(ctx["tmp"], stop_tokens=(10**6,)), ValueError,
+     r"SamplingConfig.stop_tokens=\[1000000\] \(--stop-tokens\) holds \[1000000\], past the policy's vocabulary of "
+     r"\d+ tokens.*give ids in \[0, \d+\].*or 'eos'"),
+    ("stop token ids past the vocabulary", lambda ctx: small_trainer(ctx["tmp"], stop_tokens=["eos", 3, 10**6]),
+     ValueError, r"SamplingConfig.stop_tokens=\['eos', 3, 1000000\] \(--stop-tokens\) holds \[1000000\], past the "
      r"policy's vocabulary"),
-    ("trainer top_p 0", _tc(top_p=0.0), ValueError, r"TrainerConfig.top_p=0.0 is invalid: top_p must be a number in "
-     r"\(0, 1\] \(1.0: off\)"),
+    ("stop tokens neither ids nor eos", _tc(stop_tokens=("</s>",)), ValueError,
+     r"SamplingConfig.stop_tokens=\('</s>',\) is invalid: stop_tokens must be a list of token ids >= 0, and 'eos'"),
+    ("trainer top_p 0", _tc(top_p=0.0), ValueError, r"SamplingConfig.top_p=0.0 is invalid: top_p must be a real number "
+     r"in \(0, 1\] \(1.0: off\)"),
     ("trainer repetition_penalty 0", _tc(repetition_penalty=0), ValueError,
      r"repetition_penalty=0 is invalid: .*finite number > 0 \(1.0: off"),
     ("trainer empty stop string", _tc(stop_strings=["</answer>", ""]), ValueError,
-     r"stop_strings=\['</answer>', ''\] is invalid: .*non-empty strings"),
+     r"stop_strings=\('</answer>', ''\) is invalid: .*non-empty strings"),
     ("misspelt chat role", lambda ctx: small_trainer(ctx["tmp"], prompts=[[{"role": "usr", "content": "hi"}]]),
      ValueError, r"prompt 0 message 0 has role 'usr', which no chat template knows; a role is one of 'system', "),
-    ("reward model given as the policy", lambda ctx: _trainer_of(ctx, _reward_dir(ctx), reward_fn=demo.lowercase_reward),
+    ("reward model given as the policy", lambda ctx: _trainer_of(ctx, _reward_dir(ctx), reward_fns=demo.lowercase_reward),
      ValueError, r"policy= \(--model\) '.*reward': checkpoint does not fit .* unexpected weights: \['score.weight'\]\. "
                  r"It is a sequence-classification checkpoint \(GPT2ForSequenceClassification.*give it as "
                  r"reward_model= \(--reward-model\) or critic= \(--critic\)"),
@@ -514,10 +527,10 @@ CASES = [
     ("model directory without a tokenizer", lambda ctx: jm.load_tokenizer(str(ctx["model_dir"])), ValueError,
      r"policy holds no usable tokenizer: transformers built one of 1 token\(s\) .*every prompt would encode to nothing"),
     ("prompts file not UTF-8", lambda ctx: _write_bytes(ctx["tmp"] / "p.txt", b"fine\nbad \xff byte\n",
-                                                  lambda path: jaxppo.load_prompts(str(path))), ValueError,
+                                                  lambda path: jaxppo.rollout.load_prompts(str(path))), ValueError,
      r"p.txt line 2 is not UTF-8 text: byte 0xff at column 5"),
     # Watching a run (docs/watching.md)
-    ("report_to unknown tracker", lambda ctx: jaxppo.TrainerConfig(report_to="tensorboard,comet"), ValueError,
+    ("report_to unknown tracker", lambda ctx: jaxppo.Config.from_settings(report_to="tensorboard,comet"), ValueError,
      r"report_to='tensorboard,comet' names unknown trackers \['comet'\]; valid: jsonl, tensorboard, wandb, mlflow"),
     ("eval prompts empty", lambda ctx: small_trainer(ctx["tmp"], eval_prompts=[]), ValueError,
      r"eval_prompts: no prompts: the prompt list is empty"),
@@ -528,7 +541,7 @@ CASES = [
      ValueError, r"best_metric='eval/reward_mean' is chosen by an evaluation, and this run has none"),
     ("resume_from nothing there", lambda ctx: small_trainer(ctx["tmp"] / "run", resume_from=str(ctx["tmp"] / "x"))
      .train(), jaxppo.RunError, r"resume_from='.*x' is neither a run directory with a readable checkpoint"),
-    ("prompts path is a directory", lambda ctx: jaxppo.load_prompts(str(ctx["tmp"])), ValueError,
+    ("prompts path is a directory", lambda ctx: jaxppo.rollout.load_prompts(str(ctx["tmp"])), ValueError,
      r"prompts file '.*' is a directory; give a .txt, .jsonl or .json file"),
     ("trainer prompts path is a directory", lambda ctx: small_trainer(ctx["tmp"] / "run", prompts=str(ctx["tmp"])),
      ValueError, r"prompts file '.*' is a directory"),
@@ -538,11 +551,11 @@ CASES = [
     ("--reward module raising at import", _module_reward("raise RuntimeError('no GPU here')\n", "jaxppo_raises"),
      SystemExit, r"^jaxppo: --reward 'jaxppo_raises:f': importing module 'jaxppo_raises' failed: RuntimeError: "
                  r"no GPU here; fix the module"),
-    ("reward function of one parameter", lambda ctx: small_trainer(ctx["tmp"], reward_fn=lambda completions: [0.0]),
+    ("reward function of one parameter", lambda ctx: small_trainer(ctx["tmp"], reward_fns=lambda completions: [0.0]),
      ValueError, r"the reward function .*<lambda> cannot take the call it gets, f\(prompts, completions, "
                  r"\*\*columns\): <lambda>\(completions\): it takes 1 positional parameter"),
     ("token reward function of two parameters", lambda ctx: small_trainer(
-        ctx["tmp"], reward_fn=lambda ids, mask: ids.sum(axis=1), reward_fn_on="tokens"), ValueError,
+        ctx["tmp"], reward_fns=lambda ids, mask: ids.sum(axis=1), reward_fn_on="tokens"), ValueError,
      r"the token-level reward function .* cannot take the call it gets, fn\(prompt_ids, prompt_mask, response_ids, "
      r"response_mask\)"),
     ("eval reward function of no parameters", lambda ctx: small_trainer(
@@ -550,9 +563,9 @@ CASES = [
      r"the reward function .* cannot take the call it gets"),
     ("tokenizer ids past the vocabulary", _tokenizer_past_the_vocabulary, ValueError,
      r"the tokenizer has 384 tokens but produces ids up to 1000 .*past the policy's vocabulary of 512"),
-    ("query mask right-padded", lambda ctx: jaxppo.check_rollout(
+    ("query mask right-padded", lambda ctx: jaxppo.update.check_rollout(
         _rollout(query_mask=jnp.asarray(np.tile([1, 1, 0, 0], (16, 1)), jnp.int32)),
-        jaxppo.PPOConfig(batch_size=16, mini_batch_size=8)), ValueError,
+        jaxppo.Config.from_settings(batch_size=16, mini_batch_size=8)), ValueError,
      r"rollout.query_mask row 0 is \[1, 1, 0, 0\]; each row must be non-decreasing \(left padding"),
 ]
 
@@ -599,5 +612,5 @@ def test_the_table_has_at_least_thirty_kinds_of_bad_input():
 def test_check_rollout_accepts_a_valid_rollout():
     q = np.tile([0, 0, 1, 1], (16, 1))
     r = np.tile([1, 1, 1, 0, 0, 0], (16, 1))
-    jaxppo.check_rollout(_rollout(query_mask=jnp.asarray(q), response_mask=jnp.asarray(r, jnp.float32)),
-                         jaxppo.PPOConfig(batch_size=16, mini_batch_size=8))
+    jaxppo.update.check_rollout(_rollout(query_mask=jnp.asarray(q), response_mask=jnp.asarray(r, jnp.float32)),
+                         jaxppo.Config.from_settings(batch_size=16, mini_batch_size=8))

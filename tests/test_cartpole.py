@@ -15,7 +15,7 @@ import numpy as np
 import optax
 
 import jaxppo
-from jaxppo.update.engine import minibatch_indices
+from jaxppo.update.minibatches import minibatch_indices
 
 EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "cartpole.py"
 
@@ -34,7 +34,7 @@ def test_one_update_phase_equals_a_python_loop_over_the_same_minibatches():
     the same parameters and losses."""
     cp = _example()
     config = cp.Config(num_envs=4, num_steps=16)
-    engine = config.engine
+    engine = config.batch
     network = cp.ActorCritic(2)
     loss_fn = cp.make_loss(network, config)
     rng = np.random.default_rng(0)
@@ -50,7 +50,7 @@ def test_one_update_phase_equals_a_python_loop_over_the_same_minibatches():
     state = jaxppo.TrainState.create(apply_fn=network.apply, params=params, tx=tx)
     key = jax.random.key(2)
 
-    new_state, metrics = jaxppo.update_epochs(state, batch, key, loss_fn, engine)
+    new_state, metrics = jaxppo.update.update_epochs(state, batch, key, loss_fn, engine)
 
     params, opt_state, losses = params, tx.init(params), []
     for epoch in np.asarray(minibatch_indices(key, engine)):
@@ -78,7 +78,7 @@ if cartpole.DEFAULT_CORES:
 config = cartpole.Config(total_timesteps=4 * 4 * 128)
 state, returns = jax.jit(jax.vmap(cartpole.make_train(config)))(jax.random.split(jax.random.key(0), 2))
 print(json.dumps({{"steps": np.asarray(state.step).tolist(), "updates": config.num_updates,
-                  "per_update": config.engine.updates_per_step, "returns": np.asarray(returns).tolist()}}))
+                  "per_update": config.batch.updates_per_step, "returns": np.asarray(returns).tolist()}}))
 """
 
 

@@ -23,10 +23,10 @@ def tokenizer(template=TEMPLATE):
 
 
 def trainer_for(tmp_path, tok, prompts, **kwargs):
-    ppo = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=8, mini_batch_size=8, ppo_epochs=1, num_generations=2)
-    tc = jaxppo.TrainerConfig(iterations=1, query_length=48, response_length=4, output_dir=str(tmp_path),
-                              progress=False, sample_every=0, export_final=False, plot=False, tensorboard=False)
-    return jaxppo.PPOTrainer(ppo, tc, policy=demo.demo_policy(tok, width=32, layers=1, max_len=52), tokenizer=tok,
+    ppo = jaxppo.Config.for_algorithm("grpo", batch_size=8, mini_batch_size=8, ppo_epochs=1, num_generations=2)
+    tc = dict(iterations=1, query_length=48, response_length=4, output_dir=str(tmp_path),
+              progress=False, sample_every=0, export_final=False, plot=False, report_to="jsonl")
+    return jaxppo.Trainer(ppo.replace(**tc), policy=demo.demo_policy(tok, width=32, layers=1, max_len=52), tokenizer=tok,
                              prompts=prompts, **kwargs)
 
 
@@ -41,7 +41,7 @@ def test_messages_are_rendered_with_the_template_and_reach_reward_functions(tmp_
 
     tok = tokenizer()
     trainer = trainer_for(tmp_path / "run", tok, str(path), reward_fns=[reward])
-    for messages, ids, mask in zip(CHATS, trainer.prompt_ids, trainer.prompt_mask):
+    for messages, ids, mask in zip(CHATS, trainer.parts.table.ids, trainer.parts.table.mask):
         text = tok.decode(ids[mask.astype(bool)].tolist())
         assert text == f"<system>Be brief.\n<user>{messages[1]['content']}\n<assistant>"  # no EOS appended
     trainer.step()
@@ -55,7 +55,7 @@ def test_chat_errors_are_clear(tmp_path):
     with pytest.raises(ValueError, match="chat template is turned off"):
         render_prompts(tokenizer(), CHATS, chat_template=False)
     with pytest.raises(ValueError, match="has no chat template"):
-        trainer_for(tmp_path, demo.demo_tokenizer(), CHATS, reward_fn=demo.lowercase_reward)
+        trainer_for(tmp_path, demo.demo_tokenizer(), CHATS, reward_fns=demo.lowercase_reward)
     with pytest.raises(TypeError, match="mix chat messages and other values: prompt 0 .* prompt 1 is a str"):
         load_prompt_table([CHATS[0], "plain"])
     with pytest.raises(ValueError, match="prompt 0 message 1 is .*a chat message is a dict with a string"):
@@ -76,9 +76,9 @@ def test_dataset_messages_column_and_cli_flag():
     assert chat and texts[0].endswith("<user>Say yes.\n<assistant>")
     from jaxppo.cli import resolve
 
-    assert resolve(["--no-chat-template"])[2]["chat_template"] is False
-    assert resolve([])[2]["chat_template"] is None
-    np.testing.assert_equal(resolve(["--chat-template"])[2]["chat_template"], True)
+    assert resolve(["--no-chat-template"])[0].data.chat_template is False
+    assert resolve([])[0].data.chat_template is None
+    np.testing.assert_equal(resolve(["--chat-template"])[0].data.chat_template, True)
 
 
 def test_prompt_files_are_known_by_their_extension_in_any_case(tmp_path):

@@ -111,7 +111,7 @@ def test_exported_policies_and_adapters_carry_checksums_checked_on_load(tmp_path
     from jaxppo.models import LoraConfig, from_pretrained
     from jaxppo.models.adapters import add_lora
     from jaxppo.models.peft import load_peft_adapter
-    from jaxppo.run.export import export_adapter, export_policy
+    from jaxppo.run.outputs import export_adapter, export_policy
 
     tokenizer = demo.demo_tokenizer()
     model, params = demo.demo_policy(tokenizer, width=32, layers=1)

@@ -14,8 +14,8 @@ import jaxppo
 import jaxppo.models as jm
 from jaxppo import demo
 from jaxppo.rollout.engines import sample_responses
-from jaxppo.rollout.sampling import RolloutSpec
-from jaxppo.rollout.scoring import finish_rollout
+from jaxppo.rollout.spec import RolloutSpec
+from jaxppo.rollout.forward import finish_rollout
 from jaxppo.update.kl import fixed_kl_controller
 from jaxppo.update.prefix import common_prefix_length, prefix_layout, prefix_query, to_region
 from jaxppo.update.stats import RunningMoments
@@ -142,18 +142,18 @@ def test_scoring_pass_in_the_common_prefix_layout_equals_the_usual_one(scored):
 def test_train_step_in_the_common_prefix_layout_equals_the_usual_one(scored):
     """The same updates (same key: the same mini-batches), the query run once per micro-batch."""
     out, params, apply_fn, _ = scored
-    config = jaxppo.PPOConfig(batch_size=8, mini_batch_size=4, ppo_epochs=2, gradient_accumulation_steps=2)
+    config = jaxppo.Config.from_settings(batch_size=8, mini_batch_size=4, ppo_epochs=2, gradient_accumulation_steps=2)
     results = []
     for prefix, flag in ((P, True), (0, False)):
         rollout, _ = out[prefix]
-        jaxppo.check_rollout(rollout, config.replace(common_prefix=flag))
+        jaxppo.update.check_rollout(rollout, config.replace(common_prefix=flag))
         state = jaxppo.TrainState.create(apply_fn=apply_fn, params=params, tx=optax.sgd(0.5))
         results.append(jaxppo.train_step(state, rollout, jax.random.key(9), config.replace(common_prefix=flag)))
     (moved, m_moved), (usual, m_usual) = results
     shift = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(usual.params), jax.tree.leaves(params)))
     assert shift > 1e-2
     chex.assert_trees_all_close(moved.params, usual.params, rtol=5e-4, atol=5e-5)
-    assert int(moved.step) == int(usual.step) == config.updates_per_step == 4
+    assert int(moved.step) == int(usual.step) == config.batch.updates_per_step == 4
     for key in ("per_minibatch/loss/total", "per_minibatch/policy/approxkl", "per_minibatch/loss/value"):
         np.testing.assert_allclose(m_moved[key], m_usual[key], rtol=5e-4, atol=1e-5, err_msg=key)
 
@@ -164,7 +164,7 @@ def test_seq_mean_token_sum_norm_divides_by_the_response_length_in_either_layout
     refuses the layout without `loss_norm_length`; given the response length it trains as
     the usual layout does; the trainer sets it by itself."""
     out, params, apply_fn, _ = scored
-    config = jaxppo.PPOConfig(batch_size=8, mini_batch_size=4, ppo_epochs=1, loss_aggregation="seq_mean_token_sum_norm")
+    config = jaxppo.Config.from_settings(batch_size=8, mini_batch_size=4, ppo_epochs=1, loss_aggregation="seq_mean_token_sum_norm")
     state = jaxppo.TrainState.create(apply_fn=apply_fn, params=params, tx=optax.sgd(0.5))
     with pytest.raises(ValueError, match=r"loss_norm_length=None is invalid: .*the response length .*common_prefix=True"):
         jaxppo.train_step(state, out[P][0], jax.random.key(9), config.replace(common_prefix=True))
@@ -179,7 +179,7 @@ def test_seq_mean_token_sum_norm_divides_by_the_response_length_in_either_layout
     trainer = small_trainer(tmp_path, iterations=1, prompts=[PREFIX_TEXT + p for p in demo.DEMO_PROMPTS],
                             max_len=64, query_length=48, export_final=False,
                             ppo=config.replace(batch_size=16, mini_batch_size=8, common_prefix=True))
-    assert trainer.config.loss_norm_length == trainer.tc.response_length == 6
+    assert trainer.config.loss.loss_norm_length == trainer.config.sampling.response_length == 6
 
 
 def test_the_query_runs_once_per_micro_batch_in_the_compiled_loss():
@@ -236,11 +236,11 @@ def test_the_lm_head_window_equals_the_whole_region_where_it_is_read():
 def test_check_rollout_refuses_rows_with_another_query(scored):
     out, _, _, _ = scored
     rollout, _ = out[P]
-    config = jaxppo.PPOConfig(batch_size=8, mini_batch_size=4, ppo_epochs=1, common_prefix=True)
-    jaxppo.check_rollout(rollout, config)
+    config = jaxppo.Config.from_settings(batch_size=8, mini_batch_size=4, ppo_epochs=1, common_prefix=True)
+    jaxppo.update.check_rollout(rollout, config)
     changed = rollout.replace(query_tokens=rollout.query_tokens.at[5, 0].add(1))
-    with pytest.raises(ValueError, match=r"row 5 has another query than row 0: with PPOConfig.common_prefix=True"):
-        jaxppo.check_rollout(changed, config)
+    with pytest.raises(ValueError, match=r"row 5 has another query than row 0: with LayoutConfig.common_prefix=True"):
+        jaxppo.update.check_rollout(changed, config)
     with pytest.raises(ValueError, match="common_prefix=True is invalid.*pack_sequences"):
         config.replace(pack_sequences=True)
 
@@ -259,18 +259,18 @@ def test_trainer_with_common_prefix_trains_as_the_usual_layout(tmp_path, capsys)
         trainer = small_trainer(tmp_path / str(flag), iterations=1, prompts=prompts, checkpoint_every=0, max_len=64,
                                 query_length=48,
                                 export_final=False,
-                                ppo=jaxppo.PPOConfig(batch_size=16, mini_batch_size=8, ppo_epochs=2, kl_coef=0.1,
+                                ppo=jaxppo.Config.from_settings(batch_size=16, mini_batch_size=8, ppo_epochs=2, kl_coef=0.1,
                                                      common_prefix=flag))
         history = trainer.train()
         runs.append((trainer, history[-1]))
     (moved, m_moved), (usual, m_usual), (auto, m_auto) = runs
-    headline = f"the prompts' common prefix ({moved.spec.common_prefix} tokens) runs once"
+    headline = f"the prompts' common prefix ({moved.parts.spec.common_prefix} tokens) runs once"
     assert capsys.readouterr().out.count(headline) == 2  # the True and the default run say so
-    assert moved.spec.common_prefix >= len(PREFIX_TEXT) and usual.spec.common_prefix == 0
+    assert moved.parts.spec.common_prefix >= len(PREFIX_TEXT) and usual.parts.spec.common_prefix == 0
     # the LM head at each row's last response_length region positions only
     assert moved.policy_model.head_window == 6 and usual.policy_model.head_window is None
-    assert auto.spec.common_prefix == moved.spec.common_prefix and auto.config.common_prefix is True
-    assert moved.config.common_prefix is True and usual.config.common_prefix is False
+    assert auto.parts.spec.common_prefix == moved.parts.spec.common_prefix and auto.config.layout.common_prefix is True
+    assert moved.config.layout.common_prefix is True and usual.config.layout.common_prefix is False
     timing = lambda m: {k: v for k, v in m.items() if not k.startswith("time/") and k != "eps"}  # noqa: E731
     assert timing(m_auto) == timing(m_moved)
     chex.assert_trees_all_equal(auto.state.params, moved.state.params)
@@ -299,7 +299,7 @@ def test_a_resumed_run_in_the_common_prefix_layout_gives_the_uninterrupted_one(t
     resumed_trainer = make(tmp_path / "stopped", 3)
     resumed = resumed_trainer.train()
     assert starts == [0, 0, 2]  # the third run restored iteration 2's checkpoint, not trained from the start
-    assert resumed_trainer.spec.common_prefix == straight_trainer.spec.common_prefix >= len(PREFIX_TEXT)
+    assert resumed_trainer.parts.spec.common_prefix == straight_trainer.parts.spec.common_prefix >= len(PREFIX_TEXT)
     assert resumed_trainer.policy_model.head_window == straight_trainer.policy_model.head_window == 6
     drop = lambda r: {k: v for k, v in r.items() if not k.startswith("time/") and k != "eps"}  # noqa: E731
     assert len(resumed) == len(straight) == 3
@@ -310,7 +310,7 @@ def test_a_resumed_run_in_the_common_prefix_layout_gives_the_uninterrupted_one(t
 def test_common_prefix_refuses_prompts_without_one(tmp_path):
     with pytest.raises(ValueError, match="common_prefix=True, but the .* prompts share no leading token"):
         small_trainer(tmp_path, iterations=1, prompts=["abc", "xyz"],
-                      ppo=jaxppo.PPOConfig(batch_size=16, mini_batch_size=8, common_prefix=True))
+                      ppo=jaxppo.Config.from_settings(batch_size=16, mini_batch_size=8, common_prefix=True))
 
 
 def test_a_token_reward_function_reads_the_usual_layout():
@@ -354,22 +354,21 @@ def test_the_default_turns_the_common_prefix_on_where_it_pays():
             ids[i, width - len(row):], mask[i, width - len(row):] = row, 1
         return SimpleNamespace(ids=ids, mask=mask, width=width, streamed=streamed)
 
-    ppo = jaxppo.PPOConfig(batch_size=16, mini_batch_size=8)
-    tc = jaxppo.TrainerConfig(query_length=40, response_length=24)
+    ppo = jaxppo.Config.from_settings(batch_size=16, mini_batch_size=8, query_length=40, response_length=24)
     assert AUTO_COMMON_PREFIX_MIN_TOKENS == 16 and AUTO_COMMON_PREFIX_MIN_SHARE == 1 / 8
-    assert auto_common_prefix(ppo, tc, table(30), None, None) == 30
-    assert auto_common_prefix(ppo, tc, table(16), None, None) == 16
-    assert auto_common_prefix(ppo, tc, table(15), None, None) == 0  # too few tokens
-    long_rows = jaxppo.TrainerConfig(query_length=40, response_length=100)  # 16 < (40 + 100) / 8
-    assert auto_common_prefix(ppo, long_rows, table(16), None, None) == 0
-    assert auto_common_prefix(ppo, long_rows, table(18), None, None) == 18  # 18 >= 140 / 8
-    assert auto_common_prefix(ppo, tc, table(30, streamed=True), None, None) == 0
-    assert auto_common_prefix(ppo, tc, table(30), object(), None) == 0  # an environment
-    assert auto_common_prefix(ppo, tc, table(30), None, object()) == 0  # a mesh
-    grpo = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=16, mini_batch_size=8, num_generations=4)
-    assert auto_common_prefix(grpo, tc, table(30), None, None) == 0  # groups share their whole prompt instead
-    packed = jaxppo.PPOConfig(batch_size=16, mini_batch_size=8, pack_sequences=True)
-    assert auto_common_prefix(packed, tc, table(30), None, None) == 0
+    assert auto_common_prefix(ppo, table(30), None) == 30
+    assert auto_common_prefix(ppo, table(16), None) == 16
+    assert auto_common_prefix(ppo, table(15), None) == 0  # too few tokens
+    long_rows = ppo.replace(response_length=100)  # 16 < (40 + 100) / 8
+    assert auto_common_prefix(long_rows, table(16), None) == 0
+    assert auto_common_prefix(long_rows, table(18), None) == 18  # 18 >= 140 / 8
+    assert auto_common_prefix(ppo, table(30, streamed=True), None) == 0
+    assert auto_common_prefix(ppo, table(30), object()) == 0  # an environment
+    assert auto_common_prefix(ppo.replace(mesh=object()), table(30), None) == 0  # a mesh
+    grpo = ppo.replace(advantages=jaxppo.AdvantageConfig(advantage_estimator="grpo", num_generations=4))
+    assert auto_common_prefix(grpo, table(30), None) == 0  # groups share their whole prompt instead
+    packed = ppo.replace(pack_sequences=True)
+    assert auto_common_prefix(packed, table(30), None) == 0
 
 
 def test_the_sampler_prefills_the_common_prefix_once():

@@ -95,7 +95,7 @@ def test_the_trainer_samples_with_the_engine(tmp_path):
 
     static, _ = run_small(tmp_path / "static")
     engine, trainer = run_small(tmp_path / "engine", num_slots=5)
-    assert trainer.spec.num_slots == 5
+    assert trainer.parts.spec.num_slots == 5
     for a, b in zip(static, engine):
         assert a["objective/scores"] == b["objective/scores"]
         assert a["loss/total_avg"] == pytest.approx(b["loss/total_avg"], rel=1e-4, abs=1e-6)

@@ -11,8 +11,8 @@ import pytest
 
 import jaxppo
 from jaxppo import demo
-from jaxppo.rollout.sampling import RolloutSpec
-from jaxppo.run import stages
+from jaxppo.rollout.spec import RolloutSpec
+from jaxppo.run import iteration
 from jaxppo.testing.toy import make_toy
 from jaxppo.update import correction
 
@@ -93,7 +93,7 @@ def _rollout(toy, sampler_shift):
     mask = jnp.asarray(np.arange(R)[None] < rng.integers(1, R + 1, size=(b, 1)), jnp.int32)
     batch = dict(query_tokens=jnp.asarray(rng.integers(0, V, (b, Q)), jnp.int32), query_mask=jnp.ones((b, Q), jnp.int32),
                  response_tokens=jnp.asarray(rng.integers(0, V, (b, R)), jnp.int32), response_mask=mask)
-    logprobs = jaxppo.response_outputs(apply_fn, params, batch, 1.0)[0]
+    logprobs = jaxppo.update.response_outputs(apply_fn, params, batch, 1.0)[0]
     shift = jnp.asarray(rng.normal(scale=sampler_shift, size=(b, R)), jnp.float32)
     scores = jnp.asarray(rng.normal(size=b), jnp.float32)
     return jaxppo.RolloutBatch(**batch, logprobs=logprobs, values=None, rewards=jnp.zeros((b, R)),
@@ -106,7 +106,7 @@ def test_train_step_weights_the_policy_loss(toy, mode):
     by hand (the same loss with `weights`), and differs from no correction."""
     apply_fn, params = toy
     rollout = _rollout(toy, 0.3)
-    config = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=8, mini_batch_size=8, ppo_epochs=1, num_generations=4,
+    config = jaxppo.Config.for_algorithm("grpo", batch_size=8, mini_batch_size=8, ppo_epochs=1, num_generations=4,
                                             kl_loss_coef=0.0, rollout_correction=mode, rollout_correction_cap=1.5)
     tx = optax.sgd(0.5)
     state = jaxppo.TrainState.create(apply_fn=apply_fn, params=params, tx=tx)
@@ -115,12 +115,12 @@ def test_train_step_weights_the_policy_loss(toy, mode):
     # By hand: the loss with the numpy weights, one full-batch SGD step.
     w = jnp.asarray(numpy_weights(np.asarray(rollout.logprobs), np.asarray(rollout.sampler_logprobs),
                                   np.asarray(rollout.response_mask), mode, 1.5), jnp.float32)
-    adv, _ = jaxppo.compute_advantages(rollout, config)
+    adv, _ = jaxppo.update.compute_advantages(rollout, config)
 
     def loss(p):
         batch = dict(query_tokens=rollout.query_tokens, query_mask=rollout.query_mask,
                      response_tokens=rollout.response_tokens, response_mask=rollout.response_mask)
-        lp = jaxppo.response_outputs(apply_fn, p, batch, 1.0)[0]
+        lp = jaxppo.update.response_outputs(apply_fn, p, batch, 1.0)[0]
         return jaxppo.update.losses.clipped_policy_loss(lp - rollout.logprobs, adv, rollout.response_mask, 0.2, 0.2,
                                                aggregation="seq_mean_token_mean", max_length=R, weights=w)[0]
 
@@ -136,23 +136,23 @@ def test_built_in_float32_sampler_matches_the_trainer_within_rounding(tmp_path):
     sampler's log-probs equal the scoring pass's within rounding, so the ratios are 1 within
     a few ulps; a sampler at another temperature than the scoring shows a clear mismatch."""
     tokenizer = demo.demo_tokenizer()
-    config = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=8, mini_batch_size=8, ppo_epochs=1, num_generations=4)
+    config = jaxppo.Config.for_algorithm("grpo", batch_size=8, mini_batch_size=8, ppo_epochs=1, num_generations=4)
     # The scoring pass recomputes the log-probs here (the default takes the sampler's own).
-    tc = jaxppo.TrainerConfig(iterations=1, query_length=32, response_length=6, output_dir=str(tmp_path),
-                              progress=False, sample_every=0, export_final=False, plot=False, tensorboard=False,
-                              old_logprobs="recompute")
-    trainer = jaxppo.Trainer(config, tc, policy=demo.demo_policy(tokenizer, width=32, layers=1, max_len=38),
-                             tokenizer=tokenizer, prompts=demo.DEMO_PROMPTS, reward_fn=demo.lowercase_reward)
+    tc = dict(iterations=1, query_length=32, response_length=6, output_dir=str(tmp_path),
+              progress=False, sample_every=0, export_final=False, plot=False, report_to="jsonl",
+              old_logprobs="recompute")
+    trainer = jaxppo.Trainer(config.replace(**tc), policy=demo.demo_policy(tokenizer, width=32, layers=1, max_len=38),
+                             tokenizer=tokenizer, prompts=demo.DEMO_PROMPTS, reward_fns=demo.lowercase_reward)
     row = trainer.step()
     assert row["sampling/sampling_logp_difference/max"] < 1e-5
     assert 1 - 1e-5 < row["sampling/importance_sampling_ratio/min"] <= row["sampling/importance_sampling_ratio/max"] < 1 + 1e-5
     # A perturbed sampler: sampling at temperature 1.5, scoring at 1.0.
     run = trainer.run
-    batch = stages.select_prompts(trainer.table, run.key, 0, config)
-    hot = RolloutSpec(**{**trainer.spec.__dict__, "temperature": 1.5})
-    gen = stages.sample(hot, run.train.params, batch, jax.random.key(9))
-    built = stages.build_rollout(trainer.spec, run.train.params, trainer.ref_params, None, batch, gen,
-                                 stages.score(trainer.host_rewards, tokenizer, trainer.table, batch, gen, 0), run)
+    batch = iteration.select_prompts(trainer.parts.table, run.key, 0, config)
+    hot = RolloutSpec(**{**trainer.parts.spec.__dict__, "temperature": 1.5})
+    gen = iteration.sample(hot, run.train.params, batch, jax.random.key(9))
+    built = iteration.build(trainer.parts.spec, run.train.params, trainer.parts.ref_params, None, batch, gen,
+                                 iteration.reward(trainer.parts.host_rewards, tokenizer, trainer.parts.table, batch, gen, 0), run)
     r = built.rollout
     _, metrics = jaxppo.train_step(run.train, r, jax.random.key(1), config)
     assert float(metrics["sampling/sampling_logp_difference/mean"]) > 0.05

@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import jaxppo
-from jaxppo import PPOConfig, RolloutBatch, TrainState, train_step
+from jaxppo import Config, RolloutBatch, TrainState, train_step
 from jaxppo.algorithms import ALGORITHMS
 from jaxppo.testing.toy import make_toy
 
@@ -47,17 +47,17 @@ def make_rollout(model, b, seed=0, with_ref=True):
     apply_fn, params = model
     batch = {"query_tokens": rollout.query_tokens, "query_mask": rollout.query_mask,
              "response_tokens": rollout.response_tokens, "response_mask": rollout.response_mask}
-    logprobs, _, _ = jaxppo.response_outputs(apply_fn, params, batch, 1.0)
+    logprobs, _, _ = jaxppo.update.response_outputs(apply_fn, params, batch, 1.0)
     ref = logprobs + 0.1 * jnp.asarray(rng.normal(size=(b, R)), jnp.float32) if with_ref else None
     return rollout.replace(logprobs=logprobs, ref_logprobs=ref)
 
 
 def config_for(name, **changes):
     sizes = dict(batch_size=16, mini_batch_size=8, ppo_epochs=2)
-    base = PPOConfig.for_algorithm(name, **sizes)
-    if base.num_generations > 4 or base.advantage_estimator in ("grpo", "rloo"):
+    base = Config.for_algorithm(name, **sizes)
+    if base.advantages.num_generations > 4 or base.advantages.advantage_estimator in ("grpo", "rloo"):
         sizes["num_generations"] = 4
-    return PPOConfig.for_algorithm(name, **{**sizes, **changes})
+    return Config.for_algorithm(name, **{**sizes, **changes})
 
 
 # ---------------------------------------------------------------- references, tests only
@@ -66,9 +66,9 @@ def config_for(name, **changes):
 def ref_advantages(rollout, config):
     rewards = np.asarray(rollout.rewards, np.float64)
     mask = np.asarray(rollout.response_mask, np.float64)
-    b, g = rewards.shape[0], config.num_generations
+    b, g = rewards.shape[0], config.advantages.num_generations
     scores = [sum(rewards[i, t] for t in range(R) if mask[i, t]) for i in range(b)]
-    est = config.advantage_estimator
+    est = config.advantages.advantage_estimator
     adv = np.zeros((b, R))
     if est in ("grpo", "rloo"):
         batch_mean = sum(scores) / b
@@ -80,10 +80,10 @@ def ref_advantages(rollout, config):
             for i in range(g):
                 if est == "rloo":
                     a = group[i] - (sum(group) - group[i]) / (g - 1)
-                elif config.grpo_scale == "group":
-                    a = (group[i] - mean) / (std + config.grpo_eps)
-                elif config.grpo_scale == "batch":
-                    a = (group[i] - mean) / (batch_std + config.grpo_eps)
+                elif config.advantages.grpo_scale == "group":
+                    a = (group[i] - mean) / (std + config.advantages.grpo_eps)
+                elif config.advantages.grpo_scale == "batch":
+                    a = (group[i] - mean) / (batch_std + config.advantages.grpo_eps)
                 else:
                     a = group[i] - mean
                 adv[start + i] = a * mask[start + i]
@@ -97,7 +97,7 @@ def ref_advantages(rollout, config):
     for i in range(b):
         ret = 0.0
         for t in reversed(range(int(mask[i].sum()))):
-            ret = rewards[i, t] + config.gamma * ret
+            ret = rewards[i, t] + config.advantages.gamma * ret
             adv[i, t] = ret
     real = adv[mask > 0]
     return (adv - real.mean()) / np.sqrt(real.var(ddof=1) + 1e-8) * mask
@@ -112,32 +112,32 @@ def ref_loss(params, apply_fn, mb, config):
     rows = m.shape[0]
     lengths = [jnp.sum(m[i]) for i in range(rows)]
     diff = logp - mb["lp"]
-    if config.importance_ratio == "sequence":
+    if config.loss.importance_ratio == "sequence":
         diff = jnp.stack([jnp.full((R,), jnp.sum(diff[i] * m[i]) / lengths[i]) for i in range(rows)])
-    elif config.importance_ratio == "sequence_sum":  # TRL RLOOTrainer: the whole completion as one action
+    elif config.loss.importance_ratio == "sequence_sum":  # TRL RLOOTrainer: the whole completion as one action
         diff = jnp.stack([jnp.full((R,), jnp.sum(diff[i] * m[i])) for i in range(rows)])
     ratio = jnp.exp(diff)
-    lo, hi = config.clip_low, config.clip_high
+    lo, hi = config.objective.clip_low, config.objective.clip_high
     per_token = jnp.maximum(-mb["adv"] * ratio, -mb["adv"] * jnp.clip(ratio, 1 - lo, 1 + hi))
-    if config.dual_clip is not None:
-        per_token = jnp.where(mb["adv"] < 0, jnp.minimum(per_token, -mb["adv"] * config.dual_clip), per_token)
+    if config.loss.dual_clip is not None:
+        per_token = jnp.where(mb["adv"] < 0, jnp.minimum(per_token, -mb["adv"] * config.loss.dual_clip), per_token)
 
     def aggregate(x):
-        if config.loss_aggregation == "token_mean":
+        if config.loss.loss_aggregation == "token_mean":
             return jnp.sum(x * m) / jnp.sum(m)
-        if config.loss_aggregation == "seq_mean_token_mean":
+        if config.loss.loss_aggregation == "seq_mean_token_mean":
             return sum(jnp.sum(x[i] * m[i]) / lengths[i] for i in range(rows)) / rows
-        if config.loss_aggregation == "token_sum_batch_norm":  # TRL's dapo: the whole batch's tokens per mini-batch
-            return jnp.sum(x * m) / (mb["batch_tokens"][0] / config.num_minibatches)
-        return sum(jnp.sum(x[i] * m[i]) / (config.loss_norm_length or R) for i in range(rows)) / rows
+        if config.loss.loss_aggregation == "token_sum_batch_norm":  # TRL's dapo: the whole batch's tokens per mini-batch
+            return jnp.sum(x * m) / (mb["batch_tokens"][0] / config.batch.num_minibatches)
+        return sum(jnp.sum(x[i] * m[i]) / (config.loss.loss_norm_length or R) for i in range(rows)) / rows
 
     loss = aggregate(per_token)
-    if config.kl_loss_coef:
+    if config.kl.kl_loss_coef:
         d = mb["ref"] - logp
-        kl = {"k1": -d, "k2": 0.5 * d ** 2, "k3": jnp.exp(d) - d - 1}[config.kl_loss_estimator]
-        if config.kl_loss_bias_correction:  # TRL's use_bias_correction_kl
+        kl = {"k1": -d, "k2": 0.5 * d ** 2, "k3": jnp.exp(d) - d - 1}[config.kl.kl_loss_estimator]
+        if config.kl.kl_loss_bias_correction:  # TRL's use_bias_correction_kl
             kl = kl * ratio
-        loss = loss + config.kl_loss_coef * aggregate(kl)
+        loss = loss + config.kl.kl_loss_coef * aggregate(kl)
     return loss
 
 
@@ -146,19 +146,19 @@ def reference_train_step(model, rollout, key, config, tx):
     adv = jnp.asarray(ref_advantages(rollout, config), jnp.float32)
     data = dict(qt=rollout.query_tokens, qm=rollout.query_mask, rt=rollout.response_tokens, rm=rollout.response_mask,
                 lp=rollout.logprobs, adv=adv, ref=rollout.ref_logprobs,
-                batch_tokens=jnp.full((config.batch_size,), jnp.sum(rollout.response_mask)))
+                batch_tokens=jnp.full((config.batch.batch_size,), jnp.sum(rollout.response_mask)))
     opt_state = tx.init(params)
-    keys = jax.random.split(key, config.ppo_epochs)
+    keys = jax.random.split(key, config.batch.ppo_epochs)
     grad = jax.jit(jax.grad(lambda p, mb: ref_loss(p, apply_fn, mb, config)))
-    for e in range(config.ppo_epochs):
-        g = config.num_generations
-        if g > 1 and config.mini_batch_size % g == 0:  # whole groups, shuffled group by group
-            groups = np.asarray(jax.random.permutation(keys[e], config.batch_size // g))
+    for e in range(config.batch.ppo_epochs):
+        g = config.advantages.num_generations
+        if g > 1 and config.batch.mini_batch_size % g == 0:  # whole groups, shuffled group by group
+            groups = np.asarray(jax.random.permutation(keys[e], config.batch.batch_size // g))
             perm = np.concatenate([np.arange(j * g, (j + 1) * g) for j in groups])
         else:
-            perm = np.asarray(jax.random.permutation(keys[e], config.batch_size))
-        for i in range(config.num_minibatches):
-            rows = perm[i * config.mini_batch_size:(i + 1) * config.mini_batch_size]
+            perm = np.asarray(jax.random.permutation(keys[e], config.batch.batch_size))
+        for i in range(config.batch.num_minibatches):
+            rows = perm[i * config.batch.mini_batch_size:(i + 1) * config.batch.mini_batch_size]
             grads = grad(params, {k: v[rows] for k, v in data.items()})
             updates, opt_state = tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
@@ -175,8 +175,8 @@ BASELINE = dict(advantage_estimator="reinforce_pp_baseline", num_generations=4) 
                          ids=CRITIC_FREE + ["reinforce_pp_baseline"])
 def test_advantages_match_loops(model, name, changes):
     config = config_for(name, **changes)
-    rollout = make_rollout(model, config.batch_size)
-    adv, returns = jaxppo.compute_advantages(rollout, config)
+    rollout = make_rollout(model, config.batch.batch_size)
+    adv, returns = jaxppo.update.compute_advantages(rollout, config)
     assert returns is None  # no critic, no returns
     np.testing.assert_allclose(np.asarray(adv), ref_advantages(rollout, config), rtol=1e-5, atol=1e-5)
 
@@ -198,17 +198,17 @@ def test_train_step_equals_a_python_loop_of_updates(model, name, changes):
     """Every algorithm's whole train_step (advantages, loss, aggregation, clipping, KL term,
     permutations, updates) equals the reference loop."""
     config = config_for(name, **changes)
-    rollout = make_rollout(model, config.batch_size)
+    rollout = make_rollout(model, config.batch.batch_size)
     tx = optax.sgd(0.5)  # large steps: later mini-batches see ratios far from 1, so the clips act
     state = TrainState.create(apply_fn=model[0], params=model[1], tx=tx)
     key = jax.random.key(3)
     new, metrics = train_step(state, rollout, key, config)
     expected = reference_train_step(model, rollout, key, config, tx)
     chex.assert_trees_all_close(new.params, expected, rtol=2e-4, atol=2e-6)
-    assert int(new.step) == config.updates_per_step == int(metrics["ppo/updates_applied"])
+    assert int(new.step) == config.batch.updates_per_step == int(metrics["ppo/updates_applied"])
     assert "loss/value_avg" not in metrics and "ppo/val/mean" not in metrics  # no critic, no value metrics
     assert float(metrics["per_minibatch/val/ratio"][0, 0]) == pytest.approx(1.0, abs=1e-6)  # on-policy start
-    if config.kl_loss_coef:
+    if config.kl.kl_loss_coef:
         assert np.isfinite(float(metrics["kl"]))
 
 
@@ -218,7 +218,7 @@ def test_update_count_is_pinned_for_every_algorithm(model, name, accumulate):
     config = config_for(name, batch_size=16, mini_batch_size=8, ppo_epochs=3, gradient_accumulation_steps=accumulate)
     state = TrainState.create(apply_fn=model[0], params=model[1], tx=optax.adam(1e-3))
     state, metrics = train_step(state, make_rollout(model, 16), jax.random.key(1), config)
-    assert int(state.step) == config.ppo_epochs * config.batch_size // config.mini_batch_size == 6
+    assert int(state.step) == config.batch.ppo_epochs * config.batch.batch_size // config.batch.mini_batch_size == 6
     assert int(metrics["ppo/updates_applied"]) == 6 == int(metrics["ppo/updates_planned"])
     per_mb = {k: v for k, v in metrics.items() if k.startswith("per_minibatch/")}
     chex.assert_tree_shape_prefix(per_mb, (3, 2))
@@ -243,7 +243,7 @@ def test_each_epoch_walks_a_fresh_permutation():
     """TRL re-walks the same mini-batches in every num_iterations pass; here every epoch
     has its own permutation, and each covers every completion once."""
     config = config_for("grpo", batch_size=16, mini_batch_size=4, ppo_epochs=4)
-    idx = np.asarray(jaxppo.minibatch_indices(jax.random.key(0), config))
+    idx = np.asarray(jaxppo.update.minibatch_indices(jax.random.key(0), config))
     epochs = [tuple(e.ravel()) for e in idx]
     assert all(sorted(e) == list(range(16)) for e in epochs)
     assert len(set(epochs)) == 4
@@ -251,14 +251,14 @@ def test_each_epoch_walks_a_fresh_permutation():
 
 def test_kl_term_needs_reference_logprobs(model):
     config = config_for("grpo")
-    rollout = make_rollout(model, config.batch_size, with_ref=False)
+    rollout = make_rollout(model, config.batch.batch_size, with_ref=False)
     state = TrainState.create(apply_fn=model[0], params=model[1], tx=optax.adam(1e-3))
     with pytest.raises(ValueError, match="kl_loss_coef=0.04 needs the reference policy's log-probs"):
         train_step(state, rollout, jax.random.key(0), config)
 
 
 @pytest.mark.parametrize("changes,message", [
-    (dict(batch_size=12, mini_batch_size=4, num_generations=8), "batch_size=12 is not a multiple of PPOConfig.num_generations=8"),
+    (dict(batch_size=12, mini_batch_size=4, num_generations=8), "batch_size=12 is not a multiple of AdvantageConfig.num_generations=8"),
     (dict(advantage_estimator="grpo", num_generations=1), "num_generations=1 is invalid.*>= 2"),
     (dict(advantage_estimator="ppo"), "advantage_estimator='ppo' is invalid.*'gae'"),
     (dict(loss_aggregation="sum"), "loss_aggregation='sum' is invalid"),
@@ -268,14 +268,14 @@ def test_kl_term_needs_reference_logprobs(model):
     (dict(kl_loss_coef=-1.0), "kl_loss_coef=-1.0 is invalid"),
     # A sequence-level ratio weighs one advantage per completion; GAE's vary along it.
     (dict(importance_ratio="sequence"), "importance_ratio='sequence' is invalid.*'token' with "
-                                        "advantage_estimator='gae'.*grpo, rloo"),
+                                        "AdvantageConfig.advantage_estimator='gae'.*grpo, rloo"),
     (dict(advantage_estimator="reinforce_pp", importance_ratio="sequence_sum"), "importance_ratio='sequence_sum'"),
 ])
 def test_bad_algorithm_settings_are_refused(changes, message):
     with pytest.raises(ValueError, match=message):
-        PPOConfig(**changes)
+        Config.from_settings(**changes)
     with pytest.raises(ValueError, match="algorithm 'ppo2' is unknown; valid: ppo, grpo"):
-        PPOConfig.for_algorithm("ppo2")
+        Config.for_algorithm("ppo2")
 
 
 def test_an_estimator_registered_at_run_time(model):
@@ -290,18 +290,18 @@ def test_an_estimator_registered_at_run_time(model):
     estimator = AdvantageEstimator(name="score_minus_one", compute=compute, summary="score - 1")
     sizes = dict(batch_size=16, mini_batch_size=8, ppo_epochs=2, num_generations=4)
     with pytest.raises(ValueError, match=r"advantage_estimator='score_minus_one' is invalid.*'gae'"):
-        PPOConfig.for_algorithm("grpo", advantage_estimator="score_minus_one", **sizes)
+        Config.for_algorithm("grpo", advantage_estimator="score_minus_one", **sizes)
     try:
         register_estimator(estimator)
-        config = PPOConfig.for_algorithm("grpo", advantage_estimator="score_minus_one", **sizes)
+        config = Config.for_algorithm("grpo", advantage_estimator="score_minus_one", **sizes)
         rollout = make_rollout(model, 16)
-        adv, _ = jaxppo.compute_advantages(rollout, config)
+        adv, _ = jaxppo.update.compute_advantages(rollout, config)
         scores = np.asarray(rollout.rewards).sum(axis=1)
         np.testing.assert_allclose(np.asarray(adv), (scores - 1.0)[:, None] * np.asarray(rollout.response_mask),
                                    rtol=1e-6, atol=1e-6)
         state = TrainState.create(apply_fn=model[0], params=model[1], tx=optax.sgd(0.1))
         state, metrics = train_step(state, rollout, jax.random.key(0), config)
-        assert int(state.step) == config.updates_per_step == 4
+        assert int(state.step) == config.batch.updates_per_step == 4
         with pytest.raises(ValueError, match="'score_minus_one' is already registered; pass replace=True"):
             register_estimator(estimator)
         register_estimator(estimator, replace=True)
@@ -310,25 +310,25 @@ def test_an_estimator_registered_at_run_time(model):
     finally:
         ESTIMATORS.pop("score_minus_one", None)
     with pytest.raises(ValueError, match="advantage_estimator='score_minus_one' is invalid"):
-        PPOConfig.for_algorithm("grpo", advantage_estimator="score_minus_one", **sizes)
+        Config.for_algorithm("grpo", advantage_estimator="score_minus_one", **sizes)
 
 
 def test_train_step_on_an_update_config_with_your_own_advantages(model):
-    """`UpdateConfig`: the engine's and the loss's configs and an advantage function of your
-    own, no `PPOConfig` and no registered estimator: the same update as the reference loop
+    """`UpdateConfig`: the batch's config, the loss's view and an advantage function of your
+    own, no registered estimator: the same update as the reference loop
     on the same advantages (here the Python loop's GRPO advantages, handed in as
     constants)."""
     config = config_for("grpo")
-    rollout = make_rollout(model, config.batch_size)
+    rollout = make_rollout(model, config.batch.batch_size)
     advantages = jnp.asarray(ref_advantages(rollout, config), jnp.float32)
-    update = jaxppo.UpdateConfig(config.engine, config.loss, lambda r: (advantages, None, {}))
+    update = jaxppo.update.UpdateConfig(config.batch, config.objective, lambda r: (advantages, None, {}))
     tx = optax.sgd(0.5)
     state = TrainState.create(apply_fn=model[0], params=model[1], tx=tx)
     new, metrics = train_step(state, rollout, jax.random.key(3), update)
     chex.assert_trees_all_close(new.params, reference_train_step(model, rollout, jax.random.key(3), config, tx),
                                 rtol=2e-4, atol=2e-6)
-    assert int(new.step) == config.updates_per_step == int(metrics["ppo/updates_applied"])
-    with pytest.raises(TypeError, match="EngineConfig and a LossConfig"):
-        jaxppo.UpdateConfig(config, config.loss, lambda r: None)
+    assert int(new.step) == config.batch.updates_per_step == int(metrics["ppo/updates_applied"])
+    with pytest.raises(TypeError, match="a BatchConfig and an Objective"):
+        jaxppo.update.UpdateConfig(config, config.loss, lambda r: None)
     with pytest.raises(TypeError, match=r"must be a jaxppo.UpdateConfig or have one as .update .*got LossConfig"):
         train_step(state, rollout, jax.random.key(3), config.loss)

@@ -31,9 +31,9 @@ def distinct(prompts, completions):
 
 
 def run(tmp_path, reward_fn, iterations=3, **settings):
-    ppo = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=G * GROUPS, mini_batch_size=8, ppo_epochs=1,
+    ppo = jaxppo.Config.for_algorithm("grpo", batch_size=G * GROUPS, mini_batch_size=8, ppo_epochs=1,
                                          num_generations=G)
-    trainer = small_trainer(tmp_path, ppo=ppo, reward_fn=reward_fn, iterations=iterations, export_final=False,
+    trainer = small_trainer(tmp_path, ppo=ppo, reward_fns=reward_fn, iterations=iterations, export_final=False,
                             **settings)
     return trainer, trainer.train()
 
@@ -55,7 +55,7 @@ def test_the_batch_is_what_a_loop_over_the_stream_picks(tmp_path, rounds_cap):
         assert row["dynamic/masked_groups"] == fill and row["dynamic/prompts_consumed"] == position
         assert row["ppo/updates_applied"] == 2  # ppo_epochs * batch_size / mini_batch_size, always
     assert trainer.run.prompts_consumed == position
-    rows, gen = trainer.last_samples  # the last iteration's batch: live groups first, then the fill
+    rows, gen = trainer.last.samples  # the last iteration's batch: live groups first, then the fill
     expected = (live[:GROUPS] + dropped[:fill])
     np.testing.assert_array_equal(rows, np.repeat(expected, G))
     mask = np.asarray(gen.mask)
@@ -90,11 +90,11 @@ def test_resume_continues_the_stream(tmp_path):
 def test_informative_groups_and_bad_settings(tmp_path):
     scores = np.array([1, 1, 1, 1, 0, 1, 0, 0, 2, 2, np.nan, 2], np.float32)
     np.testing.assert_array_equal(informative_groups(scores, 4), [False, True, True])
-    ppo = jaxppo.PPOConfig(batch_size=16, mini_batch_size=8)
-    with pytest.raises(ValueError, match=r"dynamic_sampling=True needs groups: PPOConfig.num_generations=1"):
+    ppo = jaxppo.Config.from_settings(batch_size=16, mini_batch_size=8)
+    with pytest.raises(ValueError, match=r"dynamic_sampling=True needs groups: AdvantageConfig.num_generations=1"):
         small_trainer(tmp_path, ppo=ppo, dynamic_sampling=True)
-    with pytest.raises(ValueError, match=r"TrainerConfig.dynamic_sampling_rounds=0 is invalid"):
-        jaxppo.TrainerConfig(dynamic_sampling=True, dynamic_sampling_rounds=0)
+    with pytest.raises(ValueError, match=r"RewardConfig.dynamic_sampling_rounds=0 is invalid"):
+        jaxppo.Config.from_settings(dynamic_sampling=True, dynamic_sampling_rounds=0)
 
 
 def test_with_multiturn_episodes(tmp_path):
@@ -102,7 +102,7 @@ def test_with_multiturn_episodes(tmp_path):
     with their episodes' tokens, rewards and conversations."""
     trainer, history = run(tmp_path, None, iterations=2, dynamic_sampling=True, environment=demo.GuessTheDigit,
                            prompts=demo.multiturn_prompts(), response_length=16, turn_length=3, max_len=48)
-    rows, gen = trainer.last_samples
+    rows, gen = trainer.last.samples
     assert gen.attention_mask.shape == (G * GROUPS, 16) and len(rows) == G * GROUPS
     assert all(r["ppo/updates_applied"] == 2 and "env/turns_mean" in r for r in history)
     assert history[-1]["dynamic/prompts_consumed"] == trainer.run.prompts_consumed

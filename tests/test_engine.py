@@ -8,8 +8,9 @@ import numpy as np
 import optax
 import pytest
 
-from jaxppo import PPOConfig, TrainState, update_epochs, update_epochs_fn
-from jaxppo.update.engine import update_epochs_jit
+from jaxppo import BatchConfig, TrainState
+from jaxppo.update import update_epochs, update_epochs_fn
+from jaxppo.update.minibatches import update_epochs_jit
 
 D = 5
 
@@ -36,10 +37,10 @@ def _state(tx=None):
 
 
 CONFIGS = [
-    PPOConfig(batch_size=8, mini_batch_size=8, ppo_epochs=1),
-    PPOConfig(batch_size=16, mini_batch_size=4, ppo_epochs=3),
-    PPOConfig(batch_size=32, mini_batch_size=8, ppo_epochs=2, gradient_accumulation_steps=4),
-    PPOConfig(batch_size=12, mini_batch_size=6, ppo_epochs=4, gradient_accumulation_steps=3),
+    BatchConfig(batch_size=8, mini_batch_size=8, ppo_epochs=1),
+    BatchConfig(batch_size=16, mini_batch_size=4, ppo_epochs=3),
+    BatchConfig(batch_size=32, mini_batch_size=8, ppo_epochs=2, gradient_accumulation_steps=4),
+    BatchConfig(batch_size=12, mini_batch_size=6, ppo_epochs=4, gradient_accumulation_steps=3),
 ]
 
 
@@ -60,7 +61,7 @@ def test_update_count_is_epochs_times_minibatches(config):
 
 
 def test_each_row_once_per_epoch_and_epochs_differ():
-    config = PPOConfig(batch_size=24, mini_batch_size=6, ppo_epochs=5)
+    config = BatchConfig(batch_size=24, mini_batch_size=6, ppo_epochs=5)
     _, metrics = update_epochs(_state(), _batch(24), jax.random.key(7), regression_loss, config)
     ids = np.asarray(metrics["aux"]["ids"])
     assert ids.shape == (5, 4, 6)
@@ -74,7 +75,7 @@ def test_each_row_once_per_epoch_and_epochs_differ():
 
 
 def test_no_retrace_on_repeated_calls():
-    config = PPOConfig(batch_size=16, mini_batch_size=4, ppo_epochs=2)
+    config = BatchConfig(batch_size=16, mini_batch_size=4, ppo_epochs=2)
     traces = []
 
     def counting_loss(params, mb):
@@ -102,7 +103,7 @@ def test_no_retrace_on_repeated_calls():
 
 
 def update_epochs_fn_for_test(state, batch, key, config):
-    from jaxppo import update_epochs_fn
+    from jaxppo.update import update_epochs_fn
 
     return update_epochs_fn(state, batch, key, regression_loss, config)
 
@@ -138,7 +139,7 @@ def test_scan_engine_equals_python_loop(config):
 def test_accumulation_equals_one_step_on_whole_minibatch():
     batch = _batch(32, seed=4)
     key = jax.random.key(5)
-    whole = PPOConfig(batch_size=32, mini_batch_size=16, ppo_epochs=2)
+    whole = BatchConfig(batch_size=32, mini_batch_size=16, ppo_epochs=2)
     results = []
     for k in (1, 2, 4, 16):
         state, metrics = update_epochs(_state(), batch, key, regression_loss, whole.replace(gradient_accumulation_steps=k))
@@ -168,7 +169,7 @@ def test_weighted_accumulation_equals_masked_mean_of_whole_minibatch():
         return jnp.sum(mb["mask"])
 
     tx = optax.sgd(0.1)
-    base = PPOConfig(batch_size=n, mini_batch_size=8, ppo_epochs=1)
+    base = BatchConfig(batch_size=n, mini_batch_size=8, ppo_epochs=1)
     state = TrainState.create(apply_fn=None, params=_params(), tx=tx)
     s1, m1 = update_epochs(state, batch, jax.random.key(0), masked_loss, base, weight_fn=weight)
     s4, m4 = update_epochs(state, batch, jax.random.key(0), masked_loss, base.replace(gradient_accumulation_steps=4), weight_fn=weight)
@@ -180,7 +181,7 @@ def test_weighted_accumulation_equals_masked_mean_of_whole_minibatch():
 
 
 def test_same_key_bit_identical_and_different_key_differs():
-    config = PPOConfig(batch_size=16, mini_batch_size=4, ppo_epochs=2)
+    config = BatchConfig(batch_size=16, mini_batch_size=4, ppo_epochs=2)
     batch = _batch(16)
     a, ma = update_epochs(_state(), batch, jax.random.key(3), regression_loss, config)
     b, mb = update_epochs(_state(), batch, jax.random.key(3), regression_loss, config)
@@ -191,7 +192,7 @@ def test_same_key_bit_identical_and_different_key_differs():
 
 
 def test_batch_with_wrong_leading_dimension_is_rejected():
-    config = PPOConfig(batch_size=16, mini_batch_size=4)
+    config = BatchConfig(batch_size=16, mini_batch_size=4)
     batch = _batch(16)
     batch["y"] = batch["y"][:12]
     with pytest.raises(AssertionError, match="batch_size=16"):
@@ -207,7 +208,7 @@ def _kl_loss(params, mb):
 
 
 def test_target_kl_stops_inside_compiled_loop():
-    config = PPOConfig(batch_size=16, mini_batch_size=2, ppo_epochs=2, target_kl=0.5)
+    config = BatchConfig(batch_size=16, mini_batch_size=2, ppo_epochs=2, target_kl=0.5)
     tx = optax.sgd(0.05)
     batch = _batch(16, seed=8)
     key = jax.random.key(9)
@@ -242,20 +243,20 @@ def test_target_kl_stops_inside_compiled_loop():
 
 
 def test_without_target_kl_every_update_applies():
-    config = PPOConfig(batch_size=16, mini_batch_size=2, ppo_epochs=2)
+    config = BatchConfig(batch_size=16, mini_batch_size=2, ppo_epochs=2)
     state, metrics = update_epochs(_state(optax.sgd(0.05)), _batch(16, seed=8), jax.random.key(9), _kl_loss, config)
     assert int(state.step) == config.updates_per_step
     assert "early_stopped" not in metrics
 
 
 def test_target_kl_requires_approxkl_in_aux():
-    config = PPOConfig(batch_size=8, mini_batch_size=4, target_kl=0.1)
+    config = BatchConfig(batch_size=8, mini_batch_size=4, target_kl=0.1)
     with pytest.raises(ValueError, match="'approxkl'"):
         update_epochs(_state(), _batch(8), jax.random.key(0), regression_loss, config)
 
 
 def test_nonfinite_minibatch_is_skipped_and_counted():
-    config = PPOConfig(batch_size=16, mini_batch_size=4, ppo_epochs=2)
+    config = BatchConfig(batch_size=16, mini_batch_size=4, ppo_epochs=2)
     batch = _batch(16)
     batch["y"] = batch["y"].at[5].set(jnp.nan)
     tx = optax.adam(0.05)
@@ -298,7 +299,7 @@ def _temp_bytes(batch_size, mini_batch_size, accumulation=1):
     params = {"w1": jnp.zeros((D, width)), "s": jnp.zeros((width,)), "w3": jnp.zeros((width, 1))}
     state = TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3))
     batch = {"x": jax.ShapeDtypeStruct((batch_size, D), jnp.float32), "y": jax.ShapeDtypeStruct((batch_size,), jnp.float32)}
-    config = PPOConfig(batch_size=batch_size, mini_batch_size=mini_batch_size, ppo_epochs=2, gradient_accumulation_steps=accumulation)
+    config = BatchConfig(batch_size=batch_size, mini_batch_size=mini_batch_size, ppo_epochs=2, gradient_accumulation_steps=accumulation)
     compiled = update_epochs_jit.lower(state, batch, jax.random.key(0), _mlp_loss, config).compile()
     return compiled.memory_analysis().temp_size_in_bytes
 
@@ -325,8 +326,8 @@ def test_a_withheld_update_costs_no_second_copy_of_the_state(optimizer, target_k
     clipped copy of the gradient."""
     import functools
 
-    from jaxppo.run import assembly
-    from jaxppo.run.trainer import TrainerConfig
+    import jaxppo
+    from jaxppo.config.optimizer import build_optimizer
 
     width = 256
     params = {part: {f"w{i}": jnp.zeros((width, width)) for i in range(4)} for part in ("policy", "critic")}
@@ -339,10 +340,11 @@ def test_a_withheld_update_costs_no_second_copy_of_the_state(optimizer, target_k
         loss = jnp.mean((h[:, 0] - mb["y"]) ** 2)
         return loss, {"approxkl": loss}
 
-    tx = optax.adam(1e-3) if optimizer == "adam" else assembly.optimizer(1e-3, 1e-3, TrainerConfig(), shared=False)
+    tx = optax.adam(1e-3) if optimizer == "adam" else build_optimizer(jaxppo.OptimizerConfig(learning_rate=1e-3), 10,
+                                                                         critic=True)[1]
     state = TrainState.create(apply_fn=None, params=params, tx=tx)
     batch = {"x": jax.ShapeDtypeStruct((8, width), jnp.float32), "y": jax.ShapeDtypeStruct((8,), jnp.float32)}
-    config = PPOConfig(batch_size=8, mini_batch_size=4, ppo_epochs=2, target_kl=target_kl)
+    config = BatchConfig(batch_size=8, mini_batch_size=4, ppo_epochs=2, target_kl=target_kl)
     step = jax.jit(functools.partial(update_epochs_fn, loss_fn=loss_fn, config=config), donate_argnums=(0,))
     temp = step.lower(state, batch, jax.random.key(0)).compile().memory_analysis().temp_size_in_bytes
     gradient = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
@@ -350,7 +352,7 @@ def test_a_withheld_update_costs_no_second_copy_of_the_state(optimizer, target_k
 
 
 def test_scalar_clipping_matches_optax():
-    from jaxppo.update.engine import clip_by_global_norm
+    from jaxppo.update.minibatches import clip_by_global_norm
 
     rng = np.random.default_rng(0)
     tree = {"a": jnp.asarray(rng.normal(size=(5, 3)), jnp.float32), "b": jnp.asarray(rng.normal(size=(7,)), jnp.float32)}
@@ -376,7 +378,7 @@ def _train_from_seed(seed_key, batch, key, config, learning_rate=0.05):
     return update_epochs_fn(state, batch, key, regression_loss, config)
 
 
-TRANSFORM_CONFIG = PPOConfig(batch_size=16, mini_batch_size=4, ppo_epochs=2)
+TRANSFORM_CONFIG = BatchConfig(batch_size=16, mini_batch_size=4, ppo_epochs=2)
 
 
 def _eager_runs(seeds, learning_rates):
@@ -426,10 +428,10 @@ def test_train_state_and_update_phase_under_eval_shape():
 
 
 def test_fields_the_engine_never_reads_do_not_retrace_it():
-    """The engine's static argument is the `EngineConfig` of what it reads: PPO configs that
-    differ only in fields it never reads (kl_coef, cliprange, the algorithm) share one
-    compiled program; a field it reads (ppo_epochs) compiles another."""
-    from jaxppo import EngineConfig
+    """The loop's static argument is the `BatchConfig` of what it reads: configs that differ
+    only in settings it never reads (kl_coef, cliprange, the algorithm) share one compiled
+    program; a setting it reads (ppo_epochs) compiles another."""
+    import jaxppo
 
     traces = []
 
@@ -437,41 +439,42 @@ def test_fields_the_engine_never_reads_do_not_retrace_it():
         traces.append(1)
         return regression_loss(params, mb)
 
-    base = PPOConfig(batch_size=16, mini_batch_size=4, ppo_epochs=2)
-    same_engine = [base, base.replace(kl_coef=0.3), base.replace(cliprange=0.1, vf_coef=0.5),
-                   PPOConfig.for_algorithm("grpo", batch_size=16, mini_batch_size=4, ppo_epochs=2, num_generations=4),
-                   EngineConfig(batch_size=16, mini_batch_size=4, ppo_epochs=2)]
-    assert len({c if isinstance(c, EngineConfig) else c.engine for c in same_engine}) == 1
+    base = jaxppo.Config.from_settings(batch_size=16, mini_batch_size=4, ppo_epochs=2)
+    same_batch = [base, base.replace(kl_coef=0.3), base.replace(cliprange=0.1, vf_coef=0.5),
+                  jaxppo.Config.for_algorithm("grpo", batch_size=16, mini_batch_size=4, ppo_epochs=2, num_generations=4),
+                  BatchConfig(batch_size=16, mini_batch_size=4, ppo_epochs=2)]
+    assert len({c if isinstance(c, BatchConfig) else c.batch for c in same_batch}) == 1
     state, batch = _state(), _batch(16)
-    for config in same_engine:
+    for config in same_batch:
         state, _ = update_epochs(state, batch, jax.random.key(0), counting_loss, config)
     assert len(traces) == 1
     state, _ = update_epochs(state, batch, jax.random.key(0), counting_loss, base.replace(ppo_epochs=3))
     assert len(traces) == 2
 
 
-def test_engine_config_is_checked_like_ppo_config():
-    from jaxppo import EngineConfig
-
-    with pytest.raises(ValueError, match=r"EngineConfig.batch_size=10 is not divisible by "
-                                         r"EngineConfig.mini_batch_size=4: .* \[1, 2, 5, 10\]"):
-        EngineConfig(batch_size=10, mini_batch_size=4)
-    with pytest.raises(ValueError, match=r"EngineConfig.target_kl=0 is invalid"):
-        EngineConfig(batch_size=8, mini_batch_size=4, target_kl=0)
-    with pytest.raises(ValueError, match=r"EngineConfig.skip_nonfinite='no' is invalid"):
-        EngineConfig(batch_size=8, mini_batch_size=4, skip_nonfinite="no")
-    with pytest.raises(TypeError, match=r"config must be a jaxppo.EngineConfig or have one as .engine"):
+def test_the_batch_config_is_checked_and_engine_config_still_builds_one():
+    with pytest.raises(ValueError, match=r"BatchConfig.batch_size=10 is not divisible by "
+                                         r"BatchConfig.mini_batch_size=4: .* \[1, 2, 5, 10\]"):
+        BatchConfig(batch_size=10, mini_batch_size=4)
+    with pytest.raises(ValueError, match=r"BatchConfig.target_kl=0 is invalid"):
+        BatchConfig(batch_size=8, mini_batch_size=4, target_kl=0)
+    with pytest.raises(ValueError, match=r"BatchConfig.skip_nonfinite='no' is invalid"):
+        BatchConfig(batch_size=8, mini_batch_size=4, skip_nonfinite="no")
+    with pytest.raises(TypeError, match=r"config must be a jaxppo.BatchConfig or have one as .batch"):
         update_epochs(_state(), _batch(8), jax.random.key(0), regression_loss, {"batch_size": 8})
+    from jaxppo import EngineConfig  # 0.4's name: the same fields, ppo_epochs 1 by default
+
+    with pytest.warns(DeprecationWarning, match=r"jaxppo.EngineConfig is deprecated since 0.5 .*jaxppo.BatchConfig"):
+        assert EngineConfig(batch_size=8, mini_batch_size=4) == BatchConfig(batch_size=8, mini_batch_size=4,
+                                                                             ppo_epochs=1)
 
 
 def test_without_the_nonfinite_check_every_update_applies():
     """`skip_nonfinite=False`: no check, every update applied (a NaN reaches the parameters,
     as it would in a loop without the check); with the check the same batch skips."""
-    from jaxppo import EngineConfig
-
     batch = _batch(16)
     batch["y"] = batch["y"].at[5].set(jnp.nan)
-    config = EngineConfig(batch_size=16, mini_batch_size=4, ppo_epochs=1, skip_nonfinite=False)
+    config = BatchConfig(batch_size=16, mini_batch_size=4, ppo_epochs=1, skip_nonfinite=False)
     state, metrics = update_epochs(_state(optax.sgd(0.01)), batch, jax.random.key(2), regression_loss, config)
     assert int(state.step) == 4 and bool(jnp.all(metrics["applied"]))
     assert int(state.skipped_nonfinite) == 0 and bool(jnp.isnan(state.params["w"]).any())
@@ -490,8 +493,8 @@ def test_flax_train_state_gets_the_same_updates():
     from flax.training import train_state
 
     batch = _batch(16, seed=2)
-    for config in (PPOConfig(batch_size=16, mini_batch_size=4, ppo_epochs=2, gradient_accumulation_steps=2),
-                   PPOConfig(batch_size=16, mini_batch_size=4, ppo_epochs=2, target_kl=1e9)):
+    for config in (BatchConfig(batch_size=16, mini_batch_size=4, ppo_epochs=2, gradient_accumulation_steps=2),
+                   BatchConfig(batch_size=16, mini_batch_size=4, ppo_epochs=2, target_kl=1e9)):
         flax_state = train_state.TrainState.create(apply_fn=None, params=_params(), tx=optax.adam(0.05))
         loss = regression_loss if config.target_kl is None else (
             lambda p, mb: (regression_loss(p, mb)[0], {"approxkl": jnp.zeros(()), **regression_loss(p, mb)[1]}))
@@ -511,7 +514,7 @@ def _key_loss(params, mb, key):
 
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_loss_key_is_one_per_minibatch_and_leaves_the_permutations(accumulate):
-    config = PPOConfig(batch_size=16, mini_batch_size=8, ppo_epochs=3, gradient_accumulation_steps=accumulate)
+    config = BatchConfig(batch_size=16, mini_batch_size=8, ppo_epochs=3, gradient_accumulation_steps=accumulate)
     key = jax.random.key(9)
     _, plain = update_epochs(_state(), _batch(16), key, regression_loss, config)
     _, keyed = update_epochs(_state(), _batch(16), key, _key_loss, config, loss_key=True)
@@ -531,7 +534,7 @@ def test_loss_key_is_one_per_minibatch_and_leaves_the_permutations(accumulate):
 def test_own_order_is_walked_and_checked():
     """`order(key, config)` replaces the permutation: here each epoch walks the rows in
     reverse; a wrong shape is an error naming what is expected."""
-    config = PPOConfig(batch_size=12, mini_batch_size=4, ppo_epochs=2)
+    config = BatchConfig(batch_size=12, mini_batch_size=4, ppo_epochs=2)
 
     def reverse(key, config):
         rows = jnp.arange(config.batch_size - 1, -1, -1, dtype=jnp.int32)

@@ -15,7 +15,7 @@ from jaxppo.update.advantages import discounted_returns, gae
 from jaxppo.update.kl import at_last_token
 from jaxppo.rollout.samplers.static import generate
 from jaxppo.rollout.environments import StepResult, chat_continuation, run_episodes
-from jaxppo.run.stages import select_prompts
+from jaxppo.run.iteration import select_prompts
 
 from jaxppo.tracking import read_table
 
@@ -35,10 +35,10 @@ class OneTurn:
 
 
 def trainer_with(tmp_path, environment, ppo=None, **settings):
-    ppo = ppo or jaxppo.PPOConfig.for_algorithm("grpo", batch_size=8, mini_batch_size=4, ppo_epochs=1,
+    ppo = ppo or jaxppo.Config.for_algorithm("grpo", batch_size=8, mini_batch_size=4, ppo_epochs=1,
                                                 num_generations=2)
     settings = {"response_length": R, "turn_length": L, "max_turns": 3, "export_final": False, **settings}
-    return small_trainer(tmp_path, ppo=ppo, environment=environment, reward_fn=None, max_len=Q + R, **settings)
+    return small_trainer(tmp_path, ppo=ppo, environment=environment, reward_fns=None, max_len=Q + R, **settings)
 
 
 def byte_ids(text):
@@ -52,14 +52,14 @@ def test_two_turn_episode_is_the_hand_built_sequence(tmp_path, turn_cache):
     cache kept between turns the second turn's log-probs equal up to rounding (the keys and
     values of its context come from the decode steps, not one prefill), exactly without."""
     trainer = trainer_with(tmp_path, TwoTurns, turn_cache=turn_cache)
-    tok, spec = trainer.tokenizer, trainer.spec
+    tok, spec = trainer.tokenizer, trainer.parts.spec
     params = spec.policy_params(trainer.state.params)
-    batch = select_prompts(trainer.table, trainer.run.key, 0, trainer.config)
+    batch = select_prompts(trainer.parts.table, trainer.run.key, 0, trainer.config)
     key = jax.random.key(7)
-    episodes = run_episodes(trainer.environment, spec, trainer.state.params, trainer.table, batch, key, tok, 0)
+    episodes = run_episodes(trainer.parts.environment, spec, trainer.state.params, trainer.parts.table, batch, key, tok, 0)
     out = jax.device_get(episodes.output)
 
-    ids, mask = trainer.table.ids[batch.rows], trainer.table.mask[batch.rows]
+    ids, mask = trainer.parts.table.ids[batch.rows], trainer.parts.table.mask[batch.rows]
     common = dict(response_length=L, temperature=spec.temperature, stop_token_ids=spec.stop_token_ids,
                   pad_token_id=spec.pad_token_id)
     first = jax.device_get(generate(spec.policy, params, ids, mask, key, num_generations=2,
@@ -96,7 +96,7 @@ def test_multiturn_iteration_scores_the_sampled_tokens_on_policy(tmp_path, algor
     """Through the trainer (GRPO; PPO with its critic and GAE across the turns): the scoring
     pass over prompt + turns + observations gives the sampler's log-probs at the model's
     tokens (f32 rounding), and the metrics are logged."""
-    ppo = None if algorithm == "grpo" else jaxppo.PPOConfig(batch_size=8, mini_batch_size=4, ppo_epochs=1)
+    ppo = None if algorithm == "grpo" else jaxppo.Config.from_settings(batch_size=8, mini_batch_size=4, ppo_epochs=1)
     trainer = trainer_with(tmp_path, TwoTurns, ppo=ppo)
     metrics = trainer.step()
     assert metrics["sampling/sampling_logp_difference/max"] < 1e-4
@@ -119,11 +119,11 @@ def test_one_turn_episodes_equal_the_single_turn_path(tmp_path):
     """PPO (GAE, critic) where every episode ends after its first turn, scored by the
     environment, equals the single-turn trainer scored by the same function: the same
     metrics and parameters."""
-    ppo = jaxppo.PPOConfig(batch_size=8, mini_batch_size=4, ppo_epochs=2, kl_coef=0.1)
+    ppo = jaxppo.Config.from_settings(batch_size=8, mini_batch_size=4, ppo_epochs=2, kl_coef=0.1)
     settings = dict(response_length=8, max_len=Q + 8, iterations=2, export_final=False, checkpoint_every=0)
     single_trainer = small_trainer(tmp_path / "single", ppo=ppo, **settings)
     single = single_trainer.train()
-    multi_trainer = small_trainer(tmp_path / "multi", ppo=ppo, environment=OneTurn, reward_fn=None, **settings)
+    multi_trainer = small_trainer(tmp_path / "multi", ppo=ppo, environment=OneTurn, reward_fns=None, **settings)
     multi = multi_trainer.train()
     for a, b in zip(single, multi):
         assert a["reward"] == b["reward"]
@@ -179,14 +179,14 @@ def test_group_advantages_per_episode_on_the_model_tokens_only():
     mask = _gapped_mask(rng, b, t)
     attention = (np.arange(t)[None] <= np.array([np.flatnonzero(m)[-1] for m in mask])[:, None]).astype(np.int32)
     scores = rng.normal(size=b).astype(np.float32)
-    config = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=b, mini_batch_size=b, num_generations=g, kl_loss_coef=0.0)
+    config = jaxppo.Config.for_algorithm("grpo", batch_size=b, mini_batch_size=b, num_generations=g, kl_loss_coef=0.0)
     rollout = jaxppo.RolloutBatch(
         query_tokens=jnp.ones((b, 3), jnp.int32), query_mask=jnp.ones((b, 3), jnp.int32),
         response_tokens=jnp.ones((b, t), jnp.int32), response_mask=jnp.asarray(mask), logprobs=jnp.zeros((b, t)),
         values=None, rewards=at_last_token(jnp.asarray(scores), jnp.asarray(mask)), scores=jnp.asarray(scores),
         response_attention_mask=jnp.asarray(attention))
-    jaxppo.check_rollout(rollout, config)
-    advantages = np.asarray(jaxppo.compute_advantages(rollout, config)[0])
+    jaxppo.update.check_rollout(rollout, config)
+    advantages = np.asarray(jaxppo.update.compute_advantages(rollout, config)[0])
     for i in range(b):
         group = scores[i // g * g:(i // g + 1) * g].astype(np.float64)
         expected = (scores[i] - group.mean()) / (group.std(ddof=1) + 1e-4)
@@ -237,7 +237,7 @@ def test_faulty_episodes_end_with_score_zero_when_asked(tmp_path):
             return super().step(completion)
 
     trainer = trainer_with(tmp_path, HalfRaising, environment_errors="end", prompts=["ab", "abc", "abcd", "abcde"])
-    prompts = [trainer.table.texts[r] for r in select_prompts(trainer.table, trainer.run.key, 0, trainer.config).rows]
+    prompts = [trainer.parts.table.texts[r] for r in select_prompts(trainer.parts.table, trainer.run.key, 0, trainer.config).rows]
     metrics = trainer.step()
     bad = sum(len(p) % 2 == 0 for p in prompts)
     assert bad == 4 and metrics["env/failed_episodes"] == bad
@@ -252,10 +252,10 @@ def test_bad_environment_settings_and_imports_fail_before_compiling(tmp_path):
         cli.build_trainer(*cli.resolve(["--environment", "no_such_module:make", "--output-dir", str(tmp_path)]))
     with pytest.raises(SystemExit, match="expected MODULE:FACTORY"):
         cli.build_trainer(*cli.resolve(["--environment", "jaxppo.demo", "--output-dir", str(tmp_path)]))
-    with pytest.raises(ValueError, match=r"TrainerConfig.turn_length=40 is invalid"):
-        jaxppo.TrainerConfig(response_length=32, turn_length=40)
-    with pytest.raises(ValueError, match=r"TrainerConfig.environment_errors='skip' is invalid"):
-        jaxppo.TrainerConfig(environment_errors="skip")
+    with pytest.raises(ValueError, match=r"EnvironmentConfig.turn_length=40 is invalid"):
+        jaxppo.Config.from_settings(response_length=32, turn_length=40)
+    with pytest.raises(ValueError, match=r"EnvironmentConfig.environment_errors='skip' is invalid"):
+        jaxppo.Config.from_settings(environment_errors="skip")
     with pytest.raises(TypeError, match="environment must be a factory"):
         trainer_with(tmp_path, environment=TwoTurns())
 
@@ -295,10 +295,10 @@ def test_the_evaluation_plays_episodes_as_a_hand_built_greedy_loop(tmp_path):
     prompts = demo.DEMO_PROMPTS[:5]  # 10 rows: chunks of 4 prompts x 2, the last padded
     trainer = trainer_with(tmp_path, TwoTurns, iterations=1, eval_prompts=prompts, eval_temperature=0.0,
                            eval_generations=2)
-    tok, spec = trainer.tokenizer, trainer.spec
+    tok, spec = trainer.tokenizer, trainer.parts.spec
     params = jax.tree.map(jnp.copy, spec.policy_params(trainer.state.params))  # the update donates the originals
     metrics = trainer.step()
-    table = trainer.last_eval_table[1]
+    table = trainer.last.eval_table[1]
     evaluator = trainer.parts.evaluator
     ids, mask = np.repeat(evaluator.table.ids, 2, axis=0), np.repeat(evaluator.table.mask, 2, axis=0)
     common = dict(temperature=spec.temperature, stop_token_ids=spec.stop_token_ids, pad_token_id=spec.pad_token_id,

@@ -54,7 +54,7 @@ def test_greedy_eval_completions_are_a_plain_loops_greedy_decoding(tmp_path):
     history = trainer.train()
     table = read_table(str(tmp_path / "run" / "eval_completions.table.jsonl"))
     assert [r["iteration"] for r in table] == [0] * len(PROMPTS)
-    spec, tok = trainer.spec, trainer.tokenizer
+    spec, tok = trainer.parts.spec, trainer.tokenizer
     for row, prompt in zip(table, PROMPTS):  # one prompt at a time, from the initial parameters
         ids, mask = jaxppo.models.encode_prompts(tok, [prompt], 32)
         out = generate(spec.policy, initial, ids, mask, jax.random.key(7), response_length=6, greedy=True,
@@ -95,12 +95,12 @@ def test_sampled_evaluations_follow_the_schedule_and_survive_a_crash_and_a_resum
 
     settings = dict(iterations=5, checkpoint_every=2, eval_prompts=PROMPTS, eval_reward_fns=[even_length],
                     eval_every=2, eval_generations=3, eval_temperature=1.0, export_final=False)
-    whole = small_trainer(tmp_path / "whole", reward_fn=crashing, **settings).train()
+    whole = small_trainer(tmp_path / "whole", reward_fns=crashing, **settings).train()
     calls.clear()
     crash[0] = True
     with pytest.raises(RewardError, match="the judge went away"):
-        small_trainer(tmp_path / "crashed", reward_fn=crashing, **settings).train()
-    resumed = small_trainer(tmp_path / "crashed", reward_fn=crashing, **settings).train()
+        small_trainer(tmp_path / "crashed", reward_fns=crashing, **settings).train()
+    resumed = small_trainer(tmp_path / "crashed", reward_fns=crashing, **settings).train()
 
     def comparable(rows):
         return [{k: v for k, v in r.items() if not k.startswith("time/") and k not in ("eps", "eval/time")}
@@ -133,7 +133,7 @@ def test_eval_bad_input_is_refused_before_any_model_loads(tmp_path, monkeypatch)
                                   ("eval_every", -2, "eval_every=-2 is invalid"),
                                   ("eval_before_training", "yes", "eval_before_training='yes' is invalid")]:
         with pytest.raises(ValueError, match=message):
-            jaxppo.TrainerConfig(**{field: value})
+            jaxppo.Config.from_settings(**{field: value})
 
 
 def _weights(directory):
@@ -196,9 +196,9 @@ def test_best_metric_that_no_evaluation_produces_is_refused_before_any_model_loa
         small_trainer(tmp_path / "run", best_metric="eval/pass@4", eval_prompts=PROMPTS, eval_reward_fns=[even_length],
                       eval_generations=2)
     with pytest.raises(ValueError, match=r"best_metric='reward' is invalid: .*starting with 'eval/'"):
-        jaxppo.TrainerConfig(best_metric="reward")
+        jaxppo.Config.from_settings(best_metric="reward")
     with pytest.raises(ValueError, match=r"best_metric_mode='up' is invalid"):
-        jaxppo.TrainerConfig(best_metric_mode="up")
+        jaxppo.Config.from_settings(best_metric_mode="up")
 
 
 def _tree_digest(root):
@@ -240,7 +240,7 @@ def test_resume_from_another_runs_checkpoint_continues_it_exactly_and_leaves_it_
                                               r"checkpoint"):
         small_trainer(tmp_path / "none", resume_from=str(tmp_path / "nowhere")).train()
     with pytest.raises(ValueError, match=r"resume_from is given with resume=False"):
-        jaxppo.TrainerConfig(resume_from=str(source), resume=False)
+        jaxppo.Config.from_settings(resume_from=str(source), resume=False)
 
 
 def test_callbacks_steer_the_run_stop_it_resumably_and_ask_for_checkpoints(tmp_path):
@@ -293,16 +293,16 @@ def test_a_reward_model_scores_the_evaluation_as_it_scores_training(tmp_path):
     def length(prompts, completions):
         return [float(len(c)) for c in completions]
 
-    tc = jaxppo.TrainerConfig(iterations=1, query_length=32, response_length=6, output_dir=str(tmp_path / "run"),
-                              progress=False, sample_every=0, plot=False, export_final=False, tensorboard=False,
-                              eval_temperature=0.0)
-    trainer = jaxppo.Trainer(jaxppo.PPOConfig(batch_size=16, mini_batch_size=8), tc, policy=(model, params),
+    tc = dict(iterations=1, query_length=32, response_length=6, output_dir=str(tmp_path / "run"),
+              progress=False, sample_every=0, plot=False, export_final=False, report_to="jsonl",
+              eval_temperature=0.0)
+    trainer = jaxppo.Trainer(jaxppo.Config.from_settings(batch_size=16, mini_batch_size=8).replace(**tc), policy=(model, params),
                              tokenizer=tokenizer, prompts=demo.DEMO_PROMPTS, reward_fns=[(rm, rm_params), length],
                              reward_weights=[2.0, 1.0], eval_prompts=PROMPTS[:6])
     initial = jax.tree.map(jnp.copy, trainer.policy_params())
     line = trainer.train()[0]
     table = read_table(str(tmp_path / "run" / "eval_completions.table.jsonl"))
-    spec = trainer.spec
+    spec = trainer.parts.spec
     for row, prompt in zip(table, PROMPTS[:6]):
         ids, mask = jaxppo.models.encode_prompts(tokenizer, [prompt], 32)
         out = generate(spec.policy, initial, ids, mask, jax.random.key(0), response_length=6, greedy=True,

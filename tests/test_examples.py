@@ -117,17 +117,17 @@ def test_main_job_grpo_demo_learns(tmp_path):
     assert last > first + 2.0, (first, last)
     assert all(r["ppo/updates_applied"] == 16 and "loss/value_avg" not in r for r in rows)
     settings = json.loads((tmp_path / "run_settings.json").read_text())
-    assert settings["ppo"]["advantage_estimator"] == "grpo" and settings["ppo"]["num_generations"] == 8
+    assert settings["advantages"]["advantage_estimator"] == "grpo" and settings["advantages"]["num_generations"] == 8
 
 
 def test_algorithm_flag_sets_defaults_and_flags_override():
     from jaxppo.cli import resolve
 
-    ppo, _, _ = resolve(["--algorithm", "dapo", "--cliprange-high", "0.3", "--num-generations", "4"])
-    assert (ppo.advantage_estimator, ppo.cliprange_low, ppo.cliprange_high, ppo.num_generations) == ("grpo", 0.2, 0.3, 4)
-    assert ppo.kl_coef == 0.0 and ppo.loss_aggregation == "token_mean"
-    ppo, _, _ = resolve([])
-    assert ppo.advantage_estimator == "gae" and ppo.num_generations == 1
+    ppo, _ = resolve(["--algorithm", "dapo", "--cliprange-high", "0.3", "--num-generations", "4"])
+    assert (ppo.advantages.advantage_estimator, ppo.loss.cliprange_low, ppo.loss.cliprange_high, ppo.advantages.num_generations) == ("grpo", 0.2, 0.3, 4)
+    assert ppo.kl.kl_coef == 0.0 and ppo.loss.loss_aggregation == "token_mean"
+    ppo, _ = resolve([])
+    assert ppo.advantages.advantage_estimator == "gae" and ppo.advantages.num_generations == 1
     with pytest.raises(SystemExit, match="--algorithm 'grpo2' is invalid; valid: ppo, grpo"):
         resolve(["--algorithm", "grpo2"])
 
@@ -207,10 +207,10 @@ def test_reward_functions_from_the_command_line(tmp_path, monkeypatch):
     args = ["--prompts", str(prompts), "--reward", "my_rewards:starts_with_a", "--reward", "my_rewards:length",
             "--reward-weight", "2", "--reward-weight", "0.5", "--iterations", "1", "--batch-size", "8",
             "--mini-batch-size", "4", "--response-length", "4", "--output-dir", str(tmp_path / "run"), "--no-progress",
-            "--no-plot", "--no-tensorboard", "--no-export-final"]
-    ppo, tc, extras = resolve(args)
+            "--no-plot", "--report-to", "jsonl", "--no-export-final"]
+    config, extras = resolve(args)
     assert extras["reward"] == ["my_rewards:starts_with_a", "my_rewards:length"] and extras["reward_weight"] == [2.0, 0.5]
-    history = build_trainer(ppo, tc, extras).train()
+    history = build_trainer(config, extras).train()
     import my_rewards
 
     assert my_rewards.calls and all(t.startswith("t") for t in my_rewards.calls[0])  # the column reached it

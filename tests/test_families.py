@@ -136,27 +136,27 @@ def test_train_step_equals_a_python_loop_of_updates(family):
     scores = jnp.asarray(rng.normal(size=b), jnp.float32)
     rollout = jaxppo.RolloutBatch(query_tokens=query, query_mask=ones_q, response_tokens=response, response_mask=ones_r,
                                   logprobs=logprobs, values=None, rewards=jnp.zeros((b, r)), scores=scores)
-    config = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=b, mini_batch_size=4, ppo_epochs=2,
+    config = jaxppo.Config.for_algorithm("grpo", batch_size=b, mini_batch_size=4, ppo_epochs=2,
                                             num_generations=g, kl_loss_coef=0.0)
     tx = optax.sgd(0.1)
     state = jaxppo.TrainState.create(apply_fn=model, params=params, tx=tx)
     key = jax.random.key(4)
     new_state, _ = jaxppo.train_step(state, rollout, key, config)
-    assert int(new_state.step) == config.updates_per_step == 4
+    assert int(new_state.step) == config.batch.updates_per_step == 4
 
     grouped = scores.reshape(-1, g)
-    adv = ((grouped - grouped.mean(1, keepdims=True)) / (grouped.std(1, ddof=1, keepdims=True) + config.grpo_eps))
+    adv = ((grouped - grouped.mean(1, keepdims=True)) / (grouped.std(1, ddof=1, keepdims=True) + config.advantages.grpo_eps))
     adv = adv.reshape(-1)
 
     def loss(p, rows):
         lp = model.response_outputs(p, query[rows], ones_q[rows], response[rows], ones_r[rows])[0]
         ratio = jnp.exp(lp - logprobs[rows])
         a = adv[rows][:, None]
-        per_token = -jnp.minimum(ratio * a, jnp.clip(ratio, 1 - config.cliprange, 1 + config.cliprange) * a)
+        per_token = -jnp.minimum(ratio * a, jnp.clip(ratio, 1 - config.loss.cliprange, 1 + config.loss.cliprange) * a)
         return jnp.mean(jnp.mean(per_token, axis=1))  # seq_mean_token_mean over full masks
 
     p, opt = params, tx.init(params)
-    for epoch in np.asarray(jaxppo.minibatch_indices(key, config.engine, group=g)):
+    for epoch in np.asarray(jaxppo.update.minibatch_indices(key, config.batch, group=g)):
         for rows in epoch:
             updates, opt = tx.update(jax.grad(loss)(p, jnp.asarray(rows)), opt, p)
             p = optax.apply_updates(p, updates)
@@ -171,16 +171,16 @@ def test_the_trainer_runs_ppo_with_a_critic_on_the_family_and_resumes(family, tm
     run's metrics equal to an uninterrupted three-iteration run's."""
     tokenizer = demo.demo_tokenizer()
     model = jm.Model(_config(tokenizer))
-    ppo = jaxppo.PPOConfig(batch_size=8, mini_batch_size=4, ppo_epochs=2, kl_coef=0.1)
+    ppo = jaxppo.Config.from_settings(batch_size=8, mini_batch_size=4, ppo_epochs=2, kl_coef=0.1)
 
     def trainer(out, iterations):
-        tc = jaxppo.TrainerConfig(iterations=iterations, query_length=32, response_length=6, learning_rate=1e-3,
-                                  output_dir=str(out), progress=False, sample_every=0, checkpoint_every=1,
-                                  export_final=False, plot=False, tensorboard=False)
+        tc = dict(iterations=iterations, query_length=32, response_length=6, learning_rate=1e-3,
+                  output_dir=str(out), progress=False, sample_every=0, checkpoint_every=1,
+                  export_final=False, plot=False, report_to="jsonl")
         # fresh parameters for each trainer (a trainer's update donates the ones it was given)
-        return jaxppo.Trainer(ppo, tc, policy=(model, model.init(jax.random.key(5))), tokenizer=tokenizer,
+        return jaxppo.Trainer(ppo.replace(**tc), policy=(model, model.init(jax.random.key(5))), tokenizer=tokenizer,
                               prompts=demo.DEMO_PROMPTS,
-                              reward_fn=demo.lowercase_reward)
+                              reward_fns=demo.lowercase_reward)
 
     first = trainer(tmp_path / "run", 2)
     history = first.train()

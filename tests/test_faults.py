@@ -367,9 +367,9 @@ def test_metrics_rewrite_is_atomic(tmp_path, monkeypatch):
 def test_tensorboard_after_resume_holds_each_iteration_once_in_order(tmp_path):
     straight = small_trainer(tmp_path / "a", iterations=4, checkpoint_every=2, export_final=False).train()
     out = tmp_path / "b"
-    small_trainer(out, iterations=4, checkpoint_every=2, export_final=False, tensorboard=True).train()
+    small_trainer(out, iterations=4, checkpoint_every=2, export_final=False, report_to="jsonl,tensorboard").train()
     shutil.rmtree(out / "checkpoints" / "4")  # as if killed after iteration 3 was logged, before its checkpoint
-    history = small_trainer(out, iterations=4, checkpoint_every=2, export_final=False, tensorboard=True).train()
+    history = small_trainer(out, iterations=4, checkpoint_every=2, export_final=False, report_to="jsonl,tensorboard").train()
     assert comparable(history) == comparable(straight)
     steps = tensorboard_steps(out)
     assert steps["objective/scores"] == [16, 32, 48, 64]
@@ -494,16 +494,16 @@ def test_a_full_disk_during_a_checkpoint_is_one_clear_line_from_the_command(tmp_
 def test_resume_with_other_settings_lists_every_difference_before_any_work(tmp_path, monkeypatch):
     out = tmp_path / "run"
     small_trainer(out, iterations=1, export_final=False).train()
-    assert json.loads((out / "run_settings.json").read_text())["ppo"]["batch_size"] == 16
+    assert json.loads((out / "run_settings.json").read_text())["batch"]["batch_size"] == 16
     trainer = small_trainer(out, iterations=2, export_final=False, learning_rate=3e-4, seed=7,
-                            ppo=jaxppo.PPOConfig(batch_size=32, mini_batch_size=8, ppo_epochs=2, kl_coef=0.1),
-                            reward_fn=lambda p, r: [0.0] * len(r))
+                            ppo=jaxppo.Config.from_settings(batch_size=32, mini_batch_size=8, ppo_epochs=2, kl_coef=0.1),
+                            reward_fns=lambda p, r: [0.0] * len(r))
     monkeypatch.setattr(trainer, "step", lambda: pytest.fail("an iteration ran"))
     with pytest.raises(RunError) as err:
         trainer.train()
     message = str(err.value)
-    for line in ["ppo.batch_size: was 16, now 32", "trainer.learning_rate: was 0.001, now 0.0003",
-                 "trainer.seed: was 0, now 7",
+    for line in ["BatchConfig.batch_size: was 16, now 32", "OptimizerConfig.learning_rate: was 0.001, now 0.0003",
+                 "RunConfig.seed: was 0 (the default), now 7",
                  "reward.function: was 'jaxppo.demo.lowercase_reward', now 'test_faults.test_resume_with_other_"]:
         assert line in message, message
     # Extending a constant-learning-rate run is allowed; resume=False on a used directory is refused.
@@ -524,11 +524,11 @@ def test_reward_function_that_raises_keeps_checkpoint_and_metrics(tmp_path):
     out = tmp_path / "run"
     with pytest.raises(RewardError, match=r"iteration 2: reward function '.*flaky' raised ZeroDivisionError: "
                                           r"division by zero .*nothing was updated"):
-        small_trainer(out, iterations=4, reward_fn=flaky, export_final=False).train()
+        small_trainer(out, iterations=4, reward_fns=flaky, export_final=False).train()
     assert [r["iteration"] for r in read_metrics(str(out / "metrics.jsonl"))] == [0, 1]
-    resumed = small_trainer(out, iterations=4, reward_fn=flaky, export_final=False)
-    assert resumed.open_run() == 2  # the checkpoint of the last complete iteration loads
-    resumed.close_run()
+    resumed = small_trainer(out, iterations=4, reward_fns=flaky, export_final=False)
+    assert resumed.directory.open(resumed.run, resumed.settings()).iteration == 2  # the checkpoint of the last complete iteration loads
+    resumed.directory.close()
 
 
 def test_a_run_that_finished_no_iteration_does_not_block_the_corrected_command(tmp_path, capsys):
@@ -537,18 +537,19 @@ def test_a_run_that_finished_no_iteration_does_not_block_the_corrected_command(t
 
     out = tmp_path / "run"
     with pytest.raises(RewardError, match=r"iteration 0: reward function '.*broken' raised KeyError"):
-        small_trainer(out, reward_fn=broken, export_final=False).train()
+        small_trainer(out, reward_fns=broken, export_final=False).train()
     assert read_metrics(str(out / "metrics.jsonl")) == [] and (out / "run_settings.json").is_file()
     corrected = small_trainer(out, learning_rate=2e-3, export_final=False, resume=False)
-    assert corrected.open_run() == 0
-    corrected.close_run()
+    assert corrected.directory.open(corrected.run, corrected.settings()).iteration == 0
+    corrected.directory.close()
     said = capsys.readouterr().out
     assert "holds the settings of a run that finished no iteration; this run's replace them" in said
     assert re.search(r"learning_rate: was 0.001, now 0.002", said)
-    assert json.loads((out / "run_settings.json").read_text())["trainer"]["learning_rate"] == 2e-3
+    assert json.loads((out / "run_settings.json").read_text())["optimizer"]["learning_rate"] == 2e-3
     with pytest.raises(RunError, match="holds a run with other settings"):  # once an iteration is logged, it does
         (out / "metrics.jsonl").write_text(json.dumps({"iteration": 0, "episode": 16}) + "\n")
-        small_trainer(out, learning_rate=3e-3, export_final=False).open_run()
+        other = small_trainer(out, learning_rate=3e-3, export_final=False)
+        other.directory.open(other.run, other.settings())
 
 
 def _rows(iterations):
@@ -593,7 +594,7 @@ def test_reward_function_returning_garbage_names_function_row_and_value(tmp_path
     def reward(prompts, responses):
         return bad(len(responses))
 
-    trainer = small_trainer(tmp_path, reward_fn=reward)
+    trainer = small_trainer(tmp_path, reward_fns=reward)
     before = jax.tree.map(np.asarray, trainer.state.params)
     with pytest.raises(RewardError, match=r"iteration 0: .*'.*reward'.*" + message):
         trainer.step()
@@ -608,9 +609,9 @@ def test_reward_model_nan_scores_are_an_error_naming_iteration_and_rows(tmp_path
     rm = jaxppo.models.Model(model.config, kind="reward")
     rm_params = rm.init(jax.random.key(1))
     rm_params["params"]["score"]["kernel"] = jnp.full_like(rm_params["params"]["score"]["kernel"], jnp.nan)
-    tc = jaxppo.TrainerConfig(iterations=1, query_length=32, response_length=6, output_dir=str(tmp_path),
-                              progress=False, tensorboard=False, plot=False, export_final=False)
-    trainer = jaxppo.PPOTrainer(jaxppo.PPOConfig(batch_size=16, mini_batch_size=8), tc, policy=(model, params),
+    tc = dict(iterations=1, query_length=32, response_length=6, output_dir=str(tmp_path),
+              progress=False, report_to="jsonl", plot=False, export_final=False)
+    trainer = jaxppo.Trainer(jaxppo.Config.from_settings(batch_size=16, mini_batch_size=8).replace(**tc), policy=(model, params),
                                 reward_model=(rm, rm_params), tokenizer=tokenizer, prompts=demo.DEMO_PROMPTS)
     with pytest.raises(RewardError, match=r"iteration 0: the reward model gave non-finite scores \[nan, nan, nan, "
                                           r"nan, nan\] at rows \[0, 1, 2, 3, 4\] \(and 11 more\)"):
@@ -626,14 +627,14 @@ def test_skip_nonfinite_scores_skips_and_counts_the_iteration(tmp_path):
         scores = demo.lowercase_reward(prompts, responses)
         return [float("nan")] + scores[1:] if len(calls) == 2 else scores
 
-    trainer = small_trainer(tmp_path / "run", iterations=4, reward_fn=sometimes_nan, skip_nonfinite_scores=True,
+    trainer = small_trainer(tmp_path / "run", iterations=4, reward_fns=sometimes_nan, skip_nonfinite_scores=True,
                             export_final=False)
     with pytest.warns(RuntimeWarning, match=r"iteration 1 skipped: reward function .* non-finite scores at rows \[0\]"):
         history = trainer.train()  # ends with the summary, whose first-iterations window holds the skipped one
     assert [r["ppo/updates_applied"] for r in history] == [4, 0, 4, 4]
     assert [r["objective/skipped_nonfinite_scores"] for r in history] == [0, 1, 1, 1]
     assert history[1]["objective/nonfinite_score_rows"] == 1 and "objective/scores" not in history[1]
-    assert int(trainer.state.step) == 12 and trainer.skipped_iterations == 1
+    assert int(trainer.state.step) == 12 and trainer.run.skipped_iterations == 1
     summary = trainer.summary()
     assert "iterations skipped for non-finite scores: 1" in summary
     # Scored iterations 0, 2, 3: the first-iterations mean is iteration 0's score alone.

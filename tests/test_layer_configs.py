@@ -1,71 +1,141 @@
-"""`PPOConfig` composes the configs of the layers that read its fields: `engine`
-(`EngineConfig`), `loss` (`LossConfig`), `update` (`UpdateConfig`, what `train_step` reads)
-and `rollout` (`RolloutConfig`). Each layer's config validates its own fields; the
-composition passes every field through unchanged, and a setting one layer reads changes no
-other layer's config."""
+"""Every setting in the one config its concern names (`jaxppo.Config` composes them), and the
+layers' views of them: the loss reads `Config.objective`, `train_step` `Config.update`, the
+mini-batch loop `Config.batch`. Each concern validates its own settings (errors name the
+concern), the rules that span two are checked by the config (errors name both), and a
+setting the loss does not read leaves its view, and the compiled loss, as they were."""
 
 import dataclasses
 import re
 
 import pytest
 
-from jaxppo import LossConfig, PPOConfig, UpdateConfig
-from jaxppo.algorithms import ESTIMATORS
-from jaxppo.rollout.sampling import RolloutConfig
-from jaxppo.update.engine import EngineConfig
-from jaxppo.update.objective import loss_for
+import jaxppo
+from jaxppo.config.legacy import PPO_FIELDS, TRAINER_FIELDS
+from jaxppo.config.renamed import DEPRECATED
+from jaxppo.config.settings import CONCERNS, SETTINGS
+from jaxppo.update import UpdateConfig
+from jaxppo.update.objective import Objective, loss_for
 
-CONFIG = PPOConfig.for_algorithm("grpo", batch_size=8, mini_batch_size=4, num_generations=4)
-ENGINE_FIELDS = ("batch_size", "mini_batch_size", "ppo_epochs", "gradient_accumulation_steps", "target_kl")
-# Read by the estimators and by the run (the adaptive entropy coefficient), not by a layer's config.
-ESTIMATOR_FIELDS = {f for e in ESTIMATORS.values() for f in e.config_fields} | {"advantage_estimator"}
-RUN_FIELDS = {"entropy_target", "entropy_coef_step"}
+CONFIG = jaxppo.Config.for_algorithm("grpo", batch_size=8, mini_batch_size=4, num_generations=4)
 
 
-def _fields(cls):
-    return {f.name for f in dataclasses.fields(cls)} - {"owner", "uses_critic", "skip_nonfinite"}
+def test_every_setting_is_in_exactly_one_concern_and_no_concern_is_large():
+    counts = {}
+    for concern, cls in CONCERNS.items():
+        for f in dataclasses.fields(cls):
+            counts.setdefault(f.name, []).append(concern)
+        assert len(dataclasses.fields(cls)) <= 16, (cls.__name__, len(dataclasses.fields(cls)))
+    assert all(len(c) == 1 for c in counts.values()), {n: c for n, c in counts.items() if len(c) > 1}
+    assert len(dataclasses.fields(jaxppo.Config)) == len(CONCERNS) <= 12
+    # Every setting of 0.4's two flat configs has a place (its own name) or a translation.
+    assert set(PPO_FIELDS) | set(TRAINER_FIELDS) <= set(SETTINGS) | set(DEPRECATED)
+    assert not set(DEPRECATED) & set(SETTINGS)
+    # The Trainer keywords that are settings now sit with their concern.
+    assert {SETTINGS[n] for n in ("dtype", "scan_layers", "remat", "mesh", "logits_chunk_size")} == {"layout"}
+    assert SETTINGS["prompt_column"] == SETTINGS["chat_template"] == "data"
+    assert SETTINGS["transformation"] == "optimizer"
 
 
-def test_every_field_reaches_the_layer_that_reads_it_unchanged():
-    layers = {"engine": CONFIG.engine, "loss": CONFIG.loss, "rollout": CONFIG.rollout}
-    for name, layer in layers.items():
-        for field in _fields(type(layer)):
-            assert getattr(layer, field) == getattr(CONFIG, field), (name, field)
-    assert CONFIG.loss.uses_critic is False and PPOConfig().loss.uses_critic is True  # the estimator's
+def test_the_concerns_group_what_a_user_looks_for():
+    expect = {"temperature": "sampling", "top_p": "sampling", "top_k": "sampling", "stop_tokens": "sampling",
+              "kl_coef": "kl", "kl_target": "kl", "kl_horizon": "kl", "kl_estimator": "kl", "kl_loss_coef": "kl",
+              "overlong_penalty_factor": "rewards", "score_clip": "rewards", "missing_eos_penalty": "rewards",
+              "share_prompts": "layout", "common_prefix": "layout", "pack_sequences": "layout",
+              "learning_rate": "optimizer", "warmup_updates": "optimizer", "batch_size": "batch",
+              "cliprange": "loss", "advantage_estimator": "advantages", "output_dir": "run", "eval_every": "evaluation",
+              "query_length": "data", "max_turns": "environment"}
+    assert {n: SETTINGS[n] for n in expect} == expect
+
+
+
+def test_every_setting_is_described_where_it_lives_and_in_the_help():
+    """Each concern's docstring describes each of its settings (the docs' table of settings
+    and `jaxppo --help` read it), and describes nothing it does not hold."""
+    from jaxppo.cli import build_parser
+    from jaxppo.config.fields import describe
+
+    help_text = " ".join(build_parser().format_help().split())
+    for cls in CONCERNS.values():
+        described = describe(cls)
+        assert set(described) == set(cls.names()), cls.__name__
+        assert all(len(text.split()) >= 3 for text in described.values()), cls.__name__
+    words = " ".join(describe(CONCERNS["optimizer"])["warmup_updates"].split())
+    assert f"--warmup-updates N|FRACTION {words}" in help_text
+    assert describe(CONCERNS["optimizer"])["adam_beta2"] == describe(CONCERNS["optimizer"])["adam_eps"]  # one entry, two names
+
+def test_the_views_read_each_setting_from_its_concern_unchanged():
+    objective = CONFIG.objective
+    sources = {"temperature": CONFIG.sampling, "num_generations": CONFIG.advantages}
+    for f in dataclasses.fields(Objective):
+        if f.name == "uses_critic":
+            continue
+        owner = sources.get(f.name) or getattr(CONFIG, SETTINGS[f.name])
+        assert getattr(objective, f.name) == getattr(owner, f.name), f.name
+    assert objective.uses_critic is False and jaxppo.Config().objective.uses_critic is True  # the estimator's
     update = CONFIG.update
-    assert isinstance(update, UpdateConfig) and update.engine == CONFIG.engine and update.loss == CONFIG.loss
-    # Every PPOConfig field is read somewhere: by a layer's config, an estimator or the run.
-    covered = set().union(*(_fields(type(v)) for v in layers.values())) | ESTIMATOR_FIELDS | RUN_FIELDS
-    assert {f.name for f in dataclasses.fields(PPOConfig)} <= covered
+    assert isinstance(update, UpdateConfig) and update.batch is CONFIG.batch and update.objective == objective
 
 
-@pytest.mark.parametrize("change,changed", [
-    (dict(kl_coef=0.3), {"rollout"}),
-    (dict(overlong_penalty_factor=1.0, overlong_buffer=2), {"rollout"}),
-    (dict(cliprange_high=0.28), {"loss"}),
-    (dict(ppo_epochs=2), {"engine"}),
-    (dict(temperature=0.7), {"loss", "rollout"}),
-    (dict(grpo_scale="none"), set()),  # the estimator's own
+@pytest.mark.parametrize("change,loss_changes", [
+    (dict(kl_coef=0.3), False),
+    (dict(learning_rate=1e-3), False),
+    (dict(output_dir="elsewhere", iterations=3), False),
+    (dict(cliprange_high=0.28), True),
+    (dict(temperature=0.7), True),
+    (dict(kl_loss_coef=0.01), True),
 ])
-def test_a_setting_changes_only_the_layers_that_read_it(change, changed):
+def test_a_setting_the_loss_does_not_read_leaves_its_compiled_loss_as_it_was(change, loss_changes):
     other = CONFIG.replace(**change)
-    differ = {name for name in ("engine", "loss", "rollout") if getattr(other, name) != getattr(CONFIG, name)}
-    assert differ == changed
-    if "loss" not in changed:  # the loss bound for the engine is the same object: nothing retraces for it
-        assert loss_for(print, other) is loss_for(print, CONFIG)
+    assert (other.objective != CONFIG.objective) is loss_changes
+    assert (loss_for(print, other) is loss_for(print, CONFIG)) is not loss_changes
 
 
-@pytest.mark.parametrize("cls,field,value,fragment", [
-    (LossConfig, "cliprange", -1.0, "a finite real number >= 0"),
-    (LossConfig, "loss_aggregation", "sum", "one of 'token_mean'"),
-    (LossConfig, "pack_streams", 2, "None unless pack_sequences=True"),
-    (RolloutConfig, "overlong_buffer", 3, "None while overlong_penalty_factor is 0"),
-    (RolloutConfig, "kl_coef", float("nan"), "a finite real number >= 0"),
-    (EngineConfig, "target_kl", 0.0, "None (no early stopping)"),
+@pytest.mark.parametrize("concern,field,value,fragment", [
+    ("loss", "cliprange", -1.0, "a finite real number >= 0"),
+    ("loss", "loss_aggregation", "sum", "one of 'token_mean'"),
+    ("layout", "pack_streams", 2, "None unless pack_sequences=True"),
+    ("rewards", "overlong_buffer", 3, "None while overlong_penalty_factor is 0"),
+    ("kl", "kl_coef", float("nan"), "a finite real number >= 0"),
+    ("batch", "target_kl", 0.0, "None (no early stopping)"),
+    ("sampling", "top_p", 1.5, "(0, 1]"),
+    ("optimizer", "warmup_updates", 1.5, "an int >= 0 (updates) or a float in [0, 1)"),
+    ("run", "keep_checkpoints", 0, "a positive int"),
 ])
-def test_each_layers_config_checks_its_fields_and_ppo_config_names_itself(cls, field, value, fragment):
-    extra = dict(batch_size=8, mini_batch_size=4) if cls is EngineConfig else {}
-    with pytest.raises(ValueError, match=rf"^{cls.__name__}\.{field}=.* is invalid: .*{re.escape(fragment)}"):
-        cls(**extra, **{field: value})
-    with pytest.raises(ValueError, match=rf"^PPOConfig\.{field}=.* is invalid"):
+def test_each_concern_checks_its_settings_and_names_itself(concern, field, value, fragment):
+    cls = CONCERNS[concern]
+    with pytest.raises(ValueError, match=rf"^{cls.__name__}\.{field}=.* is invalid.*{re.escape(fragment)}"):
+        cls(**{field: value})
+    with pytest.raises(ValueError, match=rf"^{cls.__name__}\.{field}=.* is invalid"):  # by name, through the Config
         CONFIG.replace(**{field: value})
+
+
+@pytest.mark.parametrize("settings,names", [
+    (dict(batch_size=8, mini_batch_size=4, num_generations=3), ("BatchConfig.batch_size", "num_generations=3")),
+    (dict(advantage_estimator="grpo", num_generations=1), ("AdvantageConfig.num_generations=1", "'grpo'")),
+    (dict(importance_ratio="sequence"), ("LossConfig.importance_ratio", "AdvantageConfig.advantage_estimator='gae'")),
+    (dict(response_length=8, overlong_penalty_factor=1.0, overlong_buffer=9),
+     ("RewardConfig.overlong_buffer=9", "SamplingConfig.response_length=8")),
+    (dict(sampler_devices=1), ("LayoutConfig.sampler_devices=1", "SamplingConfig.max_staleness")),
+    (dict(inflight_updates="keep", max_staleness=1), ("SamplingConfig.inflight_updates='keep'", "num_slots")),
+    (dict(dynamic_sampling=True), ("RewardConfig.dynamic_sampling=True", "AdvantageConfig.num_generations=1")),
+    (dict(advantage_estimator="rloo", num_generations=2, shared_trunk=True), ("AdvantageConfig.shared_trunk=True",)),
+    (dict(mask_truncated_completions=True, stop_tokens=()), ("RewardConfig.mask_truncated_completions",
+                                                              "SamplingConfig.stop_tokens=()")),
+])
+def test_rules_across_concerns_are_checked_in_one_place_naming_each_setting(settings, names):
+    with pytest.raises(ValueError) as raised:
+        jaxppo.Config.from_settings(**settings)
+    for name in names:
+        assert name in str(raised.value), (name, str(raised.value))
+
+
+def test_settings_by_name_and_by_concern_build_the_same_config():
+    by_name = jaxppo.Config.from_settings(batch_size=32, mini_batch_size=8, cliprange=0.1, top_p=0.9, seed=3)
+    by_concern = jaxppo.Config(batch=jaxppo.BatchConfig(batch_size=32, mini_batch_size=8),
+                               loss=jaxppo.LossConfig(cliprange=0.1), sampling={"top_p": 0.9}, run={"seed": 3})
+    assert by_name == by_concern and hash(by_name) == hash(by_concern)
+    assert by_name.replace(loss=jaxppo.LossConfig(cliprange=0.3)).loss.cliprange == 0.3
+    assert by_name.replace(cliprange=0.3) == by_name.replace(loss=by_name.loss.replace(cliprange=0.3))
+    settings = by_name.settings()
+    assert len(settings) == len(SETTINGS) and settings["top_p"] == 0.9
+    assert jaxppo.Config.from_settings(settings) == by_name  # the flat view round-trips

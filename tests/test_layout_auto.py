@@ -35,16 +35,20 @@ def checkpoints(tmp_path_factory):
     return out
 
 
-def _tc(tmp_path, **settings):
+def _loop(tmp_path, **settings):
     base = dict(iterations=1, query_length=32, response_length=4, learning_rate=1e-3, output_dir=str(tmp_path),
                 progress=False, sample_every=0, checkpoint_every=1, export_final=False, plot=False,
-                tensorboard=False)
+                report_to="jsonl")
     base.update(settings)
-    return jaxppo.TrainerConfig(**base)
+    return base
+
+
+def _tc(tmp_path, **settings):
+    return jaxppo.Config.from_settings(**_loop(tmp_path, **settings))
 
 
 def test_auto_scans_deep_checkpoints_and_keeps_given_models(checkpoints, tmp_path):
-    tc = _tc(tmp_path)
+    tc = _tc(tmp_path).run
     assert hf_io.layer_count(checkpoints[AUTO_SCAN_MIN_LAYERS]) == AUTO_SCAN_MIN_LAYERS
     assert resolve_layout("auto", checkpoints[AUTO_SCAN_MIN_LAYERS], tc) is True
     assert resolve_layout("auto", checkpoints[AUTO_SCAN_MIN_LAYERS - 1], tc) is False
@@ -52,8 +56,8 @@ def test_auto_scans_deep_checkpoints_and_keeps_given_models(checkpoints, tmp_pat
     assert resolve_layout("auto", pair, tc) is None  # a given model keeps its own layout
     for explicit in (True, False, None):
         assert resolve_layout(explicit, checkpoints[AUTO_SCAN_MIN_LAYERS], tc) is explicit
-    with pytest.raises(ValueError, match=r"scan_layers='yes' is invalid; valid: True, False, 'auto'"):
-        resolve_layout("yes", checkpoints[AUTO_SCAN_MIN_LAYERS], tc)
+    with pytest.raises(ValueError, match=r"LayoutConfig.scan_layers='yes' is invalid; valid: True, False, 'auto'"):
+        jaxppo.LayoutConfig(scan_layers="yes")
 
 
 def test_auto_follows_the_saved_settings_of_the_run_it_resumes(checkpoints, tmp_path):
@@ -63,23 +67,23 @@ def test_auto_follows_the_saved_settings_of_the_run_it_resumes(checkpoints, tmp_
         (tmp_path / SETTINGS_FILE).write_text(json.dumps({"policy": policy}))
 
     saved({"path": deep})  # a run made unrolled (as 0.4 made every run): it stays unrolled
-    assert resolve_layout("auto", deep, _tc(tmp_path)) is False
+    assert resolve_layout("auto", deep, _tc(tmp_path).run) is False
     saved({"path": deep, "scan_layers": True})
-    assert resolve_layout("auto", checkpoints[AUTO_SCAN_MIN_LAYERS], _tc(tmp_path)) is True
+    assert resolve_layout("auto", checkpoints[AUTO_SCAN_MIN_LAYERS], _tc(tmp_path).run) is True
     saved({"path": checkpoints[AUTO_SCAN_MIN_LAYERS - 1], "scan_layers": True})  # another policy: the rule
-    assert resolve_layout("auto", deep, _tc(tmp_path)) is True
+    assert resolve_layout("auto", deep, _tc(tmp_path).run) is True
     saved({"path": deep})
-    assert resolve_layout("auto", deep, _tc(tmp_path, resume=False)) is True  # not resuming: the rule
+    assert resolve_layout("auto", deep, _tc(tmp_path, resume=False).run) is True  # not resuming: the rule
 
     # resume_from: the source run's settings, named by its directory or one of its checkpoints
     source = tmp_path / "source"
     (source / "checkpoints" / "3").mkdir(parents=True)
     (source / SETTINGS_FILE).write_text(json.dumps({"policy": {"path": deep}}))
     for named in (source, source / "checkpoints" / "3"):
-        assert resolve_layout("auto", deep, _tc(tmp_path / "new", resume_from=str(named))) is False
+        assert resolve_layout("auto", deep, _tc(tmp_path / "new", resume_from=str(named)).run) is False
     # a run directory's own settings only, not those of a folder above it
     (source / "runs" / "run").mkdir(parents=True)
-    tc = _tc(tmp_path / "other", resume_from=str(source / "runs" / "run"))
+    tc = _tc(tmp_path / "other", resume_from=str(source / "runs" / "run")).run
     assert resolve_layout("auto", deep, tc) is True
 
 
@@ -92,11 +96,11 @@ def test_a_run_made_unrolled_resumes_unrolled_under_the_default(tmp_path, capsys
     tokenizer = demo.demo_tokenizer()
     deep = str(tmp_path / "two_layers")
     hf_io.save_pretrained(*demo.demo_policy(tokenizer, width=8, layers=2, max_len=48), deep)
-    ppo = jaxppo.PPOConfig(batch_size=4, mini_batch_size=2, ppo_epochs=1, kl_coef=0.0)
+    ppo = jaxppo.Config.from_settings(batch_size=4, mini_batch_size=2, ppo_epochs=1, kl_coef=0.0)
 
     def trainer(out, iterations, **layout):
-        return jaxppo.PPOTrainer(ppo, _tc(out, iterations=iterations), policy=deep, tokenizer=tokenizer,
-                                 prompts=demo.DEMO_PROMPTS, reward_fn=demo.lowercase_reward, **layout)
+        return jaxppo.Trainer(ppo.replace(**_loop(out, iterations=iterations), **layout), policy=deep,
+                              tokenizer=tokenizer, prompts=demo.DEMO_PROMPTS, reward_fns=demo.lowercase_reward)
 
     scanned = trainer(tmp_path / "auto", 1)
     assert scanned.parts.models.policy_model.scan_layers

@@ -71,9 +71,9 @@ def test_loss_and_gradients_equal_the_full_logits_path(kind, model_type, tie, ch
     apply_fn, params = _models(kind, model_type, tie, chunk)
     assert scorer(apply_fn) is not None
     batch = _batch()
-    config = jaxppo.PPOConfig(batch_size=4, mini_batch_size=4, temperature=0.7, ent_coef=ent_coef, cliprange=0.1)
+    config = jaxppo.Config.from_settings(batch_size=4, mini_batch_size=4, temperature=0.7, ent_coef=ent_coef, cliprange=0.1)
 
-    outs = [jaxppo.response_outputs(fn, params, batch, 0.7) for fn in (apply_fn, _full_logits(apply_fn))]
+    outs = [jaxppo.update.response_outputs(fn, params, batch, 0.7) for fn in (apply_fn, _full_logits(apply_fn))]
     for a, b in zip(*outs):  # log-probs, values, entropies
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
 
@@ -96,12 +96,12 @@ def test_train_step_with_chunked_head_equals_full_logits():
     rollout = jaxppo.RolloutBatch(query_tokens=b["query_tokens"], query_mask=b["query_mask"],
                                   response_tokens=b["response_tokens"], response_mask=b["response_mask"],
                                   logprobs=b["logprobs"], values=b["values"], rewards=b["advantages"])
-    config = jaxppo.PPOConfig(batch_size=4, mini_batch_size=2, ppo_epochs=2, temperature=0.9)
+    config = jaxppo.Config.from_settings(batch_size=4, mini_batch_size=2, ppo_epochs=2, temperature=0.9)
     outs = []
     for fn in (apply_fn, _full_logits(apply_fn)):
         state = jaxppo.TrainState.create(apply_fn=fn, params=params, tx=optax.adam(1e-2, eps=1e-3))
         outs.append(jaxppo.train_step(state, rollout, jax.random.key(0), config))
-    assert int(outs[0][0].step) == int(outs[1][0].step) == config.updates_per_step
+    assert int(outs[0][0].step) == int(outs[1][0].step) == config.batch.updates_per_step
     for a, b in zip(jax.tree.leaves(outs[0][0].params), jax.tree.leaves(outs[1][0].params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
 
@@ -140,7 +140,7 @@ def _loss_grad_temp_bytes(chunk):
     batch = {"query_tokens": spec((b, q), jnp.int32), "query_mask": spec((b, q), jnp.int32),
              "response_tokens": spec((b, r), jnp.int32), "response_mask": spec((b, r), jnp.int32),
              "logprobs": spec((b, r)), "values": spec((b, r)), "advantages": spec((b, r)), "returns": spec((b, r))}
-    config = jaxppo.PPOConfig(batch_size=4, mini_batch_size=4)
+    config = jaxppo.Config.from_settings(batch_size=4, mini_batch_size=4)
     grad = jax.jit(jax.grad(lambda p, mb: ppo_loss(p, mb, apply_fn=fn, config=config)[0]))
     return grad.lower(params, batch).compile().memory_analysis().temp_size_in_bytes
 

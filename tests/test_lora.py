@@ -116,19 +116,19 @@ def test_every_algorithm_trains_only_the_adapters(tmp_path, name):
     """One iteration of each algorithm with LoRA: the first update is on-policy, the frozen
     base is bit-identical afterwards, the optimizer state covers the adapters (and the
     critic) only, and the reference (adapters off) scores exactly as the initial policy."""
-    ppo = jaxppo.PPOConfig.for_algorithm(name, batch_size=8, mini_batch_size=8, ppo_epochs=1,
+    ppo = jaxppo.Config.for_algorithm(name, batch_size=8, mini_batch_size=8, ppo_epochs=1,
                                          num_generations=1 if name in ("ppo", "reinforce_pp") else 4,
                                          # 6-token completions rarely stop: DAPO's masking of truncated ones
                                          # would leave no token to measure the ratio on (tests/test_shaping.py
                                          # runs the preset with it)
                                          mask_truncated_completions=False)
-    if ppo.kl_coef == 0 and ppo.kl_loss_coef == 0:
-        ppo = dataclasses.replace(ppo, kl_loss_coef=0.01)  # so that every run has a reference
+    if ppo.kl.kl_coef == 0 and ppo.kl.kl_loss_coef == 0:
+        ppo = ppo.replace(kl_loss_coef=0.01)  # so that every run has a reference
     lora = jm.LoraConfig(rank=2, alpha=4, targets="all-linear")
     trainer = grpo_trainer(tmp_path, ppo=ppo, lora=lora)
     policy0 = demo.demo_policy(demo.demo_tokenizer(), width=32, layers=1, max_len=38)
     state0 = jax.tree.map(np.asarray, trainer.state.params)
-    assert trainer.ref_params is None and trainer.spec.ref_is_policy
+    assert trainer.parts.ref_params is None and trainer.parts.spec.ref_is_policy
     row = trainer.step()
     assert_on_policy(row)
     assert row["ppo/updates_applied"] == 1
@@ -148,16 +148,16 @@ def test_every_algorithm_trains_only_the_adapters(tmp_path, name):
         sum(x.size for x in jax.tree.leaves(params["lora"]))
 
     # Reference log-probs (adapters off, trained adapters in place) equal the initial policy's.
-    q, qm = trainer.prompt_ids[:4], trainer.prompt_mask[:4]
+    q, qm = trainer.parts.table.ids[:4], trainer.parts.table.mask[:4]
     r = jnp.asarray(np.random.default_rng(0).integers(2, 50, (4, 6)))
     rm = jnp.ones_like(r)
-    ref = trainer.spec.ref_apply.response_outputs(params, q, qm, r, rm, 1.0)[0]
+    ref = trainer.parts.spec.ref_apply.response_outputs(params, q, qm, r, rm, 1.0)[0]
     initial = policy0[0].response_outputs(policy0[1], q, qm, r, rm, 1.0)[0]
     np.testing.assert_array_equal(np.asarray(ref), np.asarray(initial))
 
 
 def test_engine_trains_only_what_freeze_leaves_and_accumulates_equally():
-    """`jaxppo.Freeze` at the engine level: gradients and optimizer state for the trained
+    """`jaxppo.update.Freeze` at the engine level: gradients and optimizer state for the trained
     leaves only, frozen leaves untouched; gradient accumulation 1 and 2 give the same
     adapters; scanned and unrolled layers the same adapters."""
     cfg = jm.ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -172,15 +172,15 @@ def test_engine_trains_only_what_freeze_leaves_and_accumulates_equally():
                                   response_mask=jnp.asarray(np.arange(5)[None] < rng.integers(1, 6, (b, 1)), jnp.int32),
                                   logprobs=jnp.asarray(rng.normal(-3, 0.3, (b, 5)), jnp.float32),
                                   values=jnp.zeros((b, 5)), rewards=jnp.asarray(rng.normal(0, 1, (b, 5)), jnp.float32))
-    freeze = jaxppo.Freeze(prefixes=(("params",),))
+    freeze = jaxppo.update.Freeze(prefixes=(("params",),))
 
     def run(model, variables, accumulation):
-        config = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=b, mini_batch_size=4, ppo_epochs=2, kl_loss_coef=0.0,
+        config = jaxppo.Config.for_algorithm("grpo", batch_size=b, mini_batch_size=4, ppo_epochs=2, kl_loss_coef=0.0,
                                                 num_generations=4, gradient_accumulation_steps=accumulation)
         state = jaxppo.TrainState.create(apply_fn=model.apply, params=variables, tx=optax.adam(1e-2), freeze=freeze)
         assert jax.tree.structure(state.opt_state[0].mu) == jax.tree.structure(freeze.trained(variables))
         state, _ = jaxppo.train_step(state, rollout, jax.random.key(2), config)
-        assert int(state.step) == config.updates_per_step
+        assert int(state.step) == config.batch.updates_per_step
         return state.params
 
     one = run(lora_model, variables, 1)
@@ -213,7 +213,7 @@ def test_lora_resume_checkpoints_adapters_only(tmp_path):
     """A LoRA PPO run with a value head on the policy trunk, interrupted and resumed, gives
     the uninterrupted metrics; its checkpoints hold no base weights."""
     lora = jm.LoraConfig(rank=2, alpha=2, targets=("c_attn",))
-    ppo = jaxppo.PPOConfig(batch_size=8, mini_batch_size=4, ppo_epochs=1, kl_coef=0.05)
+    ppo = jaxppo.Config.from_settings(batch_size=8, mini_batch_size=4, ppo_epochs=1, kl_coef=0.05)
     kw = dict(ppo=ppo, lora=lora, trainer=dict(checkpoint_every=1, shared_trunk=True))
     straight = grpo_trainer(tmp_path / "a", iterations=3, **kw).train()
     grpo_trainer(tmp_path / "b", iterations=2, **kw).train()
@@ -233,16 +233,16 @@ def test_lora_resume_checkpoints_adapters_only(tmp_path):
 def test_command_line_lora_flags_and_trainer_errors(tmp_path):
     from jaxppo.cli import model_options, resolve
 
-    _, _, extras = resolve(["--lora-rank", "16", "--lora-targets", "q_proj, v_proj"])
+    _, extras = resolve(["--lora-rank", "16", "--lora-targets", "q_proj, v_proj"])
     assert model_options(extras)["lora"] == jm.LoraConfig(rank=16, alpha=32.0, targets=("q_proj", "v_proj"))
     with pytest.raises(SystemExit, match="--lora-alpha need --lora-rank"):
         resolve(["--lora-alpha", "8"])
     with pytest.raises(SystemExit, match="--lora-rank 0 is invalid"):
         resolve(["--lora-rank", "0"])
     with pytest.raises(SystemExit, match="drop --lora-rank"):
-        model_options(resolve(["--lora-rank", "4", "--lora-init", str(tmp_path)])[2])
+        model_options(resolve(["--lora-rank", "4", "--lora-init", str(tmp_path)])[1])
     with pytest.raises(SystemExit, match="'all-linear' stands alone"):
-        model_options(resolve(["--lora-rank", "4", "--lora-targets", "all-linear,c_fc"])[2])
+        model_options(resolve(["--lora-rank", "4", "--lora-targets", "all-linear,c_fc"])[1])
 
     # The trainer: an adapter directory and different LoRA settings; a policy that already
     # has adapters given with lora=; a target the policy does not have.

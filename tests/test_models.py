@@ -192,14 +192,14 @@ def test_value_heads(hf_checkpoints):
     state = jaxppo.TrainState.create(apply_fn=apply_fn, params={"policy": lm_params, "critic": critic_params},
                                      tx=optax.multi_transform({"policy": optax.adam(1e-4), "critic": optax.adam(1e-3)},
                                                               {"policy": "policy", "critic": "critic"}))
-    config = jaxppo.PPOConfig(batch_size=4, mini_batch_size=2, ppo_epochs=1)
+    config = jaxppo.Config.from_settings(batch_size=4, mini_batch_size=2, ppo_epochs=1)
     q = jnp.asarray(hf_models.left_padded_batch(np.random.default_rng(8), 4, 5)[0])
     qm = (q != 0).astype(jnp.int32).at[:, -1].set(1)
     gen = generate(lm, lm_params, q, qm, jax.random.key(1), response_length=4)
     rollout = jaxppo.RolloutBatch(query_tokens=q, query_mask=qm, response_tokens=gen.tokens, response_mask=gen.mask,
                                   logprobs=gen.logprobs, values=jnp.zeros((4, 4)), rewards=jnp.ones((4, 4)))
     state, metrics = jaxppo.train_step(state, rollout, jax.random.key(2), config)
-    assert int(state.step) == config.updates_per_step
+    assert int(state.step) == config.batch.updates_per_step
     # The sampler's log-probs are the ones the loss computes: the first update sees ratio 1.
     np.testing.assert_allclose(float(metrics["per_minibatch/val/ratio"][0, 0]), 1.0, atol=1e-5)
 

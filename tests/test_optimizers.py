@@ -1,8 +1,9 @@
-"""The optimizers (`TrainerConfig.weight_decay`, `adam_beta1/2`, `lr_schedule`,
-`min_lr_ratio`, `warmup_ratio`; `Trainer(optimizer=...)`): the built-in AdamW and its
-schedules step by step against AdamW and the schedule written in numpy from their
-formulas; decay only where the mask says; a custom optax optimizer in the trainer; bad
-settings refused."""
+"""The optimizer, built in one place (`jaxppo.config.optimizer.build_optimizer` from an
+`OptimizerConfig`: `weight_decay`, `adam_beta1/2`, `lr_schedule`, `min_lr_ratio`,
+`warmup_updates`, `transformation`): the built-in AdamW and its schedules step by step against
+AdamW and the schedule written in numpy from their formulas; decay only where the mask says;
+the warm-up as a count or a fraction; a custom optax optimizer in the trainer; bad settings
+refused."""
 
 import math
 
@@ -13,7 +14,7 @@ import optax
 import pytest
 
 import jaxppo
-from jaxppo.run.assembly import base_optimizer, schedule
+from jaxppo.config.optimizer import build_optimizer, schedule
 
 from trainer_setup import small_trainer
 
@@ -51,12 +52,11 @@ def test_schedules_equal_their_formulas(kind):
 
 @pytest.mark.parametrize("mask", ["matrices", "all"])
 def test_adamw_step_by_step_equals_adamw_written_in_numpy(mask):
-    tc = jaxppo.TrainerConfig(learning_rate=1e-2, weight_decay=0.1, weight_decay_mask=mask, adam_beta1=0.8,
-                              adam_beta2=0.95, adam_eps=1e-6, max_grad_norm=None, lr_schedule="cosine_with_min_lr",
-                              min_lr_ratio=0.1)
     total, warmup = 12, 3
-    lr = schedule(tc.learning_rate, tc.lr_schedule, warmup, total, tc.min_lr_ratio)
-    tx = base_optimizer(lr, tc)
+    c = jaxppo.OptimizerConfig(learning_rate=1e-2, weight_decay=0.1, weight_decay_mask=mask, adam_beta1=0.8,
+                               adam_beta2=0.95, adam_eps=1e-6, max_grad_norm=None, lr_schedule="cosine_with_min_lr",
+                               min_lr_ratio=0.1, warmup_updates=warmup)
+    lr, tx = build_optimizer(c, total, critic=False)
     rng = np.random.default_rng(0)
     params = _tree(rng)
     state = tx.init(params)
@@ -86,9 +86,9 @@ def test_adamw_step_by_step_equals_adamw_written_in_numpy(mask):
 def test_weight_decay_reaches_only_the_masked_parameters():
     """With zero gradients only decay moves a parameter: the kernels and LoRA matrices
     shrink, embeddings, norms and biases stay."""
-    tc = jaxppo.TrainerConfig(learning_rate=0.1, weight_decay=0.5, max_grad_norm=None)
     params = _tree(np.random.default_rng(1))
-    tx = base_optimizer(tc.learning_rate, tc)
+    _, tx = build_optimizer(jaxppo.OptimizerConfig(learning_rate=0.1, weight_decay=0.5, max_grad_norm=None), 10,
+                            critic=False)
     updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
     for path, u in jax.tree_util.tree_leaves_with_path(updates):
         moved = bool(np.any(np.asarray(u) != 0))
@@ -111,7 +111,25 @@ def test_a_custom_optax_optimizer_trains_and_the_settings_are_checked(tmp_path):
     assert any(jax.tree.leaves(changed))
     with pytest.raises(jaxppo.RunError, match=r"optimizer: was .*sgd.*, now .*<lambda>"):
         small_trainer(tmp_path / "run", iterations=2, optimizer=lambda lr: optax.sgd(lr), export_final=False).train()
-    with pytest.raises(TypeError, match=r"optimizer=3 is invalid: an optax GradientTransformation"):
+    with pytest.raises(TypeError, match=r"OptimizerConfig.transformation=3 is invalid: None \(the built-in "
+                                        r"Adam/AdamW\), an optax GradientTransformation"):
         small_trainer(tmp_path / "other", optimizer=3)
     with pytest.raises(TypeError, match=r"returned str; give an optax GradientTransformation"):
         small_trainer(tmp_path / "other", optimizer=lambda lr: "adam")
+
+
+def test_the_warm_up_as_a_count_or_a_fraction_of_the_run():
+    """`warmup_updates` an int is that many updates; a float in (0, 1) that fraction of the
+    run's updates, rounded up (0.4's `warmup_ratio`, deprecated, reads as it)."""
+    c = jaxppo.OptimizerConfig(warmup_updates=0.25, lr_schedule="linear", learning_rate=1.0)
+    assert c.warmup_for(10) == 3 and c.warmup_is_fraction
+    lr, _ = build_optimizer(c, 10, critic=False)
+    assert [float(lr(t)) for t in (0, 3)] == [0.0, 1.0] and 0 < float(lr(1)) < float(lr(2)) < 1
+    assert jaxppo.OptimizerConfig(warmup_updates=3).warmup_for(10) == 3
+    with pytest.warns(DeprecationWarning, match=r"warmup_ratio -> warmup_updates=<the same float>"):
+        assert jaxppo.Config.from_settings(warmup_ratio=0.25).optimizer.warmup_updates == 0.25
+    with pytest.raises(ValueError, match=r"warmup_ratio=0.1 and warmup_updates=4 both set the warm-up"):
+        jaxppo.Config.from_settings(warmup_ratio=0.1, warmup_updates=4)
+    for bad in (-1, 1.0, 1.5, "3"):
+        with pytest.raises(ValueError, match=r"OptimizerConfig.warmup_updates=.* is invalid"):
+            jaxppo.OptimizerConfig(warmup_updates=bad)

@@ -13,12 +13,12 @@ import pytest
 
 import jaxppo
 import jaxppo.models as jm
-import jaxppo.run.save_restore
-from jaxppo import PPOConfig, RolloutBatch, TrainState, train_step
+import jaxppo.run.directory
+from jaxppo import Config, RolloutBatch, TrainState, train_step
 from jaxppo.algorithms import ALGORITHMS
 from jaxppo.update import packing
 from jaxppo.update.batch import response_outputs
-from jaxppo.update.engine import minibatch_indices
+from jaxppo.update.minibatches import minibatch_indices
 from jaxppo.update.ppo import minibatch_group
 from jaxppo.update.losses import LOSS_AGGREGATIONS
 
@@ -203,16 +203,16 @@ def make_rollout(model, params, b, seed=0):
 
 def config_for(name, **changes):
     sizes = dict(batch_size=16, mini_batch_size=8, ppo_epochs=2)
-    if PPOConfig.for_algorithm(name, **sizes).num_generations > 1:
+    if Config.for_algorithm(name, **sizes).advantages.num_generations > 1:
         sizes["num_generations"] = 4
-    return PPOConfig.for_algorithm(name, **{**sizes, **changes})
+    return Config.for_algorithm(name, **{**sizes, **changes})
 
 
 def packed_against_padded(model, params, config, streams=None, *, freeze=None, rollout=None):
     """(padded state, packed state, padded metrics, packed metrics) after one train_step;
     streams None: the fewest every micro-batch fits in (`minibatch_streams`), checked to be
     fewer than the micro-batch's rows."""
-    rollout = rollout if rollout is not None else make_rollout(model, params, config.batch_size)
+    rollout = rollout if rollout is not None else make_rollout(model, params, config.batch.batch_size)
     key = jax.random.key(4)
     # Packing runs every row: compared with the padded path running every row too (each
     # group's prompt once, the padded default, is tested in test_shared_prompts.py).
@@ -220,8 +220,8 @@ def packed_against_padded(model, params, config, streams=None, *, freeze=None, r
     if streams is None:
         lengths = np.asarray(packing.row_lengths({"query_mask": rollout.query_mask,
                                                   "response_mask": rollout.response_mask}))
-        streams = packing.minibatch_streams(lengths, minibatch_indices(key, config, minibatch_group(config)), config.micro_batch_size, Q + R)
-        assert streams < config.micro_batch_size
+        streams = packing.minibatch_streams(lengths, minibatch_indices(key, config, minibatch_group(config)), config.batch.micro_batch_size, Q + R)
+        assert streams < config.batch.micro_batch_size
     out = []
     for cfg in (config, config.replace(pack_sequences=True, pack_streams=streams)):
         state = TrainState.create(apply_fn=model, params=params, tx=optax.sgd(0.5), freeze=freeze)
@@ -283,7 +283,7 @@ def test_train_step_packed_equals_padded_with_lora():
 
 
 def jaxppo_freeze():
-    from jaxppo import Freeze
+    from jaxppo.update import Freeze
 
     return Freeze(prefixes=(("params",),), unless=(("params", "value_head"),))
 
@@ -303,7 +303,7 @@ def test_packing_settings_are_checked_before_compiling(shared):
     rollout = make_rollout(model.apply, params, 16)
     state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.1))
     cases = [
-        (dict(pack_sequences=True), "needs PPOConfig.pack_streams"),
+        (dict(pack_sequences=True), "needs LayoutConfig.pack_streams"),
         (dict(pack_sequences=True, pack_streams=2, pack_length=Q + R - 1), "shorter than the rollout's padded width"),
     ]
     for changes, message in cases:
@@ -331,7 +331,7 @@ def test_trainer_packed_equals_padded_and_chooses_streams_that_fit(tmp_path):
     histories = []
     for pack in (False, True):
         packed = dict(pack_sequences=True, pack_length=96) if pack else {}  # streams of 96 > Q + R = 38
-        ppo = PPOConfig(batch_size=16, mini_batch_size=8, ppo_epochs=2, kl_coef=0.1, **packed)
+        ppo = Config.from_settings(batch_size=16, mini_batch_size=8, ppo_epochs=2, kl_coef=0.1, **packed)
         history, trainer = run_small(tmp_path / str(pack), iterations=2, ppo=ppo)
         histories.append(history)
     for padded, packed in zip(*histories):
@@ -340,5 +340,5 @@ def test_trainer_packed_equals_padded_and_chooses_streams_that_fit(tmp_path):
             assert packed[name] == pytest.approx(padded[name], rel=1e-3, abs=1e-6), name
         assert packed["packing/overflow"] == 0.0
         assert 1 <= packed["packing/streams"] < 8 and 0 < packed["packing/fill"] <= 1
-    settings = jaxppo.run.save_restore.run_settings(trainer.config, trainer.tc, 2, {})
-    assert "pack_sequences" not in settings["ppo"]  # packing may change on resume: same math
+    settings = jaxppo.run.directory.run_settings(trainer.config, 2, {})
+    assert "pack_sequences" not in settings.get("layout", {})  # packing may change on resume: same math

@@ -14,8 +14,8 @@ import jaxppo
 import jaxppo.models as jm
 from jaxppo import demo
 from jaxppo.rollout.environments import StepResult
-from jaxppo.run import stages
-from jaxppo.run.pipeline import Pipeline, version_of
+from jaxppo.run import iteration
+from jaxppo.run.pipeline import Producer, version_of
 
 from trainer_setup import require_devices, small_trainer
 
@@ -45,12 +45,12 @@ class TwoTurns:
 
 CASES = {  # name: (max_staleness, trainer settings)
     "ppo-k1": (1, dict()),
-    "grpo-lora-k1": (1, dict(ppo=jaxppo.PPOConfig.for_algorithm("grpo", **GRPO),
+    "grpo-lora-k1": (1, dict(ppo=jaxppo.Config.for_algorithm("grpo", **GRPO),
                              lora=jm.LoraConfig(rank=4, alpha=8, targets="all-linear"))),
-    "grpo-dynamic-k2": (2, dict(ppo=jaxppo.PPOConfig.for_algorithm("grpo", **GRPO), reward_fn=scripted,
+    "grpo-dynamic-k2": (2, dict(ppo=jaxppo.Config.for_algorithm("grpo", **GRPO), reward_fns=scripted,
                                 dynamic_sampling=True)),
-    "grpo-environment-k1": (1, dict(ppo=jaxppo.PPOConfig.for_algorithm("grpo", **GRPO), environment=TwoTurns,
-                                    reward_fn=None, response_length=10, turn_length=4, max_turns=2, max_len=48)),
+    "grpo-environment-k1": (1, dict(ppo=jaxppo.Config.for_algorithm("grpo", **GRPO), environment=TwoTurns,
+                                    reward_fns=None, response_length=10, turn_length=4, max_turns=2, max_len=48)),
 }
 
 
@@ -63,10 +63,10 @@ def sequential(trainer, iterations: int, k: int):
         run = trainer.run
         k_sample, k_train = run.iteration_keys(i)
         view = run.replace(train=run.train.replace(params=versions[version_of(i, k)]))
-        batch, gen, _, scores, _, consumed = trainer.collector.collect(view, i, k_sample)
-        built = stages.build_rollout(trainer.spec, run.train.params, trainer.ref_params, trainer.reward_params,
+        batch, gen, _, scores, _, consumed, _ = trainer.parts.collector.collect(view, i, k_sample)
+        built = iteration.build(trainer.parts.spec, run.train.params, trainer.parts.ref_params, trainer.parts.reward_params,
                                      batch, gen, scores, run)
-        new_run, device = stages.update(run, built, k_train, trainer.train_step, trainer.config)
+        new_run, device = iteration.update(run, built, k_train, trainer.train_step, trainer.config)
         trainer.run = new_run.replace(prompts_consumed=consumed)
         versions.append(jax.tree.map(jnp.copy, trainer.run.train.params))
         rows.append({name: float(value) for name, value in jax.device_get(device).items()})
@@ -78,7 +78,7 @@ def test_pipelined_run_is_the_loop_that_samples_k_iterations_behind(tmp_path, ca
     k, settings = CASES[case]
     trainer = small_trainer(tmp_path / "pipelined", iterations=ITERATIONS, max_staleness=k, export_final=False,
                             **settings)
-    assert not trainer.spec.sampler_logprobs_used  # stale samples: old log-probs recomputed at update time
+    assert not trainer.parts.spec.sampler_logprobs_used  # stale samples: old log-probs recomputed at update time
     history = trainer.train()
     reference = small_trainer(tmp_path / "sequential", iterations=ITERATIONS, old_logprobs="recompute",
                               export_final=False, **settings)
@@ -100,7 +100,7 @@ def test_pipelined_run_is_the_loop_that_samples_k_iterations_behind(tmp_path, ca
 
 def trainer_sampled(trainer):
     """(iteration, version) of each batch the producer sampled, in order."""
-    return trainer.pipelined.pipeline.sampled
+    return trainer.parts.pipeline.producer.sampled
 
 
 def test_k0_is_the_synchronous_loop(tmp_path):
@@ -108,9 +108,9 @@ def test_k0_is_the_synchronous_loop(tmp_path):
     run state or its checkpoint, the sampler's own log-probs, no staleness metrics; an
     explicit 0 is the default bit for bit."""
     default = small_trainer(tmp_path / "default", iterations=2, export_final=False)
-    assert default.tc.max_staleness == 0 and default.spec.sampler_logprobs_used
+    assert default.config.sampling.max_staleness == 0 and default.parts.spec.sampler_logprobs_used
     rows = default.train()
-    assert default.pipelined is None and default.run.behind is None
+    assert default.parts.pipeline is None and default.run.behind is None
     assert "behind" not in default.run.checkpoint_tree()
     assert not any(name.startswith("rollout/") for name in rows[0])
     explicit = small_trainer(tmp_path / "explicit", iterations=2, export_final=False, max_staleness=0).train()
@@ -124,7 +124,7 @@ def test_a_failed_snapshot_refuses_every_later_sample(tmp_path):
     its checkpoint and metrics are those of iteration 2, and nothing is sampled from older
     weights for iteration 3 (k = 1: it needs version 2)."""
     trainer = small_trainer(tmp_path, iterations=6, max_staleness=1, export_final=False)
-    take, calls = trainer.pipelined.snapshots.take, []
+    take, calls = trainer.parts.pipeline.snapshots.take, []
 
     def failing(train):
         calls.append(1)
@@ -132,15 +132,15 @@ def test_a_failed_snapshot_refuses_every_later_sample(tmp_path):
             raise RuntimeError("device to device copy failed (injected)")
         return take(train)
 
-    trainer.pipelined.snapshots.take = failing
+    trainer.parts.pipeline.snapshots.take = failing
     with pytest.raises(jaxppo.RunError, match=r"iteration 2: the parameters of iteration 2 could not be handed to "
                                                r"the sampler \(RuntimeError: device to device copy failed"):
         trainer.train()
     assert trainer.iteration == 2 and len(trainer.history) == 2
     assert max(i for i, _ in trainer_sampled(trainer)) <= 2  # iteration 3 needs version 2: never sampled
     resumed = small_trainer(tmp_path, iterations=6, max_staleness=1, export_final=False)
-    assert resumed.open_run() == 2
-    resumed.close_run()
+    assert resumed.directory.open(resumed.run, resumed.settings()).iteration == 2
+    resumed.directory.close()
 
 
 def test_a_reward_error_stops_the_run_at_its_own_iteration(tmp_path):
@@ -155,7 +155,7 @@ def test_a_reward_error_stops_the_run_at_its_own_iteration(tmp_path):
             raise ZeroDivisionError("injected")
         return demo.lowercase_reward(prompts, responses)
 
-    trainer = small_trainer(tmp_path, iterations=5, max_staleness=1, export_final=False, reward_fn=reward)
+    trainer = small_trainer(tmp_path, iterations=5, max_staleness=1, export_final=False, reward_fns=reward)
     with pytest.raises(jaxppo.RewardError, match=r"iteration 2: reward function '.*reward' raised ZeroDivisionError: "
                                                  r"injected .*nothing was updated"):
         trainer.train()
@@ -173,13 +173,13 @@ def test_a_skipped_iteration_hands_on_its_unchanged_parameters(tmp_path):
         scores = demo.lowercase_reward(prompts, responses)
         return [float("nan")] * len(scores) if len(calls) == 2 else scores
 
-    trainer = small_trainer(tmp_path, iterations=4, max_staleness=1, export_final=False, reward_fn=reward,
+    trainer = small_trainer(tmp_path, iterations=4, max_staleness=1, export_final=False, reward_fns=reward,
                             skip_nonfinite_scores=True)
     with pytest.warns(RuntimeWarning, match="iteration 1 skipped"):
         rows = trainer.train()
     assert [r["ppo/updates_applied"] for r in rows] == [4, 0, 4, 4]
     assert [rows[i]["rollout/policy_version"] for i in (0, 2, 3)] == [0, 1, 2]
-    assert trainer.skipped_iterations == 1 and trainer_sampled(trainer) == [(0, 0), (1, 0), (2, 1), (3, 2)]
+    assert trainer.run.skipped_iterations == 1 and trainer_sampled(trainer) == [(0, 0), (1, 0), (2, 1), (3, 2)]
 
 
 def test_split_mesh_matches_one_device(tmp_path):
@@ -187,15 +187,15 @@ def test_split_mesh_matches_one_device(tmp_path):
     four, snapshots moved device to device; the same metrics and parameters as one device
     with the same k."""
     require_devices(8)
-    ppo = jaxppo.PPOConfig.for_algorithm("grpo", **GRPO)
+    ppo = jaxppo.Config.for_algorithm("grpo", **GRPO)
     single = small_trainer(tmp_path / "single", iterations=3, max_staleness=1, ppo=ppo, export_final=False)
     expected = single.train()
     split = small_trainer(tmp_path / "split", iterations=3, max_staleness=1, ppo=ppo, export_final=False,
                           sampler_devices=4)
-    assert split.sampler_mesh.devices.size == 4 and split.mesh.devices.size == 4
-    assert not set(split.sampler_mesh.devices.flat) & set(split.mesh.devices.flat)
+    assert split.parts.sampler_mesh.devices.size == 4 and split.parts.mesh.devices.size == 4
+    assert not set(split.parts.sampler_mesh.devices.flat) & set(split.parts.mesh.devices.flat)
     rows = split.train()
-    assert {d for leaf in jax.tree.leaves(split.run.behind) for d in leaf.devices()} == set(split.sampler_mesh.devices.flat)
+    assert {d for leaf in jax.tree.leaves(split.run.behind) for d in leaf.devices()} == set(split.parts.sampler_mesh.devices.flat)
     for a, b in zip(expected, rows):
         assert a["reward"] == b["reward"]
         for name in ("loss/total_avg", "policy/approxkl_avg", "sampling/importance_sampling_ratio/mean"):
@@ -207,11 +207,11 @@ def test_split_mesh_matches_one_device(tmp_path):
 @pytest.mark.parametrize("settings, message", [
     (dict(max_staleness=-1), r"max_staleness=-1 is invalid: max_staleness must be an int >= 0"),
     (dict(max_staleness=1.5), r"max_staleness=1.5 is invalid"),
-    (dict(sampler_devices=2), r"sampler_devices=2 .* set max_staleness >= 1"),
+    (dict(sampler_devices=2), r"sampler_devices=2 .* set SamplingConfig.max_staleness >= 1"),
 ], ids=["negative", "float", "split-without-pipeline"])
 def test_bad_pipeline_settings_are_refused(settings, message):
     with pytest.raises(ValueError, match=message):
-        jaxppo.TrainerConfig(**settings)
+        jaxppo.Config.from_settings(**settings)
 
 
 def test_split_mesh_settings_are_refused_before_anything_compiles(tmp_path):
@@ -234,9 +234,9 @@ def test_inflight_updates_take_newer_versions_within_the_bound(tmp_path, monkeyp
     versions while it generates: tokens come from newer versions than the iteration
     started from, every token's version lies between max(0, i - k) and i, and the run
     trains to the end."""
-    newest = Pipeline._newest
-    monkeypatch.setattr(Pipeline, "_newest", lambda self, iteration: (time.sleep(0.05), newest(self, iteration))[1])
-    ppo = jaxppo.PPOConfig.for_algorithm("grpo", **GRPO)
+    newest = Producer._newest
+    monkeypatch.setattr(Producer, "_newest", lambda self, iteration: (time.sleep(0.05), newest(self, iteration))[1])
+    ppo = jaxppo.Config.for_algorithm("grpo", **GRPO)
     trainer = small_trainer(tmp_path, iterations=5, max_staleness=2, ppo=ppo, export_final=False, num_slots=4,
                             inflight_updates=on_update, inflight_steps=1)
     rows = trainer.train()
@@ -249,11 +249,11 @@ def test_inflight_updates_take_newer_versions_within_the_bound(tmp_path, monkeyp
 
 @pytest.mark.parametrize("settings, message", [
     (dict(inflight_updates="later", max_staleness=1, num_slots=4), r"inflight_updates='later' is invalid"),
-    (dict(inflight_updates="keep", max_staleness=1), r"it needs num_slots \(the continuous sampler\)"),
-    (dict(inflight_updates="keep", num_slots=4), r"it needs max_staleness >= 1"),
+    (dict(inflight_updates="keep", max_staleness=1), r"it needs SamplingConfig.num_slots \(the continuous sampler\)"),
+    (dict(inflight_updates="keep", num_slots=4), r"it needs SamplingConfig.max_staleness >= 1"),
     (dict(inflight_updates="keep", max_staleness=1, num_slots=4, inflight_steps=0),
      r"inflight_steps=0 is invalid: inflight_steps must be a positive int"),
 ], ids=["unknown", "no-slots", "no-pipeline", "steps"])
 def test_bad_inflight_settings_are_refused(settings, message):
     with pytest.raises(ValueError, match=message):
-        jaxppo.TrainerConfig(**settings)
+        jaxppo.Config.from_settings(**settings)

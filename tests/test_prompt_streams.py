@@ -1,5 +1,5 @@
 """Prompts that stream (`jaxppo.rollout.prompts.PromptStream`), mixtures with weights
-(`jaxppo.mix_prompts`) and over-long prompts filtered out (`overlong_prompts="filter"`).
+(`jaxppo.rollout.mix_prompts`) and over-long prompts filtered out (`overlong_prompts="filter"`).
 
 The references are plain: the prompts a run must see are computed here by walking the
 source in a Python loop (with the tokenizer's own lengths for the filter), and a resumed
@@ -40,7 +40,7 @@ class Seen:
 
 def _run(path, source, iterations, reward=None, **settings):
     reward = reward or Seen()
-    trainer = small_trainer(path, iterations=iterations, prompts=source, reward_fn=reward,
+    trainer = small_trainer(path, iterations=iterations, prompts=source, reward_fns=reward,
                             overlong_prompts="filter", **settings)
     return trainer.train(), reward, trainer
 
@@ -64,10 +64,10 @@ def test_a_stream_is_read_in_order_filtered_walked_again_and_resumed_exactly(tmp
     timing = {k for k in whole[-1] if k.startswith("time/") or k == "eps"}
     assert {k: v for k, v in resumed[-1].items() if k not in timing} == {
         k: v for k, v in whole[-1].items() if k not in timing}
-    other = small_trainer(tmp_path / "cut", iterations=4, prompts=lambda: iter(RECORDS[1:]), reward_fn=Seen(),
+    other = small_trainer(tmp_path / "cut", iterations=4, prompts=lambda: iter(RECORDS[1:]), reward_fns=Seen(),
                           overlong_prompts="filter")
     with pytest.raises(jaxppo.RunError, match=r"(?s)other settings.*prompts.first_sha256"):  # another stream is refused
-        other.open_run()
+        other.directory.open(other.run, other.settings())
 
 
 def test_a_pipelined_run_reads_the_stream_in_order(tmp_path):
@@ -88,7 +88,7 @@ def test_the_filter_on_a_table_keeps_what_fits():
     assert table.filtered == len(RECORDS) - len(KEPT) == 8
     truncated = _encoder("truncate").table(prompts, {}, [str(i) for i in range(40)])
     assert truncated.filtered == 0 and truncated.mask.sum(1).max() == 32
-    with pytest.raises(ValueError, match=r"^3 has 5\d tokens, longer than TrainerConfig.query_length=32"):
+    with pytest.raises(ValueError, match=r"^3 has 5\d tokens, longer than DataConfig.query_length=32"):
         _encoder("error").table(prompts, {}, [str(i) for i in range(40)])
 
 
@@ -142,7 +142,7 @@ def test_a_mixture_draws_by_weight_reproducibly_and_walks_each_source_whole(tmp_
     a = [f"a{i}" for i in range(7)]
     path = tmp_path / "b.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"b{i}", "answer": i}) + "\n" for i in range(5)))
-    mix = jaxppo.mix_prompts([a, str(path)], [3, 1], seed=4, source_column="source")
+    mix = jaxppo.rollout.mix_prompts([a, str(path)], [3, 1], seed=4, source_column="source")
     draws = [record for record, _ in itertools.islice(iter(mix), 4000)]
     again = [record for record, _ in itertools.islice(iter(mix), 4000)]
     assert draws == again
@@ -154,18 +154,18 @@ def test_a_mixture_draws_by_weight_reproducibly_and_walks_each_source_whole(tmp_
     assert all(sorted(firsts[k:k + 7]) == sorted(a) for k in (0, 7, 14)) and firsts[:7] != firsts[7:14]
     from_b = [d for d in draws if d["source"] == str(path)]
     assert sorted((d["prompt"], d["answer"]) for d in from_b[:5]) == [(f"b{i}", i) for i in range(5)]
-    other_seed = [record for record, _ in itertools.islice(iter(jaxppo.mix_prompts([a, str(path)], [3, 1], seed=5)),
+    other_seed = [record for record, _ in itertools.islice(iter(jaxppo.rollout.mix_prompts([a, str(path)], [3, 1], seed=5)),
                                                             50)]
     assert [r["prompt"] for r in other_seed] != [d["prompt"] for d in draws[:50]]
 
 
 def test_a_mixture_with_a_one_shot_source_ends_with_it_and_bad_weights_are_refused():
-    mix = jaxppo.mix_prompts([iter(["x", "y"]), ["z"]], [1, 0])
+    mix = jaxppo.rollout.mix_prompts([iter(["x", "y"]), ["z"]], [1, 0])
     assert [record for record, _ in iter(mix)] == ["x", "y"]
     for weights, message in (([1], "2 sources but 1 weights"), ([1, -1], "weights=\\[1, -1\\] are invalid"),
                              ([0, 0], "their sum > 0")):
         with pytest.raises(ValueError, match=message):
-            jaxppo.mix_prompts([["a"], ["b"]], weights)
+            jaxppo.rollout.mix_prompts([["a"], ["b"]], weights)
 
 
 def test_stream_prompts_streams_a_list_in_its_order_and_load_prompts_is_unchanged(tmp_path):
@@ -173,7 +173,7 @@ def test_stream_prompts_streams_a_list_in_its_order_and_load_prompts_is_unchange
     prompts is the reshuffled walk as before."""
     prompts = [f"p{i}" for i in range(20)]
     trainer = small_trainer(tmp_path, prompts=prompts, stream_prompts=True)
-    assert [trainer.table.texts[r] for r in trainer.prompt_indices(1)] == prompts[16:] + prompts[:12]
+    assert [trainer.parts.table.texts[r] for r in trainer.prompt_indices(1)] == prompts[16:] + prompts[:12]
     table = small_trainer(tmp_path / "t", prompts=prompts)
     assert sorted(table.prompt_indices(0)) != list(range(16))  # a table's walk is reshuffled
     assert load_prompts(prompts) == prompts

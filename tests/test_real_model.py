@@ -105,7 +105,7 @@ def test_lora_adapters_round_trip_through_peft(smol, tmp_path):
     leaves, treedef = jax.tree.flatten(variables["lora"])
     keys = jax.random.split(jax.random.key(2), len(leaves))
     trained = dict(variables, lora=treedef.unflatten([x + 0.05 * jax.random.normal(k, x.shape, x.dtype)
-                                                      for x, k in zip(leaves, keys)]))
+                   for x, k in zip(leaves, keys)]))
     _, ids, mask = _chat_batch(tokenizer)
     ours = np.asarray(lora_model.apply(trained, ids, mask))
     real = mask.astype(bool)
@@ -138,19 +138,19 @@ def test_two_grpo_iterations_then_the_export_reads_back_in_transformers(smol, tm
                 "answer": int(a + b)} for a, b in pairs]
     import datasets
 
-    config = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=8, mini_batch_size=4, ppo_epochs=1, num_generations=4,
+    config = jaxppo.Config.for_algorithm("grpo", batch_size=8, mini_batch_size=4, ppo_epochs=1, num_generations=4,
                                             kl_loss_coef=0.0)
-    tc = jaxppo.TrainerConfig(iterations=2, query_length=64, response_length=6, learning_rate=5e-6,
-                              output_dir=str(tmp_path / "run"), progress=False, sample_every=0, plot=False,
-                              tensorboard=False, export_final=False)
-    trainer = jaxppo.Trainer(config, tc, policy=directory, tokenizer=tokenizer, scan_layers=True,
+    tc = dict(iterations=2, query_length=64, response_length=6, learning_rate=5e-6,
+              output_dir=str(tmp_path / "run"), progress=False, sample_every=0, plot=False,
+              report_to="jsonl", export_final=False)
+    trainer = jaxppo.Trainer(config.replace(**tc, scan_layers=True), policy=directory, tokenizer=tokenizer,
                              prompts=datasets.Dataset.from_list(prompts), reward_fns=[_sum_reward])
     history = trainer.train()
     assert [h["ppo/updates_applied"] for h in history] == [2, 2]  # ppo_epochs * 8 / 4 per iteration
     assert int(trainer.state.step) == 4
     assert all(np.isfinite(h[k]) for h in history for k in ("loss/policy_avg", "objective/scores",
                                                               "policy/entropy_avg"))
-    assert trainer.ref_params is None  # beta 0: no reference is built
+    assert trainer.parts.ref_params is None  # beta 0: no reference is built
 
     out = tmp_path / "export"
     trainer.export(str(out))
@@ -187,7 +187,7 @@ def test_the_sums_demo_runs_and_scores_the_held_out_sums(smol, tmp_path, monkeyp
         raise Built
 
     with monkeypatch.context() as patch:
-        patch.setattr(cli, "PPOTrainer", capture)
+        patch.setattr(cli, "Trainer", capture)
         with pytest.raises(Built):
             cli.build_trainer(*cli.resolve(["--demo", "sums"]))
     assert given["eval_prompts"] == demo.sums_rows(held_out) and len(held_out) == demo.SUMS_HELD_OUT
@@ -218,23 +218,23 @@ def test_two_ppo_iterations_with_a_reward_model_and_critic_then_the_export_reads
     directory, tokenizer, _ = smol
     scorer = fixtures.prepare_score_head(directory, quiet=True)
     questions = [f"What is {a} + {b}?" for a, b in np.random.default_rng(1).integers(1, 50, size=(8, 2))]
-    config = jaxppo.PPOConfig(batch_size=8, mini_batch_size=4, ppo_epochs=1, common_prefix=True)
-    tc = jaxppo.TrainerConfig(iterations=2, query_length=48, response_length=6, learning_rate=5e-6,
-                              output_dir=str(tmp_path / "run"), progress=False, sample_every=0, plot=False,
-                              tensorboard=False, export_final=False)
-    trainer = jaxppo.Trainer(config, tc, policy=directory, tokenizer=tokenizer, scan_layers=True,
+    config = jaxppo.Config.from_settings(batch_size=8, mini_batch_size=4, ppo_epochs=1, common_prefix=True)
+    tc = dict(iterations=2, query_length=48, response_length=6, learning_rate=5e-6,
+              output_dir=str(tmp_path / "run"), progress=False, sample_every=0, plot=False,
+              report_to="jsonl", export_final=False)
+    trainer = jaxppo.Trainer(config.replace(**tc, scan_layers=True), policy=directory, tokenizer=tokenizer,
                              prompts=[[{"role": "user", "content": q}] for q in questions], reward_model=scorer,
                              critic=scorer)
     history = trainer.train()
     assert [h["ppo/updates_applied"] for h in history] == [2, 2]  # ppo_epochs * 8 / 4 per iteration
-    assert trainer.spec.common_prefix >= 20  # SmolLM2's default system prompt and the template around it
+    assert trainer.parts.spec.common_prefix >= 20  # SmolLM2's default system prompt and the template around it
     assert all(np.isfinite(h[k]) for h in history for k in ("loss/policy_avg", "loss/value_avg", "objective/kl"))
 
     # The last iteration's samples (the sampled tokens, not re-encoded text) scored by
     # transformers' LlamaForSequenceClassification at each row's last real token.
-    rows, gen = trainer.last_samples
-    ids = np.concatenate([trainer.table.ids[rows], np.asarray(gen.tokens)], axis=1)
-    mask = np.concatenate([trainer.table.mask[rows], np.asarray(gen.mask)], axis=1)
+    rows, gen = trainer.last.samples
+    ids = np.concatenate([trainer.parts.table.ids[rows], np.asarray(gen.tokens)], axis=1)
+    mask = np.concatenate([trainer.parts.table.mask[rows], np.asarray(gen.mask)], axis=1)
     reward = transformers.AutoModelForSequenceClassification.from_pretrained(scorer, dtype=torch.float32).eval()
     positions = np.maximum(np.cumsum(mask, -1) - 1, 0)
     with torch.no_grad():

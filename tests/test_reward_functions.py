@@ -97,7 +97,7 @@ def test_the_trainer_passes_trainer_state_and_logs_parts_and_times(tmp_path):
         states.append(dict(trainer_state))
         return {"length": [len(c) / 10 for c in completions], "lower": [float(c.islower()) for c in completions]}
 
-    trainer = small_trainer(tmp_path / "run", iterations=2, export_final=False, reward_fn=graded)
+    trainer = small_trainer(tmp_path / "run", iterations=2, export_final=False, reward_fns=graded)
     history = trainer.train()
     assert states == [{"iteration": 0, "updates": 0}, {"iteration": 1, "updates": 4}]  # 2 epochs x 16 / 8
     for line in history:

@@ -15,8 +15,8 @@ from jaxppo.update.stats import RunningMoments, running_moments_update
 from jaxppo.errors import RewardError
 from jaxppo.rollout.rewards import check_scores
 from jaxppo.rollout.engines import sample_responses
-from jaxppo.rollout.sampling import RolloutSpec
-from jaxppo.rollout.scoring import finish_rollout
+from jaxppo.rollout.spec import RolloutSpec
+from jaxppo.rollout.forward import finish_rollout
 
 
 def test_kl_estimators_match_formulas():
@@ -171,16 +171,16 @@ def test_rollout_carries_sampler_logprobs_and_sequence_scores(tiny_policy, tempe
 
 
 def test_rollout_spec_reads_its_settings_from_the_configs():
-    """`RolloutSpec.from_configs`: each setting the rollout reads comes from its config's
+    """`RolloutSpec.from_config`: each setting the rollout reads comes from its concern's
     field (listed here by hand, the independent side), with non-default values."""
     model = jm.Model(jm.ModelConfig(model_type="gpt2", vocab_size=32, hidden_size=16, num_layers=1, num_heads=2,
                                     num_kv_heads=2, intermediate_size=32, max_position_embeddings=32))
-    ppo = jaxppo.PPOConfig.for_algorithm(
+    ppo = jaxppo.Config.for_algorithm(
         "dapo", batch_size=8, mini_batch_size=4, num_generations=4, temperature=0.7, kl_loss_coef=0.1,
         overlong_penalty_factor=0.5, overlong_buffer=3, pack_sequences=True, pack_length=40)
-    tc = jaxppo.TrainerConfig(response_length=12, kl_estimator="k3", missing_eos_penalty=1.5, normalize_scores=True,
-                              score_clip=4.0, num_slots=2)
-    spec = RolloutSpec.from_configs(ppo, tc, policy=model, apply_fn=model.apply, ref_apply=None, stop_token_ids=(1,))
+    config = ppo.replace(response_length=12, kl_estimator="k3", missing_eos_penalty=1.5, normalize_scores=True,
+                         score_clip=4.0, num_slots=2)
+    spec = RolloutSpec.from_config(config, policy=model, apply_fn=model.apply, ref_apply=None, stop_token_ids=(1,))
     expected = dict(response_length=12, temperature=0.7, keep_ref_logprobs=True, kl_estimator="k3",
                     missing_eos_penalty=1.5, normalize_scores=True, score_clip=4.0, uses_critic=False,
                     num_generations=4, num_slots=2, overlong_penalty_factor=0.5, overlong_buffer=3,
@@ -252,6 +252,5 @@ def test_old_logprobs_auto_takes_the_sampler_only_where_exact(tiny_policy):
                        response_length=4, old_logprobs="auto")
     assert not bf16.sampler_logprobs_used
     assert not RolloutSpec(policy=model, apply_fn=model.apply, ref_apply=None, response_length=4).sampler_logprobs_used
-    config = RolloutSpec.from_configs(jaxppo.PPOConfig(), jaxppo.TrainerConfig(), policy=model, apply_fn=model.apply,
-                                      ref_apply=None)
+    config = RolloutSpec.from_config(jaxppo.Config(), policy=model, apply_fn=model.apply, ref_apply=None)
     assert config.old_logprobs == "auto" and config.sampler_logprobs_used  # the trainer's default

@@ -72,13 +72,13 @@ def loop_engine():
     ROLLOUT_ENGINES.pop("loop", None)
 
 
-GRPO = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=8, mini_batch_size=4, ppo_epochs=1, num_generations=4)
+GRPO = jaxppo.Config.for_algorithm("grpo", batch_size=8, mini_batch_size=4, ppo_epochs=1, num_generations=4)
 
 
 def test_the_trainer_runs_an_engine_from_outside_and_its_log_probs_agree(loop_engine, tmp_path):
     trainer = small_trainer(tmp_path / "sync", iterations=2, ppo=GRPO, rollout_engine="loop")
-    assert isinstance(trainer.rollout_engine, LoopEngine)
-    assert not trainer.spec.sampler_logprobs_used  # no exact_logprobs: "auto" recomputes the old policy's
+    assert isinstance(trainer.parts.rollout_engine, LoopEngine)
+    assert not trainer.parts.spec.sampler_logprobs_used  # no exact_logprobs: "auto" recomputes the old policy's
     history = trainer.train()
     assert [row["iteration"] for row in history] == [0, 1]
     assert LoopEngine.versions == [0, 1]  # weights set before each batch: after 0 iterations, then 1
@@ -116,18 +116,18 @@ def test_the_evaluation_samples_on_the_runs_engine(loop_engine, tmp_path):
     # holds a copy), the final policy's evaluation (after one iteration).
     assert LoopEngine.versions == [0, 0, 1]
     table = read_table(str(tmp_path / "run" / "eval_completions.table.jsonl"))
-    evaluator, engine = trainer.parts.evaluator, LoopEngine(trainer.spec)
+    evaluator, engine = trainer.parts.evaluator, LoopEngine(trainer.parts.spec)
     engine.set_weights(initial, 0)
     eval_key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, EVAL_KEY), 0), 0)  # iteration 0, chunk 0
     rows = np.repeat(np.arange(3), 2)
     gen = engine.sample(evaluator.table.ids[rows], evaluator.table.mask[rows], eval_key, num_generations=2,
-                        response_length=trainer.spec.response_length)
+                        response_length=trainer.parts.spec.response_length)
     expected = decode_responses(trainer.tokenizer, np.asarray(gen.tokens), np.asarray(gen.mask))
     assert [r["completion"] for r in table] == expected and len(set(expected)) > 1
 
 
 @pytest.mark.parametrize("settings,what", [
-    (dict(environment=demo.GuessTheDigit, prompts=demo.multiturn_prompts(), reward_fn=None),
+    (dict(environment=demo.GuessTheDigit, prompts=demo.multiturn_prompts(), reward_fns=None),
      r"cannot run multi-turn episodes .* does not declare multi_turn"),
     (dict(max_staleness=1, inflight_updates="keep"),
      r"inflight_updates='keep' .* needs a rollout engine that takes weights while it decodes \(LoopEngine"),
@@ -142,18 +142,18 @@ def test_the_registry():
     assert engine_class(BUILT_IN) is StaticEngine and engine_class(BUILT_IN, 4) is ContinuousEngine
     assert StaticEngine.capabilities.turn_cache and not ContinuousEngine.capabilities.turn_cache
     assert ContinuousEngine.capabilities.inflight_updates and not StaticEngine.capabilities.inflight_updates
-    assert not engine_class("vllm").capabilities.multi_turn  # vLLM's class, without importing vLLM itself
+    assert not engine_class("vllm").capabilities.multi_turn  # vLLM's class (its module loads now), not vLLM itself
     with pytest.raises(ValueError, match=r"rollout engine 'sglang' is unknown; valid: 'jaxppo', 'vllm'"):
         engine_class("sglang")
-    with pytest.raises(ValueError, match=r"TrainerConfig.rollout_engine='loop' is invalid"):
-        jaxppo.TrainerConfig(rollout_engine="loop")  # not registered (any more)
+    with pytest.raises(ValueError, match=r"SamplingConfig.rollout_engine='loop' is invalid"):
+        jaxppo.Config.from_settings(rollout_engine="loop")  # not registered (any more)
     with pytest.raises(TypeError, match="a RolloutEngine subclass"):
         register_rollout_engine("loop", object)
     with pytest.raises(ValueError, match="other than 'jaxppo'"):
         register_rollout_engine(BUILT_IN, LoopEngine)
     register_rollout_engine("loop", LoopEngine)
     try:
-        assert jaxppo.TrainerConfig(rollout_engine="loop").rollout_engine == "loop"
+        assert jaxppo.Config.from_settings(rollout_engine="loop").sampling.rollout_engine == "loop"
         with pytest.raises(ValueError, match="'loop' is already registered"):
             register_rollout_engine("loop", StaticEngine)
     finally:

@@ -254,26 +254,25 @@ def test_the_trainer_samples_with_its_settings_and_the_correction_sees_the_filte
     step's importance ratios (policy / behaviour) are then at most 1 and below 1 where the
     filters cut mass; rows end at the stop strings (the digits)."""
     import jaxppo
-    from jaxppo.run import stages
+    from jaxppo.run import iteration
 
     tokenizer = demo.demo_tokenizer()
-    config = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=8, mini_batch_size=8, ppo_epochs=1, num_generations=4,
+    config = jaxppo.Config.for_algorithm("grpo", batch_size=8, mini_batch_size=8, ppo_epochs=1, num_generations=4,
                                             temperature=0.9)
-    tc = jaxppo.TrainerConfig(iterations=1, query_length=32, response_length=8, output_dir=str(tmp_path),
-                              progress=False, sample_every=0, export_final=False, plot=False, tensorboard=False,
-                              top_k=40, top_p=0.9, repetition_penalty=1.3, stop_strings=list("0123456789"),
-                              report_to="none")
+    tc = dict(iterations=1, query_length=32, response_length=8, output_dir=str(tmp_path),
+              progress=False, sample_every=0, export_final=False, plot=False, top_k=40, top_p=0.9,
+              repetition_penalty=1.3, stop_strings=list("0123456789"), report_to="none")
     policy = demo.demo_policy(tokenizer, width=32, layers=1, max_len=40)
-    trainer = jaxppo.Trainer(config, tc, policy=policy, tokenizer=tokenizer, prompts=demo.DEMO_PROMPTS,
-                             reward_fn=demo.lowercase_reward)
-    assert trainer.spec.sampler_logprobs_used and trainer.spec.reshapes
+    trainer = jaxppo.Trainer(config.replace(**tc), policy=policy, tokenizer=tokenizer, prompts=demo.DEMO_PROMPTS,
+                             reward_fns=demo.lowercase_reward)
+    assert trainer.parts.spec.sampler_logprobs_used and trainer.parts.spec.reshapes
     run = trainer.run
-    batch = stages.select_prompts(trainer.table, run.key, 0, config)
-    gen = stages.sample(trainer.spec, run.train.params, batch, jax.random.key(3))
-    built = stages.build_rollout(trainer.spec, run.train.params, trainer.ref_params, None, batch, gen,
-                                 stages.score(trainer.host_rewards, tokenizer, trainer.table, batch, gen, 0), run)
+    batch = iteration.select_prompts(trainer.parts.table, run.key, 0, config)
+    gen = iteration.sample(trainer.parts.spec, run.train.params, batch, jax.random.key(3))
+    built = iteration.build(trainer.parts.spec, run.train.params, trainer.parts.ref_params, None, batch, gen,
+                                 iteration.reward(trainer.parts.host_rewards, tokenizer, trainer.parts.table, batch, gen, 0), run)
     r = built.rollout
-    model, params = policy[0], trainer.spec.policy_params(run.train.params)
+    model, params = policy[0], trainer.parts.spec.policy_params(run.train.params)
     q_ids, q_mask = np.asarray(r.query_tokens), np.asarray(r.query_mask)
     tokens, mask = np.asarray(r.response_tokens), np.asarray(r.response_mask)
     ended = 0
@@ -313,8 +312,8 @@ def test_multi_turn_episodes_keep_the_policy_log_probs_beside_the_filtered_ones(
     from trainer_setup import small_trainer
 
     def step(name, old):
-        ppo = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=8, mini_batch_size=4, ppo_epochs=1, num_generations=2)
-        trainer = small_trainer(tmp_path / name, ppo=ppo, environment=TwoTurns, reward_fn=None, max_len=48,
+        ppo = jaxppo.Config.for_algorithm("grpo", batch_size=8, mini_batch_size=4, ppo_epochs=1, num_generations=2)
+        trainer = small_trainer(tmp_path / name, ppo=ppo, environment=TwoTurns, reward_fns=None, max_len=48,
                                 response_length=12, turn_length=5, max_turns=3, export_final=False, top_k=30,
                                 repetition_penalty=1.4, old_logprobs=old, turn_cache=turn_cache, report_to="none")
         return trainer.step()
@@ -331,12 +330,15 @@ def test_the_command_takes_the_sampling_flags_in_trl_spelling_and_its_own():
     value with underscores is left as it is; an unknown underscored flag is still refused."""
     from jaxppo import cli
 
-    _, tc, _ = cli.resolve(["--top_k", "5", "--top-p", "0.9", "--min_p=0.05", "--repetition_penalty", "1.1",
-                            "--stop_strings", "</answer>", "\n\n", "--stop-token-ids", "3", "4", "--learning_rate",
-                            "1e-4", "--output-dir", "runs/x_y"])
-    assert (tc.top_k, tc.top_p, tc.min_p, tc.repetition_penalty) == (5, 0.9, 0.05, 1.1)
-    assert tc.stop_strings == ("</answer>", "\n\n") and tc.stop_token_ids == (3, 4)
-    assert tc.learning_rate == 1e-4 and tc.output_dir == "runs/x_y"
+    config, _ = cli.resolve(["--top_k", "5", "--top-p", "0.9", "--min_p=0.05", "--repetition_penalty", "1.1",
+                             "--stop_strings", "</answer>", "\n\n", "--stop-tokens", "eos", "3", "4", "--learning_rate",
+                             "1e-4", "--output-dir", "runs/x_y"])
+    s = config.sampling
+    assert (s.top_k, s.top_p, s.min_p, s.repetition_penalty) == (5, 0.9, 0.05, 1.1)
+    assert s.stop_strings == ("</answer>", "\n\n") and s.stop_tokens == ("eos", 3, 4)
+    assert config.optimizer.learning_rate == 1e-4 and config.run.output_dir == "runs/x_y"
+    # 0.4's flag (extra stop tokens beside the EOS) says the same, with a note
+    assert cli.resolve(["--stop-token-ids", "3", "4"])[0].sampling.stop_tokens == ("eos", 3, 4)
     with pytest.raises(SystemExit):
         cli.resolve(["--top_q", "0.9"])
 

@@ -13,8 +13,8 @@ from jaxppo.update.losses import clipped_policy_loss
 from jaxppo.update.shaping import adaptive_entropy_coef, high_entropy_mask, overlong_penalty
 from jaxppo.update.stats import RunningMoments, masked_quantile
 from jaxppo.rollout.engines import sample_responses
-from jaxppo.rollout.sampling import RolloutSpec
-from jaxppo.rollout.scoring import finish_rollout
+from jaxppo.rollout.spec import RolloutSpec
+from jaxppo.rollout.forward import finish_rollout
 from jaxppo.testing.toy import make_toy
 
 Q, R, V = 4, 8, 32
@@ -66,7 +66,7 @@ def _rollout(toy, b=8):
     mask = jnp.asarray(np.arange(R)[None] < rng.integers(2, R + 1, size=(b, 1)), jnp.int32)
     batch = dict(query_tokens=jnp.asarray(rng.integers(0, V, (b, Q)), jnp.int32), query_mask=jnp.ones((b, Q), jnp.int32),
                  response_tokens=jnp.asarray(rng.integers(0, V, (b, R)), jnp.int32), response_mask=mask)
-    logprobs = jaxppo.response_outputs(apply_fn, params, batch, 1.0)[0]
+    logprobs = jaxppo.update.response_outputs(apply_fn, params, batch, 1.0)[0]
     return jaxppo.RolloutBatch(**batch, logprobs=logprobs, values=None, rewards=jnp.zeros((b, R)),
                                scores=jnp.asarray(rng.normal(size=b), jnp.float32))
 
@@ -87,7 +87,7 @@ def test_top_entropy_quantile_trains_the_policy_term_on_the_selected_tokens(toy,
     selection of the highest-entropy quarter as weights, and differs from q = 1."""
     apply_fn, params = toy
     rollout = _rollout(toy)
-    config = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=8, mini_batch_size=8, ppo_epochs=1, num_generations=4,
+    config = jaxppo.Config.for_algorithm("grpo", batch_size=8, mini_batch_size=8, ppo_epochs=1, num_generations=4,
                                             kl_loss_coef=0.0, loss_aggregation=aggregation, top_entropy_quantile=0.25)
     state = jaxppo.TrainState.create(apply_fn=apply_fn, params=params, tx=optax.sgd(0.5))
     selected_step, metrics = jaxppo.train_step(state, rollout, jax.random.key(1), config)
@@ -98,12 +98,12 @@ def test_top_entropy_quantile_trains_the_policy_term_on_the_selected_tokens(toy,
     keep = (entropy >= np.quantile(entropy[m], 0.75)) & m
     assert 0.2 < keep.sum() / m.sum() < 0.35
     assert float(metrics["policy/entropy_mask_fraction"]) == pytest.approx(keep.sum() / m.sum())
-    adv, _ = jaxppo.compute_advantages(rollout, config)
+    adv, _ = jaxppo.update.compute_advantages(rollout, config)
 
     def loss(p):
         batch = dict(query_tokens=rollout.query_tokens, query_mask=rollout.query_mask,
                      response_tokens=rollout.response_tokens, response_mask=rollout.response_mask)
-        lp = jaxppo.response_outputs(apply_fn, p, batch, 1.0)[0]
+        lp = jaxppo.update.response_outputs(apply_fn, p, batch, 1.0)[0]
         return clipped_policy_loss(lp - rollout.logprobs, adv, rollout.response_mask, 0.2, 0.2,
                                       aggregation=aggregation, max_length=R,
                                       weights=jnp.asarray(keep, jnp.float32))[0]
@@ -153,17 +153,18 @@ def test_rollout_layer_punishes_overlong_and_masks_truncated(tiny_policy):
 def test_bad_settings_are_refused_with_the_field_and_valid_range(tiny_policy):
     for field, value, words in [("top_entropy_quantile", 0.0, "(0, 1]"), ("top_entropy_quantile", 1.5, "(0, 1]"),
                                 ("overlong_penalty_factor", -1.0, ">= 0"), ("mask_truncated_completions", 1, "bool")]:
-        with pytest.raises(ValueError, match=rf"PPOConfig\.{field}=.*{words}".replace("(", r"\(").replace(")", r"\)")
+        owner = "LossConfig" if field == "top_entropy_quantile" else "RewardConfig"
+        with pytest.raises(ValueError, match=rf"{owner}\.{field}=.*{words}".replace("(", r"\(").replace(")", r"\)")
                            .replace("[", r"\[").replace("]", r"\]")):
-            jaxppo.PPOConfig(**{field: value})
+            jaxppo.Config.from_settings(**{field: value})
     with pytest.raises(ValueError, match=r"overlong_buffer=0 .*positive int"):
-        jaxppo.PPOConfig(overlong_penalty_factor=1.0, overlong_buffer=0)
+        jaxppo.Config.from_settings(overlong_penalty_factor=1.0, overlong_buffer=0)
     with pytest.raises(ValueError, match=r"overlong_buffer=8 .*overlong_penalty_factor is 0"):
-        jaxppo.PPOConfig(overlong_buffer=8)
+        jaxppo.Config.from_settings(overlong_buffer=8)
     model, _ = tiny_policy
-    with pytest.raises(ValueError, match=r"overlong_buffer=9 is longer than the response budget \(response_length=8\)"):
-        RolloutSpec(policy=model, apply_fn=model.apply, ref_apply=None, response_length=R, overlong_penalty_factor=1.0,
-                    overlong_buffer=9)
+    with pytest.raises(ValueError, match=r"overlong_buffer=9 is longer than the response budget \(SamplingConfig."
+                                         r"response_length=8\)"):
+        jaxppo.Config.from_settings(response_length=R, overlong_penalty_factor=1.0, overlong_buffer=9)
     with pytest.raises(ValueError, match="mask_truncated_completions=True needs a stop token"):
         RolloutSpec(policy=model, apply_fn=model.apply, ref_apply=None, response_length=R, mask_truncated=True)
 
@@ -173,27 +174,27 @@ def test_dapo_preset_through_the_trainer(tmp_path):
     logs both, and a preset field the run changed is recorded so that resuming keeps it."""
     from trainer_setup import run_small
 
-    config = jaxppo.PPOConfig.for_algorithm("dapo", batch_size=16, mini_batch_size=8, ppo_epochs=1, num_generations=4,
+    config = jaxppo.Config.for_algorithm("dapo", batch_size=16, mini_batch_size=8, ppo_epochs=1, num_generations=4,
                                             top_entropy_quantile=0.5)
-    assert config.mask_truncated_completions and config.overlong_penalty_factor == 1.0
+    assert config.rewards.mask_truncated_completions and config.rewards.overlong_penalty_factor == 1.0
     history, trainer = run_small(tmp_path, iterations=1, ppo=config, export_final=False)
     row = history[0]
-    assert trainer.spec.mask_truncated and trainer.spec.buffer == 1  # a fifth of the 6-token budget
+    assert trainer.parts.spec.mask_truncated and trainer.parts.spec.buffer == 1  # a fifth of the 6-token budget
     assert 0 <= row["val/num_truncated_masked"] <= 16 and row["objective/overlong_penalty"] <= 0.0
     assert 0.0 < row["policy/entropy_mask_fraction"] <= 1.0
     import json
 
-    saved = json.loads((tmp_path / "run_settings.json").read_text())["ppo"]
-    assert saved["mask_truncated_completions"] is True and saved["top_entropy_quantile"] == 0.5
+    saved = json.loads((tmp_path / "run_settings.json").read_text())
+    assert saved["rewards"]["mask_truncated_completions"] is True and saved["loss"]["top_entropy_quantile"] == 0.5
 
 
 def test_the_settings_are_flags():
     from jaxppo.cli import resolve
 
-    ppo, _, _ = resolve(["--algorithm", "dapo", "--overlong-buffer", "4", "--top-entropy-quantile", "0.2",
+    ppo, _ = resolve(["--algorithm", "dapo", "--overlong-buffer", "4", "--top-entropy-quantile", "0.2",
                          "--no-mask-truncated-completions"])
-    assert (ppo.overlong_buffer, ppo.top_entropy_quantile, ppo.mask_truncated_completions,
-            ppo.overlong_penalty_factor) == (4, 0.2, False, 1.0)
+    assert (ppo.rewards.overlong_buffer, ppo.loss.top_entropy_quantile, ppo.rewards.mask_truncated_completions,
+            ppo.rewards.overlong_penalty_factor) == (4, 0.2, False, 1.0)
 
 
 def test_adaptive_entropy_coef_follows_the_rule():
@@ -213,7 +214,7 @@ def test_entropy_coef_column_equals_the_fixed_coefficient(toy, aggregation):
     `ent_coef=c` (whose entropy term the reference loops test); other values differ."""
     apply_fn, params = toy
     rollout = _rollout(toy)
-    config = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=8, mini_batch_size=4, ppo_epochs=1, num_generations=4,
+    config = jaxppo.Config.for_algorithm("grpo", batch_size=8, mini_batch_size=4, ppo_epochs=1, num_generations=4,
                                             kl_loss_coef=0.0, loss_aggregation=aggregation)
     state = jaxppo.TrainState.create(apply_fn=apply_fn, params=params, tx=optax.sgd(0.5))
     fixed, _ = jaxppo.train_step(state, rollout, jax.random.key(1), config.replace(ent_coef=0.3))
@@ -231,7 +232,7 @@ def test_adaptive_entropy_coefficient_through_the_trainer_and_resume(tmp_path):
     entropies; the coefficient is run state: a resumed run equals the uninterrupted one."""
     from trainer_setup import run_small
 
-    ppo = jaxppo.PPOConfig(batch_size=16, mini_batch_size=8, ppo_epochs=2, kl_coef=0.1, ent_coef=0.01,
+    ppo = jaxppo.Config.from_settings(batch_size=16, mini_batch_size=8, ppo_epochs=2, kl_coef=0.1, ent_coef=0.01,
                            entropy_target=5.9, entropy_coef_step=0.004)
     straight, _ = run_small(tmp_path / "a", iterations=4, ppo=ppo, export_final=False)
     coef = 0.01
@@ -244,5 +245,5 @@ def test_adaptive_entropy_coefficient_through_the_trainer_and_resume(tmp_path):
     drop = lambda r: {k: v for k, v in r.items() if not k.startswith("time/") and k != "eps"}
     assert [drop(r) for r in resumed] == [drop(r) for r in straight]
     for field, value in (("entropy_target", 0.0), ("entropy_coef_step", 0.0)):
-        with pytest.raises(ValueError, match=rf"PPOConfig\.{field}={value!r} is invalid"):
-            jaxppo.PPOConfig(**{field: value})
+        with pytest.raises(ValueError, match=rf"LossConfig\.{field}={value!r} is invalid"):
+            jaxppo.Config.from_settings(**{field: value})

@@ -49,7 +49,7 @@ def setup():
 @pytest.mark.parametrize("mesh_config", MESHES, ids=_ids)
 def test_sharded_train_step_equals_single_device(setup, mesh_config):
     policy, critic, params, rollout = setup
-    config = jaxppo.PPOConfig(batch_size=16, mini_batch_size=8, ppo_epochs=2, gradient_accumulation_steps=1)
+    config = jaxppo.Config.from_settings(batch_size=16, mini_batch_size=8, ppo_epochs=2, gradient_accumulation_steps=1)
     state = jaxppo.TrainState.create(apply_fn=jm.PolicyAndCritic(policy, critic), params=params, tx=optax.sgd(0.1))
     ref_state, ref_metrics = jaxppo.train_step(state, rollout, jax.random.key(3), config)
 
@@ -57,7 +57,7 @@ def test_sharded_train_step_equals_single_device(setup, mesh_config):
     sharded = sh.shard_state(state, mesh)
     step = sh.sharded_train_step(sharded, config, mesh)
     out, metrics = step(sharded, sh.shard_batch(rollout, mesh), jax.random.key(3))
-    assert int(out.step) == int(ref_state.step) == config.updates_per_step
+    assert int(out.step) == int(ref_state.step) == config.batch.updates_per_step
     for a, b in zip(jax.tree.leaves(out.params), jax.tree.leaves(ref_state.params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=1e-4)
     for name in ("loss/total_avg", "policy/approxkl_avg", "loss/value_avg", "policy/entropy_avg"):
@@ -85,16 +85,16 @@ def test_shared_prompts_sharded_equal_every_row_on_one_device(setup, mesh_config
     g = 4
     rollout = rollout.replace(query_tokens=jnp.repeat(rollout.query_tokens[::g], g, 0),
                               query_mask=jnp.repeat(rollout.query_mask[::g], g, 0), values=None)
-    config = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=16, mini_batch_size=8, ppo_epochs=2,
+    config = jaxppo.Config.for_algorithm("grpo", batch_size=16, mini_batch_size=8, ppo_epochs=2,
                                             num_generations=g, kl_loss_coef=0.0, share_prompts=True)
-    jaxppo.check_rollout(rollout, config)
+    jaxppo.update.check_rollout(rollout, config)
     state = jaxppo.TrainState.create(apply_fn=policy.apply, params=params["policy"], tx=optax.sgd(0.5))
     ref, ref_metrics = jaxppo.train_step(state, rollout, jax.random.key(3), config.replace(share_prompts=False))
     mesh = sh.make_mesh(mesh_config)
     sharded = sh.shard_state(state, mesh)
     out, metrics = sh.sharded_train_step(sharded, config, mesh)(sharded, sh.shard_batch(rollout, mesh),
                                                                 jax.random.key(3))
-    assert int(out.step) == int(ref.step) == config.updates_per_step
+    assert int(out.step) == int(ref.step) == config.batch.updates_per_step
     for a, b in zip(jax.tree.leaves(out.params), jax.tree.leaves(ref.params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=1e-4)
     np.testing.assert_allclose(metrics["per_minibatch/loss/total"], ref_metrics["per_minibatch/loss/total"],
@@ -107,7 +107,7 @@ def test_scanned_layers_sharded_equal_unrolled_single_device(setup, mesh_config)
     update as the unrolled model (chunked head) on one device, stacked kernels split on
     the per-layer kernel's dimensions, layer axis whole."""
     policy, critic, params, rollout = setup
-    config = jaxppo.PPOConfig(batch_size=16, mini_batch_size=8, ppo_epochs=1)
+    config = jaxppo.Config.from_settings(batch_size=16, mini_batch_size=8, ppo_epochs=1)
     # Adam (its moments are checked below) with eps large enough that float rounding in
     # near-zero gradients is not blown up to a full-size step.
     state = jaxppo.TrainState.create(apply_fn=jm.PolicyAndCritic(policy, critic), params=params, tx=optax.adam(1e-2, eps=1e-3))
@@ -180,7 +180,7 @@ def test_pinning_rows_after_the_slice_avoids_the_miscompile():
 
 def test_adam_states_sharded_like_params_and_accumulation(setup):
     policy, critic, params, rollout = setup
-    config = jaxppo.PPOConfig(batch_size=16, mini_batch_size=16, ppo_epochs=1, gradient_accumulation_steps=2)
+    config = jaxppo.Config.from_settings(batch_size=16, mini_batch_size=16, ppo_epochs=1, gradient_accumulation_steps=2)
     state = jaxppo.TrainState.create(apply_fn=jm.PolicyAndCritic(policy, critic), params=params, tx=optax.adam(1e-3))
     ref, _ = jaxppo.train_step(state, rollout, jax.random.key(4), config)
     mesh = sh.make_mesh(sh.MeshConfig(data=1, fsdp=8))
@@ -195,7 +195,7 @@ def test_adam_states_sharded_like_params_and_accumulation(setup):
 
 def _per_device_bytes(setup, fsdp):
     policy, critic, params, rollout = setup
-    config = jaxppo.PPOConfig(batch_size=16, mini_batch_size=8, ppo_epochs=1)
+    config = jaxppo.Config.from_settings(batch_size=16, mini_batch_size=8, ppo_epochs=1)
     state = jaxppo.TrainState.create(apply_fn=jm.PolicyAndCritic(policy, critic), params=params, tx=optax.adam(1e-3))
     mesh = sh.make_mesh(sh.MeshConfig(data=8 // fsdp, fsdp=fsdp))
     sharded = sh.shard_state(state, mesh)
@@ -234,6 +234,11 @@ def test_trainer_under_mesh_matches_single_device(tmp_path):
         assert a["loss/total_avg"] == pytest.approx(b["loss/total_avg"], rel=1e-4, abs=1e-6)
     kernel = trainer.state.params["policy"]["params"]["transformer"]["h_0"]["c_fc"]["kernel"]
     assert "fsdp" in tuple(kernel.sharding.spec)
+    # The update was compiled ahead of time on the mesh too, and that program ran every
+    # update (a rollout unlike the abstract one would have dropped it).
+    from jaxppo.run import compiled
+
+    assert isinstance(trainer.train_step, compiled.Precompiled) and trainer.train_step.compiled is not None
     # A sharded checkpoint restores with its shardings.
     again, resumed = run_small(tmp_path / "mesh", mesh=sh.MeshConfig(data=2, fsdp=4))
     assert resumed.iteration == 2 and len(again) == 2
@@ -249,7 +254,7 @@ def test_grpo_trainer_under_mesh_matches_single_device(tmp_path):
     2x2x2 mesh gives the single-device metrics."""
     from trainer_setup import small_trainer
 
-    ppo = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=16, mini_batch_size=8, ppo_epochs=2, num_generations=4)
+    ppo = jaxppo.Config.for_algorithm("grpo", batch_size=16, mini_batch_size=8, ppo_epochs=2, num_generations=4)
     single = small_trainer(tmp_path / "single", ppo=ppo).train()
     trainer = small_trainer(tmp_path / "mesh", ppo=ppo, mesh=sh.MeshConfig(data=2, fsdp=2, tensor=2))
     sharded = trainer.train()
@@ -258,7 +263,7 @@ def test_grpo_trainer_under_mesh_matches_single_device(tmp_path):
         assert a["reward"] == b["reward"]
         for name in ("loss/total_avg", "kl", "policy/approxkl_avg"):
             assert a[name] == pytest.approx(b[name], rel=1e-4, abs=1e-6), name
-    assert "critic" not in trainer.state.params and trainer.ref_params is not None
+    assert "critic" not in trainer.state.params and trainer.parts.ref_params is not None
 
 
 def test_invalid_meshes_and_batches_are_clear_errors():
@@ -272,9 +277,9 @@ def test_invalid_meshes_and_batches_are_clear_errors():
     assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "tensor": 1}
     assert dict(sh.make_mesh().shape) == {"data": 1, "fsdp": 8, "tensor": 1}
     with pytest.raises(ValueError, match="must all be multiples of 8"):
-        sh.check_batch_divides(jaxppo.PPOConfig(batch_size=16, mini_batch_size=4), mesh)
+        sh.check_batch_divides(jaxppo.Config.from_settings(batch_size=16, mini_batch_size=4), mesh)
     with pytest.raises(ValueError, match="micro-batch size 4"):
-        sh.check_batch_divides(jaxppo.PPOConfig(batch_size=16, mini_batch_size=16, gradient_accumulation_steps=4), mesh)
+        sh.check_batch_divides(jaxppo.Config.from_settings(batch_size=16, mini_batch_size=16, gradient_accumulation_steps=4), mesh)
 
 
 @pytest.mark.parametrize("mesh", [sh.MeshConfig(data=1, fsdp=8), sh.MeshConfig(data=2, fsdp=2, tensor=2)], ids=_ids)
@@ -284,7 +289,7 @@ def test_lora_trainer_under_mesh_matches_single_device(tmp_path, mesh):
     dimension as their base kernel is."""
     from trainer_setup import small_trainer
 
-    ppo = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=16, mini_batch_size=8, ppo_epochs=1, num_generations=4)
+    ppo = jaxppo.Config.for_algorithm("grpo", batch_size=16, mini_batch_size=8, ppo_epochs=1, num_generations=4)
     lora = jm.LoraConfig(rank=4, alpha=8, targets="all-linear")
     single_trainer = small_trainer(tmp_path / "single", ppo=ppo, lora=lora, export_final=False)
     single = single_trainer.train()
@@ -310,7 +315,7 @@ def test_dapo_shaping_and_adaptive_entropy_under_mesh_match_single_device(tmp_pa
     coefficient, the per-completion coefficient column; DAPO's overlong punishment and
     truncation mask; the high-entropy token selection over the global batch) give the
     single-device metrics on a 2x4 mesh."""
-    ppo = jaxppo.PPOConfig.for_algorithm("dapo", batch_size=16, mini_batch_size=8, ppo_epochs=2, num_generations=4,
+    ppo = jaxppo.Config.for_algorithm("dapo", batch_size=16, mini_batch_size=8, ppo_epochs=2, num_generations=4,
                                          ent_coef=0.01, entropy_target=5.9, entropy_coef_step=0.004,
                                          top_entropy_quantile=0.5)
     single, _ = run_small(tmp_path / "single", ppo=ppo, export_final=False)
@@ -329,9 +334,9 @@ def test_multiturn_lora_trainer_under_mesh_matches_single_device(tmp_path):
     single-device metrics."""
     from trainer_setup import small_trainer
 
-    ppo = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=16, mini_batch_size=8, ppo_epochs=1, num_generations=4)
+    ppo = jaxppo.Config.for_algorithm("grpo", batch_size=16, mini_batch_size=8, ppo_epochs=1, num_generations=4)
     lora = jm.LoraConfig(rank=4, alpha=8, targets="all-linear")
-    settings = dict(ppo=ppo, lora=lora, export_final=False, environment=demo.GuessTheDigit, reward_fn=None,
+    settings = dict(ppo=ppo, lora=lora, export_final=False, environment=demo.GuessTheDigit, reward_fns=None,
                     prompts=demo.multiturn_prompts(), response_length=16, turn_length=3, max_len=48)
     single = small_trainer(tmp_path / "single", **settings).train()
     sharded = small_trainer(tmp_path / "mesh", mesh=sh.MeshConfig(data=2, fsdp=4), **settings).train()
@@ -348,11 +353,11 @@ def test_packed_multiturn_lora_trainer_under_mesh_matches_single_device_padded(t
     from trainer_setup import small_trainer
 
     base = dict(batch_size=16, mini_batch_size=8, ppo_epochs=1, num_generations=4, kl_loss_coef=0.05)
-    packed = jaxppo.PPOConfig.for_algorithm("grpo", pack_sequences=True, pack_length=96, **base)
+    packed = jaxppo.Config.for_algorithm("grpo", pack_sequences=True, pack_length=96, **base)
     lora = jm.LoraConfig(rank=4, alpha=8, targets="all-linear")
-    settings = dict(lora=lora, export_final=False, environment=demo.GuessTheDigit, reward_fn=None,
+    settings = dict(lora=lora, export_final=False, environment=demo.GuessTheDigit, reward_fns=None,
                     prompts=demo.multiturn_prompts(), response_length=16, turn_length=3, max_len=48)
-    single = small_trainer(tmp_path / "single", ppo=jaxppo.PPOConfig.for_algorithm("grpo", **base), **settings).train()
+    single = small_trainer(tmp_path / "single", ppo=jaxppo.Config.for_algorithm("grpo", **base), **settings).train()
     sharded = small_trainer(tmp_path / "mesh", ppo=packed, mesh=sh.MeshConfig(data=2, fsdp=4), **settings).train()
     for a, b in zip(single, sharded):
         for name in ("reward", "env/turns_mean", "env/observation_tokens"):

@@ -15,10 +15,10 @@ import jaxppo.models as jm
 from jaxppo.update.kl import fixed_kl_controller
 from jaxppo.update.stats import RunningMoments
 from jaxppo.rollout.engines import sample_responses
-from jaxppo.rollout.sampling import RolloutSpec
-from jaxppo.rollout.scoring import finish_rollout
+from jaxppo.rollout.spec import RolloutSpec
+from jaxppo.rollout.forward import finish_rollout
 from jaxppo.update.batch import response_outputs
-from jaxppo.update.engine import GroupOrder, minibatch_indices
+from jaxppo.update.minibatches import GroupOrder, minibatch_indices
 from jaxppo.update.ppo import minibatch_group, prompt_group
 from trainer_setup import perturbed
 
@@ -159,11 +159,11 @@ def test_train_step_with_shared_prompts_equals_every_row(case):
         critic = jm.Model(cfg, kind="value", scan_layers=spec.get("scan", False))
         params = {"policy": params, "critic": perturbed(critic.init(jax.random.key(2)), 3)}
         apply_fn = jm.PolicyAndCritic(policy, critic)
-    config = jaxppo.PPOConfig.for_algorithm(spec["algorithm"], batch_size=16, mini_batch_size=8, ppo_epochs=2,
+    config = jaxppo.Config.for_algorithm(spec["algorithm"], batch_size=16, mini_batch_size=8, ppo_epochs=2,
                                             num_generations=G, share_prompts=True, **spec["changes"])
     assert prompt_group(config) == G
     rollout = _rollout(apply_fn, params, _rows(4, prompts=4, gaps=spec.get("gaps", False)), 6, config.uses_critic)
-    jaxppo.check_rollout(rollout, config)
+    jaxppo.update.check_rollout(rollout, config)
     _assert_same(_both(apply_fn, params, config, rollout), params)
 
 
@@ -174,17 +174,17 @@ def test_train_step_with_shared_prompts_under_lora():
     lora_model, variables = jm.add_lora(model, params, jm.LoraConfig(rank=4, alpha=8, targets=("q_proj", "v_proj")),
                                         jax.random.key(1))
     variables["lora"] = perturbed(variables["lora"], 2)  # B nonzero: the adapters act
-    config = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=16, mini_batch_size=8, ppo_epochs=1,
+    config = jaxppo.Config.for_algorithm("grpo", batch_size=16, mini_batch_size=8, ppo_epochs=1,
                                             num_generations=G)
     rollout = _rollout(lora_model.apply, variables, _rows(7, prompts=4), 8, False)
-    freeze = jaxppo.Freeze(prefixes=(("params",),))
+    freeze = jaxppo.update.Freeze(prefixes=(("params",),))
     out = _both(lora_model.apply, variables, config, rollout, freeze)
     chex.assert_trees_all_equal(out[0][0].params["params"], variables["params"])  # the base stays
     _assert_same(out, variables)
 
 
 def test_group_order_keeps_groups_whole_and_walks_every_row():
-    config = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=32, mini_batch_size=8, ppo_epochs=3, num_generations=4,
+    config = jaxppo.Config.for_algorithm("grpo", batch_size=32, mini_batch_size=8, ppo_epochs=3, num_generations=4,
                                             share_prompts=True)
     idx = np.asarray(GroupOrder(4)(jax.random.key(0), config))
     assert idx.shape == (3, 4, 8)
@@ -202,25 +202,25 @@ def test_group_order_keeps_groups_whole_and_walks_every_row():
     assert minibatch_group(odd) == 1 == prompt_group(odd)
     assert prompt_group(config) == 4 and prompt_group(config.replace(share_prompts=None)) == 1  # train_step's default
     assert prompt_group(config.replace(pack_sequences=True)) == 1 and prompt_group(config.replace(share_prompts=False)) == 1
-    with pytest.raises(ValueError, match="group=3 must be a positive int dividing PPOConfig.mini_batch_size=8"):
+    with pytest.raises(ValueError, match="group=3 must be a positive int dividing BatchConfig.mini_batch_size=8"):
         minibatch_indices(jax.random.key(0), config, 3)
 
 
 def test_check_rollout_refuses_groups_without_one_prompt():
-    config = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=8, mini_batch_size=8, ppo_epochs=1, num_generations=4,
+    config = jaxppo.Config.for_algorithm("grpo", batch_size=8, mini_batch_size=8, ppo_epochs=1, num_generations=4,
                                             kl_loss_coef=0.0, share_prompts=True)
     batch = _rows(0, prompts=2)
     b = 8
     rollout = jaxppo.RolloutBatch(**batch, logprobs=jnp.zeros((b, R)), values=None, rewards=jnp.zeros((b, R)))
-    jaxppo.check_rollout(rollout, config)
+    jaxppo.update.check_rollout(rollout, config)
     changed = rollout.replace(query_tokens=rollout.query_tokens.at[6, Q - 1].add(1))
     with pytest.raises(ValueError, match=r"row 6 has another prompt than row 4, the first of its group \(rows 4-7\).*"
                                          r"share_prompts=False"):
-        jaxppo.check_rollout(changed, config)
-    jaxppo.check_rollout(changed, config.replace(share_prompts=False))
+        jaxppo.update.check_rollout(changed, config)
+    jaxppo.update.check_rollout(changed, config.replace(share_prompts=False))
     # Tokens under the padding do not count.
     padded = rollout.replace(query_mask=rollout.query_mask.at[:, 0].set(0))
-    jaxppo.check_rollout(padded.replace(query_tokens=padded.query_tokens.at[5, 0].add(1)), config)
+    jaxppo.update.check_rollout(padded.replace(query_tokens=padded.query_tokens.at[5, 0].add(1)), config)
 
 
 def test_scoring_pass_with_shared_prompts_equals_every_row():

@@ -85,13 +85,13 @@ def test_no_import_cycles_in_the_package():
 # a folder or a module at the top of the package: the folders are the layers. The configs
 # the user writes come after the layers whose configs they compose.
 LAYERS = [
-    {"jaxppo.version", "jaxppo.errors", "jaxppo.testing", "jaxppo.files"},
+    {"jaxppo.version", "jaxppo.errors", "jaxppo.testing", "jaxppo.files", "jaxppo.deprecations"},
     {"jaxppo.tracking"},
     {"jaxppo.update", "jaxppo.models"},
     {"jaxppo.algorithms"},
     {"jaxppo.sharding"},
     {"jaxppo.rollout"},
-    {"jaxppo.config", "jaxppo.trainer_config"},
+    {"jaxppo.config"},
     {"jaxppo.run"},
     {"jaxppo.cli", "jaxppo.demo", "jaxppo.__main__", "jaxppo"},
 ]
@@ -130,17 +130,24 @@ def test_the_top_of_the_package_is_a_short_list():
         d for d in os.listdir(PACKAGE) if os.path.isfile(os.path.join(PACKAGE, d, "__init__.py"))}
 
 
-def test_no_class_over_250_lines_no_function_over_80():
-    too_long = []
+def test_no_class_over_250_lines_no_function_over_80_and_none_near_the_rule():
+    """The rule (a class at most 250 lines, a function 80, docstrings counted), and a margin:
+    nothing within 15% of it (a class at most 212 lines, a function 67), so that the rule is
+    met by the design, not by trimming what sits at its edge."""
+    too_long, near = [], []
     for name, path in _modules(PACKAGE).items():
         for node in ast.walk(ast.parse(open(path).read())):
             size = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1
-            if isinstance(node, ast.ClassDef) and size > 250:
+            limit = 250 if isinstance(node, ast.ClassDef) else 80 if isinstance(
+                node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+            if limit is None or (name, node.name) in LONG_FUNCTIONS_ALLOWED:
+                continue
+            if size > limit:
                 too_long.append((name, node.name, size))
-            if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and size > 80
-                    and (name, node.name) not in LONG_FUNCTIONS_ALLOWED):
-                too_long.append((name, node.name, size))
+            elif size >= 0.85 * limit:
+                near.append((name, node.name, size))
     assert not too_long, too_long
+    assert not near, near
 
 
 @pytest.mark.parametrize("top", ["jaxppo", "tests", "benchmarks", "examples"])
@@ -191,7 +198,7 @@ def test_the_rollout_engine_is_chosen_in_one_place():
     from jaxppo.rollout.engines import rollout_engine_names
 
     names = set(rollout_engine_names())
-    allowed = ("jaxppo.rollout.engines", "jaxppo.trainer_config")
+    allowed = ("jaxppo.rollout.engines",)
     found = {name: hits for name, path in _modules(PACKAGE).items() if not name.startswith(allowed)
              for hits in [_model_type_comparisons(ast.parse(open(path).read()), names, "rollout_engine")] if hits}
     assert not found, found
@@ -225,14 +232,14 @@ def test_the_config_validates_against_the_registry():
     for name, estimator in ESTIMATORS.items():
         assert estimator.name == name
         g = max(2, estimator.min_generations)
-        config = jaxppo.PPOConfig(advantage_estimator=name, num_generations=g, batch_size=8, mini_batch_size=4)
+        config = jaxppo.Config.from_settings(advantage_estimator=name, num_generations=g, batch_size=8, mini_batch_size=4)
         assert config.estimator is estimator and config.uses_critic == estimator.uses_critic
     for name, algorithm in REGISTRY.items():
-        config = jaxppo.PPOConfig.for_algorithm(name)
-        assert config.advantage_estimator in ESTIMATORS and algorithm.source
+        config = jaxppo.Config.for_algorithm(name)
+        assert config.advantages.advantage_estimator in ESTIMATORS and algorithm.source
         assert ALGORITHMS[name] == dict(algorithm.settings)
     with pytest.raises(ValueError, match="one of " + ", ".join(repr(n) for n in ESTIMATORS)):
-        jaxppo.PPOConfig(advantage_estimator="made_up")
+        jaxppo.Config.from_settings(advantage_estimator="made_up")
 
 
 @pytest.mark.parametrize("old", ["engine", "math", "critic_free", "rollout_types", "trainer", "rundir", "toy"])

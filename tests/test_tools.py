@@ -105,22 +105,22 @@ def test_trainer_shows_the_tools_through_the_template_and_steps_them(tmp_path):
     tok = demo.demo_tokenizer()
     tok.chat_template = TEMPLATE
     prompts = [[{"role": "user", "content": f"{a} + {b}?"}] for a, b in ((1, 2), (3, 4))]
-    ppo = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=4, mini_batch_size=4, ppo_epochs=1, num_generations=2)
-    tc = jaxppo.TrainerConfig(iterations=1, query_length=112, response_length=24, turn_length=8, output_dir=str(tmp_path),
-                              progress=False, sample_every=0, export_final=False, plot=False, tensorboard=False)
-    trainer = jaxppo.Trainer(ppo, tc, policy=demo.demo_policy(tok, width=32, layers=1, max_len=136), tokenizer=tok,
-                             prompts=prompts, reward_fn=lambda p, c: [0.0] * len(c), tools=[add, divide])
-    assert trainer.table.texts[0] == ("<|im_start|>system\ntools: add divide<|im_end|>\n<|im_start|>user\n1 + 2?"
+    ppo = jaxppo.Config.for_algorithm("grpo", batch_size=4, mini_batch_size=4, ppo_epochs=1, num_generations=2)
+    tc = dict(iterations=1, query_length=112, response_length=24, turn_length=8, output_dir=str(tmp_path),
+              progress=False, sample_every=0, export_final=False, plot=False, report_to="jsonl")
+    trainer = jaxppo.Trainer(ppo.replace(**tc), policy=demo.demo_policy(tok, width=32, layers=1, max_len=136), tokenizer=tok,
+                             prompts=prompts, reward_fns=lambda p, c: [0.0] * len(c), tools=[add, divide])
+    assert trainer.parts.table.texts[0] == ("<|im_start|>system\ntools: add divide<|im_end|>\n<|im_start|>user\n1 + 2?"
                                       "<|im_end|>\n<|im_start|>assistant\n")
-    assert trainer.environment.tools[1]["function"]["name"] == "divide"
+    assert trainer.parts.environment.tools[1]["function"]["name"] == "divide"
     metrics = trainer.step()
     assert metrics["env/tool_calls"] == 0 and metrics["env/turns_mean"] == 1.0  # a random policy calls nothing
     # A tool result continues the conversation as the template renders it.
-    assert chat_continuation(tok, [{"role": "tool", "content": "3"}], "<|im_end|>", trainer.environment.tools) == \
+    assert chat_continuation(tok, [{"role": "tool", "content": "3"}], "<|im_end|>", trainer.parts.environment.tools) == \
         "\n<|im_start|>tool\n3<|im_end|>\n<|im_start|>assistant\n"
     with pytest.raises(ValueError, match="give the prompts as chat messages"):
-        jaxppo.Trainer(ppo, tc, policy=demo.demo_policy(tok, width=32, layers=1, max_len=136), tokenizer=tok,
-                       prompts=["1 + 2?", "3 + 4?"], reward_fn=lambda p, c: [0.0] * len(c), tools=[add])
+        jaxppo.Trainer(ppo.replace(**tc), policy=demo.demo_policy(tok, width=32, layers=1, max_len=136), tokenizer=tok,
+                       prompts=["1 + 2?", "3 + 4?"], reward_fns=lambda p, c: [0.0] * len(c), tools=[add])
     with pytest.raises(ValueError, match="give environment or tools, not both"):
-        jaxppo.Trainer(ppo, tc, policy=demo.demo_policy(tok, width=32, layers=1, max_len=136), tokenizer=tok,
+        jaxppo.Trainer(ppo.replace(**tc), policy=demo.demo_policy(tok, width=32, layers=1, max_len=136), tokenizer=tok,
                        prompts=prompts, tools=[add], environment=ToolEnvironment)

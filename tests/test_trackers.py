@@ -76,11 +76,11 @@ def test_each_tracker_holds_every_iteration_once_after_a_crash_and_a_resume(tmp_
     settings = dict(iterations=4, checkpoint_every=2, report_to="tensorboard,wandb,mlflow,trackio", sample_every=1,
                     num_samples=2, export_final=False)
     with pytest.raises(RewardError, match="the judge went away"):
-        small_trainer(out, reward_fn=crashing, **settings).train()
+        small_trainer(out, reward_fns=crashing, **settings).train()
     rows, _ = tracker_rows(str(out), "crash-and-resume")
     for backend in BACKENDS:  # iteration 2 is held, and the checkpoint is at 2: the resume recomputes it
         assert [step for step, _ in rows[backend]] == [0, 1, 2], backend
-    trainer = small_trainer(out, reward_fn=crashing, **settings)  # the same command again (the judge is back)
+    trainer = small_trainer(out, reward_fns=crashing, **settings)  # the same command again (the judge is back)
     history = trainer.train()
     assert [r["iteration"] for r in history] == [0, 1, 2, 3]
     assert_trackers_hold(str(out), "crash-and-resume", table_steps=[0, 1, 2, 3])
@@ -101,15 +101,15 @@ def test_each_tracker_holds_every_iteration_once_after_a_crash_and_a_resume(tmp_
 def test_the_completions_table_holds_each_rows_advantage_as_the_update_computes_it(tmp_path):
     """GRPO: the "advantage" column equals (score - group mean) / (group std + eps), Bessel's
     std, computed here in numpy from the table's own "reward" column."""
-    ppo = jaxppo.PPOConfig(batch_size=16, mini_batch_size=8, ppo_epochs=1, advantage_estimator="grpo",
+    ppo = jaxppo.Config.from_settings(batch_size=16, mini_batch_size=8, ppo_epochs=1, advantage_estimator="grpo",
                            num_generations=4, kl_coef=0.0)
     trainer = small_trainer(tmp_path / "run", iterations=1, ppo=ppo, sample_every=1, num_samples=16,
-                            export_final=False, reward_fn=lambda p, c: [float(len(x) % 3) for x in c])
+                            export_final=False, reward_fns=lambda p, c: [float(len(x) % 3) for x in c])
     trainer.train()
     table = read_table(str(tmp_path / "run" / "completions.table.jsonl"))
     rewards = np.asarray([r["reward"] for r in table]).reshape(4, 4)
     std = rewards.std(axis=1, ddof=1, keepdims=True)
-    expected = ((rewards - rewards.mean(axis=1, keepdims=True)) / (std + ppo.grpo_eps)).ravel()
+    expected = ((rewards - rewards.mean(axis=1, keepdims=True)) / (std + ppo.advantages.grpo_eps)).ravel()
     assert np.ptp(rewards) > 0  # the rewards differ, so the advantages say something
     np.testing.assert_allclose([r["advantage"] for r in table], expected, rtol=1e-5, atol=1e-5)
 
@@ -160,19 +160,21 @@ def test_report_to_names_are_checked_before_any_work(monkeypatch):
     assert parse_report_to("none") == ("jsonl",)
     assert parse_report_to(" wandb , mlflow") == ("jsonl", "wandb", "mlflow")
     assert set(parse_report_to("all")) == {"jsonl", "tensorboard", "wandb", "mlflow", "trackio"}
-    assert jaxppo.TrainerConfig(report_to=["mlflow"]).report_to == "jsonl,mlflow"
-    assert jaxppo.TrainerConfig(tensorboard=False).trackers == ("jsonl",)
+    assert jaxppo.RunConfig(report_to=["mlflow"]).report_to == "jsonl,mlflow"
+    assert jaxppo.RunConfig(report_to="jsonl").trackers == ("jsonl",)
+    with pytest.warns(DeprecationWarning, match=r"tensorboard -> report_to without 'tensorboard'"):
+        assert jaxppo.Config.from_settings(tensorboard=False).run.trackers == ("jsonl",)
     with pytest.raises(ValueError, match=r"report_to='wandb,comet' names unknown trackers \['comet'\]; valid: jsonl, "
                                          r"tensorboard, wandb, mlflow, trackio"):
-        jaxppo.TrainerConfig(report_to="wandb,comet")
+        jaxppo.Config.from_settings(report_to="wandb,comet")
     with pytest.raises(ValueError, match=r"report_to=3 is invalid: give tracker names"):
-        jaxppo.TrainerConfig(report_to=3)
+        jaxppo.Config.from_settings(report_to=3)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("wandb", "trackio") else
                         real(name, *a))
     with pytest.raises(ValueError, match=r"names wandb, trackio, whose package is not installed \(wandb, trackio\): "
                                          r"pip install jaxppo\[trackio\] jaxppo\[wandb\]"):
-        jaxppo.TrainerConfig(report_to="wandb,mlflow,trackio")
+        jaxppo.Config.from_settings(report_to="wandb,mlflow,trackio")
     assert "wandb" not in parse_report_to("all")  # "all": the installed ones
     for bad in ("none", "a,b", ""):
         with pytest.raises(ValueError, match="tracker name"):

@@ -9,9 +9,8 @@ import optax
 import pytest
 
 import jaxppo
-from jaxppo import PPOConfig, RolloutBatch, TrainState, train_step
+from jaxppo import Config, RolloutBatch, TrainState, train_step
 from jaxppo.testing.toy import make_toy
-from jaxppo.update.ppo import train_step_jit
 
 Q, R, V = 4, 6, 32
 
@@ -26,7 +25,7 @@ def on_policy(model, rollout, temperature=1.0):
     apply_fn, params = model
     batch = {"query_tokens": rollout.query_tokens, "query_mask": rollout.query_mask,
              "response_tokens": rollout.response_tokens, "response_mask": rollout.response_mask}
-    logprobs, values, _ = jaxppo.response_outputs(apply_fn, params, batch, temperature)
+    logprobs, values, _ = jaxppo.update.response_outputs(apply_fn, params, batch, temperature)
     return rollout.replace(logprobs=logprobs, values=values)
 
 
@@ -58,7 +57,7 @@ def _ref_advantages(rollout, config):
     values = np.asarray(rollout.values, np.float64)
     mask = np.asarray(rollout.response_mask, np.float64)
     b = rewards.shape[0]
-    if config.whiten_rewards:
+    if config.advantages.whiten_rewards:
         real = rewards[mask > 0]
         rewards = (rewards - real.mean()) / np.sqrt(real.var(ddof=1) + 1e-8) + real.mean()
     adv = np.zeros_like(rewards)
@@ -67,10 +66,10 @@ def _ref_advantages(rollout, config):
         last = 0.0
         for t in reversed(range(n)):
             nv = values[i, t + 1] if t + 1 < n else 0.0
-            last = rewards[i, t] + config.gamma * nv - values[i, t] + config.gamma * config.lam * last
+            last = rewards[i, t] + config.advantages.gamma * nv - values[i, t] + config.advantages.gamma * config.advantages.lam * last
             adv[i, t] = last
     returns = (adv + values) * mask
-    if config.whiten_advantages:
+    if config.advantages.whiten_advantages:
         real = adv[mask > 0]
         adv = (adv - real.mean()) / np.sqrt(real.var(ddof=1) + 1e-8) * mask
     return jnp.asarray(adv, jnp.float32), jnp.asarray(returns, jnp.float32)
@@ -80,7 +79,7 @@ def _ref_loss(params, apply_fn, mb, config):
     tokens = jnp.concatenate([mb["qt"], mb["rt"]], axis=1)
     mask = jnp.concatenate([mb["qm"], mb["rm"]], axis=1)
     logits, values = apply_fn(params, tokens, mask)
-    logits = logits[:, Q - 1 : Q - 1 + R] / config.temperature
+    logits = logits[:, Q - 1 : Q - 1 + R] / config.sampling.temperature
     values = values[:, Q - 1 : Q - 1 + R]
     logp_all = jax.nn.log_softmax(logits, axis=-1)
     logp = jnp.take_along_axis(logp_all, mb["rt"][..., None], axis=-1)[..., 0]
@@ -89,18 +88,18 @@ def _ref_loss(params, apply_fn, mb, config):
     rows = m.shape[0]
 
     def agg(x):  # each aggregation mode written out over rows
-        if config.loss_aggregation == "token_mean":
+        if config.loss.loss_aggregation == "token_mean":
             return jnp.sum(x * m) / n
-        if config.loss_aggregation == "seq_mean_token_mean":
+        if config.loss.loss_aggregation == "seq_mean_token_mean":
             return sum(jnp.sum(x[i] * m[i]) / jnp.sum(m[i]) for i in range(rows)) / rows
         return sum(jnp.sum(x[i] * m[i]) / R for i in range(rows)) / rows
 
     ratio = jnp.exp(logp - mb["lp"])
-    pg = agg(jnp.maximum(-mb["adv"] * ratio, -mb["adv"] * jnp.clip(ratio, 1 - config.cliprange, 1 + config.cliprange)))
-    vclip = mb["v"] + jnp.clip(values - mb["v"], -config.cliprange_value, config.cliprange_value)
+    pg = agg(jnp.maximum(-mb["adv"] * ratio, -mb["adv"] * jnp.clip(ratio, 1 - config.loss.cliprange, 1 + config.loss.cliprange)))
+    vclip = mb["v"] + jnp.clip(values - mb["v"], -config.loss.cliprange_value, config.loss.cliprange_value)
     vf = 0.5 * agg(jnp.maximum((values - mb["ret"]) ** 2, (vclip - mb["ret"]) ** 2))
     ent = agg(-jnp.sum(jnp.exp(logp_all) * logp_all, -1))
-    return pg + config.vf_coef * vf - config.ent_coef * ent
+    return pg + config.loss.vf_coef * vf - config.loss.ent_coef * ent
 
 
 def _reference_train_step(model, rollout, key, config, tx):
@@ -111,13 +110,13 @@ def _reference_train_step(model, rollout, key, config, tx):
         lp=rollout.logprobs, v=rollout.values, adv=adv, ret=ret,
     )
     opt_state = tx.init(params)
-    keys = jax.random.split(key, config.ppo_epochs)
+    keys = jax.random.split(key, config.batch.ppo_epochs)
     losses = []
     ref_grad = jax.jit(jax.value_and_grad(lambda p, mb: _ref_loss(p, apply_fn, mb, config)))
-    for e in range(config.ppo_epochs):
-        perm = np.asarray(jax.random.permutation(keys[e], config.batch_size))
-        for m in range(config.num_minibatches):
-            rows = perm[m * config.mini_batch_size : (m + 1) * config.mini_batch_size]
+    for e in range(config.batch.ppo_epochs):
+        perm = np.asarray(jax.random.permutation(keys[e], config.batch.batch_size))
+        for m in range(config.batch.num_minibatches):
+            rows = perm[m * config.batch.mini_batch_size : (m + 1) * config.batch.mini_batch_size]
             mb = {k: v[rows] for k, v in data.items()}
             loss, grads = ref_grad(params, mb)
             updates, opt_state = tx.update(grads, opt_state, params)
@@ -132,41 +131,41 @@ def _reference_train_step(model, rollout, key, config, tx):
 @pytest.mark.parametrize(
     "config",
     [
-        PPOConfig(batch_size=8, mini_batch_size=4, ppo_epochs=2),
-        PPOConfig(batch_size=16, mini_batch_size=4, ppo_epochs=1, gradient_accumulation_steps=2, whiten_rewards=True),
-        PPOConfig(batch_size=12, mini_batch_size=12, ppo_epochs=3, gradient_accumulation_steps=3, whiten_advantages=False),
+        Config.from_settings(batch_size=8, mini_batch_size=4, ppo_epochs=2),
+        Config.from_settings(batch_size=16, mini_batch_size=4, ppo_epochs=1, gradient_accumulation_steps=2, whiten_rewards=True),
+        Config.from_settings(batch_size=12, mini_batch_size=12, ppo_epochs=3, gradient_accumulation_steps=3, whiten_advantages=False),
     ],
     ids=["plain", "accumulate2", "accumulate3"],
 )
 def test_update_count_and_metric_shapes(model, config):
     state = _state(model)
-    rollout = make_rollout(config.batch_size)
+    rollout = make_rollout(config.batch.batch_size)
     state, metrics = train_step(state, rollout, jax.random.key(1), config)
-    assert int(state.step) == config.ppo_epochs * config.batch_size // config.mini_batch_size
+    assert int(state.step) == config.batch.ppo_epochs * config.batch.batch_size // config.batch.mini_batch_size
     assert int(metrics["ppo/updates_applied"]) == int(state.step) == int(metrics["ppo/updates_planned"])
     per_mb = {k: v for k, v in metrics.items() if k.startswith("per_minibatch/")}
-    chex.assert_tree_shape_prefix(per_mb, (config.ppo_epochs, config.num_minibatches))
+    chex.assert_tree_shape_prefix(per_mb, (config.batch.ppo_epochs, config.batch.num_minibatches))
     for name in ["policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg", "loss/value_avg",
                  "val/clipfrac_avg", "policy/entropy_avg", "val/ratio", "val/ratio_var"]:
         assert metrics[name].shape == () and bool(jnp.isfinite(metrics[name])), name
-    state, _ = train_step(state, make_rollout(config.batch_size, seed=1), jax.random.key(2), config)
-    assert int(state.step) == 2 * config.updates_per_step
+    state, _ = train_step(state, make_rollout(config.batch.batch_size, seed=1), jax.random.key(2), config)
+    assert int(state.step) == 2 * config.batch.updates_per_step
 
 
 @pytest.mark.parametrize(
     "config",
     [
-        PPOConfig(batch_size=8, mini_batch_size=4, ppo_epochs=2, ent_coef=0.01, temperature=0.7),
-        PPOConfig(batch_size=8, mini_batch_size=4, ppo_epochs=2, gamma=0.9, whiten_rewards=True, whiten_advantages=False),
+        Config.from_settings(batch_size=8, mini_batch_size=4, ppo_epochs=2, ent_coef=0.01, temperature=0.7),
+        Config.from_settings(batch_size=8, mini_batch_size=4, ppo_epochs=2, gamma=0.9, whiten_rewards=True, whiten_advantages=False),
         # PPO's value loss (and entropy) under the per-completion aggregations.
-        PPOConfig(batch_size=8, mini_batch_size=4, ppo_epochs=2, ent_coef=0.01, loss_aggregation="seq_mean_token_mean"),
-        PPOConfig(batch_size=8, mini_batch_size=4, ppo_epochs=2, vf_coef=0.5, loss_aggregation="seq_mean_token_sum_norm"),
+        Config.from_settings(batch_size=8, mini_batch_size=4, ppo_epochs=2, ent_coef=0.01, loss_aggregation="seq_mean_token_mean"),
+        Config.from_settings(batch_size=8, mini_batch_size=4, ppo_epochs=2, vf_coef=0.5, loss_aggregation="seq_mean_token_sum_norm"),
     ],
     ids=["whiten-adv", "whiten-rewards", "seq-mean-token-mean", "seq-mean-token-sum-norm"],
 )
 def test_train_step_equals_reference_python_loop(model, config):
     tx = optax.adam(3e-3)
-    rollout = make_rollout(config.batch_size, seed=3)
+    rollout = make_rollout(config.batch.batch_size, seed=3)
     key = jax.random.key(4)
     state, metrics = train_step(_state(model, tx), rollout, key, config)
     ref_params, ref_losses = _reference_train_step(model, rollout, key, config, tx)
@@ -175,9 +174,9 @@ def test_train_step_equals_reference_python_loop(model, config):
 
 
 def test_advantages_match_reference(model):
-    config = PPOConfig(batch_size=8, mini_batch_size=4, gamma=0.95, lam=0.9, whiten_rewards=True)
+    config = Config.from_settings(batch_size=8, mini_batch_size=4, gamma=0.95, lam=0.9, whiten_rewards=True)
     rollout = make_rollout(8, seed=5)
-    adv, ret = jaxppo.compute_advantages(rollout, config)
+    adv, ret = jaxppo.update.compute_advantages(rollout, config)
     ref_adv, ref_ret = _ref_advantages(rollout, config)
     np.testing.assert_allclose(np.asarray(adv), np.asarray(ref_adv), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(np.asarray(ret), np.asarray(ref_ret), rtol=1e-4, atol=1e-5)
@@ -186,7 +185,7 @@ def test_advantages_match_reference(model):
 def test_token_weighted_accumulation_equals_whole_minibatch(model):
     # Rows have different response lengths, so micro-batches hold different token counts.
     rollout = make_rollout(16, seed=6)
-    base = PPOConfig(batch_size=16, mini_batch_size=8, ppo_epochs=2)
+    base = Config.from_settings(batch_size=16, mini_batch_size=8, ppo_epochs=2)
     s1, m1 = train_step(_state(model), rollout, jax.random.key(7), base)
     s4, m4 = train_step(_state(model), rollout, jax.random.key(7), base.replace(gradient_accumulation_steps=4))
     assert int(s1.step) == int(s4.step) == 4
@@ -195,7 +194,7 @@ def test_token_weighted_accumulation_equals_whole_minibatch(model):
 
 
 def test_same_key_bit_identical(model):
-    config = PPOConfig(batch_size=8, mini_batch_size=2, ppo_epochs=2)
+    config = Config.from_settings(batch_size=8, mini_batch_size=2, ppo_epochs=2)
     rollout = make_rollout(8, seed=8)
     a = train_step(_state(model), rollout, jax.random.key(9), config)
     b = train_step(_state(model), rollout, jax.random.key(9), config)
@@ -204,7 +203,7 @@ def test_same_key_bit_identical(model):
 
 
 def test_no_retrace(model):
-    config = PPOConfig(batch_size=8, mini_batch_size=4, ppo_epochs=1, cliprange=0.15)
+    config = Config.from_settings(batch_size=8, mini_batch_size=4, ppo_epochs=1, cliprange=0.15)
     traces = []
     apply_fn, params = model
 
@@ -213,43 +212,43 @@ def test_no_retrace(model):
         return apply_fn(p, tokens, mask)
 
     state = TrainState.create(apply_fn=counting_apply, params=params, tx=optax.sgd(1e-3))
-    before = train_step_jit._cache_size()
+    before = train_step._cache_size()
     state, _ = train_step(state, make_rollout(8), jax.random.key(0), config)
     n = len(traces)
     for i in range(3):
         state, _ = train_step(state, make_rollout(8, seed=i + 1), jax.random.key(i + 1), config)
     assert len(traces) == n
-    assert train_step_jit._cache_size() == before + 1
-    assert int(state.step) == 4 * config.updates_per_step
+    assert train_step._cache_size() == before + 1
+    assert int(state.step) == 4 * config.batch.updates_per_step
 
 
 def test_target_kl_early_stop_counts_only_applied(model):
-    config = PPOConfig(batch_size=8, mini_batch_size=2, ppo_epochs=4, target_kl=1e-3)
+    config = Config.from_settings(batch_size=8, mini_batch_size=2, ppo_epochs=4, target_kl=1e-3)
     state, metrics = train_step(_state(model, optax.adam(3e-2)), on_policy(model, make_rollout(8, seed=10)), jax.random.key(1), config)
     applied = int(metrics["ppo/updates_applied"])
     assert int(state.step) == applied == int(np.asarray(metrics["per_minibatch/applied"]).sum())
-    assert 0 < applied < config.updates_per_step
+    assert 0 < applied < config.batch.updates_per_step
     assert bool(metrics["ppo/early_stopped"])
     flat = np.asarray(metrics["per_minibatch/applied"]).ravel()
     assert flat[:applied].all() and not flat[applied:].any(), "updates stop for good once the KL target is hit"
     kl = np.asarray(metrics["per_minibatch/policy/approxkl"]).ravel()
-    assert kl[applied] > config.target_kl and (kl[:applied] <= config.target_kl).all()
+    assert kl[applied] > config.batch.target_kl and (kl[:applied] <= config.batch.target_kl).all()
 
 
 def test_nonfinite_row_skips_its_minibatches_without_corrupting_params(model):
-    config = PPOConfig(batch_size=8, mini_batch_size=2, ppo_epochs=2)
+    config = Config.from_settings(batch_size=8, mini_batch_size=2, ppo_epochs=2)
     rollout = on_policy(model, make_rollout(8, seed=11))
     rollout = rollout.replace(logprobs=rollout.logprobs.at[3, 0].set(jnp.nan))
     state, metrics = train_step(_state(model), rollout, jax.random.key(2), config)
     assert int(metrics["ppo/updates_nonfinite"]) == 2  # the row's mini-batch, once per epoch
-    assert int(state.step) == config.updates_per_step - 2
+    assert int(state.step) == config.batch.updates_per_step - 2
     assert int(state.skipped_nonfinite) == 2
     assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves((state.params, state.opt_state)))
     assert np.isfinite(float(metrics["loss/total_avg"]))
 
 
 def test_bad_rollouts_are_rejected(model):
-    config = PPOConfig(batch_size=8, mini_batch_size=4)
+    config = Config.from_settings(batch_size=8, mini_batch_size=4)
     with pytest.raises(ValueError, match="batch_size=8"):
         train_step(_state(model), make_rollout(6), jax.random.key(0), config)
     rollout = make_rollout(8)

@@ -29,18 +29,18 @@ def tokenizer():
 
 
 def small_configs(tmp, **trainer):
-    ppo = jaxppo.PPOConfig(batch_size=16, mini_batch_size=4, ppo_epochs=2, kl_coef=0.1)
+    ppo = jaxppo.Config.from_settings(batch_size=16, mini_batch_size=4, ppo_epochs=2, kl_coef=0.1)
     tc = dict(iterations=4, query_length=32, response_length=8, learning_rate=1e-3, output_dir=str(tmp),
               progress=False, sample_every=2, num_samples=1)
     tc.update(trainer)
-    return ppo, jaxppo.TrainerConfig(**tc)
+    return ppo, dict(**tc)
 
 
-def make_trainer(tokenizer, tmp, reward_fn=demo.lowercase_reward, callbacks=(), prompts=None, **trainer):
+def make_trainer(tokenizer, tmp, reward_fns=demo.lowercase_reward, callbacks=(), prompts=None, **trainer):
     ppo, tc = small_configs(tmp, **trainer)
     policy = demo.demo_policy(tokenizer, width=32, layers=1, max_len=40)
-    return jaxppo.PPOTrainer(ppo, tc, policy=policy, tokenizer=tokenizer, prompts=demo.DEMO_PROMPTS if prompts is None else prompts,
-                             reward_fn=reward_fn, callbacks=callbacks)
+    return jaxppo.Trainer(ppo.replace(**tc), policy=policy, tokenizer=tokenizer, prompts=demo.DEMO_PROMPTS if prompts is None else prompts,
+                          reward_fns=reward_fns, callbacks=callbacks)
 
 
 def _comparable(row):
@@ -57,7 +57,7 @@ def test_run_counts_updates_logs_plots_and_exports(tokenizer, tmp_path):
         assert row["ppo/updates_applied"] == 2 * 16 // 4
         for name in TRL_METRICS:
             assert name in row and np.isfinite(row[name]), name
-    assert int(trainer.state.step) == 4 * trainer.config.updates_per_step
+    assert int(trainer.state.step) == 4 * trainer.config.batch.updates_per_step
     lines = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
     assert [r["iteration"] for r in lines] == [0, 1, 2, 3]
     assert open(tmp_path / "metrics.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
@@ -81,7 +81,7 @@ def test_run_counts_updates_logs_plots_and_exports(tokenizer, tmp_path):
 
 def test_interrupted_run_resumes_to_identical_metrics(tokenizer, tmp_path):
     straight = make_trainer(tokenizer, tmp_path / "a", iterations=6, checkpoint_every=2, export_final=False,
-                            plot=False, tensorboard=False).train()
+                            plot=False, report_to="jsonl").train()
 
     def kill_after_3(iteration, metrics):
         if iteration == 3:
@@ -89,12 +89,12 @@ def test_interrupted_run_resumes_to_identical_metrics(tokenizer, tmp_path):
 
     run_b = tmp_path / "b"
     interrupted = make_trainer(tokenizer, run_b, iterations=6, checkpoint_every=2, export_final=False, plot=False,
-                               tensorboard=False, callbacks=[kill_after_3])
+                               report_to="jsonl", callbacks=[kill_after_3])
     with pytest.raises(KeyboardInterrupt):
         interrupted.train()
     assert interrupted.iteration == 4
     resumed = make_trainer(tokenizer, run_b, iterations=6, checkpoint_every=2, export_final=False, plot=False,
-                           tensorboard=False)
+                           report_to="jsonl")
     history = resumed.train()
     assert [r["iteration"] for r in history] == list(range(6))
     assert [_comparable(r) for r in history] == [_comparable(r) for r in straight]
@@ -105,7 +105,7 @@ def test_interrupted_run_resumes_to_identical_metrics(tokenizer, tmp_path):
 def test_hf_policy_against_hf_reward_model(tokenizer, tmp_path):
     policy_dir, rm_dir = hf_models.build_byte_level_pair(str(tmp_path), tokenizer)
     ppo, tc = small_configs(tmp_path / "run", iterations=2, export_final=False, plot=False)
-    trainer = jaxppo.PPOTrainer(ppo, tc, policy=policy_dir, reward_model=rm_dir,
+    trainer = jaxppo.Trainer(ppo.replace(**tc), policy=policy_dir, reward_model=rm_dir,
                                 tokenizer=jm.load_tokenizer(policy_dir), prompts=demo.DEMO_PROMPTS)
     # The critic starts as a copy of the reward model (TRL's default).
     rm_model, rm_params = jm.from_pretrained(rm_dir)
@@ -115,23 +115,23 @@ def test_hf_policy_against_hf_reward_model(tokenizer, tmp_path):
     history = trainer.train()
     assert [r["ppo/updates_applied"] for r in history] == [8, 8]
     # Scores are the reward model's scores of prompt + response.
-    rows, gen = trainer.last_samples
-    ids, mask = jnp.asarray(trainer.prompt_ids[rows]), jnp.asarray(trainer.prompt_mask[rows])
+    rows, gen = trainer.last.samples
+    ids, mask = jnp.asarray(trainer.parts.table.ids[rows]), jnp.asarray(trainer.parts.table.mask[rows])
     rm_scores = rm_model.apply(rm_params, jnp.concatenate([ids, gen.tokens], 1), jnp.concatenate([mask, gen.mask], 1))
     assert history[-1]["objective/raw_scores"] == pytest.approx(float(jnp.mean(rm_scores)), abs=1e-5)
 
 
 def test_shared_trunk_and_adaptive_kl(tokenizer, tmp_path):
     trainer = make_trainer(tokenizer, tmp_path, iterations=2, shared_trunk=True, kl_target=0.5, kl_horizon=100,
-                           kl_estimator="k3", export_final=True, plot=False, tensorboard=False)
+                           kl_estimator="k3", export_final=True, plot=False, report_to="jsonl")
     history = trainer.train()
     assert "value_head" in trainer.state.params["params"]
-    assert int(trainer.state.step) == 2 * trainer.config.updates_per_step
-    beta = trainer.config.kl_coef
+    assert int(trainer.state.step) == 2 * trainer.config.batch.updates_per_step
+    beta = trainer.config.kl.kl_coef
     for row in history:
         assert row["objective/kl_coef"] == pytest.approx(beta, rel=1e-5)
         beta *= 1 + min(max(row["objective/kl"] / 0.5 - 1, -0.2), 0.2) * 16 / 100
-    assert float(trainer.kl_state.beta) == pytest.approx(beta, rel=1e-5)
+    assert float(trainer.run.kl.beta) == pytest.approx(beta, rel=1e-5)
     jm.from_pretrained(str(tmp_path / "final_policy"))  # exported without the value head
 
 
@@ -139,18 +139,18 @@ def test_bad_input_is_refused(tokenizer, tmp_path):
     with pytest.raises(ValueError, match="empty"):
         make_trainer(tokenizer, tmp_path, prompts=[])
     long_prompt = ["x" * 40]
-    with pytest.raises(ValueError, match=r"longer than TrainerConfig.query_length=32 \(--query-length\).*"
-                                         r"truncate_prompts"):
+    with pytest.raises(ValueError, match=r"longer than DataConfig.query_length=32 \(--query-length\).*"
+                                         r"overlong_prompts='truncate'"):
         make_trainer(tokenizer, tmp_path, prompts=long_prompt)
-    trainer = make_trainer(tokenizer, tmp_path, prompts=long_prompt, truncate_prompts=True)
-    assert trainer.prompt_mask.all()
-    with pytest.raises(ValueError, match="exactly one of reward_model"):
-        jaxppo.PPOTrainer(*small_configs(tmp_path), policy=demo.demo_policy(tokenizer), tokenizer=tokenizer,
-                          prompts=["a"])
+    trainer = make_trainer(tokenizer, tmp_path, prompts=long_prompt, overlong_prompts="truncate")
+    assert trainer.parts.table.mask.all()
+    with pytest.raises(ValueError, match="give a reward: reward_model"):
+        ppo, tc = small_configs(tmp_path)
+        jaxppo.Trainer(ppo.replace(**tc), policy=demo.demo_policy(tokenizer), tokenizer=tokenizer, prompts=["a"])
 
     for bad, message in [(lambda p, r: [1.0] * (len(r) - 1), "expected \\(16,\\)"),
                          (lambda p, r: [float("inf")] * len(r), "non-finite")]:
-        trainer = make_trainer(tokenizer, tmp_path, reward_fn=bad)
+        trainer = make_trainer(tokenizer, tmp_path, reward_fns=bad)
         before = jax.tree.map(np.asarray, trainer.state.params)
         with pytest.raises(ValueError, match=message):
             trainer.step()
@@ -166,27 +166,30 @@ def test_nonfinite_losses_skip_updates_and_warn(tokenizer, tmp_path):
         return jnp.full((r_ids.shape[0],), 3e38) * jnp.where(jnp.arange(r_ids.shape[0]) % 2 == 0, 1.0, -1.0)
 
     ppo, tc = small_configs(tmp_path, iterations=1)
-    trainer = jaxppo.PPOTrainer(ppo, tc, policy=demo.demo_policy(tokenizer, width=32, layers=1, max_len=40),
-                                tokenizer=tokenizer, prompts=demo.DEMO_PROMPTS, reward_fn=nan_reward,
+    trainer = jaxppo.Trainer(ppo.replace(**tc), policy=demo.demo_policy(tokenizer, width=32, layers=1, max_len=40),
+                                tokenizer=tokenizer, prompts=demo.DEMO_PROMPTS, reward_fns=nan_reward,
                                 reward_fn_on="tokens")
     before = jax.tree.map(np.asarray, trainer.state.params)
     with pytest.warns(RuntimeWarning, match="non-finite"):
         metrics = trainer.step()
-    assert metrics["ppo/updates_applied"] == 0 and int(trainer.state.skipped_nonfinite) == ppo.updates_per_step
+    assert metrics["ppo/updates_applied"] == 0 and int(trainer.state.skipped_nonfinite) == ppo.batch.updates_per_step
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(trainer.state.params)):
         np.testing.assert_array_equal(a, np.asarray(b))
 
 
 def test_cli_flags_config_file_and_errors(tmp_path):
-    ppo, tc, extras = resolve([])
-    assert extras["is_demo"] and ppo.batch_size == demo.DEMO_PPO["batch_size"] and tc.iterations == demo.DEMO_TRAINER["iterations"]
+    config, extras = resolve([])
+    assert extras["is_demo"] and config.batch.batch_size == demo.DEMO_PPO["batch_size"]
+    assert config.run.iterations == demo.DEMO_TRAINER["iterations"]
     config_file = tmp_path / "run.toml"
-    config_file.write_text('mini-batch-size = 8\nppo_epochs = 3\nkl_estimator = "k3"\ntarget_kl = 0.5\n')
-    ppo, tc, extras = resolve(["--config", str(config_file), "--ppo-epochs", "2", "--no-whiten-advantages",
-                               "--target-kl", "none", "--score-clip", "3", "--model", "/some/dir"])
-    assert (ppo.mini_batch_size, ppo.ppo_epochs, ppo.whiten_advantages, ppo.target_kl) == (8, 2, False, None)
-    assert tc.kl_estimator == "k3" and tc.score_clip == 3.0 and extras["model"] == "/some/dir" and not extras["is_demo"]
-    assert ppo.batch_size == jaxppo.PPOConfig().batch_size  # library defaults, not the demo's, with --model
+    config_file.write_text('mini-batch-size = 8\nppo_epochs = 3\ntarget_kl = 0.5\n[kl]\nkl_estimator = "k3"\n')
+    config, extras = resolve(["--config", str(config_file), "--ppo-epochs", "2", "--no-whiten-advantages",
+                              "--target-kl", "none", "--score-clip", "3", "--model", "/some/dir"])
+    b = config.batch
+    assert (b.mini_batch_size, b.ppo_epochs, config.advantages.whiten_advantages, b.target_kl) == (8, 2, False, None)
+    assert config.kl.kl_estimator == "k3" and config.rewards.score_clip == 3.0  # a flat key, and one in a table
+    assert extras["model"] == "/some/dir" and not extras["is_demo"]
+    assert b.batch_size == jaxppo.BatchConfig().batch_size  # library defaults, not the demo's, with --model
     with pytest.raises(SystemExit, match="mini_batch_size=7"):
         resolve(["--mini-batch-size", "7"])
     bad_file = tmp_path / "bad.json"
@@ -233,10 +236,10 @@ def test_command_uses_a_persistent_compilation_cache_by_default(tmp_path):
 def test_remat_scanned_layers_and_logit_chunks_change_nothing_but_memory(tokenizer, tmp_path, remat, scan, chunk):
     rows = []
     for remat_, scan_, chunk_, out in ((None, None, None, "a"), (remat, scan, chunk, "b")):
-        ppo, tc = small_configs(tmp_path / out, iterations=1)
-        trainer = jaxppo.PPOTrainer(ppo, tc, policy=demo.demo_policy(tokenizer, width=32, layers=2, max_len=40),
-                                    tokenizer=tokenizer, prompts=demo.DEMO_PROMPTS, reward_fn=demo.lowercase_reward,
-                                    remat=remat_, scan_layers=scan_, logits_chunk_size=chunk_)
+        ppo, tc = small_configs(tmp_path / out, iterations=1, remat=remat_, scan_layers=scan_,
+                                logits_chunk_size=chunk_)
+        trainer = jaxppo.Trainer(ppo.replace(**tc), policy=demo.demo_policy(tokenizer, width=32, layers=2, max_len=40),
+                                 tokenizer=tokenizer, prompts=demo.DEMO_PROMPTS, reward_fns=demo.lowercase_reward)
         if remat_ is not None:
             assert trainer.policy_model.remat == remat_ and trainer.state.apply_fn.critic.remat == remat_
         rows.append(_comparable(trainer.step()))
@@ -257,7 +260,7 @@ def test_remat_scanned_layers_and_logit_chunks_change_nothing_but_memory(tokeniz
 def test_update_donates_the_old_train_state_and_nothing_else(tokenizer, tmp_path):
     trainer = make_trainer(tokenizer, tmp_path, iterations=1)
     old = jax.tree.leaves(trainer.state)
-    others = jax.tree.leaves(trainer.ref_params)
+    others = jax.tree.leaves(trainer.parts.ref_params)
     trainer.step()
     assert all(x.is_deleted() for x in old if isinstance(x, jax.Array))  # one train state in memory, not two
     assert not any(x.is_deleted() for x in others)
@@ -266,16 +269,16 @@ def test_update_donates_the_old_train_state_and_nothing_else(tokenizer, tmp_path
 
 def test_bfloat16_compute_keeps_float32_master_weights(tokenizer, tmp_path):
     policy_dir, rm_dir = hf_models.build_byte_level_pair(str(tmp_path), tokenizer)
-    ppo, tc = small_configs(tmp_path / "run", iterations=1, export_final=False, plot=False)
-    trainer = jaxppo.PPOTrainer(ppo, tc, policy=policy_dir, reward_model=rm_dir, tokenizer=jm.load_tokenizer(policy_dir),
-                                prompts=demo.DEMO_PROMPTS, dtype="bfloat16", ref_dtype="bfloat16",
-                                reward_dtype="bfloat16")
+    ppo, tc = small_configs(tmp_path / "run", iterations=1, export_final=False, plot=False, dtype="bfloat16",
+                            ref_dtype="bfloat16", reward_dtype="bfloat16")
+    trainer = jaxppo.Trainer(ppo.replace(**tc), policy=policy_dir, reward_model=rm_dir,
+                             tokenizer=jm.load_tokenizer(policy_dir), prompts=demo.DEMO_PROMPTS)
     assert trainer.policy_model.dtype == "bfloat16" and trainer.state.apply_fn.critic.dtype == "bfloat16"
     dtypes = lambda tree: {str(x.dtype) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)}
     assert dtypes(trainer.state.params) == {"float32"} and dtypes(trainer.state.opt_state) == {"float32"}
-    assert dtypes(trainer.ref_params) == {"bfloat16"} and dtypes(trainer.reward_params) == {"bfloat16"}
+    assert dtypes(trainer.parts.ref_params) == {"bfloat16"} and dtypes(trainer.parts.reward_params) == {"bfloat16"}
     metrics = trainer.step()
-    assert metrics["ppo/updates_applied"] == ppo.updates_per_step and np.isfinite(metrics["loss/total_avg"])
+    assert metrics["ppo/updates_applied"] == ppo.batch.updates_per_step and np.isfinite(metrics["loss/total_avg"])
     assert dtypes(trainer.state.params) == {"float32"}
 
 
@@ -283,26 +286,24 @@ def test_the_update_compiles_in_the_background_once_and_that_program_runs(tmp_pa
     """The first iteration's `train_step` is compiled ahead of time from the rollout's
     abstract form while the iteration samples; that compiled program runs every update (the
     jitted path never compiles), and a rollout unlike the abstract one falls back to it."""
-    import functools
-
     import optax
 
-    from jaxppo.run import stages
-    from jaxppo.update.ppo import train_step_donating, train_step_jit
+    from jaxppo.run import compiled
+    from jaxppo.update.ppo import train_step, train_step_donating
 
     from trainer_setup import small_trainer
 
     before = train_step_donating._cache_size()
     trainer = small_trainer(tmp_path, iterations=2)
     history = trainer.train()
-    assert isinstance(trainer.train_step, stages.Precompiled) and trainer.train_step.compiled is not None
+    assert isinstance(trainer.train_step, compiled.Precompiled) and trainer.train_step.compiled is not None
     assert train_step_donating._cache_size() == before  # the plain path compiled nothing
-    assert [r["ppo/updates_applied"] for r in history] == [trainer.config.updates_per_step] * 2
+    assert [r["ppo/updates_applied"] for r in history] == [trainer.config.batch.updates_per_step] * 2
 
     model = jm.Model(jm.ModelConfig(model_type="llama", vocab_size=40, hidden_size=16, num_layers=1, num_heads=2,
                                     num_kv_heads=1, intermediate_size=32, max_position_embeddings=32))
     params = model.init(jax.random.key(0))
-    config = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=4, mini_batch_size=4, ppo_epochs=1, num_generations=2,
+    config = jaxppo.Config.for_algorithm("grpo", batch_size=4, mini_batch_size=4, ppo_epochs=1, num_generations=2,
                                             kl_loss_coef=0.0)
     state = jaxppo.TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.1))
     rng = np.random.default_rng(0)
@@ -314,11 +315,51 @@ def test_the_update_compiles_in_the_background_once_and_that_program_runs(tmp_pa
                                    response_mask=jnp.ones((4, r), jnp.int32), logprobs=jnp.full((4, r), -3.7),
                                    values=None, rewards=jnp.zeros((4, r)), scores=jnp.asarray([0.0, 1.0, 1.0, 0.0]))
 
-    step = functools.partial(train_step_jit, config=config)
+    class Step:  # a step as `compiled.Precompiled` takes one (this one keeps the state: the test reuses it)
+        def __call__(self, s, r, k):
+            return train_step(s, r, k, config=config)
+
+        def lower(self, s, r, k):
+            return train_step.lower(s, r, k, config=config)
+
+    step = Step()
     real = rollout(5)
     wrong = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), rollout(6))  # another response width
-    precompiled = stages.Precompiled(step, (state, wrong, jax.random.key(1)))
+    precompiled = compiled.Precompiled(step, (state, wrong, jax.random.key(1)))
     got, _ = precompiled(state, real, jax.random.key(1))
     assert precompiled.compiled is None  # it fell back
     want, _ = step(state, real, jax.random.key(1))
     np.testing.assert_array_equal(jax.tree.leaves(got.params)[0], jax.tree.leaves(want.params)[0])
+
+
+def test_the_documented_research_loop_is_one_trainer_iteration(tmp_path):
+    """docs/research.md's chain of `jaxppo.run.iteration` stages on a trainer's parts, with
+    the public `train_step`, gives the parameters one `trainer.train()` iteration gives
+    (float32 rounding: the trainer runs the update compiled ahead of time, with donation)."""
+    from jaxppo.run import iteration
+
+    from trainer_setup import small_trainer
+
+    trainer = small_trainer(tmp_path / "loop", iterations=1, export_final=False)
+    parts, run = trainer.parts, trainer.run
+    k_sample, k_train = run.iteration_keys(run.iteration)
+    batch = iteration.select_prompts(parts.table, run.key, run.iteration, trainer.config)
+    gen = iteration.sample(parts.spec, run.train.params, batch, k_sample)
+    scores = iteration.reward(parts.host_rewards, trainer.tokenizer, parts.table, batch, gen, run.iteration)
+    built = iteration.build(parts.spec, run.train.params, parts.ref_params, parts.reward_params, batch, gen, scores,
+                            run)
+    assert built.rollout.sampler_logprobs.shape == built.rollout.logprobs.shape
+    state, metrics = jaxppo.train_step(run.train, built.rollout, k_train, trainer.config)
+    assert int(state.step) == trainer.config.batch.updates_per_step == 4
+
+    reference = small_trainer(tmp_path / "trainer", iterations=1, export_final=False)
+    reference.train()
+    leaves = jax.tree.leaves(reference.state.params)
+    assert len(leaves) == len(jax.tree.leaves(state.params))
+    for ours, theirs in zip(jax.tree.leaves(state.params), leaves):
+        np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=1e-5, atol=1e-6)
+    changed = [not np.array_equal(np.asarray(a), np.asarray(b))
+               for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(small_trainer(
+                   tmp_path / "fresh", iterations=1, export_final=False).state.params))]
+    assert any(changed)  # the update moved the parameters (the comparison above is not of two copies)
+

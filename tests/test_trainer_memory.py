@@ -7,7 +7,7 @@ import jax
 
 import jaxppo
 from jaxppo import demo
-from jaxppo.run import stages
+from jaxppo.run import compiled
 from trainer_setup import small_trainer
 
 
@@ -15,17 +15,17 @@ def _update_temp_bytes(tmp_path, batch_size, mini_batch_size, accumulation=1, co
     """The compiled temporaries of the update program a small trainer runs (a GPT-2 policy
     with a value head, 40-token prompts, 6-token responses), lowered with the abstract
     rollout its scoring pass will produce."""
-    config = jaxppo.PPOConfig(batch_size=batch_size, mini_batch_size=mini_batch_size, ppo_epochs=2,
+    config = jaxppo.Config.from_settings(batch_size=batch_size, mini_batch_size=mini_batch_size, ppo_epochs=2,
                               gradient_accumulation_steps=accumulation, common_prefix=common_prefix)
     prompts = ["Answer: " + p for p in demo.DEMO_PROMPTS] if common_prefix else None
     trainer = small_trainer(tmp_path / f"{batch_size}-{mini_batch_size}-{accumulation}-{common_prefix}", ppo=config,
                             iterations=1, prompts=prompts, max_len=48, query_length=40)
-    rollout = stages.abstract_rollout(trainer.spec, trainer.run, trainer.ref_params, trainer.reward_params,
-                                      batch_size, trainer.table.ids.shape[1], host_scores=True)
-    step = trainer.train_step
-    compiled = step.func.lower(trainer.run.train, rollout, jax.random.key(0), **step.keywords).compile()
+    rollout = compiled.abstract_rollout(trainer.parts.spec, trainer.run, trainer.parts.ref_params,
+                                        trainer.parts.reward_params, batch_size, trainer.parts.table.ids.shape[1],
+                                        host_scores=True)
+    program = trainer.train_step.lower(trainer.run.train, rollout, jax.random.key(0)).compile()
     trainer.close()
-    return compiled.memory_analysis().temp_size_in_bytes
+    return program.memory_analysis().temp_size_in_bytes
 
 
 def test_the_trainers_update_memory_follows_the_mini_batch_not_the_batch(tmp_path):

@@ -95,7 +95,7 @@ def test_loss_and_gradients_equal_trl(setup, case):
     response = dict(query_tokens=jnp.asarray(batch["prompt_ids"], jnp.int32), query_mask=jnp.ones((B, Q), jnp.int32),
                     response_tokens=jnp.asarray(batch["completion_ids"], jnp.int32),
                     response_mask=jnp.asarray(batch["completion_mask"], jnp.int32))
-    logprobs = np.asarray(jaxppo.response_outputs(model.apply, params, response, 1.0)[0])
+    logprobs = np.asarray(jaxppo.update.response_outputs(model.apply, params, response, 1.0)[0])
     mask = batch["completion_mask"]
     # Old and reference log-probs away from the current ones: ratios leave the clip range.
     old = (logprobs + 0.3 * rng.normal(size=(B, R))).astype(np.float32) * mask
@@ -106,13 +106,13 @@ def test_loss_and_gradients_equal_trl(setup, case):
     num_items = mask.sum() + (steps - 1) * (mask.sum() // 2)
     want_loss, want_grads = _trl_loss_and_grads(tok, path, batch, old, ref, num_items, trl_settings)
 
-    config = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=B * steps, mini_batch_size=B, num_generations=2,
+    config = jaxppo.Config.for_algorithm("grpo", batch_size=B * steps, mini_batch_size=B, num_generations=2,
                                             cliprange=0.2, cliprange_low=0.2, cliprange_high=0.28, kl_loss_coef=0.04,
                                             kl_loss_estimator="k3", **ours)
     minibatch = dict(response, logprobs=jnp.asarray(old), advantages=jnp.asarray(batch["advantages"]),
                      ref_logprobs=jnp.asarray(ref))
-    if config.loss_aggregation == "token_sum_batch_norm":  # as train_step fills it: batch tokens per mini-batch
-        minibatch["loss_token_norm"] = jnp.full((B,), num_items / config.num_minibatches, jnp.float32)
+    if config.loss.loss_aggregation == "token_sum_batch_norm":  # as train_step fills it: batch tokens per mini-batch
+        minibatch["loss_token_norm"] = jnp.full((B,), num_items / config.batch.num_minibatches, jnp.float32)
     loss_fn = lambda p: ppo_loss(p, minibatch, apply_fn=model.apply, config=config)[0]
     loss, grads = jax.value_and_grad(loss_fn)(params)
     assert float(loss) == pytest.approx(want_loss, abs=2e-7, rel=1e-6), case

@@ -196,13 +196,13 @@ def vllm_trainer(tmp_path, iterations=2, eval_prompts=None, **settings):
     tokenizer = demo.demo_tokenizer()
     model = jm.Model(tiny_config())
     params = model.init(jax.random.key(1))
-    ppo = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=8, mini_batch_size=4, ppo_epochs=1, num_generations=4)
-    tc = jaxppo.TrainerConfig(**{**dict(iterations=iterations, query_length=32, response_length=8, learning_rate=3e-2,
+    ppo = jaxppo.Config.for_algorithm("grpo", batch_size=8, mini_batch_size=4, ppo_epochs=1, num_generations=4)
+    tc = dict(**{**dict(iterations=iterations, query_length=32, response_length=8, learning_rate=3e-2,
                                         output_dir=str(tmp_path), progress=False, sample_every=0, checkpoint_every=0,
-                                        export_final=False, plot=False, tensorboard=False, rollout_engine="vllm"),
+                                        export_final=False, plot=False, report_to="jsonl", rollout_engine="vllm"),
                                  **settings})
-    return jaxppo.Trainer(ppo, tc, policy=(model, params), tokenizer=tokenizer, prompts=demo.DEMO_PROMPTS[:8],
-                          reward_fn=demo.lowercase_reward, lora=jm.LoraConfig(rank=4, alpha=8.0),
+    return jaxppo.Trainer(ppo.replace(**tc), policy=(model, params), tokenizer=tokenizer, prompts=demo.DEMO_PROMPTS[:8],
+                          reward_fns=demo.lowercase_reward, lora=jm.LoraConfig(rank=4, alpha=8.0),
                           eval_prompts=eval_prompts)
 
 
@@ -210,8 +210,8 @@ def run_trainer(tmp_path, push=True, iterations=2, **settings):
     """Train; return the metrics and the version of every push the trainer asked for. The
     trainer is closed at the end (its engine shut down), as the next one needs."""
     trainer = vllm_trainer(tmp_path, iterations, **settings)
-    pushed, push_one = [], trainer.rollout_engine.push
-    trainer.rollout_engine.push = lambda params, version: (pushed.append(version), push and push_one(params, version))
+    pushed, push_one = [], trainer.parts.rollout_engine.push
+    trainer.parts.rollout_engine.push = lambda params, version: (pushed.append(version), push and push_one(params, version))
     try:
         return trainer.train(), pushed
     finally:
@@ -242,13 +242,13 @@ def test_one_open_engine_per_process_and_a_closed_trainer_refuses_to_train(tmp_p
             vllm_trainer(tmp_path / "second")
     finally:
         trainer.close()
-    assert trainer.rollout_engine.closed
+    assert trainer.parts.rollout_engine.closed
     trainer.close()  # a second close is a no-op
     with pytest.raises(RuntimeError, match=r"this Trainer was closed \(Trainer.close\(\)\)"):
         trainer.train()
     assert not (tmp_path / "first" / "metrics.jsonl").exists()  # refused before the run started
     with pytest.raises(RuntimeError, match="this VLLMEngine was closed"):
-        trainer.rollout_engine.generate(*prompts(), num_generations=G, response_length=R, temperature=1.0,
+        trainer.parts.rollout_engine.generate(*prompts(), num_generations=G, response_length=R, temperature=1.0,
                                 stop_token_ids=(1,), pad_token_id=0)
 
 

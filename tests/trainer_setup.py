@@ -43,21 +43,27 @@ def perturbed(params, seed):
     return jax.tree.unflatten(tree, [x + 0.05 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)])
 
 
-def small_trainer(output_dir, iterations=2, mesh=None, reward_fn=demo.lowercase_reward, callbacks=(), prompts=None,
+def small_trainer(output_dir, iterations=2, mesh=None, reward_fns=demo.lowercase_reward, callbacks=(), prompts=None,
                   ppo=None, lora=None, environment=None, max_len=40, tools=None, reward_fn_on="text", eval_prompts=None,
-                  eval_reward_fns=None, optimizer=None, **trainer):
+                  eval_reward_fns=None, optimizer=None, **settings):
+    """A small run: `ppo` (a `jaxppo.Config`, default 16 rows in mini-batches of 8, 2 epochs,
+    kl_coef 0.1) with the loop's settings below and `settings` (by name) over it."""
     tokenizer = demo.demo_tokenizer()
-    ppo = ppo or jaxppo.PPOConfig(batch_size=16, mini_batch_size=8, ppo_epochs=2, kl_coef=0.1)
-    settings = dict(iterations=iterations, query_length=32, response_length=6, learning_rate=1e-3,
-                    output_dir=str(output_dir), progress=False, sample_every=0, checkpoint_every=1,
-                    export_final=True, plot=False, tensorboard=False)
-    settings.update(trainer)
-    return jaxppo.PPOTrainer(ppo, jaxppo.TrainerConfig(**settings),
-                             policy=demo.demo_policy(tokenizer, width=32, layers=1, max_len=max_len),
-                             tokenizer=tokenizer, prompts=demo.DEMO_PROMPTS if prompts is None else prompts,
-                             reward_fn=reward_fn, reward_fn_on=reward_fn_on, callbacks=callbacks, mesh=mesh,
-                             lora=lora, environment=environment, tools=tools, eval_prompts=eval_prompts,
-                             eval_reward_fns=eval_reward_fns, optimizer=optimizer)
+    config = ppo or jaxppo.Config.from_settings(batch_size=16, mini_batch_size=8, ppo_epochs=2, kl_coef=0.1)
+    loop = dict(iterations=iterations, query_length=32, response_length=6, learning_rate=1e-3,
+                output_dir=str(output_dir), progress=False, sample_every=0, checkpoint_every=1,
+                export_final=True, plot=False, report_to="jsonl")
+    loop.update(settings)
+    if mesh is not None:
+        loop["mesh"] = mesh
+    if optimizer is not None:
+        loop["transformation"] = optimizer
+    return jaxppo.Trainer(config.replace(**loop),
+                          policy=demo.demo_policy(tokenizer, width=32, layers=1, max_len=max_len),
+                          tokenizer=tokenizer, prompts=demo.DEMO_PROMPTS if prompts is None else prompts,
+                          reward_fns=reward_fns, reward_fn_on=reward_fn_on, callbacks=callbacks,
+                          lora=lora, environment=environment, tools=tools, eval_prompts=eval_prompts,
+                          eval_reward_fns=eval_reward_fns)
 
 
 def run_small(output_dir, iterations=2, mesh=None, **trainer_settings):

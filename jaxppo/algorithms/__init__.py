@@ -3,11 +3,11 @@
 Each algorithm is an advantage estimator plus a loss on the same compiled engine. An
 `AdvantageEstimator` says how advantages (and a critic's returns) come from a rollout,
 whether it needs a critic, how many completions per prompt it compares and which metrics
-it adds; an `Algorithm` preset holds the `PPOConfig` fields that define a published method
-and where they come from. `PPOConfig` validates its fields against this registry, and the
+it adds; an `Algorithm` preset holds the settings that define a published method and where
+they come from. `jaxppo.Config` validates its estimator against this registry, and the
 command line, the demo and the docs read it.
 
-    PPOConfig.for_algorithm("grpo", batch_size=64, mini_batch_size=16)
+    jaxppo.Config.for_algorithm("grpo", batch_size=64, mini_batch_size=16)
     jaxppo --algorithm dapo --cliprange-high 0.3 ...
 
 Adding an estimator: one file in this package defining an `AdvantageEstimator`, and one row
@@ -25,7 +25,7 @@ __all__ = ["ESTIMATORS", "REGISTRY", "ALGORITHMS", "Advantages", "AdvantageEstim
            "algorithm_defaults", "get_algorithm", "get_estimator", "loss_terms", "register_estimator",
            "sequence_scores"]
 
-# The advantage estimators by `PPOConfig.advantage_estimator`.
+# The advantage estimators by `AdvantageConfig.advantage_estimator`.
 ESTIMATORS = {e.name: e for e in (
     gae.ESTIMATOR,
     grpo.ESTIMATOR,
@@ -39,13 +39,13 @@ _BUILT_IN = tuple(ESTIMATORS)
 # The named methods (presets) by name, with their sources.
 REGISTRY = {a.name: a for a in PRESETS}
 
-# {name: the PPOConfig fields it sets} (a read-only view of the presets' settings).
+# {name: the settings it sets, by name} (a read-only view of the presets' settings).
 ALGORITHMS = {name: dict(a.settings) for name, a in REGISTRY.items()}
 
 
 def register_estimator(estimator: AdvantageEstimator, *, replace: bool = False) -> AdvantageEstimator:
-    """Add `estimator` to the registry at run time, so that `PPOConfig(advantage_estimator=
-    estimator.name)` validates and `train_step` uses it. A name already registered is
+    """Add `estimator` to the registry at run time, so that `AdvantageConfig(advantage_estimator=
+    estimator.name)` validates in a `jaxppo.Config` and `train_step` uses it. A name already registered is
     refused unless `replace` (a built-in one cannot be replaced). Register before building
     configs that name it, in every process (and before resuming a run that used it)."""
     if not isinstance(estimator, AdvantageEstimator):
@@ -79,5 +79,5 @@ def get_algorithm(name: str) -> Algorithm:
 
 
 def algorithm_defaults(name: str) -> dict:
-    """The `PPOConfig` fields that algorithm `name` sets (a copy)."""
+    """The settings (by name) that algorithm `name` sets (a copy)."""
     return dict(get_algorithm(name).settings)

@@ -1,7 +1,7 @@
 """What an algorithm is, as a value: an advantage estimator (how advantages, and a
-critic's returns, come from a rollout) and a preset (the `PPOConfig` fields that define a
-published method, with its source). The registry in `jaxppo.algorithms` maps names to them;
-`PPOConfig` validates against it, and the CLI help, the demo and the docs read it."""
+critic's returns, come from a rollout) and a preset (the settings that define a published
+method, with its source). The registry in `jaxppo.algorithms` maps names to them;
+`jaxppo.Config` validates against it, and the CLI help, the demo and the docs read it."""
 
 from __future__ import annotations
 
@@ -33,16 +33,18 @@ class AdvantageEstimator:
     """One way of turning a rollout into advantages.
 
     Attributes:
-      name: the value of `PPOConfig.advantage_estimator`.
-      compute: `compute(rollout, config) -> Advantages`, pure and jittable; reads the
-        rollout's `rewards`, `response_mask`, and `scores` / `values` as it needs.
+      name: the value of `AdvantageConfig.advantage_estimator`.
+      compute: `compute(rollout, config) -> Advantages`, pure and jittable, `config` the
+        run's `jaxppo.AdvantageConfig` (gamma, lam, whitening, num_generations, grpo_scale,
+        grpo_eps); reads the rollout's `rewards`, `response_mask`, and `scores` / `values`
+        as it needs.
       uses_critic: needs a value model (`values` in the rollout, a value loss, returns).
       min_generations: the least `num_generations` it accepts (2 for the estimators that
         compare the completions of a prompt).
       per_token: advantages vary along a completion (GAE, REINFORCE++ returns) rather
         than one number per completion; a sequence-level importance ratio (GSPO) needs
         one number per completion and refuses these.
-      config_fields: the `PPOConfig` fields it reads (documentation, and the CLI help).
+      config_fields: the settings it reads (documentation, and the CLI help).
       metrics: names of the statistics it adds to `train_step`'s metrics.
       summary: one line for tables and help.
     """
@@ -59,7 +61,7 @@ class AdvantageEstimator:
 
 @dataclasses.dataclass(frozen=True)
 class Algorithm:
-    """A published method: the `PPOConfig` fields that define it (everything else, such as
+    """A published method: the settings that define it, by name (everything else, such as
     the batch sizes, stays the user's; every field may be overridden), and where its
     defaults come from.
 
@@ -78,15 +80,15 @@ class Algorithm:
 
 
 def loss_terms(config) -> Tuple[str, ...]:
-    """The terms of the loss a config trains with, in the order the loss adds them:
+    """The terms of the loss a `jaxppo.Config` trains with, in the order the loss adds them:
     "policy" (always), "value" (a critic), "entropy" (ent_coef > 0, or an adaptive
     coefficient: `entropy_target`), "kl" (kl_loss_coef > 0)."""
     terms = ["policy"]
     if config.uses_critic:
         terms.append("value")
-    if config.ent_coef or config.entropy_target is not None:
+    if config.loss.ent_coef or config.loss.entropy_target is not None:
         terms.append("entropy")
-    if config.kl_loss_coef:
+    if config.kl.kl_loss_coef:
         terms.append("kl")
     return tuple(terms)
 

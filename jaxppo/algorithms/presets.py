@@ -1,4 +1,4 @@
-"""The published methods as presets: the `PPOConfig` fields that define each, with the
+"""The published methods as presets: the settings that define each, with the
 sources of its defaults."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ PRESETS = (
         # The paper's Table 1 adds, in turn, overlong filtering (masking truncated completions),
         # clip-higher, the soft overlong punishment (factor 1.0, buffer 4096 of 20480: a fifth
         # of the budget here) and the token-level loss. Its dynamic sampling is a setting of the
-        # loop, not of the update: TrainerConfig.dynamic_sampling (--dynamic-sampling).
+        # loop, not of the update: RewardConfig.dynamic_sampling (--dynamic-sampling).
         "dapo", dict(_CRITIC_FREE, advantage_estimator="grpo", num_generations=8, grpo_scale="group",
                      loss_aggregation="token_mean", cliprange_low=0.2, cliprange_high=0.28, kl_loss_coef=0.0,
                      mask_truncated_completions=True, overlong_penalty_factor=1.0),

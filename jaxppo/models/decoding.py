@@ -329,6 +329,26 @@ def strings_completed(table, tokens, mask):
     return jnp.any(hits, axis=0)
 
 
+def scan_until(step, init, length: int, empty, finished):
+    """`lax.scan(step, init, jnp.arange(length))` as a while loop that ends once
+    `finished(carry)` holds. The outputs start as `empty` (a tuple of (length, ...) arrays:
+    what the steps not taken would have emitted), so when those steps would change nothing
+    the result equals the full scan's. Returns (carry, outputs)."""
+
+    def cond(loop):
+        t, carry, _ = loop
+        return (t < length) & ~finished(carry)
+
+    def body(loop):
+        t, carry, outs = loop
+        carry, emitted = step(carry, t)
+        outs = tuple(jax.lax.dynamic_update_index_in_dim(o, e.astype(o.dtype), t, axis=0) for o, e in zip(outs, emitted))
+        return t + 1, carry, outs
+
+    _, carry, outs = jax.lax.while_loop(cond, body, (jnp.int32(0), init, empty))
+    return carry, outs
+
+
 def decode_loop(model, params, cache, next_logits, kv_mask, first_slot, next_position, row_keys, temperature, top_p,
                 max_lengths=None, *, response_length, top_k, use_top_p, greedy, stop_token_ids, pad_token_id,
                 early_stop, extra: Optional[Extra] = None, seen=None):
@@ -379,26 +399,11 @@ def decode_loop(model, params, cache, next_logits, kv_mask, first_slot, next_pos
     init = (cache, next_logits, kv_mask, jnp.zeros((b,), bool), seen, matched)
     if not early_stop or r == 1:  # (R = 1: no step to take)
         (cache, last_logits, _, done, seen, matched), outs = jax.lax.scan(step, init, jnp.arange(r - 1))
-    else:
-        # The same steps in a while loop that ends once every row has stopped. The outputs
-        # are preset to what a finished row emits (pad, log-prob 0, mask 0), so the steps not
-        # taken change nothing: the result equals the full scan's, token for token.
-        outputs = (jnp.full((r - 1, b), pad_token_id, jnp.int32), jnp.zeros((r - 1, b), jnp.float32),
-                   jnp.zeros((r - 1, b), jnp.int32)) + ((jnp.zeros((r - 1, b), jnp.float32),) if two else ())
-
-        def cond(loop):
-            t, carry, _ = loop
-            return (t < r - 1) & ~jnp.all(carry[3])
-
-        def body(loop):
-            t, carry, outs = loop
-            carry, emitted = step(carry, t)
-            outs = tuple(jax.lax.dynamic_update_index_in_dim(o, e.astype(o.dtype), t, axis=0)
-                         for o, e in zip(outs, emitted))
-            return t + 1, carry, outs
-
-        _, (cache, last_logits, _, done, seen, matched), outs = jax.lax.while_loop(
-            cond, body, (jnp.int32(0), init, outputs))
+    else:  # what a finished row emits (pad, log-prob 0, mask 0) fills the steps not taken
+        empty = (jnp.full((r - 1, b), pad_token_id, jnp.int32), jnp.zeros((r - 1, b), jnp.float32),
+                 jnp.zeros((r - 1, b), jnp.int32)) + ((jnp.zeros((r - 1, b), jnp.float32),) if two else ())
+        (cache, last_logits, _, done, seen, matched), outs = scan_until(step, init, r - 1, empty,
+                                                                         lambda carry: jnp.all(carry[3]))
     token, logprob, policy, live, _, seen, _ = choose(last_logits, done, seen, matched, r - 1)
     last = (token, logprob, live.astype(jnp.int32)) + ((policy,) if two else ())
     columns = [jnp.concatenate([o, e[None]], axis=0).T for o, e in zip(outs, last)]

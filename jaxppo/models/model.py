@@ -43,6 +43,37 @@ def _dtype_name(dtype) -> str:
 REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", "everything_saveable")
 
 
+def _check_model(self: "Model") -> None:
+    """Model's own checks, each error naming the field and what would be valid ("full"
+    remat normalised to True, dtypes to their names)."""
+    if self.remat == "full":
+        object.__setattr__(self, "remat", True)
+    if not isinstance(self.remat, bool) and self.remat not in REMAT_POLICIES:
+        raise ValueError(f"Model.remat={self.remat!r} is invalid; valid: False, True (or 'full'), or a policy "
+                         f"name: {', '.join(REMAT_POLICIES)}")
+    for flag in ("scan_layers", "hoist_layers"):
+        if not isinstance(getattr(self, flag), bool):
+            raise ValueError(f"Model.{flag}={getattr(self, flag)!r} is invalid; use True or False")
+    k = self.logits_chunk_size
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k <= 0):
+        raise ValueError(f"Model.logits_chunk_size={k!r} is invalid; use None (no chunking) or a positive int")
+    w = self.head_window
+    if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0):
+        raise ValueError(f"Model.head_window={w!r} is invalid; use None (every position) or a positive int")
+    if self.kind not in KINDS:
+        raise ValueError(f"Model.kind={self.kind!r} is invalid; valid kinds: {', '.join(KINDS)}")
+    if self.lora is not None:
+        if not isinstance(self.lora, LoraConfig):
+            raise ValueError(f"Model.lora={self.lora!r} is invalid; use None or a jaxppo.models.LoraConfig")
+        self.lora.modules(self.config)  # the targets exist in this architecture
+    for field in ("dtype", "param_dtype"):
+        name = _dtype_name(getattr(self, field))
+        if name not in DTYPES:
+            raise ValueError(f"Model.{field}={name!r} is invalid; use {', '.join(DTYPES[:-1])} or {DTYPES[-1]}")
+        object.__setattr__(self, field, name)
+    _check_attention(self)
+
+
 def _check_attention(model: "Model"):
     """`Model.attention` is one of `ATTENTION`; "cudnn" with a compute dtype and head size
     cuDNN's flash attention takes. (Whether a GPU is there is checked where a run starts:
@@ -59,7 +90,7 @@ def _check_attention(model: "Model"):
 
 
 def check_cudnn_dtype(owner: str, dtype):
-    """Refuse attention="cudnn" (set on `owner`: "Model", "TrainerConfig") with a compute
+    """Refuse attention="cudnn" (set on `owner`: "Model", "LayoutConfig") with a compute
     dtype cuDNN's flash attention does not take."""
     name = jnp.dtype(dtype).name
     if name not in ("bfloat16", "float16"):
@@ -138,32 +169,7 @@ class Model:
     head_window: Optional[int] = None
 
     def __post_init__(self):
-        if self.remat == "full":
-            object.__setattr__(self, "remat", True)
-        if not isinstance(self.remat, bool) and self.remat not in REMAT_POLICIES:
-            raise ValueError(f"Model.remat={self.remat!r} is invalid; valid: False, True (or 'full'), or a policy "
-                             f"name: {', '.join(REMAT_POLICIES)}")
-        for flag in ("scan_layers", "hoist_layers"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"Model.{flag}={getattr(self, flag)!r} is invalid; use True or False")
-        k = self.logits_chunk_size
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k <= 0):
-            raise ValueError(f"Model.logits_chunk_size={k!r} is invalid; use None (no chunking) or a positive int")
-        w = self.head_window
-        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0):
-            raise ValueError(f"Model.head_window={w!r} is invalid; use None (every position) or a positive int")
-        if self.kind not in KINDS:
-            raise ValueError(f"Model.kind={self.kind!r} is invalid; valid kinds: {', '.join(KINDS)}")
-        if self.lora is not None:
-            if not isinstance(self.lora, LoraConfig):
-                raise ValueError(f"Model.lora={self.lora!r} is invalid; use None or a jaxppo.models.LoraConfig")
-            self.lora.modules(self.config)  # the targets exist in this architecture
-        for field in ("dtype", "param_dtype"):
-            name = _dtype_name(getattr(self, field))
-            if name not in DTYPES:
-                raise ValueError(f"Model.{field}={name!r} is invalid; use {', '.join(DTYPES[:-1])} or {DTYPES[-1]}")
-            object.__setattr__(self, field, name)
-        _check_attention(self)
+        _check_model(self)
 
     @property
     def module(self):

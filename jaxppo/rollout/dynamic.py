@@ -1,7 +1,7 @@
 """Dynamic sampling (DAPO, Yu et al. 2025, section 3.2): groups whose completions all score
 the same carry no signal for a group advantage; drop them and sample more prompts.
 
-One iteration with `TrainerConfig.dynamic_sampling`:
+One iteration with `RewardConfig.dynamic_sampling`:
 
     round r = 0, 1, ...: the next `batch_size / num_generations` prompts of the data stream
         (from `RunState.prompts_consumed`), `num_generations` completions each, sampled with
@@ -25,7 +25,7 @@ iteration), `dynamic/masked_groups`, `dynamic/prompts_consumed` (in the run so f
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -41,15 +41,18 @@ __all__ = ["Collected", "collect", "informative_groups"]
 
 class Collected(NamedTuple):
     """An iteration's sampled and scored batch: the prompt rows, the sampler's output (or
-    the episodes' `EpisodeOutput`), the `Episodes` (or None), the host scores, the
-    iteration's `dynamic/...` metrics and the prompts consumed after it."""
+    the episodes' `EpisodeOutput`), the `Episodes` (or None), the host scores (None while
+    only sampled), the iteration's collection metrics (`dynamic/...`), the prompts
+    consumed after it (None: the iteration's own slice of the stream), and with in-flight
+    updates the version of the parameters behind each token ((B, R), else None)."""
 
     batch: PromptBatch
     gen: object
     episodes: object
-    scores: HostScores
+    scores: Optional[HostScores]
     metrics: dict
-    prompts_consumed: int
+    prompts_consumed: Optional[int]
+    token_versions: object = None
 
 
 def informative_groups(scores: np.ndarray, group_size: int) -> np.ndarray:
@@ -75,14 +78,15 @@ def _take(gens: list, picks: list, mesh, masked: set) -> dict:
     return fields
 
 
-def collect(table, key, run, it: int, config, tc, sample: Callable, score: Callable, mesh=None) -> Collected:
-    """Run the rounds of one iteration (see the module's docstring). `sample(batch, key)`
-    -> (gen, episodes) and `score(batch, gen, episodes)` -> HostScores are the trainer's
-    stages; `run.prompts_consumed` is where the data stream continues."""
-    g, groups = config.num_generations, config.prompts_per_batch
+def collect(table, key, run, it: int, g: int, groups: int, max_rounds: int, sample: Callable, score: Callable,
+            mesh=None) -> Collected:
+    """Run the rounds of one iteration (see the module's docstring): at most `max_rounds`
+    rounds of `groups` prompts with `g` completions each. `sample(batch, key)` -> (gen,
+    episodes) and `score(batch, gen, episodes)` -> HostScores are the trainer's stages;
+    `run.prompts_consumed` is where the data stream continues."""
     start = run.prompts_consumed
     rounds, kept, dropped, unknown = [], [], [], 0
-    for r in range(tc.dynamic_sampling_rounds):
+    for r in range(max_rounds):
         rows = np.repeat(table.rows_at(run.key, start, groups), g)
         start += groups
         batch = prompt_batch(table, rows, mesh)

@@ -1,6 +1,6 @@
 """Rollout engines: what samples the policy's completions, behind one interface.
 
-    engine = engine_class(name, num_slots).create(spec, params, trainer_config, query_width=Q, mesh=mesh)
+    engine = engine_class(name, num_slots).create(spec, params, config, query_width=Q, mesh=mesh)
     engine.set_weights(policy_params, version)       # take new weights
     gen = engine.sample(prompt_ids, prompt_mask, key, num_generations=G, response_length=R)
       # GenerationOutput: tokens, the behaviour policy's log-probs, mask; each (B, R)
@@ -11,9 +11,9 @@ An engine declares what it can do (`Capabilities`); the trainer checks a run's s
 against them in one place (`check_settings`) before anything starts. The built-in engines
 are `StaticEngine` (the static sampler, `jaxppo.rollout.samplers.static`) and
 `ContinuousEngine` (continuous batching, `jaxppo.rollout.samplers.continuous`), both named
-"jaxppo" (`TrainerConfig.num_slots` picks the continuous one); vLLM's is
-`jaxppo.rollout.vllm.VLLMEngine` ("vllm"). An engine of your own is a subclass registered
-by name (`register_rollout_engine`) and chosen with `TrainerConfig.rollout_engine`
+"jaxppo" (`SamplingConfig.num_slots` picks the continuous one); vLLM's is
+`jaxppo.rollout.vllm.VLLMEngine` ("vllm", loaded when first named). An engine of your own is a subclass registered
+by name (`register_rollout_engine`) and chosen with `SamplingConfig.rollout_engine`
 (docs/architecture.md, "Adding a rollout engine").
 """
 
@@ -30,8 +30,10 @@ from jaxppo.rollout.samplers.continuous import generate_continuous, generate_inf
 from jaxppo.rollout.samplers.static import effective_prefix, generate, shares_prefix
 from jaxppo.rollout.samplers.turns import first_turn, next_turn
 
-__all__ = ["Capabilities", "RolloutEngine", "StaticEngine", "ContinuousEngine", "BUILT_IN", "ROLLOUT_ENGINES",
-           "register_rollout_engine", "rollout_engine_names", "engine_class", "check_settings", "sample_responses",
+__all__ = ["Capabilities", "RolloutEngine", "StaticEngine", "ContinuousEngine", "BUILT_IN", "ROLLOUT_ENGINES", "PACKAGED",
+           "register_rollout_engine", "rollout_engine_names", "engine_class", "check_engine_name", "check_settings",
+           "inflight_missing",
+           "sample_responses",
            "sampling_settings", "takes_temperature"]
 
 BUILT_IN = "jaxppo"  # the built-in engines' name: static, or continuous with num_slots
@@ -46,11 +48,11 @@ class Capabilities:
       continuous_batching: a row that ends frees its place for a waiting one (no effect on
         results; documentation and benchmarks).
       inflight_updates: takes new weights while it decodes (`RolloutEngine.sample_inflight`;
-        `TrainerConfig.inflight_updates`).
+        `SamplingConfig.inflight_updates`).
       multi_turn: samples with a budget per row (`sample(..., max_lengths=...)`), which
         multi-turn episodes (an environment, tools) need.
       turn_cache: keeps each row's KV cache between turns (`first_turn`, `next_turn`;
-        `TrainerConfig.turn_cache`); without it every turn samples its whole context again.
+        `EnvironmentConfig.turn_cache`); without it every turn samples its whole context again.
       meshes: samples from parameters sharded over a device mesh (a trainer with a mesh,
         several processes, or `sampler_devices`).
       exact_logprobs: its log-probs are the trainer's own forward's in float32 (the same
@@ -82,16 +84,18 @@ class RolloutEngine(abc.ABC):
     capabilities: ClassVar[Capabilities] = Capabilities()
 
     @classmethod
-    def check(cls, trainer_config, *, multi_turn: bool, mesh) -> None:
+    def check(cls, config, *, multi_turn: bool, mesh) -> None:
         """Refuse, before anything starts, what this engine cannot run beyond what its
-        `capabilities` say (those are checked by `check_settings`). Default: nothing."""
+        `capabilities` say (those are checked by `check_settings`), from the run's
+        `jaxppo.Config`. Default: nothing."""
 
     @classmethod
     @abc.abstractmethod
-    def create(cls, spec, params, trainer_config, *, query_width: int, mesh=None) -> "RolloutEngine":
+    def create(cls, spec, params, config, *, query_width: int, mesh=None) -> "RolloutEngine":
         """The engine of a run: `spec` a `RolloutSpec`, `params` the train parameters at the
-        start (`spec.policy_params(params)` are the policy's), `query_width` the prompts'
-        padded width, `mesh` the trainer's mesh or None."""
+        start (`spec.policy_params(params)` are the policy's), `config` the run's
+        `jaxppo.Config`, `query_width` the prompts' padded width, `mesh` the trainer's mesh
+        or None."""
 
     @abc.abstractmethod
     def set_weights(self, params, version: int) -> None:
@@ -107,7 +111,7 @@ class RolloutEngine(abc.ABC):
         the weights last set. Rows come in groups of `num_generations` consecutive rows with
         the same prompt. `max_lengths`: None, or int (B,) budgets per row (`multi_turn`).
         `temperature`: None samples at the spec's; a value replaces it for this call (0:
-        greedy, the argmax), as an evaluation asks (`TrainerConfig.eval_temperature`; an
+        greedy, the argmax), as an evaluation asks (`EvalConfig.eval_temperature`; an
         engine whose `sample` lacks this keyword is refused eval_temperature before the run
         starts, and evaluates at the spec's).
         Returns a `GenerationOutput` of (B, R) tokens (pad after a stop token or the token
@@ -140,7 +144,7 @@ class _Builtin(RolloutEngine):
         self.spec, self.params = spec, None
 
     @classmethod
-    def create(cls, spec, params, trainer_config=None, *, query_width: int = 0, mesh=None) -> "_Builtin":
+    def create(cls, spec, params, config=None, *, query_width: int = 0, mesh=None) -> "_Builtin":
         return cls(spec)
 
     def set_weights(self, params, version=None) -> None:
@@ -214,15 +218,17 @@ class ContinuousEngine(_Builtin):
                                  steps_per_check=steps, on_update=on_update, **self.settings())
 
 
-# The engines by `TrainerConfig.rollout_engine`, besides the built-in ones ("jaxppo"):
-# `jaxppo.rollout.vllm` registers "vllm" when imported (by `jaxppo.rollout`).
+# The engines by `SamplingConfig.rollout_engine`, besides the built-in ones ("jaxppo").
 ROLLOUT_ENGINES: dict = {}
+# The package's optional engines, by the module that registers each: imported the first time
+# the name is asked for, so that importing jaxppo loads no optional backend.
+PACKAGED = {"vllm": "jaxppo.rollout.vllm"}
 
 
 def register_rollout_engine(name: str, engine: type, *, replace: bool = False) -> type:
-    """Make `engine` (a `RolloutEngine` subclass) the one `TrainerConfig(rollout_engine=
+    """Make `engine` (a `RolloutEngine` subclass) the one `SamplingConfig(rollout_engine=
     name)` runs. A name already registered is refused unless `replace`; "jaxppo" cannot be
-    taken. Register before building the `TrainerConfig`, in every process (and before
+    taken. Register before building the `jaxppo.Config`, in every process (and before
     resuming a run that used it)."""
     if not (isinstance(engine, type) and issubclass(engine, RolloutEngine)):
         raise TypeError(f"register_rollout_engine takes a RolloutEngine subclass, got {engine!r}")
@@ -240,36 +246,60 @@ def register_rollout_engine(name: str, engine: type, *, replace: bool = False) -
 
 
 def rollout_engine_names() -> Tuple[str, ...]:
-    """The valid values of `TrainerConfig.rollout_engine`: "jaxppo" and the registered."""
-    return (BUILT_IN, *ROLLOUT_ENGINES)
+    """The valid values of `SamplingConfig.rollout_engine`: "jaxppo", the package's
+    optional engines and the registered ones."""
+    return (BUILT_IN, *dict.fromkeys([*PACKAGED, *ROLLOUT_ENGINES]))
+
+
+def check_engine_name(name: str, where: str) -> None:
+    """A `ValueError` naming `where` (the setting) unless `name` is a rollout engine's."""
+    if name not in rollout_engine_names():
+        raise ValueError(f"{where}={name!r} is invalid; valid: {BUILT_IN!r} (the built-in engines), "
+                         + ", ".join(map(repr, rollout_engine_names()[1:]))
+                         + " (jaxppo.rollout.engines.register_rollout_engine adds one)")
 
 
 def engine_class(name: str, num_slots: Optional[int] = None) -> type:
-    """The engine class of `TrainerConfig.rollout_engine` `name`: for "jaxppo" the static
+    """The engine class of `SamplingConfig.rollout_engine` `name`: for "jaxppo" the static
     engine, or the continuous one with `num_slots`."""
     if name == BUILT_IN:
         return StaticEngine if num_slots is None else ContinuousEngine
+    if name not in ROLLOUT_ENGINES and name in PACKAGED:
+        import importlib
+
+        importlib.import_module(PACKAGED[name])  # registers it
     if name not in ROLLOUT_ENGINES:
         raise ValueError(f"rollout engine {name!r} is unknown; valid: {', '.join(map(repr, rollout_engine_names()))} "
                          "(jaxppo.rollout.engines.register_rollout_engine adds one)")
     return ROLLOUT_ENGINES[name]
 
 
-def check_settings(trainer_config, *, multi_turn: bool, mesh, processes: int = 1) -> type:
-    """The run's engine class, after refusing what it cannot do (its `capabilities`, then
-    its own `check`), before anything starts."""
-    tc = trainer_config
-    cls = engine_class(tc.rollout_engine, tc.num_slots)
-    caps, name = cls.capabilities, f"rollout_engine={tc.rollout_engine!r} ({cls.__name__})"
+def inflight_missing(name: str, num_slots: Optional[int]) -> Optional[str]:
+    """What in-flight updates (`SamplingConfig.inflight_updates`) lack with the engine `name`
+    (and `num_slots`), or None: the built-in engines take weights while they decode with
+    `num_slots` (the continuous sampler); another engine where its capabilities say so."""
+    if engine_class(name, num_slots).capabilities.inflight_updates:
+        return None
+    if name == BUILT_IN:
+        return "SamplingConfig.num_slots (the continuous sampler)"
+    return f"a rollout engine that takes weights while it decodes ({engine_class(name, num_slots).__name__} does not)"
+
+
+def check_settings(config, *, multi_turn: bool, mesh, processes: int = 1) -> type:
+    """The run's engine class (`config`: a `jaxppo.Config`), after refusing what it cannot do
+    (its `capabilities`, then its own `check`), before anything starts."""
+    sampling = config.sampling
+    cls = engine_class(sampling.rollout_engine, sampling.num_slots)
+    caps, name = cls.capabilities, f"rollout_engine={sampling.rollout_engine!r} ({cls.__name__})"
     needs = [("multi_turn", multi_turn, "multi-turn episodes (environment= or tools=)"),
-             ("inflight_updates", bool(tc.inflight_updates), f"inflight_updates={tc.inflight_updates!r}"),
-             ("meshes", mesh is not None or processes > 1 or bool(tc.sampler_devices),
+             ("inflight_updates", bool(sampling.inflight_updates), f"inflight_updates={sampling.inflight_updates!r}"),
+             ("meshes", mesh is not None or processes > 1 or bool(config.layout.sampler_devices),
               "a mesh, several processes or sampler_devices")]
     for capability, needed, what in needs:
         if needed and not getattr(caps, capability):
             raise ValueError(f"{name} cannot run {what}: the engine does not declare {capability} (its capabilities: "
                              f"{_declared(caps)}); use rollout_engine={BUILT_IN!r}, or leave that setting off")
-    cls.check(tc, multi_turn=multi_turn, mesh=mesh)
+    cls.check(config, multi_turn=multi_turn, mesh=mesh)
     return cls
 
 

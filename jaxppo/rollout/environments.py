@@ -9,7 +9,7 @@ The contract (public; `Trainer(environment=factory)`, `jaxppo --environment MODU
 
 `StepResult(observation, reward, done)`: `observation` (text, chat messages, or None) is
 appended as the next input; `reward` adds to the episode's score; `done` ends the episode.
-An episode also ends after `TrainerConfig.max_turns` model turns, or when the budget of
+An episode also ends after `EnvironmentConfig.max_turns` model turns, or when the budget of
 `response_length` tokens runs out (then it is *truncated*: flagged, and treated as a
 completion without a stop token by `missing_eos_penalty` and `mask_truncated_completions`).
 
@@ -94,7 +94,7 @@ class EpisodeOutput(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class EnvironmentSpec:
-    """How a run plays episodes: the factory and `TrainerConfig`'s settings for it.
+    """How a run plays episodes: the factory and `EnvironmentConfig`'s settings for it.
     `tools`: JSON schemas passed to the chat template when rendering message observations
     (the tool layer sets them)."""
 
@@ -275,7 +275,7 @@ class _Play:
             prompt = self.table.texts[self.batch.rows[i]]
             raise EpisodeError(
                 f"environment {self.env.name!r}: iteration {self.iteration}, {where} (prompt {prompt[:40]!r}): {what}; "
-                "nothing was updated. Fix the environment, or set TrainerConfig.environment_errors='end' "
+                "nothing was updated. Fix the environment, or set EnvironmentConfig.environment_errors='end' "
                 "(--environment-errors end) to end such episodes with score 0 and count them") from err
         self.failed[i], self.live[i], self.rewards[i] = True, False, 0.0
 

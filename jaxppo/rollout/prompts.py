@@ -7,7 +7,7 @@ a pure function of the seed and the iteration (so a resumed run sees the same pr
 A prompt set too large to tokenize up front, or one that is produced as the run goes, is
 a stream (`PromptStream`): a generator, a `datasets.IterableDataset`, a function returning
 an iterator, a `mix_prompts` mixture of several sources with weights, or any source with
-`TrainerConfig.stream_prompts`. Its prompts are read and tokenized when an iteration
+`DataConfig.stream_prompts`. Its prompts are read and tokenized when an iteration
 reaches them, in the stream's own order; the run state holds only the position, and a
 resumed run reads the stream again from its start up to that position (without rendering
 or tokenizing what it passes, unless over-long prompts are filtered), so it continues
@@ -402,9 +402,10 @@ class PromptEncoder:
         if self.overlong == "error":
             over = next((i for i, t in enumerate(tokens) if len(t) > q), None)
             if over is not None:
-                raise ValueError(f"{labels[over]} has {len(tokens[over])} tokens, longer than TrainerConfig.query_length="
+                raise ValueError(f"{labels[over]} has {len(tokens[over])} tokens, longer than DataConfig.query_length="
                                  f"{q} (--query-length) ({texts[over][:60]!r}...); raise query_length, or set "
-                                 f"truncate_prompts (--truncate-prompts) to keep each long prompt's last {q} tokens, "
+                                 f"overlong_prompts='truncate' (--overlong-prompts truncate) to keep each long "
+                                 f"prompt's last {q} tokens, "
                                  "or overlong_prompts='filter' (--overlong-prompts filter) to leave such prompts out")
         kept = [i for i in range(len(tokens)) if keep[i]]
         ids, mask = left_padded(self.tokenizer, [tokens[i] for i in kept], q, truncate=True)
@@ -415,7 +416,7 @@ class PromptEncoder:
         with overlong="filter"; an error if none is left)."""
         texts, ids, mask, keep = self(prompts, labels)
         if not texts:
-            raise ValueError(f"all {len(prompts)} prompts are longer than TrainerConfig.query_length="
+            raise ValueError(f"all {len(prompts)} prompts are longer than DataConfig.query_length="
                              f"{self.query_length} (--query-length), so overlong_prompts='filter' leaves none; raise "
                              "query_length or truncate them (overlong_prompts='truncate')")
         kept = np.flatnonzero(keep)
@@ -719,7 +720,7 @@ def mix_prompts(sources, weights, *, seed: int = 0, prompt_column: str = "prompt
 
 class _FileRecords:
     """A .jsonl or .txt prompts file read a line at a time, each pass from its start
-    (`TrainerConfig.stream_prompts`); a .json file is one JSON value and is read whole."""
+    (`DataConfig.stream_prompts`); a .json file is one JSON value and is read whole."""
 
     def __init__(self, path: str, prompt_column: str):
         self.path, self.prompt_column = path, prompt_column

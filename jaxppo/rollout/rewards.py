@@ -274,52 +274,45 @@ class RewardSetup:
         return "the environment"
 
 
-def sort_rewards(reward_model, reward_fn, reward_fn_on: str, reward_fns, reward_weights,
-                 environment: bool = False) -> "RewardSetup":
-    """Sort the trainer's reward arguments into a `RewardSetup`. Errors name what was
+def sort_rewards(reward_model, reward_fns, reward_fn_on: str, reward_weights, environment: bool = False,
+                 what: str = "reward_fns") -> "RewardSetup":
+    """Sort the trainer's reward arguments into a `RewardSetup`: `reward_model` (a checkpoint
+    path or `(Model, params)`), `reward_fns` (one function, or a list of functions of which
+    one may be a reward model) called on `reward_fn_on` ("text", or "tokens": one jittable
+    function), and `reward_weights` (one per entry of the list). Errors name what was
     wrong. With an `environment` (whose rewards score the episodes) none is needed."""
     if reward_fn_on not in ("text", "tokens"):
         raise ValueError(f"reward_fn_on={reward_fn_on!r} is invalid; valid: 'text', 'tokens'")
-    if reward_fns is not None:
-        if reward_fn is not None:
-            raise ValueError("give reward_fn or reward_fns, not both (reward_fns=[f] is reward_fn=f)")
-        if isinstance(reward_fns, (str, bytes)) or not isinstance(reward_fns, (list, tuple)) or not reward_fns:
-            raise ValueError(f"reward_fns must be a non-empty list of functions (one may be a reward model); got "
-                             f"{reward_fns!r:.80}")
-        if reward_fn_on != "text":
-            raise ValueError("reward_fns are called on text; token-level reward functions go in reward_fn with "
-                             "reward_fn_on='tokens'")
-    entries = list(reward_fns) if reward_fns is not None else ([reward_fn] if reward_fn is not None else [])
-    if reward_weights is None:
-        weights = [1.0] * len(entries)
-    else:
-        if reward_fns is None:
-            raise ValueError("reward_weights needs reward_fns (one weight per entry)")
-        weights = list(reward_weights)
-        if len(weights) != len(entries):
-            raise ValueError(f"reward_weights has {len(weights)} weights for {len(entries)} reward_fns; give one "
-                             "weight per entry, in the same order")
-        for i, w in enumerate(weights):
-            if isinstance(w, bool) or not isinstance(w, (int, float)) or not np.isfinite(w):
-                raise ValueError(f"reward_weights[{i}]={w!r} is invalid: a weight must be a finite number")
+    bare = reward_fns is not None and not isinstance(reward_fns, (list, tuple))
+    if bare and not callable(reward_fns):
+        raise ValueError(f"{what} must be a function or a non-empty list of functions (one may be a reward model); "
+                         f"got {reward_fns!r:.80}")
+    if reward_fns is not None and not bare and not reward_fns:
+        raise ValueError(f"{what} must be a non-empty list of functions (one may be a reward model); got "
+                         f"{reward_fns!r:.80}")
+    entries = [] if reward_fns is None else [reward_fns] if bare else list(reward_fns)
+    if reward_fn_on == "tokens" and (len(entries) != 1 or not callable(entries[0]) or is_model_spec(entries[0])):
+        raise ValueError(f"reward_fn_on='tokens' takes one jittable function as {what} (fn(prompt_ids, prompt_mask, "
+                         "response_ids, response_mask) -> (B,)); text reward functions are called on text")
+    weights = _weights(reward_weights, entries, bare or reward_fns is None, what)
     model_weight = 1.0
     fns = []
     for entry, weight in zip(entries, weights):
         if is_model_spec(entry):
             if reward_model is not None:
-                raise ValueError("one reward model at most: reward_model and a model in reward_fns were both given")
+                raise ValueError(f"one reward model at most: reward_model and a model in {what} were both given")
             reward_model, model_weight = entry, weight
         elif callable(entry):
             fns.append((entry, weight))
         else:
-            raise ValueError(f"reward_fns entry {entry!r:.60} is neither a function nor a reward model (a checkpoint "
+            raise ValueError(f"{what} entry {entry!r:.60} is neither a function nor a reward model (a checkpoint "
                              "path or a (Model, params) pair)")
     if reward_model is None and not fns and not environment:
-        raise ValueError("give exactly one of reward_model (a reward model), reward_fn (a function) or reward_fns (a "
-                         "list of functions, one of which may be a reward model)")
-    if reward_fns is None and reward_model is not None and reward_fn is not None:
-        raise ValueError("give exactly one of reward_model (a reward model) or reward_fn (a function); to combine "
-                         "them, list both in reward_fns")
+        raise ValueError(f"give a reward: reward_model (a reward model) or {what} (a function, or a list of "
+                         "functions one of which may be a reward model)")
+    if bare and reward_model is not None:
+        raise ValueError(f"give reward_model or one function as {what}; to combine them, list both in {what} "
+                         f"({what}=[function, reward model])")
     token_fn = None
     if reward_fn_on == "tokens":
         token_fn, fns = fns[0][0], []
@@ -333,8 +326,25 @@ def sort_rewards(reward_model, reward_fn, reward_fn_on: str, reward_fns, reward_
         name = reward_name(fn)
         names[name] = names.get(name, 0) + 1
         host.append(RewardFunction(name if names[name] == 1 else f"{name}_{names[name]}", fn, float(weight)))
-    legacy = reward_fns is None and (reward_model is not None or token_fn is not None or bool(host))
+    # One source given bare (a function, or a reward model alone) keeps 0.4's record of the
+    # reward (a run resumes with the same settings); a list records each entry and weight.
+    legacy = (bare or reward_fns is None) and (reward_model is not None or token_fn is not None or bool(host))
     return RewardSetup(reward_model, tuple(host), token_fn, float(model_weight), reward_fn_on, legacy=legacy)
+
+
+def _weights(reward_weights, entries: list, bare: bool, what: str) -> list:
+    if reward_weights is None:
+        return [1.0] * len(entries)
+    if bare:
+        raise ValueError(f"reward_weights needs {what} as a list (one weight per entry)")
+    weights = list(reward_weights)
+    if len(weights) != len(entries):
+        raise ValueError(f"reward_weights has {len(weights)} weights for {len(entries)} {what}; give one weight per "
+                         "entry, in the same order")
+    for i, w in enumerate(weights):
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not np.isfinite(w):
+            raise ValueError(f"reward_weights[{i}]={w!r} is invalid: a weight must be a finite number")
+    return weights
 
 
 def qualified_name(fn) -> str:

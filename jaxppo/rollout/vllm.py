@@ -1,11 +1,11 @@
-"""vLLM as the rollout engine (`TrainerConfig.rollout_engine="vllm"`, `--rollout-engine vllm`).
+"""vLLM as the rollout engine (`SamplingConfig.rollout_engine="vllm"`, `--rollout-engine vllm`).
 
 vLLM runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), on token ids only
 (`skip_tokenizer_init=True`): the trainer's prompts go in as ids, the sampled ids and the
 log-probs vLLM computed for them (`logprobs_mode="processed_logprobs"`: after temperature,
 what the loss computes) come back as a `GenerationOutput`, padded to the response budget
 like the built-in sampler's. Those log-probs are the rollout's `sampler_logprobs`, so
-`PPOConfig.rollout_correction` corrects for any mismatch between vLLM and the trainer.
+`LossConfig.rollout_correction` corrects for any mismatch between vLLM and the trainer.
 
 Weights: vLLM starts from the policy written once as a Hugging Face directory (a temporary
 one). After every update the trainer's parameters are pushed into it in place: each tensor
@@ -43,7 +43,7 @@ import numpy as np
 
 from jaxppo.models.family import family_of
 from jaxppo.rollout.engines import Capabilities, RolloutEngine, register_rollout_engine
-from jaxppo.rollout.sampling import sampling_filters_on
+from jaxppo.rollout.spec import sampling_filters_on
 
 __all__ = ["VLLMEngine", "check_available", "CPU_HEAD_DIMS", "hf_weights", "request_seeds"]
 
@@ -113,26 +113,26 @@ class VLLMEngine(RolloutEngine):
     capabilities = Capabilities(continuous_batching=True)
 
     @classmethod
-    def check(cls, trainer_config, *, multi_turn: bool, mesh) -> None:
+    def check(cls, config, *, multi_turn: bool, mesh) -> None:
         """What vLLM cannot do beyond its capabilities (the built-in continuous sampler's
         slots), then whether it can be imported, and that no other engine is open."""
-        tc = trainer_config
-        filters = [f"{name}={value!r}" for name, value in sampling_filters_on(tc).items()]
-        if filters and tc.old_logprobs == "sampler":
+        sampling = config.sampling
+        filters = [f"{name}={value!r}" for name, value in sampling_filters_on(sampling).items()]
+        if filters and sampling.old_logprobs == "sampler":
             raise ValueError(f"old_logprobs='sampler' with rollout_engine='vllm' and {', '.join(filters)}: vLLM's "
                              "log-probs are of the filtered distribution it sampled from, not the policy's own "
                              "softmax(logits / temperature) the loss needs as the old policy; use old_logprobs='auto' "
                              "(recomputed, vLLM's kept for the rollout correction)")
-        if trainer_config.num_slots is not None:
-            raise ValueError(f"TrainerConfig.num_slots={trainer_config.num_slots} sets the built-in continuous "
+        if sampling.num_slots is not None:
+            raise ValueError(f"SamplingConfig.num_slots={sampling.num_slots} sets the built-in continuous "
                              "sampler; vLLM batches continuously itself: leave num_slots None with rollout_engine='vllm'")
         check_available()
         _check_none_open()
 
     @classmethod
-    def create(cls, spec, params, trainer_config, *, query_width: int, mesh=None) -> "VLLMEngine":
+    def create(cls, spec, params, config, *, query_width: int, mesh=None) -> "VLLMEngine":
         """vLLM with the policy of `spec` (`RolloutSpec`) and the train `params`."""
-        return cls(spec.policy, spec.policy_params(params), seed=trainer_config.seed,
+        return cls(spec.policy, spec.policy_params(params), seed=config.run.seed,
                    max_model_len=query_width + spec.response_length, spec=spec)
 
     def __init__(self, model, params, *, seed: int, max_model_len: int, version: int = 0, spec=None):

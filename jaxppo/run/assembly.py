@@ -1,6 +1,7 @@
 """Model assembly: from what the user gave (checkpoint paths or `(Model, params)` pairs)
 to the train state's pieces: the trained parameters and their forward, the frozen
-reference and reward model, the optimizer, and the run's description of its models.
+reference and reward model, and the run's description of its models. (The optimizer is
+`jaxppo.config.optimizer.build_optimizer`'s.)
 
 Only PPO ("gae") has a critic: separate (a copy of the reward model's or the policy's
 trunk) or a value head on the policy (`shared_trunk`). Critic-free algorithms train the
@@ -18,9 +19,8 @@ from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
-import optax
 
-from jaxppo.config import PPOConfig
+from jaxppo.config.layout import AUTO_SCAN_MIN_LAYERS
 from jaxppo.errors import RunError
 from jaxppo.models import hf as hf_io
 from jaxppo.models.adapters import add_lora
@@ -29,7 +29,6 @@ from jaxppo.models.model import (
     Model,
     PolicyAndCritic,
     check_attention_backend,
-    check_cudnn_dtype,
     describe_model,
     stack_layers,
     trunk_name,
@@ -37,17 +36,9 @@ from jaxppo.models.model import (
 )
 from jaxppo.models.peft import load_peft_adapter, read_peft_config
 from jaxppo.run.directory import SETTINGS_FILE, named_checkpoint, read_settings
-from jaxppo.trainer_config import TrainerConfig
-from jaxppo.update.engine import Freeze, clip_by_global_norm, key_names
+from jaxppo.update.minibatches import Freeze
 
-__all__ = ["Assembly", "assemble", "load_model", "critic_from", "LogitsOf",
-           "schedule", "optimizer", "AUTO_SCAN_MIN_LAYERS", "resolve_layout"]
-
-# scan_layers="auto" (the default) scans the layers of checkpoints this deep or deeper: an
-# unrolled program's compile (and, on XLA:CPU, its load from the compilation cache) grows
-# with the depth, a scanned one's does not (SmolLM2-135M, 30 layers, PPO on a 2-core CPU: the
-# first iteration 171.5 s unrolled against 74.9 s scanned; docs/benchmarks.md).
-AUTO_SCAN_MIN_LAYERS = 16
+__all__ = ["Assembly", "assemble", "load_model", "critic_from", "LogitsOf", "AUTO_SCAN_MIN_LAYERS", "resolve_layout"]
 
 
 # The Trainer's keyword and the command's flag of each model it loads (errors name both).
@@ -97,36 +88,30 @@ def _what_it_is(path, kind: str) -> str:
     return ""
 
 
-def check_layout(scan_layers):
-    """A `scan_layers` setting is True, False, "auto" or None (checked before anything loads)."""
-    if not (scan_layers is None or isinstance(scan_layers, bool) or scan_layers == "auto"):
-        raise ValueError(f"scan_layers={scan_layers!r} is invalid; valid: True, False, 'auto' (scanned for checkpoints "
-                         f"of {AUTO_SCAN_MIN_LAYERS} layers or more) or None (as loaded or given)")
-
-
-def resolve_layout(scan_layers, policy, tc: TrainerConfig):
+def resolve_layout(scan_layers, policy, run_config):
     """`scan_layers` as the models are loaded: True or False as given; "auto" resolved to
     the layout of the run being resumed (its saved settings, when they name this policy),
     else scanned for a checkpoint of `AUTO_SCAN_MIN_LAYERS` layers or more, unrolled below;
-    None (and "auto" for a given `(Model, params)` pair) keeps each model's own layout."""
-    check_layout(scan_layers)
+    None (and "auto" for a given `(Model, params)` pair) keeps each model's own layout.
+    `run_config`: the run's `RunConfig` (its directory and `resume_from`)."""
     if scan_layers != "auto":
         return scan_layers
     if not isinstance(policy, (str, os.PathLike)):
         return None
-    saved = _saved_layout(os.path.abspath(os.fspath(policy)), tc)
+    saved = _saved_layout(os.path.abspath(os.fspath(policy)), run_config)
     if saved is not None:
         return saved
     layers = hf_io.layer_count(os.fspath(policy))
     return None if layers is None else layers >= AUTO_SCAN_MIN_LAYERS
 
 
-def _saved_layout(policy_path: str, tc: TrainerConfig) -> Optional[bool]:
-    """The policy's layout in the saved settings of the run `tc` resumes (its output_dir, or
-    resume_from's run), when those settings name the same policy checkpoint."""
-    if not tc.resume:
+def _saved_layout(policy_path: str, run_config) -> Optional[bool]:
+    """The policy's layout in the saved settings of the run being resumed (its output_dir,
+    or resume_from's run), when those settings name the same policy checkpoint."""
+    if not run_config.resume:
         return None
-    places = [tc.output_dir] + ([] if tc.resume_from is None else [named_checkpoint(tc.resume_from)[0]])
+    places = [run_config.output_dir] + ([] if run_config.resume_from is None else
+                                        [named_checkpoint(run_config.resume_from)[0]])
     for place in places:
         path = os.path.join(place, SETTINGS_FILE)
         if not os.path.isfile(path):
@@ -186,71 +171,6 @@ class LogitsOf:
         return self.model.grouped_outputs(params, *args)
 
 
-def schedule(lr, kind, warmup, total, min_lr_ratio: float = 0.0):
-    """A learning-rate schedule over `total` updates: constant, linear decay to 0, cosine
-    to 0, or cosine to `min_lr_ratio * lr` ("cosine_with_min_lr"), after `warmup` updates
-    of linear warm-up from 0."""
-    if kind == "constant":
-        main = optax.constant_schedule(lr)
-    elif kind == "linear":
-        main = optax.linear_schedule(lr, 0.0, max(1, total - warmup))
-    else:
-        alpha = min_lr_ratio if kind == "cosine_with_min_lr" else 0.0
-        main = optax.cosine_decay_schedule(lr, max(1, total - warmup), alpha=alpha)
-    if warmup:
-        return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), main], [warmup])
-    return main
-
-
-DECAYED = ("kernel", "lora_a", "lora_b")  # weight decay's default reach: the matrices of linear layers
-
-
-def decay_mask(params):
-    """True at the parameters weight decay reaches by default: linear layers' kernels and
-    LoRA matrices; not embeddings, norms or biases."""
-    return jax.tree_util.tree_map_with_path(lambda path, _: key_names(path)[-1] in DECAYED, params)
-
-
-def base_optimizer(lr, tc: TrainerConfig, custom=None) -> optax.GradientTransformation:
-    """One model's optimizer at learning rate (or schedule) `lr`: global-norm clipping when
-    `tc.max_grad_norm`, then `custom` (an optax `GradientTransformation`, or a function of
-    the schedule returning one) or the built-in: AdamW with `tc.weight_decay` (on the
-    parameters `decay_mask` names, or on all with `weight_decay_mask="all"`), Adam without."""
-    parts = [clip_by_global_norm(tc.max_grad_norm)] if tc.max_grad_norm else []
-    if custom is not None:
-        inner = custom if isinstance(custom, optax.GradientTransformation) else custom(lr)
-        if not isinstance(inner, optax.GradientTransformation):
-            raise TypeError(f"optimizer={custom!r} returned {type(inner).__name__}; give an optax "
-                            "GradientTransformation, or a function of the learning-rate schedule returning one")
-    elif tc.weight_decay:
-        inner = optax.adamw(lr, b1=tc.adam_beta1, b2=tc.adam_beta2, eps=tc.adam_eps, weight_decay=tc.weight_decay,
-                            mask=decay_mask if tc.weight_decay_mask == "matrices" else None)
-    else:
-        inner = optax.adam(lr, b1=tc.adam_beta1, b2=tc.adam_beta2, eps=tc.adam_eps)
-    return optax.chain(*parts, inner)
-
-
-def optimizer(policy_lr, critic_lr, tc: TrainerConfig, shared: bool, critic: bool = True, custom=None):
-    """`base_optimizer` for the trained params: the policy alone (`critic=False`), the
-    policy and a separate critic ({"policy", "critic"} params), or one model whose
-    `value_head` has the critic's rate (`shared`)."""
-    def make(lr):
-        return base_optimizer(lr, tc, custom)
-
-    if not critic:
-        return make(policy_lr)
-
-    if shared:
-        # One model: the value head gets the critic's learning rate (the rest, or the LoRA
-        # adapters when the base is frozen, the policy's).
-        def labels(params):
-            name = lambda path, _: "critic" if "value_head" in key_names(path) else "policy"
-            return jax.tree_util.tree_map_with_path(name, params)
-        return optax.multi_transform({"policy": make(policy_lr), "critic": make(critic_lr)}, labels)
-    return optax.multi_transform({"policy": make(policy_lr), "critic": make(critic_lr)},
-                                 {"policy": "policy", "critic": "critic"})
-
-
 @dataclasses.dataclass
 class Assembly:
     """What `assemble` builds. `apply_fn(params, tokens, mask)` is the train state's forward
@@ -272,44 +192,38 @@ class Assembly:
     ref_is_policy: bool = False
 
 
-def needs_reference(config: PPOConfig, tc: TrainerConfig) -> bool:
-    """A reference policy is needed for a KL penalty in the reward (kl_coef > 0, or an
-    adaptive controller) or a KL term in the loss (kl_loss_coef > 0)."""
-    return config.kl_coef > 0 or tc.kl_target is not None or config.kl_loss_coef > 0
-
-
-def assemble(config: PPOConfig, tc: TrainerConfig, *, policy, reward_model=None, ref_policy=None, critic=None,
-             dtype: str = "float32", ref_dtype: Optional[str] = None, reward_dtype: Optional[str] = None,
-             remat=None, scan_layers: Optional[bool] = None, logits_chunk_size: Optional[int] = None,
-             lora: Optional[LoraConfig] = None, lora_init: Optional[str] = None,
-             head_window: Optional[int] = None) -> Assembly:
-    """Load or adopt the models of a run (see `PPOTrainer` for the arguments; `head_window`:
-    the policy's and reference's `Model.head_window`, for rollouts in the common-prefix
-    layout).
+def assemble(config, inputs, *, reward_model=None, head_window: Optional[int] = None) -> Assembly:
+    """Load or adopt the models of a run: `config` (a `jaxppo.Config`: the layout's dtypes,
+    layers and attention, the critic's form, whether a reference is needed), `inputs`
+    (`jaxppo.run.parts.Inputs`: the policy, reference, critic and LoRA the trainer was
+    given), `reward_model` (a path or `(Model, params)`, or None), `head_window` (the
+    policy's and reference's `Model.head_window`, for rollouts in the common-prefix layout).
 
     With LoRA (`lora`, `lora_init`, or a given policy Model that has adapters) the base
     weights are frozen (held in `dtype`, loaded from a checkpoint), only the adapters (and
     a critic) are trained, and the reference is the policy with its adapters off."""
-    _check_arguments(config, tc, critic, lora, lora_init, dtype)
-    ref_dtype, reward_dtype = ref_dtype or dtype, reward_dtype or dtype
-    scan_layers = resolve_layout(scan_layers, policy, tc)
-    policy_model, policy_params = _load_policy(policy, tc, dtype, remat, scan_layers, logits_chunk_size, lora,
-                                               lora_init)
+    layout = config.layout
+    policy, lora, lora_init = inputs.policy, inputs.lora, inputs.lora_init
+    _check_arguments(config, inputs.critic, lora, lora_init)
+    dtype = layout.dtype
+    ref_dtype, reward_dtype = layout.ref_dtype or dtype, layout.reward_dtype or dtype
+    scan_layers = resolve_layout(layout.scan_layers, policy, config.run)
+    policy_model, policy_params = _load_policy(policy, config, scan_layers, lora, lora_init)
     if head_window is not None:
         policy_model = dataclasses.replace(policy_model, head_window=head_window)
-    ref_model, ref_params, ref_is_policy = _reference(config, tc, policy_model, policy_params, ref_policy, ref_dtype,
-                                                      scan_layers, logits_chunk_size)
+    ref_model, ref_params, ref_is_policy = _reference(config, policy_model, policy_params, inputs.ref_policy, ref_dtype,
+                                                      scan_layers)
     if head_window is not None and ref_model is not None:
         ref_model = dataclasses.replace(ref_model, head_window=head_window)
     reward = reward_params = None
     if reward_model is not None:
         reward, reward_params = load_model(reward_model, "reward", reward_dtype, scan_layers=scan_layers,
                                            role="reward_model")
-        reward = _with_attention(reward, tc)
+        reward = _with_attention(reward, layout)
         if reward.kind != "reward":
             raise ValueError(f"reward_model must be of kind 'reward', got {reward.kind!r}")
     policy_model, apply_fn, params, params_key, critic_text = _trained(
-        config, tc, policy_model, policy_params, critic, reward, reward_params, dtype, remat, scan_layers)
+        config, policy_model, policy_params, inputs.critic, reward, reward_params, scan_layers)
     check_attention_backend([policy_model, ref_model, reward, getattr(apply_fn, "critic", None)])
     freeze = None
     if policy_model.lora is not None:  # only the adapters (and the critic or value head) train
@@ -320,7 +234,8 @@ def assemble(config: PPOConfig, tc: TrainerConfig, *, policy, reward_model=None,
     elif ref_is_policy:
         reference = "policy base (adapters off)"
     else:
-        reference = "initial policy" if ref_policy is None else describe_model(ref_policy, ref_model, dtype)
+        reference = "initial policy" if inputs.ref_policy is None else describe_model(inputs.ref_policy, ref_model,
+                                                                                       dtype)
     description = {"policy": describe_model(policy, policy_model, dtype), "reference": reference,
                    "critic": critic_text}
     if lora_init is not None:
@@ -329,11 +244,10 @@ def assemble(config: PPOConfig, tc: TrainerConfig, *, policy, reward_model=None,
                     description, freeze, ref_is_policy)
 
 
-def _check_arguments(config: PPOConfig, tc: TrainerConfig, critic, lora, lora_init, dtype):
+def _check_arguments(config, critic, lora, lora_init):
     """Errors in the model arguments, before any weights load."""
-    if tc.attention == "cudnn":
-        check_cudnn_dtype("TrainerConfig", dtype)
-        check_attention_backend([tc.attention])
+    if config.layout.attention == "cudnn":
+        check_attention_backend([config.layout.attention])
     if lora is not None and not isinstance(lora, LoraConfig):
         raise TypeError(f"lora must be a jaxppo.models.LoraConfig or None, got {type(lora).__name__}")
     if lora_init is not None:
@@ -341,29 +255,26 @@ def _check_arguments(config: PPOConfig, tc: TrainerConfig, critic, lora, lora_in
         if lora is not None and lora != init_config:
             raise ValueError(f"lora={lora} differs from the adapter in {os.fspath(lora_init)!r} ({init_config}); give "
                              "one of them, or the same settings")
-    if not config.uses_critic:
-        if critic is not None:
-            raise ValueError(f"critic was given, but advantage_estimator={config.advantage_estimator!r} has no critic "
-                             "(only 'gae', PPO, does); drop critic or use advantage_estimator='gae'")
-        if tc.shared_trunk:
-            raise ValueError(f"TrainerConfig.shared_trunk=True puts a value head on the policy, but "
-                             f"advantage_estimator={config.advantage_estimator!r} has no critic; set shared_trunk=False")
+    if not config.uses_critic and critic is not None:
+        raise ValueError(f"critic was given, but advantage_estimator={config.advantages.advantage_estimator!r} has no "
+                         "critic (only 'gae', PPO, does); drop critic or use advantage_estimator='gae'")
 
 
-def _load_policy(policy, tc: TrainerConfig, dtype, remat, scan_layers, logits_chunk_size, lora, lora_init):
+def _load_policy(policy, config, scan_layers, lora, lora_init):
     """The policy as a causal LM with its settings, and with LoRA adapters when asked."""
+    layout = config.layout
     use_lora = lora is not None or lora_init is not None
     # The trained policy is held in float32; a LoRA base is frozen, so it stays in `dtype`.
-    policy_model, policy_params = load_model(policy, "causal_lm", dtype, dtype if use_lora else "float32", scan_layers,
-                                             role="policy")
+    policy_model, policy_params = load_model(policy, "causal_lm", layout.dtype, layout.dtype if use_lora else "float32",
+                                             scan_layers, role="policy")
     if use_lora and policy_model.lora is not None:
         raise ValueError("the given policy already has LoRA adapters; drop lora / lora_init, or give the base model")
-    if remat is not None:
-        policy_model = dataclasses.replace(policy_model, remat=remat)
-    if logits_chunk_size is not None:
-        policy_model = dataclasses.replace(policy_model, logits_chunk_size=logits_chunk_size)
-    policy_model = _with_attention(policy_model, tc)
-    if tc.hoist_layers:
+    if layout.remat is not None:
+        policy_model = dataclasses.replace(policy_model, remat=layout.remat)
+    if layout.logits_chunk_size is not None:
+        policy_model = dataclasses.replace(policy_model, logits_chunk_size=layout.logits_chunk_size)
+    policy_model = _with_attention(policy_model, layout)
+    if layout.hoist_layers:
         policy_model = dataclasses.replace(policy_model, hoist_layers=True)
     if policy_model.kind != "causal_lm":
         policy_model = dataclasses.replace(policy_model, kind="causal_lm")
@@ -372,15 +283,14 @@ def _load_policy(policy, tc: TrainerConfig, dtype, remat, scan_layers, logits_ch
     if lora_init is not None:
         return load_peft_adapter(policy_model, policy_params, os.fspath(lora_init))
     if lora is not None:
-        return add_lora(policy_model, policy_params, lora, jax.random.fold_in(jax.random.key(tc.seed), 7))
+        return add_lora(policy_model, policy_params, lora, jax.random.fold_in(jax.random.key(config.run.seed), 7))
     return policy_model, policy_params
 
 
-def _reference(config: PPOConfig, tc: TrainerConfig, policy_model, policy_params, ref_policy, ref_dtype, scan_layers,
-               logits_chunk_size):
+def _reference(config, policy_model, policy_params, ref_policy, ref_dtype, scan_layers):
     """(reference model or None, its params or None, whether it runs on the policy's own
     params: a LoRA policy with its adapters off)."""
-    if not needs_reference(config, tc):
+    if not config.kl.needs_reference:
         if ref_policy is not None:
             warnings.warn("ref_policy is not used: kl_coef and kl_loss_coef are 0 and there is no kl_target, so no "
                           "KL to a reference is computed (and no reference model is loaded)", UserWarning, stacklevel=4)
@@ -393,42 +303,41 @@ def _reference(config: PPOConfig, tc: TrainerConfig, policy_model, policy_params
         ref_model = dataclasses.replace(policy_model, dtype=ref_dtype, param_dtype=ref_dtype)
         return ref_model, copy_as(policy_params, ref_dtype), False
     ref_model, ref_params = load_model(ref_policy, "causal_lm", ref_dtype, scan_layers=scan_layers, role="ref_policy")
-    ref_model = _with_attention(ref_model, tc)
-    if logits_chunk_size is not None:
-        ref_model = dataclasses.replace(ref_model, logits_chunk_size=logits_chunk_size)
+    ref_model = _with_attention(ref_model, config.layout)
+    if config.layout.logits_chunk_size is not None:
+        ref_model = dataclasses.replace(ref_model, logits_chunk_size=config.layout.logits_chunk_size)
     return ref_model, ref_params, False
 
 
-def _trained(config: PPOConfig, tc: TrainerConfig, policy_model, policy_params, critic, reward, reward_params, dtype,
-             remat, scan_layers):
+def _trained(config, policy_model, policy_params, critic, reward, reward_params, scan_layers):
     """What the train state trains: (policy model, apply_fn, params, where the policy's
     params sit in them, the critic's description): the policy alone (critic-free), the
     policy with a value head (`shared_trunk`), or the policy and a separate critic."""
+    layout = config.layout
     if not config.uses_critic:
         return policy_model, policy_model.apply, policy_params, None, "none"
-    if tc.shared_trunk:
+    if config.advantages.shared_trunk:
         policy_model = dataclasses.replace(policy_model, kind="causal_lm_value")
         head = {"kernel": jnp.zeros((policy_model.config.hidden_size, 1), jnp.float32),
                 "bias": jnp.zeros((1,), jnp.float32)}
         params = {**policy_params, "params": dict(policy_params["params"], value_head=head)}
         return policy_model, policy_model.apply, params, None, "shared trunk"
     if critic is not None:
-        critic_model, critic_params = load_model(critic, "value", dtype, "float32", scan_layers, role="critic")
-        critic_model = _with_attention(critic_model, tc)
+        critic_model, critic_params = load_model(critic, "value", layout.dtype, "float32", scan_layers, role="critic")
+        critic_model = _with_attention(critic_model, layout)
         if critic_model.kind != "value":
             critic_model, critic_params = critic_from(critic_model, critic_params, zero_head=False)
     elif reward is not None:
-        critic_model, critic_params = critic_from(reward, reward_params, zero_head=False, dtype=dtype)
+        critic_model, critic_params = critic_from(reward, reward_params, zero_head=False, dtype=layout.dtype)
     else:
         critic_model, critic_params = critic_from(policy_model, policy_params, zero_head=True)
-    if remat is not None:
-        critic_model = dataclasses.replace(critic_model, remat=remat)
-    critic_text = describe_model(critic, None, dtype) if critic is not None else "default"
+    if layout.remat is not None:
+        critic_model = dataclasses.replace(critic_model, remat=layout.remat)
+    critic_text = describe_model(critic, None, layout.dtype) if critic is not None else "default"
     return (policy_model, PolicyAndCritic(policy_model, critic_model), {"policy": policy_params, "critic": critic_params},
             "policy", critic_text)
 
 
-def _with_attention(model: Model, tc: TrainerConfig) -> Model:
-    """`model` with the run's `attention` (TrainerConfig.attention; None keeps its own)."""
-    return model if tc.attention is None else dataclasses.replace(model, attention=tc.attention)
-
+def _with_attention(model: Model, layout) -> Model:
+    """`model` with the run's `LayoutConfig.attention` (None keeps its own)."""
+    return model if layout.attention is None else dataclasses.replace(model, attention=layout.attention)

@@ -1,5 +1,7 @@
-"""The run directory: atomic writes, one run per directory (a lock), and the run's settings
-saved beside its checkpoints so that a resume with other settings is refused up front.
+"""The run directory as one object (`RunDirectory`): claiming it (one run per directory, a
+lock), the run's settings saved beside its checkpoints so that a resume with other settings
+is refused up front, saving and restoring the `RunState` (orbax, `jaxppo.run.checkpoints`),
+starting from another run's checkpoint (`resume_from`), and where the logs go.
 
 A run can be killed at any instant. Every file jaxppo rewrites is written to a temporary
 file in the same directory and renamed over the old one (`os.replace` is atomic on POSIX),
@@ -14,11 +16,18 @@ import os
 import tempfile
 from typing import Optional
 
+import jax
+import numpy as np
+
+from jaxppo.config.record import OLD_SECTIONS, SECTIONS, comparable, recorded
 from jaxppo.errors import RunError
 from jaxppo.files import atomic_write_text
+from jaxppo.run import checkpoints
+from jaxppo.run.logger import read_metrics
+from jaxppo.tracking.local import METRICS_FILE, TABLE_SUFFIX, read_table
 
-__all__ = ["RunError", "atomic_write_text", "atomic_replace_dir", "RunLock", "check_settings", "named_checkpoint",
-           "SETTINGS_FILE", "make_output_dir", "read_settings"]
+__all__ = ["RunDirectory", "RunError", "atomic_write_text", "atomic_replace_dir", "RunLock", "check_settings",
+           "named_checkpoint", "SETTINGS_FILE", "make_output_dir", "read_settings", "run_settings", "adopt"]
 
 SETTINGS_FILE = "run_settings.json"
 LOCK_FILE = ".jaxppo.lock"
@@ -187,6 +196,56 @@ def read_settings(path: str, directory: str) -> dict:
     return saved
 
 
+def _comparable(settings: dict) -> dict:
+    """A saved settings dict as two runs' are compared: its settings by name, whatever
+    version or concern recorded them (`jaxppo.config.record.comparable`), beside its
+    description of the models, reward, tokenizer and prompts."""
+    sections = set(SECTIONS) | set(OLD_SECTIONS)
+    described = {k: v for k, v in settings.items()
+                 if (k not in sections or not isinstance(v, dict)) and k != "checkpoint_layout"}
+    if isinstance(described.get("optimizer"), str):  # 0.4's record of a custom optimizer
+        described["custom_optimizer"] = described.pop("optimizer")
+    return {"checkpoint_layout": settings.get("checkpoint_layout"), "settings": comparable(settings),
+            **_reward_description(described)}
+
+
+def _reward_description(described: dict) -> dict:
+    """The reward's record as two runs' are compared: a list of one function of weight 1 and
+    no reward model (`reward_fns=[f]`) is the same reward as that function given alone
+    (`reward_fns=f`, 0.4's `reward_fn=f`), which records it as {"function", "on"}."""
+    reward = described.get("reward")
+    if isinstance(reward, dict) and "functions" in reward and "model" not in reward:
+        functions = reward["functions"]
+        if len(functions) == 1 and functions[0].get("weight") == 1.0:
+            return {**described, "reward": {"function": functions[0].get("function"), "on": "text"}}
+    return described
+
+
+def _label(name: str) -> str:
+    """A compared entry as a user names it: a setting as `Concern.name`, the rest as flattened."""
+    from jaxppo.config.settings import CONCERNS, SETTINGS
+
+    if name.startswith("settings."):
+        setting = name[len("settings."):]
+        if setting in SETTINGS:
+            return f"{CONCERNS[SETTINGS[setting]].__name__}.{setting}"
+        return setting
+    return name
+
+
+def _shown(flat: dict, name: str) -> str:
+    """An entry's value as the differences show it; a setting left out is at its default."""
+    if name in flat:
+        return repr(flat[name])
+    if name.startswith("settings.") and name != "settings.iterations":
+        from jaxppo.config.settings import SETTINGS, setting_field
+
+        setting = name[len("settings."):]
+        if setting in SETTINGS:
+            return f"{setting_field(setting).default!r} (the default)"
+    return "'<unset>'"
+
+
 def check_settings(directory: str, settings: dict, *, write: bool = True, replace: bool = False):
     """Compare `settings` (a JSON-able dict) with those saved in `<directory>/run_settings.json`.
 
@@ -198,8 +257,8 @@ def check_settings(directory: str, settings: dict, *, write: bool = True, replac
     new = json.loads(json.dumps(settings))  # the JSON view (tuples -> lists), as saved
     if os.path.isfile(path):
         old = read_settings(path, directory)
-        a, b = _flatten(old), _flatten(new)
-        diffs = [f"  {name}: was {a.get(name, '<unset>')!r}, now {b.get(name, '<unset>')!r}"
+        a, b = _flatten(_comparable(old)), _flatten(_comparable(new))
+        diffs = [f"  {_label(name)}: was {_shown(a, name)}, now {_shown(b, name)}"
                  for name in sorted(set(a) | set(b)) if a.get(name, "<unset>") != b.get(name, "<unset>")]
         if diffs and replace:
             print(f"{directory!r} holds the settings of a run that finished no iteration; this run's replace them:\n"
@@ -214,3 +273,161 @@ def check_settings(directory: str, settings: dict, *, write: bool = True, replac
     elif write:
         os.makedirs(directory, exist_ok=True)
         atomic_write_text(path, _settings_text(new))
+
+
+def run_settings(config, iterations: int, description: dict) -> dict:
+    """What must stay the same for a resumed run to continue this one: the checkpoint
+    layout, the settings a resumed run must match, by concern (`jaxppo.config.record.
+    recorded`: every one not free on resume; `iterations` where the learning-rate schedule's
+    length depends on it), and `description` (models, reward, tokenizer, prompts)."""
+    return {"checkpoint_layout": checkpoints.LAYOUT, **recorded(config, iterations), **description}
+
+
+class RunDirectory:
+    """A run's directory, `config.run.output_dir`: claiming it, its settings, its checkpoints
+    and where its logs go.
+
+    `open(run, settings)` claims the directory (a lock: a second run on it is refused),
+    starts it from `resume_from`'s checkpoint when asked, checks the saved settings against
+    `settings` (writing them the first time) and restores the newest checkpoint when
+    resuming, all before anything compiles; it returns the run state to start from.
+    `save(run)` writes a checkpoint, `restore(run)` reads the newest readable one, `close()`
+    releases the directory."""
+
+    def __init__(self, run_config):
+        self.config = run_config
+        self.path = run_config.output_dir
+        self.lock = None
+
+    @property
+    def checkpoints(self) -> str:
+        return os.path.abspath(os.path.join(self.path, "checkpoints"))
+
+    @property
+    def log_dir(self) -> str:
+        """Process 0 logs to the directory; in multi-host runs the others to a subfolder."""
+        return self.path if jax.process_index() == 0 else os.path.join(self.path, f"process_{jax.process_index()}")
+
+    def open(self, run, settings: dict):
+        """Claim the directory, check the saved settings and restore the newest checkpoint
+        when resuming (see the class); the run state to start from."""
+        import warnings
+
+        make_output_dir(self.path)
+        c = self.config
+        self.lock = RunLock(self.log_dir).acquire()
+        try:
+            if c.resume_from is not None and c.resume and jax.process_index() == 0:
+                adopt(c.resume_from, self.path, settings)
+            with warnings.catch_warnings():  # a torn last line: the logger warns once, when it rewrites the file
+                warnings.simplefilter("ignore", RuntimeWarning)
+                logged = bool(read_metrics(os.path.join(self.log_dir, "metrics.jsonl")))
+            # A run that finished no iteration (its first failed or was stopped) left nothing a
+            # new run could be mixed with: it neither blocks a corrected command nor needs resume.
+            existing = logged or bool(checkpoints.steps(self.checkpoints))
+            if not c.resume and existing:
+                raise RunError(f"the output directory {self.path!r} already holds a run (metrics.jsonl or "
+                               "checkpoints) and resume is off; give this run another output_dir, delete the old "
+                               "run, or resume it")
+            check_settings(self.path, settings, write=jax.process_index() == 0, replace=not existing)
+            restored = self.restore(run) if c.resume else None
+            if restored is not None:
+                run = restored
+                print(f"resumed from iteration {run.iteration} ({self.checkpoints})")
+            elif logged:
+                warnings.warn(f"{self.path!r} holds logged iterations but no checkpoint (none was saved before the "
+                              "run stopped): starting again from iteration 0 with the same settings; the logged "
+                              "iterations are recomputed", RuntimeWarning, stacklevel=3)
+        except BaseException:
+            self.close()
+            raise
+        return run
+
+    def close(self):
+        """Release the directory `open` claimed (idempotent)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def save(self, run):
+        """Save the run state at its iteration (orbax; see `jaxppo.run.checkpoints`). A write
+        error is a `RunError`; the checkpoints saved before stay intact."""
+        checkpoints.save(self.checkpoints, run.iteration, run.checkpoint_tree(), keep=self.config.keep_checkpoints)
+
+    def restore(self, run):
+        """`run` with the newest readable checkpoint put in, or None if there is none.
+        Unreadable ones are warned about and set aside (`jaxppo.run.checkpoints`)."""
+        template = run.checkpoint_tree()
+        found = checkpoints.restore_latest(self.checkpoints, template)
+        if found is None:
+            return None
+        _, tree = found
+        if not np.array_equal(np.asarray(tree["key"]), np.asarray(template["key"])):
+            raise RunError(f"the checkpoint in {self.path!r} was written with another seed; "
+                           "use the same seed to resume, or another output_dir")
+        return run.restored(tree)
+
+
+def adopt(source: str, output_dir: str, settings: dict) -> Optional[int]:
+    """`RunConfig.resume_from`: start `output_dir` from another run's checkpoint. `source` is
+    a run directory (its newest checkpoint whose checksums verify) or one of its checkpoints
+    (`<run>/checkpoints/<step>`). When `output_dir` holds no checkpoint yet, the checkpoint,
+    the run's saved settings and its metrics and table lines before the checkpoint are
+    copied in (the source is only read), so the automatic resume continues from it;
+    settings that differ from the source run's (`settings`, as `check_settings` compares
+    them) are refused before anything is copied. Once `output_dir` has checkpoints of its
+    own, it resumes from them and `source` is not read. Returns the step adopted, or None."""
+    import shutil
+
+    own = os.path.join(output_dir, "checkpoints")
+    if checkpoints.steps(own):
+        return None
+    run_dir, step = _adopted_checkpoint(source)
+    try:
+        check_settings(run_dir, settings, write=False)
+    except RunError as err:
+        raise RunError(f"resume_from={source!r}: {err}") from None
+    os.makedirs(own, exist_ok=True)
+    saved = os.path.join(run_dir, SETTINGS_FILE)
+    if os.path.isfile(saved) and not os.path.isfile(os.path.join(output_dir, SETTINGS_FILE)):
+        shutil.copyfile(saved, os.path.join(output_dir, SETTINGS_FILE))
+    for name in sorted(os.listdir(run_dir)):
+        if name == METRICS_FILE or name.endswith(TABLE_SUFFIX):
+            rows = [r for r in read_table(os.path.join(run_dir, name)) if r["iteration"] < step]
+            if not os.path.isfile(os.path.join(output_dir, name)):
+                atomic_write_text(os.path.join(output_dir, name), "".join(json.dumps(r) + "\n" for r in rows))
+    tmp = tempfile.mkdtemp(dir=own, prefix=f".adopt-{step}-")
+    shutil.copytree(os.path.join(run_dir, "checkpoints", str(step)), os.path.join(tmp, str(step)))
+    os.replace(os.path.join(tmp, str(step)), os.path.join(own, str(step)))  # the checkpoint lands last, whole
+    os.rmdir(tmp)
+    print(f"starting from {os.path.join(run_dir, 'checkpoints', str(step))} (copied into {own})", flush=True)
+    return step
+
+
+def _adopted_checkpoint(source: str):
+    """(run directory, step) that `resume_from=source` names; a `RunError` saying what a
+    valid value is otherwise."""
+    import warnings
+
+    source = os.path.abspath(os.fspath(source))
+    run_dir, step = named_checkpoint(source)
+    if step is not None:
+        parent = os.path.dirname(source)
+        try:
+            checkpoints.verify(source, expected=True)
+        except (checkpoints.ChecksumError, OSError) as err:
+            raise RunError(f"resume_from={source!r}: the checkpoint does not verify ({err}); give another of "
+                           f"{parent}'s checkpoints, or the run directory (its newest that verifies)") from None
+        return run_dir, step
+    folder = os.path.join(source, "checkpoints")
+    steps = sorted((int(n) for n in os.listdir(folder) if n.isdigit()), reverse=True) if os.path.isdir(folder) else []
+    for step in steps:
+        try:
+            checkpoints.verify(os.path.join(folder, str(step)), expected=True)
+            return source, step
+        except (checkpoints.ChecksumError, OSError) as err:
+            warnings.warn(f"resume_from: checkpoint {os.path.join(folder, str(step))} does not verify ({err}); trying "
+                          "the one before", RuntimeWarning, stacklevel=4)
+    raise RunError(f"resume_from={source!r} is neither a run directory with a readable checkpoint "
+                   "(<run>/checkpoints/<step>) nor one of its checkpoints; give the output_dir of a run that saved a "
+                   "checkpoint, or its checkpoints/<step> folder")

@@ -34,13 +34,13 @@ from jaxppo.models.model import join_sequences
 from jaxppo.models.tokenizer import decode_responses
 from jaxppo.rollout.environments import run_episodes
 from jaxppo.rollout.prompts import PromptTable, prompt_batch
-from jaxppo.rollout.sampling import RolloutSpec
-from jaxppo.run import stages
+from jaxppo.rollout.spec import RolloutSpec
+from jaxppo.run.iteration import mesh_context
+from jaxppo.run.outputs import stopped_rows, table_rows
 from jaxppo.run.report import MODEL_REWARD_NAME
-from jaxppo.run.watch import stopped_rows, table_rows
 from jaxppo.sharding import to_host
 
-__all__ = ["Evaluator", "pass_at_k", "pass_ks", "check_best_metric", "build_evaluator", "EVAL_KEY"]
+__all__ = ["Evaluator", "pass_at_k", "pass_ks", "check_best_metric", "build_evaluator", "evaluate_due", "EVAL_KEY"]
 
 EVAL_KEY = 0x5EED_E7A1  # folded into the run's key: evaluation keys never meet the training ones
 
@@ -74,7 +74,7 @@ class Evaluator:
     model or token-level function), the tokenizer, the schedule (`every`,
     `before_training`), `generations` per prompt, `temperature` (None: the spec's; 0:
     greedy), `chunk` (prompts sampled together), `collector`: the run's
-    `jaxppo.run.collect.Collector`, whose rollout engine samples (under its lock) and whose
+    `jaxppo.run.iteration.Collector`, whose rollout engine samples (under its lock) and whose
     environment (or None) plays episodes; the mesh (or None), and `device_scores`: the run's
     reward model (weighted as in training) or token-level reward function scores too."""
 
@@ -112,7 +112,7 @@ class Evaluator:
             gen, played = self._sample(params, batch, jax.random.fold_in(key, start), iteration)
             attention = getattr(gen, "attention_mask", gen.mask)  # an episode's whole conversation
             if self.device_scores:
-                with stages.mesh_context(self.mesh):
+                with mesh_context(self.mesh):
                     scores = _device_scores(self.spec, reward_params, batch.ids, batch.mask, gen.tokens, attention)
                 device.append(to_host(scores)[:keep])
             tokens.append(to_host(gen.tokens)[:keep])
@@ -150,7 +150,7 @@ class Evaluator:
         collector, spec = self.collector, self.spec
         engine, environment = collector.rollout_engine, collector.environment
         settings = {} if self.temperature is None else {"temperature": self.temperature}
-        with collector.lock, stages.mesh_context(self.mesh):
+        with collector.lock, mesh_context(self.mesh):
             engine.set_weights(spec.policy_params(params), iteration)
             if environment is None:
                 return engine.sample(batch.ids, batch.mask, key, num_generations=self.generations,
@@ -186,35 +186,49 @@ def summarize(total: np.ndarray, per_function: dict, mask: np.ndarray, tokens: n
     return out
 
 
-def check_best_metric(tc, function_names: Optional[list]) -> None:
-    """A `ValueError` when `tc.best_metric` names an `eval/` metric that this run's
-    evaluation cannot produce (`function_names`: the eval reward functions, None without
-    eval prompts), before any work."""
-    name = tc.best_metric
+def check_best_metric(evaluation, function_names: Optional[list]) -> None:
+    """A `ValueError` when `evaluation.best_metric` (an `EvalConfig`'s) names an `eval/`
+    metric that this run's evaluation cannot produce (`function_names`: the eval reward
+    functions, None without eval prompts), before any work."""
+    name = evaluation.best_metric
     if name is None:
         return
     if function_names is None:
-        raise ValueError(f"TrainerConfig.best_metric={name!r} is chosen by an evaluation, and this run has none: give "
+        raise ValueError(f"EvalConfig.best_metric={name!r} is chosen by an evaluation, and this run has none: give "
                          "eval_prompts (--eval-prompts), or leave best_metric unset")
-    g = tc.eval_generations
+    g = evaluation.eval_generations
     valid = ["eval/reward_mean", "eval/reward_std", "eval/completions/mean_length", "eval/completions/stopped_ratio",
              *[f"eval/rewards/{f}/mean" for f in function_names],
              *[f"eval/pass@{k}" for k in pass_ks(g)]]
     if name not in valid:
-        raise ValueError(f"TrainerConfig.best_metric={name!r} is not a metric this run's evaluation produces; valid: "
+        raise ValueError(f"EvalConfig.best_metric={name!r} is not a metric this run's evaluation produces; valid: "
                          f"{', '.join(valid)} (pass@k for k up to eval_generations={g}, when the rewards are 0 or 1)")
 
 
-def build_evaluator(table: Optional[PromptTable], rewards, spec: RolloutSpec, tokenizer, tc, batch_size: int,
-                    collector, mesh=None) -> Optional[Evaluator]:
-    """The run's `Evaluator` (None without eval prompts): prompts sampled in chunks of
-    `batch_size` rows at most (a training batch's, so sampling memory stays as in training)
-    by the `collector`'s rollout engine (and environment)."""
+def build_evaluator(table: Optional[PromptTable], rewards, spec: RolloutSpec, tokenizer, config, collector,
+                    mesh=None) -> Optional[Evaluator]:
+    """The run's `Evaluator` (None without eval prompts): prompts sampled in chunks of a
+    training batch's rows at most (so sampling memory stays as in training) by the
+    `collector`'s rollout engine (and environment), as `config.evaluation` says."""
     if table is None:
         return None
-    before = tc.eval_before_training if tc.eval_before_training is not None else True
-    temperature = None if tc.eval_temperature is None else float(tc.eval_temperature)
-    chunk = max(1, min(len(table.prompts), batch_size // tc.eval_generations))
+    e = config.evaluation
+    before = e.eval_before_training if e.eval_before_training is not None else True
+    temperature = None if e.eval_temperature is None else float(e.eval_temperature)
+    chunk = max(1, min(len(table.prompts), config.batch.batch_size // e.eval_generations))
     rewards, device_scores = rewards
-    return Evaluator(table, rewards, spec, tokenizer, tc.eval_every, before, tc.eval_generations, temperature, chunk,
+    return Evaluator(table, rewards, spec, tokenizer, e.eval_every, before, e.eval_generations, temperature, chunk,
                      collector, mesh, device_scores)
+
+
+def evaluate_due(evaluator: Optional[Evaluator], prepared, hf_checkpoints, reward_params=None) -> tuple:
+    """The evaluation due at a prepared iteration (`jaxppo.run.iteration.Prepared`), of the
+    policy that sampled it (before its update: `prepared.run`'s parameters): (its metrics,
+    its completions table), or ({}, None) when none is due; the best checkpoint by it
+    written where it is the best (`jaxppo.run.outputs.HfCheckpoints.consider`)."""
+    if evaluator is None or not evaluator.due(prepared.iteration):
+        return {}, None
+    params = prepared.run.train.params
+    metrics, table = evaluator.evaluate(params, prepared.run.key, prepared.iteration, reward_params)
+    hf_checkpoints.consider(prepared.iteration, metrics, params)
+    return metrics, table

@@ -1,9 +1,8 @@
 """The run's metrics and tables, sent to its trackers (`jaxppo.tracking`, chosen by
-`TrainerConfig.report_to`), echoed on the console, and plotted at the end."""
+`RunConfig.report_to`), echoed on the console, and plotted at the end."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import uuid
@@ -41,12 +40,11 @@ def run_id(output_dir: str) -> str:
     return new
 
 
-def tracked_settings(config, tc, iterations: int) -> dict:
-    """The run's settings as the trackers record them: every `PPOConfig` and `TrainerConfig`
-    field (JSON values; others as text) and the number of iterations."""
-    out = {**dataclasses.asdict(config), **dataclasses.asdict(tc), "iterations": iterations}
+def tracked_settings(config) -> dict:
+    """The run's settings as the trackers record them: every setting of the `jaxppo.Config`,
+    by name (JSON values; others as text)."""
     return {k: v if isinstance(v, (bool, int, float, str, type(None))) else json.dumps(v, default=str)
-            for k, v in out.items()}
+            for k, v in config.settings().items()}
 
 
 def checked_history(rows: list, start_iteration: int, path: str) -> list:

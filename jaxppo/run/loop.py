@@ -1,71 +1,74 @@
-"""The loop around a trainer's iterations: signals, progress, logging, callbacks and the
-checkpoint cadence. It drives any trainer that offers `prepare_iteration()` (returning the
-`finish()` that applies the update and returns the metrics line), `iteration`,
-`iterations`, `save_checkpoint()`, `samples(n)`, `callbacks`, `config` and `tc`; it reads
-them and calls them, and writes nothing of the trainer's: each iteration's metrics line
-goes to the logger (whose `history` the trainer holds) and to the callbacks."""
+"""The loop around a run's iterations: signals, progress, logging, the callbacks and the
+checkpoint cadence. It is given its collaborators, not the trainer:
+
+    prepare()      -> finish       the next iteration up to its update (`Trainer.prepare_iteration`);
+                                   finish() runs the update, installs the new run state and
+                                   returns the iteration's `Outcome`
+    current()      -> RunState     the run state now
+    directory      RunDirectory    checkpoints (`save`)
+    outputs        Outputs         Hugging Face checkpoints during the run, completion tables
+    logger         Logger          the metrics lines and tables, to every tracker
+    notify(i, m)   -> Control      the callbacks' `on_iteration_end`
+    tables(o)      -> [(name, columns, rows)]   what an iteration logs besides its line
+
+Each iteration's update and its metrics line land together (interrupts held); Ctrl-C or
+SIGTERM saves a checkpoint and raises KeyboardInterrupt."""
 
 from __future__ import annotations
 
-import json
-import os
+from typing import Callable, Optional
 
-import jax
-
-from jaxppo.config import PPOConfig
-from jaxppo.files import atomic_write_text
 from jaxppo.rollout.prompts import PromptStreamEnded
-from jaxppo.run.callbacks import call_iteration_end
 from jaxppo.run.interrupts import interrupts_held, interrupts_raise
 from jaxppo.run.logger import Logger
 from jaxppo.testing import failpoints
-from jaxppo.trainer_config import TrainerConfig
 
-__all__ = ["run_loop", "finish_run", "FINAL_EVAL_FILE"]
-
-FINAL_EVAL_FILE = "final_eval.json"  # the final policy's evaluation (with eval prompts)
+__all__ = ["run_loop", "finish_run", "headline", "Progress", "FINAL_EVAL_FILE"]
 
 
-def run_loop(trainer, logger: Logger) -> Logger:
-    """Run iterations until `trainer.iterations` (or a callback's `Control(stop=True)`, or the
-    end of a one-shot prompt stream: a checkpoint is saved and the loop ends),
-    logging each line with `logger`; return the (closed) logger. Each iteration's update and its metrics line land together
-    (interrupts held); Ctrl-C or SIGTERM saves a checkpoint and raises KeyboardInterrupt."""
-    tc = trainer.tc
+def run_loop(*, prepare: Callable, current: Callable, directory, outputs, logger: Logger, notify: Callable,
+             tables: Callable, run_config, title: str, description: str) -> Logger:
+    """Run iterations until `run_config.iterations` (or a callback's `Control(stop=True)`, or
+    the end of a one-shot prompt stream: a checkpoint is saved and the loop ends), logging
+    each line with `logger` (see the module's docstring for the collaborators); return the
+    (closed) logger. `title` is the first line printed, `description` the progress bar's."""
+    total = run_config.iterations
     progress = None
     try:
         with interrupts_raise():
             # The SIGTERM handler is in place before the first line: a signal from here on
             # is a checkpoint and a clean exit, never the default kill.
-            print(_headline(trainer.config, trainer.iterations, trainer.spec.common_prefix), flush=True)
-            progress = _Progress(tc, trainer.iterations, trainer.iteration, trainer.config.advantage_estimator)
-            while trainer.iteration < trainer.iterations:
-                failpoints.pause("iteration", at=trainer.iteration)
+            print(title, flush=True)
+            progress = Progress(run_config, total, current().iteration, description)
+            while current().iteration < total:
+                failpoints.pause("iteration", at=current().iteration)
                 try:
-                    finish = trainer.prepare_iteration()
+                    finish = prepare()
                 except PromptStreamEnded as ended:
                     with interrupts_held():
-                        trainer.save_checkpoint()
-                    print(f"stopped after {trainer.iteration} iterations (of {trainer.iterations}): {ended}. The "
-                          "checkpoint holds the stream's position: run again with the stream to continue", flush=True)
+                        directory.save(current())
+                    print(f"stopped after {current().iteration} iterations (of {total}): {ended}. The checkpoint "
+                          "holds the stream's position: run again with the stream to continue", flush=True)
                     break
                 with interrupts_held(what="this iteration's update"):  # the new state and its line land together
-                    metrics = finish()
-                    table = _completions(trainer)  # before the metrics: a step's metrics end what it logs
-                    table and logger.log_table(metrics["iteration"], "completions", *table)
-                    if trainer.last_eval_table is not None:  # every completion of this iteration's evaluation
-                        logger.log_table(metrics["iteration"], "eval_completions", *trainer.last_eval_table)
-                    logger.log(metrics, echo=progress.bar is None and metrics["iteration"] % tc.log_every == 0)
-                progress.update(metrics, trainer.iteration, table)
-                control = call_iteration_end(trainer.callbacks, trainer, metrics["iteration"], metrics)
+                    outcome = finish()
+                    metrics = outcome.metrics
+                    logged = tables(outcome)  # before the metrics: a step's metrics end what it logs
+                    for name, columns, rows in logged:
+                        logger.log_table(metrics["iteration"], name, columns, rows)
+                    logger.log(metrics, echo=progress.bar is None and metrics["iteration"] % run_config.log_every == 0)
+                progress.update(metrics, current().iteration, next((t for t in logged if t[0] == "completions"), None))
+                control = notify(metrics["iteration"], metrics)
+                run = current()
                 with interrupts_held():  # a Hugging Face checkpoint every save_hf_every iterations
-                    trainer.hf_checkpoints.periodic(trainer.iteration, trainer.state.params)
-                if control.checkpoint or (tc.checkpoint_every and trainer.iteration % tc.checkpoint_every == 0):
+                    outputs.hf.periodic(run.iteration, run.train.params)
+                every = run_config.checkpoint_every
+                if control.checkpoint or (every and run.iteration % every == 0):
                     with interrupts_held():  # a signal now would tear the save; it is served after
-                        trainer.save_checkpoint()
-                if control.stop and trainer.iteration < trainer.iterations:
-                    print(f"stopped by a callback after {trainer.iteration} iterations (of {trainer.iterations}); "
-                          "run the same command again to continue", flush=True)
+                        directory.save(run)
+                if control.stop and run.iteration < total:
+                    print(f"stopped by a callback after {run.iteration} iterations (of {total}); run the same "
+                          "command again to continue", flush=True)
                     break
     except KeyboardInterrupt:
         # Held from the first line: a second Ctrl-C after the message below (a user presses
@@ -73,9 +76,9 @@ def run_loop(trainer, logger: Logger) -> Logger:
         with interrupts_held(reraise=False):  # a KeyboardInterrupt is on its way out already
             logger.close()
             progress and progress.close()
-            print(f"\ninterrupted: saving a checkpoint at iteration {trainer.iteration} ...", flush=True)
-            trainer.save_checkpoint()
-        print(f"checkpoint saved at iteration {trainer.iteration}; run the same command again to resume", flush=True)
+            print(f"\ninterrupted: saving a checkpoint at iteration {current().iteration} ...", flush=True)
+            directory.save(current())
+        print(f"checkpoint saved at iteration {current().iteration}; run the same command again to resume", flush=True)
         raise
     finally:
         logger.close()
@@ -83,34 +86,12 @@ def run_loop(trainer, logger: Logger) -> Logger:
     return logger
 
 
-def finish_run(trainer, logger: Logger):
-    """At the end of a run: a checkpoint (a finished run is not redone), the evaluation of
-    the final policy (with eval prompts: `final_eval.json`), the final export, the plot, the
-    summary."""
-    tc = trainer.tc
-    with interrupts_held():
-        trainer.save_checkpoint()  # at the end, whatever checkpoint_every says: a finished run is not redone
-    if trainer.parts.evaluator is not None and jax.process_index() == 0:
-        final = {"iteration": trainer.iteration, **trainer.evaluate()}
-        atomic_write_text(os.path.join(tc.output_dir, FINAL_EVAL_FILE), json.dumps(final, indent=1) + "\n")
-        print(f"final policy, after {trainer.iteration} iterations: "
-              + "  ".join(f"{k[5:]} {v:.4g}" for k, v in final.items() if k.startswith("eval/") and k != "eval/time"),
-              flush=True)
-    if tc.export_final:
-        trainer.export(os.path.join(tc.output_dir, "final_policy"))
-        if trainer.policy_model.lora is not None:
-            trainer.export_adapter(os.path.join(tc.output_dir, "final_adapter"))
-    if tc.plot:
-        logger.plot(os.path.join(tc.output_dir, "metrics.png"))
-    print(trainer.summary())
-
-
-class _Progress:
+class Progress:
     """The progress bar (tqdm, with `progress`) or plain lines, and the samples."""
 
-    def __init__(self, tc: TrainerConfig, total: int, initial: int, desc: str):
-        self.tc, self.bar = tc, None
-        if tc.progress:
+    def __init__(self, run_config, total: int, initial: int, desc: str):
+        self.bar = None
+        if run_config.progress:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True)
@@ -121,7 +102,7 @@ class _Progress:
             if "objective/scores" in metrics:
                 self.bar.set_postfix(score=f"{metrics['objective/scores']:.3f}",
                                      **({"kl": f"{metrics['objective/kl']:.3f}"} if "objective/kl" in metrics else {}))
-        for row in table[1] if table else ():
+        for row in table[2] if table else ():
             text = f"  [{iteration}] {row[0]!r} -> {row[1]!r}"
             (self.bar.write if self.bar is not None else print)(text)
 
@@ -130,19 +111,43 @@ class _Progress:
             self.bar.close()
 
 
-def _completions(trainer):
-    """The completions table (`Trainer.completion_table`) of the iteration just run, every
-    `sample_every` iterations; else None."""
-    tc = trainer.tc
-    if tc.sample_every and tc.num_samples and trainer.iteration % tc.sample_every == 0:
-        return trainer.completion_table(tc.num_samples)
-    return None
-
-
-def _headline(c: PPOConfig, iterations: int, common_prefix: int = 0) -> str:
-    groups = f" ({c.prompts_per_batch} prompts x {c.num_generations} completions)" if c.num_generations > 1 else ""
+def headline(config, common_prefix: int = 0) -> str:
+    """The run's first line: its length, its sizes and the update count they give."""
+    b, g = config.batch, config.advantages.num_generations
+    groups = f" ({config.prompts_per_batch} prompts x {g} completions)" if g > 1 else ""
     prefix = (f"; the prompts' common prefix ({common_prefix} tokens) runs once (--no-common-prefix: every row)"
               if common_prefix else "")
-    return (f"jaxppo: {iterations} iterations x {c.batch_size} episodes{groups}; optimizer updates per iteration = "
-            f"ppo_epochs * batch_size / mini_batch_size = {c.ppo_epochs} * {c.batch_size} / {c.mini_batch_size} = "
-            f"{c.updates_per_step}; advantages: {c.advantage_estimator}{prefix}")
+    return (f"jaxppo: {config.run.iterations} iterations x {b.batch_size} episodes{groups}; optimizer updates per "
+            f"iteration = ppo_epochs * batch_size / mini_batch_size = {b.ppo_epochs} * {b.batch_size} / "
+            f"{b.mini_batch_size} = {b.updates_per_step}; advantages: {config.advantages.advantage_estimator}{prefix}")
+
+
+FINAL_EVAL_FILE = "final_eval.json"  # the final policy's evaluation (with eval prompts)
+
+
+def finish_run(*, current: Callable, directory, outputs, logger: Logger, evaluate: Optional[Callable], run_config,
+               summary: Callable):
+    """At the end of a run: a checkpoint (a finished run is not redone), the evaluation of
+    the final policy (`evaluate()`, with eval prompts: `final_eval.json`), the final export,
+    the plot, the summary (`summary()`)."""
+    import json
+    import os
+
+    import jax
+
+    from jaxppo.files import atomic_write_text
+
+    run = current()
+    with interrupts_held():
+        directory.save(run)  # at the end, whatever checkpoint_every says: a finished run is not redone
+    if evaluate is not None and jax.process_index() == 0:
+        final = {"iteration": run.iteration, **evaluate()}
+        atomic_write_text(os.path.join(run_config.output_dir, FINAL_EVAL_FILE), json.dumps(final, indent=1) + "\n")
+        print(f"final policy, after {run.iteration} iterations: "
+              + "  ".join(f"{k[5:]} {v:.4g}" for k, v in final.items() if k.startswith("eval/") and k != "eval/time"),
+              flush=True)
+    if run_config.export_final:
+        outputs.final(run.train.params, run_config.output_dir)
+    if run_config.plot:
+        logger.plot(os.path.join(run_config.output_dir, "metrics.png"))
+    print(summary())

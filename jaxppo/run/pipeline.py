@@ -1,7 +1,7 @@
 """Pipelined iterations: iteration i + 1 is sampled (and scored on the host) while
 iteration i trains, from parameters at most `max_staleness` iterations old.
 
-With staleness bound k >= 1 (`TrainerConfig.max_staleness`), iteration i's rollout is
+With staleness bound k >= 1 (`SamplingConfig.max_staleness`), iteration i's rollout is
 sampled from the policy of *version* `max(0, i - k)`: version v is the parameters after v
 iterations (those iteration v trains). The version is a fixed function of i, not of
 timing, so a pipelined run is deterministic: the same seed gives the same metrics however
@@ -10,15 +10,15 @@ exactly k iterations stale once i >= k (fewer before), never more (`rollout/stal
 
 Three threads share the work:
 
-    sampler (`Pipeline`):   for j = i0, i0 + 1, ...: wait for version max(0, j - k); select
+    sampler (`Producer`):   for j = i0, i0 + 1, ...: wait for version max(0, j - k); select
                             prompts and sample on the device (with dynamic sampling or an
                             environment: the whole collection, rounds and episodes)
-    scorer (`Pipeline`):    decode iteration j's samples, run the reward functions, move the
+    scorer (`Producer`):    decode iteration j's samples, run the reward functions, move the
                             batch to the trainer's mesh
     trainer (main thread):  for i = i0, i0 + 1, ...: take iteration i's batch, build the
                             rollout (old log-probs recomputed from the current parameters),
                             update; then copy the new parameters (the next version, before
-                            the next update donates them) for the sampler (`Pipelined`);
+                            the next update donates them) for the sampler (`Pipeline`);
                             metrics, logs, checkpoints
 
 so host work (rewards, environments, tokenisation, decoding) and the sampler's device work
@@ -26,17 +26,17 @@ for later iterations run while the device trains, and the trainer's host work (m
 logs, checkpoint writes) runs while the device samples.
 
 The loss: the rollout's old log-probs are the trainer's at update time (the proximal
-policy), and `PPOConfig.rollout_correction` weights each token by pi_old / pi_sampler
+policy), and `LossConfig.rollout_correction` weights each token by pi_old / pi_sampler
 (truncated or masked): the decoupled PPO objective (clip around the current policy,
-importance weight to the stale behaviour policy). `TrainerConfig.old_logprobs="sampler"`
+importance weight to the stale behaviour policy). `SamplingConfig.old_logprobs="sampler"`
 instead clips around the behaviour policy itself (weights 1).
 
 The k snapshots still to be sampled from are part of the run state (`RunState.behind`) and
-of its checkpoints. With `TrainerConfig.sampler_devices` n, the last n devices form a mesh
+of its checkpoints. With `LayoutConfig.sampler_devices` n, the last n devices form a mesh
 of their own: snapshots are moved there device to device as they are taken, the sampler
 runs there, and the sampled batch is moved back to the trainer's mesh.
 
-In-flight updates (`TrainerConfig.inflight_updates`, the continuous sampler): the
+In-flight updates (`SamplingConfig.inflight_updates`, the continuous sampler): the
 sampler also takes newer versions (at most the iteration's own) between decode steps
 (`SamplerView.source`); each token's version is recorded, and such a run is no longer a
 fixed function of the seed.
@@ -58,7 +58,7 @@ from jaxppo.errors import RunError
 from jaxppo.rollout import dynamic
 from jaxppo.rollout.prompts import prompt_batch
 
-__all__ = ["version_of", "Snapshots", "SamplerView", "Pipeline", "Pipelined", "initial_behind", "advance",
+__all__ = ["version_of", "Snapshots", "SamplerView", "Producer", "Pipeline", "initial_behind", "advance",
            "staleness_metrics", "to_mesh"]
 
 
@@ -121,14 +121,14 @@ def advance(behind: tuple, snapshot) -> tuple:
     return tuple(behind[1:]) + (snapshot,)
 
 
-class Pipeline:
+class Producer:
     """The producer of a pipelined run (see the module's docstring): two threads, a sampler
     and a scorer, so that the host scoring of iteration j runs while iteration j + 1
-    samples.
+    samples. (The trainer's side of it is `Pipeline`.)
 
     Args:
-      collector: the trainer's `jaxppo.run.collect.Collector` (on the sampler's mesh).
-        Where sampling and scoring are separate stages (`Collector.staged`: no dynamic
+      collector: the trainer's `jaxppo.run.iteration.Collector` (on the sampler's mesh).
+        Where sampling and rewarding are separate stages (`Collector.staged`: no dynamic
         sampling, no environment) the sampler thread samples and the scorer thread
         decodes and runs the reward functions; otherwise the sampler thread collects the
         whole iteration (dynamic sampling's rounds, multi-turn episodes) and the scorer
@@ -143,7 +143,7 @@ class Pipeline:
         mesh), or None.
       device_lock: where sampler and trainer share devices, a lock the sampler holds while
         its samples are computed (and the trainer while it scores and updates), so that
-        the device runs one of them at a time (see `Pipelined`); None: no lock.
+        the device runs one of them at a time (see `Pipeline`); None: no lock.
     """
 
     def __init__(self, collector, run, k: int, end: int, snapshots: Snapshots, latest,
@@ -174,12 +174,11 @@ class Pipeline:
             self._cond.notify_all()
 
     def take(self, iteration: int):
-        """(iteration's `Collected`, the version its sampling started from, the version of
-        each token with in-flight updates or None), waiting for the producer; re-raises the
-        producer's error."""
+        """(iteration's `Collected`, the version its sampling started from), waiting for the
+        producer; re-raises the producer's error."""
         if not self.start <= iteration < self.end:
             raise RunError(f"iteration {iteration} is outside the pipeline's iterations [{self.start}, {self.end}) "
-                           "(TrainerConfig.iterations bounds what a pipelined run samples ahead)")
+                           "(RunConfig.iterations bounds what a pipelined run samples ahead)")
         with self._cond:
             while iteration not in self._ready and self._error is None:
                 self._cond.wait()
@@ -269,13 +268,13 @@ class Pipeline:
             j, version, work = item
             if isinstance(work, _Failed):
                 raise work.error
-            collected = self.collector.score_stage(work, j) if staged else work
+            collected = self.collector.reward_stage(work, j) if staged else work
             if self.after is not None:
                 collected = self.after(collected)
             with self._cond:
                 if self._stop:
                     return
-                self._ready[j] = (collected, version, work.token_versions if staged else None)
+                self._ready[j] = (collected, version)
                 self._cond.notify_all()
 
 
@@ -283,9 +282,10 @@ class _Failed(NamedTuple):
     error: BaseException
 
 
-class Pipelined:
-    """A trainer's side of pipelined iterations: the snapshots, the producer (started at
-    the first iteration taken, again after `close`), the hand-over of each new version.
+class Pipeline:
+    """A trainer's side of pipelined iterations: the snapshots, the producer (`Producer`,
+    started at the first iteration taken, again after `close`), the hand-over of each new
+    version.
     Where the sampler shares the trainer's devices and samples in one stage
     (`Collector.staged`, no in-flight updates), the trainer holds the device lock from
     `take` (scoring and update) to `push` (the new version copied), and the sampler while
@@ -300,7 +300,7 @@ class Pipelined:
         self.collector, self.table, self.mesh, self.sampler_mesh, self.k, self.end = (collector, table, mesh,
                                                                                       sampler_mesh, k, end)
         self.snapshots = Snapshots.for_state(train, sampler_mesh)
-        self.pipeline, self.latest, self.push_error = None, None, None
+        self.producer, self.latest, self.push_error = None, None, None
         # Sampler and trainer on the same devices: their device work one program at a time.
         # XLA:CPU runs two programs at once on the same cores, each with a full thread pool
         # (measured on SmolLM2-135M: 0.89x the synchronous loop's speed that way); on an
@@ -308,7 +308,7 @@ class Pipelined:
         # in-flight updates need the trainer to update while a generation runs; dynamic
         # sampling's rounds and multi-turn episodes (not staged) interleave host work with
         # their device work, which the update then fills.
-        shared = sampler_mesh is None and not collector.tc.inflight_updates and collector.staged
+        shared = sampler_mesh is None and not collector.config.sampling.inflight_updates and collector.staged
         self.device_lock = threading.Lock() if shared else None
         self.holding = False
 
@@ -325,22 +325,23 @@ class Pipelined:
             raise RunError(f"iteration {it}: the parameters of iteration {it} could not be handed to the sampler "
                            f"({type(error).__name__}: {error}); nothing is sampled from older ones. The checkpoint "
                            "and metrics up to here are intact: run again to resume") from error
-        if self.pipeline is None or self.pipeline.closed:
+        if self.producer is None or self.producer.closed:
             collector, after = self.collector, None
             if self.sampler_mesh is not None:
                 collector = dataclasses.replace(collector, mesh=self.sampler_mesh)
                 after = functools.partial(to_mesh, table=self.table, mesh=self.mesh)
             self.latest = self.snapshots.take(run.train)
-            self.pipeline = Pipeline(collector, run, self.k, self.end, self.snapshots, self.latest, after,
+            self.producer = Producer(collector, run, self.k, self.end, self.snapshots, self.latest, after,
                                      self.device_lock)
-        collected, version, tokens = self.pipeline.take(it)
+        collected, version = self.producer.take(it)
         if self.device_lock is not None:
             # The device's turn order: the samples every published version allows first (the
             # next iteration's reward functions then run while this one trains), then the
             # update.
-            self.pipeline.wait_sampled(min(it + self.k, self.end - 1))
+            self.producer.wait_sampled(min(it + self.k, self.end - 1))
         self._hold()
-        metrics = {**collected.metrics, **staleness_metrics(it, version, tokens, collected.gen.mask)}
+        metrics = {**collected.metrics,
+                   **staleness_metrics(it, version, collected.token_versions, collected.gen.mask)}
         return collected._replace(metrics=metrics)
 
     def advance(self, run, new_run):
@@ -361,14 +362,14 @@ class Pipelined:
                     jax.block_until_ready(self.latest)
             finally:
                 self._release()
-            self.pipeline.publish(run.iteration, self.latest)
+            self.producer.publish(run.iteration, self.latest)
         except Exception as error:
             self.push_error = error
 
     def close(self):
         self._release()
-        if self.pipeline is not None:
-            self.pipeline.close()
+        if self.producer is not None:
+            self.producer.close()
         self.push_error = None
 
     def _hold(self):

@@ -55,25 +55,26 @@ def _count(tree) -> int:
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
 
 
-def summary(trainer) -> str:
-    """The end-of-run summary of a `Trainer`: iterations, updates, LoRA sizes, skipped
-    iterations, the score's first and last means, the KL."""
-    h, config = trainer.history, trainer.config
+def summary(history: list, config, run, policy_model, policy_params) -> str:
+    """The end-of-run summary: iterations, updates, LoRA sizes, skipped iterations, the
+    score's first and last means, the KL (`history`: the run's metrics lines; `run`: its
+    `RunState`; the policy's model and parameters)."""
+    h, b = history, config.batch
     if not h:
         return "no iterations were run"
     lines = [
         "",
         "== summary ==",
-        f"iterations: {len(h)} (of {trainer.iterations}), episodes: {h[-1]['episode']}",
-        f"optimizer updates per iteration: {config.updates_per_step} = ppo_epochs {config.ppo_epochs} * "
-        f"batch_size {config.batch_size} / mini_batch_size {config.mini_batch_size}; "
-        f"applied in total: {int(trainer.state.step)}",
+        f"iterations: {len(h)} (of {config.run.iterations}), episodes: {h[-1]['episode']}",
+        f"optimizer updates per iteration: {b.updates_per_step} = ppo_epochs {b.ppo_epochs} * "
+        f"batch_size {b.batch_size} / mini_batch_size {b.mini_batch_size}; "
+        f"applied in total: {int(run.train.step)}",
     ]
-    lora = trainer.policy_model.lora
+    lora = policy_model.lora
     if lora is not None:
-        frozen = _count(trainer.state.params) - _count(trainer.state.trained_params())  # not the value head or critic
+        frozen = _count(run.train.params) - _count(run.train.trained_params())  # not the value head or critic
         lines.append(f"LoRA: rank {lora.rank}, alpha {lora.alpha:g}, targets {', '.join(lora.targets)}; "
-                     f"{_count(trainer.policy_params()['lora']):,} adapter parameters trained, "
+                     f"{_count(policy_params['lora']):,} adapter parameters trained, "
                      f"{frozen:,} base parameters frozen")
     # Iterations skipped for non-finite scores (skip_nonfinite_scores) have no scores.
     scored = [m for m in h if "objective/scores" in m]
@@ -87,10 +88,10 @@ def summary(trainer) -> str:
                      f"({last - first:+.4f})")
         if "objective/kl" in scored[-1]:
             kl_last = float(np.mean([m["objective/kl"] for m in scored[-n:]]))
-            where = (f"KL term in the loss, coefficient {config.kl_loss_coef}" if config.kl_loss_coef
-                     else f"kl_coef now {float(trainer.kl_state.beta):.4f}")
+            where = (f"KL term in the loss, coefficient {config.kl.kl_loss_coef}" if config.kl.kl_loss_coef
+                     else f"kl_coef now {float(run.kl.beta):.4f}")
             lines.append(f"mean KL (last {n}): {kl_last:.4f}; {where}")
-    lines.append(f"metrics: {os.path.join(trainer.tc.output_dir, 'metrics.jsonl')}")
+    lines.append(f"metrics: {os.path.join(config.run.output_dir, 'metrics.jsonl')}")
     return "\n".join(lines)
 
 
@@ -104,14 +105,14 @@ def iteration_metrics(it: int, host: dict, raw_scores, per_function: dict, model
     rewards), rollout built, metrics on the host. Without text rewards the host does not
     wait for sampling, so time/scoring then holds sampling and scoring together. Warns when
     updates were skipped for non-finite losses."""
-    c = config
+    c = config.batch
     total = int(host.pop("ppo/updates_total"))
     nonfinite = int(host["ppo/updates_nonfinite"])
     if nonfinite:
         warnings.warn(f"iteration {it}: {nonfinite} of {c.updates_per_step} updates had a non-finite loss or "
                       "gradient and were skipped (parameters untouched)", RuntimeWarning, stacklevel=4)
     out = {"iteration": it, "episode": (it + 1) * c.batch_size, **{k: float(v) for k, v in host.items()}}
-    out.update(reward_statistics(raw_scores, per_function, model_scores, host, c.num_generations,
+    out.update(reward_statistics(raw_scores, per_function, model_scores, host, config.advantages.num_generations,
                                  with_functions=with_functions))
     applied = int(host["ppo/updates_applied"])
     t0, t1, t2, t3 = times

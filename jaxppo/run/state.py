@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxppo.update.engine import TrainState
+from jaxppo.update.minibatches import TrainState
 from jaxppo.update.kl import KLControllerState, kl_controller
 from jaxppo.update.stats import RunningMoments
 
@@ -36,11 +36,11 @@ class RunState(flax.struct.PyTreeNode):
       skipped_iterations: iterations skipped for non-finite scores (`skip_nonfinite_scores`).
       key: the run's base PRNG key (typed); iteration i uses `fold_in(key, i)`.
       entropy_coef: the adaptive entropy coefficient (float32 scalar) with
-        `PPOConfig.entropy_target`, else None.
-      prompts_consumed: with dynamic sampling (`TrainerConfig.dynamic_sampling`), the
+        `LossConfig.entropy_target`, else None.
+      prompts_consumed: with dynamic sampling (`RewardConfig.dynamic_sampling`), the
         prompts taken from the data stream so far (a Python int; the next iteration starts
         there); None otherwise (iteration i then takes the i-th slice of the stream).
-      behind: with pipelined iterations (`TrainerConfig.max_staleness` k >= 1), the trained
+      behind: with pipelined iterations (`SamplingConfig.max_staleness` k >= 1), the trained
         parameters (`TrainState.trained_params`) of iterations max(0, i - k) .. max(0, i - 1)
         for the run at iteration i, oldest first: the policies that iterations i .. i + k - 1
         are sampled from (`jaxppo.run.pipeline`); None when k = 0.

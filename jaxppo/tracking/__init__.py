@@ -1,6 +1,6 @@
 """Experiment trackers behind one interface (`Tracker`: start, log a step's metrics, log a
 table, finish; and the resume rule in `jaxppo.tracking.base`), chosen by name with
-`TrainerConfig.report_to` / `--report-to`:
+`RunConfig.report_to` / `--report-to`:
 
 - "jsonl": `<output_dir>/metrics.jsonl` and `<output_dir>/<table>.table.jsonl` (always on);
 - "tensorboard": tensorboardX event files in `<output_dir>/tensorboard`;

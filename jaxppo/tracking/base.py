@@ -21,7 +21,7 @@ iteration once:
   killed) and skips the steps it already holds (`AppendOnlyTracker` does this for them).
 
 A tracker of your own subclasses `Tracker` (or `AppendOnlyTracker`) and is registered by name
-(`register_tracker`), then named in `TrainerConfig.report_to` (docs/watching.md).
+(`register_tracker`), then named in `RunConfig.report_to` (docs/watching.md).
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ _TRACKERS: Dict[str, Callable[[], Tracker]] = {}
 
 
 def register_tracker(name: str, cls: Callable[[], Tracker], *, replace: bool = False) -> None:
-    """Make `name` a valid entry of `TrainerConfig.report_to`: `cls()` is a `Tracker`
+    """Make `name` a valid entry of `RunConfig.report_to`: `cls()` is a `Tracker`
     (a subclass, or any factory of one; `cls.requires`, when set, is checked up front)."""
     if not isinstance(name, str) or not name or "," in name or name != name.strip():
         raise ValueError(f"tracker name {name!r} is invalid: a non-empty string without commas or spaces at its ends")
@@ -162,7 +162,7 @@ def tracker_class(name: str) -> Callable[[], Tracker]:
     return _TRACKERS[name]
 
 
-def parse_report_to(value, where: str = "TrainerConfig.report_to") -> Tuple[str, ...]:
+def parse_report_to(value, where: str = "RunConfig.report_to") -> Tuple[str, ...]:
     """The trackers `value` names: a comma-separated string or a list of names, "none" (the
     run's metrics.jsonl only) or "all" (every registered tracker whose package is installed).
     `ALWAYS` ("jsonl") is always among them, first. Unknown names are a `ValueError` listing
@@ -191,7 +191,7 @@ def _missing(cls) -> Optional[Tuple[str, str]]:
     return None
 
 
-def check_installed(names: Sequence[str], where: str = "TrainerConfig.report_to") -> None:
+def check_installed(names: Sequence[str], where: str = "RunConfig.report_to") -> None:
     """A `ValueError` naming every tracker in `names` whose package is not installed, with
     the pip command that installs it (nothing is imported)."""
     missing = {n: _missing(_TRACKERS[n]) for n in names}

@@ -8,29 +8,33 @@ the rollout came from.
   and value losses, the loss aggregation modes;
 - `correction`: the sampler-mismatch correction; `shaping`: overlong punishment, the
   high-entropy token mask, the adaptive entropy coefficient;
-- `engine`: the model-agnostic compiled loop (`TrainState`, `update_epochs`);
+- `minibatches`: the model-agnostic mini-batch loop (`BatchConfig`, `TrainState`,
+  `update_epochs`; 0.4's `engine`);
 - `batch`: the `RolloutBatch` pytree and the forward that scores its responses;
-  `packing`: packed sequences;
-- `objective`: every algorithm's loss (`ppo_loss`) and what it reads (`LossConfig`);
-  `ppo`: `train_step` and what it reads (`UpdateConfig`: the engine's and the loss's
-  configs and an advantage function; a `jaxppo.PPOConfig` hands over its `.update`);
-  `checks`: the value checks the configs share. Import them as `jaxppo.update.ppo`, ...,
-  or take `jaxppo.train_step`.
+  `packing`: packed sequences; `prefix`: the common-prefix layout;
+- `objective`: every algorithm's loss (`ppo_loss`) and what it reads (`Objective`, a
+  `jaxppo.Config`'s view); `ppo`: `train_step` and what it reads (`UpdateConfig`: the batch,
+  the objective and an advantage function; a `jaxppo.Config` hands over its `.update`);
+  `checks`: the value checks the configs share.
 
-Each function lives in its module (`jaxppo.update.advantages.gae`,
-`jaxppo.update.stats.masked_whiten`, ...); this namespace holds the modules, the engine and
-the batch.
+Each function lives in its module (`jaxppo.update.advantages.gae`, ...); this namespace
+holds the modules and the names a caller of `train_step` and `update_epochs` works with.
 """
 
-from jaxppo.update import advantages, correction, kl, losses, shaping, stats
+from jaxppo.update import advantages, correction, kl, losses, packing, shaping, stats
 from jaxppo.update.batch import RolloutBatch, response_outputs
-from jaxppo.update.engine import EngineConfig, Freeze, TrainState, minibatch_indices, update_epochs, update_epochs_fn
+from jaxppo.update.minibatches import (BatchConfig, EngineConfig, Freeze, TrainState, minibatch_indices,  # noqa: F401
+                                       update_epochs, update_epochs_fn)
+from jaxppo.update.objective import Objective, ppo_loss
+from jaxppo.update.ppo import UpdateConfig, check_rollout, compute_advantages, train_step, train_step_fn
 
-__all__ = ["advantages", "correction", "kl", "losses", "shaping", "stats", "EngineConfig", "Freeze", "TrainState",
-           "minibatch_indices", "update_epochs", "update_epochs_fn", "RolloutBatch", "response_outputs"]
+__all__ = ["advantages", "correction", "kl", "losses", "packing", "shaping", "stats", "BatchConfig", "Freeze",
+           "TrainState", "minibatch_indices", "update_epochs", "update_epochs_fn", "RolloutBatch", "response_outputs",
+           "Objective", "ppo_loss", "UpdateConfig", "check_rollout", "compute_advantages", "train_step",
+           "train_step_fn"]
 
 
-def __getattr__(name: str):  # the names renamed in 0.5, with a DeprecationWarning
-    from jaxppo.update.batch import renamed
+def __getattr__(name: str):  # the names moved in 0.5, with a DeprecationWarning
+    from jaxppo.deprecations import moved
 
-    return renamed(__name__, name)
+    return moved(__name__, name)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import warnings
 
 import flax.struct
 import jax
@@ -39,7 +38,7 @@ class RolloutBatch(flax.struct.PyTreeNode):
         per token, with the sequence score added at the last real response token (the
         rollout layer builds these). GAE and REINFORCE++ read these.
       ref_logprobs: float (B, R) or None: the reference policy's log-probs of the response
-        tokens, needed only for a KL term in the loss (`PPOConfig.kl_loss_coef` > 0).
+        tokens, needed only for a KL term in the loss (`KLConfig.kl_loss_coef` > 0).
       scores: float (B,) or None: each completion's sequence score, the sum of its
         `rewards` (the score plus any per-token KL penalty), which the group estimators
         (GRPO, RLOO, the REINFORCE++ baseline) read. None: they sum `rewards` themselves.
@@ -49,7 +48,7 @@ class RolloutBatch(flax.struct.PyTreeNode):
         are kept to measure or correct a mismatch between sampler and trainer.
       entropy_coef: float (B,) or None: the entropy bonus's coefficient for each
         completion, used instead of `config.ent_coef` when given (the trainer fills it
-        with the adaptive coefficient when `PPOConfig.entropy_target` is set).
+        with the adaptive coefficient when `LossConfig.entropy_target` is set).
       response_attention_mask: (B, R) or None: 1 at every real token of the response
         region, the policy's and the environment's (a multi-turn episode's observations),
         a prefix of ones; the sequence the policy conditions on. None: `response_mask`
@@ -138,19 +137,8 @@ def response_outputs(apply_fn, params, batch, temperature: float, group: int = 1
     return logprobs, values, entropy
 
 
-RENAMED = {"Rollout": "RolloutBatch"}
 
+def __getattr__(name: str):  # the names renamed in 0.5, with a DeprecationWarning
+    from jaxppo.deprecations import moved
 
-def renamed(module: str, name: str):
-    """The object an old name of a module stands for, with a DeprecationWarning naming the
-    new one (a module's `__getattr__` calls this); AttributeError for any other name."""
-    if name not in RENAMED:
-        raise AttributeError(f"module {module!r} has no attribute {name!r}")
-    new = RENAMED[name]
-    warnings.warn(f"{module}.{name} is deprecated since jaxppo 0.5 and will be removed in 0.6: "
-                  f"it is {module}.{new} now (the same class)", DeprecationWarning, stacklevel=3)
-    return globals()[new]
-
-
-def __getattr__(name: str):
-    return renamed(__name__, name)
+    return moved(__name__, name)

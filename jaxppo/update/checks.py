@@ -29,12 +29,12 @@ def invalid(owner: str, field: str, value, valid: str) -> ValueError:
 
 
 def layer_config(config, cls: type, attribute: str, name: str):
-    """The `cls` config of `config`: itself, or its `.<attribute>` (a `jaxppo.PPOConfig`
+    """The `cls` config of `config`: itself, or its `.<attribute>` (a `jaxppo.Config`
     hands over its layers' configs so); TypeError naming `name` (how users reach `cls`)."""
     if isinstance(config, cls):
         return config
     part = getattr(config, attribute, None)
     if isinstance(part, cls):
         return part
-    raise TypeError(f"config must be a {name} or have one as .{attribute} (jaxppo.PPOConfig does), got "
+    raise TypeError(f"config must be a {name} or have one as .{attribute} (jaxppo.Config does), got "
                     f"{type(config).__name__}")

@@ -7,9 +7,9 @@ PPO and the critic-free algorithms alike: an advantage estimator plus a loss on 
       update_epochs(...) with the loss (`jaxppo.update.objective.ppo_loss`) through
         state.apply_fn
 
-`config` is a `jaxppo.PPOConfig`, or an `UpdateConfig`: the three things `train_step` reads
-(the engine's sizes, the loss's settings and an advantage function), for callers who bring
-their own advantages. Nothing here imports the configs above this layer: a `PPOConfig`
+`config` is a `jaxppo.Config`, or an `UpdateConfig`: the three things `train_step` reads (the
+batch's sizes, the loss's view of the settings and an advantage function), for callers who
+bring their own advantages. Nothing here imports the configs above this layer: a `Config`
 hands over its `.update`.
 
 The model is anything with `state.apply_fn(params, tokens, mask) -> (logits, values)`:
@@ -31,8 +31,8 @@ from jaxppo.update import packing
 from jaxppo.update.batch import RolloutBatch, response_outputs
 from jaxppo.update.correction import correction_weights, mismatch_metrics
 from jaxppo.update.checks import layer_config
-from jaxppo.update.engine import EngineConfig, GroupOrder, TrainState, update_epochs_fn
-from jaxppo.update.objective import LossConfig, loss_for, micro_batch_weight, prompt_rows
+from jaxppo.update.minibatches import BatchConfig, GroupOrder, TrainState, update_epochs_fn
+from jaxppo.update.objective import Objective, loss_for, micro_batch_weight, prompt_rows
 from jaxppo.update.stats import masked_mean, masked_var
 
 __all__ = ["RolloutBatch", "UpdateConfig", "update_config", "train_step", "train_step_fn", "jit_train_step",
@@ -44,32 +44,33 @@ class UpdateConfig:
     """What `train_step` reads, and nothing else.
 
     Attributes:
-      engine: the `EngineConfig` (sizes, epochs, accumulation, `target_kl`).
-      loss: the `LossConfig` (`jaxppo.update.objective`).
+      batch: the `BatchConfig` (sizes, epochs, accumulation, `target_kl`).
+      objective: the loss's view of the settings (`jaxppo.update.objective.Objective`).
       advantages: `advantages(rollout) -> (advantages (B, R), returns (B, R) or None, stats
         dict)`, pure and jittable, over the whole rollout (returns are the critic's
-        regression target: None unless `loss.uses_critic`). A `PPOConfig`'s is its
-        registered estimator (`jaxppo.algorithms.ESTIMATORS`) applied with the config.
+        regression target: None unless `objective.uses_critic`). A `Config`'s is its
+        registered estimator (`jaxppo.algorithms.ESTIMATORS`) applied with its
+        `AdvantageConfig`.
 
     Hashed by its fields (the function by identity): pass the same object on every call of
     a jitted `train_step`, or bind it with `jit_train_step(config)`.
     """
 
-    engine: EngineConfig
-    loss: LossConfig
+    batch: BatchConfig
+    objective: Objective
     advantages: Callable
 
     def __post_init__(self):
-        if not isinstance(self.engine, EngineConfig) or not isinstance(self.loss, LossConfig):
-            raise TypeError(f"UpdateConfig takes an EngineConfig and a LossConfig, got {type(self.engine).__name__} "
-                            f"and {type(self.loss).__name__}")
+        if not isinstance(self.batch, BatchConfig) or not isinstance(self.objective, Objective):
+            raise TypeError(f"UpdateConfig takes a BatchConfig and an Objective (jaxppo.Config's .batch and "
+                            f".objective), got {type(self.batch).__name__} and {type(self.objective).__name__}")
         if not callable(self.advantages):
             raise TypeError(f"UpdateConfig.advantages must be callable (rollout -> (advantages, returns, stats)), "
                             f"got {self.advantages!r}")
 
 
 def update_config(config) -> UpdateConfig:
-    """The `UpdateConfig` of `config`: itself, or its `.update` (a `PPOConfig`'s)."""
+    """The `UpdateConfig` of `config`: itself, or its `.update` (a `jaxppo.Config`'s)."""
     return layer_config(config, UpdateConfig, "update", "jaxppo.UpdateConfig")
 
 
@@ -77,7 +78,7 @@ def compute_advantages(rollout: RolloutBatch, config):
     """Advantages (B, R) for the whole rollout, zero at padding, and the critic's returns
     (B, R) (None for the critic-free estimators).
 
-    Computed by the config's advantage function: for a `PPOConfig`, its registered
+    Computed by the config's advantage function: for a `jaxppo.Config`, its registered
     estimator (`config.estimator`, see `jaxppo.algorithms.ESTIMATORS`): "gae" (PPO: GAE over
     the critic's values, with the whitening settings), "grpo", "rloo" (group-relative: from
     each completion's sequence score, `rollout.scores` or the sum of its rewards,
@@ -90,12 +91,12 @@ def compute_advantages(rollout: RolloutBatch, config):
 def minibatch_group(config) -> int:
     """The rows the update keeps together: `num_generations` G when G > 1 divides the
     mini-batch (then every mini-batch holds whole groups, each a prompt's completions,
-    shuffled group by group: `jaxppo.update.engine.GroupOrder`), else 1 (rows shuffled one
+    shuffled group by group: `jaxppo.update.minibatches.GroupOrder`), else 1 (rows shuffled one
     by one). It does not depend on gradient accumulation, so accumulating changes no
-    mini-batch. `config`: a `PPOConfig` or an `UpdateConfig`."""
+    mini-batch. `config`: a `jaxppo.Config` or an `UpdateConfig`."""
     u = update_config(config)
-    g = u.loss.num_generations
-    return g if g > 1 and u.engine.mini_batch_size % g == 0 else 1
+    g = u.objective.num_generations
+    return g if g > 1 and u.batch.mini_batch_size % g == 0 else 1
 
 
 def minibatch_order(config):
@@ -111,7 +112,7 @@ def prompt_group(config) -> int:
     (The trainer turns the default `share_prompts=None` into True: its rollouts' groups
     share prompts.)"""
     u = update_config(config)
-    return prompt_rows(u.loss, u.engine.micro_batch_size)
+    return prompt_rows(u.objective, u.batch.micro_batch_size)
 
 
 # TRL's metric names for the aux entries: (average over updates, per-mini-batch array).
@@ -156,7 +157,7 @@ def train_step_fn(state: TrainState, rollout: RolloutBatch, key, config, minibat
       state: `TrainState` whose `apply_fn` is the policy (+ critic) forward.
       rollout: a `RolloutBatch` with exactly `config.batch_size` rows.
       key: PRNG key for the mini-batch permutations.
-      config: a `PPOConfig`, or an `UpdateConfig` (static).
+      config: a `jaxppo.Config`, or an `UpdateConfig` (static).
       minibatch_sharding: optional row sharding of each mini-batch under a mesh (static;
         `jaxppo.sharding.sharded_train_step` sets it).
 
@@ -176,7 +177,7 @@ def train_step_fn(state: TrainState, rollout: RolloutBatch, key, config, minibat
     which jit cannot see, are checked by `check_rollout` on rollouts you build yourself.
     """
     u = update_config(config)
-    engine, loss = u.engine, u.loss
+    engine, loss = u.batch, u.objective
     _check_rollout_structure(rollout, u)
     _check_packing(state.apply_fn, rollout, loss)
     advantages, returns, adv_stats = u.advantages(rollout)
@@ -195,7 +196,7 @@ def train_step_fn(state: TrainState, rollout: RolloutBatch, key, config, minibat
 def _loss_batch(rollout: RolloutBatch, config: UpdateConfig, advantages, returns):
     """The columns the loss reads (a dict leading with the rows), and the sampler-mismatch
     metrics when the rollout carries the sampler's log-probs."""
-    engine, loss = config.engine, config.loss
+    engine, loss = config.batch, config.objective
     batch = {
         "query_tokens": rollout.query_tokens,
         "query_mask": rollout.query_mask,
@@ -229,7 +230,7 @@ def _loss_batch(rollout: RolloutBatch, config: UpdateConfig, advantages, returns
 
 def _check_rollout_structure(rollout, config: UpdateConfig):
     """Shapes and dtypes of a rollout against the config (at trace time: before compiling)."""
-    engine, loss = config.engine, config.loss
+    engine, loss = config.batch, config.objective
     if not isinstance(rollout, RolloutBatch):
         raise TypeError(f"rollout must be a jaxppo.RolloutBatch, got {type(rollout).__name__}")
     if len(rollout.response_tokens.shape) != 2:
@@ -238,15 +239,15 @@ def _check_rollout_structure(rollout, config: UpdateConfig):
     b, r = rollout.response_tokens.shape
     if b != engine.batch_size:
         raise ValueError(
-            f"rollout has {b} rows but {engine.owner}.batch_size={engine.batch_size}; a rollout "
+            f"rollout has {b} rows but BatchConfig.batch_size={engine.batch_size}; a rollout "
             f"must hold exactly batch_size rows (nothing is dropped or padded)."
         )
     if loss.kl_loss_coef and rollout.ref_logprobs is None:
-        raise ValueError(f"{loss.owner}.kl_loss_coef={loss.kl_loss_coef} needs the reference policy's log-probs in "
+        raise ValueError(f"KLConfig.kl_loss_coef={loss.kl_loss_coef} needs the reference policy's log-probs in "
                          "rollout.ref_logprobs (batch, response_len); the rollout has none")
     if loss.uses_critic and rollout.values is None:
-        raise ValueError("the loss has a value term (a critic: PPOConfig.advantage_estimator='gae', or "
-                         "LossConfig.uses_critic=True): rollout.values must hold "
+        raise ValueError("the loss has a value term (a critic: AdvantageConfig.advantage_estimator='gae', or "
+                         "Objective.uses_critic=True): rollout.values must hold "
                          "its values (batch, response_len); the rollout has none")
     for name in _token_fields(rollout, loss):
         shape = getattr(rollout, name).shape
@@ -278,22 +279,22 @@ def _check_rollout_structure(rollout, config: UpdateConfig):
             raise TypeError(f"rollout.{name} has dtype {dtype}; it must be a float array (float32)")
 
 
-def _check_packing(apply_fn, rollout, config: LossConfig):
+def _check_packing(apply_fn, rollout, config: Objective):
     """With `pack_sequences`: a stream count, a stream length that holds the widest row, a
     model that can run packed (at trace time: before compiling)."""
     if not config.pack_sequences:
         return
     width = packing.stream_length(rollout, None)
     if config.pack_streams is None:
-        raise ValueError(f"{config.owner}.pack_sequences=True needs {config.owner}.pack_streams (streams per "
+        raise ValueError("LayoutConfig.pack_sequences=True needs LayoutConfig.pack_streams (streams per "
                          "micro-batch) in train_step; jaxppo.update.packing.minibatch_streams computes the fewest that "
                          "every micro-batch of an update fits in (the Trainer does this every iteration)")
     if config.pack_length is not None and config.pack_length < width:
-        raise ValueError(f"{config.owner}.pack_length={config.pack_length} is shorter than the rollout's padded width "
+        raise ValueError(f"LayoutConfig.pack_length={config.pack_length} is shorter than the rollout's padded width "
                          f"Q + R = {width}: a row of that many tokens could not be packed; use pack_length >= "
                          f"{width} or None")
     if packing.packer(apply_fn) is None:
-        raise ValueError(f"{config.owner}.pack_sequences=True needs a built-in model (jaxppo.models.Model or "
+        raise ValueError("LayoutConfig.pack_sequences=True needs a built-in model (jaxppo.models.Model or "
                          f"PolicyAndCritic) as the train state's apply_fn; got {apply_fn!r}")
 
 
@@ -325,13 +326,13 @@ def _check_shared_queries(rollout, group: int, common_prefix: bool):
         return
     row = int(np.flatnonzero(differs)[0])
     if common_prefix:
-        raise ValueError(f"rollout row {row} has another query than row 0: with PPOConfig.common_prefix=True "
+        raise ValueError(f"rollout row {row} has another query than row 0: with LayoutConfig.common_prefix=True "
                          "train_step runs one query for every row of a micro-batch, so every row must have the "
                          "same query_tokens and query_mask (the prompts' common prefix; the rest of each prompt "
                          "opens its response region: jaxppo.update.prefix); set common_prefix=False otherwise")
     raise ValueError(
         f"rollout row {row} has another prompt than row {int(first[row])}, the first of its group "
-        f"(rows {int(first[row])}-{int(first[row]) + group - 1}): with PPOConfig.share_prompts=True "
+        f"(rows {int(first[row])}-{int(first[row]) + group - 1}): with LayoutConfig.share_prompts=True "
         f"train_step runs each group's prompt once, so each group of num_generations={group} "
         "consecutive rows must share query_tokens and query_mask (a prompt's completions); "
         "set share_prompts=False for rows that do not")
@@ -383,7 +384,7 @@ def check_rollout(rollout: RolloutBatch, config):
             raise ValueError(f"rollout.{name} row {row} holds negative token ids; ids must be >= 0")
     group = prompt_group(config)
     if group > 1:  # the loss runs each group's prompt once: the group's rows must share it
-        _check_shared_queries(rollout, group, update_config(config).loss.common_prefix is True)
+        _check_shared_queries(rollout, group, update_config(config).objective.common_prefix is True)
     mask = np.asarray(rollout.response_mask) > 0
     for name in _float_fields(rollout):
         x = np.asarray(getattr(rollout, name), np.float64)
@@ -417,13 +418,13 @@ def _summarise(engine_metrics, applied, rollout, advantages, returns, config):
     metrics["per_minibatch/nonfinite"] = engine_metrics["nonfinite"]
     metrics["ppo/grad_norm_avg"] = avg(engine_metrics["grad_norm"])
     metrics["ppo/updates_applied"] = applied
-    metrics["ppo/updates_planned"] = jnp.asarray(config.engine.updates_per_step, jnp.int32)
+    metrics["ppo/updates_planned"] = jnp.asarray(config.batch.updates_per_step, jnp.int32)
     metrics["ppo/updates_nonfinite"] = jnp.sum(engine_metrics["nonfinite"].astype(jnp.int32))
     if "early_stopped" in engine_metrics:
         metrics["per_minibatch/early_stopped"] = engine_metrics["early_stopped"]
         metrics["ppo/early_stopped"] = jnp.any(engine_metrics["early_stopped"])
     metrics["ppo/advantages/mean"] = masked_mean(advantages, mask)
-    if config.loss.uses_critic:
+    if config.objective.uses_critic:
         metrics["ppo/returns/mean"] = masked_mean(returns, mask)
         metrics["ppo/returns/var"] = masked_var(returns, mask)
         metrics["ppo/val/mean"] = masked_mean(rollout.values.astype(jnp.float32), mask)
@@ -446,7 +447,6 @@ def jit_train_step(config=None, *, donate: bool = False, **jit_options):
 
 
 train_step = jit_train_step()
-train_step_jit = train_step  # the jitted object; `_cache_size()` counts its compiles
 # With the old train state donated (one train state in memory during the update instead of
 # two). Module-level, so every trainer in a process shares its compiled programs.
 train_step_donating = jit_train_step(donate=True)
@@ -454,6 +454,6 @@ train_step_donating = jit_train_step(donate=True)
 
 
 def __getattr__(name: str):  # the names renamed in 0.5, with a DeprecationWarning
-    from jaxppo.update.batch import renamed
+    from jaxppo.deprecations import moved
 
-    return renamed(__name__, name)
+    return moved(__name__, name)

@@ -17,7 +17,7 @@ __all__ = ["overlong_penalty", "default_overlong_buffer", "high_entropy_mask", "
 
 
 def default_overlong_buffer(budget: int) -> int:
-    """The buffer used when `PPOConfig.overlong_buffer` is None: a fifth of the response
+    """The buffer used when `RewardConfig.overlong_buffer` is None: a fifth of the response
     budget, at least 1 token (DAPO: 4096 of 20480)."""
     return max(1, budget // 5)
 

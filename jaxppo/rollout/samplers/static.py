@@ -95,28 +95,11 @@ def check_common_prefix(prompt_ids, prompt_mask, prefix):
                          "(`jaxppo.update.prefix.common_prefix_length`) or 0")
 
 
-def generate(
-    model: Model,
-    params,
-    prompt_ids,
-    prompt_mask,
-    key,
-    *,
-    response_length: int,
-    temperature: float = 1.0,
-    top_k: Optional[int] = None,
-    top_p: Optional[float] = None,
-    greedy: bool = False,
-    stop_token_ids: Optional[Sequence[int]] = None,
-    pad_token_id: Optional[int] = None,
-    early_stop: bool = True,
-    num_generations: int = 1,
-    max_lengths=None,
-    min_p: Optional[float] = None,
-    repetition_penalty: Optional[float] = None,
-    stop_strings=None,
-    common_prefix: int = 0,
-) -> GenerationOutput:
+def generate(model: Model, params, prompt_ids, prompt_mask, key, *, response_length: int, temperature: float = 1.0,
+             top_k: Optional[int] = None, top_p: Optional[float] = None, greedy: bool = False,
+             stop_token_ids: Optional[Sequence[int]] = None, pad_token_id: Optional[int] = None,
+             early_stop: bool = True, num_generations: int = 1, max_lengths=None, min_p: Optional[float] = None,
+             repetition_penalty: Optional[float] = None, stop_strings=None, common_prefix: int = 0) -> GenerationOutput:
     """Sample `response_length` tokens after left-padded prompts, with a KV cache.
 
     Args:
