@@ -7,8 +7,8 @@ the same program with the update phase written out by hand, vmapped over seeds.
 
 Both programs are `examples/cartpole.py`'s `train` (one `jit` of a `vmap` over seeds: the
 train state created inside, 976 iterations of 4 environments x 128 steps, GAE, 4 epochs of
-4 mini-batches), differing only in the update phase: `jaxppo.update_epochs_fn` (with its
-non-finite check, the default, and with `EngineConfig(skip_nonfinite=False)`), or nested
+4 mini-batches), differing only in the update phase: `jaxppo.update.update_epochs_fn` (with its
+non-finite check, the default, and with `BatchConfig(skip_nonfinite=False)`), or nested
 `lax.scan`s over epochs and mini-batches as PureJaxRL writes them. Each is compiled once,
 then run `--repeats` times, the variants in turn, so that drift hits them alike. Reported:
 compile seconds, median run seconds, the run time over the hand-written loop's, and the

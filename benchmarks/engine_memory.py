@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import jaxppo
 from jaxppo.models import Model, ModelConfig
 from jaxppo.models.model import PolicyAndCritic
-from jaxppo.run import assembly
+from jaxppo.config.optimizer import build_optimizer
 
 from tables import print_markdown
 
@@ -39,9 +39,8 @@ def measure(layers, batch=8, mini=4, q=16, r=16, target_kl=None):
     config = qwen_layout(layers)
     policy, critic = Model(config), Model(config, kind="value")
     apply_fn = PolicyAndCritic(policy, critic)
-    tc = jaxppo.TrainerConfig(learning_rate=1e-6)
-    tx = assembly.optimizer(tc.learning_rate, tc.learning_rate, tc, shared=False)
-    ppo = jaxppo.PPOConfig(batch_size=batch, mini_batch_size=mini, ppo_epochs=1, target_kl=target_kl)
+    _, tx = build_optimizer(jaxppo.OptimizerConfig(learning_rate=1e-6), 1, critic=True)
+    ppo = jaxppo.Config.from_settings(batch_size=batch, mini_batch_size=mini, ppo_epochs=1, target_kl=target_kl)
 
     def make_state():
         params = {"policy": policy.init(jax.random.key(0), seq_len=2),
@@ -57,7 +56,7 @@ def measure(layers, batch=8, mini=4, q=16, r=16, target_kl=None):
         rewards=jax.ShapeDtypeStruct((batch, r), jnp.float32))
     key = jax.eval_shape(lambda: jax.random.key(0))
     start = time.perf_counter()
-    step = jax.jit(functools.partial(jaxppo.train_step_fn, config=ppo), donate_argnums=(0,))
+    step = jax.jit(functools.partial(jaxppo.update.train_step_fn, config=ppo), donate_argnums=(0,))
     compiled = step.lower(state, rollout, key).compile()
     seconds = time.perf_counter() - start
     mem = compiled.memory_analysis()

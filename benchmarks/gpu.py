@@ -58,10 +58,10 @@ def _timed(fn, repeats):
 
 
 def bench_train(config, setup, batch, mini, q, r, repeats, peak):
-    ppo = jaxppo.PPOConfig(batch_size=batch, mini_batch_size=mini, ppo_epochs=1)
+    ppo = jaxppo.Config.from_settings(batch_size=batch, mini_batch_size=mini, ppo_epochs=1)
     state = layouts.make_state(config, setup, abstract=False)
     rollout = layouts.random_rollout(batch, q, r, config.vocab_size)
-    step = jax.jit(functools.partial(jaxppo.train_step_fn, config=ppo), donate_argnums=(0,))
+    step = jax.jit(functools.partial(jaxppo.update.train_step_fn, config=ppo), donate_argnums=(0,))
     start = time.perf_counter()
     compiled = step.lower(state, rollout, jax.random.key(0)).compile()
     compile_s = time.perf_counter() - start
@@ -73,13 +73,13 @@ def bench_train(config, setup, batch, mini, q, r, repeats, peak):
 
     metrics = run()  # warm-up
     jax.block_until_ready(metrics)
-    assert int(metrics["ppo/updates_applied"]) == ppo.updates_per_step, metrics["ppo/updates_applied"]
+    assert int(metrics["ppo/updates_applied"]) == ppo.batch.updates_per_step, metrics["ppo/updates_applied"]
     loss = float(metrics["loss/total_avg"])
     assert np.isfinite(loss), loss
     seconds, _ = _timed(run, repeats)
     flops = layouts.train_flops(config, batch, q, r)
     return {"compile_s": compile_s, "step_s": seconds, "tokens_per_s": batch * (q + r) / seconds,
-            "mfu": flops / seconds / (peak * 1e12), "updates": ppo.updates_per_step, "loss": loss,
+            "mfu": flops / seconds / (peak * 1e12), "updates": ppo.batch.updates_per_step, "loss": loss,
             "program_gib": _program_gib(compiled)}
 
 
@@ -130,14 +130,13 @@ def bench_trainer(config, setup, batch, mini, q, r, iterations, peak):
     rng = np.random.default_rng(0)
     words = ["The", "model", "answers", "a", "question", "about", "rivers", "and", "mountains", "quickly"]
     prompts = [" ".join(rng.choice(words, size=int(rng.integers(2, max(3, q // 6))))) for _ in range(4 * batch)]
-    ppo = jaxppo.PPOConfig(batch_size=batch, mini_batch_size=mini, ppo_epochs=1)
+    ppo = jaxppo.Config.from_settings(batch_size=batch, mini_batch_size=mini, ppo_epochs=1)
     with tempfile.TemporaryDirectory() as out:
-        tc = jaxppo.TrainerConfig(iterations=iterations, query_length=q, response_length=r, output_dir=out, truncate_prompts=True,
-                                  progress=False, sample_every=0, tensorboard=False, plot=False, export_final=False,
-                                  learning_rate=1e-6)
-        trainer = jaxppo.PPOTrainer(ppo, tc, policy=(policy, params), tokenizer=tokenizer, prompts=prompts,
-                                    reward_fn=_even_token_reward, reward_fn_on="tokens", dtype=setup.dtype,
-                                    ref_dtype="bfloat16")
+        tc = dict(iterations=iterations, query_length=q, response_length=r, output_dir=out, overlong_prompts="truncate",
+                  progress=False, sample_every=0, report_to="jsonl", plot=False, export_final=False,
+                  learning_rate=1e-6, dtype=setup.dtype, ref_dtype="bfloat16")
+        trainer = jaxppo.Trainer(ppo.replace(**tc), policy=(policy, params), tokenizer=tokenizer, prompts=prompts,
+                                 reward_fns=_even_token_reward, reward_fn_on="tokens")
         times = []
         for _ in range(iterations):
             start = time.perf_counter()

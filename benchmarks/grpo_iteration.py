@@ -42,16 +42,16 @@ def bench(algorithm, beta, vocab, iterations, directory, chunk=None, dtype="floa
     tokenizer = demo.demo_tokenizer()
     # TRL's loss_type="dapo" neither masks truncated completions nor punishes overlong ones
     # by default: the dapo preset's overlong settings are off here, so both sides do the same.
-    config = jaxppo.PPOConfig.for_algorithm(algorithm, batch_size=PROMPTS * GENERATIONS, mini_batch_size=16,
-                                            ppo_epochs=4, num_generations=GENERATIONS, kl_loss_coef=beta,
-                                            mask_truncated_completions=False, overlong_penalty_factor=0.0)
-    tc = jaxppo.TrainerConfig(iterations=iterations, query_length=QUERY, response_length=RESPONSE,
-                              output_dir=f"{directory}/run-{algorithm}", progress=False, export_final=False, plot=False,
-                              tensorboard=False, sample_every=0, truncate_prompts=True, log_every=10**9)
-    trainer = jaxppo.PPOTrainer(config, tc, policy=f"{directory}/policy", tokenizer=tokenizer,
-                                prompts=demo.DEMO_PROMPTS, reward_fns=[lowercase],
-                                logits_chunk_size=chunk, dtype=dtype)
-    assert (trainer.ref_params is None) == (beta == 0)
+    config = jaxppo.Config.for_algorithm(algorithm, batch_size=PROMPTS * GENERATIONS, mini_batch_size=16,
+                                         ppo_epochs=4, num_generations=GENERATIONS, kl_loss_coef=beta,
+                                         mask_truncated_completions=False, overlong_penalty_factor=0.0)
+    tc = dict(iterations=iterations, query_length=QUERY, response_length=RESPONSE,
+              output_dir=f"{directory}/run-{algorithm}", progress=False, export_final=False, plot=False,
+              report_to="jsonl", sample_every=0, overlong_prompts="truncate", log_every=10**9,
+              logits_chunk_size=chunk, dtype=dtype)
+    trainer = jaxppo.Trainer(config.replace(**tc), policy=f"{directory}/policy", tokenizer=tokenizer,
+                             prompts=demo.DEMO_PROMPTS, reward_fns=[lowercase])
+    assert (trainer.parts.ref_params is None) == (beta == 0)
     rows = [trainer.step() for _ in range(iterations)]
     assert all(r["ppo/updates_applied"] == 16 for r in rows)
     phases = ("generation", "scoring", "update")

@@ -12,7 +12,7 @@ import numpy as np
 import jaxppo
 from jaxppo.models import Model, ModelConfig
 from jaxppo.models.model import PolicyAndCritic
-from jaxppo.run import assembly
+from jaxppo.config.optimizer import build_optimizer
 
 
 def qwen25_05b(layers=24):
@@ -60,8 +60,7 @@ def make_state(config, setup: Setup, abstract=True):
     """The trainer's train state (policy + separate critic, float32 master weights, the
     trainer's optimizer: clipped Adam per part)."""
     policy, critic = setup.models(config)
-    tc = jaxppo.TrainerConfig(learning_rate=1e-6)
-    tx = assembly.optimizer(tc.learning_rate, tc.learning_rate, tc, shared=False)
+    _, tx = build_optimizer(jaxppo.OptimizerConfig(learning_rate=1e-6), 1, critic=True)
 
     def build():
         params = {"policy": policy.init(jax.random.key(0), seq_len=2),
@@ -74,16 +73,15 @@ def make_state(config, setup: Setup, abstract=True):
 def make_policy_state(config, setup: Setup, lora_rank=0, abstract=True):
     """The trainer's train state of a critic-free run (GRPO family): the policy alone. With
     `lora_rank`, LoRA adapters on every linear layer (alpha = 2 x rank) are trained and the
-    base is frozen in the compute dtype (`jaxppo.Freeze`); without, every weight is trained
+    base is frozen in the compute dtype (`jaxppo.update.Freeze`); without, every weight is trained
     (float32 master weights)."""
     from jaxppo.models.lora import LoraConfig
 
     lora = LoraConfig(rank=lora_rank, alpha=2.0 * lora_rank, targets="all-linear") if lora_rank else None
     policy = Model(config, dtype=setup.dtype, param_dtype=setup.dtype if lora else "float32", remat=setup.remat,
                    scan_layers=setup.scan_layers, logits_chunk_size=setup.logits_chunk_size, lora=lora)
-    tc = jaxppo.TrainerConfig(learning_rate=1e-5)
-    tx = assembly.optimizer(tc.learning_rate, tc.learning_rate, tc, shared=False, critic=False)
-    freeze = jaxppo.Freeze(prefixes=(("params",),)) if lora else None
+    _, tx = build_optimizer(jaxppo.OptimizerConfig(learning_rate=1e-5), 1, critic=False)
+    freeze = jaxppo.update.Freeze(prefixes=(("params",),)) if lora else None
 
     def build():
         return jaxppo.TrainState.create(apply_fn=policy.apply, params=policy.init(jax.random.key(0), seq_len=2),

@@ -39,7 +39,7 @@ def bench(layers, width, response, vocab, rounds=5):
                  response_mask=jnp.ones((b, response), jnp.int32), logprobs=jnp.full((b, response), -6.0),
                  values=jnp.zeros((b, response)), advantages=jnp.asarray(rng.normal(size=(b, response)), jnp.float32),
                  returns=jnp.asarray(rng.normal(size=(b, response)), jnp.float32))
-    config = jaxppo.PPOConfig(batch_size=64, mini_batch_size=16, ppo_epochs=4)
+    config = jaxppo.Config.from_settings(batch_size=64, mini_batch_size=16, ppo_epochs=4)
     # A tiny non-zero ent_coef differentiates the entropy, as the loss did for ent_coef 0 before.
     with_entropy = dataclasses.replace(config, ent_coef=1e-30)
     def grad(apply_fn, cfg_):

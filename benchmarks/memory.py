@@ -45,8 +45,8 @@ from jaxppo.update.stats import RunningMoments
 from jaxppo.models import Model
 from jaxppo.models.decoding import GenerationOutput
 from jaxppo.rollout.samplers.static import generate_jit
-from jaxppo.rollout.sampling import RolloutSpec
-from jaxppo.rollout.scoring import finish_rollout
+from jaxppo.rollout.spec import RolloutSpec
+from jaxppo.rollout.forward import finish_rollout
 from jaxppo.run import assembly
 
 import layouts
@@ -173,18 +173,18 @@ def train(row):
     state = _state(row, row.remat)
     if row.head == "full":
         state = state.replace(apply_fn=FullLogits(state.apply_fn))
-    ppo = (jaxppo.PPOConfig.for_algorithm("grpo", batch_size=row.batch, mini_batch_size=row.mini, ppo_epochs=1,
+    ppo = (jaxppo.Config.for_algorithm("grpo", batch_size=row.batch, mini_batch_size=row.mini, ppo_epochs=1,
                                           num_generations=8)
-           if row.critic_free else jaxppo.PPOConfig(batch_size=row.batch, mini_batch_size=row.mini, ppo_epochs=1))
+           if row.critic_free else jaxppo.Config.from_settings(batch_size=row.batch, mini_batch_size=row.mini, ppo_epochs=1))
     rollout = layouts.abstract_rollout(row.batch, row.q, row.r)
-    if ppo.kl_loss_coef:
+    if ppo.kl.kl_loss_coef:
         rollout = rollout.replace(ref_logprobs=rollout.logprobs)
     key = jax.eval_shape(lambda: jax.random.key(0))
     if row.fsdp > 1:
         mesh = _mesh(row)
         step = sh.sharded_train_step(state, ppo, mesh, donate=True)
         return _timed_compile(lambda: step.lower(_with_shardings(state, mesh), _rows_sharded(rollout, mesh), key))
-    step = jax.jit(functools.partial(jaxppo.train_step_fn, config=ppo), donate_argnums=(0,))
+    step = jax.jit(functools.partial(jaxppo.update.train_step_fn, config=ppo), donate_argnums=(0,))
     return _timed_compile(lambda: step.lower(state, rollout, key))
 
 

@@ -50,20 +50,20 @@ def run(args, multiturn: bool, output_dir: str, turn_cache: bool = True):
         from jaxppo.models.tokenizer import load_tokenizer
 
         tok = load_tokenizer(args.model)
-        stop = {"stop_token_id": len(tok) - 1}  # a token the model does not emit: every turn runs to its length
+        stop = {"stop_tokens": (len(tok) - 1,)}  # a token the model does not emit: every turn runs to its length
     else:
         tok, stop = demo.demo_tokenizer(), {}
     observation = len(tok(Scripted.observation, add_special_tokens=False)["input_ids"])
     budget = args.turns * args.turn_length + (args.turns - 1) * observation
-    ppo = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=args.episodes, mini_batch_size=args.episodes // 4,
+    ppo = jaxppo.Config.for_algorithm("grpo", batch_size=args.episodes, mini_batch_size=args.episodes // 4,
                                          ppo_epochs=1, num_generations=8)
-    tc = jaxppo.TrainerConfig(iterations=args.iterations, query_length=32, response_length=budget, **stop,
-                              turn_length=args.turn_length if multiturn else None, max_turns=args.turns,
-                              turn_cache=turn_cache, learning_rate=1e-4, output_dir=output_dir, progress=False, sample_every=0,
-                              export_final=False, plot=False, tensorboard=False)
-    kwargs = dict(environment=Scripted) if multiturn else dict(reward_fn=demo.lowercase_reward)
+    tc = dict(iterations=args.iterations, query_length=32, response_length=budget, **stop,
+              turn_length=args.turn_length if multiturn else None, max_turns=args.turns,
+              turn_cache=turn_cache, learning_rate=1e-4, output_dir=output_dir, progress=False, sample_every=0,
+              export_final=False, plot=False, report_to="jsonl")
+    kwargs = dict(environment=Scripted) if multiturn else dict(reward_fns=demo.lowercase_reward)
     policy = args.model or demo.demo_policy(tok, max_len=32 + budget + args.turn_length)
-    trainer = jaxppo.Trainer(ppo, tc, policy=policy,
+    trainer = jaxppo.Trainer(ppo.replace(**tc), policy=policy,
                              tokenizer=tok, prompts=demo.DEMO_PROMPTS, **kwargs)
     history = trainer.train()[1:]  # the first iteration compiles
     tokens = statistics.mean(h["completions/mean_length"] for h in history)

@@ -23,7 +23,7 @@ import jaxppo
 import jaxppo.models as jm
 from jaxppo.update import packing
 from jaxppo.update.batch import response_outputs
-from jaxppo.update.engine import minibatch_indices
+from jaxppo.update.minibatches import minibatch_indices
 
 from rollouts import random_rollout
 from tables import median_time, print_markdown
@@ -56,12 +56,12 @@ def main():
     model = jm.Model(cfg, scan_layers=True)
     params = model.init(jax.random.key(0))
     rollout, n_long = make_rollout(b, q, r, short, cfg.vocab_size)
-    config = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=b, mini_batch_size=b // 2, ppo_epochs=1,
+    config = jaxppo.Config.for_algorithm("grpo", batch_size=b, mini_batch_size=b // 2, ppo_epochs=1,
                                             num_generations=4)
     key = jax.random.key(1)
     width = q + r
     lengths = np.asarray(rollout.query_mask).sum(1) + np.asarray(rollout.response_mask).sum(1)
-    streams = packing.minibatch_streams(lengths, np.asarray(minibatch_indices(key, config)), config.micro_batch_size,
+    streams = packing.minibatch_streams(lengths, np.asarray(minibatch_indices(key, config)), config.batch.micro_batch_size,
                                         width)
     packed_config = config.replace(pack_sequences=True, pack_streams=streams)
     state = jaxppo.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-5))
@@ -81,7 +81,7 @@ def main():
     t_score_packed = timed(lambda: score_packed(params), args.repeats)
     real = float(lengths.sum())
     print(f"\n## packed sequences: {b} rows, Q={q}, R={r}, {n_long} rows of {r} response tokens, the rest {short}; "
-          f"{real / (b * width):.1%} of the padded batch is real tokens; GRPO, {config.updates_per_step} updates\n")
+          f"{real / (b * width):.1%} of the padded batch is real tokens; GRPO, {config.batch.updates_per_step} updates\n")
     rows = []
     for what, padded_shape, packed_shape, (padded, padded_first), (packed, packed_first) in [
             ("update (train_step)", f"{b // 2} rows x {width}", f"{streams} streams x {width}", t_update_padded,

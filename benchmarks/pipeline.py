@@ -40,7 +40,7 @@ import numpy as np
 
 import jaxppo
 import jaxppo.run.pipeline as pipelining
-import jaxppo.run.stages as stages
+import jaxppo.run.iteration as iteration
 from jaxppo import demo
 from jaxppo.rollout.environments import StepResult
 from tables import print_markdown
@@ -85,10 +85,10 @@ def time_stages():
             return out
         return wrapper
 
-    stages.sample = timed("sample", stages.sample)
-    stages.score = timed("score (host)", stages.score, wait=False)
-    stages.build_rollout = timed("build rollout", stages.build_rollout)
-    stages.update = timed("update", stages.update)
+    iteration.sample = timed("sample", iteration.sample)
+    iteration.reward = timed("score (host)", iteration.reward, wait=False)
+    iteration.build = timed("build rollout", iteration.build)
+    iteration.update = timed("update", iteration.update)
     pipelining.Snapshots.take = timed("snapshot", pipelining.Snapshots.take)
     pipelining.Pipelined.take = timed("wait for a batch", pipelining.Pipelined.take, wait=False)
 
@@ -110,11 +110,11 @@ def run(args, k: int, seed: int, directory: str):
     tokenizer = jaxppo.models.load_tokenizer(model) if model else demo.demo_tokenizer()
     policy = model or demo.demo_policy(tokenizer, seed=seed)
     groups = args.episodes // 4
-    config = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=args.episodes, mini_batch_size=min(16, args.episodes),
-                                            ppo_epochs=4, num_generations=4)
+    config = jaxppo.Config.for_algorithm("grpo", batch_size=args.episodes, mini_batch_size=min(16, args.episodes),
+                                         ppo_epochs=4, num_generations=4)
     settings = dict(iterations=args.iterations, query_length=32 if model else 16, response_length=args.response,
                     learning_rate=args.learning_rate, output_dir=f"{directory}/k{k}-s{seed}", progress=False,
-                    export_final=False, plot=False, tensorboard=False, sample_every=0, truncate_prompts=True,
+                    export_final=False, plot=False, report_to="jsonl", sample_every=0, overlong_prompts="truncate",
                     log_every=10**9, seed=seed, max_staleness=k, old_logprobs=args.old_logprobs)
     trainer_args = dict(policy=policy, tokenizer=tokenizer, prompts=demo.DEMO_PROMPTS[:max(groups, 1) * 4])
     if args.case == "multiturn":
@@ -123,14 +123,14 @@ def run(args, k: int, seed: int, directory: str):
         trainer_args.update(environment=Slow, prompts=demo.DEMO_PROMPTS)
     else:
         trainer_args.update(reward_fns=[slow_lowercase(args.reward_seconds)], prompts=demo.DEMO_PROMPTS)
-    trainer = jaxppo.PPOTrainer(config, jaxppo.TrainerConfig(**settings), **trainer_args)
+    trainer = jaxppo.Trainer(config.replace(**settings), **trainer_args)
     STAGE_TIMES.clear()
     rows, stamps = [], []
     for _ in range(args.iterations):
         rows.append(trainer.step())
         stamps.append(time.perf_counter())
     trainer.close()
-    assert all(r["ppo/updates_applied"] == config.updates_per_step for r in rows)
+    assert all(r["ppo/updates_applied"] == config.batch.updates_per_step for r in rows)
     seconds = float(statistics.median(np.diff(stamps[1:]))) if len(stamps) > 2 else float("nan")
     rewards = [r["reward"] for r in rows]
     return dict(seconds=seconds, first=float(np.mean(rewards[:10])), last=float(np.mean(rewards[-10:])),

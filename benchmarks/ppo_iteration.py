@@ -62,12 +62,12 @@ def bench(name, layers, width, response_length, vocab, iterations):
         raise SystemExit(f"--vocab must be >= {len(tokenizer)} (the byte tokenizer's size)")
     with tempfile.TemporaryDirectory() as d:
         build(d, layers, width, vocab, 16 + response_length, tokenizer)
-        config = jaxppo.PPOConfig(batch_size=64, mini_batch_size=16, ppo_epochs=4)
-        tc = jaxppo.TrainerConfig(iterations=iterations, query_length=16, response_length=response_length,
-                                  output_dir=f"{d}/run", progress=False, export_final=False, plot=False,
-                                  tensorboard=False, sample_every=0, truncate_prompts=True, log_every=10**9)
-        trainer = jaxppo.PPOTrainer(config, tc, policy=f"{d}/policy", reward_model=f"{d}/rm", tokenizer=tokenizer,
-                                    prompts=demo.DEMO_PROMPTS)
+        config = jaxppo.Config.from_settings(batch_size=64, mini_batch_size=16, ppo_epochs=4)
+        tc = dict(iterations=iterations, query_length=16, response_length=response_length,
+                  output_dir=f"{d}/run", progress=False, export_final=False, plot=False,
+                  report_to="jsonl", sample_every=0, overlong_prompts="truncate", log_every=10**9)
+        trainer = jaxppo.Trainer(config.replace(**tc), policy=f"{d}/policy", reward_model=f"{d}/rm",
+                                 tokenizer=tokenizer, prompts=demo.DEMO_PROMPTS)
         rows = [trainer.step() for _ in range(iterations)]
     assert all(r["ppo/updates_applied"] == 16 for r in rows)
     phases = ("generation", "scoring", "update")

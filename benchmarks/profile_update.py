@@ -118,7 +118,7 @@ def main():
     if args.model is None and not is_prepared(path):
         raise SystemExit(f"no prepared model in {path}: run `jaxppo-fixture` first, or pass --model DIR")
     prompts, g, q, r = 4, 8, 48, 24
-    config = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=prompts * g, mini_batch_size=16, ppo_epochs=1,
+    config = jaxppo.Config.for_algorithm("grpo", batch_size=prompts * g, mini_batch_size=16, ppo_epochs=1,
                                             num_generations=g, kl_loss_coef=0.0, share_prompts=not args.every_row)
     for layout in args.layouts:
         model, params = jm.from_pretrained(path, scan_layers=layout == "scanned")

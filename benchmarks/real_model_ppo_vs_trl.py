@@ -74,9 +74,9 @@ def blocked_stages():
     `time/...` split counts sampling under scoring or the update)."""
     import jax
 
-    from jaxppo.run import stages
+    from jaxppo.run import iteration
 
-    marks, build, update = [], stages.build_rollout, stages.update
+    marks, build, update = [], iteration.build, iteration.update
 
     def build_rollout(spec, params, ref_params, reward_params, batch, gen, *a, **k):
         jax.block_until_ready(gen)
@@ -90,7 +90,7 @@ def blocked_stages():
         marks[-1]["updated"] = time.perf_counter()
         return out
 
-    stages.build_rollout, stages.update = build_rollout, blocked_update
+    iteration.build, iteration.update = build_rollout, blocked_update
     return marks
 
 

@@ -45,14 +45,14 @@ def main():
         query_tokens=jnp.asarray(rng.integers(3, 384, (b, 16))), query_mask=jnp.ones((b, 16), jnp.int32),
         response_tokens=jnp.asarray(rng.integers(3, 384, (b, response))), response_mask=jnp.ones((b, response), jnp.int32),
         logprobs=jnp.full((b, response), -6.0), values=jnp.zeros((b, response)), rewards=jnp.ones((b, response)))
-    config = jaxppo.PPOConfig(batch_size=b, mini_batch_size=16, ppo_epochs=4)
+    config = jaxppo.Config.from_settings(batch_size=b, mini_batch_size=16, ppo_epochs=4)
     n_params = sum(x.size for x in jax.tree.leaves(params))
 
     rows = []
     shapes = [None, (8, 1, 1), (4, 2, 1), (2, 4, 1), (1, 8, 1), (2, 2, 2), (1, 4, 2)]
     for shape in shapes:
         if shape is None:
-            step = jax.jit(lambda s, r, k: jaxppo.train_step_fn(s, r, k, config))
+            step = jax.jit(lambda s, r, k: jaxppo.update.train_step_fn(s, r, k, config))
             s, r = state, rollout
             label = "1 device"
         else:

@@ -61,7 +61,7 @@ def main():
     q, r = args.prompt_len, args.response_len
     b = args.prompts * g
     rollout = make_rollout(args.prompts, g, q, r, model.config.vocab_size)
-    config = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=b, mini_batch_size=b, ppo_epochs=1, num_generations=g,
+    config = jaxppo.Config.for_algorithm("grpo", batch_size=b, mini_batch_size=b, ppo_epochs=1, num_generations=g,
                                             kl_loss_coef=0.0)
     state = jaxppo.TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(1e-6))
     key = jax.random.key(1)

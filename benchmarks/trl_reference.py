@@ -116,7 +116,7 @@ def main():
     import jaxppo
     from ppo_iteration import print_table, shapes
 
-    temperature = jaxppo.PPOConfig(batch_size=64, mini_batch_size=16).temperature
+    temperature = jaxppo.Config().sampling.temperature
     rows = [bench(n, l, w, r, args.vocab, args.iterations, temperature) for n, l, w, r in shapes(args.quick)]
     print_table(f"TRL {trl.__version__} PPOTrainer, torch {torch.__version__}, {torch.get_num_threads()} threads, "
                 f"GPT-2 layout, vocab {args.vocab}, batch 64, mini-batch 16, 4 epochs (16 steps), 16-token prompts",

@@ -50,7 +50,7 @@ def main():
     prompts, g, q, r = 4, 8, 48, 24
     b = prompts * g
     rollout = make_rollout(prompts, g, q, r, model.config.vocab_size)
-    config = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=b, mini_batch_size=16, ppo_epochs=1,
+    config = jaxppo.Config.for_algorithm("grpo", batch_size=b, mini_batch_size=16, ppo_epochs=1,
                                             num_generations=g, kl_loss_coef=0.0)
     state = jaxppo.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-6))
     key = jax.random.key(0)

@@ -22,9 +22,9 @@ import optax
 
 import jaxppo
 from jaxppo.testing.toy import make_toy
-from jaxppo.update.engine import grads_and_aux
+from jaxppo.update.minibatches import grads_and_aux
 from jaxppo.update.objective import loss_for, token_count
-from jaxppo.update.ppo import compute_advantages, train_step_jit
+from jaxppo.update.ppo import compute_advantages, train_step
 
 Q, R = 16, 32
 
@@ -57,10 +57,10 @@ def python_loop_step(state, rollout, key, config, update, advantages_fn):
         "response_tokens": rollout.response_tokens, "response_mask": rollout.response_mask,
         "logprobs": rollout.logprobs, "values": rollout.values, "advantages": advantages, "returns": returns,
     }
-    for epoch_key in jax.random.split(key, config.ppo_epochs):
-        perm = jax.random.permutation(epoch_key, config.batch_size)
-        for m in range(config.num_minibatches):
-            idx = perm[m * config.mini_batch_size : (m + 1) * config.mini_batch_size]
+    for epoch_key in jax.random.split(key, config.batch.ppo_epochs):
+        perm = jax.random.permutation(epoch_key, config.batch.batch_size)
+        for m in range(config.batch.num_minibatches):
+            idx = perm[m * config.batch.mini_batch_size : (m + 1) * config.batch.mini_batch_size]
             minibatch = {k: v[idx] for k, v in batch.items()}
             state, _ = update(state, minibatch)
     return state
@@ -94,7 +94,7 @@ def speed_table(shapes, repeats):
     for name, vocab, width, depth, b, mb in shapes:
         state = make_state(vocab, width, depth)
         rollout = make_rollout(b, vocab)
-        config = jaxppo.PPOConfig(batch_size=b, mini_batch_size=mb, ppo_epochs=4)
+        config = jaxppo.Config.from_settings(batch_size=b, mini_batch_size=mb, ppo_epochs=4)
         key = jax.random.key(1)
         update = make_update(config)
         advantages_fn = jax.jit(lambda r: compute_advantages(r, config))
@@ -109,7 +109,7 @@ def speed_table(shapes, repeats):
 
         t_scan = time_fn(scan_engine, repeats)
         t_loop = time_fn(python_loop, repeats)
-        rows.append((name, b, mb, config.updates_per_step, t_scan, t_loop, t_loop / t_scan))
+        rows.append((name, b, mb, config.batch.updates_per_step, t_scan, t_loop, t_loop / t_scan))
         print(f"  measured {name}, batch {b}, mini-batch {mb}", flush=True)
     print("\n## seconds per train_step (median of %d), CPU, %s\n" % (repeats, jax.devices()[0].device_kind))
     print("| policy | batch | mini-batch | updates | scan engine (s) | Python loop (s) | loop / scan |")
@@ -130,9 +130,9 @@ def memory_table(batch_sizes, mini_batch_sizes, vocab, width, depth):
             if b % mb:
                 cells.append("invalid (batch % mini-batch != 0)")
                 continue
-            config = jaxppo.PPOConfig(batch_size=b, mini_batch_size=mb, ppo_epochs=4)
+            config = jaxppo.Config.from_settings(batch_size=b, mini_batch_size=mb, ppo_epochs=4)
             rollout = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), make_rollout(b, vocab))
-            compiled = train_step_jit.lower(state, rollout, jax.random.key(0), config).compile()
+            compiled = train_step.lower(state, rollout, jax.random.key(0), config).compile()
             temps.append(compiled.memory_analysis().temp_size_in_bytes / 2**20)
             cells.append(f"{temps[-1]:.2f}")
         ratio = f"{temps[-1] / temps[0]:.3f}" if len(temps) > 1 else "-"

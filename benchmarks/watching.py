@@ -38,14 +38,14 @@ def eval_cost(iterations: int, generations: int):
     if not fixtures.is_prepared(directory):
         raise SystemExit(f"run `jaxppo-fixture` first ({directory} is not prepared)")
     train, held_out = demo.sum_pairs(0)
-    ppo = jaxppo.PPOConfig.for_algorithm("grpo", **demo.DEMO_SUMS_PPO)
+    ppo = jaxppo.Config.for_algorithm("grpo", **demo.DEMO_SUMS_PPO)
     out = tempfile.mkdtemp(prefix="jaxppo-watching-")
-    tc = jaxppo.TrainerConfig(iterations=iterations, query_length=64, response_length=16, learning_rate=1e-5,
-                              output_dir=out, progress=False, sample_every=0, plot=False, export_final=False,
-                              report_to="jsonl", eval_every=1, eval_generations=generations,
-                              eval_temperature=0.0 if generations == 1 else 1.0)
-    trainer = jaxppo.Trainer(ppo, tc, policy=directory, tokenizer=load_tokenizer(directory),
-                             prompts=demo.sums_rows(train), reward_fns=[demo.sums_reward], scan_layers=True,
+    tc = dict(iterations=iterations, query_length=64, response_length=16, learning_rate=1e-5,
+              output_dir=out, progress=False, sample_every=0, plot=False, export_final=False,
+              report_to="jsonl", eval_every=1, eval_generations=generations,
+              eval_temperature=0.0 if generations == 1 else 1.0)
+    trainer = jaxppo.Trainer(ppo.replace(**tc, scan_layers=True), policy=directory, tokenizer=load_tokenizer(directory),
+                             prompts=demo.sums_rows(train), reward_fns=[demo.sums_reward],
                              eval_prompts=demo.sums_rows(held_out))
     times, last = [], time.perf_counter()
 
@@ -63,7 +63,7 @@ def eval_cost(iterations: int, generations: int):
         rows.append([m["iteration"], f"{m['eval/time']:.2f}", f"{iteration:.2f}", f"{m['eval/time'] / iteration:.2f}",
                      f"{m['eval/reward_mean']:.3f}"])
     print(f"\nEvaluation of {len(held_out)} prompts x {generations} ({'greedy' if generations == 1 else 'T=1'}), "
-          f"{ppo.prompts_per_batch} prompts x {ppo.num_generations} per iteration, SmolLM2-135M-Instruct:\n")
+          f"{ppo.prompts_per_batch} prompts x {ppo.advantages.num_generations} per iteration, SmolLM2-135M-Instruct:\n")
     print_markdown(["iteration", "eval s", "iteration s (without eval)", "eval / iteration", "eval reward"], rows)
     steady = rows[1:]
     if steady:

@@ -1,4 +1,4 @@
-"""PPO on CartPole (gymnax) with jaxppo's engine as the update phase, the PureJaxRL way:
+"""PPO on CartPole (gymnax) with jaxppo's mini-batch loop as the update phase, the PureJaxRL way:
 the whole training run is one function, jitted, and vmapped over seeds.
 
     pip install gymnax==0.0.9          # (the `test` extra installs it)
@@ -10,12 +10,12 @@ Everything happens inside `train(key)`: the train state is created there
 (`jaxppo.TrainState.create` under `jit` and `vmap`), 4 environments step for 128 steps per
 iteration, GAE runs over the time-major rollout with the environments' auto-reset dones
 (`jaxppo.update.advantages.gae_time_major`), and the update phase is
-`jaxppo.update_epochs_fn(state, batch, key, loss_fn, engine)`: 4 epochs of 4 shuffled
+`jaxppo.update.update_epochs_fn(state, batch, key, loss_fn, sizes)`: 4 epochs of 4 shuffled
 mini-batches of 128 transitions, one optax update each. The settings are PureJaxRL's
 CartPole ones (clip 0.2, GAE lambda 0.95, entropy 0.01, value 0.5, gradient norm 0.5,
 Adam 2.5e-4 annealed linearly). `--update hand` swaps in an update phase written out by
 hand (nested `lax.scan`s over epochs and mini-batches, as PureJaxRL writes it), the
-reference `benchmarks/cartpole.py` times the engine against.
+reference `benchmarks/cartpole.py` times the loop against.
 
 On jaxlib older than 0.11 the script pins itself to `--cores` CPU cores, 1 by default:
 with more than one, jaxlib 0.10.2's CPU runtime stalled on this program now and then on a
@@ -61,7 +61,7 @@ class Config:
     max_grad_norm: float = 0.5
     lr: float = 2.5e-4
     anneal_lr: bool = True
-    skip_nonfinite: bool = True  # the engine's non-finite check (EngineConfig.skip_nonfinite)
+    skip_nonfinite: bool = True  # the loop's non-finite check (BatchConfig.skip_nonfinite)
 
     @property
     def num_updates(self) -> int:
@@ -69,10 +69,11 @@ class Config:
         return self.total_timesteps // self.num_steps // self.num_envs
 
     @property
-    def engine(self) -> jaxppo.EngineConfig:
+    def batch(self) -> jaxppo.BatchConfig:
+        """The mini-batch loop's config (`update_epochs` finds it as `.batch`)."""
         batch = self.num_envs * self.num_steps
-        return jaxppo.EngineConfig(batch_size=batch, mini_batch_size=batch // self.num_minibatches,
-                                   ppo_epochs=self.update_epochs, skip_nonfinite=self.skip_nonfinite)
+        return jaxppo.BatchConfig(batch_size=batch, mini_batch_size=batch // self.num_minibatches,
+                                  ppo_epochs=self.update_epochs, skip_nonfinite=self.skip_nonfinite)
 
 
 def _dense(features, scale):
@@ -126,14 +127,14 @@ def make_loss(network: ActorCritic, config: Config):
 def hand_update(state, batch, key, loss_fn, config: Config):
     """The update phase written out by hand: per epoch a permutation, the batch reshaped to
     mini-batches, a scan of one optax update each (no checks, no metrics beyond the loss)."""
-    engine = config.engine
+    sizes = config.batch
 
     def epoch(carry, _):
         state, key = carry
         key, k_perm = jax.random.split(key)
-        perm = jax.random.permutation(k_perm, engine.batch_size)
+        perm = jax.random.permutation(k_perm, sizes.batch_size)
         shaped = jax.tree.map(lambda x: jnp.take(x, perm, axis=0).reshape(
-            (engine.num_minibatches, engine.mini_batch_size) + x.shape[1:]), batch)
+            (sizes.num_minibatches, sizes.mini_batch_size) + x.shape[1:]), batch)
 
         def minibatch(state, mb):
             (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, mb)
@@ -142,7 +143,7 @@ def hand_update(state, batch, key, loss_fn, config: Config):
         state, losses = jax.lax.scan(minibatch, state, shaped)
         return (state, key), losses
 
-    (state, _), losses = jax.lax.scan(epoch, (state, key), None, length=engine.ppo_epochs)
+    (state, _), losses = jax.lax.scan(epoch, (state, key), None, length=sizes.ppo_epochs)
     return state, {"loss": losses}
 
 
@@ -154,8 +155,8 @@ def make_train(config: Config, update: str = "jaxppo"):
     env, env_params = gymnax.make("CartPole-v1")
     network = ActorCritic(env.action_space(env_params).n)
     loss_fn = make_loss(network, config)
-    engine = config.engine
-    updates_per_iteration = engine.updates_per_step
+    sizes = config.batch
+    updates_per_iteration = sizes.updates_per_step
     lr = (lambda count: config.lr * (1.0 - (count // updates_per_iteration) / config.num_updates)) \
         if config.anneal_lr else config.lr
     tx = optax.chain(optax.clip_by_global_norm(config.max_grad_norm), optax.adam(lr, eps=1e-5))
@@ -163,7 +164,7 @@ def make_train(config: Config, update: str = "jaxppo"):
 
     def update_phase(state, batch, key):
         if update == "jaxppo":
-            return jaxppo.update_epochs_fn(state, batch, key, loss_fn, engine)
+            return jaxppo.update.update_epochs_fn(state, batch, key, loss_fn, sizes)
         return hand_update(state, batch, key, loss_fn, config)
 
     def rollout(state, carry):
@@ -234,7 +235,7 @@ def main(argv=None):
     final = np.nanmean(np.asarray(returns)[:, -10:], axis=1)
     print(f"{args.seeds} seeds x {config.total_timesteps} steps, update phase {args.update!r}: compiled in "
           f"{compile_s:.1f} s, ran in {run_s:.1f} s; optimizer updates per seed {int(state.step[0])} "
-          f"(= {config.num_updates} iterations x {config.engine.updates_per_step})")
+          f"(= {config.num_updates} iterations x {config.batch.updates_per_step})")
     print("mean return of the last 10 iterations, per seed: " + " ".join(f"{r:.0f}" for r in final))
 
 

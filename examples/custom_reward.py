@@ -37,13 +37,17 @@ def main(argv=None):
     parser.add_argument("--output-dir", default="runs/custom_reward")
     args = parser.parse_args(argv)
     tokenizer = demo.demo_tokenizer()
-    config = jaxppo.PPOConfig(batch_size=32, mini_batch_size=8, ppo_epochs=4, kl_coef=0.3)
-    trainer_config = jaxppo.TrainerConfig(iterations=args.iterations, query_length=32, response_length=12,
-                                          learning_rate=1e-3, output_dir=args.output_dir, sample_every=10,
-                                          progress=False, export_final=False)
-    trainer = jaxppo.PPOTrainer(
-        config, trainer_config, policy=demo.demo_policy(tokenizer, max_len=44), tokenizer=tokenizer,
-        prompts=demo.DEMO_PROMPTS, reward_fn=token_reward if args.token_reward else vowel_reward,
+    config = jaxppo.Config(
+        batch=jaxppo.BatchConfig(batch_size=32, mini_batch_size=8, ppo_epochs=4),
+        kl=jaxppo.KLConfig(kl_coef=0.3),
+        sampling=jaxppo.SamplingConfig(response_length=12),
+        optimizer=jaxppo.OptimizerConfig(learning_rate=1e-3),
+        data=jaxppo.DataConfig(query_length=32),
+        run=jaxppo.RunConfig(iterations=args.iterations, output_dir=args.output_dir, sample_every=10, progress=False,
+                             export_final=False))
+    trainer = jaxppo.Trainer(
+        config, policy=demo.demo_policy(tokenizer, max_len=44), tokenizer=tokenizer, prompts=demo.DEMO_PROMPTS,
+        reward_fns=token_reward if args.token_reward else vowel_reward,
         reward_fn_on="tokens" if args.token_reward else "text")
     return trainer.train()
 

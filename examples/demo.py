@@ -15,8 +15,8 @@ from jaxppo.cli import build_trainer, resolve
 
 
 def main(argv=None):
-    ppo, trainer_config, extras = resolve(argv)
-    trainer = build_trainer(ppo, trainer_config, extras)
+    config, extras = resolve(argv)
+    trainer = build_trainer(config, extras)
     return trainer.train()
 
 

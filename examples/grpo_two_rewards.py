@@ -28,15 +28,16 @@ def main(argv=None):
     tokenizer = demo.demo_tokenizer()
     # The toy task rewards long lowercase completions, which run to the 16-token budget: DAPO's
     # masking of truncated completions and its overlong punishment would leave nothing to learn.
-    config = jaxppo.PPOConfig.for_algorithm("dapo", batch_size=64, mini_batch_size=16, ppo_epochs=2,
-                                            num_generations=8, mask_truncated_completions=False,
-                                            overlong_penalty_factor=0.0)
-    trainer_config = jaxppo.TrainerConfig(iterations=args.iterations, query_length=32, response_length=16,
-                                          learning_rate=1e-3, output_dir=args.output_dir, sample_every=10,
-                                          progress=False, export_final=False)
-    trainer = jaxppo.PPOTrainer(config, trainer_config, policy=demo.demo_policy(tokenizer, max_len=48),
-                                tokenizer=tokenizer, prompts=demo.DEMO_PROMPTS,
-                                reward_fns=[demo.lowercase_reward, variety], reward_weights=[1.0, 0.5])
+    config = jaxppo.Config.for_algorithm(
+        "dapo", batch_size=64, mini_batch_size=16, ppo_epochs=2, num_generations=8,
+        rewards=jaxppo.RewardConfig(mask_truncated_completions=False, overlong_penalty_factor=0.0),
+        sampling=jaxppo.SamplingConfig(response_length=16), optimizer=jaxppo.OptimizerConfig(learning_rate=1e-3),
+        data=jaxppo.DataConfig(query_length=32),
+        run=jaxppo.RunConfig(iterations=args.iterations, output_dir=args.output_dir, sample_every=10, progress=False,
+                             export_final=False))
+    trainer = jaxppo.Trainer(config, policy=demo.demo_policy(tokenizer, max_len=48), tokenizer=tokenizer,
+                             prompts=demo.DEMO_PROMPTS, reward_fns=[demo.lowercase_reward, variety],
+                             reward_weights=[1.0, 0.5])
     return trainer.train()
 
 

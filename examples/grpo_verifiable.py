@@ -42,20 +42,17 @@ def main(argv=None):
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--output-dir", default="runs/grpo_verifiable")
     args = parser.parse_args(argv)
-    config = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=64, mini_batch_size=16, ppo_epochs=2,
-                                            num_generations=8)
-    trainer_config = jaxppo.TrainerConfig(iterations=args.iterations, query_length=8, response_length=2,
-                                          learning_rate=1e-3 if args.model is None else 1e-6,
-                                          output_dir=args.output_dir, sample_every=20, progress=False,
-                                          export_final=args.model is not None)
+    config = jaxppo.Config.for_algorithm(
+        "grpo", batch_size=64, mini_batch_size=16, ppo_epochs=2, num_generations=8, query_length=8, response_length=2,
+        learning_rate=1e-3 if args.model is None else 1e-6, dtype=args.dtype, iterations=args.iterations,
+        output_dir=args.output_dir, sample_every=20, progress=False, export_final=args.model is not None)
     if args.model is None:
         tokenizer = demo.demo_tokenizer()
         policy = demo.demo_policy(tokenizer, max_len=10)
     else:
         tokenizer = jaxppo.models.load_tokenizer(args.model)
         policy = args.model
-    trainer = jaxppo.PPOTrainer(config, trainer_config, policy=policy, tokenizer=tokenizer, prompts=make_dataset(),
-                                reward_fns=[exact_match], dtype=args.dtype)
+    trainer = jaxppo.Trainer(config, policy=policy, tokenizer=tokenizer, prompts=make_dataset(), reward_fns=[exact_match])
     return trainer.train()
 
 

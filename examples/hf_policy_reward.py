@@ -30,17 +30,12 @@ from jaxppo.cli import resolve
 
 
 def main(argv=None):
-    ppo, trainer_config, extras = resolve(argv)
+    config, extras = resolve(argv)  # every setting (dtypes, layers, remat, ...) is in `config`, as the flags set it
     if extras["model"] is None or extras["reward_model"] is None or extras["prompts"] is None:
         raise SystemExit("give --model DIR, --reward-model DIR and --prompts FILE (all local)")
     tokenizer = jm.load_tokenizer(extras["model"])
-    trainer = jaxppo.PPOTrainer(ppo, trainer_config, policy=extras["model"], reward_model=extras["reward_model"],
-                                tokenizer=tokenizer, prompts=extras["prompts"], dtype=extras["dtype"],
-                                ref_dtype=extras["ref_dtype"], reward_dtype=extras["reward_dtype"],
-                                prompt_column=extras["prompt_column"],
-                                remat=False if extras["remat"] == "none" else extras["remat"],
-                                scan_layers=True if extras["scan_layers"] else None,
-                                logits_chunk_size=extras["logits_chunk_size"])
+    trainer = jaxppo.Trainer(config, policy=extras["model"], reward_model=extras["reward_model"], tokenizer=tokenizer,
+                             prompts=extras["prompts"])
     return trainer.train()
 
 

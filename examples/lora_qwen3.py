@@ -51,14 +51,13 @@ def concise_answer(prompts, completions):
 def main(argv=None):
     argv = list(argv or [])
     lora_given = any(a.startswith(("--lora-rank", "--lora-init")) for a in argv)
-    ppo, trainer_config, extras = resolve(DEFAULTS + ([] if lora_given else ["--lora-rank", "8"]) + argv)
+    config, extras = resolve(DEFAULTS + ([] if lora_given else ["--lora-rank", "8"]) + argv)
     if extras["model"] is None or extras["prompts"] is None:
         raise SystemExit("give --model DIR (a local Qwen3 checkpoint with its tokenizer) and --prompts FILE")
     tokenizer = jm.load_tokenizer(extras["model"])
-    options = model_options(extras)  # --lora-*, --scan-layers, --remat, --mesh-*, ... as the command reads them
-    trainer = jaxppo.PPOTrainer(ppo, trainer_config, policy=extras["model"], tokenizer=tokenizer,
-                                prompts=extras["prompts"], reward_fns=[concise_answer], dtype=extras["dtype"],
-                                prompt_column=extras["prompt_column"], **options)
+    options = model_options(extras)  # --lora-rank, --lora-init, ... as the command reads them
+    trainer = jaxppo.Trainer(config, policy=extras["model"], tokenizer=tokenizer, prompts=extras["prompts"],
+                             reward_fns=[concise_answer], **options)
     return trainer.train()
 
 

@@ -66,19 +66,19 @@ def sample(apply_fn, params, prompts, key, temperature):
     return tokens[:, PROMPT_LEN:]
 
 
-def make_collect(config: jaxppo.PPOConfig):
+def make_collect(config: jaxppo.Config):
     @jax.jit
     def collect(state, key):
         k_prompt, k_sample = jax.random.split(key)
-        prompts = jax.random.randint(k_prompt, (config.batch_size, PROMPT_LEN), 0, VOCAB)
-        responses = sample(state.apply_fn, state.params, prompts, k_sample, config.temperature)
+        prompts = jax.random.randint(k_prompt, (config.batch.batch_size, PROMPT_LEN), 0, VOCAB)
+        responses = sample(state.apply_fn, state.params, prompts, k_sample, config.sampling.temperature)
         batch = {
             "query_tokens": prompts,
             "query_mask": jnp.ones_like(prompts),
             "response_tokens": responses,
             "response_mask": jnp.ones_like(responses),
         }
-        logprobs, values, _ = jaxppo.response_outputs(state.apply_fn, state.params, batch, config.temperature)
+        logprobs, values, _ = jaxppo.update.response_outputs(state.apply_fn, state.params, batch, config.sampling.temperature)
         scores = jnp.mean((responses == TARGET).astype(jnp.float32), axis=1)
         rewards = jnp.zeros_like(logprobs).at[:, -1].set(scores)
         rollout = jaxppo.RolloutBatch(logprobs=logprobs, values=values, rewards=rewards, **batch)
@@ -98,12 +98,14 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    config = jaxppo.PPOConfig(
+    # train_step reads the batch's sizes, the loss, the KL term, the temperature and the
+    # estimator's settings; every other concern of the Config keeps its defaults here.
+    config = jaxppo.Config(batch=jaxppo.BatchConfig(
         batch_size=args.batch_size,
         mini_batch_size=args.mini_batch_size,
         ppo_epochs=args.ppo_epochs,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
-    )
+    ))
     key = jax.random.key(args.seed)
     key, init_key = jax.random.split(key)
     net = PolicyValueNet(VOCAB)
@@ -113,7 +115,7 @@ def main(argv=None):
     collect = make_collect(config)
 
     print(f"updates per train_step = ppo_epochs * batch_size / mini_batch_size = "
-          f"{config.ppo_epochs} * {config.batch_size} / {config.mini_batch_size} = {config.updates_per_step}")
+          f"{config.batch.ppo_epochs} * {config.batch.batch_size} / {config.batch.mini_batch_size} = {config.batch.updates_per_step}")
     scores_per_iter = []
     start = time.perf_counter()
     for it in range(args.iterations):
@@ -130,9 +132,9 @@ def main(argv=None):
     n = max(1, min(5, len(scores_per_iter) // 2))
     first, last = sum(scores_per_iter[:n]) / n, sum(scores_per_iter[-n:]) / n
     print(f"\nmean score: first {n} iterations {first:.3f}, last {n} iterations {last:.3f}")
-    print(f"optimizer updates: {int(state.step)} = {args.iterations} iterations x {config.updates_per_step}")
+    print(f"optimizer updates: {int(state.step)} = {args.iterations} iterations x {config.batch.updates_per_step}")
     print(f"wall time {elapsed:.1f} s")
-    return {"first": first, "last": last, "step": int(state.step), "updates_per_step": config.updates_per_step}
+    return {"first": first, "last": last, "step": int(state.step), "updates_per_step": config.batch.updates_per_step}
 
 
 if __name__ == "__main__":

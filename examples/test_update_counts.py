@@ -29,16 +29,16 @@ def _rollout(batch, vocab=32):
 def test_updates_per_train_step_are_pinned(batch_size, mini_batch_size, ppo_epochs, accumulation):
     apply_fn, params = make_toy(jax.random.key(1), vocab_size=32, width=16, depth=1, heads=2, max_len=Q + R,
                                 seq_len=Q + R)
-    config = jaxppo.PPOConfig(batch_size=batch_size, mini_batch_size=mini_batch_size, ppo_epochs=ppo_epochs,
-                              gradient_accumulation_steps=accumulation)
+    config = jaxppo.Config(batch=jaxppo.BatchConfig(batch_size=batch_size, mini_batch_size=mini_batch_size,
+                           ppo_epochs=ppo_epochs, gradient_accumulation_steps=accumulation))
     state = jaxppo.TrainState.create(apply_fn=apply_fn, params=params, tx=optax.sgd(1e-3))
 
     # One trace of the whole update loop, however often it is called. (chex counts traces
     # per function definition, so reset the counter between parametrized cases.)
     chex.clear_trace_counter()
-    step = jax.jit(chex.assert_max_traces(lambda s, r, k: jaxppo.train_step_fn(s, r, k, config), n=1))
+    step = jax.jit(chex.assert_max_traces(lambda s, r, k: jaxppo.update.train_step_fn(s, r, k, config), n=1))
     for i in range(3):
         state, metrics = step(state, _rollout(batch_size), jax.random.key(i))
         assert int(state.step) == (i + 1) * ppo_epochs * batch_size // mini_batch_size
     chex.assert_shape(metrics["per_minibatch/loss/total"], (ppo_epochs, batch_size // mini_batch_size))
-    chex.assert_trees_all_equal(metrics["ppo/updates_applied"], jnp.int32(config.updates_per_step))
+    chex.assert_trees_all_equal(metrics["ppo/updates_applied"], jnp.int32(config.batch.updates_per_step))

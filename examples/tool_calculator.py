@@ -131,8 +131,8 @@ def evaluate(trainer, rows, samples=8):
     from jaxppo.rollout.prompts import PromptBatch
 
     index = np.repeat(np.arange(len(rows)), samples)
-    batch = PromptBatch(index, jnp.asarray(trainer.table.ids[index]), jnp.asarray(trainer.table.mask[index]))
-    episodes = run_episodes(trainer.environment, trainer.spec, trainer.state.params, trainer.table, batch,
+    batch = PromptBatch(index, jnp.asarray(trainer.parts.table.ids[index]), jnp.asarray(trainer.parts.table.mask[index]))
+    episodes = run_episodes(trainer.parts.environment, trainer.parts.spec, trainer.state.params, trainer.parts.table, batch,
                             jax.random.key(1), trainer.tokenizer, 0)
     scores = np.asarray(exact_match(None, episodes.conversations, [rows[i]["answer"] for i in index]))
     half = len(index) // 2
@@ -157,12 +157,13 @@ def main(argv=None):
                                   query + response)
     print(f"warm start: {args.warm_start_steps} supervised steps on 50 demonstrations (loss {sft_loss:.3f})")
 
-    ppo = jaxppo.PPOConfig.for_algorithm("grpo", batch_size=64, mini_batch_size=32, ppo_epochs=1, num_generations=8,
-                                         kl_loss_coef=0.0)
-    tc = jaxppo.TrainerConfig(iterations=args.iterations, query_length=query, response_length=response, turn_length=8,
-                              max_turns=2, learning_rate=1e-3, output_dir=args.output_dir, resume=False,
-                              sample_every=0, export_final=False, plot=False, tensorboard=False, progress=False)
-    trainer = jaxppo.Trainer(ppo, tc, policy=(model, params), tokenizer=tok, prompts=rows, reward_fns=[exact_match],
+    config = jaxppo.Config.for_algorithm(
+        "grpo", batch_size=64, mini_batch_size=32, ppo_epochs=1, num_generations=8, kl_loss_coef=0.0,
+        response_length=response, learning_rate=1e-3, data=jaxppo.DataConfig(query_length=query),
+        environment=jaxppo.EnvironmentConfig(turn_length=8, max_turns=2),
+        run=jaxppo.RunConfig(iterations=args.iterations, output_dir=args.output_dir, resume=False, sample_every=0,
+                             export_final=False, plot=False, report_to="jsonl", progress=False))
+    trainer = jaxppo.Trainer(config, policy=(model, params), tokenizer=tok, prompts=rows, reward_fns=[exact_match],
                              tools=[calculator])
     before = evaluate(trainer, rows)
     history = trainer.train()
