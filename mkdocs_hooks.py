@@ -1,25 +1,27 @@
 """mkdocs hook: tables generated from the code when the docs are built, so they cannot
 drift from it. `<!-- algorithms-table -->` becomes the presets of `jaxppo.algorithms`,
-`<!-- estimators-table -->` the advantage estimators."""
+`<!-- estimators-table -->` the advantage estimators, `<!-- settings-table -->` every
+setting of `jaxppo.Config` by concern."""
 
 
 
 def _algorithms_table() -> str:
-    from jaxppo import PPOConfig
+    from jaxppo import Config
     from jaxppo.algorithms import REGISTRY
 
     rows = ["| `--algorithm` | advantage estimator | loss aggregation | clip (low / high) | KL | G | ratio | source |",
             "| --- | --- | --- | --- | --- | ---: | --- | --- |"]
     for name, algorithm in REGISTRY.items():
-        c = PPOConfig.for_algorithm(name)
+        c = Config.for_algorithm(name)
+        a, loss, k = c.advantages, c.loss, c.kl
         kl = []
-        if c.kl_coef:
-            kl.append(f"in the reward, {c.kl_coef:g}")
-        if c.kl_loss_coef:
-            kl.append(f"loss term, {c.kl_loss_estimator}, {c.kl_loss_coef:g}")
-        rows.append(f"| `{name}` | `{c.advantage_estimator}`" + (f" ({c.grpo_scale} scale)" if c.advantage_estimator == "grpo" else "")
-                    + f" | {c.loss_aggregation} | {c.clip_low:g} / {c.clip_high:g} | {'; '.join(kl) or 'none'} | "
-                    f"{c.num_generations} | {c.importance_ratio} | {algorithm.source} |")
+        if k.kl_coef:
+            kl.append(f"in the reward, {k.kl_coef:g}")
+        if k.kl_loss_coef:
+            kl.append(f"loss term, {k.kl_loss_estimator}, {k.kl_loss_coef:g}")
+        rows.append(f"| `{name}` | `{a.advantage_estimator}`" + (f" ({a.grpo_scale} scale)" if a.advantage_estimator == "grpo" else "")
+                    + f" | {loss.loss_aggregation} | {c.objective.clip_low:g} / {c.objective.clip_high:g} | {'; '.join(kl) or 'none'} | "
+                    f"{a.num_generations} | {loss.importance_ratio} | {algorithm.source} |")
     return "\n".join(rows)
 
 
@@ -33,6 +35,27 @@ def _estimators_table() -> str:
         rows.append(f"| `{name}` | {e.summary} | {'yes' if e.uses_critic else 'no'} | {e.min_generations} | "
                     f"{'yes' if e.per_token else 'no'} | {fields} | {', '.join(e.metrics) or '-'} |")
     return "\n".join(rows)
+
+
+def _settings_table() -> str:
+    import dataclasses
+
+    from jaxppo.config.fields import describe, is_flag, is_free
+    from jaxppo.config.settings import CONCERNS
+
+    out = []
+    for concern, cls in CONCERNS.items():
+        first = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())
+        out += [f"### `{concern}`: `{cls.__name__}`", "", first, "",
+                "| setting | default | flag | on resume | what |", "| --- | --- | --- | --- | --- |"]
+        described = describe(cls)
+        for f in dataclasses.fields(cls):
+            flag = f"`--{f.name.replace('_', '-')}`" if is_flag(f) else "none"
+            resume = "may change" if is_free(f) else "must match"
+            what = described[f.name].replace("|", "\\|")
+            out.append(f"| `{f.name}` | `{f.default!r}` | {flag} | {resume} | {what} |")
+        out.append("")
+    return "\n".join(out)
 
 
 def _readme() -> str:
@@ -55,6 +78,8 @@ def on_page_markdown(markdown, **kwargs):
         markdown = markdown.replace("<!-- readme -->", _readme())
     if "<!-- algorithms-table -->" in markdown:
         markdown = markdown.replace("<!-- algorithms-table -->", _algorithms_table())
+    if "<!-- settings-table -->" in markdown:
+        markdown = markdown.replace("<!-- settings-table -->", _settings_table())
     if "<!-- estimators-table -->" in markdown:
         markdown = markdown.replace("<!-- estimators-table -->", _estimators_table())
     return markdown

@@ -108,7 +108,7 @@ def jaxppo_rows(model, scorer, iterations, mini_batch_size, extra, split=False):
                    "--vf-coef", "0.1", "--gamma", "1", "--lam", "0.95", "--whiten-advantages",
                    "--no-whiten-rewards", "--learning-rate", str(LR), "--adam-eps", str(EPS),
                    "--max-grad-norm", "1", "--lr-schedule", "constant", "--sample-every", "0", "--no-plot",
-                   "--no-tensorboard", "--no-progress", "--no-export-final", "--seed", "0", *extra]
+                   "--report-to", "jsonl", "--no-progress", "--no-export-final", "--seed", "0", *extra]
         if "--compilation-cache" not in extra:  # a cold start: an empty cache of its own
             command += ["--compilation-cache", os.path.join(out, "xla")]
         print("$", " ".join(command), flush=True)

@@ -45,7 +45,7 @@ def jaxppo_rows(model, iterations, extra):
                    "--iterations", str(iterations), "--batch-size", str(PROMPTS * GENERATIONS),
                    "--mini-batch-size", "16", "--ppo-epochs", "1", "--num-generations", str(GENERATIONS),
                    "--kl-loss-coef", "0", "--query-length", str(QUERY), "--response-length", str(RESPONSE),
-                   "--learning-rate", str(LR), "--sample-every", "0", "--no-plot", "--no-tensorboard",
+                   "--learning-rate", str(LR), "--sample-every", "0", "--no-plot", "--report-to", "jsonl",
                    "--no-progress", "--no-export-final", "--seed", "0",
                    # The sums demo evaluates 64 held-out sums before training and every 10
                    # iterations; TRL's side evaluates nothing, so neither does this one.

@@ -368,7 +368,7 @@ def test_multiturn_demo_learns(tmp_path):
     guess-the-digit environment)."""
     out = tmp_path / "demo"
     run_command("--demo", "multiturn", "--iterations", "36", "--output-dir", out, "--no-progress", "--no-plot",
-                "--no-tensorboard", "--no-export-final", "--sample-every", "0")
+                "--report-to", "jsonl", "--no-export-final", "--sample-every", "0")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     first, last = np.mean([r["reward"] for r in rows[:6]]), np.mean([r["reward"] for r in rows[-6:]])
     assert last > first + 0.2, (first, last)

@@ -195,7 +195,7 @@ def test_the_sums_demo_runs_and_scores_the_held_out_sums(smol, tmp_path, monkeyp
     eval_file.write_text("".join(json.dumps(row) + "\n" for row in demo.sums_rows(held_out[:8])))
     out = tmp_path / "sums"
     assert cli.main(["--demo", "sums", "--iterations", "1", "--response-length", "8", "--output-dir", str(out),
-                     "--no-progress", "--no-plot", "--no-tensorboard", "--no-export-final", "--sample-every", "0",
+                     "--no-progress", "--no-plot", "--report-to", "jsonl", "--no-export-final", "--sample-every", "0",
                      "--scan-layers", "--eval-prompts", str(eval_file)]) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 1 and rows[0]["ppo/updates_applied"] == 2  # 32 completions, mini-batches of 16
