@@ -344,7 +344,7 @@ def test_the_documented_research_loop_is_one_trainer_iteration(tmp_path):
     parts, run = trainer.parts, trainer.run
     k_sample, k_train = run.iteration_keys(run.iteration)
     batch = iteration.select_prompts(parts.table, run.key, run.iteration, trainer.config)
-    gen = iteration.sample(parts.spec, run.train.params, batch, k_sample)
+    gen, _ = parts.collector.sample(run, batch, k_sample, run.iteration)
     scores = iteration.reward(parts.host_rewards, trainer.tokenizer, parts.table, batch, gen, run.iteration)
     built = iteration.build(parts.spec, run.train.params, parts.ref_params, parts.reward_params, batch, gen, scores,
                             run)
