@@ -160,3 +160,27 @@ def test_built_in_float32_sampler_matches_the_trainer_within_rounding(tmp_path):
     np.testing.assert_allclose(np.asarray(w), numpy_weights(np.asarray(r.logprobs), np.asarray(r.sampler_logprobs),
                                                             np.asarray(r.response_mask), "token_truncate", 2.0),
                                rtol=1e-5, atol=1e-6)
+
+
+def test_vespo_folds_the_correction_into_each_completions_weight(toy):
+    """VESPO adds the log of each token's correction weight to its completion's importance
+    weight instead of multiplying the token's loss: a train_step with the sampler's
+    log-probs equals one without them whose old log-probs are lowered by the log-weights
+    (the same completion weights), and differs from no correction."""
+    apply_fn, params = toy
+    rollout = _rollout(toy, 0.3)
+    config = jaxppo.Config.for_algorithm("vespo", batch_size=8, mini_batch_size=8, ppo_epochs=1, num_generations=4,
+                                         rollout_correction="token_truncate", rollout_correction_cap=1.5)
+    weights = correction.correction_weights(rollout.logprobs, rollout.sampler_logprobs, rollout.response_mask,
+                                            "token_truncate", 1.5)
+    folded = rollout.replace(logprobs=rollout.logprobs - jnp.log(weights) * rollout.response_mask,
+                             sampler_logprobs=None)
+    state = jaxppo.TrainState.create(apply_fn=apply_fn, params=params, tx=optax.sgd(0.5))
+    key = jax.random.key(1)
+    corrected, _ = jaxppo.train_step(state, rollout, key, config)
+    by_hand, _ = jaxppo.train_step(state, folded, key, config)
+    plain, _ = jaxppo.train_step(state, rollout.replace(sampler_logprobs=None), key, config)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), corrected.params,
+                 by_hand.params)
+    assert not all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(jnp.allclose(a, b, atol=1e-7)), corrected.params,
+                                                plain.params)))

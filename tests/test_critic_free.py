@@ -7,7 +7,8 @@ import pytest
 
 from jaxppo.update.advantages import GRPO_SCALES, discounted_returns, group_baseline, grpo_advantages, reinforce_pp_advantages, rloo_advantages
 from jaxppo.update.kl import KL_LOSS_ESTIMATORS, kl_loss_per_token
-from jaxppo.update.losses import LOSS_AGGREGATIONS, aggregate_loss, clipped_policy_loss, sequence_log_ratio
+from jaxppo.update.losses import (LOSS_AGGREGATIONS, aggregate_loss, cispo_policy_loss, clipped_policy_loss,
+                                  sapo_policy_loss, sequence_log_ratio, vespo_policy_loss)
 
 G = 4
 
@@ -113,6 +114,7 @@ def test_clipped_policy_loss_matches_a_loop(aggregation, dual_clip, level):
     counts = [mask[i].sum() for i in range(b)]
     want = {"token_mean": sum(sums) / sum(counts),
             "seq_mean_token_mean": sum(s / c for s, c in zip(sums, counts)) / b,
+            "seq_mean_token_sum": sum(sums) / b,
             "seq_mean_token_sum_norm": sum(s / max_length for s in sums) / b,
             "token_sum_batch_norm": sum(sums) / max_length}[aggregation]  # here: the token count given
     log_ratio = sequence_log_ratio(logp, old, mask) if level == "sequence" else jnp.asarray(logp - old)
@@ -169,3 +171,78 @@ def test_dual_clip_caps_negative_advantages_only():
     assert float(loss) == pytest.approx((3.0 - 1.2) / 2)
     assert float(metrics["dual_clip_fraction"]) == pytest.approx(0.5)
     assert float(metrics["clip_ratio/high_mean"]) == pytest.approx(0.5)
+
+
+def _surrogate_loop(kind, logp, old, adv, mask, cap=1.3, temperatures=(1.0, 1.05), shape=(2.0, 3.0, 3.0, 2.0)):
+    """Per-token losses and the metric of each surrogate, token by token (float64)."""
+    b, t = logp.shape
+    per_token, metric = np.zeros((b, t)), []
+    for i in range(b):
+        n = int(mask[i].sum())
+        log_w = min(max(sum(min(max(logp[i, s] - old[i, s], -20.0), 20.0) for s in range(n)), np.log(1e-8)), 20.0)
+        for s in range(n):
+            r, a = float(np.exp(logp[i, s] - old[i, s])), float(adv[i])
+            if kind == "cispo":
+                per_token[i, s] = -min(r, cap) * a * logp[i, s]
+                metric.append(r > cap and a > 0)
+            elif kind == "sapo":
+                tau = temperatures[0] if a > 0 else temperatures[1]
+                gate = 1 / (1 + np.exp(-tau * (r - 1)))
+                per_token[i, s] = -4 / tau * gate * a
+                metric.append(4 * gate * (1 - gate))
+            else:
+                k, lam = shape[:2] if a >= 0 else shape[2:]
+                phi = np.exp(lam + k * log_w - lam * np.exp(log_w))
+                per_token[i, s] = -phi * a * logp[i, s]
+                metric.append(phi)
+    return per_token, float(np.mean(metric))
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"])
+@pytest.mark.parametrize("kind", ["cispo", "sapo", "vespo"])
+def test_surrogates_match_loops(kind, aggregation):
+    logp, old, adv, mask = _per_token_case(1)
+    old = old * 0.5 + logp * 0.5  # ratios in [0.5, 2] mostly: the cap, the gate and the weight all vary
+    per_token, want_metric = _surrogate_loop(kind, logp.astype(np.float64), old.astype(np.float64), adv, mask)
+    b = logp.shape[0]
+    sums = [per_token[i].sum() for i in range(b)]
+    counts = [mask[i].sum() for i in range(b)]
+    want = {"token_mean": sum(sums) / sum(counts), "seq_mean_token_mean": sum(s / c for s, c in zip(sums, counts)) / b,
+            "seq_mean_token_sum": sum(sums) / b}[aggregation]
+    lp, lr, a = jnp.asarray(logp), jnp.asarray(logp - old), jnp.asarray(adv)
+    if kind == "cispo":
+        loss, metrics = cispo_policy_loss(lp, lr, a, mask, 1.3, aggregation)
+        got_metric = metrics["clip_ratio/high_mean"]
+    elif kind == "sapo":
+        loss, metrics = sapo_policy_loss(lr, a, mask, (1.0, 1.05), aggregation)
+        got_metric = metrics["sapo_gate"]
+    else:
+        loss, metrics = vespo_policy_loss(lp, lr, a, mask, (2.0, 3.0, 3.0, 2.0), aggregation)
+        got_metric = metrics["vespo_phi"]
+    assert float(loss) == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert float(got_metric) == pytest.approx(want_metric, rel=1e-5, abs=1e-6)
+
+
+def test_cispo_keeps_the_gradient_the_clip_removes():
+    """A token whose ratio is past the clip with A > 0: the clipped surrogate gives it no
+    gradient; CISPO gives it the capped weight times A (d/dlogp of -sg(w) A logp)."""
+    logp, old, adv, mask = jnp.array([[0.0]]), jnp.array([[-1.0]]), jnp.array([2.0]), jnp.ones((1, 1))
+    clip_grad = jax.grad(lambda lp: clipped_policy_loss(lp - old, adv, mask, 0.2, 0.2)[0])(logp)
+    cispo_grad = jax.grad(lambda lp: cispo_policy_loss(lp, lp - old, adv, mask, 1.5)[0])(logp)
+    assert float(clip_grad[0, 0]) == 0.0
+    assert float(cispo_grad[0, 0]) == pytest.approx(-1.5 * 2.0)  # the cap, not the ratio e = 2.72
+
+
+def test_soft_surrogates_equal_the_policy_gradient_on_policy():
+    """At ratio 1 (the first update of an iteration), SAPO's gate has slope 1 and VESPO's
+    weight is phi(1) = 1: both gradients equal the unclipped surrogate's, -A grad log pi."""
+    logp, _, adv, mask = _per_token_case(2)
+    lp, a = jnp.asarray(logp), jnp.asarray(adv)
+    plain = jax.grad(lambda x: aggregate_loss(-jnp.exp(x - jax.lax.stop_gradient(x)) * a[:, None], mask,
+                                              "token_mean"))(lp)
+    sapo = jax.grad(lambda x: sapo_policy_loss(x - jax.lax.stop_gradient(x), a, mask, (1.0, 1.05), "token_mean")[0])(lp)
+    vespo = jax.grad(lambda x: vespo_policy_loss(x, x - jax.lax.stop_gradient(x), a, mask, (2.0, 3.0, 3.0, 2.0),
+                                                 "token_mean")[0])(lp)
+    np.testing.assert_allclose(np.asarray(sapo), np.asarray(plain), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(vespo), np.asarray(plain), rtol=1e-5, atol=1e-7)
+    assert np.abs(np.asarray(plain)).max() > 1e-3

@@ -24,7 +24,8 @@ def test_every_setting_is_in_exactly_one_concern_and_no_concern_is_large():
     for concern, cls in CONCERNS.items():
         for f in dataclasses.fields(cls):
             counts.setdefault(f.name, []).append(concern)
-        assert len(dataclasses.fields(cls)) <= 16, (cls.__name__, len(dataclasses.fields(cls)))
+        # A concern a reader takes in at once: about 20 settings at most (the rule since 0.5).
+        assert len(dataclasses.fields(cls)) <= 20, (cls.__name__, len(dataclasses.fields(cls)))
     assert all(len(c) == 1 for c in counts.values()), {n: c for n, c in counts.items() if len(c) > 1}
     assert len(dataclasses.fields(jaxppo.Config)) == len(CONCERNS) <= 12
     # Every setting of 0.4's two flat configs has a place (its own name) or a translation.

@@ -11,6 +11,12 @@ For each TRL `loss_type` the jaxppo setting that equals it:
     dapo     loss_aggregation="token_sum_batch_norm" (steps_per_generation = num_minibatches)
     use_bias_correction_kl=True  ->  kl_loss_bias_correction=True
     importance_sampling_level="sequence"  ->  importance_ratio="sequence" (GSPO)
+    cispo    surrogate="cispo", cliprange_high=epsilon_high - 1 (its cap), "token_sum_batch_norm"
+    sapo     surrogate="sapo", sapo_temperatures=(sapo_temperature_pos, sapo_temperature_neg),
+             loss_aggregation="seq_mean_token_mean"
+    luspo    importance_ratio="sequence", loss_aggregation="seq_mean_token_sum"
+    vespo    surrogate="vespo", vespo_shape=(vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
+             vespo_lambda_neg), "token_sum_batch_norm"
 """
 
 import os
@@ -39,6 +45,19 @@ CASES = {
     "dapo-2-steps": (dict(loss_type="dapo", steps_per_generation=2), dict(loss_aggregation="token_sum_batch_norm")),
     "gspo": (dict(loss_type="grpo", importance_sampling_level="sequence"),
              dict(loss_aggregation="seq_mean_token_mean", importance_ratio="sequence")),
+    # The cap 1.3 lies inside the ratios' spread (old log-probs 0.3 away), so it acts.
+    "cispo-2-steps": (dict(loss_type="cispo", epsilon_high=1.3, steps_per_generation=2),
+                      dict(surrogate="cispo", cliprange_high=0.3, loss_aggregation="token_sum_batch_norm")),
+    "sapo": (dict(loss_type="sapo"), dict(surrogate="sapo", loss_aggregation="seq_mean_token_mean")),
+    "sapo-temperatures": (dict(loss_type="sapo", sapo_temperature_pos=2.0, sapo_temperature_neg=0.7),
+                          dict(surrogate="sapo", sapo_temperatures=(2.0, 0.7), loss_aggregation="seq_mean_token_mean")),
+    "luspo": (dict(loss_type="luspo", importance_sampling_level="sequence"),
+              dict(importance_ratio="sequence", loss_aggregation="seq_mean_token_sum")),
+    "vespo-2-steps": (dict(loss_type="vespo", steps_per_generation=2),
+                      dict(surrogate="vespo", loss_aggregation="token_sum_batch_norm")),
+    "vespo-shape": (dict(loss_type="vespo", vespo_k_pos=1.5, vespo_lambda_pos=0.5, vespo_k_neg=4.0,
+                         vespo_lambda_neg=5.0),
+                    dict(surrogate="vespo", vespo_shape=(1.5, 0.5, 4.0, 5.0), loss_aggregation="token_sum_batch_norm")),
 }
 
 
@@ -106,9 +125,9 @@ def test_loss_and_gradients_equal_trl(setup, case):
     num_items = mask.sum() + (steps - 1) * (mask.sum() // 2)
     want_loss, want_grads = _trl_loss_and_grads(tok, path, batch, old, ref, num_items, trl_settings)
 
-    config = jaxppo.Config.for_algorithm("grpo", batch_size=B * steps, mini_batch_size=B, num_generations=2,
-                                            cliprange=0.2, cliprange_low=0.2, cliprange_high=0.28, kl_loss_coef=0.04,
-                                            kl_loss_estimator="k3", **ours)
+    common = dict(num_generations=2, cliprange=0.2, cliprange_low=0.2, cliprange_high=0.28, kl_loss_coef=0.04,
+                  kl_loss_estimator="k3")
+    config = jaxppo.Config.for_algorithm("grpo", batch_size=B * steps, mini_batch_size=B, **{**common, **ours})
     minibatch = dict(response, logprobs=jnp.asarray(old), advantages=jnp.asarray(batch["advantages"]),
                      ref_logprobs=jnp.asarray(ref))
     if config.loss.loss_aggregation == "token_sum_batch_norm":  # as train_step fills it: batch tokens per mini-batch

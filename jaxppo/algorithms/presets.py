@@ -56,4 +56,34 @@ PRESETS = (
                      loss_aggregation="seq_mean_token_mean", kl_loss_coef=0.0),
         source="Zheng et al. 2025 (Group Sequence Policy Optimization); TRL importance_sampling_level='sequence'",
         summary="sequence-level importance ratio with a tiny clip range (3e-4 / 4e-4), no KL"),
+    # The four below: TRL 1.12 GRPOConfig's defaults (G = 8, group scaling, beta 0) with its
+    # loss_type of that name, and the loss's own parameters at TRL's documented values. TRL
+    # aggregates "cispo" and "vespo" over the generation batch's tokens ("token_sum_batch_norm"),
+    # equal to the token mean here, with one mini-batch per generation batch, as for "dapo".
+    Algorithm(
+        # TRL's recommended epsilon_high=5.0 for cispo is the cap on the weight: 1 + cliprange_high.
+        "cispo", dict(_CRITIC_FREE, advantage_estimator="grpo", num_generations=8, grpo_scale="group",
+                      surrogate="cispo", cliprange_high=4.0, loss_aggregation="token_mean", kl_loss_coef=0.0),
+        source="MiniMax-M1 (arXiv 2506.13585); ScaleRL (arXiv 2510.13786); TRL loss_type='cispo', epsilon_high=5.0",
+        summary="importance weights capped at 5 and detached, times A log pi: no token loses its gradient"),
+    Algorithm(
+        "sapo", dict(_CRITIC_FREE, advantage_estimator="grpo", num_generations=8, grpo_scale="group",
+                     surrogate="sapo", sapo_temperatures=(1.0, 1.05), loss_aggregation="seq_mean_token_mean",
+                     kl_loss_coef=0.0),
+        source="Soft Adaptive Policy Optimization (Qwen team, arXiv 2511.20347); TRL loss_type='sapo'",
+        summary="a sigmoid gate of the ratio (temperatures 1.0 / 1.05) instead of the hard clip"),
+    Algorithm(
+        # LUSPO changes GSPO's loss only: each completion's loss scaled by its length.
+        "luspo", dict(_CRITIC_FREE, advantage_estimator="grpo", num_generations=8, grpo_scale="group",
+                      importance_ratio="sequence", cliprange_low=3e-4, cliprange_high=4e-4,
+                      loss_aggregation="seq_mean_token_sum", kl_loss_coef=0.0),
+        source="Liu et al. 2026 (Length-Unbiased Sequence Policy Optimization, arXiv 2602.05261); "
+               "TRL loss_type='luspo' with importance_sampling_level='sequence'",
+        summary="GSPO with each completion's loss summed over its tokens (length-unbiased)"),
+    Algorithm(
+        "vespo", dict(_CRITIC_FREE, advantage_estimator="grpo", num_generations=8, grpo_scale="group",
+                      surrogate="vespo", vespo_shape=(2.0, 3.0, 3.0, 2.0), loss_aggregation="token_mean",
+                      kl_loss_coef=0.0),
+        source="VESPO: Variational Sequence-Level Soft Policy Optimization (arXiv 2602.10693); TRL loss_type='vespo'",
+        summary="a gamma weight of each completion's importance ratio (k, lambda = 2, 3 / 3, 2) instead of clipping"),
 )

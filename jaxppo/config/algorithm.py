@@ -7,14 +7,14 @@ spans two of them; `Config.for_algorithm(name)` sets those that define a publish
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Tuple
 
 from jaxppo.config.fields import Concern, check_bools, check_choice, check_counts, check_optional_real, check_real
 from jaxppo.update.advantages import GRPO_SCALES
-from jaxppo.update.checks import invalid, is_int
+from jaxppo.update.checks import invalid, is_int, is_real
 from jaxppo.update.correction import ROLLOUT_CORRECTIONS
 from jaxppo.update.kl import KL_ESTIMATORS, KL_LOSS_ESTIMATORS
-from jaxppo.update.losses import IMPORTANCE_RATIOS, LOSS_AGGREGATIONS
+from jaxppo.update.losses import IMPORTANCE_RATIOS, LOSS_AGGREGATIONS, SURROGATES
 
 __all__ = ["AdvantageConfig", "LossConfig", "KLConfig", "RewardConfig"]
 
@@ -75,12 +75,26 @@ class LossConfig(Concern):
     is `KLConfig`'s.
 
     Attributes:
+      surrogate: the policy term: "clip" (PPO's clipped surrogate, the clip range below),
+        "cispo" (CISPO: the ratio capped at 1 + cliprange_high and detached, times A log pi:
+        every token keeps a gradient; TRL's `loss_type="cispo"` with `epsilon_high` =
+        1 + cliprange_high), "sapo" (SAPO: a soft gate of the ratio at `sapo_temperatures`
+        instead of a clip) or "vespo" (VESPO: a gamma weight of the completion's whole
+        importance ratio, shaped by `vespo_shape`, detached, times A log pi). Only "clip"
+        reads cliprange_low and dual_clip, only "clip" and "cispo" the clip range.
       cliprange: PPO's ratio clip epsilon (the ratio is clipped to [1 - c, 1 + c]); >= 0. A
         clip range of 0 (no policy gradient past the first update) or of 1 or more (no lower
         clip) is warned about.
       cliprange_low, cliprange_high: the ratio is clipped to [1 - low, 1 + high] (DAPO's
         clip-higher); None means `cliprange`. low in [0, 1].
       dual_clip: None, or c > 1: for negative advantages the loss is capped at -A * c.
+      sapo_temperatures: SAPO's gate temperatures (for A > 0, for A <= 0), each > 0 (TRL's
+        `sapo_temperature_pos`, `sapo_temperature_neg`).
+      vespo_shape: VESPO's (k_pos, lambda_pos, k_neg, lambda_neg): the power k and decay
+        lambda of its weight w^k e^(lambda (1 - w)) for completions with A >= 0 and A < 0,
+        each >= 0 (TRL's `vespo_k_pos`, `vespo_lambda_pos`, `vespo_k_neg`,
+        `vespo_lambda_neg`). VESPO needs `importance_ratio="token"` (it forms the
+        completion's weight itself) and a per-token `rollout_correction` or "none".
       cliprange_value: the value clip range around the old values; >= 0.
       vf_coef: the value loss's weight; >= 0 (PPO only).
       ent_coef: the entropy bonus's weight (subtracted from the loss); >= 0.
@@ -97,7 +111,8 @@ class LossConfig(Concern):
         one advantage per completion: refused with the per-token estimators.
       loss_aggregation: "token_mean" (every real token of the mini-batch counts equally:
         PPO, DAPO), "seq_mean_token_mean" (mean over completions of their token means:
-        GRPO), "seq_mean_token_sum_norm" (token sums over `loss_norm_length`: Dr. GRPO) or
+        GRPO), "seq_mean_token_sum" (mean over completions of their token sums: LUSPO),
+        "seq_mean_token_sum_norm" (token sums over `loss_norm_length`: Dr. GRPO) or
         "token_sum_batch_norm" (TRL's `loss_type="dapo"`). Applies to every term.
       loss_norm_length: the constant "seq_mean_token_sum_norm" divides by (TRL's
         `max_completion_length`); None: the response width. A positive int.
@@ -113,10 +128,13 @@ class LossConfig(Concern):
       rollout_correction_cap: the cap C of `rollout_correction`'s weights or ratios; > 1.
     """
 
+    surrogate: str = "clip"
     cliprange: float = 0.2
     cliprange_low: Optional[float] = None
     cliprange_high: Optional[float] = None
     dual_clip: Optional[float] = None
+    sapo_temperatures: Tuple[float, float] = (1.0, 1.05)
+    vespo_shape: Tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0)
     cliprange_value: float = 0.2
     vf_coef: float = 0.1
     ent_coef: float = 0.0
@@ -148,7 +166,33 @@ class LossConfig(Concern):
                         "all)")
         check_choice(self, "rollout_correction", ROLLOUT_CORRECTIONS)
         check_real(self, "rollout_correction_cap", 1.0, low_open=True)
+        _check_surrogate(self)
         _warn_clip(self)
+
+
+def _check_surrogate(c: LossConfig):
+    """The surrogate, its shapes (a list given for a tuple becomes the tuple), and what VESPO
+    needs of the ratio and the correction."""
+    check_choice(c, "surrogate", SURROGATES)
+    for name, length, low_open, what in (("sapo_temperatures", 2, True, "(tau_pos, tau_neg), each > 0"),
+                                         ("vespo_shape", 4, False,
+                                          "(k_pos, lambda_pos, k_neg, lambda_neg), each >= 0")):
+        value = getattr(c, name)
+        if isinstance(value, list):
+            value = tuple(value)
+            object.__setattr__(c, name, value)
+        if (not isinstance(value, tuple) or len(value) != length
+                or not all(is_real(v) and (v > 0 if low_open else v >= 0) for v in value)):
+            raise invalid("LossConfig", name, value, f"{length} finite numbers {what}")
+    if c.surrogate == "vespo" and c.importance_ratio != "token":
+        raise invalid("LossConfig", "importance_ratio", c.importance_ratio,
+                      "'token' with surrogate='vespo': VESPO forms each completion's importance weight from the "
+                      "per-token ratios itself")
+    if c.surrogate == "vespo" and c.rollout_correction.startswith("sequence"):
+        raise invalid("LossConfig", "rollout_correction", c.rollout_correction,
+                      "'token_truncate', 'token_mask' or 'none' with surrogate='vespo': VESPO adds each token's "
+                      "correction to the completion's importance weight (a sequence-level weight would count once "
+                      "per token)")
 
 
 def _warn_clip(c: LossConfig):

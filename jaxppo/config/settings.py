@@ -141,8 +141,9 @@ class Config:
         """What the loss reads (`jaxppo.update.objective.Objective`)."""
         loss, kl, layout = self.loss, self.kl, self.layout
         return Objective(
-            cliprange=loss.cliprange, cliprange_low=loss.cliprange_low, cliprange_high=loss.cliprange_high,
-            dual_clip=loss.dual_clip, uses_critic=self.uses_critic, cliprange_value=loss.cliprange_value,
+            surrogate=loss.surrogate, cliprange=loss.cliprange, cliprange_low=loss.cliprange_low,
+            cliprange_high=loss.cliprange_high, dual_clip=loss.dual_clip, sapo_temperatures=loss.sapo_temperatures,
+            vespo_shape=loss.vespo_shape, uses_critic=self.uses_critic, cliprange_value=loss.cliprange_value,
             vf_coef=loss.vf_coef, ent_coef=loss.ent_coef, importance_ratio=loss.importance_ratio,
             loss_aggregation=loss.loss_aggregation, loss_norm_length=loss.loss_norm_length,
             kl_loss_coef=kl.kl_loss_coef, kl_loss_estimator=kl.kl_loss_estimator,

@@ -1,14 +1,17 @@
 """The losses' math: log-probs and entropies from logits, importance ratios (per token or
-per completion: GSPO, TRL's RLOO), the clipped surrogate with asymmetric and dual clipping,
-the clipped value loss, the approximate KL, and the loss aggregation modes every algorithm's
-loss is reduced by. Pure functions on arrays (they import only the masked statistics);
-`jaxppo.update.objective.ppo_loss` puts them together.
+per completion: GSPO, TRL's RLOO), the policy surrogates (the clipped one with asymmetric
+and dual clipping; CISPO's capped, detached weights; SAPO's soft gate; VESPO's gamma
+weight of the completion's ratio), the clipped value loss, the approximate KL, and the loss
+aggregation modes every algorithm's loss is reduced by. Pure functions on arrays (they
+import only the masked statistics); `jaxppo.update.objective.ppo_loss` puts them together.
 
 Shapes: B rows (completions), T response tokens, V the vocabulary. `mask` is 1 at real
 response tokens and 0 at padding; masked statistics count only the real tokens.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -23,13 +26,20 @@ __all__ = [
     "aggregate_loss",
     "sequence_log_ratio",
     "log_importance_ratio",
+    "SURROGATES",
     "clipped_policy_loss",
+    "cispo_policy_loss",
+    "sapo_policy_loss",
+    "vespo_weights",
+    "vespo_policy_loss",
     "policy_loss",
     "value_loss",
     "approx_kl",
 ]
 
-LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "token_sum_batch_norm")
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm",
+                     "token_sum_batch_norm")
+SURROGATES = ("clip", "cispo", "sapo", "vespo")
 IMPORTANCE_RATIOS = ("token", "sequence", "sequence_sum")
 
 
@@ -55,20 +65,25 @@ def aggregate_loss(per_token, mask, mode: str, max_length: int = None):
 
       token_mean               sum over all real tokens / their count (DAPO; PPO's default)
       seq_mean_token_mean      mean over rows of each row's token mean (GRPO as published)
+      seq_mean_token_sum       mean over rows of each row's token sum (LUSPO: a completion
+                               weighs by its length)
       seq_mean_token_sum_norm  mean over rows of each row's token sum / max_length
                                (Dr. GRPO; max_length: the configured response length)
       token_sum_batch_norm     sum over all real tokens / max_length, here a token count
                                given from outside (a scalar, may be traced): the rollout
                                batch's real tokens per mini-batch (TRL's "dapo")
 
-    Names follow verl's `loss_agg_mode` (with underscores). TRL's `loss_type` "bnpo",
-    "grpo" and "dr_grpo" are the first three; its "dapo" is "token_sum_batch_norm" (equal
-    to "token_mean" when one mini-batch is the whole batch)."""
+    Names follow verl's `loss_agg_mode` (with underscores). TRL's `loss_type` "bnpo" and
+    "grpo" are the first two, "luspo" the third, "dr_grpo" the fourth; its "dapo" (and the
+    aggregation of its "cispo" and "vespo") is "token_sum_batch_norm" (equal to
+    "token_mean" when one mini-batch is the whole batch)."""
     mask = mask.astype(jnp.float32)
     if mode == "token_mean":
         return masked_mean(per_token, mask)
     if mode == "seq_mean_token_mean":
         return jnp.mean(masked_mean(per_token, mask, axis=1))
+    if mode == "seq_mean_token_sum":
+        return jnp.mean(masked_sum(per_token, mask, axis=1))
     if mode == "seq_mean_token_sum_norm":
         if not isinstance(max_length, int) or max_length <= 0:
             raise ValueError(f"aggregation {mode!r} needs max_length, a positive int (the response length); "
@@ -142,6 +157,100 @@ def clipped_policy_loss(log_ratio, advantages, mask, cliprange_low: float, clipr
                "clip_ratio/region_mean": frac(low | high), "dual_clip_fraction": frac(dual),
                "clipfrac": frac(clipped > unclipped)}
     return loss, metrics
+
+
+def _per_token_advantages(advantages, shape):
+    return jnp.broadcast_to(advantages[:, None], shape) if advantages.ndim == 1 else advantages
+
+
+def _fraction(x, mask):
+    return jax.lax.stop_gradient(masked_mean(x.astype(jnp.float32), mask))
+
+
+def cispo_policy_loss(logprobs, log_ratio, advantages, mask, cap: float, aggregation: str = "token_mean",
+                      max_length: int = None, weights=None):
+    """CISPO (MiniMax-M1; ScaleRL): the importance weight is capped and detached, and every
+    token keeps a gradient (no token is clipped out of the update):
+      per_token = -sg(min(ratio, cap)) * A * logprobs
+    times `weights` (detached) when given, reduced by `aggregate_loss`. Its gradient is
+    min(ratio, cap) * A * grad log pi. (TRL's `loss_type="cispo"` with `epsilon_high=cap`.)
+
+    Returns (loss, metrics): clipfrac (tokens whose weight the cap lowered) and
+    clip_ratio/high_mean (those with A > 0: TRL's `cispo_clip_ratio`)."""
+    advantages = _per_token_advantages(advantages, log_ratio.shape)
+    ratio = jnp.exp(log_ratio)
+    per_token = -jax.lax.stop_gradient(jnp.minimum(ratio, cap)) * advantages * logprobs
+    if weights is not None:
+        per_token = per_token * jax.lax.stop_gradient(weights)
+    capped = ratio > cap
+    return aggregate_loss(per_token, mask, aggregation, max_length), {
+        "clipfrac": _fraction(capped, mask), "clip_ratio/high_mean": _fraction(capped & (advantages > 0), mask)}
+
+
+def sapo_policy_loss(log_ratio, advantages, mask, temperatures, aggregation: str = "seq_mean_token_mean",
+                     max_length: int = None, weights=None):
+    """SAPO (Soft Adaptive Policy Optimization): a smooth gate of the ratio instead of a hard
+    clip, with temperature tau_pos where A > 0 and tau_neg elsewhere:
+      per_token = -(4 / tau) * sigmoid(tau * (ratio - 1)) * A
+    times `weights` (detached) when given, reduced by `aggregate_loss`. On-policy (ratio 1)
+    its gradient equals the unclipped surrogate's; it fades smoothly as the ratio moves away.
+    (TRL's `loss_type="sapo"`, `sapo_temperature_pos`/`_neg` = `temperatures`.)
+
+    Returns (loss, metrics): sapo_gate, the mean of the gate's slope 4 s (1 - s) (s the
+    sigmoid), the factor on the ratio's gradient (1 on-policy, toward 0 far off it)."""
+    advantages = _per_token_advantages(advantages, log_ratio.shape)
+    tau_pos, tau_neg = temperatures
+    tau = jnp.where(advantages > 0, tau_pos, tau_neg)
+    gate = jax.nn.sigmoid(tau * (jnp.exp(log_ratio) - 1.0))
+    per_token = -(4.0 / tau) * gate * advantages
+    if weights is not None:
+        per_token = per_token * jax.lax.stop_gradient(weights)
+    slope = jax.lax.stop_gradient(4.0 * gate * (1.0 - gate))
+    return aggregate_loss(per_token, mask, aggregation, max_length), {"sapo_gate": masked_mean(slope, mask)}
+
+
+_VESPO_LOG_FLOOR = math.log(1e-8)
+
+
+def vespo_weights(log_ratio, advantages, mask, shape, log_correction=None):
+    """VESPO's weight phi(w) of each completion, broadcast over its tokens, (B, T), detached:
+    w the completion's importance weight exp(sum over real tokens of the per-token log-ratio,
+    each clipped to [-20, 20]; plus, when given, the sum of `log_correction`, the log of the
+    sampler-mismatch weights, each clipped to [log 1e-8, 20]), its log clipped to
+    [log 1e-8, 20], and
+      phi(w) = exp(lam + k log w - lam w)    (phi(1) = 1; 0 where not finite)
+    with (k, lam) = (k_pos, lam_pos) where A >= 0, else (k_neg, lam_neg): `shape` =
+    (k_pos, lam_pos, k_neg, lam_neg), lam floored at 1e-4. No length normalisation."""
+    k_pos, lam_pos, k_neg, lam_neg = shape
+    seq = masked_sum(jnp.clip(log_ratio, -20.0, 20.0), mask, axis=1)
+    if log_correction is not None:
+        seq = seq + masked_sum(jnp.clip(log_correction, _VESPO_LOG_FLOOR, 20.0), mask, axis=1)
+    log_w = jnp.clip(seq, _VESPO_LOG_FLOOR, 20.0)[:, None]
+    nonneg = _per_token_advantages(advantages, log_ratio.shape) >= 0
+    k = jnp.where(nonneg, k_pos, k_neg)
+    lam = jnp.maximum(jnp.where(nonneg, lam_pos, lam_neg), 1e-4)
+    phi = jnp.exp(lam + k * log_w - lam * jnp.exp(log_w))
+    return jax.lax.stop_gradient(jnp.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0))
+
+
+def vespo_policy_loss(logprobs, log_ratio, advantages, mask, shape, aggregation: str = "token_mean",
+                      max_length: int = None, log_correction=None, weights=None):
+    """VESPO (Variational sEquence-level Soft Policy Optimization): a smooth, asymmetric gamma
+    weight of the completion's whole importance weight in place of clipping
+    (`vespo_weights`), detached:
+      per_token = -phi * A * logprobs
+    times `weights` (detached) when given, reduced by `aggregate_loss`. The sampler-mismatch
+    correction enters through w (`log_correction`), not as a factor. `log_ratio` is the
+    per-token one. (TRL's `loss_type="vespo"`, `vespo_k_pos`, `vespo_lambda_pos`,
+    `vespo_k_neg`, `vespo_lambda_neg` = `shape`.)
+
+    Returns (loss, metrics): vespo_phi, the token mean of phi (TRL's `vespo/phi_seq_mean`)."""
+    advantages = _per_token_advantages(advantages, log_ratio.shape)
+    phi = vespo_weights(log_ratio, advantages, mask, shape, log_correction)
+    per_token = -phi * advantages * logprobs
+    if weights is not None:
+        per_token = per_token * jax.lax.stop_gradient(weights)
+    return aggregate_loss(per_token, mask, aggregation, max_length), {"vespo_phi": masked_mean(phi, mask)}
 
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, cliprange: float):

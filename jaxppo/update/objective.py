@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
+from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +20,8 @@ from jaxppo.update import packing
 from jaxppo.update.batch import response_outputs
 from jaxppo.update.checks import invalid, layer_config
 from jaxppo.update.kl import kl_loss_per_token
-from jaxppo.update.losses import aggregate_loss, approx_kl, clipped_policy_loss, log_importance_ratio, value_loss
+from jaxppo.update.losses import (aggregate_loss, approx_kl, cispo_policy_loss, clipped_policy_loss,
+                                  log_importance_ratio, sapo_policy_loss, value_loss, vespo_policy_loss)
 from jaxppo.update.shaping import high_entropy_mask
 from jaxppo.update.stats import masked_mean, masked_var
 
@@ -35,8 +36,9 @@ class Objective:
     term, the temperature, the groups, the layout the loss runs in), each checked there;
     hashable (a static argument of the compiled loss). To change one, change the `Config`.
 
-    Attributes (each documented where it is set): from `jaxppo.LossConfig` cliprange,
-    cliprange_low, cliprange_high, dual_clip, cliprange_value, vf_coef, ent_coef,
+    Attributes (each documented where it is set): from `jaxppo.LossConfig` surrogate,
+    cliprange, cliprange_low, cliprange_high, dual_clip, sapo_temperatures, vespo_shape,
+    cliprange_value, vf_coef, ent_coef,
     importance_ratio, loss_aggregation, loss_norm_length, top_entropy_quantile,
     rollout_correction, rollout_correction_cap; from `jaxppo.KLConfig` kl_loss_coef,
     kl_loss_estimator, kl_loss_bias_correction; `jaxppo.SamplingConfig.temperature`;
@@ -45,10 +47,13 @@ class Objective:
     the estimator has a critic (the loss then has a value term).
     """
 
+    surrogate: str = "clip"
     cliprange: float = 0.2
     cliprange_low: Optional[float] = None
     cliprange_high: Optional[float] = None
     dual_clip: Optional[float] = None
+    sapo_temperatures: Tuple[float, float] = (1.0, 1.05)
+    vespo_shape: Tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0)
     uses_critic: bool = True
     cliprange_value: float = 0.2
     vf_coef: float = 0.1
@@ -121,14 +126,20 @@ def ppo_loss(params, batch, *, apply_fn, config):
     (each bracketed term only when it applies: `jaxppo.algorithms.loss_terms(config)`; with
     an `entropy_coef` column in the batch, the rollout's per-completion coefficients weigh
     the entropy instead of `ent_coef`)
-    policy_loss: the clipped surrogate with the ratio per token (or per completion, GSPO:
-    `config.importance_ratio`) clipped to [1 - clip_low, 1 + clip_high], optionally dual
-    clipped (`jaxppo.update.losses.clipped_policy_loss`). Every term is reduced by
+    policy_loss: by `config.surrogate`, with the ratio per token (or per completion, GSPO:
+    `config.importance_ratio`): "clip", the clipped surrogate, the ratio clipped to
+    [1 - clip_low, 1 + clip_high], optionally dual clipped
+    (`jaxppo.update.losses.clipped_policy_loss`); "cispo", the ratio capped at
+    1 + clip_high and detached, times A log pi (`cispo_policy_loss`); "sapo", the soft gate
+    (`sapo_policy_loss`); "vespo", the gamma weight of the completion's ratio, detached,
+    times A log pi (`vespo_policy_loss`). Every term is reduced by
     `config.loss_aggregation` over the real response tokens (PPO's "token_mean" is a masked
     mean over all of them). The value loss exists only with a critic.
 
-    Returns (loss, aux) with scalar aux entries: policy_loss, entropy, approxkl, clipfrac,
-    ratio, ratio_var, clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean;
+    Returns (loss, aux) with scalar aux entries: policy_loss, entropy, approxkl, ratio,
+    ratio_var; with "clip", clipfrac, clip_ratio/low_mean, clip_ratio/high_mean,
+    clip_ratio/region_mean; with "cispo", clipfrac and clip_ratio/high_mean (weights the
+    cap lowered); sapo_gate with "sapo"; vespo_phi with "vespo";
     value_loss and vf_clipfrac with a critic; kl with a KL term; clip_ratio/dual_mean (tokens
     whose loss the dual clip capped) with `dual_clip`; entropy_mask_fraction (the share of
     real tokens the policy term trains on) with `top_entropy_quantile` < 1.
@@ -144,14 +155,11 @@ def ppo_loss(params, batch, *, apply_fn, config):
     (logprobs, values, entropy), aux = _outputs(apply_fn, params, batch, config)
     old_logprobs = batch["logprobs"].astype(jnp.float32)
     log_ratio = log_importance_ratio(logprobs, old_logprobs, mask, config.importance_ratio)
-    weights = batch.get("correction_weights")
+    selected = None
     if config.top_entropy_quantile < 1.0:  # the policy term on the highest-entropy tokens only
         selected = high_entropy_mask(entropy, mask, config.top_entropy_quantile)
-        weights = selected if weights is None else weights * selected
         aux["entropy_mask_fraction"] = masked_mean(selected, mask)
-    pg_loss, clip_metrics = clipped_policy_loss(
-        log_ratio, batch["advantages"], mask, config.clip_low, config.clip_high, config.dual_clip, agg_mode, r,
-        weights=weights)
+    pg_loss, clip_metrics = _policy_term(logprobs, log_ratio, batch, mask, selected, config, r)
     ratio = jnp.exp(log_ratio)
     loss = pg_loss
     aux["policy_loss"] = pg_loss
@@ -167,12 +175,31 @@ def ppo_loss(params, batch, *, apply_fn, config):
         loss = loss + config.kl_loss_coef * kl
         aux["kl"] = jax.lax.stop_gradient(kl)
     sg = jax.lax.stop_gradient
-    aux.update(entropy=ent, approxkl=sg(approx_kl(logprobs, old_logprobs, mask)), clipfrac=clip_metrics["clipfrac"],
+    aux.update(entropy=ent, approxkl=sg(approx_kl(logprobs, old_logprobs, mask)),
                ratio=sg(masked_mean(ratio, mask)), ratio_var=sg(masked_var(ratio, mask, unbiased=False)),
-               **{k: v for k, v in clip_metrics.items() if k.startswith("clip_ratio/")})
-    if config.dual_clip is not None:
+               **{k: v for k, v in clip_metrics.items() if k != "dual_clip_fraction"})
+    if config.dual_clip is not None and config.surrogate == "clip":
         aux["clip_ratio/dual_mean"] = clip_metrics["dual_clip_fraction"]
     return loss, aux
+
+
+def _policy_term(logprobs, log_ratio, batch, mask, selected, config: Objective, norm):
+    """The policy term of the loss by `config.surrogate`, and its metrics. The weights on
+    each token: the sampler-mismatch correction (`correction_weights`; VESPO folds it into
+    the completion's importance weight instead) times the high-entropy selection."""
+    correction = batch.get("correction_weights")
+    advantages, agg = batch["advantages"], config.loss_aggregation
+    if config.surrogate == "vespo":
+        log_correction = None if correction is None else jnp.log(correction)
+        return vespo_policy_loss(logprobs, log_ratio, advantages, mask, config.vespo_shape, agg, norm, log_correction,
+                                 weights=selected)
+    weights = correction if selected is None else selected if correction is None else correction * selected
+    if config.surrogate == "cispo":
+        return cispo_policy_loss(logprobs, log_ratio, advantages, mask, 1.0 + config.clip_high, agg, norm, weights)
+    if config.surrogate == "sapo":
+        return sapo_policy_loss(log_ratio, advantages, mask, config.sapo_temperatures, agg, norm, weights)
+    return clipped_policy_loss(log_ratio, advantages, mask, config.clip_low, config.clip_high, config.dual_clip, agg,
+                               norm, weights=weights)
 
 
 def prompt_rows(config: Objective, rows: int) -> int:

@@ -129,6 +129,8 @@ _TRL_NAMES = {
     "clip_ratio/high_mean": ("clip_ratio/high_mean", "per_minibatch/clip_ratio/high_mean"),
     "clip_ratio/region_mean": ("clip_ratio/region_mean", "per_minibatch/clip_ratio/region_mean"),
     "clip_ratio/dual_mean": ("clip_ratio/dual_mean", "per_minibatch/clip_ratio/dual_mean"),
+    "sapo_gate": ("policy/sapo_gate_avg", "per_minibatch/policy/sapo_gate"),
+    "vespo_phi": ("policy/vespo_phi_avg", "per_minibatch/policy/vespo_phi"),
     "kl": ("kl", "per_minibatch/kl"),
     "entropy_mask_fraction": ("policy/entropy_mask_fraction", "per_minibatch/policy/entropy_mask_fraction"),
     "packing_overflow": ("packing/overflow", "per_minibatch/packing/overflow"),
