@@ -236,6 +236,12 @@ def test_train_step_equals_a_python_loop_of_updates(model, name, changes):
     assert float(metrics["per_minibatch/val/ratio"][0, 0]) == pytest.approx(1.0, abs=1e-6)  # on-policy start
     if config.kl.kl_loss_coef:
         assert np.isfinite(float(metrics["kl"]))
+    # The soft surrogates' weights are 1 on-policy (the first mini-batch) and leave it after.
+    weight = {"sapo": "policy/sapo_gate", "vespo": "policy/vespo_phi"}.get(config.loss.surrogate)
+    if weight:
+        per_mb = np.asarray(metrics["per_minibatch/" + weight])
+        assert per_mb[0, 0] == pytest.approx(1.0, abs=1e-5) and np.abs(per_mb[1:] - 1).max() > 1e-3
+        assert "policy/clipfrac_avg" not in metrics  # no clip acts
 
 
 @pytest.mark.parametrize("name", CRITIC_FREE + ["ppo"])
