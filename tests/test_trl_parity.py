@@ -11,6 +11,7 @@ For each TRL `loss_type` the jaxppo setting that equals it:
     dapo     loss_aggregation="token_sum_batch_norm" (steps_per_generation = num_minibatches)
     use_bias_correction_kl=True  ->  kl_loss_bias_correction=True
     importance_sampling_level="sequence"  ->  importance_ratio="sequence" (GSPO)
+    delta (> 1 + epsilon_high)  ->  dual_clip=delta
     cispo    surrogate="cispo", cliprange_high=epsilon_high - 1 (its cap), "token_sum_batch_norm"
     sapo     surrogate="sapo", sapo_temperatures=(sapo_temperature_pos, sapo_temperature_neg),
              loss_aggregation="seq_mean_token_mean"
@@ -45,6 +46,9 @@ CASES = {
     "dapo-2-steps": (dict(loss_type="dapo", steps_per_generation=2), dict(loss_aggregation="token_sum_batch_norm")),
     "gspo": (dict(loss_type="grpo", importance_sampling_level="sequence"),
              dict(loss_aggregation="seq_mean_token_mean", importance_ratio="sequence")),
+    # TRL's delta (INTELLECT-2's two-sided clip, > 1 + epsilon_high) is dual-clip PPO's bound;
+    # 1.3 lies inside the ratios' spread, so it acts.
+    "grpo-delta": (dict(loss_type="grpo", delta=1.3), dict(loss_aggregation="seq_mean_token_mean", dual_clip=1.3)),
     # The cap 1.3 lies inside the ratios' spread (old log-probs 0.3 away), so it acts.
     "cispo-2-steps": (dict(loss_type="cispo", epsilon_high=1.3, steps_per_generation=2),
                       dict(surrogate="cispo", cliprange_high=0.3, loss_aggregation="token_sum_batch_norm")),
