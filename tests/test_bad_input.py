@@ -317,7 +317,7 @@ CASES = [
     ("cli unknown key in a concern's table", _cli_file("run.toml", "[sampling]\ntop_q = 0.9\n"), SystemExit,
      r"unknown setting 'top_q' \(did you mean 'top_p'\?\)"),
     ("concern given as a dict with a stranger", lambda ctx: jaxppo.Config(loss={"clip": 0.1}), ValueError,
-     r"LossConfig has no setting 'clip' \(did you mean 'dual_clip'\?\); its settings: cliprange, "),
+     r"LossConfig has no setting 'clip' \(did you mean 'dual_clip'\?\); its settings: surrogate, cliprange, "),
     ("concern of the wrong type", lambda ctx: jaxppo.Config(loss=jaxppo.KLConfig()), TypeError,
      r"Config.loss must be a jaxppo.LossConfig \(or a dict of its settings\), got KLConfig"),
     ("cli wrong type in config file", _cli_file("run.toml", 'batch_size = "eight"\n'), SystemExit,
