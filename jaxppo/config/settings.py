@@ -138,20 +138,11 @@ class Config:
 
     @property
     def objective(self) -> Objective:
-        """What the loss reads (`jaxppo.update.objective.Objective`)."""
-        loss, kl, layout = self.loss, self.kl, self.layout
-        return Objective(
-            surrogate=loss.surrogate, cliprange=loss.cliprange, cliprange_low=loss.cliprange_low,
-            cliprange_high=loss.cliprange_high, dual_clip=loss.dual_clip, sapo_temperatures=loss.sapo_temperatures,
-            vespo_shape=loss.vespo_shape, uses_critic=self.uses_critic, cliprange_value=loss.cliprange_value,
-            vf_coef=loss.vf_coef, ent_coef=loss.ent_coef, importance_ratio=loss.importance_ratio,
-            loss_aggregation=loss.loss_aggregation, loss_norm_length=loss.loss_norm_length,
-            kl_loss_coef=kl.kl_loss_coef, kl_loss_estimator=kl.kl_loss_estimator,
-            kl_loss_bias_correction=kl.kl_loss_bias_correction, rollout_correction=loss.rollout_correction,
-            rollout_correction_cap=loss.rollout_correction_cap, top_entropy_quantile=loss.top_entropy_quantile,
-            temperature=self.sampling.temperature, num_generations=self.advantages.num_generations,
-            share_prompts=layout.share_prompts, common_prefix=layout.common_prefix,
-            pack_sequences=layout.pack_sequences, pack_streams=layout.pack_streams, pack_length=layout.pack_length)
+        """What the loss reads (`jaxppo.update.objective.Objective`): each of its fields is the
+        setting of that name, read from its concern, and `uses_critic`, the estimator's."""
+        names = (f.name for f in dataclasses.fields(Objective) if f.name != "uses_critic")
+        return Objective(uses_critic=self.uses_critic,
+                         **{name: getattr(getattr(self, SETTINGS[name]), name) for name in names})
 
     @property
     def update(self) -> UpdateConfig:

@@ -193,7 +193,9 @@ def _policy_term(logprobs, log_ratio, batch, mask, selected, config: Objective, 
         log_correction = None if correction is None else jnp.log(correction)
         return vespo_policy_loss(logprobs, log_ratio, advantages, mask, config.vespo_shape, agg, norm, log_correction,
                                  weights=selected)
-    weights = correction if selected is None else selected if correction is None else correction * selected
+    weights = correction
+    if selected is not None:
+        weights = selected if weights is None else weights * selected
     if config.surrogate == "cispo":
         return cispo_policy_loss(logprobs, log_ratio, advantages, mask, 1.0 + config.clip_high, agg, norm, weights)
     if config.surrogate == "sapo":
