@@ -283,7 +283,7 @@ def from_pretrained(
       dtype: compute dtype ("float32", "bfloat16", "float16").
       param_dtype: storage dtype of the params; defaults to `dtype`.
       kind: "causal_lm", "causal_lm_value" (policy + zero-initialised value head),
-        "reward" (sequence classification, score at the last real token), or "value"
+        "reward" (sequence classification, score at the last real token that is not padding), or "value"
         (a critic: trunk + scalar head, initialised from the checkpoint's score head when it
         has one, else zeros). Default: "reward" for `...ForSequenceClassification`
         checkpoints, else "causal_lm".

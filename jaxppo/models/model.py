@@ -3,7 +3,7 @@
 Kinds:
   "causal_lm"        apply -> logits (B, L, V)
   "causal_lm_value"  apply -> (logits (B, L, V), values (B, L)); value head on the policy trunk
-  "reward"           apply -> scores (B,), read at the last real token (reward models)
+  "reward"           apply -> scores (B,), read at the last real token that is not padding (reward models)
   "value"            apply -> values (B, L); a separate critic trunk with a scalar head
 
 A `Model` is a frozen dataclass, so it (and its bound `apply`) can be a static jit argument
@@ -205,8 +205,8 @@ class Model:
         scores = self.module.apply(params, input_ids, attention_mask, positions)
         if self.kind == "value":
             return scores[..., 0]
-        # Reward: the score at the last real token of each row.
-        last = attention_mask.shape[1] - 1 - jnp.argmax(jnp.flip(attention_mask.astype(jnp.int32), axis=1), axis=1)
+        # Reward: the score at each row's last scored token (`score_positions`).
+        last = score_positions(input_ids, attention_mask, self.config.pad_token_id)
         picked = jnp.take_along_axis(scores, last[:, None, None], axis=1)[:, 0]
         return picked[:, 0] if self.config.num_labels == 1 else picked
 
@@ -418,6 +418,26 @@ def _head_outputs(model: "Model", params, hidden, response_tokens, response_mask
     rows = jnp.arange(index.shape[0])[:, None]
     spread = lambda x: jnp.zeros(response_tokens.shape, x.dtype).at[rows, index].set(x)  # noqa: E731
     return spread(picked), spread(entropy)
+
+
+def scored_mask(input_ids, attention_mask, pad_token_id):
+    """The tokens a reward model may read its score at: real tokens (`attention_mask`) that
+    are not the padding token, transformers' rule for `...ForSequenceClassification`
+    (which reads the score at the last token that is not `pad_token_id`). Where the padding
+    token is the EOS token (Llama, Qwen, SmolLM2) a sequence ending with EOS is scored at
+    the token before it, as transformers and TRL score it. A row of padding tokens only
+    keeps its real tokens."""
+    mask = attention_mask.astype(jnp.int32)
+    if pad_token_id is None:
+        return mask
+    kept = mask * (input_ids != pad_token_id).astype(jnp.int32)
+    return jnp.where(jnp.any(kept > 0, axis=1, keepdims=True), kept, mask)
+
+
+def score_positions(input_ids, attention_mask, pad_token_id):
+    """(B,) int: each row's last token of `scored_mask`, where a reward model reads its score."""
+    mask = scored_mask(input_ids, attention_mask, pad_token_id)
+    return mask.shape[1] - 1 - jnp.argmax(jnp.flip(mask, axis=1), axis=1)
 
 
 def join_sequences(query_tokens, query_mask, response_tokens, response_mask):

@@ -397,7 +397,8 @@ class CausalLMModule(nn.Module):
 class ScoreModule(nn.Module):
     """Trunk + a linear `score` head (no bias), per token: (B, L, num_labels) float32.
 
-    Used for reward models (`...ForSequenceClassification`, read at the last real token)
+    Used for reward models (`...ForSequenceClassification`, read at the last real token that is
+    not padding: `jaxppo.models.model.score_positions`)
     and for critics (one label, read at every token)."""
 
     config: ModelConfig

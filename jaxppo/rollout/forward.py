@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxppo.models.decoding import GenerationOutput, strings_completed
+from jaxppo.models.model import scored_mask
 from jaxppo.rollout.spec import RolloutSpec
 from jaxppo.update import packing
 from jaxppo.update.batch import RolloutBatch, joined, model_method, response_attention, response_outputs, scorer
@@ -94,13 +95,15 @@ def _raw_scores(spec: RolloutSpec, reward_params, batch, host_scores, usual):
     b = batch["query_tokens"].shape[0]
     model_scores = None
     grouped = model_method(spec.reward_apply, "grouped_outputs") if spec.common_prefix else None
-    if grouped is not None:  # the common prefix once: the score at each row's last real token
+    if grouped is not None:  # the common prefix once: the score at each row's last scored token
         # Output t of the grouped forward is the state before region token t: one padding column
         # more, and the output after each row's last real token is the state at that token.
         attention = jnp.pad(response_attention(batch), ((0, 0), (0, 1)))
-        scores = grouped(reward_params, batch["query_tokens"][:1], batch["query_mask"][:1],
-                         jnp.pad(batch["response_tokens"], ((0, 0), (0, 1))), attention)[1]
-        after_last = attention.shape[1] - jnp.argmax(attention[:, ::-1] > 0, axis=1)
+        tokens = jnp.pad(batch["response_tokens"], ((0, 0), (0, 1)))
+        scores = grouped(reward_params, batch["query_tokens"][:1], batch["query_mask"][:1], tokens, attention)[1]
+        # The state after each row's last scored token (transformers' rule: not the padding token).
+        scored = scored_mask(tokens, attention, grouped.__self__.config.pad_token_id)  # a built-in Model's method
+        after_last = scored.shape[1] - jnp.argmax(scored[:, ::-1] > 0, axis=1)
         model_scores = jnp.take_along_axis(scores, after_last[:, None], axis=1)[:, 0].astype(jnp.float32)
         raw_scores = spec.reward_weight * model_scores
     elif spec.reward_apply is not None:
