@@ -23,6 +23,7 @@ from jaxppo.config.legacy import PPOConfig, TrainerConfig  # noqa: F401  depreca
 from jaxppo.errors import EpisodeError, RewardError, RunError, ToolCallError
 from jaxppo.rollout.environments import StepResult
 from jaxppo.run.callbacks import Callback, Control
+from jaxppo.run.reward_model import RewardModelConfig, RewardTrainer
 from jaxppo.run.trainer import PPOTrainer, Trainer  # noqa: F401  PPOTrainer: deprecated, warns when called
 from jaxppo.update.batch import RolloutBatch
 from jaxppo.update.minibatches import EngineConfig, TrainState  # noqa: F401  EngineConfig: deprecated, warns
@@ -48,6 +49,8 @@ __all__ = [
     "DataConfig",
     "EvalConfig",
     "RunConfig",
+    "RewardTrainer",
+    "RewardModelConfig",
     "train_step",
     "TrainState",
     "RolloutBatch",

@@ -32,7 +32,8 @@ from jaxppo import sharding
 
 __all__ = ["load_prompts", "load_prompt_table", "prompt_order", "prompt_stream", "render_prompts", "PromptTable",
            "PromptBatch", "prompt_batch", "PromptEncoder", "PromptStream", "PromptStreamEnded", "is_stream",
-           "mix_prompts", "PromptMixture", "read_prompt_records", "labelled_prompt_table", "check_prompts_file"]
+           "mix_prompts", "PromptMixture", "read_prompt_records", "labelled_prompt_table", "check_prompts_file",
+           "check_messages", "read_records"]
 
 
 def load_prompts(source, prompt_column: str = "prompt") -> list:
@@ -74,7 +75,7 @@ def labelled_prompt_table(source, prompt_column: str = "prompt"):
         path = os.fspath(source)
         check_prompts_file(path)
         where = path
-        rows, labels = _read_records(path, prompt_column)
+        rows, labels = read_records(path, prompt_column)
         prompts = [_prompt_of(row, prompt_column, label) for row, label in zip(rows, labels)]
     elif hasattr(source, "column_names"):
         if prompt_column == "prompt" and "prompt" not in source.column_names and "messages" in source.column_names:
@@ -174,7 +175,7 @@ def file_format(path: str, head, prompt_column: str = "prompt") -> str:
     return "jsonl" if objects else "txt"
 
 
-def _read_records(path: str, prompt_column: str):
+def read_records(path: str, prompt_column: str):
     """(rows, labels) of a prompts file: .jsonl objects, a .json list, or .txt lines (blank
     lines skipped), the extension in any case, or the content where the extension says
     nothing (`file_format`); each label names the file and line or item, for errors."""
@@ -210,7 +211,7 @@ def _checked_prompts(prompts: list, labels: list) -> list:
     chat = [i for i, p in enumerate(prompts) if isinstance(p, (list, tuple))]
     if chat:
         for i in chat:
-            _check_messages(prompts[i], labels[i])
+            check_messages(prompts[i], labels[i])
         prompts = [list(p) if isinstance(p, tuple) else p for p in prompts]
         if len(chat) != len(prompts):
             i = next(i for i, p in enumerate(prompts) if not isinstance(p, list))
@@ -231,7 +232,7 @@ def _checked_prompts(prompts: list, labels: list) -> list:
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")
 
 
-def _check_messages(messages, label: str):
+def check_messages(messages, label: str):
     if not messages:
         raise ValueError(f"{label} is an empty list of chat messages; give at least one {{\"role\", \"content\"}} "
                          "message")
@@ -729,7 +730,7 @@ class _FileRecords:
         extension = "." + file_format(self.path, lambda: list(itertools.islice(_iter_lines(self.path), 1000)),
                                       self.prompt_column)
         if extension == ".json":
-            rows, labels = _read_records(self.path, self.prompt_column)
+            rows, labels = read_records(self.path, self.prompt_column)
             yield from (_Labelled(r, label) for r, label in zip(rows, labels))
             return
         for n, line in _iter_lines(self.path):

@@ -30,8 +30,8 @@ from jaxppo.models.tokenizer import decode_responses
 from jaxppo.run.directory import atomic_replace_dir
 from jaxppo.sharding import to_host
 
-__all__ = ["Outputs", "for_writer", "export_policy", "export_adapter", "export_checkpoint", "completion_table",
-           "table_rows", "stopped_rows", "HfCheckpoints", "HF_DIR", "BEST_FILE"]
+__all__ = ["Outputs", "for_writer", "export_policy", "export_reward_model", "export_adapter", "export_checkpoint",
+           "completion_table", "table_rows", "stopped_rows", "HfCheckpoints", "HF_DIR", "BEST_FILE"]
 
 HF_DIR = "hf"
 BEST_FILE = "best.json"
@@ -55,6 +55,12 @@ def export_policy(model, params, tokenizer, path: str, drop_value_head: bool = F
     model = dataclasses.replace(model, kind="causal_lm")
     if drop_value_head:
         params = {**params, "params": {k: v for k, v in params["params"].items() if k != "value_head"}}
+    _export_model(model, params, tokenizer, path)
+
+
+def _export_model(model, params, tokenizer, path: str):
+    """`model` / `params` and `tokenizer` as a Hugging Face directory in `path`, written
+    atomically with checksums by the one process that writes exports."""
     params = for_writer(params)
     if params is None:
         return
@@ -65,6 +71,17 @@ def export_policy(model, params, tokenizer, path: str, drop_value_head: bool = F
             tokenizer.save_pretrained(directory)
 
     _replace_with_checksums(write, path)
+
+
+def export_reward_model(model, params, tokenizer, path: str):
+    """Save a reward model (kind "reward", one label) and `tokenizer` as a Hugging Face
+    `...ForSequenceClassification` directory, LoRA adapters merged, checksummed; its
+    `pad_token_id` is the tokenizer's (transformers reads the score at the last token that
+    is not padding)."""
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is not None:
+        model = dataclasses.replace(model, config=dataclasses.replace(model.config, pad_token_id=int(pad)))
+    _export_model(model, params, tokenizer, path)
 
 
 def export_adapter(model, params, path: str, base_path=None):

@@ -34,11 +34,12 @@ __all__ = ["BatchConfig", "batch_config", "TrainState", "Freeze", "update_epochs
 
 
 
-def check_sizes(owner: str, batch_size, mini_batch_size, ppo_epochs, gradient_accumulation_steps):
+def check_sizes(owner: str, batch_size, mini_batch_size, ppo_epochs, gradient_accumulation_steps,
+                rows: str = "rollout row"):
     """ValueError unless the counts are positive ints and divide as the engine needs:
     `batch_size % mini_batch_size == 0` (every row in exactly one mini-batch per epoch) and
     `mini_batch_size % gradient_accumulation_steps == 0` (equal micro-batches). `owner`
-    names the config in the message ("BatchConfig")."""
+    names the config in the message ("BatchConfig"), `rows` what a row is ("rollout row")."""
     sizes = dict(batch_size=batch_size, mini_batch_size=mini_batch_size, ppo_epochs=ppo_epochs,
                  gradient_accumulation_steps=gradient_accumulation_steps)
     for name, value in sizes.items():
@@ -48,7 +49,7 @@ def check_sizes(owner: str, batch_size, mini_batch_size, ppo_epochs, gradient_ac
     if batch_size % mini_batch_size:
         raise ValueError(
             f"{owner}.batch_size={batch_size} is not divisible by {owner}.mini_batch_size={mini_batch_size}: every "
-            f"rollout row must land in exactly one mini-batch per epoch. Valid mini_batch_size values for this "
+            f"{rows} must land in exactly one mini-batch per epoch. Valid mini_batch_size values for this "
             f"batch_size: {divisors(batch_size)}.")
     if mini_batch_size % gradient_accumulation_steps:
         raise ValueError(
