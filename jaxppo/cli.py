@@ -30,6 +30,7 @@ from jaxppo.algorithms import REGISTRY
 from jaxppo.config.fields import describe
 from jaxppo.config.renamed import DEPRECATED
 from jaxppo.config.settings import CONCERNS, Config
+from jaxppo.errors import name_the_flag  # noqa: F401  (also re-exported: jaxppo.cli.name_the_flag)
 from jaxppo.run.trainer import Trainer
 
 __all__ = ["main", "build_parser", "resolve", "model_options", "build_trainer"]
@@ -60,6 +61,8 @@ _EXTRA = {
                                "score the episodes (with --reward-model or --reward they add)"),
     "critic": (str, None, "local directory to initialise the critic from (default: the reward model)"),
     "ref_model": (str, None, "local directory of the reference policy (default: the initial policy)"),
+    "teacher": (str, None, "local causal-LM directory of the teacher to distil from (--algorithm distill; the "
+                           "policy's vocabulary)"),
     "prompts": (str, None, "prompts file: .txt (one per line), .jsonl or .json; default: the demo's prompts. With "
                            "--prompt-weights, several files separated by commas, mixed"),
     "prompt_weights": (str, None, "mix the --prompts files (a,b) with these weights (0.7,0.3): each prompt is drawn "
@@ -311,12 +314,13 @@ def build_trainer(config: Config, extras: dict) -> Trainer:
         if not extras["prompts"]:
             raise SystemExit("jaxppo: --prompts is required with --model")
         prompts = _mixed(extras["prompts"], extras["prompt_weights"], seed, config.data.prompt_column)
-        for flag in ("model", "reward_model", "critic", "ref_model"):
+        for flag in ("model", "reward_model", "critic", "ref_model", "teacher"):
             if extras[flag] is not None:
                 check_checkpoint_dir(extras[flag], f"--{flag.replace('_', '-')}")
         tokenizer = load_tokenizer(extras["model"])
         policy = extras["model"]
-        rewards = extras["reward"] or ([] if environment is not None or extras["reward_model"] else ["lowercase"])
+        rewards = extras["reward"] or ([] if environment is not None or extras["reward_model"] or extras["teacher"]
+                                       else ["lowercase"])
     if extras["reward_model"] is not None and extras["reward"]:
         raise SystemExit("jaxppo: give --reward-model or --reward, not both")
     functions = [_reward_function(text) for text in rewards]
@@ -325,7 +329,7 @@ def build_trainer(config: Config, extras: dict) -> Trainer:
     return Trainer(config, policy=policy, tokenizer=tokenizer, prompts=prompts, reward_model=extras["reward_model"],
                    reward_fns=functions[0] if single else (functions or None),
                    reward_weights=extras["reward_weight"], critic=extras["critic"], ref_policy=extras["ref_model"],
-                   environment=environment, eval_prompts=extras["eval_prompts"],
+                   teacher=extras["teacher"], environment=environment, eval_prompts=extras["eval_prompts"],
                    eval_reward_fns=[_reward_function(t) for t in extras["eval_reward"]] if extras["eval_reward"]
                    else None, **model_options(extras))
 
@@ -456,7 +460,12 @@ def main(argv=None) -> int:
     # found. Models won't be available ..."); jaxppo never needs PyTorch, so that line is
     # noise here. Only advisory messages are silenced: transformers' warnings still show.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    config, extras = resolve(argv)
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args[:1] == ["reward-model"]:  # the reward model's own command (jaxppo.run.reward_model)
+        from jaxppo.run.reward_model import main as reward_model_main
+
+        return reward_model_main(args[1:])
+    config, extras = resolve(args)
     # Before anything compiles: jax decides once per process whether it uses the cache.
     _use_compilation_cache(extras["compilation_cache"])
     if extras["distributed"]:
@@ -478,19 +487,6 @@ def main(argv=None) -> int:
         print(f"jaxppo: error: {err}", file=sys.stderr)
         return 1
     return 0
-
-
-def name_the_flag(message: str) -> str:
-    """An error about a setting, as the command's user typed it: a message naming
-    `<Concern>Config.x` (the Python API's names) and not the flag already gets the flag of
-    its first such setting in front ("--batch-size: BatchConfig.batch_size=3 is not ...")."""
-    import re
-
-    match = re.search(r"\b([A-Z][A-Za-z]*Config)\.([a-z_0-9]+)\b", message)
-    if match is None:
-        return message
-    flag = "--" + match.group(2).replace("_", "-")
-    return message if flag in message else f"{flag}: {message}"
 
 
 if __name__ == "__main__":

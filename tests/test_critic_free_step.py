@@ -70,6 +70,15 @@ def ref_advantages(rollout, config):
     scores = [sum(rewards[i, t] for t in range(R) if mask[i, t]) for i in range(b)]
     est = config.advantages.advantage_estimator
     adv = np.zeros((b, R))
+    if est == "distill":  # each token: the teacher's log-prob minus the student's; plus the weighted task part
+        w = config.advantages.task_reward_weight
+        logp, teacher = np.asarray(rollout.logprobs, np.float64), np.asarray(rollout.ref_logprobs, np.float64)
+        task = ref_advantages(rollout, config.replace(advantage_estimator="grpo", task_reward_weight=0.0)) if w else np.zeros((b, R))
+        for i in range(b):
+            for t in range(R):
+                if mask[i, t]:
+                    adv[i, t] = teacher[i, t] - logp[i, t] + w * task[i, t]
+        return adv
     if est in ("grpo", "rloo"):
         batch_mean = sum(scores) / b
         batch_std = (sum((s - batch_mean) ** 2 for s in scores) / (b - 1)) ** 0.5
@@ -217,9 +226,11 @@ def test_advantages_match_loops(model, name, changes):
     ("cispo", dict(cliprange_high=0.05, kl_loss_coef=0.1)),
     ("sapo", dict(sapo_temperatures=(3.0, 0.5))),
     ("vespo", dict(vespo_shape=(1.0, 0.5, 4.0, 6.0), loss_aggregation="seq_mean_token_mean")),
+    # On-policy distillation mixed with the task's group-normalised scores.
+    ("distill", dict(task_reward_weight=0.5, num_generations=4)),
 ], ids=CRITIC_FREE + ["grpo-batch-k2-dual", "dr_grpo-k1", "reinforce_pp_baseline", "rloo-trl", "dapo-trl",
                       "dr_grpo-norm-length", "grpo-bias-corrected-kl", "gspo-bias-corrected-kl", "cispo-cap-acting",
-                      "sapo-temperatures", "vespo-shape"])
+                      "sapo-temperatures", "vespo-shape", "distill-with-task-rewards"])
 def test_train_step_equals_a_python_loop_of_updates(model, name, changes):
     """Every algorithm's whole train_step (advantages, loss, aggregation, clipping, KL term,
     permutations, updates) equals the reference loop."""

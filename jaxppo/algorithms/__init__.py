@@ -17,7 +17,7 @@ your own code at run time, `register_estimator(estimator)`.
 
 from __future__ import annotations
 
-from jaxppo.algorithms import gae, grpo, reinforce_pp, rloo
+from jaxppo.algorithms import distill, gae, grpo, reinforce_pp, rloo
 from jaxppo.algorithms.base import Advantages, AdvantageEstimator, Algorithm, loss_terms, sequence_scores
 from jaxppo.algorithms.presets import PRESETS
 
@@ -32,6 +32,7 @@ ESTIMATORS = {e.name: e for e in (
     rloo.ESTIMATOR,
     reinforce_pp.ESTIMATOR,
     reinforce_pp.BASELINE,
+    distill.ESTIMATOR,
 )}
 
 _BUILT_IN = tuple(ESTIMATORS)

@@ -46,6 +46,9 @@ class AdvantageEstimator:
         one number per completion and refuses these.
       config_fields: the settings it reads (documentation, and the CLI help).
       metrics: names of the statistics it adds to `train_step`'s metrics.
+      uses_reference: reads the frozen model's log-probs of the sampled tokens
+        (`rollout.ref_logprobs`: on-policy distillation's teacher), so a run builds and
+        scores that model whatever its KL settings.
       summary: one line for tables and help.
     """
 
@@ -57,6 +60,7 @@ class AdvantageEstimator:
     per_token: bool = False
     config_fields: Tuple[str, ...] = ()
     metrics: Tuple[str, ...] = ()
+    uses_reference: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

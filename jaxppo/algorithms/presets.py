@@ -86,4 +86,12 @@ PRESETS = (
                       kl_loss_coef=0.0),
         source="VESPO: Variational Sequence-Level Soft Policy Optimization (arXiv 2602.10693); TRL loss_type='vespo'",
         summary="a gamma weight of each completion's importance ratio (k, lambda = 2, 3 / 3, 2) instead of clipping"),
+    Algorithm(
+        # The teacher is the run's frozen model (Trainer(teacher=...)); no reward is needed
+        # unless task_reward_weight > 0 (then G >= 2 completions per prompt are compared).
+        "distill", dict(_CRITIC_FREE, advantage_estimator="distill", num_generations=1, task_reward_weight=0.0,
+                        loss_aggregation="token_mean", kl_loss_coef=0.0),
+        source="Agarwal et al. 2024 (On-Policy Distillation of Language Models, GKD); Thinking Machines 2025, "
+               "On-Policy Distillation (per-token reverse KL as the advantage); NeMo-RL, verl OPD",
+        summary="on-policy distillation: each sampled token's advantage is log pi_teacher - log pi_student"),
 )

@@ -43,6 +43,10 @@ class AdvantageConfig(Concern):
       grpo_eps: added to the std that grpo_scale divides by; > 0.
       shared_trunk: PPO's critic is a value head on the policy's trunk (one model) instead
         of a model of its own.
+      task_reward_weight: read by "distill" (on-policy distillation) only: the weight of
+        the task's rewards (each completion's group-normalised score, GRPO's advantage,
+        added at every token) beside the per-token reverse KL to the teacher; >= 0, 0: the
+        teacher alone (no reward needed). > 0 needs num_generations >= 2.
     """
 
     advantage_estimator: str = "gae"
@@ -54,6 +58,7 @@ class AdvantageConfig(Concern):
     grpo_scale: str = "group"
     grpo_eps: float = 1e-4
     shared_trunk: bool = False
+    task_reward_weight: float = 0.0
 
     def __post_init__(self):
         if not isinstance(self.advantage_estimator, str) or not self.advantage_estimator:
@@ -65,6 +70,7 @@ class AdvantageConfig(Concern):
         check_bools(self, ("whiten_advantages", "whiten_rewards", "shared_trunk"))
         check_choice(self, "grpo_scale", GRPO_SCALES)
         check_real(self, "grpo_eps", 0.0, low_open=True)
+        check_real(self, "task_reward_weight", 0.0)
 
 
 @dataclasses.dataclass(frozen=True)

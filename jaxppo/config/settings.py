@@ -132,6 +132,19 @@ class Config:
         return self.estimator.uses_critic
 
     @property
+    def needs_reference(self) -> bool:
+        """The run scores the sampled tokens with a frozen model: a reference for a KL
+        (`KLConfig.needs_reference`), or on-policy distillation's teacher (an estimator that
+        `uses_reference`)."""
+        return self.kl.needs_reference or self.estimator.uses_reference
+
+    @property
+    def keeps_ref_logprobs(self) -> bool:
+        """The rollout carries the frozen model's log-probs (`ref_logprobs`): for a KL term
+        in the loss, or for an estimator that reads them (the teacher's)."""
+        return bool(self.kl.kl_loss_coef) or self.estimator.uses_reference
+
+    @property
     def prompts_per_batch(self) -> int:
         """Prompts sampled per iteration: `batch_size // num_generations`."""
         return self.batch.batch_size // self.advantages.num_generations
@@ -252,6 +265,15 @@ def check_config(c: Config) -> None:
                       "vary along a completion, and a sequence-level ratio weighs one number per completion (use an "
                       "estimator with one advantage per completion: "
                       f"{', '.join(n for n, e in ESTIMATORS.items() if not e.per_token)})")
+    if a.task_reward_weight and "task_reward_weight" not in estimator.config_fields:
+        raise invalid("AdvantageConfig", "task_reward_weight", a.task_reward_weight,
+                      f"0 with advantage_estimator={a.advantage_estimator!r}, which does not read it (on-policy "
+                      "distillation's 'distill' does: the task rewards' weight beside the teacher)")
+    if a.task_reward_weight and a.num_generations < 2:
+        raise invalid("AdvantageConfig", "task_reward_weight", a.task_reward_weight,
+                      f"0 with AdvantageConfig.num_generations={a.num_generations}: the task's advantage is each "
+                      "completion's score against its group's, and a group of one has none; set num_generations >= 2 "
+                      "(and batch_size a multiple of it)")
     if a.shared_trunk and not estimator.uses_critic:
         raise ValueError(f"AdvantageConfig.shared_trunk=True puts a value head on the policy, but "
                          f"advantage_estimator={a.advantage_estimator!r} has no critic; set shared_trunk=False")

@@ -122,7 +122,7 @@ class RolloutSpec:
     policy_params_key: Optional[str] = None
     reward_apply: Optional[Callable] = None
     reward_weight: float = 1.0
-    keep_ref_logprobs: bool = _from("kl.kl_loss_coef", default=False, convert=bool)
+    keep_ref_logprobs: bool = _from("keeps_ref_logprobs", default=False, convert=bool)
     ref_is_policy: bool = False
     token_reward_fn: Optional[Callable] = None
     stop_token_ids: Tuple[int, ...] = ()

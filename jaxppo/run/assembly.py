@@ -43,7 +43,8 @@ __all__ = ["Assembly", "assemble", "load_model", "critic_from", "LogitsOf", "AUT
 
 # The Trainer's keyword and the command's flag of each model it loads (errors name both).
 ROLES = {"policy": "policy= (--model)", "reward_model": "reward_model= (--reward-model)",
-         "ref_policy": "ref_policy= (--ref-model)", "critic": "critic= (--critic)"}
+         "ref_policy": "ref_policy= (--ref-model)", "critic": "critic= (--critic)",
+         "teacher": "teacher= (--teacher)"}
 
 
 def load_model(spec, kind, dtype, param_dtype=None, scan_layers=None, role: Optional[str] = None):
@@ -211,8 +212,11 @@ def assemble(config, inputs, *, reward_model=None, head_window: Optional[int] = 
     policy_model, policy_params = _load_policy(policy, config, scan_layers, lora, lora_init)
     if head_window is not None:
         policy_model = dataclasses.replace(policy_model, head_window=head_window)
-    ref_model, ref_params, ref_is_policy = _reference(config, policy_model, policy_params, inputs.ref_policy, ref_dtype,
-                                                      scan_layers)
+    frozen, role = _frozen_model(config, inputs)
+    ref_model, ref_params, ref_is_policy = _reference(config, policy_model, policy_params, frozen, ref_dtype,
+                                                      scan_layers, role)
+    if role == "teacher":
+        _check_vocabulary(policy_model, ref_model)
     if head_window is not None and ref_model is not None:
         ref_model = dataclasses.replace(ref_model, head_window=head_window)
     reward = reward_params = None
@@ -231,6 +235,8 @@ def assemble(config, inputs, *, reward_model=None, head_window: Optional[int] = 
         freeze = Freeze(prefixes=(base,), unless=((*base, "value_head"),))
     if ref_model is None:
         reference = "none"
+    elif role == "teacher":
+        reference = {"teacher": describe_model(inputs.teacher, ref_model, dtype)}
     elif ref_is_policy:
         reference = "policy base (adapters off)"
     else:
@@ -287,22 +293,52 @@ def _load_policy(policy, config, scan_layers, lora, lora_init):
     return policy_model, policy_params
 
 
-def _reference(config, policy_model, policy_params, ref_policy, ref_dtype, scan_layers):
+def _frozen_model(config, inputs):
+    """(the frozen model the run scores sampled tokens with, its role): on-policy
+    distillation's teacher ("teacher"), or the reference ("ref_policy"; None: the initial
+    policy). Errors where the two are mixed up."""
+    distilling = config.estimator.uses_reference
+    if inputs.teacher is not None and inputs.ref_policy is not None:
+        raise ValueError("give teacher= (--teacher) or ref_policy= (--ref-model), not both: on-policy distillation's "
+                         "teacher takes the reference's place (its log-probs are scored in the same pass)")
+    if inputs.teacher is not None and not distilling:
+        raise ValueError(f"teacher= (--teacher) is read by on-policy distillation (advantage_estimator='distill', "
+                         f"--algorithm distill); this run's estimator is "
+                         f"{config.advantages.advantage_estimator!r}. Use the distill algorithm, or give the model as "
+                         "ref_policy= (--ref-model) for a KL to it")
+    if distilling and inputs.teacher is None:
+        raise ValueError(f"advantage_estimator={config.advantages.advantage_estimator!r} distils from a teacher: give "
+                         "teacher= (--teacher), a local causal-LM checkpoint or (Model, params) with the policy's "
+                         "vocabulary")
+    return (inputs.teacher, "teacher") if distilling else (inputs.ref_policy, "ref_policy")
+
+
+def _check_vocabulary(policy_model, teacher_model):
+    """A teacher scores the student's token ids: the two must share the vocabulary."""
+    a, b = policy_model.config.vocab_size, teacher_model.config.vocab_size
+    if a != b:
+        raise ValueError(f"teacher= (--teacher) has a vocabulary of {b} tokens and the policy one of {a}: on-policy "
+                         "distillation scores the student's token ids with the teacher, so both need the same "
+                         "tokenizer (a teacher of the same model family and vocabulary)")
+
+
+def _reference(config, policy_model, policy_params, ref_policy, ref_dtype, scan_layers, role: str = "ref_policy"):
     """(reference model or None, its params or None, whether it runs on the policy's own
-    params: a LoRA policy with its adapters off)."""
-    if not config.kl.needs_reference:
+    params: a LoRA policy with its adapters off). `role` "teacher": `ref_policy` is
+    on-policy distillation's teacher, always given."""
+    if not config.needs_reference:
         if ref_policy is not None:
             warnings.warn("ref_policy is not used: kl_coef and kl_loss_coef are 0 and there is no kl_target, so no "
                           "KL to a reference is computed (and no reference model is loaded)", UserWarning, stacklevel=4)
         return None, None, False
-    if ref_policy is None and policy_model.lora is not None:
+    if ref_policy is None and policy_model.lora is not None and role == "ref_policy":
         # The same weights with the adapters switched off: no second copy.
         return dataclasses.replace(policy_model, adapters=False), None, True
     if ref_policy is None:
         # A copy of the initial policy, held in ref_dtype (jnp.array copies even without a cast).
         ref_model = dataclasses.replace(policy_model, dtype=ref_dtype, param_dtype=ref_dtype)
         return ref_model, copy_as(policy_params, ref_dtype), False
-    ref_model, ref_params = load_model(ref_policy, "causal_lm", ref_dtype, scan_layers=scan_layers, role="ref_policy")
+    ref_model, ref_params = load_model(ref_policy, "causal_lm", ref_dtype, scan_layers=scan_layers, role=role)
     ref_model = _with_attention(ref_model, config.layout)
     if config.layout.logits_chunk_size is not None:
         ref_model = dataclasses.replace(ref_model, logits_chunk_size=config.layout.logits_chunk_size)

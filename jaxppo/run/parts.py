@@ -64,6 +64,7 @@ class Inputs(NamedTuple):
     tools: Optional[Sequence[Callable]] = None
     eval_prompts: Any = None
     eval_reward_fns: Optional[Sequence[Callable]] = None
+    teacher: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,8 +124,11 @@ def build(config, inputs: Inputs) -> RunParts:
     """The parts of a run: everything checked before anything loads, then the prompts, the
     models, the rollout engine, the optimizer and the run state."""
     environment = _environment(inputs, config)
+    # On-policy distillation from the teacher alone needs no reward (one given is still
+    # scored and logged: objective/scores).
+    teacher_alone = config.estimator.uses_reference and not config.advantages.task_reward_weight
     rewards = sort_rewards(inputs.reward_model, inputs.reward_fns, inputs.reward_fn_on, inputs.reward_weights,
-                           environment=environment is not None)
+                           environment=environment is not None or teacher_alone)
     engine = _check_inputs(config, inputs, rewards, environment)
     if config.layout.share_prompts is None:
         config = config.replace(share_prompts=True)  # the trainer's groups share their prompt

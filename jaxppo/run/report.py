@@ -88,8 +88,12 @@ def summary(history: list, config, run, policy_model, policy_params) -> str:
                      f"({last - first:+.4f})")
         if "objective/kl" in scored[-1]:
             kl_last = float(np.mean([m["objective/kl"] for m in scored[-n:]]))
-            where = (f"KL term in the loss, coefficient {config.kl.kl_loss_coef}" if config.kl.kl_loss_coef
-                     else f"kl_coef now {float(run.kl.beta):.4f}")
+            if config.estimator.uses_reference and not config.kl.needs_reference:
+                where = "to the teacher (on-policy distillation's advantage)"
+            elif config.kl.kl_loss_coef:
+                where = f"KL term in the loss, coefficient {config.kl.kl_loss_coef}"
+            else:
+                where = f"kl_coef now {float(run.kl.beta):.4f}"
             lines.append(f"mean KL (last {n}): {kl_last:.4f}; {where}")
     lines.append(f"metrics: {os.path.join(config.run.output_dir, 'metrics.jsonl')}")
     return "\n".join(lines)

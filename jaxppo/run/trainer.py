@@ -77,6 +77,9 @@ class Trainer:
       environment: a factory of multi-turn environments (`jaxppo.rollout.environments`), or
         tools: functions the policy may call (`jaxppo.rollout.tools`).
       eval_prompts, eval_reward_fns: the evaluation during training (`EvalConfig`).
+      teacher: on-policy distillation's teacher (`Config.for_algorithm("distill")`): a local
+        causal-LM checkpoint or `(Model, params)` with the policy's vocabulary, frozen and
+        scored in the reference's place (docs/rlhf-pipeline.md).
 
     0.4's spellings work for one more release, each with a `DeprecationWarning`:
     `Trainer(ppo_config, trainer_config, ...)`, `reward_fn=`, and the keywords that are
@@ -90,11 +93,11 @@ class Trainer:
                  reward_weights: Optional[Sequence[float]] = None, ref_policy=None, critic=None,
                  callbacks: Sequence[Callable] = (), lora=None, lora_init: Optional[str] = None,
                  environment: Optional[Callable] = None, tools: Optional[Sequence[Callable]] = None, eval_prompts=None,
-                 eval_reward_fns: Optional[Sequence[Callable]] = None, **deprecated):
+                 eval_reward_fns: Optional[Sequence[Callable]] = None, teacher=None, **deprecated):
         config, reward_fns = _config_of(config, trainer_config, reward_fns, deprecated)
         self.parts = build(config, Inputs(policy, tokenizer, prompts, reward_model, reward_fns, reward_fn_on,
                                           reward_weights, ref_policy, critic, lora, lora_init, environment, tools,
-                                          eval_prompts, eval_reward_fns))
+                                          eval_prompts, eval_reward_fns, teacher))
         self.config, self.tokenizer, self.callbacks = self.parts.config, tokenizer, list(callbacks)
         self.run, self.train_step = self.parts.run, self.parts.train_step
         self.directory, self.outputs = RunDirectory(self.config.run), self.parts.outputs
