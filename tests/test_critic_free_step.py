@@ -52,6 +52,17 @@ def make_rollout(model, b, seed=0, with_ref=True):
     return rollout.replace(logprobs=logprobs, ref_logprobs=ref)
 
 
+def with_teacher_top(rollout, k, seed=0):
+    """The rollout with a teacher's k most likely tokens at each position (log-probs of a
+    random distribution over the V tokens, largest first, and their ids), as distillation
+    with `distill_top_k` = k reads them."""
+    logits = 2.0 * np.random.default_rng(seed + 1).normal(size=rollout.response_tokens.shape + (V,))
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    ids = np.argsort(-logp, axis=-1)[..., :k]
+    return rollout.replace(teacher_top_logprobs=jnp.asarray(np.take_along_axis(logp, ids, -1), jnp.float32),
+                           teacher_top_ids=jnp.asarray(ids, jnp.int32))
+
+
 def config_for(name, **changes):
     sizes = dict(batch_size=16, mini_batch_size=8, ppo_epochs=2)
     base = Config.for_algorithm(name, **sizes)
@@ -73,11 +84,13 @@ def ref_advantages(rollout, config):
     if est == "distill":  # each token: the teacher's log-prob minus the student's; plus the weighted task part
         w = config.advantages.task_reward_weight
         logp, teacher = np.asarray(rollout.logprobs, np.float64), np.asarray(rollout.ref_logprobs, np.float64)
-        task = ref_advantages(rollout, config.replace(advantage_estimator="grpo", task_reward_weight=0.0)) if w else np.zeros((b, R))
+        task = (ref_advantages(rollout, config.replace(advantage_estimator="grpo", task_reward_weight=0.0, distill_top_k=0,
+                                                      distill_divergence="reverse")) if w else np.zeros((b, R)))
+        from_teacher = 0.0 if config.advantages.distill_top_k else 1.0  # top k: the loss carries the teacher
         for i in range(b):
             for t in range(R):
                 if mask[i, t]:
-                    adv[i, t] = teacher[i, t] - logp[i, t] + w * task[i, t]
+                    adv[i, t] = from_teacher * (teacher[i, t] - logp[i, t]) + w * task[i, t]
         return adv
     if est in ("grpo", "rloo"):
         batch_mean = sum(scores) / b
@@ -168,6 +181,16 @@ def ref_loss(params, apply_fn, mb, config):
         if config.kl.kl_loss_bias_correction:  # TRL's use_bias_correction_kl
             kl = kl * ratio
         loss = loss + config.kl.kl_loss_coef * aggregate(kl)
+    k = config.advantages.distill_top_k
+    if k:  # the divergence to the teacher over its top k and one bucket for the rest (or all V, no bucket)
+        full = jax.nn.log_softmax(logits, axis=-1)
+        q = jnp.take_along_axis(full, mb["top_ids"], axis=-1)
+        p = mb["top_lp"]
+        if k < V:
+            q = jnp.concatenate([q, jnp.log(1 - jnp.sum(jnp.exp(q), -1, keepdims=True))], -1)
+            p = jnp.concatenate([p, jnp.log(1 - jnp.sum(jnp.exp(p), -1, keepdims=True))], -1)
+        a, c = (q, p) if config.advantages.distill_divergence == "reverse" else (p, q)
+        loss = loss + aggregate(jnp.sum(jnp.exp(a) * (a - c), axis=-1))
     return loss
 
 
@@ -177,6 +200,8 @@ def reference_train_step(model, rollout, key, config, tx):
     data = dict(qt=rollout.query_tokens, qm=rollout.query_mask, rt=rollout.response_tokens, rm=rollout.response_mask,
                 lp=rollout.logprobs, adv=adv, ref=rollout.ref_logprobs,
                 batch_tokens=jnp.full((config.batch.batch_size,), jnp.sum(rollout.response_mask)))
+    if config.advantages.distill_top_k:
+        data.update(top_lp=rollout.teacher_top_logprobs, top_ids=rollout.teacher_top_ids)
     opt_state = tx.init(params)
     keys = jax.random.split(key, config.batch.ppo_epochs)
     grad = jax.jit(jax.grad(lambda p, mb: ref_loss(p, apply_fn, mb, config)))
@@ -228,14 +253,20 @@ def test_advantages_match_loops(model, name, changes):
     ("vespo", dict(vespo_shape=(1.0, 0.5, 4.0, 6.0), loss_aggregation="seq_mean_token_mean")),
     # On-policy distillation mixed with the task's group-normalised scores.
     ("distill", dict(task_reward_weight=0.5, num_generations=4)),
+    # The divergence to the teacher's top k in the loss: reverse over k < V and a bucket; forward over all V.
+    ("distill", dict(distill_top_k=5)),
+    ("distill", dict(distill_top_k=V, distill_divergence="forward", task_reward_weight=0.5, num_generations=4)),
 ], ids=CRITIC_FREE + ["grpo-batch-k2-dual", "dr_grpo-k1", "reinforce_pp_baseline", "rloo-trl", "dapo-trl",
                       "dr_grpo-norm-length", "grpo-bias-corrected-kl", "gspo-bias-corrected-kl", "cispo-cap-acting",
-                      "sapo-temperatures", "vespo-shape", "distill-with-task-rewards"])
+                      "sapo-temperatures", "vespo-shape", "distill-with-task-rewards", "distill-top-k-reverse",
+                      "distill-full-vocabulary-forward"])
 def test_train_step_equals_a_python_loop_of_updates(model, name, changes):
     """Every algorithm's whole train_step (advantages, loss, aggregation, clipping, KL term,
     permutations, updates) equals the reference loop."""
     config = config_for(name, **changes)
     rollout = make_rollout(model, config.batch.batch_size)
+    if config.advantages.distill_top_k:
+        rollout = with_teacher_top(rollout, config.advantages.distill_top_k)
     tx = optax.sgd(0.5)  # large steps: later mini-batches see ratios far from 1, so the clips act
     state = TrainState.create(apply_fn=model[0], params=model[1], tx=tx)
     key = jax.random.key(3)
@@ -247,6 +278,8 @@ def test_train_step_equals_a_python_loop_of_updates(model, name, changes):
     assert float(metrics["per_minibatch/val/ratio"][0, 0]) == pytest.approx(1.0, abs=1e-6)  # on-policy start
     if config.kl.kl_loss_coef:
         assert np.isfinite(float(metrics["kl"]))
+    if config.advantages.distill_top_k:
+        assert float(metrics["loss/distill_avg"]) > 0.1  # random teachers: far from the student
     # The soft surrogates' weights are 1 on-policy (the first mini-batch) and leave it after.
     weight = {"sapo": "policy/sapo_gate", "vespo": "policy/vespo_phi"}.get(config.loss.surrogate)
     if weight:

@@ -102,6 +102,40 @@ def test_shared_prompts_sharded_equal_every_row_on_one_device(setup, mesh_config
 
 
 @pytest.mark.parametrize("mesh_config", [MESHES[2], MESHES[3]], ids=_ids)
+def test_top_k_distillation_sharded_equals_one_device(setup, mesh_config):
+    """On-policy distillation with the teacher's top k: the teacher's top-k pass (a frozen
+    model's, the head's vocabulary split over "tensor" on the 2x2x2 mesh) and the update
+    whose loss gathers the student's log-probs of those ids, sharded, equal one device."""
+    policy, _, params, rollout = setup
+    teacher = jm.Model(policy.config, logits_chunk_size=4)
+    teacher_params = teacher.init(jax.random.key(7))
+    k = 5
+    args = (rollout.query_tokens, rollout.query_mask, rollout.response_tokens, rollout.response_mask, k)
+    want = teacher.response_top_logprobs(teacher_params, *args)
+    mesh = sh.make_mesh(mesh_config)
+    placed = jax.device_put(teacher_params, sh.tree_shardings(teacher_params, mesh))
+    with jax.set_mesh(mesh):
+        got = jax.jit(teacher.response_top_logprobs, static_argnums=(5,))(placed, *args)
+    live = np.asarray(rollout.response_mask, bool)
+    np.testing.assert_array_equal(np.asarray(got[2])[live], np.asarray(want[2])[live])
+    for a, b in zip(got[:2], want[:2]):
+        np.testing.assert_allclose(np.asarray(a)[live], np.asarray(b)[live], atol=1e-5)
+    rollout = rollout.replace(values=None, ref_logprobs=want[0], teacher_top_logprobs=want[1],
+                              teacher_top_ids=want[2])
+    config = jaxppo.Config.for_algorithm("distill", batch_size=16, mini_batch_size=8, ppo_epochs=2, distill_top_k=k)
+    state = jaxppo.TrainState.create(apply_fn=policy.apply, params=params["policy"], tx=optax.sgd(0.5))
+    ref, ref_metrics = jaxppo.train_step(state, rollout, jax.random.key(3), config)
+    sharded = sh.shard_state(state, mesh)
+    out, metrics = sh.sharded_train_step(sharded, config, mesh)(sharded, sh.shard_batch(rollout, mesh),
+                                                                jax.random.key(3))
+    for a, b in zip(jax.tree.leaves(out.params), jax.tree.leaves(ref.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=1e-4)
+    assert float(ref_metrics["loss/distill_avg"]) > 0.1
+    np.testing.assert_allclose(metrics["per_minibatch/loss/distill"], ref_metrics["per_minibatch/loss/distill"],
+                               rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("mesh_config", [MESHES[2], MESHES[3]], ids=_ids)
 def test_scanned_layers_sharded_equal_unrolled_single_device(setup, mesh_config):
     """Stacked layers (`scan_layers`) with the unchunked log-prob head under a mesh: same
     update as the unrolled model (chunked head) on one device, stacked kernels split on

@@ -86,7 +86,8 @@ class Algorithm:
 def loss_terms(config) -> Tuple[str, ...]:
     """The terms of the loss a `jaxppo.Config` trains with, in the order the loss adds them:
     "policy" (always), "value" (a critic), "entropy" (ent_coef > 0, or an adaptive
-    coefficient: `entropy_target`), "kl" (kl_loss_coef > 0)."""
+    coefficient: `entropy_target`), "kl" (kl_loss_coef > 0), "distill" (the divergence to a
+    teacher's top k: `distill_top_k` > 0)."""
     terms = ["policy"]
     if config.uses_critic:
         terms.append("value")
@@ -94,6 +95,8 @@ def loss_terms(config) -> Tuple[str, ...]:
         terms.append("entropy")
     if config.kl.kl_loss_coef:
         terms.append("kl")
+    if config.advantages.distill_top_k:
+        terms.append("distill")
     return tuple(terms)
 
 

@@ -14,7 +14,7 @@ from jaxppo.update.advantages import GRPO_SCALES
 from jaxppo.update.checks import invalid, is_int, is_real
 from jaxppo.update.correction import ROLLOUT_CORRECTIONS
 from jaxppo.update.kl import KL_ESTIMATORS, KL_LOSS_ESTIMATORS
-from jaxppo.update.losses import IMPORTANCE_RATIOS, LOSS_AGGREGATIONS, SURROGATES
+from jaxppo.update.losses import DISTILL_DIVERGENCES, IMPORTANCE_RATIOS, LOSS_AGGREGATIONS, SURROGATES
 
 __all__ = ["AdvantageConfig", "LossConfig", "KLConfig", "RewardConfig"]
 
@@ -47,6 +47,16 @@ class AdvantageConfig(Concern):
         the task's rewards (each completion's group-normalised score, GRPO's advantage,
         added at every token) beside the per-token reverse KL to the teacher; >= 0, 0: the
         teacher alone (no reward needed). > 0 needs num_generations >= 2.
+      distill_top_k: read by "distill" only: 0 (the default) takes the teacher's signal
+        from the sampled tokens alone (the advantage above); k > 0 keeps the teacher's k most
+        likely tokens at each response position (one scoring pass, `teacher_top_logprobs`)
+        and trains the student on the divergence between the two distributions over those
+        k tokens and one bucket for the rest, a term of the loss (NeMo-RL's and verl's top-k
+        distillation; the vocabulary size gives the full divergence, GKD's); the advantage
+        is then the task's part alone. The rollout holds (batch, response_length, k) values
+        and ids; k <= the vocabulary (checked when the models are known).
+      distill_divergence: with distill_top_k: "reverse" (KL(student || teacher), mode
+        seeking, the default) or "forward" (KL(teacher || student), GKD's beta = 0).
     """
 
     advantage_estimator: str = "gae"
@@ -59,6 +69,8 @@ class AdvantageConfig(Concern):
     grpo_eps: float = 1e-4
     shared_trunk: bool = False
     task_reward_weight: float = 0.0
+    distill_top_k: int = 0
+    distill_divergence: str = "reverse"
 
     def __post_init__(self):
         if not isinstance(self.advantage_estimator, str) or not self.advantage_estimator:
@@ -71,6 +83,8 @@ class AdvantageConfig(Concern):
         check_choice(self, "grpo_scale", GRPO_SCALES)
         check_real(self, "grpo_eps", 0.0, low_open=True)
         check_real(self, "task_reward_weight", 0.0)
+        check_counts(self, ("distill_top_k",), least=0)
+        check_choice(self, "distill_divergence", DISTILL_DIVERGENCES)
 
 
 @dataclasses.dataclass(frozen=True)

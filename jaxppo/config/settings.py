@@ -243,6 +243,29 @@ def _closest(name: str, valid) -> str:
     return f" (did you mean {match[0]!r}?)" if match else ""
 
 
+def _check_distillation(c: "Config", estimator):
+    """On-policy distillation's settings: read by an estimator that reads them, the task's
+    weight with groups, the teacher's top k with an unpacked loss."""
+    a = c.advantages
+    for name, default in (("task_reward_weight", 0), ("distill_top_k", 0), ("distill_divergence", "reverse")):
+        if getattr(a, name) != default and name not in estimator.config_fields:
+            raise invalid("AdvantageConfig", name, getattr(a, name),
+                          f"{default!r} with advantage_estimator={a.advantage_estimator!r}, which does not read it "
+                          "(on-policy distillation's 'distill' does: "
+                          + ("the task rewards' weight beside the teacher)" if name == "task_reward_weight" else
+                             "how the teacher's distribution is read)"))
+    if a.task_reward_weight and a.num_generations < 2:
+        raise invalid("AdvantageConfig", "task_reward_weight", a.task_reward_weight,
+                      f"0 with AdvantageConfig.num_generations={a.num_generations}: the task's advantage is each "
+                      "completion's score against its group's, and a group of one has none; set num_generations >= 2 "
+                      "(and batch_size a multiple of it)")
+    if a.distill_top_k and c.layout.pack_sequences:
+        raise invalid("LayoutConfig", "pack_sequences", True,
+                      f"False with AdvantageConfig.distill_top_k={a.distill_top_k}: the divergence to the teacher's "
+                      "top k reads the student's log-probs of the teacher's tokens, which the packed forward does not "
+                      "compute (set distill_top_k=0 to distil from the sampled tokens, which packs)")
+
+
 def check_config(c: Config) -> None:
     """The rules that span two concerns, each error naming the settings involved (each
     concern has checked its own settings already)."""
@@ -265,15 +288,7 @@ def check_config(c: Config) -> None:
                       "vary along a completion, and a sequence-level ratio weighs one number per completion (use an "
                       "estimator with one advantage per completion: "
                       f"{', '.join(n for n, e in ESTIMATORS.items() if not e.per_token)})")
-    if a.task_reward_weight and "task_reward_weight" not in estimator.config_fields:
-        raise invalid("AdvantageConfig", "task_reward_weight", a.task_reward_weight,
-                      f"0 with advantage_estimator={a.advantage_estimator!r}, which does not read it (on-policy "
-                      "distillation's 'distill' does: the task rewards' weight beside the teacher)")
-    if a.task_reward_weight and a.num_generations < 2:
-        raise invalid("AdvantageConfig", "task_reward_weight", a.task_reward_weight,
-                      f"0 with AdvantageConfig.num_generations={a.num_generations}: the task's advantage is each "
-                      "completion's score against its group's, and a group of one has none; set num_generations >= 2 "
-                      "(and batch_size a multiple of it)")
+    _check_distillation(c, estimator)
     if a.shared_trunk and not estimator.uses_critic:
         raise ValueError(f"AdvantageConfig.shared_trunk=True puts a value head on the policy, but "
                          f"advantage_estimator={a.advantage_estimator!r} has no critic; set shared_trunk=False")

@@ -17,7 +17,7 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-__all__ = ["LMHead", "token_logprobs", "softcap"]
+__all__ = ["LMHead", "token_logprobs", "top_logprobs", "softcap"]
 
 
 def softcap(x, cap):
@@ -48,10 +48,20 @@ class LMHead(NamedTuple):
 
 
 def _stats(head: LMHead, hidden, targets, temperature):
+    """(log-probs of `targets`, entropy) at each position; `targets` (..., T) one id per
+    position, or (..., T, m) m ids (then the log-probs are (..., T, m))."""
+    logp = jax.nn.log_softmax(head.logits(hidden) / temperature, axis=-1)
+    several = targets.ndim == hidden.ndim
+    index = targets if several else targets[..., None]
+    taken = jnp.take_along_axis(logp, index.astype(jnp.int32), axis=-1)
+    entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+    return (taken if several else taken[..., 0]), entropy
+
+
+def _top(head: LMHead, hidden, targets, k: int, temperature):
     logp = jax.nn.log_softmax(head.logits(hidden) / temperature, axis=-1)
     taken = jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
-    return taken, entropy
+    return (taken,) + tuple(jax.lax.top_k(logp, k))
 
 
 def _rows_over_data_axes(hidden):
@@ -74,30 +84,46 @@ def _rows_over_data_axes(hidden):
 def token_logprobs(hidden, head: LMHead, targets, temperature=1.0, chunk_size: Optional[int] = None):
     """log softmax(head(hidden) / temperature)[targets] and the entropy, each (B, T) float32.
 
-    hidden (B, T, D) at the positions that predict `targets` (B, T). `chunk_size=None`
+    hidden (B, T, D) at the positions that predict `targets` (B, T); targets (B, T, m), m
+    ids per position, give their log-probs (B, T, m) (on-policy distillation's student at
+    the teacher's top-k tokens, beside the sampled one). `chunk_size=None`
     applies the head to all T positions at once; `chunk_size=K` walks them K at a time
     (the last chunk zero-padded when K does not divide T; the padding is dropped), with the
     chunk's logits recomputed in the backward pass rather than stored."""
     hidden = _rows_over_data_axes(hidden)
-    b, t, d = hidden.shape
-    if chunk_size is None or chunk_size >= t:
+    if chunk_size is None or chunk_size >= hidden.shape[1]:
         return _stats(head, hidden, targets, temperature)
-    n = math.ceil(t / chunk_size)
-    pad = n * chunk_size - t
-    if pad:
-        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
-        targets = jnp.pad(targets, ((0, 0), (0, pad)))
-    # (B, n*K, ...) -> (n, B, K, ...): the scan walks the chunks; rows keep their sharding.
-    hs = jnp.swapaxes(hidden.reshape(b, n, chunk_size, d), 0, 1)
-    ts = jnp.swapaxes(targets.reshape(b, n, chunk_size), 0, 1)
 
     @jax.checkpoint
     def chunk(h, tgt):
         return _stats(head, h, tgt, temperature)
 
-    def step(carry, xs):
-        return carry, chunk(*xs)
+    return _chunked(chunk, chunk_size, hidden, targets)
 
-    _, (taken, entropy) = jax.lax.scan(step, None, (hs, ts))
-    unchunk = lambda x: jnp.swapaxes(x, 0, 1).reshape(b, n * chunk_size)[:, :t]
-    return unchunk(taken), unchunk(entropy)
+
+def _chunked(fn, chunk_size: int, hidden, extra):
+    """`fn(hidden, extra)` over chunks of `chunk_size` positions in a `lax.scan` (the last
+    chunk zero-padded when K does not divide T; the padding is dropped): hidden (B, T, D),
+    `extra` (B, T, ...) or None; each output (B, T, ...)."""
+    b, t, d = hidden.shape
+    n = math.ceil(t / chunk_size)
+    pad = n * chunk_size - t
+    # (B, n*K, ...) -> (n, B, K, ...): the scan walks the chunks; rows keep their sharding.
+    split = lambda x: jnp.swapaxes(  # noqa: E731
+        jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2)).reshape(b, n, chunk_size, *x.shape[2:]), 0, 1)
+    xs = (split(hidden), None if extra is None else split(extra))
+    _, outs = jax.lax.scan(lambda carry, x: (carry, fn(*x)), None, xs)
+    unchunk = lambda x: jnp.swapaxes(x, 0, 1).reshape(b, n * chunk_size, *x.shape[3:])[:, :t]  # noqa: E731
+    return jax.tree.map(unchunk, outs)
+
+
+def top_logprobs(hidden, head: LMHead, targets, k: int, temperature=1.0, chunk_size: Optional[int] = None):
+    """The log-probs of `targets` (B, T) under softmax(head(hidden) / temperature), and the
+    k largest log-probs at each position with their token ids, (B, T, k) float32 and
+    (B, T, k) int32, largest first: what on-policy distillation keeps of the teacher's
+    distribution (`AdvantageConfig.distill_top_k`). Chunked like `token_logprobs`; for a
+    frozen model (no rematerialisation for a backward pass)."""
+    hidden = _rows_over_data_axes(hidden)
+    if chunk_size is None or chunk_size >= hidden.shape[1]:
+        return _top(head, hidden, targets, k, temperature)
+    return _chunked(lambda h, tgt: _top(head, h, tgt, k, temperature), chunk_size, hidden, targets)

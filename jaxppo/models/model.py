@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from jaxppo.models.config import ModelConfig
 from jaxppo.models.family import family_of
-from jaxppo.models.heads import LMHead, token_logprobs
+from jaxppo.models.heads import LMHead, token_logprobs, top_logprobs
 from jaxppo.models.lora import LoraConfig
 from jaxppo.models.transformer import ATTENTION, CausalLMModule, GroupedKV, ScoreModule, default_positions
 
@@ -226,7 +226,8 @@ class Model:
                                               return_hidden=True)
         return hidden, values
 
-    def response_outputs(self, params, query_tokens, query_mask, response_tokens, response_mask, temperature=1.0):
+    def response_outputs(self, params, query_tokens, query_mask, response_tokens, response_mask, temperature=1.0,
+                         also=None):
         """Log-probs (B, R) of `response_tokens` given the left-padded queries, per-position
         entropies (B, R) (float32, of softmax(logits / temperature)), and values (B, R) (a
         "causal_lm_value" model; None for "causal_lm"). Equal to slicing `apply`'s full
@@ -238,18 +239,22 @@ class Model:
         if not self.is_causal_lm:  # position q - 1 + t predicts response token t
             return None, self.apply(params, tokens, mask)[:, q - 1 : q - 1 + r].astype(jnp.float32), None
         hidden, values = self.hidden(params, tokens, mask)
-        logprobs, entropy = token_logprobs(hidden[:, q - 1 : q - 1 + r], self.lm_head(params), response_tokens,
-                                           temperature, self.logits_chunk_size)
+        logprobs, entropy = token_logprobs(hidden[:, q - 1 : q - 1 + r], self.lm_head(params),
+                                           _targets(response_tokens, also), temperature, self.logits_chunk_size)
         values = None if values is None else values[:, q - 1 : q - 1 + r].astype(jnp.float32)
         return logprobs, values, entropy
 
-    def grouped_outputs(self, params, query_tokens, query_mask, response_tokens, response_mask, temperature=1.0):
+    def response_top_logprobs(self, params, *args):
+        """A frozen teacher's scoring pass with `distill_top_k` (`_response_top`)."""
+        return _response_top(self, params, *args)
+
+    def grouped_outputs(self, params, query_tokens, query_mask, response_tokens, response_mask, temperature=1.0,
+                        also=None):
         """`response_outputs` for rows in groups of G consecutive rows that share a prompt,
         each prompt run once: `query_tokens` / `query_mask` are (B/G, Q), one per group,
         `response_tokens` / `response_mask` (B, R). The same (log-probs, values, entropies),
         each (B, R), up to float rounding; a causal LM's values are None without a value
-        head, a "value" model gives (None, values, None).
-
+        head, a "value" model gives (None, values, None); `also` as there.
         The prompts run first (B/G rows) and keep their keys and values per layer; the
         responses then run against them, each group's prompt slots read once for its G
         rows (the sampler's grouped cache, `GroupedKV`). Under `jax.grad` the prompts'
@@ -261,7 +266,7 @@ class Model:
         values = None if values is None else values.astype(jnp.float32)
         if not self.is_causal_lm:
             return None, values, None
-        logprobs, entropy = _head_outputs(self, params, hidden, response_tokens, response_mask, temperature)
+        logprobs, entropy = _head_outputs(self, params, hidden, response_tokens, response_mask, temperature, also)
         return logprobs, values, entropy
 
     def packed_outputs(self, params, tokens, segment_ids, positions, targets, temperature=1.0):
@@ -402,21 +407,44 @@ def _grouped_hidden(model: "Model", params, query_tokens, query_mask, response_t
     return predicting(hidden_p, hidden_r), predicting(values_p, values_r)
 
 
-def _head_outputs(model: "Model", params, hidden, response_tokens, response_mask, temperature):
-    """(log-probs, entropies) of the response tokens from the hidden states that predict
-    them (B, R, D): the LM head at every position, or with `head_window` w at each row's
-    last w attended positions (its attended region a prefix of ones; from 0 where it holds
-    fewer), 0 at the others."""
-    w, head = model.head_window, model.lm_head(params)
-    if w is None or w >= response_tokens.shape[1]:
-        return token_logprobs(hidden, head, response_tokens, temperature, model.logits_chunk_size)
+def _response_top(model: Model, params, query_tokens, query_mask, response_tokens, response_mask, k: int,
+                  temperature=1.0):
+    """(log-probs (B, R) of `response_tokens`, the k largest log-probs (B, R, k) at each
+    response position and their token ids (B, R, k)), from one forward, the LM head at the
+    response positions only (in chunks of `logits_chunk_size`): on-policy distillation's
+    teacher with `distill_top_k` (`Model.response_top_logprobs`)."""
+    if not model.is_causal_lm:
+        raise ValueError(f"response_top_logprobs needs a causal LM; this model's kind is {model.kind!r}")
+    q, r = query_tokens.shape[1], response_tokens.shape[1]
+    tokens, mask = join_sequences(query_tokens, query_mask, response_tokens, response_mask)
+    hidden = model.hidden(params, tokens, mask)[0][:, q - 1 : q - 1 + r]
+    return top_logprobs(hidden, model.lm_head(params), response_tokens, k, temperature, model.logits_chunk_size)
+
+
+def _targets(response_tokens, also):
+    """The ids whose log-probs a forward reads: the response tokens (B, R), or with `also`
+    (B, R, m) those first, then `also`'s (B, R, 1 + m)."""
+    if also is None:
+        return response_tokens
+    return jnp.concatenate([response_tokens[..., None], also.astype(response_tokens.dtype)], axis=-1)
+
+
+def _head_outputs(model: "Model", params, hidden, response_tokens, response_mask, temperature, also=None):
+    """(log-probs, entropies) of the response tokens (with `also`, (B, R, 1 + m): `_targets`)
+    from the hidden states that predict them (B, R, D): the LM head at every position, or
+    with `head_window` w at each row's last w attended positions (its attended region a
+    prefix of ones; from 0 where it holds fewer), 0 at the others."""
+    w, head, targets = model.head_window, model.lm_head(params), _targets(response_tokens, also)
+    if w is None or w >= targets.shape[1]:
+        return token_logprobs(hidden, head, targets, temperature, model.logits_chunk_size)
     end = jnp.sum(response_mask > 0, axis=1)
     index = jnp.maximum(end - w, 0)[:, None] + jnp.arange(w)[None, :]  # (B, w)
+    extra = (slice(None), slice(None)) + (None,) * (targets.ndim - 2)
     picked, entropy = token_logprobs(jnp.take_along_axis(hidden, index[:, :, None], axis=1), head,
-                                     jnp.take_along_axis(response_tokens, index, axis=1), temperature,
+                                     jnp.take_along_axis(targets, index[extra], axis=1), temperature,
                                      model.logits_chunk_size)
     rows = jnp.arange(index.shape[0])[:, None]
-    spread = lambda x: jnp.zeros(response_tokens.shape, x.dtype).at[rows, index].set(x)  # noqa: E731
+    spread = lambda x: jnp.zeros(targets.shape[:2] + x.shape[2:], x.dtype).at[rows, index].set(x)  # noqa: E731
     return spread(picked), spread(entropy)
 
 

@@ -28,7 +28,8 @@ from jaxppo.models.decoding import GenerationOutput, strings_completed
 from jaxppo.models.model import scored_mask
 from jaxppo.rollout.spec import RolloutSpec
 from jaxppo.update import packing
-from jaxppo.update.batch import RolloutBatch, joined, model_method, response_attention, response_outputs, scorer
+from jaxppo.update.batch import (RolloutBatch, joined, model_method, response_attention, response_outputs, scorer,
+                                 teacher_outputs)
 from jaxppo.update.kl import KLControllerState, kl_per_token, kl_shaped_rewards
 from jaxppo.update.losses import logprobs_from_logits
 from jaxppo.update.prefix import prefix_layout, prefix_query, to_region
@@ -225,10 +226,14 @@ def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompt_
     if attention is not None:
         batch["response_attention_mask"] = attention
     logprobs, values = _policy_outputs(spec, params, batch, gen)
-    ref_logprobs = None
+    ref_logprobs, teacher_top = None, (None, None)
     if spec.ref_apply is not None:
-        ref_logprobs = _reference_logprobs(spec, spec.policy_params(params) if spec.ref_is_policy else ref_params,
-                                           batch)
+        frozen = spec.policy_params(params) if spec.ref_is_policy else ref_params
+        if spec.distill_top_k:  # the teacher's top k beside its log-probs of the sampled tokens, one forward
+            ref_logprobs, *teacher_top = teacher_outputs(spec.ref_apply, frozen, batch, spec.distill_top_k,
+                                                         spec.temperature)
+        else:
+            ref_logprobs = _reference_logprobs(spec, frozen, batch)
     raw_scores, model_scores = _raw_scores(spec, reward_params, batch, host_scores, usual)
 
     contains_eos = _stopped(spec, gen, truncated)
@@ -249,7 +254,8 @@ def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompt_
     rollout = RolloutBatch(query_tokens=prompt_ids, query_mask=prompt_mask, response_tokens=gen.tokens,
                            response_mask=train_mask, logprobs=logprobs, values=values, rewards=rewards,
                            ref_logprobs=ref_logprobs if spec.keep_ref_logprobs else None, scores=sequence_scores,
-                           sampler_logprobs=gen.logprobs, response_attention_mask=attention)
+                           sampler_logprobs=gen.logprobs, response_attention_mask=attention,
+                           teacher_top_logprobs=teacher_top[0], teacher_top_ids=teacher_top[1])
     stats = _statistics(spec, logprobs, response_mask, kl, non_score, scores, raw_scores, kl_state, contains_eos,
                         lengths, penalty, ref_logprobs is not None)
     if model_scores is not None:

@@ -112,6 +112,10 @@ class RolloutSpec:
         the reward model; `LayoutConfig.common_prefix` then runs it once per micro-batch in
         the loss; the static sampler prefills it once for batches that begin with it
         (`jaxppo.rollout.samplers.static.generate`'s `common_prefix`). 0: the usual layout.
+      distill_top_k: k > 0: on-policy distillation keeps the teacher's (the `ref_apply`
+        model's) k largest log-probs at each response position and their ids in the rollout
+        (`teacher_top_logprobs`, `teacher_top_ids`), from the same forward that scores the
+        sampled tokens; every row runs its own prompt there. 0: none.
     """
 
     policy: Model
@@ -152,6 +156,7 @@ class RolloutSpec:
     pack_streams: Optional[int] = None
     pack_length: Optional[int] = _from("layout.pack_length", default=None)
     common_prefix: int = 0
+    distill_top_k: int = _from("advantages.distill_top_k", default=0)
 
     @classmethod
     def from_config(cls, config, **fields) -> "RolloutSpec":

@@ -171,6 +171,9 @@ class LogitsOf:
     def grouped_outputs(self, params, *args):
         return self.model.grouped_outputs(params, *args)
 
+    def response_top_logprobs(self, params, *args):
+        return self.model.response_top_logprobs(params, *args)
+
 
 @dataclasses.dataclass
 class Assembly:
@@ -216,7 +219,7 @@ def assemble(config, inputs, *, reward_model=None, head_window: Optional[int] = 
     ref_model, ref_params, ref_is_policy = _reference(config, policy_model, policy_params, frozen, ref_dtype,
                                                       scan_layers, role)
     if role == "teacher":
-        _check_vocabulary(policy_model, ref_model)
+        _check_vocabulary(config, policy_model, ref_model)
     if head_window is not None and ref_model is not None:
         ref_model = dataclasses.replace(ref_model, head_window=head_window)
     reward = reward_params = None
@@ -313,13 +316,18 @@ def _frozen_model(config, inputs):
     return (inputs.teacher, "teacher") if distilling else (inputs.ref_policy, "ref_policy")
 
 
-def _check_vocabulary(policy_model, teacher_model):
-    """A teacher scores the student's token ids: the two must share the vocabulary."""
+def _check_vocabulary(config, policy_model, teacher_model):
+    """A teacher scores the student's token ids: the two must share the vocabulary, which
+    holds the `distill_top_k` tokens kept of the teacher's distribution."""
     a, b = policy_model.config.vocab_size, teacher_model.config.vocab_size
     if a != b:
         raise ValueError(f"teacher= (--teacher) has a vocabulary of {b} tokens and the policy one of {a}: on-policy "
                          "distillation scores the student's token ids with the teacher, so both need the same "
                          "tokenizer (a teacher of the same model family and vocabulary)")
+    k = config.advantages.distill_top_k
+    if k > a:
+        raise ValueError(f"AdvantageConfig.distill_top_k={k} is invalid: distill_top_k must be in [0, {a}], the "
+                         f"vocabulary's size ({a} keeps the teacher's whole distribution: the full divergence)")
 
 
 def _reference(config, policy_model, policy_params, ref_policy, ref_dtype, scan_layers, role: str = "ref_policy"):

@@ -88,7 +88,10 @@ def summary(history: list, config, run, policy_model, policy_params) -> str:
                      f"({last - first:+.4f})")
         if "objective/kl" in scored[-1]:
             kl_last = float(np.mean([m["objective/kl"] for m in scored[-n:]]))
-            if config.estimator.uses_reference and not config.kl.needs_reference:
+            if config.estimator.uses_reference and config.advantages.distill_top_k:
+                where = (f"to the teacher, at the sampled tokens (the loss's divergence over its top "
+                         f"{config.advantages.distill_top_k}: loss/distill_avg)")
+            elif config.estimator.uses_reference and not config.kl.needs_reference:
                 where = "to the teacher (on-policy distillation's advantage)"
             elif config.kl.kl_loss_coef:
                 where = f"KL term in the loss, coefficient {config.kl.kl_loss_coef}"

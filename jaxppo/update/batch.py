@@ -14,7 +14,8 @@ import jax.numpy as jnp
 from jaxppo.models.model import join_sequences
 from jaxppo.update.losses import entropy_from_logits, logprobs_from_logits
 
-__all__ = ["RolloutBatch", "response_outputs", "scorer", "model_method", "joined", "response_attention"]
+__all__ = ["RolloutBatch", "response_outputs", "teacher_outputs", "scorer", "model_method", "joined",
+           "response_attention"]
 
 
 class RolloutBatch(flax.struct.PyTreeNode):
@@ -53,6 +54,11 @@ class RolloutBatch(flax.struct.PyTreeNode):
         region, the policy's and the environment's (a multi-turn episode's observations),
         a prefix of ones; the sequence the policy conditions on. None: `response_mask`
         (one turn: every real response token is the policy's).
+      teacher_top_logprobs: float (B, R, k) or None: on-policy distillation with
+        `AdvantageConfig.distill_top_k` = k: the teacher's k largest log-probs at each
+        response position (temperature-scaled like `logprobs`), largest first; the loss's
+        divergence to the teacher reads them (`jaxppo.update.losses.top_k_divergence`).
+      teacher_top_ids: int (B, R, k) or None: the token ids of `teacher_top_logprobs`.
     """
 
     query_tokens: jax.Array
@@ -67,6 +73,8 @@ class RolloutBatch(flax.struct.PyTreeNode):
     sampler_logprobs: Optional[jax.Array] = None
     entropy_coef: Optional[jax.Array] = None
     response_attention_mask: Optional[jax.Array] = None
+    teacher_top_logprobs: Optional[jax.Array] = None
+    teacher_top_ids: Optional[jax.Array] = None
 
 
 def model_method(fn, name: str):
@@ -101,7 +109,7 @@ def joined(batch):
                           response_attention(batch))
 
 
-def response_outputs(apply_fn, params, batch, temperature: float, group: int = 1):
+def response_outputs(apply_fn, params, batch, temperature: float, group: int = 1, also=None):
     """Run the model on query + response; return the response tokens' log-probs,
     values and per-token entropies, each (B, R). The model attends to every real token of
     the response region (`response_attention`); the caller masks the outputs with
@@ -115,26 +123,53 @@ def response_outputs(apply_fn, params, batch, temperature: float, group: int = 1
     `group` G > 1 says the rows come in groups of G consecutive rows with one prompt: a
     model that offers `grouped_outputs` (the built-in ones) then runs each group's prompt
     once (`jaxppo.models.Model.grouped_outputs`; equal outputs up to float rounding); any
-    other runs every row."""
+    other runs every row.
+
+    `also`: (B, R, m) more token ids per position whose log-probs come too: the log-probs
+    are then (B, R, 1 + m), the response token's first (on-policy distillation's student at
+    the teacher's top-k tokens, `AdvantageConfig.distill_top_k`)."""
+    extra = {} if also is None else {"also": also}
     if group > 1:
         grouped = model_method(apply_fn, "grouped_outputs")
         if grouped is not None:
             return grouped(params, batch["query_tokens"][::group], batch["query_mask"][::group],
-                           batch["response_tokens"], response_attention(batch), temperature)
+                           batch["response_tokens"], response_attention(batch), temperature, **extra)
     method = scorer(apply_fn)
     if method is not None:
         return method(params, batch["query_tokens"], batch["query_mask"], batch["response_tokens"],
-                      response_attention(batch), temperature)
-    q = batch["query_tokens"].shape[1]
-    r = batch["response_tokens"].shape[1]
-    tokens, mask = joined(batch)
-    logits, values = apply_fn(params, tokens, mask)
-    # Position q - 1 + t predicts response token t.
-    logits = logits[:, q - 1 : q - 1 + r]
-    values = values[:, q - 1 : q - 1 + r].astype(jnp.float32)
+                      response_attention(batch), temperature, **extra)
+    logits, values = _response_logits(apply_fn(params, *joined(batch)), batch)
     logprobs = logprobs_from_logits(logits, batch["response_tokens"], temperature)
+    if also is not None:
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
+        logprobs = jnp.concatenate([logprobs[..., None], jnp.take_along_axis(logp, also.astype(jnp.int32), axis=-1)],
+                                   axis=-1)
     entropy = entropy_from_logits(logits, temperature)
-    return logprobs, values, entropy
+    return logprobs, values.astype(jnp.float32), entropy
+
+
+def _response_logits(outputs, batch):
+    """An `apply_fn`'s full outputs (logits (B, L, V), and values (B, L) when a pair)
+    sliced at the positions that predict the response tokens: position Q - 1 + t predicts
+    response token t."""
+    q, r = batch["query_tokens"].shape[1], batch["response_tokens"].shape[1]
+    return jax.tree.map(lambda x: x[:, q - 1 : q - 1 + r], outputs)
+
+
+def teacher_outputs(apply_fn, params, batch, k: int, temperature: float):
+    """A frozen model's (log-probs (B, R) of the response tokens, the k largest log-probs
+    (B, R, k) at each response position, their token ids (B, R, k)): on-policy
+    distillation's teacher with `distill_top_k`. A built-in model runs its LM head at the
+    response positions only (`Model.response_top_logprobs`); any `apply_fn(params, tokens,
+    mask) -> logits (B, L, V)` is sliced there. Each row runs its own prompt."""
+    method = model_method(apply_fn, "response_top_logprobs")
+    if method is not None:
+        return method(params, batch["query_tokens"], batch["query_mask"], batch["response_tokens"],
+                      response_attention(batch), k, temperature)
+    logits = _response_logits(apply_fn(params, *joined(batch)), batch)
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
+    taken = jnp.take_along_axis(logp, batch["response_tokens"][..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return (taken,) + tuple(jax.lax.top_k(logp, k))
 
 
 

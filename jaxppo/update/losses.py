@@ -1,8 +1,9 @@
 """The losses' math: log-probs and entropies from logits, importance ratios (per token or
 per completion: GSPO, TRL's RLOO), the policy surrogates (the clipped one with asymmetric
 and dual clipping; CISPO's capped, detached weights; SAPO's soft gate; VESPO's gamma
-weight of the completion's ratio), the clipped value loss, the approximate KL, and the loss
-aggregation modes every algorithm's loss is reduced by. Pure functions on arrays (they
+weight of the completion's ratio), the clipped value loss, the approximate KL, on-policy
+distillation's divergence to the teacher's top k, and the loss aggregation modes every
+algorithm's loss is reduced by. Pure functions on arrays (they
 import only the masked statistics); `jaxppo.update.objective.ppo_loss` puts them together.
 
 Shapes: B rows (completions), T response tokens, V the vocabulary. `mask` is 1 at real
@@ -35,12 +36,15 @@ __all__ = [
     "policy_loss",
     "value_loss",
     "approx_kl",
+    "DISTILL_DIVERGENCES",
+    "top_k_divergence",
 ]
 
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm",
                      "token_sum_batch_norm")
 SURROGATES = ("clip", "cispo", "sapo", "vespo")
 IMPORTANCE_RATIOS = ("token", "sequence", "sequence_sum")
+DISTILL_DIVERGENCES = ("reverse", "forward")
 
 
 def logprobs_from_logits(logits, tokens, temperature: float = 1.0):
@@ -289,3 +293,36 @@ def value_loss(values, old_values, returns, mask, cliprange_value: float, aggreg
 def approx_kl(logprobs, old_logprobs, mask):
     """Approximate KL(old || new) = 0.5 * mean_m((logprobs - old_logprobs)^2), as in TRL."""
     return 0.5 * masked_mean(jnp.square(logprobs - old_logprobs), mask)
+
+
+# The least probability mass the bucket of the tokens outside the teacher's top k is given:
+# with k = the vocabulary it is empty up to float rounding on both sides (its term is then 0).
+_REST_FLOOR = 1e-6
+
+
+def _log_rest(top_logprobs):
+    """log(1 - sum(exp(top_logprobs))) over the last axis: the log-mass of the tokens outside
+    the top k, at least log(_REST_FLOOR)."""
+    total = jax.nn.logsumexp(top_logprobs, axis=-1)
+    return jnp.log(-jnp.expm1(jnp.minimum(total, math.log1p(-_REST_FLOOR))))
+
+
+def top_k_divergence(student_top, teacher_top, kind: str = "reverse"):
+    """Per-token KL divergence between the student and the teacher, (B, T) float32, over
+    the teacher's top k tokens and one bucket for all the others: the two distributions
+    coarsened to k + 1 outcomes (the teacher's k most likely tokens, each its own outcome,
+    and the rest of the vocabulary as one), which is at most the full divergence and equal
+    to it when k is the vocabulary.
+
+    student_top, teacher_top: (B, T, k) log-probs of the teacher's top-k token ids under
+    the student (differentiable) and under the teacher. kind: "reverse" KL(student ||
+    teacher) = sum q (log q - log p), or "forward" KL(teacher || student) = sum p (log p -
+    log q), q the student's and p the teacher's coarsened probabilities. The bucket's mass
+    is 1 minus the top k's, floored at 1e-6 on each side (an empty bucket contributes 0)."""
+    if kind not in DISTILL_DIVERGENCES:
+        raise ValueError(f"kind={kind!r} is invalid; use one of {DISTILL_DIVERGENCES}")
+    q = jnp.concatenate([student_top, _log_rest(student_top)[..., None]], axis=-1).astype(jnp.float32)
+    p = jnp.concatenate([teacher_top, _log_rest(teacher_top)[..., None]], axis=-1).astype(jnp.float32)
+    if kind == "forward":
+        q, p = p, q
+    return jnp.sum(jnp.exp(q) * (q - p), axis=-1)

@@ -21,7 +21,8 @@ from jaxppo.update.batch import response_outputs
 from jaxppo.update.checks import invalid, layer_config
 from jaxppo.update.kl import kl_loss_per_token
 from jaxppo.update.losses import (aggregate_loss, approx_kl, cispo_policy_loss, clipped_policy_loss,
-                                  log_importance_ratio, sapo_policy_loss, value_loss, vespo_policy_loss)
+                                  log_importance_ratio, sapo_policy_loss, top_k_divergence, value_loss,
+                                  vespo_policy_loss)
 from jaxppo.update.shaping import high_entropy_mask
 from jaxppo.update.stats import masked_mean, masked_var
 
@@ -42,7 +43,8 @@ class Objective:
     importance_ratio, loss_aggregation, loss_norm_length, top_entropy_quantile,
     rollout_correction, rollout_correction_cap; from `jaxppo.KLConfig` kl_loss_coef,
     kl_loss_estimator, kl_loss_bias_correction; `jaxppo.SamplingConfig.temperature`;
-    `jaxppo.AdvantageConfig.num_generations`; from `jaxppo.LayoutConfig` share_prompts,
+    from `jaxppo.AdvantageConfig` num_generations, distill_top_k and distill_divergence (the
+    divergence to a teacher's top k); from `jaxppo.LayoutConfig` share_prompts,
     common_prefix, pack_sequences, pack_streams, pack_length; and `uses_critic`, whether
     the estimator has a critic (the loss then has a value term).
     """
@@ -69,6 +71,8 @@ class Objective:
     top_entropy_quantile: float = 1.0
     temperature: float = 1.0
     num_generations: int = 1
+    distill_top_k: int = 0
+    distill_divergence: str = "reverse"
     share_prompts: Optional[bool] = None
     common_prefix: Optional[bool] = None
     pack_sequences: bool = False
@@ -115,13 +119,30 @@ def _kl_term(logprobs, ratio, batch, config: Objective, aggregate):
     return aggregate(per_token_kl)
 
 
+def _reference_terms(logprobs, student_top, ratio, batch, config: Objective, aggregate, aux):
+    """The terms that read a frozen model, each in `aux` too: kl_loss_coef times the KL to
+    the reference ("kl"), and the divergence to a teacher's top k ("distill_divergence")
+    with `distill_top_k` (`student_top`: the student's log-probs of those tokens)."""
+    total = 0.0
+    if config.kl_loss_coef:
+        kl = _kl_term(logprobs, ratio, batch, config, aggregate)
+        total = total + config.kl_loss_coef * kl
+        aux["kl"] = jax.lax.stop_gradient(kl)
+    if student_top is not None:
+        divergence = aggregate(top_k_divergence(student_top, batch["teacher_top_logprobs"].astype(jnp.float32),
+                                                config.distill_divergence))
+        total = total + divergence
+        aux["distill_divergence"] = jax.lax.stop_gradient(divergence)
+    return total
+
+
 def ppo_loss(params, batch, *, apply_fn, config):
     """The loss of one (mini- or micro-) batch for every algorithm: a dict of rollout fields
     plus `advantages` (and `returns` with a critic), each leading with the rows. `config`:
     a `jaxppo.Config`, or its `Objective`.
 
         loss = policy_loss (+ vf_coef * value_loss) (- ent_coef * entropy)
-               (+ kl_loss_coef * KL(policy || reference))
+               (+ kl_loss_coef * KL(policy || reference)) (+ D(policy, teacher's top k))
 
     (each bracketed term only when it applies: `jaxppo.algorithms.loss_terms(config)`; with
     an `entropy_coef` column in the batch, the rollout's per-completion coefficients weigh
@@ -142,7 +163,9 @@ def ppo_loss(params, batch, *, apply_fn, config):
     cap lowered); sapo_gate with "sapo"; vespo_phi with "vespo";
     value_loss and vf_clipfrac with a critic; kl with a KL term; clip_ratio/dual_mean (tokens
     whose loss the dual clip capped) with `dual_clip`; entropy_mask_fraction (the share of
-    real tokens the policy term trains on) with `top_entropy_quantile` < 1.
+    real tokens the policy term trains on) with `top_entropy_quantile` < 1; distill_divergence
+    (the divergence to the teacher's top k, `jaxppo.update.losses.top_k_divergence`,
+    aggregated like every term) with `distill_top_k`.
     """
     config = objective(config)
     mask = batch["response_mask"].astype(jnp.float32)
@@ -152,7 +175,7 @@ def ppo_loss(params, batch, *, apply_fn, config):
     def aggregate(per_token):
         return aggregate_loss(per_token, mask, agg_mode, r)
 
-    (logprobs, values, entropy), aux = _outputs(apply_fn, params, batch, config)
+    (logprobs, values, entropy), student_top, aux = _outputs(apply_fn, params, batch, config)
     old_logprobs = batch["logprobs"].astype(jnp.float32)
     log_ratio = log_importance_ratio(logprobs, old_logprobs, mask, config.importance_ratio)
     selected = None
@@ -170,10 +193,7 @@ def ppo_loss(params, batch, *, apply_fn, config):
         aux.update(value_loss=vf_loss, vf_clipfrac=vf_clipfrac)
     bonus, ent = _entropy_bonus(entropy, mask, batch, config, aggregate)
     loss = loss - bonus
-    if config.kl_loss_coef:
-        kl = _kl_term(logprobs, ratio, batch, config, aggregate)
-        loss = loss + config.kl_loss_coef * kl
-        aux["kl"] = jax.lax.stop_gradient(kl)
+    loss = loss + _reference_terms(logprobs, student_top, ratio, batch, config, aggregate, aux)
     sg = jax.lax.stop_gradient
     aux.update(entropy=ent, approxkl=sg(approx_kl(logprobs, old_logprobs, mask)),
                ratio=sg(masked_mean(ratio, mask)), ratio_var=sg(masked_var(ratio, mask, unbiased=False)),
@@ -225,16 +245,22 @@ def _loss_group(config: Objective, rows: int) -> int:
 
 
 def _outputs(apply_fn, params, batch, config: Objective):
-    """The response tokens' (log-probs, values, entropies), and the aux entries this adds:
+    """The response tokens' (log-probs, values, entropies), the student's log-probs (B, R, k)
+    of the teacher's top-k tokens with `distill_top_k` (else None), and the aux entries this adds:
     with `pack_sequences`, computed on the rows packed into streams, and whether they
     did not fit (then the padded forward ran); with `share_prompts`, each group's prompt
     run once (`prompt_rows`)."""
     if not config.pack_sequences:
         group = _loss_group(config, batch["response_mask"].shape[0])
-        return response_outputs(apply_fn, params, batch, config.temperature, group), {}
+        if not config.distill_top_k:
+            return response_outputs(apply_fn, params, batch, config.temperature, group), None, {}
+        # the student's log-probs of the teacher's top k ride beside the sampled token's
+        logprobs, values, entropy = response_outputs(apply_fn, params, batch, config.temperature, group,
+                                                     batch["teacher_top_ids"])
+        return (logprobs[..., 0], values, entropy), logprobs[..., 1:], {}
     outputs, fits = packing.response_outputs_and_fit(apply_fn, params, batch, config.temperature,
                                                      config.pack_streams, config.pack_length)
-    return outputs, {"packing_overflow": 1.0 - fits.astype(jnp.float32)}
+    return outputs, None, {"packing_overflow": 1.0 - fits.astype(jnp.float32)}
 
 
 def loss_normaliser(batch, config: Objective):

@@ -132,6 +132,7 @@ _TRL_NAMES = {
     "sapo_gate": ("policy/sapo_gate_avg", "per_minibatch/policy/sapo_gate"),
     "vespo_phi": ("policy/vespo_phi_avg", "per_minibatch/policy/vespo_phi"),
     "kl": ("kl", "per_minibatch/kl"),
+    "distill_divergence": ("loss/distill_avg", "per_minibatch/loss/distill"),
     "entropy_mask_fraction": ("policy/entropy_mask_fraction", "per_minibatch/policy/entropy_mask_fraction"),
     "packing_overflow": ("packing/overflow", "per_minibatch/packing/overflow"),
 }
@@ -211,6 +212,8 @@ def _loss_batch(rollout: RolloutBatch, config: UpdateConfig, advantages, returns
         batch.update(values=rollout.values, returns=returns)
     if loss.kl_loss_coef:
         batch["ref_logprobs"] = rollout.ref_logprobs
+    if loss.distill_top_k:
+        batch.update(teacher_top_logprobs=rollout.teacher_top_logprobs, teacher_top_ids=rollout.teacher_top_ids)
     if rollout.entropy_coef is not None:
         batch["entropy_coef"] = rollout.entropy_coef
     if rollout.response_attention_mask is not None:  # a multi-turn episode's environment tokens
@@ -255,6 +258,7 @@ def _check_rollout_structure(rollout, config: UpdateConfig):
         shape = getattr(rollout, name).shape
         if shape != (b, r):
             raise ValueError(f"rollout.{name} has shape {shape}; expected (batch, response_len) = {(b, r)}")
+    _check_teacher_top(rollout, loss, b, r)
     for name in ("scores", "entropy_coef"):
         field = getattr(rollout, name)
         if field is not None and tuple(field.shape) != (b,):
@@ -279,6 +283,26 @@ def _check_rollout_structure(rollout, config: UpdateConfig):
         dtype = jnp.dtype(getattr(rollout, name).dtype)
         if not jnp.issubdtype(dtype, jnp.floating):
             raise TypeError(f"rollout.{name} has dtype {dtype}; it must be a float array (float32)")
+
+
+def _check_teacher_top(rollout, config: Objective, b: int, r: int):
+    """With `distill_top_k` = k: the teacher's top k in the rollout, (batch, response_len, k)
+    float log-probs and int ids."""
+    if not config.distill_top_k:
+        return
+    k = config.distill_top_k
+    for name, kind in (("teacher_top_logprobs", jnp.floating), ("teacher_top_ids", jnp.integer)):
+        field = getattr(rollout, name)
+        if field is None:
+            raise ValueError(f"AdvantageConfig.distill_top_k={k} needs the teacher's top {k} log-probs and ids in "
+                             "rollout.teacher_top_logprobs and rollout.teacher_top_ids (batch, response_len, k); the "
+                             f"rollout has no {name} (the trainer's rollouts have them when its teacher scores them)")
+        if tuple(field.shape) != (b, r, k):
+            raise ValueError(f"rollout.{name} has shape {tuple(field.shape)}; expected (batch, response_len, "
+                             f"distill_top_k) = {(b, r, k)}")
+        if not jnp.issubdtype(jnp.dtype(field.dtype), kind):
+            raise TypeError(f"rollout.{name} has dtype {jnp.dtype(field.dtype)}; it must be "
+                            f"{'a float array (float32)' if kind is jnp.floating else 'token ids (int32)'}")
 
 
 def _check_packing(apply_fn, rollout, config: Objective):
@@ -310,8 +334,8 @@ def _token_fields(rollout, config):
 
 
 def _float_fields(rollout):
-    return [n for n in ("logprobs", "values", "rewards", "scores", "sampler_logprobs", "entropy_coef")
-            if getattr(rollout, n) is not None]
+    return [n for n in ("logprobs", "values", "rewards", "scores", "sampler_logprobs", "entropy_coef",
+                        "teacher_top_logprobs") if getattr(rollout, n) is not None]
 
 
 def _check_shared_queries(rollout, group: int, common_prefix: bool):
@@ -379,10 +403,12 @@ def check_rollout(rollout: RolloutBatch, config):
             raise ValueError(f"rollout.response_mask row {int(np.flatnonzero(outside)[0])} marks tokens that "
                              "rollout.response_attention_mask leaves out; the policy's tokens must be inside the "
                              "sequence it attends to")
-    for name in ("query_tokens", "response_tokens"):
+    for name in ("query_tokens", "response_tokens", "teacher_top_ids"):
+        if getattr(rollout, name) is None:
+            continue
         t = np.asarray(getattr(rollout, name))
         if (t < 0).any():
-            row = int(np.flatnonzero(np.any(t < 0, axis=1))[0])
+            row = int(np.flatnonzero(np.any(t.reshape(t.shape[0], -1) < 0, axis=1))[0])
             raise ValueError(f"rollout.{name} row {row} holds negative token ids; ids must be >= 0")
     group = prompt_group(config)
     if group > 1:  # the loss runs each group's prompt once: the group's rows must share it
@@ -390,9 +416,11 @@ def check_rollout(rollout: RolloutBatch, config):
     mask = np.asarray(rollout.response_mask) > 0
     for name in _float_fields(rollout):
         x = np.asarray(getattr(rollout, name), np.float64)
-        bad = ~np.isfinite(x) & (mask if x.ndim == 2 else True)
+        bad = ~np.isfinite(x)
+        if x.ndim > 1:  # per token (the teacher's top k: per token and candidate)
+            bad = bad & mask.reshape(mask.shape + (1,) * (x.ndim - 2))
         if bad.any():
-            row = int(np.flatnonzero(bad.any(axis=1) if bad.ndim == 2 else bad)[0])
+            row = int(np.flatnonzero(bad.reshape(bad.shape[0], -1).any(axis=1))[0])
             raise ValueError(f"rollout.{name} row {row} has non-finite values at real response tokens; they must be "
                              "finite")
 
