@@ -254,3 +254,23 @@ def test_old_logprobs_auto_takes_the_sampler_only_where_exact(tiny_policy):
     assert not RolloutSpec(policy=model, apply_fn=model.apply, ref_apply=None, response_length=4).sampler_logprobs_used
     config = RolloutSpec.from_config(jaxppo.Config(), policy=model, apply_fn=model.apply, ref_apply=None)
     assert config.old_logprobs == "auto" and config.sampler_logprobs_used  # the trainer's default
+
+
+def test_the_trainers_scoring_pass_is_one_compiled_program(tmp_path):
+    """`finish_rollout` is compiled (one XLA program for the policy, reference and reward
+    forwards, not op by op: 0.5-dev's restructure had lost its `jax.jit`, which made the
+    demo's scoring pass 12x slower), and later iterations reuse the program."""
+    from jaxppo import demo
+
+    assert callable(getattr(finish_rollout, "lower", None))  # a jitted function
+    tok = demo.demo_tokenizer()
+    config = jaxppo.Config.for_algorithm("grpo", batch_size=8, mini_batch_size=8, num_generations=4, iterations=3,
+                                         query_length=32, response_length=6, output_dir=str(tmp_path),
+                                         report_to="jsonl", sample_every=0, progress=False, kl_coef=0.05)
+    trainer = jaxppo.Trainer(config, policy=demo.demo_policy(tok, width=32, layers=1, max_len=38), tokenizer=tok,
+                             prompts=demo.DEMO_PROMPTS, reward_fns=demo.lowercase_reward)
+    trainer.step()
+    compiled = finish_rollout._cache_size()
+    trainer.step()
+    trainer.step()
+    assert finish_rollout._cache_size() == compiled

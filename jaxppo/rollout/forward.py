@@ -196,6 +196,7 @@ def _shaped_scores(spec: RolloutSpec, raw_scores, stopped, lengths, budget: int,
     return scores, penalty, score_moments
 
 
+@functools.partial(jax.jit, static_argnames=("spec",))
 def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompt_ids, prompt_mask,
                    gen: GenerationOutput, host_scores, kl_state: KLControllerState,
                    score_moments: RunningMoments):
