@@ -139,11 +139,12 @@ def response_outputs(apply_fn, params, batch, temperature: float, group: int = 1
         return method(params, batch["query_tokens"], batch["query_mask"], batch["response_tokens"],
                       response_attention(batch), temperature, **extra)
     logits, values = _response_logits(apply_fn(params, *joined(batch)), batch)
-    logprobs = logprobs_from_logits(logits, batch["response_tokens"], temperature)
-    if also is not None:
+    if also is None:
+        logprobs = logprobs_from_logits(logits, batch["response_tokens"], temperature)
+    else:  # one log-softmax for the response token and the extra ids
+        ids = jnp.concatenate([batch["response_tokens"][..., None], also], axis=-1).astype(jnp.int32)
         logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
-        logprobs = jnp.concatenate([logprobs[..., None], jnp.take_along_axis(logp, also.astype(jnp.int32), axis=-1)],
-                                   axis=-1)
+        logprobs = jnp.take_along_axis(logp, ids, axis=-1)
     entropy = entropy_from_logits(logits, temperature)
     return logprobs, values.astype(jnp.float32), entropy
 
