@@ -276,6 +276,8 @@ def test_top_k_distillation_moves_the_student_and_resumes_exactly(models, tmp_pa
     ("negative top k", r"distill_top_k=-1 is invalid: distill_top_k must be an int >= 0"),
     ("top k and packing", r"pack_sequences=True is invalid: pack_sequences must be False with "
                           r"AdvantageConfig.distill_top_k=8"),
+    ("divergence without top k", r"distill_divergence='forward' is invalid: distill_divergence must be 'reverse' "
+                                 r"with AdvantageConfig.distill_top_k=0"),
 ])
 def test_bad_top_k_settings(case, message):
     grpo = dict(batch_size=16, mini_batch_size=8, num_generations=4)
@@ -286,6 +288,7 @@ def test_bad_top_k_settings(case, message):
         "unknown divergence": lambda: jaxppo.Config.for_algorithm("distill", distill_divergence="jsd"),
         "negative top k": lambda: jaxppo.Config.for_algorithm("distill", distill_top_k=-1),
         "top k and packing": lambda: jaxppo.Config.for_algorithm("distill", distill_top_k=8, pack_sequences=True),
+        "divergence without top k": lambda: jaxppo.Config.for_algorithm("distill", distill_divergence="forward"),
     }[case]
     with pytest.raises(ValueError, match=message):
         make()

@@ -55,8 +55,9 @@ class AdvantageConfig(Concern):
         distillation; the vocabulary size gives the full divergence, GKD's); the advantage
         is then the task's part alone. The rollout holds (batch, response_length, k) values
         and ids; k <= the vocabulary (checked when the models are known).
-      distill_divergence: with distill_top_k: "reverse" (KL(student || teacher), mode
-        seeking, the default) or "forward" (KL(teacher || student), GKD's beta = 0).
+      distill_divergence: with distill_top_k > 0: "reverse" (KL(student || teacher), mode
+        seeking, the default) or "forward" (KL(teacher || student), GKD's beta = 0);
+        "forward" without a top k is refused (it would be unused).
     """
 
     advantage_estimator: str = "gae"

@@ -259,6 +259,11 @@ def _check_distillation(c: "Config", estimator):
                       f"0 with AdvantageConfig.num_generations={a.num_generations}: the task's advantage is each "
                       "completion's score against its group's, and a group of one has none; set num_generations >= 2 "
                       "(and batch_size a multiple of it)")
+    if a.distill_divergence != "reverse" and not a.distill_top_k:
+        raise invalid("AdvantageConfig", "distill_divergence", a.distill_divergence,
+                      "'reverse' with AdvantageConfig.distill_top_k=0: the divergence's direction is read by the "
+                      "top-k loss term only (the sampled-token advantage is the reverse KL's estimate); set "
+                      "distill_top_k > 0 for a forward KL")
     if a.distill_top_k and c.layout.pack_sequences:
         raise invalid("LayoutConfig", "pack_sequences", True,
                       f"False with AdvantageConfig.distill_top_k={a.distill_top_k}: the divergence to the teacher's "
