@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 import warnings
@@ -212,10 +213,18 @@ def _writing(directory: str, step: int) -> bool:
 
 def _first_line(err) -> str:
     """The first line of an error, shortened in the middle: tensorstore puts the cause (for
-    example "File too large") at the end of a long line of paths."""
+    example "File too large") at the end of a long line of paths, or before a long JSON spec
+    that ends with the OS error's number (`[os_error_code='27']`): where the shortening cut
+    the cause out, the OS error's own text is added."""
     lines = str(err).strip().splitlines()
     text = lines[0] if lines else ""
-    return text if len(text) <= 400 else f"{text[:180]} ... {text[-200:]}"
+    if len(text) <= 400:
+        return text
+    short = f"{text[:180]} ... {text[-200:]}"
+    code = re.search(r"os_error_code='(\d+)'", text)
+    if code and os.strerror(int(code.group(1))) not in short:
+        short += f" ({os.strerror(int(code.group(1)))})"
+    return short
 
 
 def restore_latest(directory: str, template: Any) -> Optional[Tuple[int, Any]]:
