@@ -6,6 +6,7 @@
     jaxppo --algorithm grpo                  # the demo with GRPO (no critic, 8 completions per prompt)
     jaxppo --demo multiturn                  # the multi-turn demo: guess a hidden digit from feedback
     jaxppo --model DIR --prompts p.jsonl --environment mypkg.envs:make_env   # multi-turn episodes
+    jaxppo plan --target h200x8 --model DIR --batch-size 64 ...   # does the run fit? (compiled, not run)
 
 Every setting of `jaxppo.Config` is a flag, by its name (`--mini-batch-size 8`,
 `--no-whiten-advantages`, `--target-kl none`, ...), listed by concern in `--help`. Values
@@ -33,7 +34,7 @@ from jaxppo.config.settings import CONCERNS, Config
 from jaxppo.errors import name_the_flag  # noqa: F401  (also re-exported: jaxppo.cli.name_the_flag)
 from jaxppo.run.trainer import Trainer
 
-__all__ = ["main", "build_parser", "resolve", "model_options", "build_trainer"]
+__all__ = ["main", "build_parser", "resolve", "model_options", "build_trainer", "plan_main"]
 
 DEMOS = ("lowercase", "multiturn", "sums")
 # The built-in reward functions `--reward NAME` names (else MODULE:FN).
@@ -455,6 +456,66 @@ def _use_compilation_cache(setting: Optional[str]):
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
+PLAN_USAGE = """jaxppo plan --target NAME|FILE [--target ...] --model DIR [the run's flags]
+
+Compiles the run's programs (update, scoring, sampler) for a GPU or TPU target on this
+machine, with abstract parameters (only the checkpoints' config.json is read, no weight),
+and prints whether each fits per device with its headroom, the iteration's lower bound and,
+when it does not fit, the settings to change. Known targets: {targets}; or a TOML/JSON
+target file (platform, chips, memory_gib, peak_tflops, bandwidth_gbs, a TPU's topology).
+GPU targets need `pip install 'jaxppo[plan-gpu]'`, TPU targets `pip install 'jaxppo[plan-tpu]'`.
+On a target of several chips the mesh spans them all (--mesh-* axes as given, the rest on fsdp)."""
+
+
+def _plan_arguments(args: list) -> tuple:
+    """(the --target values, the other arguments) of `jaxppo plan`'s command line."""
+    targets, rest, i = [], [], 0
+    while i < len(args):
+        if args[i] == "--target" and i + 1 < len(args):
+            targets.append(args[i + 1])
+            i += 2
+        elif args[i].startswith("--target="):
+            targets.append(args[i].split("=", 1)[1])
+            i += 1
+        else:
+            rest.append(args[i])
+            i += 1
+    return targets, rest
+
+
+def plan_main(args: list) -> int:
+    """`jaxppo plan`: the fit of a run on each --target, before anything is rented or loaded."""
+    from jaxppo.plan import TARGETS, MissingExtra, plan_run, resolve_target
+    from jaxppo.run.parts import Inputs
+
+    if not args or args[0] in ("-h", "--help"):
+        print(PLAN_USAGE.format(targets=", ".join(TARGETS)))
+        return 0
+    names, rest = _plan_arguments(args)
+    if not names:
+        raise SystemExit(f"jaxppo plan: give --target NAME (one of {', '.join(TARGETS)}) or a target file")
+    try:
+        targets = [resolve_target(name) for name in names]
+    except ValueError as err:
+        raise SystemExit(f"jaxppo plan: {err}") from None
+    config, extras = resolve(rest)
+    if extras["model"] is None:
+        raise SystemExit("jaxppo plan: give --model DIR, the policy's checkpoint directory (its config.json is all "
+                         "that is read)")
+    inputs = Inputs(policy=extras["model"], tokenizer=None, prompts=None, reward_model=extras["reward_model"],
+                    ref_policy=extras["ref_model"], critic=extras["critic"], teacher=extras["teacher"],
+                    **model_options(extras))
+    for target in targets:
+        try:
+            plan = plan_run(config, inputs, target)
+        except MissingExtra as err:
+            raise SystemExit(f"jaxppo plan: {err}") from None
+        except (ValueError, TypeError) as err:
+            raise SystemExit(f"jaxppo plan: {target.name}: {name_the_flag(str(err))}") from None
+        print(plan.text(), flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     # transformers prints an "advice" at import when PyTorch is absent ("PyTorch was not
     # found. Models won't be available ..."); jaxppo never needs PyTorch, so that line is
@@ -465,6 +526,8 @@ def main(argv=None) -> int:
         from jaxppo.run.reward_model import main as reward_model_main
 
         return reward_model_main(args[1:])
+    if args[:1] == ["plan"]:
+        return plan_main(args[1:])
     config, extras = resolve(args)
     # Before anything compiles: jax decides once per process whether it uses the cache.
     _use_compilation_cache(extras["compilation_cache"])

@@ -93,6 +93,7 @@ LAYERS = [
     {"jaxppo.rollout"},
     {"jaxppo.config"},
     {"jaxppo.run"},
+    {"jaxppo.plan"},
     {"jaxppo.cli", "jaxppo.demo", "jaxppo.__main__", "jaxppo"},
 ]
 

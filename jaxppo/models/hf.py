@@ -19,7 +19,7 @@ from jaxppo.models.family import family_of, model_types
 from jaxppo.models.gguf import check_gguf, is_gguf, read_gguf
 from jaxppo.models.model import KINDS, Model, stack_layers, trunk_name, unstack_layers
 
-__all__ = ["from_pretrained", "save_pretrained", "params_from_hf_tensors", "params_to_hf_tensors", "hf_arrays", "check_checkpoint_dir",
+__all__ = ["from_pretrained", "ConfigOnly", "save_pretrained", "params_from_hf_tensors", "params_to_hf_tensors", "hf_arrays", "check_checkpoint_dir",
            "checkpoint_config", "layer_count"]
 
 _LEAF_NAMES = {"kernel": "weight", "embedding": "weight", "scale": "weight", "weight": "weight", "bias": "bias"}
@@ -230,6 +230,20 @@ def params_from_hf_tensors(model: Model, get_tensor, names, *, strict: bool = Tr
     return {"params": traverse_util.unflatten_dict(jax.tree.map(jnp.asarray, out))}
 
 
+@dataclasses.dataclass(frozen=True)
+class ConfigOnly(os.PathLike):
+    """A checkpoint directory of which only config.json is read: `from_pretrained` (and so a
+    `Trainer`'s model loading) gives its model with random parameters of the checkpoint's
+    shapes instead of its weights. Under `jax.eval_shape` nothing is allocated: how
+    `jaxppo.plan` builds a run's programs before any weight is loaded (a directory holding
+    config.json alone will do)."""
+
+    path: str
+
+    def __fspath__(self) -> str:
+        return self.path
+
+
 def checkpoint_config(path: str) -> Optional[ModelConfig]:
     """The `ModelConfig` of the Hugging Face checkpoint directory at `path`, read from its
     config.json without loading any weights; None for a .gguf file (its metadata is read
@@ -295,7 +309,11 @@ def from_pretrained(
     Returns:
       (model, params) with `model.apply(params, input_ids, attention_mask)` pure.
     """
-    if is_gguf(path):
+    if isinstance(path, ConfigOnly):  # the config's shapes, random weights: nothing read but config.json
+        d = _read_config_dict(path.path)
+        names = get_tensor = None
+        source = os.path.join(path.path, "config.json")
+    elif is_gguf(path):
         d, arrays = read_gguf(path)
         names, get_tensor, source = arrays.keys(), arrays.__getitem__, os.fspath(path)
     else:
@@ -311,6 +329,8 @@ def from_pretrained(
         raise ValueError(f"kind={kind!r} is invalid; valid kinds: {', '.join(KINDS)}")
     model = Model(config, kind=kind, dtype=dtype, param_dtype=param_dtype or dtype, remat=remat,
                   scan_layers=scan_layers)
+    if get_tensor is None:
+        return model, model.init(jax.random.key(0), seq_len=2)
     params = params_from_hf_tensors(model, get_tensor, names)
     value_head_file = os.path.join(path, _VALUE_HEAD_FILE)
     if kind == "causal_lm_value" and not is_gguf(path) and os.path.isfile(value_head_file):

@@ -55,7 +55,8 @@ def load_model(spec, kind, dtype, param_dtype=None, scan_layers=None, role: Opti
     as the policy, a causal LM as the reward model)."""
     if isinstance(spec, (str, os.PathLike)):
         try:
-            return hf_io.from_pretrained(os.fspath(spec), dtype=dtype, param_dtype=param_dtype or dtype, kind=kind,
+            path = spec if isinstance(spec, hf_io.ConfigOnly) else os.fspath(spec)  # ConfigOnly: its shapes alone
+            return hf_io.from_pretrained(path, dtype=dtype, param_dtype=param_dtype or dtype, kind=kind,
                                          scan_layers=bool(scan_layers))
         except ValueError as err:
             if role is None:

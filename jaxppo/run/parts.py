@@ -38,8 +38,8 @@ from jaxppo.run.state import RunState
 from jaxppo.update.minibatches import TrainState
 from jaxppo.update.prefix import common_prefix_length
 
-__all__ = ["Inputs", "RunParts", "build", "auto_common_prefix", "AUTO_COMMON_PREFIX_MIN_TOKENS",
-           "AUTO_COMMON_PREFIX_MIN_SHARE"]
+__all__ = ["Inputs", "RunParts", "build", "rollout_spec", "initial_run_state", "auto_common_prefix",
+           "AUTO_COMMON_PREFIX_MIN_TOKENS", "AUTO_COMMON_PREFIX_MIN_SHARE"]
 
 
 class Inputs(NamedTuple):
@@ -149,7 +149,7 @@ def build(config, inputs: Inputs) -> RunParts:
     policy_schedule, tx = build_optimizer(config.optimizer, config.run.iterations * config.batch.updates_per_step,
                                           critic=config.uses_critic, shared_trunk=config.advantages.shared_trunk)
     train = TrainState.create(apply_fn=models.apply_fn, params=models.params, tx=tx, freeze=models.freeze)
-    run, ref_params, reward_params = _run_state(config, train), models.ref_params, models.reward_params
+    run, ref_params, reward_params = initial_run_state(config, train), models.ref_params, models.reward_params
     mesh, sampler_mesh = _split_mesh(config)
     placed = None
     if mesh is not None:
@@ -467,16 +467,22 @@ def _rollout_spec(config, built: Assembly, tokenizer, rewards, query_width: int,
     strings = None
     if config.sampling.stop_strings:
         strings = StopStrings.build(config.sampling.stop_strings, tokenizer, built.policy_model.config.vocab_size)
+    return rollout_spec(config, built, reward_weight=float(rewards.model_weight), token_reward_fn=rewards.token_fn,
+                        stop_token_ids=stops, stop_strings=strings, pad_token_id=int(pad), common_prefix=common_prefix)
+
+
+def rollout_spec(config, built: Assembly, **fields) -> RolloutSpec:
+    """The `RolloutSpec` of a run's settings and its assembled models; `fields`: what the
+    tokenizer and the rewards decide (stop and pad tokens, stop strings, the reward model's
+    weight, a token-level reward function) and the common prefix."""
     return RolloutSpec.from_config(
         config, policy=built.policy_model, apply_fn=built.apply_fn,
         ref_apply=LogitsOf(built.ref_model) if built.ref_model is not None else None,
         ref_is_policy=built.ref_is_policy, policy_params_key=built.params_key,
-        reward_apply=built.reward_model.apply if built.reward_model is not None else None,
-        reward_weight=float(rewards.model_weight), token_reward_fn=rewards.token_fn,
-        stop_token_ids=stops, stop_strings=strings, pad_token_id=int(pad), common_prefix=common_prefix)
+        reward_apply=built.reward_model.apply if built.reward_model is not None else None, **fields)
 
 
-def _run_state(config, train: TrainState) -> RunState:
+def initial_run_state(config, train: TrainState) -> RunState:
     """Iteration 0: the KL controller (adaptive with `kl_target`), and the entropy
     coefficient as run state when it adapts (`entropy_target`)."""
     kl, loss = config.kl, config.loss

@@ -20,7 +20,7 @@ from jaxppo.models.decoding import (Extra, GenerationOutput, check_groups, check
 from jaxppo.models.model import Model
 from jaxppo.update.prefix import common_prefix_length
 
-__all__ = ["generate", "generate_jit", "effective_prefix", "shares_prefix", "check_common_prefix"]
+__all__ = ["generate", "generate_jit", "lower_generate", "effective_prefix", "shares_prefix", "check_common_prefix"]
 
 
 @functools.partial(
@@ -153,8 +153,31 @@ def generate(model: Model, params, prompt_ids, prompt_mask, key, *, response_len
         model, params, jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_mask, jnp.int32), key,
         jnp.float32(temperature), jnp.float32(1.0 if top_p is None else top_p),
         check_max_lengths(max_lengths, prompt_ids.shape[0], response_length),
-        response_length=response_length, top_k=top_k, use_top_p=top_p is not None, greedy=bool(greedy),
-        stop_token_ids=stop_token_ids, pad_token_id=int(pad_token_id), early_stop=bool(early_stop),
-        num_generations=num_generations, extra=make_extra(min_p, repetition_penalty, stop_strings),
+        **_switches(response_length, top_k, top_p, greedy, stop_token_ids, pad_token_id, early_stop, num_generations,
+                    min_p, repetition_penalty, stop_strings),
         common_prefix=effective_prefix(model, common_prefix, num_generations, prompt_ids.shape[1]),
     )
+
+
+def _switches(response_length, top_k, top_p, greedy, stop_token_ids, pad_token_id, early_stop, num_generations, min_p,
+              repetition_penalty, stop_strings) -> dict:
+    """`generate_jit`'s static switches and its traced extras, from `generate`'s arguments."""
+    return dict(response_length=response_length, top_k=top_k, use_top_p=top_p is not None, greedy=bool(greedy),
+                stop_token_ids=tuple(stop_token_ids), pad_token_id=int(pad_token_id), early_stop=bool(early_stop),
+                num_generations=num_generations, extra=make_extra(min_p, repetition_penalty, stop_strings))
+
+
+def lower_generate(model: Model, params, prompt_ids, prompt_mask, key, *, response_length: int,
+                   temperature: float = 1.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
+                   greedy: bool = False, stop_token_ids: Sequence[int] = (), pad_token_id: int = 0,
+                   early_stop: bool = True, num_generations: int = 1, min_p: Optional[float] = None,
+                   repetition_penalty: Optional[float] = None, stop_strings=None):
+    """`generate`'s program lowered for ahead-of-time compilation (`.compile()`), for
+    parameters, prompts and a key given as shapes (`jax.ShapeDtypeStruct`s, placed where the
+    program is to run: the devices of their shardings): nothing is read or checked. The
+    arguments are `generate`'s (the usual layout: no common prefix)."""
+    del temperature  # traced: its value does not change the program
+    scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=getattr(key, "sharding", None))
+    return generate_jit.lower(model, params, prompt_ids, prompt_mask, key, scalar, scalar, None,
+                              **_switches(response_length, top_k, top_p, greedy, stop_token_ids, pad_token_id,
+                                          early_stop, num_generations, min_p, repetition_penalty, stop_strings))

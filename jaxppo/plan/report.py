@@ -1,0 +1,193 @@
+"""Whether a run fits a target, and how fast it could at best go: each program compiled for
+the target's devices, its memory per device beside what the run keeps resident meanwhile,
+its work, and the settings to change when it does not fit.
+
+    plan = plan_run(config, Inputs(policy="path/with/config.json", tokenizer=None, prompts=None),
+                    resolve_target("h200x8"))
+    print(plan.text())
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Optional
+
+import jax
+
+from jaxppo.plan import costs
+from jaxppo.plan.programs import PROGRAMS, RunShapes, abstract_run, lower_programs
+from jaxppo.plan.targets import GIB, Target, target_devices
+
+__all__ = ["ProgramPlan", "Plan", "plan_run", "run_work"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramPlan:
+    """One program on the target: compile seconds (on this machine), its memory per device
+    (`costs.MemoryFigures`), the run's other state resident per device while it runs (the
+    optimizer's states during sampling, the frozen models during the update, ...), its work
+    (`costs.ProgramWork`), its lower bound in seconds, and for the sampler the kernels one
+    decode step launches."""
+
+    name: str
+    compile_s: float
+    memory: costs.MemoryFigures
+    resident_besides: int
+    work: costs.ProgramWork
+    lower_bound_s: float
+    decode_kernels: Optional[int] = None
+
+    @property
+    def total(self) -> int:
+        """Bytes per device while it runs: its peak and what the run keeps besides."""
+        return self.memory.peak + self.resident_besides
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A run on a target: the programs (`ProgramPlan`), the usable bytes per device, and
+    what was planned (the mesh's axis sizes, the settings' summary)."""
+
+    target: Target
+    programs: tuple
+    mesh_axes: dict
+    summary: str
+    config: object = dataclasses.field(default=None, compare=False, repr=False)
+
+    @property
+    def fits(self) -> bool:
+        return all(p.total <= self.target.usable_bytes for p in self.programs)
+
+    @property
+    def lower_bound_s(self) -> float:
+        """The iteration's floor: its programs one after another (a synchronous iteration)."""
+        return sum(p.lower_bound_s for p in self.programs)
+
+    def text(self) -> str:
+        t = self.target
+        lines = [f"target {t.describe()}", f"run: {self.summary}; mesh {_axes(self.mesh_axes)}",
+                 f"{'program':<10} {'compile s':>9} {'peak GiB':>9} {'+ resident':>10} {'= per device':>12} "
+                 f"{'headroom':>9} {'TFLOP':>8} {'floor s':>9}  notes"]
+        for p in self.programs:
+            headroom = (t.usable_bytes - p.total) / GIB
+            note = "" if p.decode_kernels is None else f"{p.decode_kernels} kernels per decode step"
+            note = ("DOES NOT FIT; " if p.total > t.usable_bytes else "") + note
+            lines.append(f"{p.name:<10} {p.compile_s:>9.1f} {p.memory.peak / GIB:>9.3f} "
+                         f"{p.resident_besides / GIB:>10.3f} {p.total / GIB:>12.3f} {headroom:>9.2f} "
+                         f"{p.work.flops / 1e12:>8.2f} {p.lower_bound_s:>9.4f}  {note}".rstrip())
+        lines.append(f"usable per device: {t.usable_bytes / GIB:.2f} GiB; iteration floor {self.lower_bound_s:.3f} s "
+                     "(FLOPs at peak, bytes at full bandwidth, programs back to back)")
+        lines.append("fits" if self.fits else "does not fit: " + "; ".join(self.advice()))
+        lines.append("(compiled without the hardware: no autotuning ran, so kernel choices and temporaries can differ "
+                     "from a compile on the device; the floor is a bound, not a prediction)")
+        return "\n".join(lines)
+
+    def advice(self) -> list:
+        """The settings to change, for the programs that do not fit."""
+        over = {p.name for p in self.programs if p.total > self.target.usable_bytes}
+        return advice(self.config, over, self.mesh_axes, self.target)
+
+
+def _axes(axes: dict) -> str:
+    return " x ".join(f"{k}={v}" for k, v in axes.items()) if axes else "none (one device)"
+
+
+def advice(config, over: set, axes: dict, target: Target) -> list:
+    """What would lower the programs in `over`, by what they hold."""
+    c, out = config, []
+    layout = c.layout
+    if "update" in over:
+        if c.batch.micro_batch_size > 1:
+            out.append(f"a smaller micro-batch (--gradient-accumulation-steps {2 * c.batch.gradient_accumulation_steps}, "
+                       f"or --mini-batch-size {max(1, c.batch.mini_batch_size // 2)}): the update's temporaries "
+                       "follow the micro-batch")
+        if not layout.remat:
+            out.append("--remat full (recompute each block in the backward pass)")
+        if layout.logits_chunk_size is None:
+            out.append("--logits-chunk-size 128 (the LM head a chunk at a time)")
+    if axes.get("fsdp", 1) < target.chips:
+        out.append(f"--mesh-fsdp {target.chips} (parameters and optimizer states sharded over every chip)")
+    if layout.dtype == "float32":
+        out.append("--dtype bfloat16 (compute and frozen copies in bf16)")
+    out.append("--lora-rank 16 (train adapters: no float32 copy or optimizer state of the base)")
+    if "generate" in over or "score" in over:
+        out.append("a smaller --batch-size or --response-length (the sampler's KV cache and the scored batch)")
+    return out
+
+
+def run_work(shapes: RunShapes) -> dict:
+    """{program: `costs.ProgramWork`} of the run, from its models' shapes."""
+    c, spec, models = shapes.config, shapes.spec, shapes.models
+    b, q, r = c.batch.batch_size, c.data.query_length, c.sampling.response_length
+    params = shapes.run.train.params
+    key = models.params_key
+    policy = costs.model_shape(models.policy_model, params[key] if key else params)
+    lora = models.policy_model.lora is not None
+    critic = getattr(models.apply_fn, "critic", None)
+    critic_shape = costs.model_shape(critic, params["critic"]) if critic is not None else None
+    trained = [(policy, r, not lora)] + ([(critic_shape, 0, True)] if critic_shape is not None else [])
+    trainable = sum(int(x.size) for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
+                    if not lora or any(k in jax.tree_util.keystr(path) for k in ("lora", "critic", "value_head")))
+    shards = shapes.mesh.shape.get("fsdp", 1) * shapes.mesh.shape.get("tensor", 1) if shapes.mesh is not None else 1
+    epochs, updates = c.batch.ppo_epochs, c.batch.updates_per_step
+    micro = updates * c.batch.gradient_accumulation_steps
+    prompts = b // spec.num_generations if c.layout.share_prompts else b  # a group's prompt computed once
+    update = costs.update_work(trained, b, prompts, q, r, epochs, updates, micro, bool(c.layout.remat), trainable,
+                               shards)
+    scored = [] if spec.sampler_logprobs_used else [(policy, True)]
+    if models.ref_model is not None:
+        ref_params = shapes.ref_params if shapes.ref_params is not None else (params[key] if key else params)
+        scored.append((costs.model_shape(models.ref_model, ref_params), True))
+    if models.reward_model is not None:
+        scored.append((costs.model_shape(models.reward_model, shapes.reward_params), False))
+    if critic_shape is not None:
+        scored.append((critic_shape, False))
+    score = costs.score_work(scored, b, prompts, q, r)
+    data = shapes.mesh.shape["data"] * shapes.mesh.shape["fsdp"] if shapes.mesh is not None else 1
+    tensor = shapes.mesh.shape["tensor"] if shapes.mesh is not None else 1
+    generate = costs.generate_work(policy, b, b // spec.num_generations, q, r, b // data, tensor)
+    return {"update": update, "score": score, "generate": generate}
+
+
+def _resident(shapes: RunShapes) -> dict:
+    """{program: bytes per device the run holds besides that program's arguments}."""
+    train = shapes.run.train
+    params = costs.per_device_bytes(train.params)
+    optimizer = costs.per_device_bytes(train.opt_state)
+    frozen = costs.per_device_bytes(shapes.ref_params) + costs.per_device_bytes(shapes.reward_params)
+    key = shapes.models.params_key
+    policy = costs.per_device_bytes(train.params[key]) if key else params
+    return {"update": frozen, "score": optimizer, "generate": optimizer + (params - policy) + frozen}
+
+
+def plan_run(config, inputs, target: Target, *, devices=None, programs=PROGRAMS,
+             host_scores: Optional[bool] = None) -> Plan:
+    """The `Plan` of the run of `config` and `inputs` (`jaxppo.run.parts.Inputs`; models as
+    checkpoint directories, of which only config.json is read, or `(Model, params)` pairs)
+    on `target`: each program compiled for the target's devices (`devices`: others of the
+    same count, such as host CPU devices, to plan against their compiler)."""
+    devices = target_devices(target) if devices is None else list(devices)
+    if len(devices) != target.chips:
+        raise ValueError(f"{len(devices)} devices given for target {target.name} of {target.chips} chips")
+    shapes = abstract_run(config, inputs, devices, host_scores=host_scores)
+    work, resident = run_work(shapes), _resident(shapes)
+    out = []
+    for name, lowered in lower_programs(shapes, programs).items():
+        start = time.perf_counter()
+        compiled = lowered.compile()
+        seconds = time.perf_counter() - start
+        kernels = costs.decode_kernels(compiled.as_text()) if name == "generate" else None
+        out.append(ProgramPlan(name, seconds, costs.memory_figures(compiled), resident[name], work[name],
+                               work[name].lower_bound(target.chips, target.peak_flops, target.bandwidth), kernels))
+    axes = dict(shapes.mesh.shape) if shapes.mesh is not None else {}
+    return Plan(target, tuple(out), axes, _summary(shapes), shapes.config)
+
+
+def _summary(shapes: RunShapes) -> str:
+    c, m = shapes.config, shapes.models.policy_model
+    lora = f", LoRA rank {m.lora.rank}" if m.lora is not None else ", full fine-tuning"
+    return (f"{c.advantages.advantage_estimator} {m.config.model_type} {m.config.num_layers} layers{lora}, "
+            f"batch {c.batch.batch_size} x ({c.data.query_length} + {c.sampling.response_length}) tokens, mini-batch "
+            f"{c.batch.mini_batch_size}, micro-batch {c.batch.micro_batch_size}, {c.batch.ppo_epochs} epoch(s), "
+            f"{c.layout.dtype}, remat {c.layout.remat or 'off'}")

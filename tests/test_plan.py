@@ -1,0 +1,207 @@
+"""`jaxppo.plan` on this machine's CPU devices (no extra needed): the programs it builds are
+the run's, its work counts agree with XLA's own count on a program without loops, its
+kernel count reads HLO as written, and bad input is refused naming the fix. The GPU and TPU
+targets themselves: tests/test_plan_targets.py (CI's plan stage installs their compilers)."""
+
+import importlib.metadata
+import json
+
+import jax
+import pytest
+import transformers
+
+import jaxppo
+from jaxppo.cli import main as cli_main
+from jaxppo.plan import MissingExtra, Target, plan_run, resolve_target, target_devices
+from jaxppo.plan.costs import count_kernels, decode_kernels, per_device_bytes
+from jaxppo.plan.programs import abstract_run, lower_programs
+from jaxppo.plan.report import run_work
+from jaxppo.run.parts import Inputs
+
+
+@pytest.fixture(scope="module")
+def config_dir(tmp_path_factory):
+    """A Llama-layout checkpoint directory holding config.json alone (no weights)."""
+    d = tmp_path_factory.mktemp("config_only")
+    transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                             eos_token_id=2, architectures=["LlamaForCausalLM"]).save_pretrained(d)
+    return str(d)
+
+
+def _inputs(path, **kw):
+    return Inputs(policy=path, tokenizer=None, prompts=None, **kw)
+
+
+def _cpu_target(chips=1):
+    return Target(f"cpu{chips}", "cpu", chips, "", 4 * 2 ** 30, 1e12, 1e11)
+
+
+def _config(algorithm="ppo", **kw):
+    settings = dict(batch_size=8, mini_batch_size=8, ppo_epochs=1, response_length=16, query_length=16)
+    return jaxppo.Config.for_algorithm(algorithm, **{**settings, **kw})
+
+
+def test_the_work_counted_from_shapes_matches_xlas_count_on_a_program_without_loops(config_dir):
+    """Unrolled layers, one mini-batch, one epoch, the whole LM head: XLA's cost analysis
+    counts every operation once, which is then exact; the plan's model FLOPs (matrix
+    products, attention as computed) are those less the elementwise work, a few percent."""
+    for algorithm, kw in (("ppo", {}), ("grpo", {"num_generations": 2})):
+        shapes = abstract_run(_config(algorithm, scan_layers=False, **kw), _inputs(config_dir), jax.devices()[:1])
+        work = run_work(shapes)
+        for name, lowered in lower_programs(shapes, ("update", "score")).items():
+            xla = lowered.compile().cost_analysis()["flops"]
+            assert 1.0 <= xla / work[name].flops <= 1.2, (algorithm, name, xla, work[name].flops)
+
+
+def test_the_planned_update_holds_the_run_state_and_follows_the_mini_batch(config_dir):
+    """The update's arguments are the train state and the rollout, byte for byte as their
+    shapes say; its temporaries grow with mini_batch_size (what peak memory follows)."""
+    temps = {}
+    for mini in (2, 8):
+        shapes = abstract_run(_config(mini_batch_size=mini), _inputs(config_dir), jax.devices()[:1])
+        compiled = lower_programs(shapes, ("update",))["update"].compile()
+        stats = compiled.memory_analysis()
+        state = per_device_bytes(shapes.run.train)
+        args = stats.argument_size_in_bytes
+        assert state < args < state + 64 * 1024, (state, args)  # + the rollout (8 rows of 32 tokens) and the key
+        temps[mini] = stats.temp_size_in_bytes
+    assert temps[8] > 1.5 * temps[2], temps
+
+
+def test_a_plan_on_eight_devices_shards_the_state_and_reports_each_program(config_dir):
+    plan = plan_run(_config(batch_size=16, mini_batch_size=8), _inputs(config_dir), _cpu_target(8),
+                    devices=jax.devices()[:8])
+    assert plan.mesh_axes == {"data": 1, "fsdp": 8, "tensor": 1}
+    one = plan_run(_config(batch_size=16, mini_batch_size=8), _inputs(config_dir), _cpu_target(1),
+                   devices=jax.devices()[:1])
+    by_name = {p.name: p for p in plan.programs}
+    single = {p.name: p for p in one.programs}
+    assert set(by_name) == {"update", "score", "generate"}
+    # The parameters and optimizer states split over 8 devices: the update's arguments shrink.
+    assert by_name["update"].memory.arguments < single["update"].memory.arguments / 3
+    assert by_name["generate"].decode_kernels > 0 and single["generate"].decode_kernels > 0
+    assert plan.fits and "fits" in plan.text()
+    # Work is the same in all; the floor per chip is lower on eight.
+    assert by_name["update"].work.flops == single["update"].work.flops
+    assert plan.lower_bound_s < one.lower_bound_s
+
+
+def test_a_run_that_does_not_fit_is_told_what_to_change(config_dir):
+    tiny = Target("small", "cpu", 1, "", 2 ** 20, 1e12, 1e11)  # 1 MiB per device
+    plan = plan_run(_config(dtype="float32"), _inputs(config_dir), tiny, devices=jax.devices()[:1])
+    assert not plan.fits
+    advice = " ".join(plan.advice())
+    assert "--remat full" in advice and "--lora-rank" in advice and "--dtype bfloat16" in advice
+    assert "DOES NOT FIT" in plan.text()
+
+
+def test_lora_plans_the_adapters_alone_as_trained(config_dir):
+    from jaxppo.models.lora import LoraConfig
+
+    lora = LoraConfig(rank=4, alpha=8.0, targets=("all-linear",))
+    full = abstract_run(_config("grpo", num_generations=2), _inputs(config_dir), jax.devices()[:1])
+    adapters = abstract_run(_config("grpo", num_generations=2), _inputs(config_dir, lora=lora), jax.devices()[:1])
+    assert per_device_bytes(adapters.run.train.opt_state) < per_device_bytes(full.run.train.opt_state) / 5
+    assert run_work(adapters)["update"].flops < run_work(full)["update"].flops
+
+
+def test_kernels_are_counted_per_loop_trip_and_the_decode_loop_is_found():
+    hlo = """HloModule m
+
+%inner_body (p: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %p = (s32[], f32[4]) parameter(0)
+  %g = f32[4] get-tuple-element(%p), index=1
+  %f = f32[4] fusion(%g), kind=kLoop, calls=%fused
+  ROOT %t = (s32[], f32[4]) tuple(%i, %f)
+}
+
+%inner_cond (p: (s32[], f32[4])) -> pred[] {
+  %p = (s32[], f32[4]) parameter(0)
+  ROOT %c = pred[] compare(%a, %b), direction=LT
+}
+
+%body (p: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %p = (s32[], f32[4]) parameter(0)
+  %a = f32[4] fusion(%p), kind=kLoop, calls=%fused.1
+  %b = f32[4] custom-call(%a), custom_call_target="__cublas$gemm"
+  %w = (s32[], f32[4]) while(%x), condition=%inner_cond, body=%inner_body, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %t = (s32[], f32[4]) tuple(%i, %b)
+}
+
+%cond (p: (s32[], f32[4])) -> pred[] {
+  %p = (s32[], f32[4]) parameter(0)
+  ROOT %c = pred[] compare(%a, %b), direction=LT
+}
+
+%small_body (p: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %a = f32[4] fusion(%p), kind=kLoop, calls=%fused.2
+  ROOT %t = (s32[], f32[4]) tuple(%i, %a)
+}
+
+ENTRY %main (x: f32[4]) -> f32[4] {
+  %x = f32[4] parameter(0)
+  %pre = (s32[], f32[4]) while(%x), condition=%cond, body=%small_body, metadata={op_name="prefill"}
+  %decode = (s32[], f32[4]) while(%pre), condition=%cond, body=%body, metadata={op_name="decode"}
+  ROOT %r = f32[4] get-tuple-element(%decode), index=1
+}
+"""
+    # One decode step: 2 (fusion, library call) + 3 x (1 fusion + 1 compare) + 1 compare.
+    assert decode_kernels(hlo) == 2 + 3 * 2 + 1
+    assert count_kernels({"c": ["  %a = f32[] fusion(%x), calls=%f", "  %b = f32[] bitcast(%a)"]}, "c") == 1
+
+
+def test_decode_kernels_of_a_real_sampler_grow_with_its_layers(tmp_path):
+    counts = {}
+    for layers in (2, 4):
+        d = tmp_path / f"l{layers}"
+        transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                                 architectures=["LlamaForCausalLM"]).save_pretrained(d)
+        shapes = abstract_run(_config(scan_layers=False), _inputs(str(d)), jax.devices()[:1])
+        counts[layers] = decode_kernels(lower_programs(shapes, ("generate",))["generate"].compile().as_text())
+    assert counts[4] > counts[2] > 0, counts
+
+
+def test_targets_known_and_from_a_file(tmp_path):
+    assert resolve_target("H200x1") is resolve_target("h200")
+    assert resolve_target("v5p-8").chips == 4 and resolve_target("v5e-16").topology == "v5e:4x4"
+    with pytest.raises(ValueError, match="not a known target.*h200x8"):
+        resolve_target("h300")
+    f = tmp_path / "mine.json"
+    f.write_text(json.dumps({"platform": "tpu", "chips": 4, "topology": "v5e:2x2", "memory_gib": 16,
+                             "peak_tflops": 197, "bandwidth_gbs": 819}))
+    mine = resolve_target(str(f))
+    assert (mine.platform, mine.chips, mine.usable_bytes) == ("tpu", 4, 16 * 2 ** 30)
+    f.write_text(json.dumps({"platform": "gpu", "chips": 1, "memory_gib": 1, "peak_tflops": 1, "bandwidth_gbs": 1}))
+    with pytest.raises(ValueError, match="platform='gpu' is invalid: 'cuda'"):
+        resolve_target(str(f))
+    f.write_text(json.dumps({"platform": "cuda", "chips": 1, "memory": 80}))
+    with pytest.raises(ValueError, match=r"unknown keys \['memory'\].*missing keys"):
+        resolve_target(str(f))
+
+
+def test_a_missing_compiler_names_the_extra(monkeypatch):
+    real = importlib.metadata.version
+
+    def version(name):
+        if name in ("libtpu", "jax-cuda12-plugin"):
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    with pytest.raises(MissingExtra, match=r"pip install 'jaxppo\[plan-tpu\]'"):
+        target_devices(resolve_target("v5e-8"))
+    with pytest.raises(MissingExtra, match=r"pip install 'jaxppo\[plan-gpu\]'"):
+        target_devices(resolve_target("h200"))
+
+
+def test_the_command_refuses_bad_input_in_one_line(config_dir, capsys):
+    with pytest.raises(SystemExit, match="give --target NAME"):
+        cli_main(["plan", "--model", config_dir])
+    with pytest.raises(SystemExit, match="'h300' is not a known target"):
+        cli_main(["plan", "--target", "h300", "--model", config_dir])
+    with pytest.raises(SystemExit, match="give --model DIR"):
+        cli_main(["plan", "--target", "h200"])
+    assert cli_main(["plan", "--help"]) == 0
+    assert "h200x8" in capsys.readouterr().out
