@@ -25,6 +25,7 @@ bandwidth). What it does not: the time itself.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import tempfile
@@ -116,18 +117,19 @@ def main(argv=None):
                 table.append([layout, run, target, f"failed: {type(err).__name__}"] + [""] * 6)
                 continue
             p = {x.name: x for x in plan.programs}
-            cells = [f"{p[k].total / GIB:.2f}" for k in ("update", "score", "generate")]
+            cells = [f"{p[k].total / GIB:.2f}" if p[k].memory is not None else "refused"
+                     for k in ("update", "score", "generate")]
             table.append([layout, run, target, "yes" if plan.fits else "no", *cells,
                           f"{plan.target.usable_bytes / GIB:.1f}", f"{plan.lower_bound_s:.3f}",
                           p["generate"].decode_kernels])
             print(" | ".join(str(c) for c in table[-1]), flush=True)
             raw.append({"row": name, "fits": plan.fits, "usable_bytes": plan.target.usable_bytes,
                         "mesh": plan.mesh_axes, "floor_s": plan.lower_bound_s,
-                        "programs": {k: {"compile_s": v.compile_s, "arguments": v.memory.arguments,
-                                         "outputs": v.memory.outputs, "aliased": v.memory.aliased,
-                                         "temporaries": v.memory.temporaries, "resident_besides": v.resident_besides,
-                                         "flops": v.work.flops, "bytes_per_chip": v.work.bytes_per_chip,
-                                         "floor_s": v.lower_bound_s, "decode_kernels": v.decode_kernels}
+                        "programs": {k: {"compile_s": v.compile_s, "refused": v.refused,
+                                         **(dataclasses.asdict(v.memory) if v.memory is not None else {}),
+                                         "resident_besides": v.resident_besides, "flops": v.work.flops,
+                                         "bytes_per_chip": v.work.bytes_per_chip, "floor_s": v.lower_bound_s,
+                                         "decode_kernels": v.decode_kernels}
                                      for k, v in p.items()}})
     print()
     print_markdown(["layout", "run", "target", "fits", "update GiB/device", "score GiB/device", "sampler GiB/device",

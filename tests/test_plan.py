@@ -205,3 +205,48 @@ def test_the_command_refuses_bad_input_in_one_line(config_dir, capsys):
         cli_main(["plan", "--target", "h200"])
     assert cli_main(["plan", "--help"]) == 0
     assert "h200x8" in capsys.readouterr().out
+
+
+def test_a_config_only_checkpoint_has_the_shapes_of_the_real_one(tmp_path):
+    """`ConfigOnly` reads config.json alone; its parameters have exactly the shapes and dtypes
+    that loading the checkpoint's weights gives (transformers wrote them)."""
+    import torch
+
+    from jaxppo.models.hf import ConfigOnly, from_pretrained
+
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    transformers.Qwen2ForCausalLM(config).save_pretrained(tmp_path)
+    for scan in (False, True):
+        real_model, real = from_pretrained(str(tmp_path), "bfloat16", param_dtype="float32", scan_layers=scan)
+        built = {}
+
+        def load(scan=scan):
+            built["model"], params = from_pretrained(ConfigOnly(str(tmp_path)), "bfloat16", param_dtype="float32",
+                                                     scan_layers=scan)
+            return params
+
+        shapes = jax.eval_shape(load)
+        assert built["model"] == real_model
+        assert jax.tree.structure(shapes) == jax.tree.structure(real)
+        assert jax.tree.map(lambda a, b: (a.shape, a.dtype) == (b.shape, b.dtype), shapes, real) == \
+            jax.tree.map(lambda _: True, real)
+
+
+def test_a_program_the_targets_compiler_refuses_does_not_fit_and_says_why():
+    """The TPU compiler refuses a program over the HBM (RESOURCE_EXHAUSTED): the plan keeps
+    its words and counts the run as not fitting."""
+    from jaxppo.plan import Plan, ProgramPlan
+    from jaxppo.plan.costs import MemoryFigures, ProgramWork
+
+    target = resolve_target("v5e-16")
+    work = ProgramWork(1e15, 1e9)
+    words = "Ran out of memory on HBM, the total memory required for HLO temporaries (15.77G) exceeds available HBM"
+    refused = ProgramPlan("update", 1.0, None, 0, work, 0.5, refused=words)
+    fine = ProgramPlan("score", 1.0, MemoryFigures(2 ** 30, 0, 0, 2 ** 30), 2 ** 30, work, 0.5)
+    plan = Plan(target, (refused, fine), {"data": 1, "fsdp": 16, "tensor": 1}, "a run", _config(dtype="bfloat16"))
+    assert not plan.fits and plan.lower_bound_s == 1.0
+    text = plan.text()
+    assert f"DOES NOT FIT: the compiler: {words}" in text and "does not fit: a smaller micro-batch" in text
+    assert "--mesh-fsdp" not in text  # every chip is on fsdp already

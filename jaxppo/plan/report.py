@@ -25,7 +25,8 @@ __all__ = ["ProgramPlan", "Plan", "plan_run", "run_work"]
 @dataclasses.dataclass(frozen=True)
 class ProgramPlan:
     """One program on the target: compile seconds (on this machine), its memory per device
-    (`costs.MemoryFigures`), the run's other state resident per device while it runs (the
+    (`costs.MemoryFigures`; None where the target's compiler refused it for want of memory,
+    `refused` holding its words: the TPU compiler checks the HBM), the run's other state resident per device while it runs (the
     optimizer's states during sampling, the frozen models during the update, ...), its work
     (`costs.ProgramWork`), its lower bound in seconds, and for the sampler the kernels one
     decode step launches."""
@@ -37,11 +38,13 @@ class ProgramPlan:
     work: costs.ProgramWork
     lower_bound_s: float
     decode_kernels: Optional[int] = None
+    refused: Optional[str] = None
 
     @property
-    def total(self) -> int:
-        """Bytes per device while it runs: its peak and what the run keeps besides."""
-        return self.memory.peak + self.resident_besides
+    def total(self) -> float:
+        """Bytes per device while it runs: its peak and what the run keeps besides (infinite
+        where the target's compiler refused the program for want of memory: `refused`)."""
+        return float("inf") if self.memory is None else self.memory.peak + self.resident_besides
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +73,9 @@ class Plan:
                  f"{'program':<10} {'compile s':>9} {'peak GiB':>9} {'+ resident':>10} {'= per device':>12} "
                  f"{'headroom':>9} {'TFLOP':>8} {'floor s':>9}  notes"]
         for p in self.programs:
+            if p.memory is None:
+                lines.append(f"{p.name:<10} {p.compile_s:>9.1f} DOES NOT FIT: the compiler: {p.refused}")
+                continue
             headroom = (t.usable_bytes - p.total) / GIB
             note = "" if p.decode_kernels is None else f"{p.decode_kernels} kernels per decode step"
             note = ("DOES NOT FIT; " if p.total > t.usable_bytes else "") + note
@@ -174,14 +180,27 @@ def plan_run(config, inputs, target: Target, *, devices=None, programs=PROGRAMS,
     work, resident = run_work(shapes), _resident(shapes)
     out = []
     for name, lowered in lower_programs(shapes, programs).items():
+        floor = work[name].lower_bound(target.chips, target.peak_flops, target.bandwidth)
         start = time.perf_counter()
-        compiled = lowered.compile()
+        try:
+            compiled = lowered.compile()
+        except jax.errors.JaxRuntimeError as err:  # the TPU compiler refuses what exceeds the HBM
+            if "RESOURCE_EXHAUSTED" not in str(err):
+                raise
+            out.append(ProgramPlan(name, time.perf_counter() - start, None, resident[name], work[name], floor,
+                                   refused=_first_line(str(err))))
+            continue
         seconds = time.perf_counter() - start
         kernels = costs.decode_kernels(compiled.as_text()) if name == "generate" else None
-        out.append(ProgramPlan(name, seconds, costs.memory_figures(compiled), resident[name], work[name],
-                               work[name].lower_bound(target.chips, target.peak_flops, target.bandwidth), kernels))
+        out.append(ProgramPlan(name, seconds, costs.memory_figures(compiled), resident[name], work[name], floor,
+                               kernels))
     axes = dict(shapes.mesh.shape) if shapes.mesh is not None else {}
     return Plan(target, tuple(out), axes, _summary(shapes), shapes.config)
+
+
+def _first_line(message: str) -> str:
+    line = message.strip().splitlines()[0]
+    return line.split("RESOURCE_EXHAUSTED: ", 1)[-1][:300]
 
 
 def _summary(shapes: RunShapes) -> str:
