@@ -7,6 +7,7 @@ run's other state resident meanwhile), the iteration's lower bound, kernels per 
     python benchmarks/plan_targets.py                      # every row (about 20 min on 2 cores)
     python benchmarks/plan_targets.py --only qwen2.5-0.5b  # rows whose name contains the text
     python benchmarks/plan_targets.py --json out.json      # and the raw rows
+    python benchmarks/plan_targets.py --timeout 600        # seconds a row may take (default 900)
 
 Layouts (config.json only, written to a temporary directory from transformers' config
 classes): Qwen2.5-0.5B, Qwen3-1.7B, Llama-3.1-8B. Runs: PPO with a critic and a reward
@@ -28,6 +29,8 @@ import argparse
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -70,6 +73,7 @@ def _layouts(root: str) -> dict:
     return out
 
 
+LAYOUT_NAMES = ("qwen2.5-0.5b", "qwen3-1.7b", "llama3.1-8b")  # the keys of `_layouts`
 RUNS = {  # name: (algorithm, reward model, LoRA rank)
     "ppo full": ("ppo", True, 0),
     "grpo full": ("grpo", False, 0),
@@ -99,44 +103,79 @@ def _plan(layouts: dict, layout: str, run: str, target: str):
     return plan_run(config, inputs, resolve_target(target))
 
 
+def _raw(name: str, plan) -> dict:
+    p = {x.name: x for x in plan.programs}
+    return {"row": name, "fits": plan.fits, "usable_bytes": plan.target.usable_bytes, "mesh": plan.mesh_axes,
+            "floor_s": plan.lower_bound_s,
+            "programs": {k: {"compile_s": v.compile_s, "refused": v.refused,
+                             **(dataclasses.asdict(v.memory) if v.memory is not None else {}),
+                             "peak": v.memory.peak if v.memory is not None else None,
+                             "resident_besides": v.resident_besides, "total": v.total if v.memory else None,
+                             "flops": v.work.flops, "bytes_per_chip": v.work.bytes_per_chip,
+                             "floor_s": v.lower_bound_s, "decode_kernels": v.decode_kernels}
+                         for k, v in p.items()}}
+
+
+def _cells(row: dict) -> list:
+    layout, rest = row["row"].split(" ", 1)
+    run, target = rest.rsplit(" ", 1)
+    if "failed" in row:
+        return [layout, run, target, row["failed"]] + [""] * 6
+    p = row["programs"]
+    cells = [f"{p[k]['total'] / GIB:.2f}" if p[k]["total"] is not None else "refused"
+             for k in ("update", "score", "generate")]
+    return [layout, run, target, "yes" if row["fits"] else "no", *cells, f"{row['usable_bytes'] / GIB:.1f}",
+            f"{row['floor_s']:.3f}", p["generate"]["decode_kernels"]]
+
+
+def _one_row(name: str, out: str):
+    """Plan row `name` (in a process of its own) and write its raw figures to `out`."""
+    with tempfile.TemporaryDirectory() as root:
+        layouts = _layouts(root)
+        for row, layout, run, target in _rows(layouts):
+            if row == name:
+                try:
+                    raw = _raw(name, _plan(layouts, layout, run, target))
+                except Exception as err:  # report the row and go on
+                    raw = {"row": name, "failed": f"failed: {type(err).__name__}: {str(err).splitlines()[0][:160]}"}
+                with open(out, "w") as f:
+                    json.dump(raw, f)
+                return
+    raise SystemExit(f"no row named {name!r}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", default=None, help="rows whose name contains any of these")
     parser.add_argument("--json", default=None, help="write the raw rows to this file")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds a row may take (its own process)")
+    parser.add_argument("--row", default=None, help=argparse.SUPPRESS)  # the child process: one row
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    table, raw = [], []
-    with tempfile.TemporaryDirectory() as root:
-        layouts = _layouts(root)
-        for name, layout, run, target in _rows(layouts):
+    if args.row is not None:
+        return _one_row(args.row, args.out)
+    names = [name for name, *_ in _rows(LAYOUT_NAMES)]
+    raw = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for name in names:
             if args.only is not None and not any(s in name for s in args.only):
                 continue
+            out = os.path.join(scratch, "row.json")
             try:
-                plan = _plan(layouts, layout, run, target)
-            except Exception as err:  # report the row and go on
-                print(f"{name}: failed: {type(err).__name__}: {str(err)[:200]}", flush=True)
-                table.append([layout, run, target, f"failed: {type(err).__name__}"] + [""] * 6)
-                continue
-            p = {x.name: x for x in plan.programs}
-            cells = [f"{p[k].total / GIB:.2f}" if p[k].memory is not None else "refused"
-                     for k in ("update", "score", "generate")]
-            table.append([layout, run, target, "yes" if plan.fits else "no", *cells,
-                          f"{plan.target.usable_bytes / GIB:.1f}", f"{plan.lower_bound_s:.3f}",
-                          p["generate"].decode_kernels])
-            print(" | ".join(str(c) for c in table[-1]), flush=True)
-            raw.append({"row": name, "fits": plan.fits, "usable_bytes": plan.target.usable_bytes,
-                        "mesh": plan.mesh_axes, "floor_s": plan.lower_bound_s,
-                        "programs": {k: {"compile_s": v.compile_s, "refused": v.refused,
-                                         **(dataclasses.asdict(v.memory) if v.memory is not None else {}),
-                                         "resident_besides": v.resident_besides, "flops": v.work.flops,
-                                         "bytes_per_chip": v.work.bytes_per_chip, "floor_s": v.lower_bound_s,
-                                         "decode_kernels": v.decode_kernels}
-                                     for k, v in p.items()}})
+                subprocess.run([sys.executable, __file__, "--row", name, "--out", out], timeout=args.timeout,
+                               check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                with open(out) as f:
+                    raw.append(json.load(f))
+            except (subprocess.TimeoutExpired, subprocess.CalledProcessError) as err:
+                raw.append({"row": name, "failed": f"{type(err).__name__}"})
+            print(" | ".join(str(c) for c in _cells(raw[-1])), flush=True)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(raw, f, indent=1)
     print()
     print_markdown(["layout", "run", "target", "fits", "update GiB/device", "score GiB/device", "sampler GiB/device",
-                    "usable GiB", "iteration floor (s)", "kernels per decode step"], table, numeric_from=4)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(raw, f, indent=1)
+                    "usable GiB", "iteration floor (s)", "kernels per decode step"], [_cells(r) for r in raw],
+                   numeric_from=4)
 
 
 if __name__ == "__main__":
