@@ -3,7 +3,6 @@
 `jaxppo[plan-gpu,plan-tpu]`; CI's plan stage installs them and sets JAXPPO_REQUIRE_PLAN=1,
 under which a missing compiler fails instead of skipping."""
 
-import importlib.metadata
 import os
 
 import pytest
@@ -13,20 +12,11 @@ import jaxppo
 from jaxppo.cli import main as cli_main
 from jaxppo.plan import plan_run, resolve_target
 from jaxppo.plan.programs import abstract_run, lower_programs
-from jaxppo.plan.targets import target_devices
+from jaxppo.plan.targets import compiler_installed, target_devices
 from jaxppo.run.parts import Inputs
 
 
-def _have(*names):
-    try:
-        for name in names:
-            importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
-
-
-HAVE = {"h200": _have("jax-cuda12-plugin", "jax-cuda12-pjrt", "nvidia-cuda-nvcc-cu12"), "v5e-4": _have("libtpu")}
+HAVE = {"h200": compiler_installed("cuda"), "v5e-4": compiler_installed("tpu")}
 TARGETS = [pytest.param(name, marks=pytest.mark.skipif(
     not have and not os.environ.get("JAXPPO_REQUIRE_PLAN"),
     reason=f"the compiler for {name} is not installed (pip install 'jaxppo[plan-gpu,plan-tpu]')"))

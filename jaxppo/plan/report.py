@@ -127,8 +127,7 @@ def run_work(shapes: RunShapes) -> dict:
     c, spec, models = shapes.config, shapes.spec, shapes.models
     b, q, r = c.batch.batch_size, c.data.query_length, c.sampling.response_length
     params = shapes.run.train.params
-    key = models.params_key
-    policy = costs.model_shape(models.policy_model, params[key] if key else params)
+    policy = costs.model_shape(models.policy_model, spec.policy_params(params))
     lora = models.policy_model.lora is not None
     critic = getattr(models.apply_fn, "critic", None)
     critic_shape = costs.model_shape(critic, params["critic"]) if critic is not None else None
@@ -143,7 +142,7 @@ def run_work(shapes: RunShapes) -> dict:
                                shards)
     scored = [] if spec.sampler_logprobs_used else [(policy, True)]
     if models.ref_model is not None:
-        ref_params = shapes.ref_params if shapes.ref_params is not None else (params[key] if key else params)
+        ref_params = shapes.ref_params if shapes.ref_params is not None else spec.policy_params(params)
         scored.append((costs.model_shape(models.ref_model, ref_params), True))
     if models.reward_model is not None:
         scored.append((costs.model_shape(models.reward_model, shapes.reward_params), False))
@@ -162,8 +161,7 @@ def _resident(shapes: RunShapes) -> dict:
     params = costs.per_device_bytes(train.params)
     optimizer = costs.per_device_bytes(train.opt_state)
     frozen = costs.per_device_bytes(shapes.ref_params) + costs.per_device_bytes(shapes.reward_params)
-    key = shapes.models.params_key
-    policy = costs.per_device_bytes(train.params[key]) if key else params
+    policy = costs.per_device_bytes(shapes.spec.policy_params(train.params))
     return {"update": frozen, "score": optimizer, "generate": optimizer + (params - policy) + frozen}
 
 

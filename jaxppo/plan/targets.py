@@ -18,7 +18,7 @@ import dataclasses
 import json
 import os
 __all__ = ["Target", "TARGETS", "resolve_target", "target_devices", "gpu_target_description", "MissingExtra",
-           "GPU_MEMORY_FRACTION"]
+           "GPU_MEMORY_FRACTION", "compiler_installed"]
 
 GIB = 2 ** 30
 
@@ -196,7 +196,7 @@ def target_devices(target: Target) -> list:
     from jax.experimental import topologies
 
     extra, what = _EXTRA[target.platform]
-    if not _installed(target.platform):
+    if not compiler_installed(target.platform):
         raise MissingExtra(f"planning for {target.name} compiles with {what}, which is not installed: "
                            f"pip install 'jaxppo[{extra}]'")
     try:
@@ -215,8 +215,8 @@ def target_devices(target: Target) -> list:
     return devices
 
 
-def _installed(platform: str) -> bool:
-    """Whether the distributions the platform's compiler needs are installed."""
+def compiler_installed(platform: str) -> bool:
+    """Whether the distributions the compiler of `platform` ("cuda" or "tpu") needs are installed."""
     import importlib.metadata
 
     names = ("libtpu",) if platform == "tpu" else ("jax-cuda12-plugin", "jax-cuda12-pjrt", "nvidia-cuda-nvcc-cu12")
