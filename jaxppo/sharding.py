@@ -117,7 +117,9 @@ def param_spec(path: tuple, shape: tuple, mesh: Mesh) -> P:
     leaves under a `layers` / `h` entry, leading with the layer axis) keep the layer axis
     replicated and split the rest as the per-layer leaf would be split. LoRA adapters
     (`lora_a` (in, rank), `lora_b` (rank, out)) split their non-rank dimension on "tensor"
-    as the base kernel does, else over "fsdp"; the rank dimension is whole.
+    as the base kernel does, else over "fsdp"; the rank dimension is whole. A mixture of
+    experts' stacked kernels (E, in, out) split the expert axis over "fsdp" and their
+    intermediate features over "tensor" (`jaxppo.models.moe`).
     """
     names = set(key_names(path))
     if names & _STACKED and len(shape) >= 1:
@@ -136,7 +138,17 @@ def param_spec(path: tuple, shape: tuple, mesh: Mesh) -> P:
         elif fsdp > 1 and shape[dim] % fsdp == 0:
             spec[dim] = "fsdp"
         return P(*spec)
-    if tensor > 1 and len(shape) == 2:
+    if "experts" in names and len(shape) == 3:
+        # A mixture's stacked experts (E, in, out): the expert axis over "fsdp" (each device
+        # stores its share of the experts), the intermediate features over "tensor" as the
+        # dense MLP's are (column-parallel gate/up, row-parallel down).
+        inner = 2 if names & _COLUMN_PARALLEL else 1
+        if tensor > 1 and shape[inner] % tensor == 0:
+            spec[inner] = "tensor"
+        if fsdp > 1 and shape[0] % fsdp == 0:
+            spec[0] = "fsdp"
+            return P(*spec)
+    elif tensor > 1 and len(shape) == 2:
         dim = 1 if names & _COLUMN_PARALLEL else (0 if names & _ROW_PARALLEL else None)
         if "embedding" in names:
             dim = 1

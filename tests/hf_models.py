@@ -54,6 +54,27 @@ def _configs():
                                                sliding_window=5, tie_word_embeddings=False, bos_token_id=1,
                                                eos_token_id=2, pad_token_id=0),
                     transformers.MistralForCausalLM),
+        # Mixtures of experts: Qwen3-MoE with its top-k weights as the router gives them
+        # (norm_topk_prob off), Mixtral (renormalised); 6 and 4 experts, 2 per token.
+        "qwen3_moe": (transformers.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                                  moe_intermediate_size=16, num_experts=6, num_experts_per_tok=2,
+                                                  norm_topk_prob=False, num_hidden_layers=2, num_attention_heads=4,
+                                                  num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                                                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                                                  pad_token_id=0),
+                      transformers.Qwen3MoeForCausalLM),
+        "mixtral": (transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=24,
+                                               num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+                                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                               tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                                               pad_token_id=0),
+                    transformers.MixtralForCausalLM),
+        "qwen3_moe-reward": (transformers.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                                         moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                                                         norm_topk_prob=True, num_hidden_layers=2, num_attention_heads=4,
+                                                         num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                                                         num_labels=1, pad_token_id=0, eos_token_id=2, bos_token_id=1),
+                             transformers.Qwen3MoeForSequenceClassification),
         "gpt2-reward": (transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
                                                 num_labels=1, pad_token_id=0, eos_token_id=2, bos_token_id=1),
                         transformers.GPT2ForSequenceClassification),
@@ -75,8 +96,8 @@ def _configs():
     }
 
 
-NAMES = tuple(["gpt2", "llama", "qwen2", "qwen3", "gemma3", "mistral", "gpt2-reward", "llama-reward", "qwen3-reward",
-               "gemma3-reward"])
+NAMES = tuple(["gpt2", "llama", "qwen2", "qwen3", "gemma3", "mistral", "qwen3_moe", "mixtral", "gpt2-reward",
+               "llama-reward", "qwen3-reward", "gemma3-reward", "qwen3_moe-reward"])
 
 
 def build(name, directory, seed=0):

@@ -16,8 +16,8 @@ import jaxppo
 import jaxppo.models as jm
 from jaxppo.rollout.samplers.static import generate
 
-CAUSAL = ("gpt2", "llama", "qwen2", "qwen3", "gemma3", "mistral")
-REWARD = ("gpt2-reward", "llama-reward", "qwen3-reward", "gemma3-reward")
+CAUSAL = ("gpt2", "llama", "qwen2", "qwen3", "gemma3", "mistral", "qwen3_moe", "mixtral")
+REWARD = ("gpt2-reward", "llama-reward", "qwen3-reward", "gemma3-reward", "qwen3_moe-reward")
 MODEL_TYPE = {"gemma3": "gemma3_text"}
 
 
@@ -79,7 +79,7 @@ def test_greedy_generation_matches_transformers(hf_checkpoints, name, scan):
 
 
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
-@pytest.mark.parametrize("name", CAUSAL + ("gpt2-reward", "gemma3-reward"))
+@pytest.mark.parametrize("name", CAUSAL + ("gpt2-reward", "gemma3-reward", "qwen3_moe-reward"))
 def test_export_then_transformers_load_gives_same_logits(hf_checkpoints, tmp_path, name, scan):
     import transformers
 

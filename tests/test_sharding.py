@@ -415,3 +415,35 @@ def test_dynamic_sampling_under_mesh_matches_single_device(tmp_path):
             assert a[name] == b[name], name
         assert a["loss/total_avg"] == pytest.approx(b["loss/total_avg"], rel=1e-4, abs=1e-6)
     assert mesh_trainer.run.prompts_consumed == single_trainer.run.prompts_consumed
+
+
+@pytest.mark.parametrize("mesh_config,scan", [(MESHES[2], True), (MESHES[3], False)], ids=["fsdp8-scanned", "2x2x2"])
+def test_mixture_of_experts_sharded_equals_single_device(setup, mesh_config, scan):
+    """A Qwen3-MoE-layout policy and critic (8 experts, 2 per token): the update on the mesh
+    equals one device, the experts' kernels split on the expert axis over "fsdp" and on
+    their intermediate features over "tensor"."""
+    _, _, _, rollout = setup
+    cfg = jm.ModelConfig(model_type="qwen3_moe", vocab_size=V, hidden_size=32, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=8, intermediate_size=64, max_position_embeddings=32,
+                         tie_word_embeddings=False, eos_token_ids=(2,), qk_norm=True, num_experts=8,
+                         num_experts_per_tok=2, moe_intermediate_size=16)
+    policy, critic = jm.Model(cfg, scan_layers=scan), jm.Model(cfg, kind="value", scan_layers=scan)
+    params = {"policy": policy.init(jax.random.key(0)), "critic": critic.init(jax.random.key(1))}
+    config = jaxppo.Config.from_settings(batch_size=16, mini_batch_size=8, ppo_epochs=2)
+    state = jaxppo.TrainState.create(apply_fn=jm.PolicyAndCritic(policy, critic), params=params, tx=optax.sgd(0.1))
+    ref, ref_metrics = jaxppo.train_step(state, rollout, jax.random.key(3), config)
+    mesh = sh.make_mesh(mesh_config)
+    sharded = sh.shard_state(state, mesh)
+    out, metrics = sh.sharded_train_step(sharded, config, mesh)(sharded, sh.shard_batch(rollout, mesh),
+                                                                jax.random.key(3))
+    assert float(metrics["loss/total_avg"]) == pytest.approx(float(ref_metrics["loss/total_avg"]), rel=1e-4)
+    for a, b in zip(jax.tree.leaves(out.params), jax.tree.leaves(ref.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=1e-4)
+    trunk = out.params["policy"]["params"]["model"]
+    experts = (trunk["layers"] if scan else trunk["layers_0"])["moe"]["experts"]
+    lead = (None,) if scan else ()
+    assert experts["gate_proj"].sharding.spec[len(lead)] == "fsdp"
+    if mesh_config.tensor > 1:
+        assert tuple(experts["gate_proj"].sharding.spec) == lead + ("fsdp", None, "tensor")
+        assert tuple(experts["down_proj"].sharding.spec) == lead + ("fsdp", "tensor", None)
+    assert experts["up_proj"].addressable_shards[0].data.shape[len(lead)] == 8 // mesh_config.fsdp

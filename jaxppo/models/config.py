@@ -39,6 +39,11 @@ class ModelConfig:
     `final_logit_softcapping` caps the output logits at +-cap with cap * tanh(x / cap).
     (Gemma 3 configs may carry `attn_logit_softcapping`; Hugging Face's Gemma 3 attention
     does not apply it, and neither does jaxppo.)
+
+    Mixture of experts (Qwen3-MoE `qwen3_moe`, Mixtral `mixtral`; `jaxppo.models.moe`):
+    with `num_experts` > 0 every block's MLP is `num_experts` gated MLPs of
+    `moe_intermediate_size` of which a router picks `num_experts_per_tok` per token, their
+    weights renormalised to sum to one where `norm_topk_prob`.
     """
 
     model_type: str
@@ -67,6 +72,10 @@ class ModelConfig:
     local_rope_theta: Optional[float] = None
     query_pre_attn_scalar: Optional[float] = None
     final_logit_softcapping: Optional[float] = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: Optional[int] = None
+    norm_topk_prob: bool = True
 
     def __post_init__(self):
         family = family_of(self.model_type)  # ValueError naming the supported types
@@ -91,6 +100,15 @@ class ModelConfig:
                                  f"got {list(self.layer_types)}")
         if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or self.sliding_window < 1):
             raise ValueError(f"sliding_window={self.sliding_window!r} is invalid; use None or a positive int")
+        if self.num_experts:
+            if self.moe_intermediate_size is None:
+                object.__setattr__(self, "moe_intermediate_size", self.intermediate_size)
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and "
+                                 f"num_experts={self.num_experts}")
+        elif self.num_experts < 0 or self.num_experts_per_tok:
+            raise ValueError(f"num_experts={self.num_experts}, num_experts_per_tok={self.num_experts_per_tok}: "
+                             "experts per token need num_experts > 0")
         family.check(self)
 
     @property
@@ -159,5 +177,6 @@ def config_from_hf(hf) -> ModelConfig:
 
 
 ADDED_FIELDS = ("qk_norm", "sliding_window", "layer_types", "local_rope_theta", "query_pre_attn_scalar",
-                "final_logit_softcapping")
+                "final_logit_softcapping", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                "norm_topk_prob")
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}

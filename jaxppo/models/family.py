@@ -61,6 +61,10 @@ class ModelFamily:
         {"q_proj": "self_attn.q_proj"}; a module not named keeps its name.
       hf_untransposed: block modules whose kernels Hugging Face stores as (in, out), like
         Flax (GPT-2's Conv1D); every other kernel is transposed.
+      hf_expert_names: {expert kernel name: Hugging Face per-expert module name} for a
+        mixture of experts, whose kernels (E, in, out) under an `experts` module Hugging
+        Face stores as one (out, in) tensor per expert, `...experts.{e}.<name>.weight`
+        (e.g. Mixtral's {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}).
       lora_targets: {target name a user gives: block modules it covers}; "all-linear" is
         all of them.
       learned_positions: positions come from a table of `max_position_embeddings` rows (the
@@ -84,6 +88,7 @@ class ModelFamily:
     tied_by_default: bool = False
     hints: Mapping[str, str] = dataclasses.field(default_factory=dict)
     hf_untransposed: frozenset = frozenset()
+    hf_expert_names: Mapping[str, str] = dataclasses.field(default_factory=dict)
     learned_positions: bool = False
 
     def __post_init__(self):

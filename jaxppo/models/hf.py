@@ -25,19 +25,24 @@ __all__ = ["from_pretrained", "ConfigOnly", "save_pretrained", "params_from_hf_t
 _LEAF_NAMES = {"kernel": "weight", "embedding": "weight", "scale": "weight", "weight": "weight", "bias": "bias"}
 # Buffers some checkpoints carry that are not parameters.
 _BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+# The field of a per-expert tensor name (`hf_name`), e.g. "...mlp.experts.{expert}.up_proj.weight".
+EXPERT_FIELD = "{expert}"
 # jaxppo-only heads, not part of Hugging Face checkpoints.
 _VALUE_HEAD_FILE = "value_head.safetensors"
 
 
 def hf_name(path, config: ModelConfig):
     """Our flat param path (without the 'params' root) -> (HF tensor name, transpose?), or
-    None for jaxppo-only parameters (the value head). The family names its block's modules
+    None for jaxppo-only parameters (the value head). A mixture of experts' stacked kernel
+    maps to a name with an `{expert}` field (one tensor per expert, each transposed). The
+    family names its block's modules
     (`hf_block_names`) and the kernels Hugging Face stores as Flax does (`hf_untransposed`,
     GPT-2's Conv1D); every other kernel is a torch Linear's (out, in), transposed."""
     family = family_of(config)
     if path[0] == "value_head":
         return None
-    leaf = _LEAF_NAMES[path[-1]]
+    experts = len(path) > 2 and path[-2] == "experts" and path[-1] in family.hf_expert_names
+    leaf = "weight" if experts else _LEAF_NAMES[path[-1]]
     if path[0] in ("lm_head", "score"):
         return f"{path[0]}.{leaf}", path[-1] == "kernel"
     parts = [path[0]]
@@ -47,6 +52,8 @@ def hf_name(path, config: ModelConfig):
             parts.extend(p.rsplit("_", 1))
         else:
             parts.append(family.hf_block_names.get(p, p))
+    if experts:  # one tensor per expert: the name holds an {expert} field
+        return ".".join(parts + [EXPERT_FIELD, family.hf_expert_names[path[-1]], leaf]), True
     transpose = path[-1] == "kernel" and module not in family.hf_untransposed
     return ".".join(parts + [leaf]), transpose
 
@@ -201,14 +208,17 @@ def params_from_hf_tensors(model: Model, get_tensor, names, *, strict: bool = Tr
             out[path] = np.zeros(spec.shape, param_dtype)  # zero-initialised head
             continue
         hf, transpose = mapped
-        name = checkpoint_name(hf)
-        if name not in names:
-            missing.append(name)
+        expert_names = [checkpoint_name(hf).format(expert=e) for e in range(spec.shape[0])] \
+            if EXPERT_FIELD in hf else [checkpoint_name(hf)]
+        absent = [n for n in expert_names if n not in names]
+        if absent:
+            missing.extend(absent)
             continue
-        tensor = np.asarray(get_tensor(name))
-        used.add(name)
+        tensors = [np.asarray(get_tensor(n)) for n in expert_names]
+        used.update(expert_names)
         if transpose:
-            tensor = tensor.T
+            tensors = [t.T for t in tensors]
+        tensor, name = (np.stack(tensors), hf) if EXPERT_FIELD in hf else (tensors[0], expert_names[0])
         if tensor.shape != tuple(spec.shape):
             mismatched.append(f"{name}: checkpoint {tuple(tensor.shape)} vs model {tuple(spec.shape)}")
             continue
@@ -355,7 +365,11 @@ def hf_arrays(model: Model, params):
     out = []
     for path, value in traverse_util.flatten_dict(params["params"]).items():
         mapped = hf_name(path, model.config)
-        if mapped is not None:
+        if mapped is None:
+            continue
+        if EXPERT_FIELD in mapped[0]:  # stacked experts: one tensor each
+            out.extend((mapped[0].format(expert=e), value[e], mapped[1]) for e in range(value.shape[0]))
+        else:
             out.append((mapped[0], value, mapped[1]))
     return out
 

@@ -1,12 +1,13 @@
 """The built-in model families, one module each, registered by `model_type` on import
 (`jaxppo.models.family`): GPT-2 (`gpt2`), the Llama family (`llama`: Llama 2/3, Mistral,
-Qwen2, Qwen3) and Gemma 3 text (`gemma3`)."""
+Qwen2, Qwen3), Gemma 3 text (`gemma3`) and the mixtures of experts (`moe`: Qwen3-MoE,
+Mixtral)."""
 
-from jaxppo.models.families import gemma3, gpt2, llama
+from jaxppo.models.families import gemma3, gpt2, llama, moe
 from jaxppo.models.family import register_family
 
-BUILT_IN = (gpt2.FAMILY, llama.FAMILY, gemma3.FAMILY)
+BUILT_IN = (gpt2.FAMILY, llama.FAMILY, gemma3.FAMILY, moe.QWEN3_MOE, moe.MIXTRAL)
 for _family in BUILT_IN:
     register_family(_family)
 
-__all__ = ["BUILT_IN", "gpt2", "llama", "gemma3"]
+__all__ = ["BUILT_IN", "gpt2", "llama", "gemma3", "moe"]

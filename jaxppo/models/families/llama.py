@@ -15,6 +15,7 @@ from jaxppo.models.config import ModelConfig
 from jaxppo.models.family import ModelFamily
 from jaxppo.models.lora import LoraConfig
 from jaxppo.models.gated_mlp import gated_mlp
+from jaxppo.models.moe import SparseMoe
 from jaxppo.models.transformer import RMSNorm, apply_rope, attend_with_cache, dense, rope_inv_freq
 
 __all__ = ["LlamaBlock", "FAMILY", "embed_tokens", "rope_fields", "config_kwargs", "to_hf_kwargs", "hf_layer_types",
@@ -64,7 +65,10 @@ class LlamaBlock(nn.Module):
         # Hugging Face's `attention_bias` covers the output projection too, except in Qwen2,
         # whose q/k/v biases are built in.
         attn = proj(c.hidden_size, c.qkv_bias and c.model_type != "qwen2", "o_proj")(attn)
-        mlp = lambda h: gated_mlp(self, h)  # noqa: E731
+        if c.num_experts:  # a mixture of experts (Qwen3-MoE, Mixtral)
+            mlp = SparseMoe(c, self.dtype, self.param_dtype, name="moe")
+        else:
+            mlp = lambda h: gated_mlp(self, h)  # noqa: E731
         if self.sandwich_norms:
             x = x + norm("post_attention_layernorm")(attn)
             return x + norm("post_feedforward_layernorm")(mlp(norm("pre_feedforward_layernorm")(x))), layer_cache
