@@ -147,6 +147,16 @@ class LossConfig(Concern):
         "sequence_truncate" / "sequence_mask" (the same with the completion's ratio), or
         "none" (`jaxppo.update.correction`).
       rollout_correction_cap: the cap C of `rollout_correction`'s weights or ratios; > 1.
+      routing_replay: a mixture-of-experts policy (`jaxppo.models.moe`) computes the
+        update's forward with the experts its router chose in the rollout's scoring pass
+        (the forward that gave the old log-probs), weighted by its current router's
+        probabilities of them, so that a change of routing does not move the importance
+        ratio (verl's and slime's "routing replay"). The plain layout only (no shared
+        prompts, common prefix or packing: the trainer then picks it).
+      router_aux_loss_coef: a mixture-of-experts policy's load-balancing loss (the Switch
+        Transformer's, as Hugging Face computes it for Mixtral and Qwen3-MoE, over the
+        rows' real tokens) times this is added to the loss; 0 (the default): off. The
+        plain layout only, as `routing_replay`.
     """
 
     surrogate: str = "clip"
@@ -167,9 +177,11 @@ class LossConfig(Concern):
     top_entropy_quantile: float = 1.0
     rollout_correction: str = "token_truncate"
     rollout_correction_cap: float = 2.0
+    routing_replay: bool = False
+    router_aux_loss_coef: float = 0.0
 
     def __post_init__(self):
-        for name in ("cliprange", "cliprange_value", "vf_coef", "ent_coef"):
+        for name in ("cliprange", "cliprange_value", "vf_coef", "ent_coef", "router_aux_loss_coef"):
             check_real(self, name, 0.0)
         check_optional_real(self, "cliprange_high", 0.0, none="None (use cliprange)")
         if self.cliprange_low is not None:
@@ -187,6 +199,8 @@ class LossConfig(Concern):
                         "all)")
         check_choice(self, "rollout_correction", ROLLOUT_CORRECTIONS)
         check_real(self, "rollout_correction_cap", 1.0, low_open=True)
+        if not isinstance(self.routing_replay, bool):
+            raise invalid("LossConfig", "routing_replay", self.routing_replay, "True or False")
         _check_surrogate(self)
         _warn_clip(self)
 

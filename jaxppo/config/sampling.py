@@ -47,7 +47,8 @@ class SamplingConfig(Concern):
       old_logprobs: where the rollout's old-policy log-probs come from: "sampler" (the
         sampler's own: no policy forward when scoring), "recompute" (a forward of the
         policy over the sampled batch) or "auto" ("sampler" with an engine whose log-probs
-        are the trainer's own, a float32 policy and max_staleness 0, else "recompute").
+        are the trainer's own, a float32 policy without experts and max_staleness 0, else
+        "recompute": a mixture of experts' scoring pass records its routing).
       max_staleness: k; 0 (default) samples each iteration from the parameters it trains;
         k >= 1 samples iteration i from the parameters after max(0, i - k) iterations in
         producer threads, overlapping the update (`jaxppo.run.pipeline`); the loss then

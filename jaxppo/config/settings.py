@@ -271,6 +271,26 @@ def _check_distillation(c: "Config", estimator):
                       "compute (set distill_top_k=0 to distil from the sampled tokens, which packs)")
 
 
+def _check_routing(c: "Config"):
+    """Routing replay and the load-balancing loss read the policy's routing from the plain
+    layout's forward: refused beside a layout that runs rows otherwise, and beside old
+    log-probs from the sampler (no scoring pass records the routing then)."""
+    loss = c.loss
+    asked = [f"{name}={getattr(loss, name)!r}" for name in ("routing_replay", "router_aux_loss_coef")
+             if getattr(loss, name)]
+    if not asked:
+        return
+    for name in ("share_prompts", "common_prefix", "pack_sequences"):
+        if getattr(c.layout, name) is True:
+            raise invalid("LayoutConfig", name, True,
+                          f"False or None with LossConfig.{' and '.join(asked)}: the routing is recorded and replayed "
+                          "in the plain layout, each row's own prompt and response")
+    if c.sampling.old_logprobs == "sampler":
+        raise invalid("SamplingConfig", "old_logprobs", "sampler",
+                      f"'recompute' or 'auto' with LossConfig.{' and '.join(asked)}: the routing to replay is the "
+                      "scoring pass's, which old log-probs from the sampler skip")
+
+
 def check_config(c: Config) -> None:
     """The rules that span two concerns, each error naming the settings involved (each
     concern has checked its own settings already)."""
@@ -294,6 +314,7 @@ def check_config(c: Config) -> None:
                       "estimator with one advantage per completion: "
                       f"{', '.join(n for n, e in ESTIMATORS.items() if not e.per_token)})")
     _check_distillation(c, estimator)
+    _check_routing(c)
     if a.shared_trunk and not estimator.uses_critic:
         raise ValueError(f"AdvantageConfig.shared_trunk=True puts a value head on the policy, but "
                          f"advantage_estimator={a.advantage_estimator!r} has no critic; set shared_trunk=False")

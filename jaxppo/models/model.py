@@ -24,6 +24,7 @@ from jaxppo.models.config import ModelConfig
 from jaxppo.models.family import family_of
 from jaxppo.models.heads import LMHead, token_logprobs, top_logprobs
 from jaxppo.models.lora import LoraConfig
+from jaxppo.models.moe import load_balancing_loss
 from jaxppo.models.transformer import ATTENTION, CausalLMModule, GroupedKV, ScoreModule, default_positions
 
 __all__ = ["Model", "KINDS", "PolicyAndCritic", "stack_layers", "unstack_layers", "check_attention_backend",
@@ -244,6 +245,36 @@ class Model:
         values = None if values is None else values[:, q - 1 : q - 1 + r].astype(jnp.float32)
         return logprobs, values, entropy
 
+    def routed_outputs(self, params, query_tokens, query_mask, response_tokens, response_mask, temperature=1.0,
+                       replay=None, aux_loss=False):
+        """`response_outputs` of a mixture of experts with its routing, from the same forward:
+        ((log-probs, values, entropies), routing). `routing["chosen"]` (B, Q + R, layers, k)
+        int32: the experts the router picks for every token of the joined sequence (its own
+        choice, also under replay); with `aux_loss`, `routing["aux_loss"]`: the
+        load-balancing loss over the real tokens, pooled over the layers as Hugging Face
+        pools them (`jaxppo.models.moe.load_balancing_loss`). `replay` (B, Q + R, layers, k):
+        compute with these experts instead of the router's choice (routing replay)."""
+        if not self.config.num_experts or not self.is_causal_lm:
+            raise ValueError(f"routed_outputs needs a causal LM with experts; this is a {self.config.model_type} "
+                             f"{self.kind!r} model")
+        q, r = query_tokens.shape[1], response_tokens.shape[1]
+        tokens, mask = join_sequences(query_tokens, query_mask, response_tokens, response_mask)
+        variables = dict(params)
+        if replay is not None:
+            variables["replay"] = _per_layer(self, replay)
+        collections = ["router", "router_probs"] if aux_loss else ["router"]
+        (hidden, values, _), sown = self.module.apply(variables, tokens, mask, default_positions(mask),
+                                                      return_hidden=True, mutable=collections)
+        logprobs, entropy = token_logprobs(hidden[:, q - 1 : q - 1 + r], self.lm_head(params), response_tokens,
+                                           temperature, self.logits_chunk_size)
+        values = None if values is None else values[:, q - 1 : q - 1 + r].astype(jnp.float32)
+        routing = {"chosen": _layers_last(self, sown["router"], "chosen")}
+        if aux_loss:
+            probs = _layers_last(self, sown["router_probs"], "probs")
+            real = jnp.broadcast_to(mask[:, :, None], probs.shape[:3])
+            routing["aux_loss"] = load_balancing_loss(probs, routing["chosen"], real)
+        return (logprobs, values, entropy), routing
+
     def response_top_logprobs(self, params, *args):
         """A frozen teacher's scoring pass with `distill_top_k` (`_response_top`)."""
         return _response_top(self, params, *args)
@@ -354,6 +385,16 @@ class PolicyAndCritic:
                                               response_mask)[1]
         return logprobs, values, entropy
 
+    def routed_outputs(self, params, query_tokens, query_mask, response_tokens, response_mask, temperature=1.0,
+                       replay=None, aux_loss=False):
+        """The policy's `Model.routed_outputs` (its routing, replayed where given), the
+        critic's values beside them."""
+        (logprobs, _, entropy), routing = self.policy.routed_outputs(
+            params["policy"], query_tokens, query_mask, response_tokens, response_mask, temperature, replay, aux_loss)
+        values = self.critic.response_outputs(params["critic"], query_tokens, query_mask, response_tokens,
+                                              response_mask)[1]
+        return (logprobs, values, entropy), routing
+
     def grouped_outputs(self, params, query_tokens, query_mask, response_tokens, response_mask, temperature=1.0):
         """(log-probs, values, entropies), each (B, R), each group's prompt run once by the
         policy and by the critic (see `Model.grouped_outputs`)."""
@@ -419,6 +460,25 @@ def _response_top(model: Model, params, query_tokens, query_mask, response_token
     tokens, mask = join_sequences(query_tokens, query_mask, response_tokens, response_mask)
     hidden = model.hidden(params, tokens, mask)[0][:, q - 1 : q - 1 + r]
     return top_logprobs(hidden, model.lm_head(params), response_tokens, k, temperature, model.logits_chunk_size)
+
+
+def _layers_last(model: "Model", sown, name: str):
+    """A value every MoE layer `sow`ed (each (B, L, ...)) as one array (B, L, layers, ...)."""
+    trunk, prefix = sown[trunk_name(model.config)], _layer_prefix(model.config)
+    if model.scan_layers:  # stacked by the layer scan: (layers, B, L, ...)
+        return jnp.moveaxis(trunk[prefix]["moe"][name][0], 0, 2)
+    return jnp.stack([trunk[f"{prefix}_{i}"]["moe"][name][0] for i in range(model.config.num_layers)], axis=2)
+
+
+def _per_layer(model: "Model", routing):
+    """The "replay" collection of `routing` (B, L, layers, k): each layer's `chosen`, stacked
+    on a leading layer axis for the layer scan."""
+    prefix = _layer_prefix(model.config)
+    if model.scan_layers:
+        layers = {prefix: {"moe": {"chosen": jnp.moveaxis(routing, 2, 0)}}}
+    else:
+        layers = {f"{prefix}_{i}": {"moe": {"chosen": routing[:, :, i]}} for i in range(model.config.num_layers)}
+    return {trunk_name(model.config): layers}
 
 
 def _targets(response_tokens, also):

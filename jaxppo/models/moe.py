@@ -6,21 +6,24 @@ Routing, as the checkpoints state it: router logits = x @ W_router (E,), probabi
 softmax over the experts in float32, the top k kept, renormalised to sum to one where
 `norm_topk_prob` (always for Mixtral; as config.json says for Qwen3-MoE).
 
-The experts run as grouped matrix products (`jax.lax.ragged_dot`): the (token, expert)
-pairs are sorted by expert, each expert multiplies its own contiguous group of rows, and
-the results are put back in token order and summed. No capacity: every pair is computed,
-none is dropped, whatever the balance. XLA:TPU runs `ragged_dot` as a grouped kernel (the
-work of the k chosen experts per token); XLA:CPU expands it into a dense product over all
-E experts per row (E/k times the work: `docs/models.md`), which is correct but slow.
+The experts run as grouped matrix products (`grouped_matmul`): the (token, expert) pairs
+are sorted by expert, each expert multiplies its own contiguous group of rows, and the
+results are put back in token order and summed. No capacity: every pair is computed, none
+is dropped, whatever the balance. On TPUs the product is `jax.lax.ragged_dot` (a grouped
+kernel); elsewhere a loop over blocks of rows that each belong to one expert
+(`blocked_matmul`), since XLA:CPU expands `ragged_dot` into a product with every expert.
 
 Parameters (names mirror Hugging Face's modules, so conversion is a renaming):
 `gate/kernel` (D, E) the router, and `experts/gate_proj`, `experts/up_proj` (E, D, I),
 `experts/down_proj` (E, I, D): the experts' kernels stacked on a leading expert axis,
 each (in, out) as a Flax kernel (Hugging Face stores one (out, in) tensor per expert).
 
-The layer records its routing where asked: `sow`s the chosen experts (..., k) int32 and
-the router's probabilities into the "router" collection (`Model.router_stats` reads
-them), from which the load-balancing loss and the routing statistics are computed.
+The layer records its routing where asked (`Model.routed_outputs`): it `sow`s its own
+choice of experts (..., k) int32 into the "router" collection and the router's
+probabilities (..., E) into "router_probs" (the load-balancing loss reads them). Given a
+"replay" collection holding `chosen` (..., k), it computes with those experts instead
+(routing replay), weighted by its router's probabilities of them (renormalised where the
+checkpoint says), so the router still receives a gradient.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ import jax.numpy as jnp
 
 from jaxppo.models.transformer import activation
 
-__all__ = ["SparseMoe", "route", "experts_forward", "load_balancing_loss", "EXPERT_PROJECTIONS"]
+__all__ = ["SparseMoe", "route", "experts_forward", "grouped_matmul", "blocked_matmul", "load_balancing_loss",
+           "EXPERT_PROJECTIONS"]
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -58,12 +62,89 @@ def experts_forward(x, experts, weights, wg, wu, wd, act: str):
     order = jnp.argsort(flat, stable=True)  # the (token, slot) pairs grouped by expert
     rows = x[order // k]
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    g = jax.lax.ragged_dot(rows, wg, sizes)
-    u = jax.lax.ragged_dot(rows, wu, sizes)
-    y = jax.lax.ragged_dot(activation(act)(g) * u, wd, sizes)
+    g = grouped_matmul(rows, wg, sizes)
+    u = grouped_matmul(rows, wu, sizes)
+    y = grouped_matmul(activation(act)(g) * u, wd, sizes)
     y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
     back = jnp.argsort(order)  # each pair's place in the sorted order
     return jnp.sum(y[back].reshape(n, k, -1), axis=1, dtype=jnp.float32).astype(x.dtype)
+
+
+def grouped_matmul(rows, kernels, sizes):
+    """rows (M, D) grouped by expert (the first sizes[0] rows expert 0's, ...) times each
+    group's kernel of `kernels` (E, D, F): (M, F). XLA:TPU runs `jax.lax.ragged_dot` as a
+    grouped kernel; XLA:CPU (and XLA:GPU, as far as jaxppo has checked) expands it into a
+    product with every expert, E times the work and an (E, M, D) temporary, so other
+    platforms run `blocked_matmul`. The platform is the one the program is compiled for
+    (`jax.lax.platform_dependent`), also when it is compiled for another than the host's."""
+    return jax.lax.platform_dependent(rows, kernels, sizes, tpu=jax.lax.ragged_dot, default=blocked_matmul)
+
+
+def _block_rows(m: int, groups: int) -> int:
+    """Rows per block of `blocked_matmul`: about a group's average, a power of two in [8, 128]."""
+    return int(min(128, max(8, 1 << max(0, (m // max(groups, 1)) - 1).bit_length())))
+
+
+def _blocks(sizes, m: int, block: int):
+    """The blocked layout of m rows grouped by `sizes`: each group starts on a block
+    boundary. Returns (each row's padded slot (m,), each block's group (nb,), nb)."""
+    groups = sizes.shape[0]
+    nb = -(-(m + groups * (block - 1)) // block)  # enough blocks whatever the sizes
+    padded = (sizes + block - 1) // block * block
+    padded_end = jnp.cumsum(padded)
+    starts, padded_starts = jnp.cumsum(sizes) - sizes, padded_end - padded
+    group = jnp.repeat(jnp.arange(groups), sizes, total_repeat_length=m)
+    slot = padded_starts[group] + jnp.arange(m) - starts[group]
+    block_group = jnp.minimum(jnp.searchsorted(padded_end, jnp.arange(nb) * block, side="right"), groups - 1)
+    return slot, block_group, nb
+
+
+@jax.custom_vjp
+def blocked_matmul(rows, kernels, sizes):
+    """`jax.lax.ragged_dot(rows, kernels, sizes)` without the product with every expert:
+    the rows are laid out in blocks that each belong to one group (a group's last block
+    padded with zero rows, at most E - 1 blocks more than the rows fill) and a loop
+    multiplies each block by its group's kernel. Its backward pass is two such loops (the
+    rows' gradient, and the kernels' gradient accumulated in place per group)."""
+    return _blocked_forward(rows, kernels, sizes)[0]
+
+
+def _blocked_forward(rows, kernels, sizes):
+    rows, kernels = jnp.asarray(rows), jnp.asarray(kernels)
+    m, d = rows.shape
+    block = _block_rows(m, kernels.shape[0])
+    slot, block_group, nb = _blocks(sizes, m, block)
+    padded = jnp.zeros((nb * block, d), rows.dtype).at[slot].set(rows).reshape(nb, block, d)
+
+    def one(_, xs):
+        x, g = xs
+        return None, jnp.dot(x, kernels[g], preferred_element_type=jnp.float32).astype(rows.dtype)
+
+    out = jax.lax.scan(one, None, (padded, block_group))[1].reshape(nb * block, -1)[slot]
+    return out, (padded, kernels, sizes, slot, block_group)
+
+
+def _blocked_backward(residuals, grad):
+    padded, kernels, sizes, slot, block_group = residuals
+    nb, block, _ = padded.shape
+    g = jnp.zeros((nb * block, grad.shape[-1]), grad.dtype).at[slot].set(grad).reshape(nb, block, -1)
+
+    def one(dk, xs):
+        x, gy, e = xs
+        dx = jnp.dot(gy, kernels[e].T, preferred_element_type=jnp.float32).astype(x.dtype)
+        step = jnp.dot(x.T, gy, preferred_element_type=jnp.float32)
+        return dk.at[e].add(step), dx
+
+    dk, dx = jax.lax.scan(one, jnp.zeros(kernels.shape, jnp.float32), (padded, g, block_group))
+    dx = dx.reshape(nb * block, -1)[slot]
+    return dx, dk.astype(kernels.dtype), None
+
+
+def _blocked_fwd(rows, kernels, sizes):
+    return _blocked_forward(rows, kernels, sizes)
+
+
+blocked_matmul.defvjp(_blocked_fwd, _blocked_backward)
 
 
 def load_balancing_loss(probs, experts, mask=None):
@@ -115,9 +196,14 @@ class SparseMoe(nn.Module):
         logits = nn.Dense(c.num_experts, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
                           name="gate")(tokens)
         weights, experts, probs = route(logits, c.num_experts_per_tok, c.norm_topk_prob)
-        if not self.is_initializing():  # recorded only where asked (a mutable "router" collection)
+        if not self.is_initializing():  # recorded only where asked (mutable collections)
             self.sow("router", "chosen", experts.reshape(*lead, -1))
-            self.sow("router", "probs", probs.reshape(*lead, -1))
+            self.sow("router_probs", "probs", probs.reshape(*lead, -1))
+        if self.has_variable("replay", "chosen"):  # routing replay: these experts, the router's weights for them
+            experts = self.get_variable("replay", "chosen").reshape(experts.shape).astype(jnp.int32)
+            weights = jnp.take_along_axis(probs, experts, axis=-1)
+            if c.norm_topk_prob:
+                weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         wg, wu, wd = _Experts(c.num_experts, d, c.moe_intermediate_size, self.param_dtype, name="experts")()
         out = experts_forward(tokens.astype(self.dtype), experts, weights, wg.astype(self.dtype),
                               wu.astype(self.dtype), wd.astype(self.dtype), c.activation)

@@ -149,7 +149,8 @@ def decode_kernels(hlo: str) -> Optional[int]:
 
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
-    """What a model's work depends on: its matrix parameters outside the heads (`matmul`),
+    """What a model's work depends on: the matrix parameters outside the heads that a token
+    runs through (`matmul`; of a mixture's experts, num_experts_per_tok of num_experts),
     the LM head's (hidden x vocab, 0 for a scalar head), the attention widths, the layer
     count, the bytes of all its parameters as held, and of one token's keys and values in
     the KV cache."""
@@ -172,7 +173,9 @@ def model_shape(model, params, cache_dtype=None) -> ModelShape:
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         key = jax.tree_util.keystr(path)
         if len(getattr(leaf, "shape", ())) >= 2 and not any(h in key for h in _HEADS):
-            matmul += int(np.prod(leaf.shape, dtype=np.int64))
+            size = int(np.prod(leaf.shape, dtype=np.int64))
+            # A mixture's experts: a token runs num_experts_per_tok of num_experts.
+            matmul += size * c.num_experts_per_tok // c.num_experts if "'experts'" in key else size
     head = c.hidden_size * c.vocab_size if model.kind in ("causal_lm", "causal_lm_value") else 0
     weight_bytes = sum(int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
                        for x in jax.tree.leaves(params) if hasattr(x, "shape"))

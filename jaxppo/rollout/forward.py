@@ -28,8 +28,8 @@ from jaxppo.models.decoding import GenerationOutput, strings_completed
 from jaxppo.models.model import scored_mask
 from jaxppo.rollout.spec import RolloutSpec
 from jaxppo.update import packing
-from jaxppo.update.batch import (RolloutBatch, joined, model_method, response_attention, response_outputs, scorer,
-                                 teacher_outputs)
+from jaxppo.update.batch import (RolloutBatch, joined, model_method, response_attention, response_outputs,
+                                 routed_outputs, scorer, teacher_outputs)
 from jaxppo.update.kl import KLControllerState, kl_per_token, kl_shaped_rewards
 from jaxppo.update.losses import logprobs_from_logits
 from jaxppo.update.prefix import prefix_layout, prefix_query, to_region
@@ -57,20 +57,24 @@ def _outputs(spec: RolloutSpec, apply_fn, params, batch):
 
 
 def _policy_outputs(spec: RolloutSpec, params, batch, gen):
-    """(old-policy log-probs, values or None): the sampler's own log-probs when the spec
-    says so (`RolloutSpec.sampler_logprobs_used`), with the critic's values alone from a
-    separate critic (a value head on the policy runs the policy's forward for them); else
-    both from one forward."""
+    """(old-policy log-probs, values or None, the routing or None): the sampler's own
+    log-probs when the spec says so (`RolloutSpec.sampler_logprobs_used`), with the
+    critic's values alone from a separate critic (a value head on the policy runs the
+    policy's forward for them); else both from one forward, which also records a mixture of
+    experts' routing (`RolloutSpec.records_routing`)."""
+    if spec.records_routing:
+        (logprobs, values, _), routing = routed_outputs(spec.apply_fn, params, batch, spec.temperature)
+        return logprobs, values if spec.uses_critic else None, routing["chosen"]
     if not spec.sampler_logprobs_used:
         logprobs, values, _ = _outputs(spec, spec.apply_fn, params, batch)
-        return logprobs, values if spec.uses_critic else None  # critic-free: no values
+        return logprobs, values if spec.uses_critic else None, None  # critic-free: no values
     logprobs = gen.policy_logprobs.astype(jnp.float32)  # the policy's own, not the filtered ones sampled from
     if not spec.uses_critic:
-        return logprobs, None
+        return logprobs, None, None
     critic = getattr(spec.apply_fn, "critic", None)  # a `PolicyAndCritic`: the critic alone
     if critic is None:
-        return logprobs, _outputs(spec, spec.apply_fn, params, batch)[1]
-    return logprobs, _outputs(spec, critic.apply, params["critic"], batch)[1]
+        return logprobs, _outputs(spec, spec.apply_fn, params, batch)[1], None
+    return logprobs, _outputs(spec, critic.apply, params["critic"], batch)[1], None
 
 
 def _reference_logprobs(spec: RolloutSpec, ref_params, batch):
@@ -226,7 +230,7 @@ def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompt_
              "response_tokens": gen.tokens, "response_mask": response_mask}
     if attention is not None:
         batch["response_attention_mask"] = attention
-    logprobs, values = _policy_outputs(spec, params, batch, gen)
+    logprobs, values, routing = _policy_outputs(spec, params, batch, gen)
     ref_logprobs, teacher_top = None, (None, None)
     if spec.ref_apply is not None:
         frozen = spec.policy_params(params) if spec.ref_is_policy else ref_params
@@ -256,7 +260,7 @@ def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompt_
                            response_mask=train_mask, logprobs=logprobs, values=values, rewards=rewards,
                            ref_logprobs=ref_logprobs if spec.keep_ref_logprobs else None, scores=sequence_scores,
                            sampler_logprobs=gen.logprobs, response_attention_mask=attention,
-                           teacher_top_logprobs=teacher_top[0], teacher_top_ids=teacher_top[1])
+                           teacher_top_logprobs=teacher_top[0], teacher_top_ids=teacher_top[1], routing=routing)
     stats = _statistics(spec, logprobs, response_mask, kl, non_score, scores, raw_scores, kl_state, contains_eos,
                         lengths, penalty, ref_logprobs is not None)
     if model_scores is not None:

@@ -187,6 +187,17 @@ class RolloutSpec:
                              "completion is truncated and nothing would be trained")
 
     @property
+    def records_routing(self) -> bool:
+        """The scoring pass records the policy's routing (`RolloutBatch.routing`): a mixture of
+        experts whose old log-probs it computes, in the plain layout (no common prefix, no
+        packing, each row its own prompt)."""
+        from jaxppo.update.batch import model_method
+
+        return (bool(self.policy.config.num_experts) and not self.sampler_logprobs_used and not self.common_prefix
+                and not self.pack_sequences and not (self.share_prompts and self.num_generations > 1)
+                and model_method(self.apply_fn, "routed_outputs") is not None)
+
+    @property
     def reshapes(self) -> bool:
         """A filter or the penalty is on: the distribution sampled from is not the policy's
         softmax(logits / temperature), and the sampler's log-probs are of the former."""
@@ -200,11 +211,13 @@ class RolloutSpec:
 
     @property
     def sampler_logprobs_used(self) -> bool:
-        """The rollout's old-policy log-probs are the sampler's own (no policy forward)."""
+        """The rollout's old-policy log-probs are the sampler's own (no policy forward). Under
+        "auto", not for a mixture of experts: its scoring pass records the routing
+        (`records_routing`)."""
         if self.old_logprobs == "auto":  # stale samples: the trainer's own at update time (decoupled)
             exact = engine_class(self.rollout_engine, self.num_slots).capabilities.exact_logprobs
             return (exact and jnp.dtype(self.policy.dtype) == jnp.float32
-                    and not self.max_staleness)
+                    and not self.max_staleness and not self.policy.config.num_experts)
         return self.old_logprobs == "sampler"
 
     @property

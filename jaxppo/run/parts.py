@@ -130,8 +130,9 @@ def build(config, inputs: Inputs) -> RunParts:
     rewards = sort_rewards(inputs.reward_model, inputs.reward_fns, inputs.reward_fn_on, inputs.reward_weights,
                            environment=environment is not None or teacher_alone)
     engine = _check_inputs(config, inputs, rewards, environment)
-    if config.layout.share_prompts is None:
-        config = config.replace(share_prompts=True)  # the trainer's groups share their prompt
+    routed = config.loss.routing_replay or bool(config.loss.router_aux_loss_coef)
+    if config.layout.share_prompts is None:  # the trainer's groups share their prompt (unless routing is replayed)
+        config = config.replace(share_prompts=not routed)
     table = _prompt_table(inputs.tokenizer, inputs.prompts, config, environment and environment.tools, streamed=True)
     eval_table, eval_rewards = _eval_inputs(inputs, config, rewards, environment)
     _check_columns(rewards, table, eval_table, eval_rewards)
@@ -142,6 +143,7 @@ def build(config, inputs: Inputs) -> RunParts:
     models = assemble(config, inputs, reward_model=rewards.model_spec,
                       head_window=config.sampling.response_length if prefix else None)
     _check_vocabulary(inputs.tokenizer, models.policy_model.config, config)
+    _check_experts(models.policy_model.config, config)
     _check_positions(models.policy_model, config, table, eval_table)
     spec = _rollout_spec(config, models, inputs.tokenizer, rewards, table.width, prefix)
     rollout_engine = engine.create(spec, models.params, config, mesh=config.layout.mesh,  # wide enough for eval too
@@ -396,6 +398,15 @@ def _check_vocabulary(tokenizer, model_config, config):
                          "'eos' for it")
 
 
+def _check_experts(model_config, config):
+    """Routing replay and the load-balancing loss need a policy with experts."""
+    for name in ("routing_replay", "router_aux_loss_coef"):
+        if getattr(config.loss, name) and not model_config.num_experts:
+            raise ValueError(f"LossConfig.{name}={getattr(config.loss, name)!r} needs a mixture-of-experts policy "
+                             f"(qwen3_moe, mixtral); this policy is a dense {model_config.model_type} model: leave it "
+                             "off")
+
+
 def _resolve_layout(config, table, environment):
     """(`config` with `common_prefix` decided, the prefix in tokens): the prompt set's common
     prefix that the run's rollouts put in the common-prefix layout (`jaxppo.update.prefix`),
@@ -404,6 +415,8 @@ def _resolve_layout(config, table, environment):
     `auto_common_prefix` says it pays; with False 0. In that layout Dr. GRPO's aggregation
     divides by the response length (`loss_norm_length`), not the layout's width."""
     setting = config.layout.common_prefix
+    if setting is None and (config.loss.routing_replay or config.loss.router_aux_loss_coef):
+        setting = False  # the routing is recorded and replayed in the plain layout
     if setting is False:
         prefix = 0
     elif setting is None:

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 from jaxppo.models.model import join_sequences
 from jaxppo.update.losses import entropy_from_logits, logprobs_from_logits
 
-__all__ = ["RolloutBatch", "response_outputs", "teacher_outputs", "scorer", "model_method", "joined",
-           "response_attention"]
+__all__ = ["RolloutBatch", "response_outputs", "routed_outputs", "teacher_outputs", "scorer", "model_method",
+           "joined", "response_attention"]
 
 
 class RolloutBatch(flax.struct.PyTreeNode):
@@ -59,6 +59,10 @@ class RolloutBatch(flax.struct.PyTreeNode):
         response position (temperature-scaled like `logprobs`), largest first; the loss's
         divergence to the teacher reads them (`jaxppo.update.losses.top_k_divergence`).
       teacher_top_ids: int (B, R, k) or None: the token ids of `teacher_top_logprobs`.
+      routing: int (B, Q + R, layers, k) or None: a mixture-of-experts policy's routing in
+        the scoring pass (the experts its router chose for every token of the row), which
+        the update replays (`LossConfig.routing_replay`) or compares its own with (the
+        metric `moe/routing_mismatch`); recorded in the plain layout.
     """
 
     query_tokens: jax.Array
@@ -75,6 +79,7 @@ class RolloutBatch(flax.struct.PyTreeNode):
     response_attention_mask: Optional[jax.Array] = None
     teacher_top_logprobs: Optional[jax.Array] = None
     teacher_top_ids: Optional[jax.Array] = None
+    routing: Optional[jax.Array] = None
 
 
 def model_method(fn, name: str):
@@ -147,6 +152,19 @@ def response_outputs(apply_fn, params, batch, temperature: float, group: int = 1
         logprobs = jnp.take_along_axis(logp, ids, axis=-1)
     entropy = entropy_from_logits(logits, temperature)
     return logprobs, values.astype(jnp.float32), entropy
+
+
+def routed_outputs(apply_fn, params, batch, temperature: float, replay=None, aux_loss: bool = False):
+    """((log-probs, values, entropies), routing) of a mixture-of-experts model that offers
+    `routed_outputs` (`jaxppo.models.Model.routed_outputs`, `PolicyAndCritic`'s): the
+    response outputs and the routing of every token of the rows, from one forward; with
+    `replay` (B, Q + R, layers, k) the forward computes with those experts."""
+    method = model_method(apply_fn, "routed_outputs")
+    if method is None:
+        raise ValueError("the routing of a mixture of experts is read from a model that offers routed_outputs (the "
+                         f"built-in Model and PolicyAndCritic); {type(apply_fn).__name__} does not")
+    return method(params, batch["query_tokens"], batch["query_mask"], batch["response_tokens"],
+                  response_attention(batch), temperature, replay=replay, aux_loss=aux_loss)
 
 
 def _response_logits(outputs, batch):

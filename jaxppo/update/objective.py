@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxppo.update import packing
-from jaxppo.update.batch import response_outputs
+from jaxppo.update.batch import joined, model_method, response_outputs, routed_outputs
 from jaxppo.update.checks import invalid, layer_config
 from jaxppo.update.kl import kl_loss_per_token
 from jaxppo.update.losses import (aggregate_loss, approx_kl, cispo_policy_loss, clipped_policy_loss,
@@ -41,7 +41,7 @@ class Objective:
     cliprange, cliprange_low, cliprange_high, dual_clip, sapo_temperatures, vespo_shape,
     cliprange_value, vf_coef, ent_coef,
     importance_ratio, loss_aggregation, loss_norm_length, top_entropy_quantile,
-    rollout_correction, rollout_correction_cap; from `jaxppo.KLConfig` kl_loss_coef,
+    rollout_correction, rollout_correction_cap, routing_replay, router_aux_loss_coef; from `jaxppo.KLConfig` kl_loss_coef,
     kl_loss_estimator, kl_loss_bias_correction; `jaxppo.SamplingConfig.temperature`;
     from `jaxppo.AdvantageConfig` num_generations, distill_top_k and distill_divergence (the
     divergence to a teacher's top k); from `jaxppo.LayoutConfig` share_prompts,
@@ -68,6 +68,8 @@ class Objective:
     kl_loss_bias_correction: bool = False
     rollout_correction: str = "token_truncate"
     rollout_correction_cap: float = 2.0
+    routing_replay: bool = False
+    router_aux_loss_coef: float = 0.0
     top_entropy_quantile: float = 1.0
     temperature: float = 1.0
     num_generations: int = 1
@@ -143,6 +145,7 @@ def ppo_loss(params, batch, *, apply_fn, config):
 
         loss = policy_loss (+ vf_coef * value_loss) (- ent_coef * entropy)
                (+ kl_loss_coef * KL(policy || reference)) (+ D(policy, teacher's top k))
+               (+ router_aux_loss_coef * a mixture of experts' load-balancing loss)
 
     (each bracketed term only when it applies: `jaxppo.algorithms.loss_terms(config)`; with
     an `entropy_coef` column in the batch, the rollout's per-completion coefficients weigh
@@ -165,7 +168,10 @@ def ppo_loss(params, batch, *, apply_fn, config):
     whose loss the dual clip capped) with `dual_clip`; entropy_mask_fraction (the share of
     real tokens the policy term trains on) with `top_entropy_quantile` < 1; distill_divergence
     (the divergence to the teacher's top k, `jaxppo.update.losses.top_k_divergence`,
-    aggregated like every term) with `distill_top_k`.
+    aggregated like every term) with `distill_top_k`; with a mixture of experts' routing
+    in the batch (`RolloutBatch.routing`), routing_mismatch (the share of the real tokens'
+    (token, layer) pairs whose chosen experts differ from the rollout's); router_aux (the
+    load-balancing loss) with `router_aux_loss_coef`.
     """
     config = objective(config)
     mask = batch["response_mask"].astype(jnp.float32)
@@ -194,6 +200,9 @@ def ppo_loss(params, batch, *, apply_fn, config):
     bonus, ent = _entropy_bonus(entropy, mask, batch, config, aggregate)
     loss = loss - bonus
     loss = loss + _reference_terms(logprobs, student_top, ratio, batch, config, aggregate, aux)
+    if "router_aux" in aux:  # a mixture of experts' load-balancing loss
+        loss = loss + config.router_aux_loss_coef * aux["router_aux"]
+        aux["router_aux"] = jax.lax.stop_gradient(aux["router_aux"])
     sg = jax.lax.stop_gradient
     aux.update(entropy=ent, approxkl=sg(approx_kl(logprobs, old_logprobs, mask)),
                ratio=sg(masked_mean(ratio, mask)), ratio_var=sg(masked_var(ratio, mask, unbiased=False)),
@@ -252,6 +261,8 @@ def _outputs(apply_fn, params, batch, config: Objective):
     run once (`prompt_rows`)."""
     if not config.pack_sequences:
         group = _loss_group(config, batch["response_mask"].shape[0])
+        if _routed(apply_fn, batch, config, group):
+            return _routed_outputs(apply_fn, params, batch, config)
         if not config.distill_top_k:
             return response_outputs(apply_fn, params, batch, config.temperature, group), None, {}
         # the student's log-probs of the teacher's top k ride beside the sampled token's
@@ -261,6 +272,48 @@ def _outputs(apply_fn, params, batch, config: Objective):
     outputs, fits = packing.response_outputs_and_fit(apply_fn, params, batch, config.temperature,
                                                      config.pack_streams, config.pack_length)
     return outputs, None, {"packing_overflow": 1.0 - fits.astype(jnp.float32)}
+
+
+def _routed(apply_fn, batch, config: Objective, group: int) -> bool:
+    """Whether the loss reads a mixture of experts' routing: the rollout carries it, or the
+    load-balancing loss is on. Refuses (while tracing, before anything compiles) routing
+    replay or the load-balancing loss where it cannot be read."""
+    asked = config.routing_replay or bool(config.router_aux_loss_coef)
+    if not asked and "routing" not in batch:
+        return False
+    method = model_method(apply_fn, "routed_outputs")
+    problem = None
+    if method is None:
+        problem = "a model that offers routed_outputs (a built-in mixture of experts: qwen3_moe, mixtral)"
+    elif group > 1 or config.distill_top_k:
+        problem = "the plain layout (share_prompts and common_prefix off) and no distill_top_k"
+    elif config.routing_replay and "routing" not in batch:
+        problem = "a rollout that carries the scoring pass's routing (RolloutBatch.routing)"
+    if problem is None:
+        return True
+    if asked:
+        raise ValueError(f"LossConfig.routing_replay={config.routing_replay} / router_aux_loss_coef="
+                         f"{config.router_aux_loss_coef} need {problem}")
+    return False  # the routing rides along unread (the mismatch metric is left out)
+
+
+def _routed_outputs(apply_fn, params, batch, config: Objective):
+    """`_outputs` through the model's routed forward: the routing replayed with
+    `routing_replay`, the share of (token, layer) pairs whose experts differ from the
+    rollout's as `routing_mismatch` (the router's own choice, also under replay), and the
+    load-balancing loss as `router_aux` when its coefficient is set."""
+    recorded = batch.get("routing")
+    outputs, routing = routed_outputs(apply_fn, params, batch, config.temperature,
+                                      replay=recorded if config.routing_replay else None,
+                                      aux_loss=bool(config.router_aux_loss_coef))
+    aux = {}
+    if recorded is not None:
+        differs = jnp.any(jnp.sort(routing["chosen"], axis=-1) != jnp.sort(recorded, axis=-1), axis=-1)
+        real = joined(batch)[1].astype(jnp.float32)[:, :, None]
+        aux["routing_mismatch"] = jnp.sum(differs * real) / jnp.maximum(jnp.sum(real) * differs.shape[-1], 1.0)
+    if config.router_aux_loss_coef:
+        aux["router_aux"] = routing["aux_loss"]
+    return outputs, None, aux
 
 
 def loss_normaliser(batch, config: Objective):

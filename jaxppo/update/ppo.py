@@ -135,6 +135,8 @@ _TRL_NAMES = {
     "distill_divergence": ("loss/distill_avg", "per_minibatch/loss/distill"),
     "entropy_mask_fraction": ("policy/entropy_mask_fraction", "per_minibatch/policy/entropy_mask_fraction"),
     "packing_overflow": ("packing/overflow", "per_minibatch/packing/overflow"),
+    "routing_mismatch": ("moe/routing_mismatch", "per_minibatch/moe/routing_mismatch"),
+    "router_aux": ("loss/router_aux_avg", "per_minibatch/loss/router_aux"),
 }
 
 
@@ -214,6 +216,8 @@ def _loss_batch(rollout: RolloutBatch, config: UpdateConfig, advantages, returns
         batch["ref_logprobs"] = rollout.ref_logprobs
     if loss.distill_top_k:
         batch.update(teacher_top_logprobs=rollout.teacher_top_logprobs, teacher_top_ids=rollout.teacher_top_ids)
+    if rollout.routing is not None:  # a mixture of experts' routing in the scoring pass
+        batch["routing"] = rollout.routing
     if rollout.entropy_coef is not None:
         batch["entropy_coef"] = rollout.entropy_coef
     if rollout.response_attention_mask is not None:  # a multi-turn episode's environment tokens

@@ -1,0 +1,243 @@
+"""Mixtures of experts (`jaxppo.models.moe`): the grouped products and the experts against
+plain loops, the router's load-balancing loss against transformers', a CPU program that
+does not multiply every expert, routing replay and the mismatch metric in `train_step`, a
+GRPO run that learns, and bad input refused. (Logits, generation, export and PEFT against
+transformers: tests/test_models.py and tests/test_lora.py; sharded: tests/test_sharding.py.)"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+
+import hf_models
+import jaxppo
+import jaxppo.models as jm
+from jaxppo import demo
+from jaxppo.models.moe import blocked_matmul, experts_forward, load_balancing_loss, route
+
+V = 64
+
+
+def _config(**kw):
+    settings = dict(model_type="qwen3_moe", vocab_size=V, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                    head_dim=8, intermediate_size=64, max_position_embeddings=32, tie_word_embeddings=False,
+                    qk_norm=True, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, eos_token_ids=(2,))
+    return jm.ModelConfig(**{**settings, **kw})
+
+
+@pytest.mark.parametrize("sizes", [[3, 0, 9, 1], [0, 0, 13, 0], [1], [40, 2, 0, 7, 7, 0, 1, 5]])
+def test_blocked_matmul_equals_a_loop_over_the_groups(sizes):
+    rng = np.random.default_rng(len(sizes))
+    e, d, f, m = len(sizes), 5, 7, sum(sizes)
+    rows, kernels = rng.normal(size=(m, d)).astype(np.float32), rng.normal(size=(e, d, f)).astype(np.float32)
+    group = np.repeat(np.arange(e), sizes)
+    want = np.stack([rows[i] @ kernels[group[i]] for i in range(m)])
+    s = jnp.asarray(sizes, jnp.int32)
+    got = jax.jit(blocked_matmul)(rows, kernels, s)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+    def loss(product, x, w):
+        return jnp.sum(jnp.sin(product(x, w)))
+
+    def loop(x, w):  # the same product as a Python loop over the groups: the reference gradients
+        starts = np.concatenate([[0], np.cumsum(sizes)])
+        return jnp.concatenate([x[starts[g]:starts[g + 1]] @ w[g] for g in range(e)], axis=0)
+
+    ref = jax.grad(lambda x, w: loss(loop, x, w), argnums=(0, 1))(rows, kernels)
+    ours = jax.jit(jax.grad(lambda x, w: loss(lambda a, b: blocked_matmul(a, b, s), x, w), argnums=(0, 1)))(rows,
+                                                                                                            kernels)
+    for a, b in zip(ours, ref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("normalise", [False, True])
+def test_routing_and_experts_equal_a_loop_over_tokens(normalise):
+    rng = np.random.default_rng(0)
+    n, d, i, e, k = 11, 6, 5, 4, 2
+    x, logits = rng.normal(size=(n, d)).astype(np.float32), rng.normal(size=(n, e)).astype(np.float32)
+    wg, wu = rng.normal(size=(e, d, i)).astype(np.float32), rng.normal(size=(e, d, i)).astype(np.float32)
+    wd = rng.normal(size=(e, i, d)).astype(np.float32)
+    weights, experts, probs = route(jnp.asarray(logits), k, normalise)
+    # The router as transformers computes it (softmax in float32, top k, renormalised or not).
+    p = torch.softmax(torch.tensor(logits), dim=-1)
+    top, idx = torch.topk(p, k, dim=-1)
+    if normalise:
+        top = top / top.sum(-1, keepdim=True)
+    np.testing.assert_array_equal(np.asarray(experts), idx.numpy())
+    np.testing.assert_allclose(np.asarray(weights), top.numpy(), rtol=1e-6)
+    silu = lambda z: z / (1 + np.exp(-z))  # noqa: E731
+    want = np.zeros((n, d), np.float32)
+    for t in range(n):
+        for j in range(k):
+            ex = int(idx[t, j])
+            want[t] += float(top[t, j]) * ((silu(x[t] @ wg[ex]) * (x[t] @ wu[ex])) @ wd[ex])
+    got = experts_forward(jnp.asarray(x), experts, weights, wg, wu, wd, "silu")
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5)
+
+
+def test_the_load_balancing_loss_equals_transformers(hf_checkpoints):
+    path, torch_model = hf_checkpoints["qwen3_moe"]
+    model, params = jm.from_pretrained(path)
+    ids, mask = hf_models.left_padded_batch(np.random.default_rng(7), 4, 9)
+    with torch.no_grad():
+        ref = torch_model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), output_router_logits=True,
+                          position_ids=torch.tensor(np.maximum(np.cumsum(mask, -1) - 1, 0)))
+    q = 4  # the first 4 slots as the "query", the rest as the "response": the same joined rows
+    _, routing = model.routed_outputs(params, jnp.asarray(ids[:, :q]), jnp.asarray(mask[:, :q]),
+                                      jnp.asarray(ids[:, q:]), jnp.asarray(mask[:, q:]), aux_loss=True)
+    c = model.config
+    # transformers adds router_aux_loss_coef * aux_loss to its loss; its aux_loss is the term itself.
+    assert float(ref.aux_loss) > 0.5
+    np.testing.assert_allclose(float(routing["aux_loss"]), float(ref.aux_loss), rtol=1e-5)
+    assert routing["chosen"].shape == (4, 9, c.num_layers, c.num_experts_per_tok)
+    # Its definition, once more by hand: E * sum_e (share of pairs routed to e) * (mean probability of e).
+    probs = jax.nn.softmax(jnp.asarray(np.stack([r.numpy() for r in ref.router_logits])), -1)  # (layers, B*L, E)
+    real = np.tile(mask.reshape(-1), c.num_layers).astype(bool)
+    flat_probs, chosen = np.asarray(probs).reshape(-1, c.num_experts)[real], np.asarray(
+        jnp.moveaxis(routing["chosen"], 2, 0)).reshape(-1, c.num_experts_per_tok)[real]
+    share = np.stack([(chosen[:, j, None] == np.arange(c.num_experts)).mean(0) for j in range(chosen.shape[1])])
+    by_hand = c.num_experts * float(np.sum(share * flat_probs.mean(0)[None]))
+    assert float(load_balancing_loss(jnp.asarray(flat_probs), jnp.asarray(chosen))) == pytest.approx(by_hand, rel=1e-5)
+
+
+def test_the_cpu_program_does_not_multiply_every_expert():
+    """Structural: the compiled gradient of the experts on this CPU keeps temporaries that do
+    not grow with the number of experts (XLA:CPU's own `ragged_dot` makes an (E, rows, D)
+    one: 8 times more at 64 experts than at 8)."""
+    def temporaries(e):
+        n, d, i, k = 512, 64, 32, 2
+        x = jax.ShapeDtypeStruct((n, d), jnp.float32)
+        w = jax.ShapeDtypeStruct((e, d, i), jnp.float32)
+        wd = jax.ShapeDtypeStruct((e, i, d), jnp.float32)
+        experts = (jnp.arange(n * k).reshape(n, k) % e).astype(jnp.int32)
+        weights = jnp.full((n, k), 0.5, jnp.float32)
+        loss = lambda x, wg, wu, wd: jnp.sum(experts_forward(x, experts, weights, wg, wu, wd, "silu"))  # noqa: E731
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(x, w, w, wd).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    small, large = temporaries(8), temporaries(64)
+    weights_growth = 3 * 64 * 32 * 4 * (64 - 8)  # the kernels' gradients themselves grow with E
+    assert large - small < 2 * weights_growth + (1 << 20), (small, large)
+
+
+def _rollout(model, params, routing, b=16, q=4, r=6, seed=0):
+    rng = np.random.default_rng(seed)
+    queries, responses = jnp.asarray(rng.integers(3, V, (b, q))), jnp.asarray(rng.integers(3, V, (b, r)))
+    ones_q, ones_r = jnp.ones((b, q), jnp.int32), jnp.ones((b, r), jnp.int32)
+    (logprobs, _, _), own = model.routed_outputs(params, queries, ones_q, responses, ones_r, replay=routing)
+    routing = own["chosen"] if routing is None else routing
+    return jaxppo.RolloutBatch(query_tokens=queries, query_mask=ones_q, response_tokens=responses, response_mask=ones_r,
+                               logprobs=logprobs, values=None, rewards=jnp.asarray(rng.normal(size=(b, r)), jnp.float32),
+                               routing=routing), own["chosen"]
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+def test_routing_replay_keeps_the_first_ratio_at_one(scan):
+    """A rollout scored with other experts than the router picks now (as a sampler with other
+    numerics would route): replaying them, the first mini-batch's ratio is 1 within rounding;
+    without replay it is not, and the mismatch metric is the share of (token, layer) pairs
+    whose experts differ, as counted here by hand."""
+    model = jm.Model(_config(), scan_layers=scan)
+    params = model.init(jax.random.key(0))
+    _, own = _rollout(model, params, None)
+    other = np.asarray(own).copy()
+    other[::3, :, :, 0] = (other[::3, :, :, 0] + 3) % 8  # a third of the rows' first experts moved ...
+    other = np.where(other[..., :1] == other[..., 1:], (other + 1) % 8, other)  # ... never onto the second
+    rollout, own = _rollout(model, params, jnp.asarray(other))
+    # The router's own choice in each forward: under replay the later layers see other inputs.
+    differs = {True: np.any(np.sort(np.asarray(own), -1) != np.sort(other, -1), -1)}
+    _, plain = _rollout(model, params, None)
+    differs[False] = np.any(np.sort(np.asarray(plain), -1) != np.sort(other, -1), -1)
+    first = {}
+    for replay in (True, False):
+        config = jaxppo.Config.for_algorithm("grpo", batch_size=16, mini_batch_size=16, ppo_epochs=1,
+                                             num_generations=4, kl_loss_coef=0.0, routing_replay=replay)
+        state = jaxppo.TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.0))
+        _, metrics = jaxppo.train_step(state, rollout, jax.random.key(1), config)
+        first[replay] = {k: float(metrics[f"per_minibatch/{k}"][0, 0]) for k in ("val/ratio", "moe/routing_mismatch",
+                                                                                   "policy/approxkl")}
+    assert first[True]["val/ratio"] == pytest.approx(1.0, abs=1e-6)
+    assert first[True]["policy/approxkl"] < 1e-10
+    assert abs(first[False]["val/ratio"] - 1.0) > 1e-3
+    # The router's own choice against the rollout's, replayed or not (sgd at 0: the params never move).
+    for replay in (True, False):
+        assert first[replay]["moe/routing_mismatch"] == pytest.approx(differs[replay].mean(), rel=1e-6)
+        assert 0.05 < differs[replay].mean() < 0.6
+
+
+def test_the_load_balancing_term_is_added_to_the_loss():
+    model = jm.Model(_config())
+    params = model.init(jax.random.key(0))
+    rollout, _ = _rollout(model, params, None)
+    rows = {}
+    for coef in (0.0, 0.5):
+        config = jaxppo.Config.for_algorithm("grpo", batch_size=16, mini_batch_size=16, ppo_epochs=1,
+                                             num_generations=4, kl_loss_coef=0.0, router_aux_loss_coef=coef)
+        state = jaxppo.TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.0))
+        rows[coef] = jaxppo.train_step(state, rollout, jax.random.key(1), config)[1]
+    aux = model.routed_outputs(params, rollout.query_tokens, rollout.query_mask, rollout.response_tokens,
+                               rollout.response_mask, aux_loss=True)[1]["aux_loss"]
+    assert float(rows[0.5]["loss/router_aux_avg"]) == pytest.approx(float(aux), rel=1e-5)
+    assert float(rows[0.5]["loss/total_avg"]) - float(rows[0.0]["loss/total_avg"]) == pytest.approx(
+        0.5 * float(aux), rel=1e-4)
+    assert "loss/router_aux_avg" not in rows[0.0]
+
+
+def test_grpo_on_a_tiny_mixture_of_experts_learns_with_routing_replay(tmp_path):
+    """The demo task (lowercase letters) with a Qwen3-MoE-layout policy over the demo's byte
+    vocabulary: GRPO with routing replay raises the reward; the update count is pinned."""
+    tokenizer = demo.demo_tokenizer()
+    config = _config(vocab_size=len(tokenizer), hidden_size=32, max_position_embeddings=64,
+                     eos_token_ids=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id)
+    model = jm.Model(config)
+    iterations = 20
+    settings = jaxppo.Config.for_algorithm(
+        "grpo", batch_size=32, mini_batch_size=16, ppo_epochs=1, num_generations=8, routing_replay=True,
+        router_aux_loss_coef=0.001, iterations=iterations, query_length=32, response_length=12, learning_rate=1e-2,
+        output_dir=str(tmp_path), progress=False, sample_every=0, checkpoint_every=0, export_final=False,
+        plot=False, report_to="jsonl")
+    trainer = jaxppo.Trainer(settings, policy=(model, model.init(jax.random.key(1))), tokenizer=tokenizer,
+                             prompts=demo.DEMO_PROMPTS, reward_fns=demo.lowercase_reward)
+    rows = [trainer.step() for _ in range(iterations)]
+    assert trainer.state.step == iterations * 2  # ppo_epochs * batch_size / mini_batch_size per iteration
+    assert all("moe/routing_mismatch" in r and "loss/router_aux_avg" in r for r in rows)
+    rewards = [r["objective/scores"] for r in rows]
+    assert np.mean(rewards[-5:]) > np.mean(rewards[:5]) + 2.0, rewards  # letters of 12 tokens; about 1 at the start
+
+
+def test_bad_mixture_settings_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="num_experts_per_tok=9 must be between 1 and num_experts=8"):
+        _config(num_experts_per_tok=9)
+    with pytest.raises(ValueError, match="needs num_experts > 0"):
+        _config(num_experts=0, num_experts_per_tok=0)
+    import transformers
+
+    hf = transformers.Qwen3MoeConfig(vocab_size=V, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                     num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, mlp_only_layers=[1])
+    with pytest.raises(ValueError, match=r"dense layers among the sparse ones .*mlp_only_layers=\[1\]"):
+        jm.ModelConfig.from_hf(hf)
+    with pytest.raises(ValueError, match=r"\['gate_proj'\] are not linear layers of a qwen3_moe model; valid: q_proj"):
+        jm.LoraConfig(targets=("gate_proj",)).modules(_config())
+    with pytest.raises(ValueError, match="share_prompts must be False or None with LossConfig.routing_replay=True"):
+        jaxppo.Config.for_algorithm("grpo", routing_replay=True, share_prompts=True)
+    with pytest.raises(ValueError, match="old_logprobs must be 'recompute' or 'auto' with LossConfig.router_aux"):
+        jaxppo.Config.for_algorithm("grpo", router_aux_loss_coef=0.01, old_logprobs="sampler")
+    tokenizer = demo.demo_tokenizer()
+    settings = jaxppo.Config.for_algorithm("grpo", batch_size=8, mini_batch_size=8, num_generations=4,
+                                           routing_replay=True, iterations=1, output_dir=str(tmp_path),
+                                           progress=False, report_to="jsonl")
+    with pytest.raises(ValueError, match="routing_replay=True needs a mixture-of-experts policy .* dense gpt2"):
+        jaxppo.Trainer(settings, policy=demo.demo_policy(tokenizer, width=32, layers=1), tokenizer=tokenizer,
+                       prompts=demo.DEMO_PROMPTS, reward_fns=demo.lowercase_reward)
+    # train_step with replay on a rollout that carries no routing: refused while tracing.
+    model = jm.Model(_config())
+    params = model.init(jax.random.key(0))
+    rollout, _ = _rollout(model, params, None)
+    config = jaxppo.Config.for_algorithm("grpo", batch_size=16, mini_batch_size=16, num_generations=4,
+                                         kl_loss_coef=0.0, routing_replay=True)
+    state = jaxppo.TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"need a rollout that carries the scoring pass's routing"):
+        jaxppo.train_step(state, rollout.replace(routing=None), jax.random.key(1), config)
