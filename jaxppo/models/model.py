@@ -109,6 +109,51 @@ def check_attention_backend(models):
                          f"{jax.default_backend()!r}. Use attention='xla' or 'einsum'")
 
 
+def _response_top(model: "Model", params, query_tokens, query_mask, response_tokens, response_mask, k: int,
+                  temperature=1.0):
+    """(log-probs (B, R) of `response_tokens`, the k largest log-probs (B, R, k) at each
+    response position and their token ids (B, R, k)), from one forward, the LM head at the
+    response positions only (in chunks of `logits_chunk_size`): on-policy distillation's
+    teacher with `distill_top_k` (`Model.response_top_logprobs`)."""
+    if not model.is_causal_lm:
+        raise ValueError(f"response_top_logprobs needs a causal LM; this model's kind is {model.kind!r}")
+    q, r = query_tokens.shape[1], response_tokens.shape[1]
+    tokens, mask = join_sequences(query_tokens, query_mask, response_tokens, response_mask)
+    hidden = model.hidden(params, tokens, mask)[0][:, q - 1 : q - 1 + r]
+    return top_logprobs(hidden, model.lm_head(params), response_tokens, k, temperature, model.logits_chunk_size)
+
+
+def _routed_outputs(model: "Model", params, query_tokens, query_mask, response_tokens, response_mask, temperature=1.0,
+                   replay=None, aux_loss=False):
+    """`response_outputs` of a mixture of experts with its routing, from the same forward:
+    ((log-probs, values, entropies), routing). `routing["chosen"]` (B, Q + R, layers, k)
+    int32: the experts the router picks for every token of the joined sequence (its own
+    choice, also under replay); with `aux_loss`, `routing["aux_loss"]`: the
+    load-balancing loss over the real tokens, pooled over the layers as Hugging Face
+    pools them (`jaxppo.models.moe.load_balancing_loss`). `replay` (B, Q + R, layers, k):
+    compute with these experts instead of the router's choice (routing replay)."""
+    if not model.config.num_experts or not model.is_causal_lm:
+        raise ValueError(f"routed_outputs needs a causal LM with experts; this is a {model.config.model_type} "
+                         f"{model.kind!r} model")
+    q, r = query_tokens.shape[1], response_tokens.shape[1]
+    tokens, mask = join_sequences(query_tokens, query_mask, response_tokens, response_mask)
+    variables = dict(params)
+    if replay is not None:
+        variables["replay"] = _per_layer(model, replay)
+    collections = ["router", "router_probs"] if aux_loss else ["router"]
+    (hidden, values, _), sown = model.module.apply(variables, tokens, mask, default_positions(mask),
+                                                  return_hidden=True, mutable=collections)
+    logprobs, entropy = token_logprobs(hidden[:, q - 1 : q - 1 + r], model.lm_head(params), response_tokens,
+                                       temperature, model.logits_chunk_size)
+    values = None if values is None else values[:, q - 1 : q - 1 + r].astype(jnp.float32)
+    routing = {"chosen": _layers_last(model, sown["router"], "chosen")}
+    if aux_loss:
+        probs = _layers_last(model, sown["router_probs"], "probs")
+        real = jnp.broadcast_to(mask[:, :, None], probs.shape[:3])
+        routing["aux_loss"] = load_balancing_loss(probs, routing["chosen"], real)
+    return (logprobs, values, entropy), routing
+
+
 @dataclasses.dataclass(frozen=True)
 class Model:
     """A built-in model: `config`, `kind`, compute `dtype`, storage `param_dtype`, `remat`.
@@ -245,39 +290,9 @@ class Model:
         values = None if values is None else values[:, q - 1 : q - 1 + r].astype(jnp.float32)
         return logprobs, values, entropy
 
-    def routed_outputs(self, params, query_tokens, query_mask, response_tokens, response_mask, temperature=1.0,
-                       replay=None, aux_loss=False):
-        """`response_outputs` of a mixture of experts with its routing, from the same forward:
-        ((log-probs, values, entropies), routing). `routing["chosen"]` (B, Q + R, layers, k)
-        int32: the experts the router picks for every token of the joined sequence (its own
-        choice, also under replay); with `aux_loss`, `routing["aux_loss"]`: the
-        load-balancing loss over the real tokens, pooled over the layers as Hugging Face
-        pools them (`jaxppo.models.moe.load_balancing_loss`). `replay` (B, Q + R, layers, k):
-        compute with these experts instead of the router's choice (routing replay)."""
-        if not self.config.num_experts or not self.is_causal_lm:
-            raise ValueError(f"routed_outputs needs a causal LM with experts; this is a {self.config.model_type} "
-                             f"{self.kind!r} model")
-        q, r = query_tokens.shape[1], response_tokens.shape[1]
-        tokens, mask = join_sequences(query_tokens, query_mask, response_tokens, response_mask)
-        variables = dict(params)
-        if replay is not None:
-            variables["replay"] = _per_layer(self, replay)
-        collections = ["router", "router_probs"] if aux_loss else ["router"]
-        (hidden, values, _), sown = self.module.apply(variables, tokens, mask, default_positions(mask),
-                                                      return_hidden=True, mutable=collections)
-        logprobs, entropy = token_logprobs(hidden[:, q - 1 : q - 1 + r], self.lm_head(params), response_tokens,
-                                           temperature, self.logits_chunk_size)
-        values = None if values is None else values[:, q - 1 : q - 1 + r].astype(jnp.float32)
-        routing = {"chosen": _layers_last(self, sown["router"], "chosen")}
-        if aux_loss:
-            probs = _layers_last(self, sown["router_probs"], "probs")
-            real = jnp.broadcast_to(mask[:, :, None], probs.shape[:3])
-            routing["aux_loss"] = load_balancing_loss(probs, routing["chosen"], real)
-        return (logprobs, values, entropy), routing
-
-    def response_top_logprobs(self, params, *args):
-        """A frozen teacher's scoring pass with `distill_top_k` (`_response_top`)."""
-        return _response_top(self, params, *args)
+    # A frozen teacher's scoring pass with `distill_top_k`; a mixture of experts' outputs with its routing.
+    response_top_logprobs = _response_top
+    routed_outputs = _routed_outputs
 
     def grouped_outputs(self, params, query_tokens, query_mask, response_tokens, response_mask, temperature=1.0,
                         also=None):
@@ -446,20 +461,6 @@ def _grouped_hidden(model: "Model", params, query_tokens, query_mask, response_t
         return jnp.concatenate([jnp.repeat(prompt[:, -1:], g, axis=0), response[:, :-1]], axis=1)
 
     return predicting(hidden_p, hidden_r), predicting(values_p, values_r)
-
-
-def _response_top(model: Model, params, query_tokens, query_mask, response_tokens, response_mask, k: int,
-                  temperature=1.0):
-    """(log-probs (B, R) of `response_tokens`, the k largest log-probs (B, R, k) at each
-    response position and their token ids (B, R, k)), from one forward, the LM head at the
-    response positions only (in chunks of `logits_chunk_size`): on-policy distillation's
-    teacher with `distill_top_k` (`Model.response_top_logprobs`)."""
-    if not model.is_causal_lm:
-        raise ValueError(f"response_top_logprobs needs a causal LM; this model's kind is {model.kind!r}")
-    q, r = query_tokens.shape[1], response_tokens.shape[1]
-    tokens, mask = join_sequences(query_tokens, query_mask, response_tokens, response_mask)
-    hidden = model.hidden(params, tokens, mask)[0][:, q - 1 : q - 1 + r]
-    return top_logprobs(hidden, model.lm_head(params), response_tokens, k, temperature, model.logits_chunk_size)
 
 
 def _layers_last(model: "Model", sown, name: str):

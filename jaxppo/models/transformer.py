@@ -332,7 +332,9 @@ class Transformer(nn.Module):
             # Block call: (x, masks, positions, layer_cache, cache_index, sliding) -> (x, new k/v);
             # x is the carry; the cache (stacked on the layer axis, or None) and the per-layer
             # sliding flags are scanned over.
-            stack = nn.scan(block_cls, variable_axes={"params": 0, "lora": 0, "router": 0, "router_probs": 0, "replay": 0}, split_rngs={"params": True},
+            # (the "router" collections are what a mixture of experts records, "replay" what it is given)
+            axes = {"params": 0, "lora": 0, "router": 0, "router_probs": 0, "replay": 0}
+            stack = nn.scan(block_cls, variable_axes=axes, split_rngs={"params": True},
                             in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast, 0), length=c.num_layers)
             layer_cache = None if cache is None else cache if isinstance(cache, GroupedKV) else NewKV(*cache)
             x, new_kv = stack(c, self.dtype, self.param_dtype, self.lora, self.adapters, self.attention, name=prefix)(

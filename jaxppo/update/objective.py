@@ -144,8 +144,7 @@ def ppo_loss(params, batch, *, apply_fn, config):
     a `jaxppo.Config`, or its `Objective`.
 
         loss = policy_loss (+ vf_coef * value_loss) (- ent_coef * entropy)
-               (+ kl_loss_coef * KL(policy || reference)) (+ D(policy, teacher's top k))
-               (+ router_aux_loss_coef * a mixture of experts' load-balancing loss)
+               (+ kl_loss_coef * KL(policy || reference)) (+ D(policy, teacher's top k)) (+ MoE's)
 
     (each bracketed term only when it applies: `jaxppo.algorithms.loss_terms(config)`; with
     an `entropy_coef` column in the batch, the rollout's per-completion coefficients weigh
@@ -168,10 +167,7 @@ def ppo_loss(params, batch, *, apply_fn, config):
     whose loss the dual clip capped) with `dual_clip`; entropy_mask_fraction (the share of
     real tokens the policy term trains on) with `top_entropy_quantile` < 1; distill_divergence
     (the divergence to the teacher's top k, `jaxppo.update.losses.top_k_divergence`,
-    aggregated like every term) with `distill_top_k`; with a mixture of experts' routing
-    in the batch (`RolloutBatch.routing`), routing_mismatch (the share of the real tokens'
-    (token, layer) pairs whose chosen experts differ from the rollout's); router_aux (the
-    load-balancing loss) with `router_aux_loss_coef`.
+    aggregated like every term) with `distill_top_k`; a mixture of experts' (`_routed_outputs`).
     """
     config = objective(config)
     mask = batch["response_mask"].astype(jnp.float32)
@@ -200,9 +196,7 @@ def ppo_loss(params, batch, *, apply_fn, config):
     bonus, ent = _entropy_bonus(entropy, mask, batch, config, aggregate)
     loss = loss - bonus
     loss = loss + _reference_terms(logprobs, student_top, ratio, batch, config, aggregate, aux)
-    if "router_aux" in aux:  # a mixture of experts' load-balancing loss
-        loss = loss + config.router_aux_loss_coef * aux["router_aux"]
-        aux["router_aux"] = jax.lax.stop_gradient(aux["router_aux"])
+    loss = loss + _router_term(aux, config)
     sg = jax.lax.stop_gradient
     aux.update(entropy=ent, approxkl=sg(approx_kl(logprobs, old_logprobs, mask)),
                ratio=sg(masked_mean(ratio, mask)), ratio_var=sg(masked_var(ratio, mask, unbiased=False)),
@@ -298,10 +292,12 @@ def _routed(apply_fn, batch, config: Objective, group: int) -> bool:
 
 
 def _routed_outputs(apply_fn, params, batch, config: Objective):
-    """`_outputs` through the model's routed forward: the routing replayed with
-    `routing_replay`, the share of (token, layer) pairs whose experts differ from the
-    rollout's as `routing_mismatch` (the router's own choice, also under replay), and the
-    load-balancing loss as `router_aux` when its coefficient is set."""
+    """`_outputs` through a mixture of experts' routed forward: the rollout's routing
+    (`RolloutBatch.routing`) replayed with `routing_replay`; in the aux entries
+    `routing_mismatch`, the share of the real tokens' (token, layer) pairs whose experts the
+    router picks differently from the rollout's (its own choice, also under replay), and
+    `router_aux`, the load-balancing loss, with `router_aux_loss_coef` (the loss adds it
+    times the coefficient: `_router_term`)."""
     recorded = batch.get("routing")
     outputs, routing = routed_outputs(apply_fn, params, batch, config.temperature,
                                       replay=recorded if config.routing_replay else None,
@@ -314,6 +310,16 @@ def _routed_outputs(apply_fn, params, batch, config: Objective):
     if config.router_aux_loss_coef:
         aux["router_aux"] = routing["aux_loss"]
     return outputs, None, aux
+
+
+def _router_term(aux, config: Objective):
+    """router_aux_loss_coef times a mixture of experts' load-balancing loss where `aux` has
+    it (`_routed_outputs`), its entry then detached for the metrics; else 0."""
+    if "router_aux" not in aux:
+        return 0.0
+    term = config.router_aux_loss_coef * aux["router_aux"]
+    aux["router_aux"] = jax.lax.stop_gradient(aux["router_aux"])
+    return term
 
 
 def loss_normaliser(batch, config: Objective):
