@@ -5,6 +5,7 @@ rows (`--json`):
     python benchmarks/moe.py --section speed     # the update's tokens/s: MoE vs dense of equal active size
     python benchmarks/moe.py --section memory    # the Qwen3-30B-A3B layout's update, compiled ahead of time
     python benchmarks/moe.py --section memory --target v5p-8   # ... for a TPU target (jaxppo[plan-tpu])
+    python benchmarks/moe.py --section memory --target h200x8 --gradient-accumulation-steps 2
 
 learn: a tiny Qwen3-MoE layout (2 layers, 8 experts, 2 per token, width 32) over the demo's
 byte vocabulary trained with GRPO (G = 8, batch 32 in two mini-batches, lr 1e-2) on the
@@ -155,12 +156,13 @@ def _qwen3_30b_a3b(root: str) -> str:
     return d
 
 
-def memory(target_name: str):
+def memory(target_name: str, accumulation: int = 1):
     from jaxppo.plan import plan_run, resolve_target
     from jaxppo.run.parts import Inputs
 
     settings = dict(batch_size=64, mini_batch_size=16, ppo_epochs=1, query_length=256, response_length=256,
-                    num_generations=8, dtype="bfloat16", remat=True, logits_chunk_size=128, scan_layers=True)
+                    num_generations=8, dtype="bfloat16", remat=True, logits_chunk_size=128, scan_layers=True,
+                    gradient_accumulation_steps=accumulation)
     config = jaxppo.Config.for_algorithm("grpo", **settings)
     with tempfile.TemporaryDirectory() as root:
         inputs = Inputs(policy=_qwen3_30b_a3b(root), tokenizer=None, prompts=None)
@@ -177,7 +179,8 @@ def memory(target_name: str):
              "arguments_gib": None if p.memory is None else p.memory.arguments / GIB,
              "temporaries_gib": None if p.memory is None else p.memory.temporaries / GIB,
              "flops": p.work.flops, "floor_s": p.lower_bound_s} for p in plan.programs]
-    return {"target": target_name, "mesh": plan.mesh_axes, "fits": plan.fits, "programs": rows}
+    return {"target": target_name, "gradient_accumulation_steps": accumulation, "mesh": plan.mesh_axes,
+            "fits": plan.fits, "programs": rows}
 
 
 def main():
@@ -187,6 +190,7 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--target", default="host8", help="host8 (8 host CPU devices) or a jaxppo plan target")
+    parser.add_argument("--gradient-accumulation-steps", type=int, default=1, help="memory: micro-batches per update")
     parser.add_argument("--json", help="write the raw rows here")
     args = parser.parse_args()
     print(f"jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} devices, "
@@ -196,7 +200,7 @@ def main():
     elif args.section == "speed":
         raw = speed(args.repeats)
     else:
-        raw = memory(args.target)
+        raw = memory(args.target, args.gradient_accumulation_steps)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(raw, f, indent=1)

@@ -11,7 +11,8 @@ are sorted by expert, each expert multiplies its own contiguous group of rows, a
 results are put back in token order and summed. No capacity: every pair is computed, none
 is dropped, whatever the balance. On TPUs the product is `jax.lax.ragged_dot` (a grouped
 kernel); elsewhere a loop over blocks of rows that each belong to one expert
-(`blocked_matmul`), since XLA:CPU expands `ragged_dot` into a product with every expert.
+(`blocked_matmul`), since XLA:CPU and XLA:GPU expand `ragged_dot` into a product with
+every expert.
 
 Parameters (names mirror Hugging Face's modules, so conversion is a renaming):
 `gate/kernel` (D, E) the router, and `experts/gate_proj`, `experts/up_proj` (E, D, I),
@@ -73,9 +74,9 @@ def experts_forward(x, experts, weights, wg, wu, wd, act: str):
 def grouped_matmul(rows, kernels, sizes):
     """rows (M, D) grouped by expert (the first sizes[0] rows expert 0's, ...) times each
     group's kernel of `kernels` (E, D, F): (M, F). XLA:TPU runs `jax.lax.ragged_dot` as a
-    grouped kernel; XLA:CPU (and XLA:GPU, as far as jaxppo has checked) expands it into a
-    product with every expert, E times the work and an (E, M, D) temporary, so other
-    platforms run `blocked_matmul`. The platform is the one the program is compiled for
+    grouped kernel; XLA:CPU and XLA:GPU (checked by compiling for an H200 without one)
+    expand it into a product with every expert, E times the work and an (E, M, D)-sized
+    temporary, so other platforms run `blocked_matmul`. The platform is the one the program is compiled for
     (`jax.lax.platform_dependent`), also when it is compiled for another than the host's."""
     return jax.lax.platform_dependent(rows, kernels, sizes, tpu=jax.lax.ragged_dot, default=blocked_matmul)
 
