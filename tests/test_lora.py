@@ -39,7 +39,7 @@ def _torch_logits(torch_model, ids, mask):
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
 @pytest.mark.parametrize("name,targets", [("qwen3", "all-linear"), ("gpt2", ("c_attn", "c_proj")),
                                           ("gemma3", ("down_proj", "q_proj", "v_proj")),
-                                          ("qwen3_moe", "all-linear"), ("mixtral", ("q_proj", "o_proj"))])
+                                          ("qwen3_moe", "all-linear"), ("mixtral", ("q_proj", "w1", "w3", "w2"))])
 def test_adapters_start_at_the_base_model_and_match_peft(hf_checkpoints, tmp_path, name, targets, scan):
     import peft
 

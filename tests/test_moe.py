@@ -219,8 +219,8 @@ def test_bad_mixture_settings_are_refused(tmp_path):
                                      num_key_value_heads=2, mlp_only_layers=[1])
     with pytest.raises(ValueError, match=r"dense layers among the sparse ones .*mlp_only_layers=\[1\]"):
         jm.ModelConfig.from_hf(hf)
-    with pytest.raises(ValueError, match=r"\['gate_proj'\] are not linear layers of a qwen3_moe model; valid: q_proj"):
-        jm.LoraConfig(targets=("gate_proj",)).modules(_config())
+    with pytest.raises(ValueError, match=r"\['gate'\] are not linear layers of a qwen3_moe model; valid: q_proj"):
+        jm.LoraConfig(targets=("gate",)).modules(_config())  # the router is not adapted
     with pytest.raises(ValueError, match="share_prompts must be False or None with LossConfig.routing_replay=True"):
         jaxppo.Config.for_algorithm("grpo", routing_replay=True, share_prompts=True)
     with pytest.raises(ValueError, match="old_logprobs must be 'recompute' or 'auto' with LossConfig.router_aux"):
@@ -241,3 +241,30 @@ def test_bad_mixture_settings_are_refused(tmp_path):
     state = jaxppo.TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.1))
     with pytest.raises(ValueError, match=r"need a rollout that carries the scoring pass's routing"):
         jaxppo.train_step(state, rollout.replace(routing=None), jax.random.key(1), config)
+
+
+def test_lora_on_the_experts_trains_only_the_adapters_and_merges():
+    """Adapters on attention and on every expert's projections: `train_step` moves the
+    adapters alone (the experts' ones too); the merged kernels give the adapted model's
+    logits. (Their PEFT files against PEFT and transformers: tests/test_lora.py.)"""
+    model = jm.Model(_config(), scan_layers=True)
+    params = model.init(jax.random.key(0))
+    lora_model, variables = jm.add_lora(model, params, jm.LoraConfig(rank=4, alpha=8, targets="all-linear"),
+                                        jax.random.key(1))
+    experts = variables["lora"]["model"]["layers"]["moe"]["experts"]
+    assert experts["gate_proj_lora_a"].shape == (2, 8, 32, 4) and experts["down_proj_lora_b"].shape == (2, 8, 4, 32)
+    rollout, _ = _rollout(model, params, None)
+    config = jaxppo.Config.for_algorithm("grpo", batch_size=16, mini_batch_size=8, ppo_epochs=1, num_generations=4,
+                                         kl_loss_coef=0.0)
+    state = jaxppo.TrainState.create(apply_fn=lora_model.apply, params=variables, tx=optax.adam(1e-2),
+                                     freeze=jaxppo.update.Freeze((("params",),)))
+    out, _ = jaxppo.train_step(state, rollout, jax.random.key(1), config)
+    assert int(out.step) == 2
+    for a, b in zip(jax.tree.leaves(out.params["params"]), jax.tree.leaves(params["params"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    moved = out.params["lora"]["model"]["layers"]["moe"]["experts"]
+    assert float(jnp.abs(moved["up_proj_lora_b"]).max()) > 0  # B starts at zero
+    merged_model, merged = jm.merge_lora(lora_model, out.params)
+    ids, mask = rollout.query_tokens, rollout.query_mask
+    np.testing.assert_allclose(np.asarray(merged_model.apply(merged, ids, mask)),
+                               np.asarray(lora_model.apply(out.params, ids, mask)), atol=1e-4, rtol=0)

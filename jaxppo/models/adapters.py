@@ -52,15 +52,12 @@ def merge_lora(model, variables):
     base = traverse_util.flatten_dict(jax.device_get(variables["params"]))
     adapters = traverse_util.flatten_dict(jax.device_get(variables["lora"]))
     for path, a in adapters.items():
-        if path[-1] != "lora_a":
+        if not path[-1].endswith("lora_a"):
             continue
-        module = path[:-1]
-        b = adapters[module + ("lora_b",)]
-        kernel = base[module + ("kernel",)]
-        if kernel.ndim == 3:  # stacked layers
-            base[module + ("kernel",)] = np.stack([_merged_kernel(kernel[i], a[i], b[i], model.lora.scale)
-                                                   for i in range(kernel.shape[0])])
-        else:
-            base[module + ("kernel",)] = _merged_kernel(kernel, a, b, model.lora.scale)
+        b = adapters[path[:-1] + (path[-1][: -len("lora_a")] + "lora_b",)]
+        # A layer's `kernel` beside `lora_a`; a mixture's expert kernel `<name>` beside `<name>_lora_a`.
+        where = path[:-1] + (("kernel",) if path[-1] == "lora_a" else (path[-1][: -len("_lora_a")],))
+        # Leading axes (stacked layers, experts) are batch axes of the product.
+        base[where] = _merged_kernel(base[where], a, b, model.lora.scale)
     plain = dataclasses.replace(model, lora=None, adapters=True)
     return plain, {"params": traverse_util.unflatten_dict({k: jnp.asarray(v) for k, v in base.items()})}

@@ -53,19 +53,31 @@ def route(logits, k: int, normalise: bool):
     return weights, experts.astype(jnp.int32), probs
 
 
-def experts_forward(x, experts, weights, wg, wu, wd, act: str):
+def experts_forward(x, experts, weights, wg, wu, wd, act: str, adapters=None):
     """The experts' outputs for tokens x (N, D), each routed to `experts` (N, k) with
     `weights` (N, k): sum_j weights[n, j] * down(act(gate(x_n)) * up(x_n)) of expert
-    experts[n, j]. Kernels wg/wu (E, D, I), wd (E, I, D)."""
+    experts[n, j]. Kernels wg/wu (E, D, I), wd (E, I, D). `adapters`: {projection name:
+    (A (E, in, r), B (E, r, out), scale)} adds each expert's low-rank update
+    scale * (x A_e) B_e to that projection (LoRA on the experts)."""
     n, k = experts.shape
     num_experts = wg.shape[0]
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # the (token, slot) pairs grouped by expert
     rows = x[order // k]
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    g = grouped_matmul(rows, wg, sizes)
-    u = grouped_matmul(rows, wu, sizes)
-    y = grouped_matmul(activation(act)(g) * u, wd, sizes)
+    adapters = adapters or {}
+
+    def project(name, inputs, kernel):
+        out = grouped_matmul(inputs, kernel, sizes)
+        if name not in adapters:
+            return out
+        a, b, scale = adapters[name]
+        low = grouped_matmul(inputs, a.astype(inputs.dtype), sizes)
+        return out + (scale * grouped_matmul(low, b.astype(inputs.dtype), sizes)).astype(out.dtype)
+
+    g = project("gate_proj", rows, wg)
+    u = project("up_proj", rows, wu)
+    y = project("down_proj", activation(act)(g) * u, wd)
     y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
     back = jnp.argsort(order)  # each pair's place in the sorted order
     return jnp.sum(y[back].reshape(n, k, -1), axis=1, dtype=jnp.float32).astype(x.dtype)
@@ -166,20 +178,34 @@ def load_balancing_loss(probs, experts, mask=None):
 
 
 class _Experts(nn.Module):
-    """The experts' stacked kernels, initialised as `nn.Dense` initialises each of them."""
+    """The experts' stacked kernels, initialised as `nn.Dense` initialises each of them, and
+    with LoRA on them (`lora` naming the projections), their adapters in the "lora"
+    collection: `<projection>_lora_a` (E, in, rank), as PEFT initialises A, and
+    `<projection>_lora_b` (E, rank, out), zero."""
 
     num_experts: int
     hidden: int
     intermediate: int
     param_dtype: Any
+    lora: Any = None  # the LoraConfig's (rank, scale, projections), or None
 
     @nn.compact
     def __call__(self):
         init = nn.initializers.lecun_normal(batch_axis=(0,))
         e, d, i = self.num_experts, self.hidden, self.intermediate
-        return (self.param("gate_proj", init, (e, d, i), self.param_dtype),
-                self.param("up_proj", init, (e, d, i), self.param_dtype),
-                self.param("down_proj", init, (e, i, d), self.param_dtype))
+        shapes = {"gate_proj": (d, i), "up_proj": (d, i), "down_proj": (i, d)}
+        kernels = tuple(self.param(name, init, (e, *shapes[name]), self.param_dtype) for name in EXPERT_PROJECTIONS)
+        adapters = {}
+        if self.lora is not None:
+            rank, scale, names = self.lora
+            a_init = nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform", batch_axis=(0,))
+            for name in names:
+                fan_in, fan_out = shapes[name]
+                a = self.variable("lora", f"{name}_lora_a", lambda: a_init(self.make_rng("params"), (e, fan_in, rank),
+                                                                           jnp.float32))
+                b = self.variable("lora", f"{name}_lora_b", lambda: jnp.zeros((e, rank, fan_out), jnp.float32))
+                adapters[name] = (a.value, b.value, scale)
+        return kernels, adapters
 
 
 class SparseMoe(nn.Module):
@@ -188,6 +214,8 @@ class SparseMoe(nn.Module):
     config: Any
     dtype: Any
     param_dtype: Any
+    lora: Any = None  # the block's LoraConfig
+    adapters: bool = True
 
     @nn.compact
     def __call__(self, x):
@@ -205,7 +233,11 @@ class SparseMoe(nn.Module):
             weights = jnp.take_along_axis(probs, experts, axis=-1)
             if c.norm_topk_prob:
                 weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-        wg, wu, wd = _Experts(c.num_experts, d, c.moe_intermediate_size, self.param_dtype, name="experts")()
+        targets = () if self.lora is None else tuple(n for n in EXPERT_PROJECTIONS if n in self.lora.modules(c))
+        lora = (self.lora.rank, self.lora.scale, targets) if targets else None
+        (wg, wu, wd), adapters = _Experts(c.num_experts, d, c.moe_intermediate_size, self.param_dtype, lora,
+                                          name="experts")()
         out = experts_forward(tokens.astype(self.dtype), experts, weights, wg.astype(self.dtype),
-                              wu.astype(self.dtype), wd.astype(self.dtype), c.activation)
+                              wu.astype(self.dtype), wd.astype(self.dtype), c.activation,
+                              adapters if self.adapters else None)
         return out.reshape(*lead, d)

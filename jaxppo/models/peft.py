@@ -28,10 +28,22 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 def peft_name(path, config):
-    """Our adapter path (without the "lora" root) -> PEFT's tensor name of lora_A / lora_B."""
-    name, _ = hf_name(path[:-1] + ("kernel",), config)  # e.g. model.layers.0.self_attn.q_proj.weight
-    which = "lora_A" if path[-1] == "lora_a" else "lora_B"
+    """Our adapter path (without the "lora" root) -> PEFT's tensor name of lora_A / lora_B.
+    A mixture's expert adapters (`<projection>_lora_a` beside the stacked kernel) name one
+    tensor per expert, with an `{expert}` field (Hugging Face's per-expert modules)."""
+    leaf = path[-1]
+    kernel = ("kernel",) if leaf in ("lora_a", "lora_b") else (leaf[: -len("_lora_a")],)
+    name, _ = hf_name(path[:-1] + kernel, config)  # e.g. model.layers.0.self_attn.q_proj.weight
+    which = "lora_A" if leaf.endswith("lora_a") else "lora_B"
     return f"base_model.model.{name[: -len('.weight')]}.{which}.weight"
+
+
+def _one_per_expert(name: str, value):
+    """{PEFT name: tensor} of one adapter leaf: itself, or one (transposed) per expert."""
+    if "{expert}" not in name:
+        return {name: np.ascontiguousarray(np.asarray(value, np.float32).T)}
+    return {name.format(expert=e): np.ascontiguousarray(np.asarray(value[e], np.float32).T)
+            for e in range(value.shape[0])}
 
 
 def _per_layer_adapters(model, adapters):
@@ -52,7 +64,7 @@ def save_peft_adapter(model, variables, path: str, base_model_name_or_path: str 
         raise ValueError("the model has no LoRA adapters to save")
     tensors = {}
     for p, value in _per_layer_adapters(model, variables["lora"]).items():
-        tensors[peft_name(p, model.config)] = np.ascontiguousarray(np.asarray(value, np.float32).T)
+        tensors.update(_one_per_expert(peft_name(p, model.config), value))
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -122,14 +134,19 @@ def load_peft_adapter(model, params, path: str):
     tensors = load_file(weights)
     out, missing, mismatched, used = {}, [], [], set()
     for p, spec in template.items():
-        name = peft_name(p, model.config)
-        alt = name.replace(".weight", ".default.weight")
-        name = name if name in tensors else (alt if alt in tensors else name)
-        if name not in tensors:
-            missing.append(name)
+        pattern = peft_name(p, model.config)
+        names = [pattern.format(expert=e) for e in range(spec.shape[0])] if "{expert}" in pattern else [pattern]
+        found = []
+        for name in names:
+            alt = name.replace(".weight", ".default.weight")
+            found.append(name if name in tensors else (alt if alt in tensors else None))
+        if None in found:
+            missing.extend(n for n, f in zip(names, found) if f is None)
             continue
-        used.add(name)
-        value = np.asarray(tensors[name], np.float32).T
+        used.update(found)
+        value = np.stack([np.asarray(tensors[f], np.float32).T for f in found]) if "{expert}" in pattern \
+            else np.asarray(tensors[found[0]], np.float32).T
+        name = pattern
         if value.shape != tuple(spec.shape):
             mismatched.append(f"{name}: adapter {tuple(value.shape[::-1])} vs model {tuple(spec.shape[::-1])}")
             continue

@@ -66,7 +66,7 @@ class LlamaBlock(nn.Module):
         # whose q/k/v biases are built in.
         attn = proj(c.hidden_size, c.qkv_bias and c.model_type != "qwen2", "o_proj")(attn)
         if c.num_experts:  # a mixture of experts (Qwen3-MoE, Mixtral)
-            mlp = SparseMoe(c, self.dtype, self.param_dtype, name="moe")
+            mlp = SparseMoe(c, self.dtype, self.param_dtype, self.lora, self.adapters, name="moe")
         else:
             mlp = lambda h: gated_mlp(self, h)  # noqa: E731
         if self.sandwich_norms:

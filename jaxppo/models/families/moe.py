@@ -11,8 +11,8 @@ Not supported (refused when loading): Qwen3-MoE checkpoints with dense layers am
 sparse ones (`mlp_only_layers`, `decoder_sparse_step` > 1); no released Qwen3-MoE has
 them. Mixtral's router jitter (`router_jitter_noise`, a training-time noise in Hugging
 Face) is not applied. LoRA adapts the attention projections (`q_proj`, `k_proj`,
-`v_proj`, `o_proj`, which is also what "all-linear" means here, as in PEFT on
-transformers 5, where the experts are not `Linear` modules)."""
+`v_proj`, `o_proj`) and the experts' (`gate_proj`, `up_proj`, `down_proj`; Mixtral's `w1`,
+`w3`, `w2`: one adapter per expert); "all-linear" is all of them, not the router."""
 
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ QWEN3_MOE = dataclasses.replace(
     check=_check,
     hf_block_names={**_ATTENTION_NAMES, "moe": "mlp"},
     hf_expert_names={"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"},
-    lora_targets={n: (n,) for n in _ATTENTION},
+    lora_targets={n: (n,) for n in _ATTENTION + ("gate_proj", "up_proj", "down_proj")},
     hints={"qwen2_moe": "Qwen2-MoE (shared experts) is not supported; Qwen3-MoE (qwen3_moe) is"},
 )
 
@@ -102,5 +102,7 @@ MIXTRAL = dataclasses.replace(
     config_to_hf=_mixtral_to_hf,
     hf_block_names={**_ATTENTION_NAMES, "moe": "block_sparse_moe"},
     hf_expert_names={"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"},
+    # Targets are Hugging Face's (and PEFT's) module names: Mixtral's experts' w1, w3, w2.
+    lora_targets={**{n: (n,) for n in _ATTENTION}, "w1": ("gate_proj",), "w3": ("up_proj",), "w2": ("down_proj",)},
     hints={},
 )
