@@ -268,3 +268,25 @@ def test_lora_on_the_experts_trains_only_the_adapters_and_merges():
     ids, mask = rollout.query_tokens, rollout.query_mask
     np.testing.assert_allclose(np.asarray(merged_model.apply(merged, ids, mask)),
                                np.asarray(lora_model.apply(out.params, ids, mask)), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+def test_the_continuous_sampler_equals_the_static_one_on_a_mixture(scan):
+    """The KV-cache samplers run a mixture of experts like any block: the continuous engine
+    (3 slots, rows refilled as they stop) gives the static sampler's tokens."""
+    from jaxppo.rollout.samplers.continuous import generate_continuous
+    from jaxppo.rollout.samplers.static import generate
+
+    model = jm.Model(_config(), scan_layers=scan)
+    params = model.init(jax.random.key(0))
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, V, (10, 5))
+    mask = np.ones_like(ids)
+    mask[1::2, :2] = 0
+    kw = dict(response_length=12, stop_token_ids=(2, 3, 4, 5, 6))
+    static = generate(model, params, ids * mask, mask, jax.random.key(1), **kw)
+    engine = generate_continuous(model, params, ids * mask, mask, jax.random.key(1), num_slots=3, **kw)
+    np.testing.assert_array_equal(np.asarray(engine.tokens), np.asarray(static.tokens))
+    np.testing.assert_allclose(np.asarray(engine.logprobs), np.asarray(static.logprobs), rtol=0, atol=4e-6)
+    lengths = np.asarray(static.mask).sum(axis=1)
+    assert lengths.min() < lengths.max()  # rows ended at different steps: slots were refilled
