@@ -6,7 +6,9 @@ A mesh has three named axes:
   "tensor": tensor parallelism inside a layer (column-/row-parallel projections).
 Rollout rows are split over ("data", "fsdp"); `batch_size` and `mini_batch_size` stay
 global sizes and each device works on `mini_batch_size / (data * fsdp)` rows per update.
-No collective is written by hand: shardings are declared and XLA inserts the rest.
+No collective is written by hand here: shardings are declared and XLA inserts the rest
+(the one exception is a mixture of experts' layer, which computes each device's own
+experts inside a `jax.shard_map` over "fsdp": `jaxppo.models.moe`).
 """
 
 from __future__ import annotations

@@ -27,13 +27,16 @@ def _config(**kw):
     return jm.ModelConfig(**{**settings, **kw})
 
 
-@pytest.mark.parametrize("sizes", [[3, 0, 9, 1], [0, 0, 13, 0], [1], [40, 2, 0, 7, 7, 0, 1, 5]])
-def test_blocked_matmul_equals_a_loop_over_the_groups(sizes):
+@pytest.mark.parametrize("sizes,extra", [([3, 0, 9, 1], 0), ([0, 0, 13, 0], 0), ([1], 0),
+                                         ([40, 2, 0, 7, 7, 0, 1, 5], 0), ([3, 0, 2], 4)])
+def test_blocked_matmul_equals_a_loop_over_the_groups(sizes, extra):
+    """Rows past the groups (`extra`: how the expert-parallel path leaves other devices'
+    pairs) give 0 and receive no gradient, as `jax.lax.ragged_dot`'s do."""
     rng = np.random.default_rng(len(sizes))
-    e, d, f, m = len(sizes), 5, 7, sum(sizes)
+    e, d, f, m = len(sizes), 5, 7, sum(sizes) + extra
     rows, kernels = rng.normal(size=(m, d)).astype(np.float32), rng.normal(size=(e, d, f)).astype(np.float32)
     group = np.repeat(np.arange(e), sizes)
-    want = np.stack([rows[i] @ kernels[group[i]] for i in range(m)])
+    want = np.stack([rows[i] @ kernels[group[i]] if i < len(group) else np.zeros(f, np.float32) for i in range(m)])
     s = jnp.asarray(sizes, jnp.int32)
     got = jax.jit(blocked_matmul)(rows, kernels, s)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
@@ -43,7 +46,8 @@ def test_blocked_matmul_equals_a_loop_over_the_groups(sizes):
 
     def loop(x, w):  # the same product as a Python loop over the groups: the reference gradients
         starts = np.concatenate([[0], np.cumsum(sizes)])
-        return jnp.concatenate([x[starts[g]:starts[g + 1]] @ w[g] for g in range(e)], axis=0)
+        return jnp.concatenate([x[starts[g]:starts[g + 1]] @ w[g] for g in range(e)]
+                               + [jnp.zeros((extra, f), x.dtype)], axis=0)
 
     ref = jax.grad(lambda x, w: loss(loop, x, w), argnums=(0, 1))(rows, kernels)
     ours = jax.jit(jax.grad(lambda x, w: loss(lambda a, b: blocked_matmul(a, b, s), x, w), argnums=(0, 1)))(rows,
@@ -264,6 +268,15 @@ def test_lora_on_the_experts_trains_only_the_adapters_and_merges():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     moved = out.params["lora"]["model"]["layers"]["moe"]["experts"]
     assert float(jnp.abs(moved["up_proj_lora_b"]).max()) > 0  # B starts at zero
+    # Expert parallel with the adapters (fsdp = 8: one expert per device) equals one device.
+    from jaxppo import sharding as sh
+
+    mesh = sh.make_mesh(sh.MeshConfig(fsdp=8))
+    sharded = sh.shard_state(state, mesh)
+    on_mesh, _ = sh.sharded_train_step(sharded, config, mesh)(sharded, sh.shard_batch(rollout, mesh),
+                                                              jax.random.key(1))
+    for a, b in zip(jax.tree.leaves(on_mesh.params), jax.tree.leaves(out.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=1e-4)
     merged_model, merged = jm.merge_lora(lora_model, out.params)
     ids, mask = rollout.query_tokens, rollout.query_mask
     np.testing.assert_allclose(np.asarray(merged_model.apply(merged, ids, mask)),

@@ -447,3 +447,9 @@ def test_mixture_of_experts_sharded_equals_single_device(setup, mesh_config, sca
         assert tuple(experts["gate_proj"].sharding.spec) == lead + ("fsdp", None, "tensor")
         assert tuple(experts["down_proj"].sharding.spec) == lead + ("fsdp", "tensor", None)
     assert experts["up_proj"].addressable_shards[0].data.shape[len(lead)] == 8 // mesh_config.fsdp
+    # Expert parallel: under the mesh each device computes its own experts (a shard_map over
+    # fsdp), which one device without a mesh does not need.
+    ids, mask = rollout.query_tokens, rollout.query_mask
+    with jax.set_mesh(mesh):
+        assert "shard_map" in str(jax.make_jaxpr(policy.apply)(sharded.params["policy"], ids, mask))
+    assert "shard_map" not in str(jax.make_jaxpr(policy.apply)(params["policy"], ids, mask))

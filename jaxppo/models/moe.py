@@ -14,6 +14,9 @@ kernel); elsewhere a loop over blocks of rows that each belong to one expert
 (`blocked_matmul`), since XLA:CPU and XLA:GPU expand `ragged_dot` into a product with
 every expert.
 
+Under a mesh whose "fsdp" axis divides the experts, each device computes the experts it
+stores (`_expert_parallel`, a `jax.shard_map`): expert parallelism on the fsdp axis.
+
 Parameters (names mirror Hugging Face's modules, so conversion is a renaming):
 `gate/kernel` (D, E) the router, and `experts/gate_proj`, `experts/up_proj` (E, D, I),
 `experts/down_proj` (E, I, D): the experts' kernels stacked on a leading expert axis,
@@ -83,6 +86,45 @@ def experts_forward(x, experts, weights, wg, wu, wd, act: str, adapters=None):
     return jnp.sum(y[back].reshape(n, k, -1), axis=1, dtype=jnp.float32).astype(x.dtype)
 
 
+def _expert_shards(num_experts: int, tokens: int) -> int:
+    """How many devices hold a share of the experts: the "fsdp" axis of the mesh in context
+    (`jax.set_mesh`, as the sharded train step and the samplers set it), where it divides
+    the experts and the tokens; 1 otherwise (no mesh: one device computes every expert)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or "fsdp" not in mesh.axis_names:
+        return 1
+    n = mesh.shape["fsdp"]
+    return n if num_experts % n == 0 and tokens % n == 0 else 1
+
+
+def _expert_parallel(x, experts, weights, wg, wu, wd, act: str, adapters=None):
+    """`experts_forward` with the experts computed where they are stored: each device of
+    the "fsdp" axis holds E / fsdp experts (`jaxppo.sharding.param_spec`) and, inside
+    `jax.shard_map` over that axis, gathers its group's tokens and routing, computes the
+    (token, slot) pairs routed to its own experts (the others weigh 0 and sort past its
+    groups, where the grouped product gives 0) and sums the results back onto the tokens'
+    devices (a reduce-scatter). No expert's weights leave their device; no capacity, so
+    nothing is dropped. The other mesh axes stay with XLA's partitioner."""
+    from jax.sharding import PartitionSpec as P
+
+    scales = {name: scale for name, (_, _, scale) in (adapters or {}).items()}
+    pairs = {name: (a, b) for name, (a, b, _) in (adapters or {}).items()}
+
+    def local(x, experts, weights, wg, wu, wd, pairs):
+        adapters = {name: (a, b, scales[name]) for name, (a, b) in pairs.items()}
+        everyone = lambda a: jax.lax.all_gather(a, "fsdp", axis=0, tiled=True)  # noqa: E731
+        x, experts, weights = everyone(x), everyone(experts), everyone(weights)
+        own = experts - jax.lax.axis_index("fsdp") * wg.shape[0]
+        mine = (own >= 0) & (own < wg.shape[0])
+        out = experts_forward(x, jnp.where(mine, own, wg.shape[0]), jnp.where(mine, weights, 0.0), wg, wu, wd, act,
+                              adapters)
+        return jax.lax.psum_scatter(out, "fsdp", scatter_dimension=0, tiled=True)
+
+    rows, stored = P("fsdp"), P("fsdp")
+    return jax.shard_map(local, in_specs=(rows, rows, rows, stored, stored, stored, jax.tree.map(lambda _: stored, pairs)),
+                         out_specs=rows, axis_names={"fsdp"}, check_vma=False)(x, experts, weights, wg, wu, wd, pairs)
+
+
 def grouped_matmul(rows, kernels, sizes):
     """rows (M, D) grouped by expert (the first sizes[0] rows expert 0's, ...) times each
     group's kernel of `kernels` (E, D, F): (M, F). XLA:TPU runs `jax.lax.ragged_dot` as a
@@ -99,57 +141,68 @@ def _block_rows(m: int, groups: int) -> int:
 
 
 def _blocks(sizes, m: int, block: int):
-    """The blocked layout of m rows grouped by `sizes`: each group starts on a block
-    boundary. Returns (each row's padded slot (m,), each block's group (nb,), nb)."""
+    """The blocked layout of m rows grouped by `sizes` (rows past sum(sizes) in no group):
+    each group starts on a block boundary. Returns (each row's padded slot (m,), nb * block
+    for a row in no group; each block's group (nb,); the blocks the groups fill, a traced
+    count; nb, the blocks there are room for)."""
     groups = sizes.shape[0]
     nb = -(-(m + groups * (block - 1)) // block)  # enough blocks whatever the sizes
     padded = (sizes + block - 1) // block * block
     padded_end = jnp.cumsum(padded)
     starts, padded_starts = jnp.cumsum(sizes) - sizes, padded_end - padded
     group = jnp.repeat(jnp.arange(groups), sizes, total_repeat_length=m)
-    slot = padded_starts[group] + jnp.arange(m) - starts[group]
+    grouped = jnp.arange(m) < jnp.sum(sizes)
+    slot = jnp.where(grouped, padded_starts[group] + jnp.arange(m) - starts[group], nb * block)
     block_group = jnp.minimum(jnp.searchsorted(padded_end, jnp.arange(nb) * block, side="right"), groups - 1)
-    return slot, block_group, nb
+    return slot, block_group, padded_end[-1] // block, nb
 
 
 @jax.custom_vjp
 def blocked_matmul(rows, kernels, sizes):
     """`jax.lax.ragged_dot(rows, kernels, sizes)` without the product with every expert:
     the rows are laid out in blocks that each belong to one group (a group's last block
-    padded with zero rows, at most E - 1 blocks more than the rows fill) and a loop
-    multiplies each block by its group's kernel. Its backward pass is two such loops (the
-    rows' gradient, and the kernels' gradient accumulated in place per group)."""
+    padded with zero rows) and a loop multiplies each block the groups fill by its group's
+    kernel, as many trips as the sizes need (at most E - 1 more than the rows fill). Rows
+    past sum(sizes) belong to no group: 0 out, 0 gradient. Its backward pass is two such
+    loops (the rows' gradient, and the kernels' gradient accumulated in place per group)."""
     return _blocked_forward(rows, kernels, sizes)[0]
+
+
+def _per_block(used, inputs, init, body):
+    """`body(j, carry)` for the `used` blocks (a traced count) of `inputs`, from `init`."""
+    return jax.lax.fori_loop(0, used, body, init)
 
 
 def _blocked_forward(rows, kernels, sizes):
     rows, kernels = jnp.asarray(rows), jnp.asarray(kernels)
     m, d = rows.shape
     block = _block_rows(m, kernels.shape[0])
-    slot, block_group, nb = _blocks(sizes, m, block)
-    padded = jnp.zeros((nb * block, d), rows.dtype).at[slot].set(rows).reshape(nb, block, d)
+    slot, block_group, used, nb = _blocks(sizes, m, block)
+    padded = jnp.zeros((nb * block, d), rows.dtype).at[slot].set(rows, mode="drop").reshape(nb, block, d)
 
-    def one(_, xs):
-        x, g = xs
-        return None, jnp.dot(x, kernels[g], preferred_element_type=jnp.float32).astype(rows.dtype)
+    def one(j, out):
+        y = jnp.dot(padded[j], kernels[block_group[j]], preferred_element_type=jnp.float32).astype(rows.dtype)
+        return jax.lax.dynamic_update_index_in_dim(out, y, j, axis=0)
 
-    out = jax.lax.scan(one, None, (padded, block_group))[1].reshape(nb * block, -1)[slot]
-    return out, (padded, kernels, sizes, slot, block_group)
+    out = _per_block(used, padded, jnp.zeros((nb, block, kernels.shape[-1]), rows.dtype), one)
+    out = jnp.take(out.reshape(nb * block, -1), slot, axis=0, mode="fill", fill_value=0)
+    return out, (padded, kernels, slot, block_group, used)
 
 
 def _blocked_backward(residuals, grad):
-    padded, kernels, sizes, slot, block_group = residuals
+    padded, kernels, slot, block_group, used = residuals
     nb, block, _ = padded.shape
-    g = jnp.zeros((nb * block, grad.shape[-1]), grad.dtype).at[slot].set(grad).reshape(nb, block, -1)
+    g = jnp.zeros((nb * block, grad.shape[-1]), grad.dtype).at[slot].set(grad, mode="drop").reshape(nb, block, -1)
 
-    def one(dk, xs):
-        x, gy, e = xs
-        dx = jnp.dot(gy, kernels[e].T, preferred_element_type=jnp.float32).astype(x.dtype)
-        step = jnp.dot(x.T, gy, preferred_element_type=jnp.float32)
-        return dk.at[e].add(step), dx
+    def one(j, carry):
+        dk, dx = carry
+        e = block_group[j]
+        step_dx = jnp.dot(g[j], kernels[e].T, preferred_element_type=jnp.float32).astype(padded.dtype)
+        step_dk = jnp.dot(padded[j].T, g[j], preferred_element_type=jnp.float32)
+        return dk.at[e].add(step_dk), jax.lax.dynamic_update_index_in_dim(dx, step_dx, j, axis=0)
 
-    dk, dx = jax.lax.scan(one, jnp.zeros(kernels.shape, jnp.float32), (padded, g, block_group))
-    dx = dx.reshape(nb * block, -1)[slot]
+    dk, dx = _per_block(used, padded, (jnp.zeros(kernels.shape, jnp.float32), jnp.zeros_like(padded)), one)
+    dx = jnp.take(dx.reshape(nb * block, -1), slot, axis=0, mode="fill", fill_value=0)
     return dx, dk.astype(kernels.dtype), None
 
 
@@ -237,7 +290,8 @@ class SparseMoe(nn.Module):
         lora = (self.lora.rank, self.lora.scale, targets) if targets else None
         (wg, wu, wd), adapters = _Experts(c.num_experts, d, c.moe_intermediate_size, self.param_dtype, lora,
                                           name="experts")()
-        out = experts_forward(tokens.astype(self.dtype), experts, weights, wg.astype(self.dtype),
-                              wu.astype(self.dtype), wd.astype(self.dtype), c.activation,
-                              adapters if self.adapters else None)
+        kernels = tuple(w.astype(self.dtype) for w in (wg, wu, wd))
+        run = _expert_parallel if _expert_shards(c.num_experts, tokens.shape[0]) > 1 else experts_forward
+        out = run(tokens.astype(self.dtype), experts, weights, *kernels, c.activation,
+                  adapters if self.adapters else None)
         return out.reshape(*lead, d)
