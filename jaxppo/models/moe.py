@@ -56,7 +56,7 @@ def route(logits, k: int, normalise: bool):
     return weights, experts.astype(jnp.int32), probs
 
 
-def experts_forward(x, experts, weights, wg, wu, wd, act: str, adapters=None):
+def experts_forward(x, experts, weights, wg, wu, wd, act: str, adapters=None, out_dtype=None):
     """The experts' outputs for tokens x (N, D), each routed to `experts` (N, k) with
     `weights` (N, k): sum_j weights[n, j] * down(act(gate(x_n)) * up(x_n)) of expert
     experts[n, j]. Kernels wg/wu (E, D, I), wd (E, I, D). `adapters`: {projection name:
@@ -83,7 +83,7 @@ def experts_forward(x, experts, weights, wg, wu, wd, act: str, adapters=None):
     y = project("down_proj", activation(act)(g) * u, wd)
     y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
     back = jnp.argsort(order)  # each pair's place in the sorted order
-    return jnp.sum(y[back].reshape(n, k, -1), axis=1, dtype=jnp.float32).astype(x.dtype)
+    return jnp.sum(y[back].reshape(n, k, -1), axis=1, dtype=jnp.float32).astype(out_dtype or x.dtype)
 
 
 def _expert_shards(num_experts: int, tokens: int) -> int:
@@ -110,19 +110,24 @@ def _expert_parallel(x, experts, weights, wg, wu, wd, act: str, adapters=None):
     scales = {name: scale for name, (_, _, scale) in (adapters or {}).items()}
     pairs = {name: (a, b) for name, (a, b, _) in (adapters or {}).items()}
 
+    # The token exchange in float32: XLA:CPU fails to compile a bfloat16 reduce-scatter
+    # (AllReducePromotion, jax 0.10.2), which the gathers' gradients are too.
+    dtype = x.dtype
+
     def local(x, experts, weights, wg, wu, wd, pairs):
         adapters = {name: (a, b, scales[name]) for name, (a, b) in pairs.items()}
         everyone = lambda a: jax.lax.all_gather(a, "fsdp", axis=0, tiled=True)  # noqa: E731
-        x, experts, weights = everyone(x), everyone(experts), everyone(weights)
+        x, experts, weights = everyone(x).astype(dtype), everyone(experts), everyone(weights)
         own = experts - jax.lax.axis_index("fsdp") * wg.shape[0]
         mine = (own >= 0) & (own < wg.shape[0])
         out = experts_forward(x, jnp.where(mine, own, wg.shape[0]), jnp.where(mine, weights, 0.0), wg, wu, wd, act,
-                              adapters)
+                              adapters, out_dtype=jnp.float32)  # rounded once, after the sum over devices
         return jax.lax.psum_scatter(out, "fsdp", scatter_dimension=0, tiled=True)
 
     rows, stored = P("fsdp"), P("fsdp")
     return jax.shard_map(local, in_specs=(rows, rows, rows, stored, stored, stored, jax.tree.map(lambda _: stored, pairs)),
-                         out_specs=rows, axis_names={"fsdp"}, check_vma=False)(x, experts, weights, wg, wu, wd, pairs)
+                         out_specs=rows, axis_names={"fsdp"}, check_vma=False)(
+        x.astype(jnp.float32), experts, weights, wg, wu, wd, pairs).astype(dtype)
 
 
 def grouped_matmul(rows, kernels, sizes):
