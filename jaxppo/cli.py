@@ -528,6 +528,10 @@ def main(argv=None) -> int:
         return reward_model_main(args[1:])
     if args[:1] == ["plan"]:
         return plan_main(args[1:])
+    if args[:1] == ["serve"]:  # a vLLM server for rollout_engine="vllm-server"
+        from jaxppo.rollout.vllm_server import serve_main
+
+        return serve_main(args[1:])
     config, extras = resolve(args)
     # Before anything compiles: jax decides once per process whether it uses the cache.
     _use_compilation_cache(extras["compilation_cache"])

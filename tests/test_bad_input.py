@@ -249,6 +249,15 @@ def _without_gguf(make):
             sys.modules["gguf"] = saved
 
 
+def _closed_port() -> int:
+    """A local port nothing listens on."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _without_vllm(make):
     """`make()` with `import vllm` failing, as where vLLM is not installed."""
     saved = sys.modules.get("vllm", "absent")
@@ -487,6 +496,20 @@ CASES = [
      r"rollout_engine='vllm' \(VLLMEngine\) cannot run multi-turn episodes .* does not declare multi_turn"),
     ("vllm not installed", lambda ctx: _without_vllm(lambda: small_trainer(ctx["tmp"], rollout_engine="vllm")),
      ImportError, r"rollout_engine='vllm' needs vLLM in this environment: pip install 'jaxppo\[vllm\]'"),
+    # vLLM servers (rollout_engine="vllm-server"; tests/test_vllm_server.py runs real ones)
+    ("server URLs without the server engine", lambda ctx: jaxppo.Config.from_settings(
+        vllm_urls=("http://127.0.0.1:8000",)), ValueError,
+     r"SamplingConfig.vllm_urls=\('http://127.0.0.1:8000',\) is only read by rollout_engine='vllm-server'"),
+    ("a server URL without its scheme", lambda ctx: jaxppo.Config.from_settings(
+        rollout_engine="vllm-server", vllm_urls=("127.0.0.1:8000",)), ValueError,
+     r"SamplingConfig.vllm_urls=\('127.0.0.1:8000',\) is invalid: .*each 'http://host:port'"),
+    ("a server listed twice", lambda ctx: jaxppo.Config.from_settings(
+        rollout_engine="vllm-server", vllm_urls=("http://a:1", "http://a:1")), ValueError, r"distinct URLs"),
+    ("the server engine without URLs", lambda ctx: small_trainer(ctx["tmp"], rollout_engine="vllm-server"),
+     ValueError, r"rollout_engine='vllm-server' needs the servers' URLs: SamplingConfig.vllm_urls"),
+    ("an unreachable server", lambda ctx: small_trainer(ctx["tmp"], rollout_engine="vllm-server",
+                                                        vllm_urls=(f"http://127.0.0.1:{_closed_port()}",)),
+     ConnectionError, r"rollout_engine='vllm-server': http://127.0.0.1:\d+ is unreachable \(.*Connection refused"),
     # how attention is computed (Model.attention, LayoutConfig.attention)
     ("unknown attention", lambda ctx: jaxppo.Config.from_settings(attention="flash"), ValueError,
      r"LayoutConfig.attention='flash' is invalid; valid: None \(each model as given\), 'einsum', 'xla', 'cudnn'"),

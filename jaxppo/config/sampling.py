@@ -9,7 +9,7 @@ import math
 from typing import Optional, Tuple, Union
 
 from jaxppo.config.fields import Concern, check_bools, check_counts, check_real, setting
-from jaxppo.rollout.engines import check_engine_name
+from jaxppo.rollout.engines import check_engine_name, takes_server_urls
 from jaxppo.rollout.spec import OLD_LOGPROBS
 from jaxppo.update.checks import invalid, is_int
 
@@ -39,8 +39,16 @@ class SamplingConfig(Concern):
       stop_strings: a completion ends at the token completing one of these texts
         (`jaxppo.models.stops`).
       rollout_engine: "jaxppo" (the built-in engines: the static sampler, or the continuous
-        one with `num_slots`), "vllm" (vLLM in this process, `jaxppo.rollout.vllm`), or a name
-        registered with `jaxppo.rollout.engines.register_rollout_engine`.
+        one with `num_slots`), "vllm" (vLLM in this process, `jaxppo.rollout.vllm`),
+        "vllm-server" (running vLLM servers, `vllm_urls`; `jaxppo.rollout.vllm_server`), or a
+        name registered with `jaxppo.rollout.engines.register_rollout_engine`.
+      vllm_urls: with rollout_engine "vllm-server", the servers' base URLs
+        ("http://host:port"; `jaxppo serve` starts one); requests are spread over them.
+      vllm_timeout: seconds one request to a vLLM server may take before the server is
+        dropped from the run and its requests go to the others; > 0.
+      weight_sync_dir: where the trainer writes the weights it pushes to vLLM servers (a
+        directory they read: on one host None, a temporary directory in /dev/shm; across
+        hosts a shared filesystem).
       num_slots: None (the static sampler: every row decoded together until the last ends)
         or the slots of the continuous sampler (a finished row's slot refilled at once); the
         same tokens either way.
@@ -69,6 +77,9 @@ class SamplingConfig(Concern):
     stop_tokens: Tuple[Union[int, str], ...] = (EOS,)
     stop_strings: Tuple[str, ...] = ()
     rollout_engine: str = "jaxppo"
+    vllm_urls: Tuple[str, ...] = setting((), free=True)
+    vllm_timeout: float = setting(300.0, free=True)
+    weight_sync_dir: Optional[str] = setting(None, free=True)
     num_slots: Optional[int] = setting(None, free=True)
     old_logprobs: str = setting("auto", free=True)
     max_staleness: int = 0
@@ -90,6 +101,7 @@ class SamplingConfig(Concern):
         check_counts(self, ("response_length",))
         _check_stops(self)
         check_engine_name(self.rollout_engine, "SamplingConfig.rollout_engine")
+        _check_servers(self)
         if self.num_slots is not None:
             check_counts(self, ("num_slots",))
         if self.old_logprobs not in OLD_LOGPROBS:
@@ -127,6 +139,23 @@ def _check_stops(c: SamplingConfig):
     if not all(isinstance(s, str) and s for s in c.stop_strings):
         raise invalid("SamplingConfig", "stop_strings", c.stop_strings,
                       "a list of non-empty strings (the completion ends where its text first holds one)")
+
+
+def _check_servers(c: SamplingConfig):
+    """The vLLM servers' settings (a URL given for a tuple becomes a tuple of one)."""
+    urls = (c.vllm_urls,) if isinstance(c.vllm_urls, str) else c.vllm_urls
+    if not isinstance(urls, (list, tuple)) or not all(isinstance(u, str) and u.startswith(("http://", "https://"))
+                                                       and len(u) > len("http://") for u in urls):
+        raise invalid("SamplingConfig", "vllm_urls", c.vllm_urls, "a list of base URLs, each 'http://host:port'")
+    if len(set(urls)) != len(urls):
+        raise invalid("SamplingConfig", "vllm_urls", c.vllm_urls, "distinct URLs (a server listed twice)")
+    object.__setattr__(c, "vllm_urls", tuple(urls))
+    if urls and not takes_server_urls(c.rollout_engine):
+        raise ValueError(f"SamplingConfig.vllm_urls={tuple(urls)!r} is only read by rollout_engine='vllm-server' "
+                         f"(this run's is {c.rollout_engine!r}): set rollout_engine='vllm-server' or drop the URLs")
+    check_real(c, "vllm_timeout", 0.0, low_open=True)
+    if c.weight_sync_dir is not None and (not isinstance(c.weight_sync_dir, str) or not c.weight_sync_dir):
+        raise invalid("SamplingConfig", "weight_sync_dir", c.weight_sync_dir, "None or a directory path")
 
 
 @dataclasses.dataclass(frozen=True)

