@@ -158,3 +158,26 @@ def test_the_registry():
             register_rollout_engine("loop", StaticEngine)
     finally:
         ROLLOUT_ENGINES.pop("loop")
+
+
+def test_the_server_engine_is_packaged_and_jaxppo_serve_builds_vllms_command(tmp_path, capsys):
+    """The engine "vllm-server" is a packaged engine (its module imports no vLLM); `serve_command`
+    gives vLLM's server the options the engine needs (its tests start real servers with it,
+    tests/test_vllm_server.py); `jaxppo serve` refuses a directory that is no checkpoint."""
+    from jaxppo.cli import main
+    from jaxppo.rollout.vllm_server import serve_command
+
+    assert "vllm-server" in rollout_engine_names()
+    caps = engine_class("vllm-server").capabilities
+    assert caps.multi_turn and caps.meshes and not caps.exact_logprobs and not caps.inflight_updates
+    argv, env = serve_command("/ckpt", port=8123, lora_rank=4, dtype="bfloat16")
+    joined = " ".join(argv)
+    for part in ("vllm.entrypoints.openai.api_server --model /ckpt", "--port 8123", "--tokens-only",
+                 "--logprobs-mode processed_logprobs", '{"backend": "jaxppo-files"}', "--dtype bfloat16",
+                 "--enable-lora --max-lora-rank 8"):  # vLLM takes ranks 1, 8, 16, ...: the smallest >= 4
+        assert part in joined, part
+    assert env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+    assert '{"backend": "nccl"}' in " ".join(serve_command("/ckpt", weight_sync="nccl")[0])
+    with pytest.raises(SystemExit):
+        main(["serve", str(tmp_path)])
+    assert "is not a Hugging Face checkpoint directory (no config.json)" in capsys.readouterr().err
