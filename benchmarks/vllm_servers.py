@@ -57,7 +57,8 @@ def start_servers(model_dir, count, lora_rank=None):
                                   max_model_len=QUERY + RESPONSE + 16)
         log = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)
         env = {**os.environ, **env, "VLLM_CPU_KVCACHE_SPACE": "1"}
-        servers.append((f"http://127.0.0.1:{port}", subprocess.Popen(argv, env=env, stdout=log, stderr=log)))
+        process = subprocess.Popen(argv, env=env, stdout=log, stderr=log, start_new_session=True)
+        servers.append((f"http://127.0.0.1:{port}", process))
     start = time.perf_counter()
     for url, process in servers:
         while True:
@@ -72,8 +73,14 @@ def start_servers(model_dir, count, lora_rank=None):
 
 
 def stop(servers):
+    """Each server with its engine core and workers (the session it leads)."""
+    import signal
+
     for _, process in servers:
-        process.kill()
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         process.wait()
 
 
