@@ -168,6 +168,17 @@ def test_multi_turn_episodes_and_pipelined_iterations_on_the_servers(servers, tm
     history = trainer_on(tmp_path / "turns", urls, iterations=2, environment=demo.GuessTheDigit,
                          response_length=12, max_turns=3, turn_length=4).train()
     assert max(r["env/turns_max"] for r in history) > 1  # later turns sampled from their contexts
+    # Greedy with a budget per row (a multi-turn evaluation at temperature 0): each row within
+    # its own budget, the rows of a group equal, no group's completion written into another's.
+    engine = trainer_on(tmp_path / "greedy", urls, iterations=1).parts.rollout_engine
+    ids = np.repeat(np.arange(10, 18).reshape(2, 4), 4, axis=0)
+    budgets = np.array([8] * 4 + [3] * 4)
+    gen = engine.sample(ids, np.ones_like(ids), None, num_generations=4, response_length=8, max_lengths=budgets,
+                        temperature=0.0)
+    lengths = np.asarray(gen.mask).sum(axis=1)
+    assert (lengths <= budgets).all() and lengths[4] == 3, lengths
+    assert (np.asarray(gen.tokens)[:4] == np.asarray(gen.tokens)[0]).all()
+    assert (np.asarray(gen.tokens)[4:, :3] == np.asarray(gen.tokens)[4, :3]).all()
     for record in history:
         assert record["sampling/sampling_logp_difference/max"] < 1e-4
     trainer = trainer_on(tmp_path / "pipelined", urls, iterations=3, max_staleness=1)

@@ -45,7 +45,8 @@ from jaxppo.models.family import family_of
 from jaxppo.rollout.engines import Capabilities, RolloutEngine, register_rollout_engine
 from jaxppo.rollout.spec import sampling_filters_on
 
-__all__ = ["VLLMEngine", "check_available", "check_sampler_logprobs", "CPU_HEAD_DIMS", "hf_weights", "request_seeds"]
+__all__ = ["VLLMEngine", "check_available", "check_sampler_logprobs", "CPU_HEAD_DIMS", "hf_weights", "request_seeds",
+           "tied_head"]
 
 # Head sizes the CPU build's attention kernel takes (vLLM 0.32's cpu_attn).
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
@@ -93,11 +94,17 @@ def hf_weights(model, params):
     for name, array, transpose in hf_io.hf_arrays(model, params):
         tensor = torch.from_dlpack(array) if hasattr(array, "__dlpack__") else torch.from_numpy(np.asarray(array))
         out.append((name, tensor.t() if transpose else tensor))
-    if model.config.tie_word_embeddings:
-        embed_name = f".{family_of(model.config).embed_name}.weight"
-        embed = next(t for n, t in out if n.endswith(embed_name) or n == embed_name[1:])
-        out.append(("lm_head.weight", embed))
-    return out
+    return out + tied_head(model, out)
+
+
+def tied_head(model, named) -> list:
+    """[("lm_head.weight", the embedding)] for a model with tied embeddings, from `named`
+    ((Hugging Face name, tensor) pairs), else []: vLLM's output layer takes its own copy
+    when weights are reloaded, or it keeps the old one."""
+    if not model.config.tie_word_embeddings:
+        return []
+    embed_name = f".{family_of(model.config).embed_name}.weight"
+    return [("lm_head.weight", next(t for n, t in named if n.endswith(embed_name) or n == embed_name[1:]))]
 
 
 class VLLMEngine(RolloutEngine):

@@ -43,18 +43,11 @@ class NCCLTransport:
 
     def _source(self, params):
         """vLLM's `WeightSource` over the policy's tensors, on the GPU through DLPack."""
-        import torch
         from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
-        from jaxppo.models import hf as hf_io
+        from jaxppo.rollout.vllm import hf_weights
 
-        tensors = []
-        for name, array, transpose in hf_io.hf_arrays(self.model, params):
-            tensor = torch.from_dlpack(array)
-            tensors.append((name, (tensor.t() if transpose else tensor).contiguous()))
-        if self.model.config.tie_word_embeddings:
-            embed = next(t for n, t in tensors if n.endswith("embed_tokens.weight") or n.endswith("wte.weight"))
-            tensors.append(("lm_head.weight", embed))
+        tensors = [(name, tensor.contiguous()) for name, tensor in hf_weights(self.model, params)]
 
         class Source(WeightSource):
             def metadata(self):

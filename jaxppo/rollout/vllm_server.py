@@ -17,7 +17,7 @@ below), on this host or others; the trainer talks to them over HTTP:
   (`FileTransport`: the "jaxppo-files" backend of `jaxppo.rollout.vllm_plugin`, one
   safetensors file per version in a directory the servers read). With LoRA the adapter
   alone is pushed (`AdapterTransport`: vLLM's runtime LoRA loading, one adapter per
-  version, the base loaded once when the server started). Each push has a version (the
+  version; the base weights once, with the first push). Each push has a version (the
   iterations the weights are after): vLLM labels each token with the version of the
   weights that sampled it, and a token labelled otherwise than the version pushed stops
   the run. After each push a probe (a short completion of fixed tokens) checks on each
@@ -66,11 +66,10 @@ class FileTransport:
         from safetensors.numpy import save_file
 
         from jaxppo.models import hf as hf_io
+        from jaxppo.rollout.vllm import tied_head
 
         tensors = hf_io.params_to_hf_tensors(self.model, params)
-        if self.model.config.tie_word_embeddings:  # vLLM's output layer takes its own copy on reload
-            embed = next(name for name in tensors if name.endswith("embed_tokens.weight") or name.endswith("wte.weight"))
-            tensors["lm_head.weight"] = tensors[embed]
+        tensors.update(tied_head(self.model, tensors.items()))
         file = f"v{version}.safetensors"
         save_file(tensors, os.path.join(self.directory, file))
 
@@ -172,7 +171,8 @@ class VLLMServerEngine(RolloutEngine):
     def create(cls, spec, params, config, *, query_width: int, mesh=None) -> "VLLMServerEngine":
         sampling = config.sampling
         return cls(spec, spec.policy_params(params), urls=sampling.vllm_urls, timeout=sampling.vllm_timeout,
-                   directory=sampling.weight_sync_dir, weight_sync=sampling.weight_sync)
+                   directory=sampling.weight_sync_dir, weight_sync=sampling.weight_sync,
+                   check=False)  # `check` has looked at the servers already
 
     def __init__(self, spec, params, *, urls, timeout: float = 300.0, directory: Optional[str] = None,
                  weight_sync: str = "files", version: int = 0, check: bool = True):
@@ -245,7 +245,8 @@ class VLLMServerEngine(RolloutEngine):
         if self._probe_fn is None:
             self._probe_fn = jax.jit(lambda p, b: response_outputs(self.model.apply, p, b, temperature)[0])
         dtype = "float32" if str(self.model.param_dtype) == "float32" else "other"
-        for answer, url in self.pool.run([body] * len(self.pool.live), "/inference/v1/generate"):
+        answers = self.pool.each(lambda server: (server.call("/inference/v1/generate", body), server.url))
+        for answer, url in answers:  # every live server's own
             tokens, logprobs, _ = _choice(answer["choices"][0], self.transport.expected_label(version), url)
             n = len(tokens)
             batch = {"query_tokens": jnp.asarray([prompt]), "query_mask": jnp.ones((1, len(prompt)), jnp.int32),
@@ -255,8 +256,8 @@ class VLLMServerEngine(RolloutEngine):
             if gap > PROBE_TOLERANCE[dtype]:
                 raise RuntimeError(f"vLLM server {url} does not hold the trainer's policy after pushing version "
                                    f"{version}: its log-probs of a probe differ from the trainer's by up to {gap:.3g} "
-                                   f"(> {PROBE_TOLERANCE[dtype]}). Was it started from the same checkpoint (with "
-                                   "LoRA the base weights stay the server's), with the same dtype?")
+                                   f"(> {PROBE_TOLERANCE[dtype]}). Was it given weights by another trainer, or "
+                                   "started with another architecture or dtype?")
 
     def sample(self, prompt_ids, prompt_mask, key=None, *, num_generations: int, response_length: int,
                max_lengths=None, temperature=None):
@@ -302,7 +303,8 @@ class VLLMServerEngine(RolloutEngine):
                 n = 1 if greedy else g
                 bodies.append({"token_ids": prompt, **fields, "sampling_params": {
                     **params, "n": n, "max_tokens": length, **({} if seed is None else {"seed": seed})}})
-                rows.append([group * g + j for j in range(g)] if not greedy else [group * g] * 1)
+                # each choice's rows: greedy's one completion fills the group's g rows
+                rows.append([list(range(group * g, group * g + g))] if greedy else [[group * g + j] for j in range(g)])
             else:  # one per row, each with its own budget; seed + j as the group's request would draw
                 for j in range(g):
                     budget = int(limits[group * g + j])
@@ -311,7 +313,7 @@ class VLLMServerEngine(RolloutEngine):
                     bodies.append({"token_ids": prompt, **fields, "sampling_params": {
                         **params, "n": 1, "max_tokens": min(budget, length),
                         **({} if seed is None else {"seed": seed + j})}})
-                    rows.append([group * g + j])
+                    rows.append([[group * g + j]])
         tokens = np.full((b, length), settings["pad_token_id"], np.int32)
         logprobs = np.zeros((b, length), np.float32)
         out_mask = np.zeros((b, length), np.int32)
@@ -319,10 +321,9 @@ class VLLMServerEngine(RolloutEngine):
         label = self.transport.expected_label(self.pushed_version)
         for (answer, url), targets in zip(self.pool.run(bodies, "/inference/v1/generate"), rows):
             choices = answer["choices"]
-            for row, choice in zip(targets, choices):
+            for filled, choice in zip(targets, choices):
                 t, lp, _ = _choice(choice, label, url)
-                copies = range(row, row + g) if greedy else [row]
-                for r in copies:
+                for r in filled:
                     tokens[r, :len(t)], logprobs[r, :len(t)], out_mask[r, :len(t)] = t, lp, 1
                     versions[r] = self.pushed_version
         if settings.get("stop_strings") is not None:
