@@ -26,8 +26,8 @@ from jaxppo.update.minibatches import batch_config, key_names
 from jaxppo.update.ppo import jit_train_step
 
 __all__ = ["MeshConfig", "make_mesh", "batch_sharding", "shard_batch", "param_spec", "tree_shardings", "shard_state",
-           "sharded_train_step", "global_batch", "place_rows",
-           "check_batch_divides", "initialize_distributed", "MeshBound", "to_host"]
+           "sharded_train_step", "global_batch", "place_rows", "check_batch_divides", "initialize_distributed",
+           "MeshBound", "to_host", "on_process_zero", "gather_to_process_zero"]
 
 AXES = ("data", "fsdp", "tensor")
 # Projections split on their output features (column-parallel) or input features
@@ -246,6 +246,58 @@ def place_rows(array, mesh=None):
     """A host array of rows on the device: as it is without a mesh, else split over the
     mesh's data axes (`global_batch`)."""
     return jnp.asarray(array) if mesh is None else global_batch(array, mesh)
+
+
+_MESSAGE_BYTES = 4096
+_ERRORS = (ValueError, RuntimeError, ConnectionError, TimeoutError, TypeError, OSError)
+
+
+def on_process_zero(fn, like=None):
+    """`fn()` run by process 0 alone, its result on every process (one process: `fn()`).
+
+    `like` is a pytree of numpy arrays with the shapes and dtypes of `fn`'s result (None:
+    `fn` returns nothing to share); the other processes receive process 0's values through
+    one broadcast. An exception in `fn` is raised on process 0 and, with the same type
+    (among the built-in errors, else RuntimeError) and message, on every other process, so
+    that no process is left waiting in a collective the others have left. For the work
+    only one process may do: talking to servers, writing a shared file."""
+    if jax.process_count() == 1:
+        return fn()
+    from jax.experimental import multihost_utils
+
+    error, result = None, like
+    if jax.process_index() == 0:
+        try:
+            result = fn()
+            if like is not None:
+                result = jax.tree.map(lambda r, l: np.asarray(r, l.dtype).reshape(l.shape), result, like)
+        except Exception as exc:  # noqa: BLE001 - raised again below, on every process
+            error, result = exc, like
+    kind = 0 if error is None else 1 + next((i for i, e in enumerate(_ERRORS) if isinstance(error, e)), 1)
+    text = b"" if error is None else str(error).encode()[:_MESSAGE_BYTES]
+    message = np.frombuffer(text.ljust(_MESSAGE_BYTES, b"\0"), np.uint8)
+    kind, message, result = multihost_utils.broadcast_one_to_all((np.int32(kind), message, result))
+    if int(kind):
+        if error is not None:
+            raise error
+        text = bytes(np.asarray(message)).rstrip(b"\0").decode(errors="replace")
+        raise _ERRORS[int(kind) - 1](f"(on process 0) {text}")
+    return None if like is None else jax.tree.map(np.asarray, result)
+
+
+def gather_to_process_zero(tree):
+    """`tree`'s arrays as host numpy arrays on process 0 (global arrays gathered, leaf by
+    leaf; every process takes part) and None leaves elsewhere; one process: `tree` as it is."""
+    if jax.process_count() == 1:
+        return tree
+    from jax.experimental import multihost_utils
+
+    def one(leaf):
+        value = np.asarray(leaf) if getattr(leaf, "is_fully_addressable", True) else \
+            multihost_utils.process_allgather(leaf, tiled=True)
+        return value if jax.process_index() == 0 else None
+
+    return jax.tree.map(one, tree)
 
 
 def to_host(array) -> np.ndarray:

@@ -2,47 +2,16 @@
 the trainer's multi-host path trains like one device, checkpoints across processes with
 orbax, resumes, and exports once."""
 
-import json
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 
+from processes import run_two_processes
 from trainer_setup import run_small
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _teardown_abort(returncode, output):
-    """jax's coordination service can abort (SIGABRT in grpc's server destructor, called from
-    `DistributedRuntimeService::Shutdown` at interpreter exit) after all the work is done; it
-    is rare and outside jaxppo. Accepted only when the process had already printed its result,
-    and only with that signature; everything the test checks is still checked."""
-    return (returncode == -6 and "DistributedRuntimeService::Shutdown" in output
-            and any(line.startswith("RESULT ") for line in output.splitlines()))
 
 
 def _run_two_processes(out, iterations):
-    port = str(_free_port())
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "multihost_worker.py"), str(i), port, str(out),
-                               str(iterations)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-             for i in range(2)]
-    results = []
-    for p in procs:
-        output, _ = p.communicate(timeout=600)
-        assert p.returncode == 0 or _teardown_abort(p.returncode, output), output[-3000:]
-        line = [l for l in output.splitlines() if l.startswith("RESULT ")][-1]
-        results.append(json.loads(line[len("RESULT "):]))
-    return results
+    return run_two_processes("multihost_worker.py", out, iterations)
 
 
 @pytest.mark.slow
@@ -64,3 +33,23 @@ def test_two_process_trainer_matches_single_device_and_resumes(tmp_path):
     b = second[0]["history"][2]
     assert b["objective/scores"] == single[2]["objective/scores"]
     assert b["loss/total_avg"] == pytest.approx(single[2]["loss/total_avg"], rel=1e-4, abs=1e-6)
+
+
+def test_work_for_process_zero_alone_reaches_every_process():
+    """`on_process_zero`: the function runs on process 0 alone and every process gets its
+    value (process 1's own differs, so only a broadcast gives it); its error is raised on
+    every process with its type and message (a type outside the built-in errors as a
+    RuntimeError elsewhere). `gather_to_process_zero`: a sharded array whole on process 0,
+    None on the others."""
+    results = run_two_processes("collectives_worker.py")
+    expected = [[0, 10, 20], [30, 40, 50]]
+    for r in results:
+        assert r["shared"] == [expected, 2.5]
+        assert r["nothing"] is None
+    assert results[0]["ran"] == [0, "again"] and results[1]["ran"] == []
+    refused = ["ConnectionError", "http://127.0.0.1:1 refused the connection"]
+    assert results[0]["errors"] == [refused, ["KeyError", "'odd'"]]
+    assert results[1]["errors"] == [[refused[0], "(on process 0) " + refused[1]], ["RuntimeError", "(on process 0) 'odd'"]]
+    full = [[4 * i + j for j in range(4)] for i in range(8)]
+    assert results[0]["gathered"] == {"w": full, "local": [1.0, 1.0, 1.0]}
+    assert results[1]["gathered"] == {"w": None, "local": None}

@@ -10,7 +10,6 @@ same weights), the uninterrupted run for the resumed one. The last tests kill th
 
 import importlib.util
 import os
-import socket
 import subprocess
 import time
 
@@ -29,6 +28,7 @@ import jaxppo.models as jm  # noqa: E402
 from jaxppo import demo  # noqa: E402
 from jaxppo.models import hf as hf_io  # noqa: E402
 from jaxppo.rollout.vllm_server import AdapterTransport, FileTransport, serve_command  # noqa: E402
+from processes import free_port, run_two_processes  # noqa: E402
 
 V = 384
 LORA = jm.LoraConfig(rank=4, alpha=8.0)
@@ -45,12 +45,6 @@ def tiny_config():
 def base_policy():
     model = jm.Model(tiny_config())
     return model, model.init(jax.random.key(1))
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def kill(process):
@@ -73,7 +67,7 @@ def servers(tmp_path_factory):
     hf_io.save_pretrained(*base_policy(), model_dir)
     started = []
     for _ in range(2):
-        port = _free_port()
+        port = free_port()
         argv, env = serve_command(model_dir, port=port, lora_rank=LORA.rank, dtype="float32", max_model_len=128)
         log = open(os.path.join(model_dir, f"server-{port}.log"), "w")
         process = subprocess.Popen(argv, env={**os.environ, **env, "VLLM_CPU_KVCACHE_SPACE": "1"}, stdout=log,
@@ -206,6 +200,28 @@ def test_a_resumed_run_repeats_the_uninterrupted_one(servers, tmp_path):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), key
 
 
+def test_a_trainer_of_two_processes_samples_on_the_servers_as_one_process_does(servers, tmp_path):
+    """The trainer as two `jax.distributed` processes of 2 CPU devices each (a 2 x 2 mesh),
+    the servers beside it: process 0 talks to the servers, both processes train on what they
+    sampled, and the metrics equal a one-process run's on the same servers (the weights
+    gathered for each push; the probe's forward on the sharded weights)."""
+    from jaxppo.sharding import MeshConfig, make_mesh
+
+    urls = [u for u, _ in servers]
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2), jax.devices()[:4])  # the same 2 x 2 mesh in one process
+    one = trainer_on(tmp_path / "one", urls, iterations=2, mesh=mesh).train()
+    two = run_two_processes("vllm_server_worker.py", tmp_path / "two", 2, ",".join(urls))
+    assert two[0]["history"] == two[1]["history"]  # every process logs the same metrics
+    for r in two:
+        assert r["pushes"] == 2 and r["versions"] == [1] * 8  # both processes know what sampled each row
+    assert two[1]["answered"] is None and sum(two[0]["answered"].values()) > 0  # process 0 alone talks to them
+    for a, b in zip(one, two[0]["history"]):
+        assert b["sampling/sampling_logp_difference/max"] < 1e-4
+        assert a["objective/scores"] == b["objective/scores"]
+        assert a["ppo/updates_applied"] == b["ppo/updates_applied"] == 2
+        assert a["loss/total_avg"] == pytest.approx(b["loss/total_avg"], rel=1e-4, abs=1e-6)
+
+
 def test_a_slow_server_is_dropped_and_its_requests_go_to_the_other(servers, tmp_path):
     """A server whose requests time out (vllm_timeout, here forced down for one of them)
     is dropped with a warning, and the iteration is sampled by the other."""
@@ -220,7 +236,7 @@ def test_a_slow_server_is_dropped_and_its_requests_go_to_the_other(servers, tmp_
 
 
 def test_unreachable_servers_are_refused_before_anything_compiles(servers, tmp_path):
-    port = _free_port()  # nothing listens there
+    port = free_port()  # nothing listens there
     with pytest.raises(ConnectionError, match=rf"http://127.0.0.1:{port} is unreachable"):
         trainer_on(tmp_path, [servers[0][0], f"http://127.0.0.1:{port}"])
     assert not (tmp_path / "metrics.jsonl").exists()

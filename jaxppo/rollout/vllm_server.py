@@ -23,7 +23,13 @@ below), on this host or others; the trainer talks to them over HTTP:
   the run. After each push a probe (a short completion of fixed tokens) checks on each
   server that its log-probs are the trainer's own for the same tokens.
 
-Limits: one trainer process (a mesh in it is fine); no in-flight weight updates. The NCCL
+A trainer of several processes (`jax.distributed`, one per host) talks to the servers from
+process 0: it sends the requests and receives the samples, which every process then
+receives (`jaxppo.sharding.on_process_zero`) and places as its own rows; the weights are
+gathered to process 0 for each push, and every process takes part in the probe's forward.
+An error on process 0 (a server down, a probe failed) is raised on every process.
+
+Limits: no in-flight weight updates; the NCCL transport from one process only. The NCCL
 transport (`weight_sync="nccl"`, `jaxppo.rollout.vllm_nccl`) is written but untested (no
 GPU was lent); the file transport works on GPUs too, through host memory.
 """
@@ -40,6 +46,7 @@ import numpy as np
 
 from jaxppo.rollout.engines import Capabilities, RolloutEngine, register_rollout_engine
 from jaxppo.rollout.vllm_pool import ServerPool, check_urls
+from jaxppo.sharding import gather_to_process_zero, on_process_zero
 
 __all__ = ["VLLMServerEngine", "FileTransport", "AdapterTransport", "serve_command", "serve_main", "PROBE_TOLERANCE"]
 
@@ -160,12 +167,13 @@ class VLLMServerEngine(RolloutEngine):
             raise ValueError(f"SamplingConfig.num_slots={sampling.num_slots} sets the built-in continuous sampler; "
                              "vLLM servers batch continuously themselves: leave num_slots None")
         check_sampler_logprobs(sampling, "vllm-server")
-        if jax.process_count() > 1:
-            raise ValueError("rollout_engine='vllm-server' runs from one trainer process (this run has "
-                             f"{jax.process_count()}); across processes use rollout_engine='jaxppo'")
         if sampling.weight_sync == "nccl":
+            if jax.process_count() > 1:
+                raise ValueError(f"weight_sync='nccl' broadcasts from one trainer process's GPU; this run has "
+                                 f"{jax.process_count()} processes: use weight_sync='files' (process 0 writes the "
+                                 "weights to weight_sync_dir, on a filesystem the servers read)")
             _check_nccl()
-        check_urls(sampling.vllm_urls)
+        on_process_zero(lambda: check_urls(sampling.vllm_urls))  # process 0 talks to the servers
 
     @classmethod
     def create(cls, spec, params, config, *, query_width: int, mesh=None) -> "VLLMServerEngine":
@@ -178,24 +186,18 @@ class VLLMServerEngine(RolloutEngine):
                  weight_sync: str = "files", version: int = 0, check: bool = True):
         import dataclasses
 
-        if check:
-            check_urls(urls)
-        self.spec = spec
-        self.model = dataclasses.replace(spec.policy, kind="causal_lm")
-        self.pool = ServerPool(urls, timeout)
-        if directory is None:
-            base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-            directory = tempfile.mkdtemp(prefix="jaxppo-weights-", dir=base)
-            weakref.finalize(self, shutil.rmtree, directory, True)
-        os.makedirs(directory, exist_ok=True)
-        if self.model.lora is not None:
-            self.transport = AdapterTransport(self.model, os.path.abspath(directory))
-        elif weight_sync == "nccl":
-            from jaxppo.rollout.vllm_nccl import NCCLTransport
+        import jax
 
-            self.transport = NCCLTransport(self.model)
-        else:
-            self.transport = FileTransport(self.model, os.path.abspath(directory))
+        if check:
+            on_process_zero(lambda: check_urls(urls))
+        self.spec, self.urls = spec, tuple(urls)
+        self.model = dataclasses.replace(spec.policy, kind="causal_lm")
+        # Across processes, process 0 alone talks to the servers and writes the weights; the
+        # others take part in gathering the weights and receive what was sampled.
+        self.pool, self.transport = None, None
+        if jax.process_index() == 0:
+            self.pool = ServerPool(urls, timeout)
+            self.transport = _transport(self.model, directory, weight_sync, self)
         self.pushed_version, self.pushes, self.push_seconds, self.sample_versions = None, 0, 0.0, None
         self._closed, self._probe_fn = False, None
         self.set_weights(params, version)
@@ -220,7 +222,9 @@ class VLLMServerEngine(RolloutEngine):
             return
         start = time.perf_counter()
         self.pushed_version = None  # until the push and the probe succeed, nothing samples
-        self.transport.push(self.pool, params, version)
+        host = gather_to_process_zero(params)  # across processes: the whole tree on process 0
+        on_process_zero(lambda: self.transport.push(self.pool, host, version))
+        del host
         self.push_seconds += time.perf_counter() - start
         self.pushes += 1
         self.probe(params, version)
@@ -232,32 +236,46 @@ class VLLMServerEngine(RolloutEngine):
         the same tokens (within `PROBE_TOLERANCE`), and vLLM's version label. RuntimeError
         naming the server otherwise."""
         import jax
-        import jax.numpy as jnp
 
+        from jaxppo.sharding import to_host
         from jaxppo.update.batch import response_outputs
 
-        vocab = self.model.config.vocab_size
+        vocab, n = self.model.config.vocab_size, len(self.urls)
         prompt = [int(t) for t in (np.arange(_PROBE_PROMPT) * 7 + 3) % vocab]
         temperature = float(self.spec.temperature)
-        body = {"token_ids": prompt, **self.transport.request_fields(version),
-                "sampling_params": {"n": 1, "max_tokens": _PROBE_LENGTH, "temperature": temperature, "logprobs": 0,
-                                    "seed": 0, "ignore_eos": True}}
+
+        def ask():  # process 0: each live server's completion, a row per URL (length 0: dropped)
+            body = {"token_ids": prompt, **self.transport.request_fields(version),
+                    "sampling_params": {"n": 1, "max_tokens": _PROBE_LENGTH, "temperature": temperature,
+                                        "logprobs": 0, "seed": 0, "ignore_eos": True}}
+            tokens, logprobs, lengths = np.zeros((n, _PROBE_LENGTH), np.int32), np.zeros((n, _PROBE_LENGTH)), \
+                np.zeros((n,), np.int32)
+            for answer, url in self.pool.each(lambda server: (server.call("/inference/v1/generate", body),
+                                                              server.url)):
+                t, lp, _ = _choice(answer["choices"][0], self.transport.expected_label(version), url)
+                i = self.urls.index(url)
+                tokens[i, :len(t)], logprobs[i, :len(t)], lengths[i] = t, lp, len(t)
+            return tokens, logprobs, lengths
+
+        like = (np.zeros((n, _PROBE_LENGTH), np.int32), np.zeros((n, _PROBE_LENGTH), np.float32),
+                np.zeros((n,), np.int32))
+        tokens, logprobs, lengths = on_process_zero(ask, like)
         if self._probe_fn is None:
             self._probe_fn = jax.jit(lambda p, b: response_outputs(self.model.apply, p, b, temperature)[0])
+        mask = (np.arange(_PROBE_LENGTH)[None] < lengths[:, None]).astype(np.int32)
+        batch = {"query_tokens": np.tile(np.asarray(prompt, np.int32), (n, 1)),
+                 "query_mask": np.ones((n, len(prompt)), np.int32), "response_tokens": tokens,
+                 "response_mask": mask}
+        ours = to_host(self._probe_fn(params, batch)) if jax.process_count() > 1 else \
+            np.asarray(self._probe_fn(params, batch))  # every process takes part in the forward
         dtype = "float32" if str(self.model.param_dtype) == "float32" else "other"
-        answers = self.pool.each(lambda server: (server.call("/inference/v1/generate", body), server.url))
-        for answer, url in answers:  # every live server's own
-            tokens, logprobs, _ = _choice(answer["choices"][0], self.transport.expected_label(version), url)
-            n = len(tokens)
-            batch = {"query_tokens": jnp.asarray([prompt]), "query_mask": jnp.ones((1, len(prompt)), jnp.int32),
-                     "response_tokens": jnp.asarray([tokens]), "response_mask": jnp.ones((1, n), jnp.int32)}
-            ours = np.asarray(self._probe_fn(params, batch))[0]
-            gap = float(np.max(np.abs(ours - np.asarray(logprobs))))
+        for i in np.flatnonzero(lengths):
+            gap = float(np.max(np.abs(ours[i] - logprobs[i]) * mask[i]))
             if gap > PROBE_TOLERANCE[dtype]:
-                raise RuntimeError(f"vLLM server {url} does not hold the trainer's policy after pushing version "
-                                   f"{version}: its log-probs of a probe differ from the trainer's by up to {gap:.3g} "
-                                   f"(> {PROBE_TOLERANCE[dtype]}). Was it given weights by another trainer, or "
-                                   "started with another architecture or dtype?")
+                raise RuntimeError(f"vLLM server {self.urls[i]} does not hold the trainer's policy after pushing "
+                                   f"version {version}: its log-probs of a probe differ from the trainer's by up to "
+                                   f"{gap:.3g} (> {PROBE_TOLERANCE[dtype]}). Was it given weights by another "
+                                   "trainer, or started with another architecture or dtype?")
 
     def sample(self, prompt_ids, prompt_mask, key=None, *, num_generations: int, response_length: int,
                max_lengths=None, temperature=None):
@@ -278,46 +296,30 @@ class VLLMServerEngine(RolloutEngine):
         seeds = None if key is None else request_seeds(key, ids.shape[0] // num_generations)
         limits = None if max_lengths is None else to_host(max_lengths)
         settings = sampling_settings(self.spec, temperature)
-        tokens, logprobs, out_mask = self._generate(ids, mask, num_generations, response_length, settings, seeds,
-                                                    limits)
+        b = ids.shape[0]
+        like = (np.zeros((b, response_length), np.int32), np.zeros((b, response_length), np.float32),
+                np.zeros((b, response_length), np.int32), np.zeros((b,), np.int32))
+        *out, self.sample_versions = on_process_zero(  # across processes: process 0 samples, all receive
+            lambda: self._generate(ids, mask, num_generations, response_length, settings, seeds, limits), like)
         sharding = getattr(prompt_ids, "sharding", None)
-        place = (lambda x: jax.device_put(x, sharding)) if sharding is not None else jnp.asarray
-        return GenerationOutput(place(tokens), place(logprobs), place(out_mask))
+        if sharding is None:
+            place = jnp.asarray
+        elif getattr(prompt_ids, "is_fully_addressable", True):
+            place = lambda x: jax.device_put(x, sharding)  # noqa: E731
+        else:  # each process places its own rows of what every process holds
+            place = lambda x: jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])  # noqa: E731
+        return GenerationOutput(*(place(x) for x in out))
 
     def _generate(self, ids, mask, g: int, length: int, settings: dict, seeds, limits):
-        """(tokens, logprobs, mask) numpy (B, length) from the servers."""
+        """(tokens, logprobs, mask) numpy (B, length) from the servers, and each row's
+        version label (B,) (-1: a row not sampled)."""
         b = ids.shape[0]
-        greedy = settings.get("greedy", False)
-        params = {"temperature": 0.0 if greedy else settings["temperature"], "logprobs": 0, "ignore_eos": True,
-                  "stop_token_ids": [int(t) for t in settings["stop_token_ids"]],
-                  "top_k": settings.get("top_k") or 0, "min_p": settings.get("min_p") or 0.0,
-                  "top_p": 1.0 if settings.get("top_p") is None else float(settings["top_p"]),
-                  "repetition_penalty": 1.0 if settings.get("repetition_penalty") is None
-                  else float(settings["repetition_penalty"])}
-        fields = self.transport.request_fields(self.pushed_version)
-        bodies, rows = [], []
-        for group in range(b // g):
-            prompt = ids[group * g][mask[group * g] > 0].tolist()
-            seed = None if seeds is None else seeds[group]
-            if limits is None:  # one request per group: its g completions at seed, seed + 1, ... (vLLM's rule)
-                n = 1 if greedy else g
-                bodies.append({"token_ids": prompt, **fields, "sampling_params": {
-                    **params, "n": n, "max_tokens": length, **({} if seed is None else {"seed": seed})}})
-                # each choice's rows: greedy's one completion fills the group's g rows
-                rows.append([list(range(group * g, group * g + g))] if greedy else [[group * g + j] for j in range(g)])
-            else:  # one per row, each with its own budget; seed + j as the group's request would draw
-                for j in range(g):
-                    budget = int(limits[group * g + j])
-                    if budget <= 0:
-                        continue
-                    bodies.append({"token_ids": prompt, **fields, "sampling_params": {
-                        **params, "n": 1, "max_tokens": min(budget, length),
-                        **({} if seed is None else {"seed": seed + j})}})
-                    rows.append([[group * g + j]])
+        bodies, rows = _requests(ids, mask, g, length, settings, seeds, limits,
+                                 self.transport.request_fields(self.pushed_version))
         tokens = np.full((b, length), settings["pad_token_id"], np.int32)
         logprobs = np.zeros((b, length), np.float32)
         out_mask = np.zeros((b, length), np.int32)
-        versions = np.full((b,), -1, np.int64)
+        versions = np.full((b,), -1, np.int32)
         label = self.transport.expected_label(self.pushed_version)
         for (answer, url), targets in zip(self.pool.run(bodies, "/inference/v1/generate"), rows):
             choices = answer["choices"]
@@ -329,8 +331,40 @@ class VLLMServerEngine(RolloutEngine):
         if settings.get("stop_strings") is not None:
             tokens, out_mask = settings["stop_strings"].cut(tokens, out_mask, settings["pad_token_id"])
             logprobs = np.where(out_mask > 0, logprobs, 0.0).astype(np.float32)
-        self.sample_versions = versions
-        return tokens, logprobs, out_mask
+        return tokens, logprobs, out_mask, versions
+
+
+def _requests(ids, mask, g: int, length: int, settings: dict, seeds, limits, fields: dict):
+    """The generate requests of a batch of prompt groups (`g` rows each) and, for each, the
+    rows each of its answer's choices fills."""
+    b = ids.shape[0]
+    greedy = settings.get("greedy", False)
+    params = {"temperature": 0.0 if greedy else settings["temperature"], "logprobs": 0, "ignore_eos": True,
+              "stop_token_ids": [int(t) for t in settings["stop_token_ids"]],
+              "top_k": settings.get("top_k") or 0, "min_p": settings.get("min_p") or 0.0,
+              "top_p": 1.0 if settings.get("top_p") is None else float(settings["top_p"]),
+              "repetition_penalty": 1.0 if settings.get("repetition_penalty") is None
+              else float(settings["repetition_penalty"])}
+    bodies, rows = [], []
+    for group in range(b // g):
+        prompt = ids[group * g][mask[group * g] > 0].tolist()
+        seed = None if seeds is None else seeds[group]
+        if limits is None:  # one request per group: its g completions at seed, seed + 1, ... (vLLM's rule)
+            n = 1 if greedy else g
+            bodies.append({"token_ids": prompt, **fields, "sampling_params": {
+                **params, "n": n, "max_tokens": length, **({} if seed is None else {"seed": seed})}})
+            # each choice's rows: greedy's one completion fills the group's g rows
+            rows.append([list(range(group * g, group * g + g))] if greedy else [[group * g + j] for j in range(g)])
+        else:  # one per row, each with its own budget; seed + j as the group's request would draw
+            for j in range(g):
+                budget = int(limits[group * g + j])
+                if budget <= 0:
+                    continue
+                bodies.append({"token_ids": prompt, **fields, "sampling_params": {
+                    **params, "n": 1, "max_tokens": min(budget, length),
+                    **({} if seed is None else {"seed": seed + j})}})
+                rows.append([[group * g + j]])
+    return bodies, rows
 
 
 def _check_nccl():
@@ -386,6 +420,22 @@ def serve_command(model_dir: str, *, port: int = 8000, host: str = "127.0.0.1", 
         argv += ["--enable-lora", "--max-lora-rank", str(ranks[0]), "--max-loras", "2"]
     env = {"VLLM_SERVER_DEV_MODE": "1", **({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"} if lora_rank else {})}
     return argv + list(extra), env
+
+
+def _transport(model, directory: Optional[str], weight_sync: str, owner):
+    """The weight transport of a server engine (`owner`, whose life bounds a temporary
+    directory): the adapter with LoRA, else NCCL or files."""
+    if model.lora is None and weight_sync == "nccl":
+        from jaxppo.rollout.vllm_nccl import NCCLTransport
+
+        return NCCLTransport(model)
+    if directory is None:
+        base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        directory = tempfile.mkdtemp(prefix="jaxppo-weights-", dir=base)
+        weakref.finalize(owner, shutil.rmtree, directory, True)
+    os.makedirs(directory, exist_ok=True)
+    kind = FileTransport if model.lora is None else AdapterTransport
+    return kind(model, os.path.abspath(directory))
 
 
 register_rollout_engine("vllm-server", VLLMServerEngine)
