@@ -36,7 +36,14 @@ def llama31_8b(layers=32):
                        tie_word_embeddings=False, rope_theta=500000.0)
 
 
-LAYOUTS = {"qwen2.5-0.5b": qwen25_05b, "llama3.2-1b": llama32_1b, "llama3.1-8b": llama31_8b}
+def qwen3_17b(layers=28):
+    """Qwen3-1.7B: vocab 151936, hidden 2048, 16 / 8 heads of 128, MLP 6144, tied, q/k RMSNorm."""
+    return ModelConfig(model_type="qwen3", vocab_size=151936, hidden_size=2048, num_layers=layers, num_heads=16,
+                       num_kv_heads=8, head_dim=128, intermediate_size=6144, max_position_embeddings=40960,
+                       tie_word_embeddings=True, rope_theta=1000000.0, activation="silu", norm_eps=1e-6, qk_norm=True)
+
+
+LAYOUTS = {"qwen2.5-0.5b": qwen25_05b, "qwen3-1.7b": qwen3_17b, "llama3.2-1b": llama32_1b, "llama3.1-8b": llama31_8b}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,16 +125,17 @@ def trunk_params(config) -> int:
     return c.num_layers * (attn + mlp)
 
 
-def train_flops(config, batch, q, r, epochs=1):
-    """Model FLOPs of one PPO train_step with a policy and a critic of this layout: forward
-    + backward (3 x 2 FLOPs per weight per token) through both trunks at every position,
+def train_flops(config, batch, q, r, epochs=1, trunks=2):
+    """Model FLOPs of one PPO train_step with a policy and a critic of this layout (trunks=1:
+    the policy alone, as critic-free methods train): forward + backward (3 x 2 FLOPs per
+    weight per token) through the trunks at every position,
     attention scores and mixing (3 x 4 x L x D_attn x S per token, as computed: no causal
     skipping), and the policy's LM head at the response positions only."""
     c = config
     s = q + r
     per_token_trunk = 6 * trunk_params(c) + 12 * c.num_layers * c.num_heads * c.head_dim * s
     head = 6 * c.hidden_size * c.vocab_size * r
-    return epochs * batch * (2 * per_token_trunk * s + head)
+    return epochs * batch * (trunks * per_token_trunk * s + head)
 
 
 def decode_bytes(config, batch, q, r, weight_bytes=2, cache_bytes=2):

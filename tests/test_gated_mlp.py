@@ -97,3 +97,29 @@ def test_the_backward_pass_keeps_less_than_the_dense_layers(monkeypatch):
             patch.setattr(llama, "gated_mlp", mlp)
             temps[name] = jax.jit(jax.grad(loss)).lower(params, ids).compile().memory_analysis().temp_size_in_bytes
     assert temps["own"] < 0.85 * temps["dense"], temps
+
+
+def test_own_backward_switched_off_differentiates_the_same_forward():
+    """`own_backward(False)` (the benchmarks' switch): models traced inside it differentiate
+    the MLP automatically (no optimisation barrier in the program), with the same
+    gradients; outside it, the own backward pass is back."""
+    from jaxppo.models.gated_mlp import own_backward
+
+    config = jaxppo.models.ModelConfig(model_type="llama", vocab_size=64, hidden_size=16, num_layers=2, num_heads=2,
+                                       num_kv_heads=1, intermediate_size=48, max_position_embeddings=64)
+    model = jaxppo.models.Model(config)
+    params = model.init(jax.random.key(0))
+    ids = jnp.asarray(np.random.default_rng(0).integers(3, 64, (2, 7)))
+    mask = jnp.ones_like(ids)
+    loss = lambda p: jnp.sum(jnp.sin(model.apply(p, ids, mask).astype(jnp.float32)))  # noqa: E731
+    grads = lambda: jax.jit(jax.grad(loss))  # noqa: E731 - a new function, traced where it is called
+    own = grads()
+    with own_backward(False):
+        plain = grads()
+        plain_text = plain.lower(params).as_text()
+        plain_grads = plain(params)
+    assert "optimization_barrier" in own.lower(params).as_text() and "optimization_barrier" not in plain_text
+    assert "optimization_barrier" in grads().lower(params).as_text()
+    for a, b in zip(jax.tree.leaves(own(params)), jax.tree.leaves(plain_grads)):
+        scale = float(jnp.max(jnp.abs(b))) + 1e-6
+        assert float(jnp.max(jnp.abs(a - b))) <= 2e-5 * scale  # float32, another order of the sums

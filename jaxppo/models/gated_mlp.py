@@ -18,6 +18,7 @@ LoRA on any of the three projections falls back to the layers themselves
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import flax.linen as nn
@@ -27,9 +28,24 @@ from flax.linen.dtypes import promote_dtype
 
 from jaxppo.models.transformer import activation, dense
 
-__all__ = ["gated_mlp", "MLP_PROJECTIONS"]
+__all__ = ["gated_mlp", "MLP_PROJECTIONS", "own_backward"]
 
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+_OWN_BACKWARD = [True]  # read when a model is traced (`own_backward`)
+
+
+@contextlib.contextmanager
+def own_backward(enabled: bool):
+    """Within the block, models traced use this module's backward pass (True, the default)
+    or automatic differentiation of the same forward (False), for measuring the two on an
+    accelerator (`benchmarks/gpu_iteration.py`); the gradients are the same. It acts when a
+    function is traced: build (jit) the functions to compare inside the block."""
+    before = _OWN_BACKWARD[0]
+    _OWN_BACKWARD[0] = bool(enabled)
+    try:
+        yield
+    finally:
+        _OWN_BACKWARD[0] = before
 
 
 class _Projection(nn.Module):
@@ -64,6 +80,8 @@ def gated_mlp(block, x):
               "down_proj": (c.intermediate_size, c.hidden_size)}
     weights = [_Projection(*shapes[name], c.mlp_bias, block.param_dtype, name=name)() for name in MLP_PROJECTIONS]
     x, *flat = promote_dtype(x, *(w for pair in weights for w in pair), dtype=block.dtype)
+    if not _OWN_BACKWARD[0]:
+        return _mlp_forward(c.activation, x, *flat)[0]
     return _mlp(c.activation, x, *flat)
 
 
