@@ -7,7 +7,8 @@ the same random weights (issue 56; the per-program figures are `gpu.py`'s).
     python benchmarks/gpu_iteration.py --tiny [--side trl]             # 2-layer smoke run (CPU)
 
 The two sides run as separate processes (JAX and PyTorch each take the GPU's memory for
-themselves), one after the other; `gpu_side_by_side.sh` runs both in one device call.
+themselves), one after the other; `gpu_calls.sh iteration` runs both in one device call
+(jaxppo's side first: it writes the weights).
 Each side writes the layouts' weights once, or reads them if there already (`--weights`):
 a Hugging Face directory per layout with the policy (causal LM) and the reward model
 (one-label sequence classifier, also the critic's start), float32, random, and a word-level
@@ -68,15 +69,15 @@ def word_tokenizer(vocab: int):
 
 def prepare(config, directory: str) -> dict:
     """The layout's policy, reward model and tokenizer under `directory` (written once)."""
+    paths = {name: os.path.join(directory, name) for name in ("policy", "reward", "tokenizer")}
+    if all(os.path.isfile(os.path.join(p, "config.json")) or name == "tokenizer" and os.path.isdir(p)
+           for name, p in paths.items()):
+        return paths
     import jax
 
     import jaxppo.models as jm
     from jaxppo.models import hf as hf_io
 
-    paths = {name: os.path.join(directory, name) for name in ("policy", "reward", "tokenizer")}
-    if all(os.path.isfile(os.path.join(p, "config.json")) or name == "tokenizer" and os.path.isdir(p)
-           for name, p in paths.items()):
-        return paths
     for name, kind, seed in (("policy", "causal_lm", 0), ("reward", "reward", 1)):
         model = jm.Model(config, kind=kind)
         params = jax.jit(lambda key, m=model: m.init(key, seq_len=2))(jax.random.key(seed))
@@ -275,6 +276,8 @@ def main(argv=None):
     p.add_argument("--weights", default=os.path.join(tempfile.gettempdir(), "jaxppo-gpu-weights"))
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
+    if args.side == "trl":
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the weights are written with JAX; the GPU is torch's
     t0 = time.perf_counter()
     if args.tiny:
         args.batch, args.mini_batch, args.query, args.response, args.iterations = 16, 8, 16, 16, 2

@@ -1,20 +1,31 @@
 #!/bin/bash
-# Issue 56's device calls (each about 7 minutes; results as JSON in $OUT):
-#   bash benchmarks/gpu_side_by_side.sh defaults   # jaxppo's whole PPO and GRPO iterations at both
-#                                                  # layouts with its defaults, then TRL 1.12's on the
-#                                                  # same GPU from the same random weights
-#   bash benchmarks/gpu_side_by_side.sh variants   # jaxppo's variants (unrolled layers, autodiff gated
-#                                                  # MLP, cuDNN attention), the update's program memory
-#                                                  # at mini-batches of 16 and 32 (gpu.py)
-# Here, once: bash benchmarks/gpu_wheels.sh (wheels/, carried: run(..., carry=["wheels"])).
+# The prepared device calls (each about 7 minutes; results as JSON in $OUT), one part a call:
+#   bash benchmarks/gpu_calls.sh iteration   # issue 56: jaxppo's whole PPO and GRPO iterations at
+#                                            # both layouts with its defaults, then TRL 1.12's on the
+#                                            # same GPU from the same random weights
+#   bash benchmarks/gpu_calls.sh variants    # issue 56: jaxppo's variants (unrolled layers, autodiff
+#                                            # gated MLP, cuDNN attention), the update's program memory
+#                                            # at mini-batches of 16 and 32 (gpu.py)
+#   bash benchmarks/gpu_calls.sh sampling    # issue 57: the samplers' decode sweep against the HBM
+#                                            # floor, then transformers' generate
+# Here, once, for "iteration": bash benchmarks/gpu_wheels.sh (wheels/; run(..., carry=["wheels"])).
 # JAX_BUDGET / TRL_BUDGET: seconds after which a side starts no new case.
 set -u
 cd "$(dirname "$0")/.."
-PART=${1:-defaults}
+PART=${1:-iteration}
 OUT=${OUT:-/tmp/jaxppo-gpu-out}; mkdir -p "$OUT"
 WEIGHTS=/tmp/jaxppo-gpu-weights
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/device.csv" 2>&1
+if [ "$PART" = sampling ]; then
+  python3 benchmarks/gpu_sampling.py --budget-s "${JAX_BUDGET:-150}" \
+    --out "$OUT/gpu_sampling_jaxppo.json" > "$OUT/sampling.log" 2>&1
+  tail -n 25 "$OUT/sampling.log"
+  python3 benchmarks/gpu_sampling.py --side torch --budget-s "${TORCH_BUDGET:-90}" \
+    --out "$OUT/gpu_sampling_torch.json" > "$OUT/sampling_torch.log" 2>&1
+  tail -n 10 "$OUT/sampling_torch.log"
+  exit 0
+fi
 if [ "$PART" = variants ]; then
   python3 benchmarks/gpu_iteration.py --weights "$WEIGHTS" --budget-s "${JAX_BUDGET:-300}" \
     --variants "unrolled layers,autodiff gated MLP,cudnn attention" \
