@@ -317,3 +317,44 @@ def test_grouped_prompt_slots_are_kept_once_per_group(scan_layers):
     np.testing.assert_array_equal(np.asarray(shared.tokens), np.asarray(unshared.tokens))
     np.testing.assert_array_equal(np.asarray(shared.mask), np.asarray(unshared.mask))
     np.testing.assert_allclose(np.asarray(shared.logprobs), np.asarray(unshared.logprobs), rtol=0, atol=4e-6)
+
+
+_FAMILIES = {
+    "llama": dict(model_type="llama"), "qwen2-bias": dict(model_type="qwen2", qkv_bias=True),
+    "qwen3": dict(model_type="qwen3", qk_norm=True, head_dim=8), "gpt2": dict(model_type="gpt2", num_kv_heads=4),
+    "gemma3": dict(model_type="gemma3_text", sliding_window=5, layer_types=("sliding_attention", "full_attention"),
+                   head_dim=8, query_pre_attn_scalar=8, local_rope_theta=100.0, qk_norm=True,
+                   activation="gelu_pytorch_tanh", final_logit_softcapping=30.0),
+    "qwen3-moe": dict(model_type="qwen3_moe", qk_norm=True, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=16),
+    "llama-lora": dict(model_type="llama"),
+}
+
+
+@pytest.mark.parametrize("family", list(_FAMILIES))
+def test_hoisted_weights_in_the_compute_dtype_decode_as_before(family):
+    """float32 weights, bfloat16 compute: the hoisted sampler decodes from a copy whose
+    matrices are bfloat16 (`matrices_in_compute_dtype`), bit for bit the tokens, log-probs
+    and mask of the unrolled layout decoding from the float32 weights themselves (which
+    its layers cast at every use), in every family, LoRA included; its program takes the
+    matrices as bfloat16."""
+    config = jm.ModelConfig(**{**dict(vocab_size=V, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                                      intermediate_size=64, max_position_embeddings=64), **_FAMILIES[family]})
+    lora = jm.LoraConfig(rank=2, alpha=4.0) if family.endswith("lora") else None
+    unrolled = jm.Model(config, dtype="bfloat16", lora=lora)
+    params = unrolled.init(jax.random.key(1))
+    leaves, tree = jax.tree.flatten(params)  # off the initialisation (LoRA's B starts at zero)
+    keys = jax.random.split(jax.random.key(2), len(leaves))
+    params = tree.unflatten([x + 0.1 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)])
+    hoisted = jm.Model(config, dtype="bfloat16", lora=lora, scan_layers=True, hoist_layers=True)
+    stacked = jm.stack_layers(params, config)
+    ids, mask = _prompts(4, q=6, seed=3)
+    settings = dict(response_length=7, stop_token_ids=(2,))
+    want = generate(unrolled, params, ids, mask, jax.random.key(4), **settings)
+    got = generate(hoisted, stacked, ids, mask, jax.random.key(4), **settings)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    _, decoding = hoisted.for_decoding(stacked)
+    dtypes = {leaf.dtype for leaf in jax.tree.leaves(decoding) if leaf.ndim >= 2}
+    assert dtypes == {jnp.dtype(jnp.bfloat16)}, dtypes
+    assert {leaf.dtype for leaf in jax.tree.leaves(decoding) if leaf.ndim == 1} == {jnp.dtype(jnp.float32)}

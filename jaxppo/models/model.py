@@ -27,8 +27,8 @@ from jaxppo.models.lora import LoraConfig
 from jaxppo.models.moe import load_balancing_loss
 from jaxppo.models.transformer import ATTENTION, CausalLMModule, GroupedKV, ScoreModule, default_positions
 
-__all__ = ["Model", "KINDS", "PolicyAndCritic", "stack_layers", "unstack_layers", "check_attention_backend",
-           "check_cudnn_dtype", "describe_model", "is_model_spec"]
+__all__ = ["Model", "KINDS", "PolicyAndCritic", "stack_layers", "unstack_layers", "matrices_in_compute_dtype",
+           "check_attention_backend", "check_cudnn_dtype", "describe_model", "is_model_spec"]
 
 KINDS = ("causal_lm", "causal_lm_value", "reward", "value")
 # The compute and storage dtypes a model may use (by name).
@@ -187,13 +187,11 @@ class Model:
       flash attention on NVIDIA GPUs and needs a bfloat16 or float16 `dtype` and a head
       size that is a multiple of 8, at most 256). Decode steps always use "einsum". The
       same outputs and gradients up to rounding.
-    hoist_layers: with `scan_layers`, the samplers (`generate`, `generate_continuous`)
-      slice each layer's weights out of the stacked arrays once per call and decode
-      through the unrolled layers, instead of slicing every layer at every decode step
-      inside the layer scan. Faster decoding (`benchmarks/generation.py --layouts`), for
-      a second copy of the weights held while sampling and a decode step compiled per
-      layer. The tokens are the unrolled layout's, which equal the scanned layout's up to
-      rounding. No effect without `scan_layers` or outside the samplers.
+    hoist_layers: with `scan_layers`, the samplers slice each layer's weights out of the
+      stacked arrays once per call (matrices in the compute dtype) and decode through the
+      unrolled layers, not slicing every layer at every step: faster, for a copy of the
+      weights held while sampling. The unrolled layout's tokens (the scanned layout's up
+      to rounding). No effect without `scan_layers` or outside the samplers.
     head_window: for `grouped_outputs`, apply the LM head at each row's last `head_window`
       attended positions of the response region only (their log-probs and entropies; 0 at
       the others). For a layout whose trained tokens are the last of each row's region: the
@@ -228,9 +226,11 @@ class Model:
 
     def for_decoding(self, params):
         """(model, params) the samplers decode with: with `hoist_layers` and scanned layers,
-        the unrolled layout, its per-layer weights sliced out here once; else as they are."""
+        the unrolled layout, its per-layer weights sliced out here once (matrices in the
+        compute dtype); else as they are."""
         if self.hoist_layers and self.scan_layers:
-            return dataclasses.replace(self, scan_layers=False), unstack_layers(params, self.config)
+            unstacked = unstack_layers(params, self.config)
+            return dataclasses.replace(self, scan_layers=False), matrices_in_compute_dtype(unstacked, self.dtype)
         return self, params
 
     @property
@@ -568,6 +568,22 @@ def stack_layers(params, config: ModelConfig):
 def _trunk_collections(variables, trunk):
     """The variable collections ("params", and "lora" for adapters) that hold the trunk."""
     return [k for k, v in variables.items() if isinstance(v, dict) and trunk in v]
+
+
+def matrices_in_compute_dtype(params, dtype):
+    """`params` with every floating leaf of two or more axes (kernels, embeddings, LoRA's
+    factors) cast to `dtype` where `dtype` is narrower; the others (biases, norm scales)
+    as they are. The layers cast such a matrix to their compute dtype at every use, so a
+    sampler given the cast copy computes the same values, from half the bytes (float32
+    weights, bfloat16 compute) and without a conversion per weight per decode step."""
+    dtype = jnp.dtype(dtype)
+
+    def cast(x):
+        if jnp.ndim(x) >= 2 and jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize > dtype.itemsize:
+            return x.astype(dtype)
+        return x
+
+    return jax.tree.map(cast, params)
 
 
 def unstack_layers(params, config: ModelConfig):
