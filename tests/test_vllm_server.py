@@ -235,6 +235,27 @@ def test_a_slow_server_is_dropped_and_its_requests_go_to_the_other(servers, tmp_
         assert record["sampling/sampling_logp_difference/max"] < 1e-4
 
 
+def test_a_dropped_server_rejoins_once_it_answers_again(servers, tmp_path):
+    """A server dropped in one iteration (its requests timed out) that answers again is
+    taken back at the next weight push: set up anew, given the weights, probed, and it
+    samples again, with vLLM's log-probs equal to the trainer's."""
+    trainer = trainer_on(tmp_path, [u for u, _ in servers], iterations=3)
+    engine = trainer.parts.rollout_engine
+    pool, slow = engine.pool, engine.pool.servers[1]
+    timeout, slow.timeout = slow.timeout, 1e-4
+    with pytest.warns(UserWarning, match=r"vLLM server .* dropped from the run .*1 of 2 left"):
+        first = trainer.step()
+    assert not slow.alive
+    slow.timeout = timeout  # it answers in time again
+    answered = pool.answered[slow.url]
+    with pytest.warns(UserWarning, match=rf"vLLM server {slow.url} answers again .* rejoins the run"):
+        later = [trainer.step(), trainer.step()]
+    assert slow.alive and pool.answered[slow.url] > answered
+    assert engine.pushes == 3 and list(engine.sample_versions) == [2] * 8
+    for record in [first] + later:
+        assert record["sampling/sampling_logp_difference/max"] < 1e-4
+
+
 def test_unreachable_servers_are_refused_before_anything_compiles(servers, tmp_path):
     port = free_port()  # nothing listens there
     with pytest.raises(ConnectionError, match=rf"http://127.0.0.1:{port} is unreachable"):

@@ -58,6 +58,11 @@ class NCCLTransport:
 
         return Source()
 
+    def rejoin(self, urls) -> None:
+        """Servers back after a failure: a new NCCL group with each."""
+        for url in urls:
+            self.engines.pop(url, None)
+
     def push(self, pool, params, version: int) -> None:
         from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
         from vllm.distributed.weight_transfer.nccl_engine import (NCCLTrainerInitInfo,

@@ -4,10 +4,12 @@ requests spread over the live servers and gathered in order, a server that fails
 and its requests sent to the others.
 
 A failure is one of two kinds. `ServerDown`: the server could not be reached, refused the
-connection, closed it, timed out or answered 5xx; the server is taken out of the pool (for
-the rest of the run) and what it was asked is asked of another. `ServerRefused`: the server
-answered 4xx (the request itself is wrong for it: a setting it does not take, an adapter it
-does not have); asking another server would fail the same way, so it is raised at once.
+connection, closed it, timed out or answered 5xx; the server is taken out of the pool and
+what it was asked is asked of another. `ServerRefused`: the server answered 4xx (the
+request itself is wrong for it: a setting it does not take, an adapter it does not have);
+asking another server would fail the same way, so it is raised at once. A server taken out
+is asked for its health before each weight push (`revive`); one that answers again takes
+that push in full and rejoins.
 """
 
 from __future__ import annotations
@@ -133,6 +135,23 @@ class ServerPool:
             raise RuntimeError(f"every vLLM server of the run failed ({failures}). Nothing sampled in this iteration "
                                "was trained on; the run's last checkpoint is intact: start the servers again and "
                                "resume the run")
+
+    def revive(self, timeout: float = 2.0) -> List[Server]:
+        """The servers taken out that answer `/health` again (within `timeout` seconds):
+        back in the pool, to be given the weights in full before they sample."""
+        back = []
+        for server in self.servers:
+            if server.alive:
+                continue
+            try:
+                server.call("/health", timeout=timeout)
+            except (ServerDown, ServerRefused):
+                continue
+            self.warn(f"jaxppo: vLLM server {server.url} answers again (it was dropped: {server.failure}); "
+                      "it rejoins the run with the next weight push")
+            server.failure = None
+            back.append(server)
+        return back
 
     def each(self, fn: Callable[[Server], object]) -> list:
         """[fn(server)] for each server alive after the call."""

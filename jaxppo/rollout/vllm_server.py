@@ -94,6 +94,10 @@ class FileTransport:
             os.remove(os.path.join(self.directory, self.previous))
         self.previous = file
 
+    def rejoin(self, urls) -> None:
+        """Servers back after a failure (perhaps restarted): set up anew before the push."""
+        self.initialised.difference_update(urls)
+
     def request_fields(self, version: int) -> dict:
         return {}
 
@@ -134,6 +138,11 @@ class AdapterTransport:
             pool.each(lambda server: server.call("/v1/unload_lora_adapter", {"lora_name": old}))
             shutil.rmtree(os.path.join(self.directory, old), ignore_errors=True)
         self.previous = name
+
+    def rejoin(self, urls) -> None:
+        """Servers back after a failure (perhaps restarted from the original checkpoint):
+        the base weights go again, to every server, with the next push."""
+        self.base = None
 
     def request_fields(self, version: int) -> dict:
         return {"model": f"jaxppo-v{version}"}
@@ -223,7 +232,14 @@ class VLLMServerEngine(RolloutEngine):
         start = time.perf_counter()
         self.pushed_version = None  # until the push and the probe succeed, nothing samples
         host = gather_to_process_zero(params)  # across processes: the whole tree on process 0
-        on_process_zero(lambda: self.transport.push(self.pool, host, version))
+
+        def push():
+            back = self.pool.revive()  # servers dropped earlier that answer again: given everything anew
+            if back:
+                self.transport.rejoin([server.url for server in back])
+            self.transport.push(self.pool, host, version)
+
+        on_process_zero(push)
         del host
         self.push_seconds += time.perf_counter() - start
         self.pushes += 1
