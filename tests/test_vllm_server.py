@@ -242,6 +242,7 @@ def test_a_dropped_server_rejoins_once_it_answers_again(servers, tmp_path):
     trainer = trainer_on(tmp_path, [u for u, _ in servers], iterations=3)
     engine = trainer.parts.rollout_engine
     pool, slow = engine.pool, engine.pool.servers[1]
+    assert [s.alive for s in pool.servers] == [True, True]  # an update left open by the test before is closed
     timeout, slow.timeout = slow.timeout, 1e-4
     with pytest.warns(UserWarning, match=r"vLLM server .* dropped from the run .*1 of 2 left"):
         first = trainer.step()

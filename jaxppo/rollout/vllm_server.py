@@ -45,7 +45,7 @@ from typing import Optional
 import numpy as np
 
 from jaxppo.rollout.engines import Capabilities, RolloutEngine, register_rollout_engine
-from jaxppo.rollout.vllm_pool import ServerPool, check_urls
+from jaxppo.rollout.vllm_pool import ServerDown, ServerPool, ServerRefused, check_urls
 from jaxppo.sharding import gather_to_process_zero, on_process_zero
 
 __all__ = ["VLLMServerEngine", "FileTransport", "AdapterTransport", "serve_command", "serve_main", "PROBE_TOLERANCE"]
@@ -84,7 +84,7 @@ class FileTransport:
             if server.url not in self.initialised:
                 server.call("/init_weight_transfer_engine", {"init_info": {"directory": self.directory}})
                 self.initialised.add(server.url)
-            server.call("/start_weight_update", {})
+            _start_weight_update(server)
             server.call("/update_weights", {"update_info": {"file": file}})
             server.call("/finish_weight_update", {"weight_version": str(version)})
             server.call("/reset_prefix_cache", {})  # no block computed with the old weights is reused
@@ -381,6 +381,20 @@ def _requests(ids, mask, g: int, length: int, settings: dict, seeds, limits, fie
                     **({} if seed is None else {"seed": seed + j})}})
                 rows.append([[group * g + j]])
     return bodies, rows
+
+
+def _start_weight_update(server) -> None:
+    """`/start_weight_update` on `server`; an update that a failed push left open there (the
+    trainer gave up waiting, the server went on) is finished first, so that the server can
+    take this one."""
+
+    try:
+        server.call("/start_weight_update", {})
+    except (ServerDown, ServerRefused) as error:
+        if "already active" not in str(error):
+            raise
+        server.call("/finish_weight_update", {"weight_version": "abandoned"})
+        server.call("/start_weight_update", {})
 
 
 def _check_nccl():
