@@ -231,7 +231,7 @@ def _trl_grpo(paths, tokenizer, texts, s, iterations, common, out):
     import transformers
     from trl import GRPOConfig, GRPOTrainer
 
-    from trl_grpo_reference import timed
+    from trl_grpo_reference import generation_batches, timed
 
     marks = {"starts": [], "gen": [], "score_end": [], "steps": []}
     steps = s["rows"] // s["mini"]
@@ -247,16 +247,7 @@ def _trl_grpo(paths, tokenizer, texts, s, iterations, common, out):
                                         train_dataset=datasets.Dataset.from_dict({"prompt": texts}),
                                         processing_class=tokenizer)
     trainer.train()
-    starts = marks["starts"] + [time.perf_counter()]
-    applied = marks["steps"] + [trainer.state.global_step]
-    rows = []
-    for i in range(len(marks["starts"])):
-        assert applied[i + 1] - applied[i] == steps, ("optimizer steps per generation batch", applied)
-        total = starts[i + 1] - starts[i]
-        scoring = marks["score_end"][i] - starts[i] - marks["gen"][i]
-        rows.append(dict(total=total, generation=marks["gen"][i], scoring=scoring,
-                         update=total - marks["gen"][i] - scoring))
-    return rows
+    return generation_batches(marks, trainer.state.global_step, steps)
 
 
 def main(argv=None):

@@ -57,6 +57,22 @@ def timed(trainer_class, marks):
     return Timed
 
 
+def generation_batches(marks, final_step: int, steps_per_batch: int) -> list:
+    """Per generation batch marked by `timed` (the training just ended, at optimizer step
+    `final_step`): total, generation, scoring and update seconds; each batch's optimizer
+    steps checked to be `steps_per_batch`."""
+    starts = marks["starts"] + [time.perf_counter()]
+    steps = marks["steps"] + [final_step]
+    rows = []
+    for i in range(len(marks["starts"])):
+        assert steps[i + 1] - steps[i] == steps_per_batch, ("optimizer steps per generation batch", steps)
+        total = starts[i + 1] - starts[i]
+        scoring = marks["score_end"][i] - starts[i] - marks["gen"][i]
+        rows.append(dict(total=total, generation=marks["gen"][i], scoring=scoring,
+                         update=total - marks["gen"][i] - scoring))
+    return rows
+
+
 def bench(loss_type, beta, vocab, batches, directory, bf16=False):
     import datasets
     import transformers
@@ -92,16 +108,7 @@ def bench(loss_type, beta, vocab, batches, directory, bf16=False):
     trainer = Timed(model=policy, reward_funcs=[lowercase], args=args, train_dataset=dataset,
                     processing_class=tokenizer)
     trainer.train()
-    end = time.perf_counter()
-    starts = marks["starts"] + [end]
-    steps = marks["steps"] + [trainer.state.global_step]
-    rows = []
-    for i in range(len(marks["starts"])):
-        assert steps[i + 1] - steps[i] == steps_per_batch, ("optimizer steps per generation batch", steps)
-        total = starts[i + 1] - starts[i]
-        scoring = marks["score_end"][i] - starts[i] - marks["gen"][i]
-        rows.append(dict(total=total, generation=marks["gen"][i], scoring=scoring,
-                         update=total - marks["gen"][i] - scoring))
+    rows = generation_batches(marks, trainer.state.global_step, steps_per_batch)
     later = rows[2:] if len(rows) > 3 else rows[1:]
     med = {k: float(np.median([r[k] for r in later])) for k in ("generation", "scoring", "update")}
     return dict(case=f"{loss_type} / beta {beta}", vocab=vocab, **med, total=sum(med.values()),
