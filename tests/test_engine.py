@@ -207,12 +207,33 @@ def _kl_loss(params, mb):
     return loss, {"approxkl": jnp.sum(jnp.square(params["w"])), "mse": aux["mse"]}
 
 
-def test_target_kl_stops_inside_compiled_loop():
+FORMS = ["target", "branch", "select"]
+
+
+@pytest.fixture
+def engine(request, monkeypatch):
+    """`update_epochs` as compiled for this host ("target": XLA:CPU's branch), or with the
+    withheld update's form forced ("branch", or "select": what GPU and TPU targets compile),
+    in a fresh jit so that no program cached by another form is reused."""
+    import functools
+
+    from jaxppo.update import minibatches
+
+    form = request.param
+    if form == "target":
+        return update_epochs
+    monkeypatch.setattr(minibatches, "apply_or_keep", functools.partial(minibatches.apply_or_keep, form=form))
+    fresh = jax.jit(update_epochs_fn, static_argnames=("loss_fn", "config"))
+    return lambda state, batch, key, loss_fn, config: fresh(state, batch, key, loss_fn, config)
+
+
+@pytest.mark.parametrize("engine", FORMS, indirect=True)
+def test_target_kl_stops_inside_compiled_loop(engine):
     config = BatchConfig(batch_size=16, mini_batch_size=2, ppo_epochs=2, target_kl=0.5)
     tx = optax.sgd(0.05)
     batch = _batch(16, seed=8)
     key = jax.random.key(9)
-    state, metrics = update_epochs(_state(tx), batch, key, _kl_loss, config)
+    state, metrics = engine(_state(tx), batch, key, _kl_loss, config)
 
     # Reference: Python loop that measures KL before each update and stops at the target.
     params = _params()
@@ -255,13 +276,14 @@ def test_target_kl_requires_approxkl_in_aux():
         update_epochs(_state(), _batch(8), jax.random.key(0), regression_loss, config)
 
 
-def test_nonfinite_minibatch_is_skipped_and_counted():
+@pytest.mark.parametrize("engine", FORMS, indirect=True)
+def test_nonfinite_minibatch_is_skipped_and_counted(engine):
     config = BatchConfig(batch_size=16, mini_batch_size=4, ppo_epochs=2)
     batch = _batch(16)
     batch["y"] = batch["y"].at[5].set(jnp.nan)
     tx = optax.adam(0.05)
     key = jax.random.key(2)
-    state, metrics = update_epochs(_state(tx), batch, key, regression_loss, config)
+    state, metrics = engine(_state(tx), batch, key, regression_loss, config)
     # Exactly the mini-batch holding row 5, once per epoch, is skipped.
     ids = np.asarray(metrics["aux"]["ids"])
     holds_bad = np.any(ids == 5, axis=-1)
@@ -320,10 +342,11 @@ def test_compiled_temp_memory_follows_minibatch_not_batch():
 def test_a_withheld_update_costs_no_second_copy_of_the_state(optimizer, target_kl):
     """At a tiny batch, where activations are negligible, the engine's temporaries stay near
     one gradient (the floor), with plain Adam and with the trainer's optimizer (per-part
-    clipped Adam), with and without the KL early stop: the skip of a withheld update is one
-    branch over the state, not a select of the new state against the old one (which kept a
-    second state alive) nor a branch nested in another; clipping is a scalar factor, not a
-    clipped copy of the gradient."""
+    clipped Adam), with and without the KL early stop: on XLA:CPU the skip of a withheld
+    update is one branch over the state, not a select of the new state against the old one
+    (which keeps a second state alive there) nor a branch nested in another; clipping is a
+    scalar factor, not a clipped copy of the gradient. (GPU and TPU targets compile the
+    select, which their compilers fuse into the update: tests/test_plan_targets.py.)"""
     import functools
 
     import jaxppo
@@ -547,3 +570,27 @@ def test_own_order_is_walked_and_checked():
     with pytest.raises(AssertionError, match=r"order\(key, config\) must give \(ppo_epochs, num_minibatches, "
                                              r"mini_batch_size\) rows"):
         update_epochs(_state(), _batch(12), jax.random.key(0), regression_loss, config, order=wrong)
+
+
+@pytest.mark.parametrize("apply", [True, False])
+def test_both_forms_of_a_withheld_update_give_the_same_state(apply):
+    """`apply_or_keep`'s two forms (XLA:CPU's branch, GPU and TPU's select) against
+    `apply_gradients` itself, for the trainer's optimizer (per-part Adam with clipping and a
+    schedule: counts, moments, parameters) and a frozen part."""
+    import jaxppo
+    from jaxppo.config.optimizer import build_optimizer
+    from jaxppo.update.minibatches import Freeze, apply_or_keep
+
+    rng = np.random.default_rng(3)
+    params = {part: {name: jnp.asarray(rng.normal(size=(4, 3)), jnp.float32) for name in ("w", "b", "base")}
+              for part in ("policy", "critic")}
+    tx = build_optimizer(jaxppo.OptimizerConfig(learning_rate=1e-2, max_grad_norm=0.5), 10, critic=True)[1]
+    state = TrainState.create(apply_fn=None, params=params, tx=tx, freeze=Freeze(prefixes=(("policy", "base"),)))
+    grads = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), state.trained_params())
+    state = state.apply_gradients(grads=grads)  # moments and counts away from their initial values
+    expected = state.apply_gradients(grads=grads) if apply else state
+    for form in ("branch", "select"):
+        got = jax.jit(lambda s, g, a: apply_or_keep(s, g, a, form=form))(state, grads, jnp.asarray(apply))
+        chex.assert_trees_all_equal(got, expected)
+    with pytest.raises(ValueError, match="form='copy' is invalid"):
+        apply_or_keep(state, grads, jnp.asarray(apply), form="copy")
