@@ -15,6 +15,7 @@ from typing import Optional
 
 import jax
 
+from jaxppo.plan import breakdown as bd
 from jaxppo.plan import costs
 from jaxppo.plan.programs import PROGRAMS, RunShapes, abstract_run, lower_programs
 from jaxppo.plan.targets import GIB, Target, target_devices
@@ -39,6 +40,7 @@ class ProgramPlan:
     lower_bound_s: float
     decode_kernels: Optional[int] = None
     refused: Optional[str] = None
+    breakdown: Optional[bd.Breakdown] = None
 
     @property
     def total(self) -> float:
@@ -82,6 +84,8 @@ class Plan:
             lines.append(f"{p.name:<10} {p.compile_s:>9.1f} {p.memory.peak / GIB:>9.3f} "
                          f"{p.resident_besides / GIB:>10.3f} {p.total / GIB:>12.3f} {headroom:>9.2f} "
                          f"{p.work.flops / 1e12:>8.2f} {p.lower_bound_s:>9.4f}  {note}".rstrip())
+            if p.breakdown is not None:
+                lines.append(f"{'':<10} {p.breakdown.text()}")
         lines.append(f"usable per device: {t.usable_bytes / GIB:.2f} GiB; iteration floor {self.lower_bound_s:.3f} s "
                      "(FLOPs at peak, bytes at full bandwidth, programs back to back)")
         lines.append("fits" if self.fits else "does not fit: " + "; ".join(self.advice()))
@@ -90,35 +94,69 @@ class Plan:
         return "\n".join(lines)
 
     def advice(self) -> list:
-        """The settings to change, for the programs that do not fit."""
+        """The settings to change, for the programs that do not fit, by what fills them."""
         over = {p.name for p in self.programs if p.total > self.target.usable_bytes}
-        return advice(self.config, over, self.mesh_axes, self.target)
+        breakdowns = {p.name: p.breakdown for p in self.programs}
+        return advice(self.config, over, self.mesh_axes, self.target, breakdowns)
 
 
 def _axes(axes: dict) -> str:
     return " x ".join(f"{k}={v}" for k, v in axes.items()) if axes else "none (one device)"
 
 
-def advice(config, over: set, axes: dict, target: Target) -> list:
-    """What would lower the programs in `over`, by what they hold."""
-    c, out = config, []
-    layout = c.layout
-    if "update" in over:
-        if c.batch.micro_batch_size > 1:
-            out.append(f"a smaller micro-batch (--gradient-accumulation-steps {2 * c.batch.gradient_accumulation_steps}, "
-                       f"or --mini-batch-size {max(1, c.batch.mini_batch_size // 2)}): the update's temporaries "
-                       "follow the micro-batch")
-        if not layout.remat:
-            out.append("--remat full (recompute each block in the backward pass)")
-        if layout.logits_chunk_size is None:
-            out.append("--logits-chunk-size 128 (the LM head a chunk at a time)")
-    if axes.get("fsdp", 1) < target.chips:
-        out.append(f"--mesh-fsdp {target.chips} (parameters and optimizer states sharded over every chip)")
-    if layout.dtype == "float32":
-        out.append("--dtype bfloat16 (compute and frozen copies in bf16)")
-    out.append("--lora-rank 16 (train adapters: no float32 copy or optimizer state of the base)")
-    if "generate" in over or "score" in over:
-        out.append("a smaller --batch-size or --response-length (the sampler's KV cache and the scored batch)")
+# What each part of a program's peak answers to (`breakdown`): the kinds of remedy, in the
+# order `advice` tries them.
+_REMEDIES = {
+    "parameters": ("shard", "adapters", "dtype"), "optimizer state": ("shard", "adapters"),
+    bd.GRADIENTS: ("shard", "adapters"), bd.WEIGHT_COPIES: ("shard", "adapters"), "frozen models": ("shard",),
+    bd.ACTIVATIONS: ("micro", "remat"), bd.LOGITS: ("chunk", "micro"), bd.KV_CACHE: ("rows",),
+    bd.GATHERED: ("tensor",), bd.STATE_COPIES: ("report",), "the rollout": ("rows",), "the sampled batch": ("rows",),
+    "prompts": ("rows",),
+}
+
+
+def advice(config, over: set, axes: dict, target: Target, breakdowns: Optional[dict] = None) -> list:
+    """What would lower the programs in `over`: from what fills each (its `Breakdown` in
+    `breakdowns`, largest part first, parts under a tenth of the program's peak left out),
+    or, where no breakdown was read, every setting that lowers what such a program holds."""
+    c, layout = config, config.layout
+    text = {
+        "micro": (c.batch.micro_batch_size > 1,
+                  f"a smaller micro-batch (--gradient-accumulation-steps {2 * c.batch.gradient_accumulation_steps}, or "
+                  f"--mini-batch-size {max(1, c.batch.mini_batch_size // 2)}): the update's activations follow the "
+                  "micro-batch"),
+        "remat": (not layout.remat, "--remat full (recompute each block in the backward pass)"),
+        "chunk": (layout.logits_chunk_size is None, "--logits-chunk-size 128 (the LM head a chunk at a time)"),
+        "shard": (axes.get("fsdp", 1) < target.chips,
+                  f"--mesh-fsdp {target.chips} (parameters and optimizer states sharded over every chip)"),
+        "dtype": (layout.dtype == "float32", "--dtype bfloat16 (compute and frozen copies in bf16)"),
+        "adapters": (True, "--lora-rank 16 (train adapters: no float32 copy or optimizer state of the base)"),
+        "rows": (True, "a smaller --batch-size or --response-length (the sampler's KV cache and the scored batch)"),
+        "tensor": (axes.get("tensor", 1) == 1 and target.chips > 1,
+                   "--mesh-tensor 2 (each layer's gathered weights split over two chips)"),
+        "report": (True, "copies of the training state in the update: not expected of jaxppo's update on this "
+                         "target (please report it with this plan)"),
+    }
+    kinds = []
+    breakdowns = breakdowns or {}
+    for name in sorted(over):
+        b = breakdowns.get(name)
+        if b is None:  # no breakdown: what lowers such a program, as a list
+            fallback = {"update": ("micro", "remat", "chunk", "shard", "dtype", "adapters"),
+                        "score": ("shard", "dtype", "adapters", "rows"),
+                        "generate": ("shard", "dtype", "adapters", "rows")}[name]
+            kinds += fallback
+            continue
+        parts = sorted(b.arguments + b.temporaries, key=lambda kv: -kv[1])
+        total = sum(v for _, v in parts)
+        for part, size in parts:
+            if size >= 0.1 * total:
+                kinds += _REMEDIES.get(part, ())
+    out = []
+    for kind in dict.fromkeys(kinds):
+        applies, words = text[kind]
+        if applies and words not in out:
+            out.append(words)
     return out
 
 
@@ -181,7 +219,7 @@ def plan_run(config, inputs, target: Target, *, devices=None, programs=PROGRAMS,
         floor = work[name].lower_bound(target.chips, target.peak_flops, target.bandwidth)
         start = time.perf_counter()
         try:
-            compiled = lowered.compile()
+            compiled, breakdown = bd.compile_with_breakdown(lowered, *_parts(shapes, name))
         except jax.errors.JaxRuntimeError as err:  # the TPU compiler refuses what exceeds the HBM
             if "RESOURCE_EXHAUSTED" not in str(err):
                 raise
@@ -191,9 +229,44 @@ def plan_run(config, inputs, target: Target, *, devices=None, programs=PROGRAMS,
         seconds = time.perf_counter() - start
         kernels = costs.decode_kernels(compiled.as_text()) if name == "generate" else None
         out.append(ProgramPlan(name, seconds, costs.memory_figures(compiled), resident[name], work[name], floor,
-                               kernels))
+                               kernels, breakdown=breakdown))
     axes = dict(shapes.mesh.shape) if shapes.mesh is not None else {}
     return Plan(target, tuple(out), axes, _summary(shapes), shapes.config)
+
+
+def _parts(shapes: RunShapes, program: str) -> tuple:
+    """({argument name: bytes per device}, `breakdown.ValueShapes`, the name of the rest of
+    the arguments) of one of the run's programs, for `breakdown.compile_with_breakdown`."""
+    train = shapes.run.train
+    frozen = (shapes.ref_params, shapes.reward_params)
+    policy = shapes.spec.policy_params(train.params)
+    if program == "update":
+        arguments, rest = {"parameters": costs.per_device_bytes(train.params),
+                           "optimizer state": costs.per_device_bytes(train.opt_state)}, "the rollout"
+    elif program == "score":
+        arguments, rest = {"parameters": costs.per_device_bytes(train.params),
+                           "frozen models": costs.per_device_bytes(frozen)}, "the sampled batch"
+    else:
+        arguments, rest = {"parameters": costs.per_device_bytes(policy)}, "prompts"
+    weights = (train.params,) + frozen
+    c, m = shapes.config, shapes.models.policy_model.config
+    sizes = set(shapes.mesh.shape.values()) if shapes.mesh is not None else {1}
+    head_dim = m.head_dim or m.hidden_size // m.num_heads
+    q, r = c.data.query_length, c.sampling.response_length
+    heads = {m.num_kv_heads} | {m.num_kv_heads // n for n in sizes if m.num_kv_heads % n == 0}
+    leaf = jax.tree.leaves(train.params)[0]
+    update = program == "update"  # the other programs hold no gradients nor optimizer state
+    value_shapes = bd.ValueShapes(
+        trained=bd.dims_of(train.trained_params(), local=True) if update else frozenset(),
+        state=bd.dims_of((train.params, train.opt_state), local=True) if update else frozenset(),
+        weights_local=bd.dims_of(weights, local=True), weights_full=bd.dims_of(weights, local=False),
+        vocab=frozenset({m.vocab_size} | {m.vocab_size // n for n in sizes if m.vocab_size % n == 0}),
+        kv_tails=frozenset(tuple(sorted((length, h, head_dim))) for length in (q + r, q, r) for h in heads),
+        master_dtype=_HLO_DTYPES.get(jax.numpy.dtype(leaf.dtype).name, "f32"))
+    return arguments, value_shapes, rest
+
+
+_HLO_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "float64": "f64"}
 
 
 def _first_line(message: str) -> str:
