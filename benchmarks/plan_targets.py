@@ -1,21 +1,24 @@
-"""Benchmark: `jaxppo plan` at real sizes. Each row's programs (the update, the scoring pass,
-the sampler) compiled on this CPU for a GPU or TPU target without the hardware
-(`jaxppo.plan`), with abstract parameters: memory per device (the program's peak plus the
-run's other state resident meanwhile), the iteration's lower bound, kernels per decode step.
+"""Benchmark: `jaxppo plan` for the runs users ask about. Each row's programs (the update,
+the scoring pass, the sampler) compiled on this CPU for a GPU or TPU target without the
+hardware (`jaxppo.plan`), with abstract parameters: memory per device (the program's peak
+plus the run's other state resident meanwhile), what the largest part of each peak is (the
+plan's breakdown, read from the compiled program), the iteration's lower bound, kernels per
+decode step.
 
     pip install 'jaxppo[plan-gpu,plan-tpu]'
-    python benchmarks/plan_targets.py                      # every row (about 20 min on 2 cores)
-    python benchmarks/plan_targets.py --only qwen2.5-0.5b  # rows whose name contains the text
-    python benchmarks/plan_targets.py --json out.json      # and the raw rows
-    python benchmarks/plan_targets.py --timeout 600        # seconds a row may take (default 900)
+    python benchmarks/plan_targets.py                          # every row (about an hour on 2 cores)
+    python benchmarks/plan_targets.py --only llama3.1-8b       # rows whose name contains the text
+    python benchmarks/plan_targets.py --programs update        # the update alone (its before/after)
+    python benchmarks/plan_targets.py --json out.json          # and the raw rows
+    python benchmarks/plan_targets.py --timeout 600            # seconds a row may take (default 900)
 
 Layouts (config.json only, written to a temporary directory from transformers' config
-classes): Qwen2.5-0.5B, Qwen3-1.7B, Llama-3.1-8B. Runs: PPO with a critic and a reward
-model of the same layout (full fine-tuning), GRPO (G = 8) full and with LoRA rank 16 on
-every linear layer; batch 64, 256 prompt + 256 response tokens, mini-batch 16, 1 epoch,
-bf16 compute (float32 master weights where the weights train), remat, the LM head 128
-positions at a time, scanned layers. On targets of several chips every chip is on the fsdp
-axis.
+classes): Qwen2.5-0.5B, Qwen3-1.7B, Llama-3.1-8B, Qwen3-30B-A3B, Llama-3.1-70B. Runs: PPO
+with a critic and a reward model of the same layout (full fine-tuning), GRPO (G = 8) full
+and with LoRA rank 16 on every linear layer; batch 64, 512 prompt + 512 response tokens,
+mini-batch 16, 1 epoch, bf16 compute (float32 master weights where the weights train),
+remat, the LM head 128 positions at a time, scanned layers. On targets of several chips
+every chip is on the fsdp axis (for a mixture of experts also its expert-parallel axis).
 
 What it predicts: what the target's compiler allocates per device for these programs, as
 of a compile without the device (no autotuning: kernel choices and temporaries can differ
@@ -46,8 +49,10 @@ from tables import print_markdown  # noqa: E402
 
 def _layouts(root: str) -> dict:
     """{name: (policy directory, reward-model directory)} holding config.json alone."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
+    llama3 = dict(vocab_size=128256, max_position_embeddings=131072, tie_word_embeddings=False, rope_theta=500000.0,
+                  rms_norm_eps=1e-5, num_key_value_heads=8)
     configs = {
         "qwen2.5-0.5b": (Qwen2Config, dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
                                             num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
@@ -57,10 +62,16 @@ def _layouts(root: str) -> dict:
                                           num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                                           head_dim=128, max_position_embeddings=40960, tie_word_embeddings=True,
                                           rope_theta=1000000.0, rms_norm_eps=1e-6), "Qwen3"),
-        "llama3.1-8b": (LlamaConfig, dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                                           num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                                           max_position_embeddings=131072, tie_word_embeddings=False,
-                                           rope_theta=500000.0, rms_norm_eps=1e-5), "Llama"),
+        "llama3.1-8b": (LlamaConfig, dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                           num_attention_heads=32, **llama3), "Llama"),
+        "qwen3-30b-a3b": (Qwen3MoeConfig, dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                                moe_intermediate_size=768, num_hidden_layers=48,
+                                                num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                                                num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                                                max_position_embeddings=40960, rope_theta=1000000.0,
+                                                rms_norm_eps=1e-6, tie_word_embeddings=False), "Qwen3Moe"),
+        "llama3.1-70b": (LlamaConfig, dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                            num_attention_heads=64, **llama3), "Llama"),
     }
     out = {}
     for name, (cls, kw, arch) in configs.items():
@@ -73,25 +84,34 @@ def _layouts(root: str) -> dict:
     return out
 
 
-LAYOUT_NAMES = ("qwen2.5-0.5b", "qwen3-1.7b", "llama3.1-8b")  # the keys of `_layouts`
+LAYOUT_NAMES = ("qwen2.5-0.5b", "qwen3-1.7b", "llama3.1-8b", "qwen3-30b-a3b", "llama3.1-70b")  # `_layouts`' keys
 RUNS = {  # name: (algorithm, reward model, LoRA rank)
     "ppo full": ("ppo", True, 0),
     "grpo full": ("grpo", False, 0),
     "grpo lora16": ("grpo", False, 16),
 }
-TARGET_NAMES = ("h200", "h200x8", "v5e-8", "v5p-8")
+# The rows: {layout: ((runs), (targets))}, each run on each of its targets.
+ROWS = {
+    "qwen2.5-0.5b": (("grpo full", "ppo full"), ("h100", "h200", "v5e-16")),
+    "qwen3-1.7b": (("grpo full", "ppo full"), ("h100", "h200", "h100x8", "v5e-16")),
+    "llama3.1-8b": (("grpo full", "ppo full", "grpo lora16"), ("h200", "h100x8", "h200x8", "v5e-16", "v5p-8")),
+    "qwen3-30b-a3b": (("grpo full", "grpo lora16"), ("h100x8", "h200x8", "v5p-16")),
+    "llama3.1-70b": (("grpo lora16",), ("h100x8", "h200x8", "v5p-16")),
+}
+PROGRAMS = ("update", "score", "generate")
 
 
-def _rows(layouts: dict):
+def _rows(layouts):
     for layout in layouts:
-        for run in RUNS:
-            for target in TARGET_NAMES:
+        runs, targets = ROWS[layout]
+        for run in runs:
+            for target in targets:
                 yield f"{layout} {run} {target}", layout, run, target
 
 
-def _plan(layouts: dict, layout: str, run: str, target: str):
+def _plan(layouts: dict, layout: str, run: str, target: str, programs=PROGRAMS):
     algorithm, reward, rank = RUNS[run]
-    settings = dict(batch_size=64, mini_batch_size=16, ppo_epochs=1, query_length=256, response_length=256,
+    settings = dict(batch_size=64, mini_batch_size=16, ppo_epochs=1, query_length=512, response_length=512,
                     dtype="bfloat16", remat=True, logits_chunk_size=128, scan_layers=True)
     if algorithm == "grpo":
         settings["num_generations"] = 8
@@ -100,42 +120,65 @@ def _plan(layouts: dict, layout: str, run: str, target: str):
     lora = LoraConfig(rank=rank, alpha=2.0 * rank, targets=("all-linear",)) if rank else None
     inputs = Inputs(policy=policy, tokenizer=None, prompts=None, reward_model=reward_dir if reward else None,
                     lora=lora)
-    return plan_run(config, inputs, resolve_target(target))
+    return plan_run(config, inputs, resolve_target(target), programs=programs)
 
 
 def _raw(name: str, plan) -> dict:
     p = {x.name: x for x in plan.programs}
+
+    def breakdown(v):
+        b = getattr(v, "breakdown", None)  # (a plan of code without the breakdown: None)
+        return None if b is None else {"arguments": dict(b.arguments), "temporaries": dict(b.temporaries),
+                                       "arena": b.arena}
+
     return {"row": name, "fits": plan.fits, "usable_bytes": plan.target.usable_bytes, "mesh": plan.mesh_axes,
-            "floor_s": plan.lower_bound_s,
+            "floor_s": plan.lower_bound_s, "advice": [] if plan.fits else plan.advice(),
             "programs": {k: {"compile_s": v.compile_s, "refused": v.refused,
                              **(dataclasses.asdict(v.memory) if v.memory is not None else {}),
                              "peak": v.memory.peak if v.memory is not None else None,
                              "resident_besides": v.resident_besides, "total": v.total if v.memory else None,
                              "flops": v.work.flops, "bytes_per_chip": v.work.bytes_per_chip,
-                             "floor_s": v.lower_bound_s, "decode_kernels": v.decode_kernels}
+                             "floor_s": v.lower_bound_s, "decode_kernels": v.decode_kernels,
+                             "breakdown": breakdown(v)}
                          for k, v in p.items()}}
+
+
+def _largest(program: dict) -> str:
+    """The largest part of a program's peak (the plan's breakdown), with its GiB."""
+    b = program.get("breakdown")
+    if not b:
+        return ""
+    part, size = max({**b["arguments"], **b["temporaries"]}.items(), key=lambda kv: kv[1])
+    return f"{part} {size / GIB:.1f}"
 
 
 def _cells(row: dict) -> list:
     layout, rest = row["row"].split(" ", 1)
     run, target = rest.rsplit(" ", 1)
-    if "failed" in row:
-        return [layout, run, target, row["failed"]] + [""] * 6
-    p = row["programs"]
-    cells = [f"{p[k]['total'] / GIB:.2f}" if p[k]["total"] is not None else "refused"
-             for k in ("update", "score", "generate")]
-    return [layout, run, target, "yes" if row["fits"] else "no", *cells, f"{row['usable_bytes'] / GIB:.1f}",
-            f"{row['floor_s']:.3f}", p["generate"]["decode_kernels"]]
+    p = row.get("programs", {})
+    if "failed" in row or not p:
+        return [layout, run, target, row.get("failed", "")] + [""] * 8
+    gib = lambda k: (f"{p[k]['total'] / GIB:.2f}" if p[k]["total"] is not None else "refused") if k in p else ""
+    update = p.get("update", {})
+    temporaries = f"{update['temporaries'] / GIB:.2f}" if update.get("temporaries") is not None else ""
+    return [layout, run, target, "yes" if row["fits"] else "no", gib("update"), temporaries,
+            _largest(update) if update else "", gib("score"), gib("generate"), f"{row['usable_bytes'] / GIB:.1f}",
+            f"{row['floor_s']:.3f}", p["generate"]["decode_kernels"] if "generate" in p else ""]
 
 
-def _one_row(name: str, out: str):
+HEADERS = ["layout", "run", "target", "fits", "update GiB/device", "update temporaries GiB",
+           "update's largest part (GiB)", "score GiB/device", "sampler GiB/device", "usable GiB",
+           "iteration floor (s)", "kernels per decode step"]
+
+
+def _one_row(name: str, out: str, programs):
     """Plan row `name` (in a process of its own) and write its raw figures to `out`."""
     with tempfile.TemporaryDirectory() as root:
         layouts = _layouts(root)
         for row, layout, run, target in _rows(layouts):
             if row == name:
                 try:
-                    raw = _raw(name, _plan(layouts, layout, run, target))
+                    raw = _raw(name, _plan(layouts, layout, run, target, programs))
                 except Exception as err:  # report the row and go on
                     raw = {"row": name, "failed": f"failed: {type(err).__name__}: {str(err).splitlines()[0][:160]}"}
                 with open(out, "w") as f:
@@ -147,13 +190,16 @@ def _one_row(name: str, out: str):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", default=None, help="rows whose name contains any of these")
+    parser.add_argument("--programs", nargs="*", default=list(PROGRAMS), choices=PROGRAMS,
+                        help="the programs to plan (default all three)")
     parser.add_argument("--json", default=None, help="write the raw rows to this file")
     parser.add_argument("--timeout", type=float, default=900, help="seconds a row may take (its own process)")
     parser.add_argument("--row", default=None, help=argparse.SUPPRESS)  # the child process: one row
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    programs = tuple(args.programs)
     if args.row is not None:
-        return _one_row(args.row, args.out)
+        return _one_row(args.row, args.out, programs)
     names = [name for name, *_ in _rows(LAYOUT_NAMES)]
     raw = []
     with tempfile.TemporaryDirectory() as scratch:
@@ -162,8 +208,8 @@ def main(argv=None):
                 continue
             out = os.path.join(scratch, "row.json")
             try:
-                subprocess.run([sys.executable, __file__, "--row", name, "--out", out], timeout=args.timeout,
-                               check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                subprocess.run([sys.executable, __file__, "--row", name, "--out", out, "--programs", *programs],
+                               timeout=args.timeout, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 with open(out) as f:
                     raw.append(json.load(f))
             except (subprocess.TimeoutExpired, subprocess.CalledProcessError) as err:
@@ -173,9 +219,7 @@ def main(argv=None):
                 with open(args.json, "w") as f:
                     json.dump(raw, f, indent=1)
     print()
-    print_markdown(["layout", "run", "target", "fits", "update GiB/device", "score GiB/device", "sampler GiB/device",
-                    "usable GiB", "iteration floor (s)", "kernels per decode step"], [_cells(r) for r in raw],
-                   numeric_from=4)
+    print_markdown(HEADERS, [_cells(r) for r in raw], numeric_from=4)
 
 
 if __name__ == "__main__":

@@ -460,8 +460,10 @@ PLAN_USAGE = """jaxppo plan --target NAME|FILE [--target ...] --model DIR [the r
 
 Compiles the run's programs (update, scoring, sampler) for a GPU or TPU target on this
 machine, with abstract parameters (only the checkpoints' config.json is read, no weight),
-and prints whether each fits per device with its headroom, the iteration's lower bound and,
-when it does not fit, the settings to change. Known targets: {targets}; or a TOML/JSON
+and prints whether each fits per device with its headroom, the iteration's lower bound, what
+each program's peak holds (parameters, optimizer state, gradients, activations, logits,
+gathered weights, KV cache: read from the compiled program) and, when it does not fit, the
+settings that lower its largest parts. Known targets: {targets}; or a TOML/JSON
 target file (platform, chips, memory_gib, peak_tflops, bandwidth_gbs, a TPU's topology).
 GPU targets need `pip install 'jaxppo[plan-gpu]'`, TPU targets `pip install 'jaxppo[plan-tpu]'`.
 On a target of several chips the mesh spans them all (--mesh-* axes as given, the rest on fsdp)."""

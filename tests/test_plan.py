@@ -250,3 +250,65 @@ def test_a_program_the_targets_compiler_refuses_does_not_fit_and_says_why():
     text = plan.text()
     assert f"DOES NOT FIT: the compiler: {words}" in text and "does not fit: a smaller micro-batch" in text
     assert "--mesh-fsdp" not in text  # every chip is on fsdp already
+
+
+def test_the_peak_is_broken_down_by_what_it_holds_and_the_advice_follows_the_largest_part(tmp_path):
+    """The update's arguments are named byte for byte (parameters, optimizer state, the
+    rollout); its temporaries at the arena's peak add up to at most the arena, and the part
+    that grows with the micro-batch is the activations (with the logits). Advice follows
+    the largest parts: a run whose update is activations gets "a smaller micro-batch"
+    first, and following it lowers the peak; a run whose update is its state gets no
+    micro-batch advice (a smaller micro-batch would not help it)."""
+    from jaxppo.plan import breakdown as bd
+
+    wide = tmp_path / "wide"  # activations dominate: a small model over long rows
+    transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                             eos_token_id=2, architectures=["LlamaForCausalLM"]).save_pretrained(wide)
+    heavy = tmp_path / "heavy"  # the state dominates: a wide model over a few short rows
+    transformers.LlamaConfig(vocab_size=8192, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                             eos_token_id=2, architectures=["LlamaForCausalLM"]).save_pretrained(heavy)
+    tiny = Target("small", "cpu", 1, "", 2 ** 20, 1e12, 1e11)  # 1 MiB: nothing fits
+    plans = {}
+    for name, path, mini, length in (("wide8", wide, 8, 512), ("wide4", wide, 4, 512), ("heavy", heavy, 2, 8)):
+        config = _config(batch_size=8, mini_batch_size=mini, query_length=length, response_length=length,
+                         dtype="bfloat16", logits_chunk_size=64)
+        plans[name] = plan_run(config, _inputs(str(path)), tiny, devices=jax.devices()[:1], programs=("update",))
+    for name, plan in plans.items():
+        (update,) = plan.programs
+        b = update.breakdown
+        assert b is not None, name
+        shapes = abstract_run(plan.config, _inputs(str(wide if name != "heavy" else heavy)), jax.devices()[:1])
+        assert b.part("parameters") == per_device_bytes(shapes.run.train.params)
+        assert b.part("optimizer state") == per_device_bytes(shapes.run.train.opt_state)
+        assert sum(v for _, v in b.arguments) == update.memory.arguments
+        assert 0 < sum(v for _, v in b.temporaries) <= b.arena == update.memory.temporaries
+        assert b.part(bd.STATE_COPIES) <= b.part("parameters")  # never more than the state itself
+    grown = lambda part: plans["wide8"].programs[0].breakdown.part(part) - plans["wide4"].programs[0].breakdown.part(part)
+    assert grown(bd.ACTIVATIONS) > 0.5 * (plans["wide8"].programs[0].memory.temporaries
+                                          - plans["wide4"].programs[0].memory.temporaries)
+    assert plans["wide8"].programs[0].breakdown.largest() == bd.ACTIVATIONS
+    assert plans["wide8"].advice()[0].startswith("a smaller micro-batch")
+    assert plans["wide4"].programs[0].memory.peak < plans["wide8"].programs[0].memory.peak
+    heavy_update = plans["heavy"].programs[0].breakdown
+    assert heavy_update.largest() in ("optimizer state", "parameters"), heavy_update.text()
+    advice = " ".join(plans["heavy"].advice())
+    assert "micro-batch" not in advice and "--lora-rank" in advice, advice
+    assert "optimizer state" in plans["heavy"].text() and "temporaries at their peak" in plans["heavy"].text()
+
+
+def test_values_are_sorted_by_shape_dtype_and_opcode():
+    from jaxppo.plan import breakdown as bd
+
+    shapes = bd.ValueShapes(trained=frozenset({(64, 32)}), state=frozenset({(64, 32), (32,)}),
+                            weights_local=frozenset({(64, 32)}), weights_full=frozenset({(512, 32), (64, 32)}),
+                            vocab=frozenset({1000}), kv_tails=frozenset({tuple(sorted((96, 2, 16)))}))
+    assert bd.classify("bf16[512,32]{1,0}", "all-gather", shapes) == bd.GATHERED
+    assert bd.classify("f32[64,32]{1,0}", "copy", shapes) == bd.STATE_COPIES
+    assert bd.classify("f32[64,32]{1,0}", "fusion", shapes) == bd.GRADIENTS
+    assert bd.classify("bf16[64,32]{1,0}", "fusion", shapes) == bd.WEIGHT_COPIES
+    assert bd.classify("bf16[8,2,96,16]{3,2,1,0}", "fusion", shapes) == bd.KV_CACHE
+    assert bd.classify("f32[8,7,1000]{2,1,0}", "fusion", shapes) == bd.LOGITS
+    assert bd.classify("f32[8,7,64]{2,1,0}", "fusion", shapes) == bd.ACTIVATIONS
+    assert bd.classify("(f32[8], s32[])", "tuple", shapes) == bd.ACTIVATIONS

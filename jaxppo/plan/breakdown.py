@@ -12,10 +12,14 @@ layers, logits, the KV cache, and the rest (activations).
 
 The sorting goes by shape and opcode, not by provenance: a value is a gradient when it has
 a trained parameter's shape (per device) in float32, a gathered weight when it has a
-weight's whole shape and that is not the shard a device keeps, logits when its last axis is
-the vocabulary. An activation that happens to have a weight's shape is sorted with the
-weights. The dump is XLA's debug output (`xla_dump_to`); where a compiler writes none, or
-one this parser does not read, the breakdown is None and the plan reports totals alone.
+weight's whole shape and that is not the shard a device keeps (or is any matrix an
+all-gather made: a mixture's tokens gathered for its experts count there too), logits when
+its last axis is the vocabulary, KV cache (in the sampler) when it ends in the cache's
+length, heads and head width. An activation that happens to have a weight's shape is
+sorted with the weights; in the update a float32 slice of a weight counts as a gradient
+(the scoring pass and the sampler have neither gradients nor optimizer state). The dump is
+XLA's debug output (`xla_dump_to`); where a compiler writes none, or one this parser does
+not read, the breakdown is None and the plan reports totals alone.
 """
 
 from __future__ import annotations
@@ -239,7 +243,8 @@ def classify(shape: str, opcode: str, shapes: ValueShapes) -> str:
         return ACTIVATIONS
     dtype, dims = m.group(1), tuple(int(d) for d in m.group(2).split(",") if d)
     master = dtype == shapes.master_dtype
-    if dims in shapes.weights_full and dims not in shapes.weights_local:
+    if (dims in shapes.weights_full and dims not in shapes.weights_local) or (
+            opcode.startswith("all-gather") and len(dims) in (2, 3)):  # (a padded gather has no weight's dims)
         return GATHERED
     if master and opcode == "copy" and dims in shapes.state:
         return STATE_COPIES

@@ -261,7 +261,8 @@ def _parts(shapes: RunShapes, program: str) -> tuple:
         state=bd.dims_of((train.params, train.opt_state), local=True) if update else frozenset(),
         weights_local=bd.dims_of(weights, local=True), weights_full=bd.dims_of(weights, local=False),
         vocab=frozenset({m.vocab_size} | {m.vocab_size // n for n in sizes if m.vocab_size % n == 0}),
-        kv_tails=frozenset(tuple(sorted((length, h, head_dim))) for length in (q + r, q, r) for h in heads),
+        kv_tails=frozenset(tuple(sorted((length, h, head_dim))) for length in (q + r, q, r) for h in heads)
+        if program == "generate" else frozenset(),  # elsewhere keys and values are activations
         master_dtype=_HLO_DTYPES.get(jax.numpy.dtype(leaf.dtype).name, "f32"))
     return arguments, value_shapes, rest
 
