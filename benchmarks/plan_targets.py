@@ -139,6 +139,7 @@ def _raw(name: str, plan) -> dict:
                              "resident_besides": v.resident_besides, "total": v.total if v.memory else None,
                              "flops": v.work.flops, "bytes_per_chip": v.work.bytes_per_chip,
                              "floor_s": v.lower_bound_s, "decode_kernels": v.decode_kernels,
+                             "decode_gathered_bytes": getattr(v, "decode_gathered", None),
                              "breakdown": breakdown(v)}
                          for k, v in p.items()}}
 

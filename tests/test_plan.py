@@ -312,3 +312,42 @@ def test_values_are_sorted_by_shape_dtype_and_opcode():
     assert bd.classify("f32[8,7,1000]{2,1,0}", "fusion", shapes) == bd.LOGITS
     assert bd.classify("f32[8,7,64]{2,1,0}", "fusion", shapes) == bd.ACTIVATIONS
     assert bd.classify("(f32[8], s32[])", "tuple", shapes) == bd.ACTIVATIONS
+
+
+def test_the_bytes_a_decode_step_gathers_are_counted_per_trip():
+    """All-gathers in the decode loop (and in a layer loop inside it, per trip) add up
+    their results' bytes; an asynchronous start counts its gathered array, not its
+    operand; a gather outside the decode loop does not count."""
+    from jaxppo.plan.costs import decode_gathered_bytes
+
+    hlo = """HloModule m
+
+%layer (p: (s32[], bf16[4,8])) -> (s32[], bf16[4,8]) {
+  %p = (s32[], bf16[4,8]) parameter(0)
+  %w = bf16[2,8]{1,0} get-tuple-element(%p), index=1
+  %ag = (bf16[2,8]{1,0}, bf16[16,8]{1,0}) all-gather-start(%w), dimensions={0}
+  %agd = bf16[16,8]{1,0} all-gather-done(%ag)
+  ROOT %t = (s32[], bf16[4,8]) tuple(%p)
+}
+
+%cond (p: (s32[], bf16[4,8])) -> pred[] {
+  ROOT %c = pred[] constant(true)
+}
+
+%step (p: (s32[], bf16[4,8])) -> (s32[], bf16[4,8]) {
+  %p = (s32[], bf16[4,8]) parameter(0)
+  %l = (s32[], bf16[4,8]) while(%p), condition=%cond, body=%layer, backend_config={"known_trip_count":{"n":"3"}}
+  %x = f32[4,8]{1,0} get-tuple-element(%p), index=1
+  %g = f32[32,8]{1,0} all-gather(%x), dimensions={0}
+  ROOT %t = (s32[], bf16[4,8]) tuple(%l)
+}
+
+ENTRY %main (a: bf16[4,8]) -> (s32[], bf16[4,8]) {
+  %a = bf16[4,8]{1,0} parameter(0)
+  %pre = bf16[64,8]{1,0} all-gather(%a), dimensions={0}
+  %i = (s32[], bf16[4,8]) tuple(%a)
+  ROOT %w = (s32[], bf16[4,8]) while(%i), condition=%cond, body=%step, backend_config={"known_trip_count":{"n":"10"}}
+}
+"""
+    # per decode step: 3 layer trips x 16*8 bf16 (256 bytes) + 32*8 f32 (1024 bytes)
+    assert decode_gathered_bytes(hlo) == 3 * 16 * 8 * 2 + 32 * 8 * 4

@@ -22,7 +22,7 @@ from typing import Optional
 import jax
 import numpy as np
 
-__all__ = ["MemoryFigures", "memory_figures", "decode_kernels", "count_kernels", "ModelShape", "model_shape",
+__all__ = ["MemoryFigures", "memory_figures", "decode_kernels", "decode_gathered_bytes", "count_kernels", "ModelShape", "model_shape",
            "ProgramWork", "update_work", "score_work", "generate_work", "per_device_bytes"]
 
 
@@ -100,11 +100,12 @@ def _trip_count(line: str) -> Optional[int]:
     return None if m is None else int(m.group(1))
 
 
-def count_kernels(computations: dict, name: str) -> int:
+def count_kernels(computations: dict, name: str, cost=None) -> int:
     """Kernels one run of computation `name` launches: each instruction that is not
     bookkeeping counts one (a fusion, a library call, a collective, a copy); a loop counts
     its body and condition once per known trip (once where the count is not known); a
-    conditional its largest branch; a call its callee."""
+    conditional its largest branch; a call its callee. With `cost(opcode, line)`, each such
+    instruction counts what `cost` says instead of one (the bytes it gathers, say)."""
     total = 0
     for line in computations.get(name, ()):
         m = _INSTRUCTION.match(line)
@@ -113,36 +114,68 @@ def count_kernels(computations: dict, name: str) -> int:
         op = m.group(1)
         if op in _FREE or op.endswith("-done"):
             continue
+        inner = lambda key: sum(count_kernels(computations, c, cost) for c in _called(line, key))  # noqa: E731
         if op == "while":
-            trips = _trip_count(line) or 1
-            body = sum(count_kernels(computations, c) for c in _called(line, "body"))
-            cond = sum(count_kernels(computations, c) for c in _called(line, "condition"))
-            total += trips * (body + cond)
+            total += (_trip_count(line) or 1) * (inner("body") + inner("condition"))
         elif op == "conditional":
             branches = _called(line, "branch_computations") or (_called(line, "true_computation")
                                                                  + _called(line, "false_computation"))
-            total += max((count_kernels(computations, c) for c in branches), default=0)
+            total += max((count_kernels(computations, c, cost) for c in branches), default=0)
         elif op == "call":
-            total += sum(count_kernels(computations, c) for c in _called(line, "to_apply"))
+            total += inner("to_apply")
         else:
-            total += 1
+            total += 1 if cost is None else cost(op, line)
     return total
 
 
-def decode_kernels(hlo: str) -> Optional[int]:
-    """Kernels per decode step of a compiled sampler: those of the body and condition of
-    its decode loop, the loop at the top of the program with the most kernels per trip (the
-    prefill's layer loop, where there is one, has fewer). None when the program has no
-    loop at its top."""
+def _decode_loop_sum(hlo: str, cost=None) -> Optional[int]:
+    """`count_kernels` of one trip (body and condition) of the sampler's decode loop: the
+    loop at the top of the program with the most kernels per trip (the prefill's layer
+    loop, where there is one, has fewer). None when the program has no loop at its top."""
     computations, entry = _computations(hlo)
     best = None
     for line in computations.get(entry, ()):
         m = _INSTRUCTION.match(line)
         if m is None or m.group(1) != "while":
             continue
-        per_trip = sum(count_kernels(computations, c) for c in _called(line, "body") + _called(line, "condition"))
-        best = per_trip if best is None else max(best, per_trip)
-    return best
+        called = _called(line, "body") + _called(line, "condition")
+        kernels = sum(count_kernels(computations, c) for c in called)
+        if best is None or kernels > best[0]:
+            best = (kernels, sum(count_kernels(computations, c, cost) for c in called))
+    return None if best is None else best[1]
+
+
+def decode_kernels(hlo: str) -> Optional[int]:
+    """Kernels per decode step of a compiled sampler (its decode loop's body and condition,
+    once per trip of the loops inside). None when the program has no loop at its top."""
+    return _decode_loop_sum(hlo)
+
+
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+             "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_SHAPED = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s[a-z][a-z0-9\-]*\(")
+_ARRAYS = re.compile(r"([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
+
+
+def _gathered_bytes(op: str, line: str) -> int:
+    """Bytes an all-gather instruction's result holds (of an asynchronous start, the last
+    array of its tuple: the gathered one); 0 for any other instruction."""
+    if not op.startswith("all-gather"):
+        return 0
+    m = _SHAPED.match(line)
+    arrays = _ARRAYS.findall(m.group(1)) if m else []
+    if not arrays:
+        return 0
+    dtype, dims = arrays[-1]
+    return int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64)) * _ITEMSIZE.get(dtype, 4)
+
+
+def decode_gathered_bytes(hlo: str) -> Optional[int]:
+    """Bytes one decode step all-gathers per device (weights gathered from their shards
+    for every step, tokens gathered for a mixture's experts): what the step moves over
+    the interconnect beyond the device's share. None when the program has no loop at its
+    top."""
+    return _decode_loop_sum(hlo, _gathered_bytes)
 
 
 # ------------------------------------------------------------------ work from the shapes

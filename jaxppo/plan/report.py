@@ -40,6 +40,7 @@ class ProgramPlan:
     lower_bound_s: float
     decode_kernels: Optional[int] = None
     refused: Optional[str] = None
+    decode_gathered: Optional[int] = None
     breakdown: Optional[bd.Breakdown] = None
 
     @property
@@ -80,6 +81,8 @@ class Plan:
                 continue
             headroom = (t.usable_bytes - p.total) / GIB
             note = "" if p.decode_kernels is None else f"{p.decode_kernels} kernels per decode step"
+            if p.decode_gathered:
+                note += f", {p.decode_gathered / GIB:.2f} GiB all-gathered per step"
             note = ("DOES NOT FIT; " if p.total > t.usable_bytes else "") + note
             lines.append(f"{p.name:<10} {p.compile_s:>9.1f} {p.memory.peak / GIB:>9.3f} "
                          f"{p.resident_besides / GIB:>10.3f} {p.total / GIB:>12.3f} {headroom:>9.2f} "
@@ -227,9 +230,10 @@ def plan_run(config, inputs, target: Target, *, devices=None, programs=PROGRAMS,
                                    refused=_first_line(str(err))))
             continue
         seconds = time.perf_counter() - start
-        kernels = costs.decode_kernels(compiled.as_text()) if name == "generate" else None
+        hlo = compiled.as_text() if name == "generate" else None
+        kernels, gathered = (costs.decode_kernels(hlo), costs.decode_gathered_bytes(hlo)) if hlo else (None, None)
         out.append(ProgramPlan(name, seconds, costs.memory_figures(compiled), resident[name], work[name], floor,
-                               kernels, breakdown=breakdown))
+                               kernels, breakdown=breakdown, decode_gathered=gathered))
     axes = dict(shapes.mesh.shape) if shapes.mesh is not None else {}
     return Plan(target, tuple(out), axes, _summary(shapes), shapes.config)
 
