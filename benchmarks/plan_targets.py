@@ -6,7 +6,7 @@ plan's breakdown, read from the compiled program), the iteration's lower bound, 
 decode step.
 
     pip install 'jaxppo[plan-gpu,plan-tpu]'
-    python benchmarks/plan_targets.py                          # every row (about an hour on 2 cores)
+    python benchmarks/plan_targets.py                          # every row (about 40 min on 2 cores)
     python benchmarks/plan_targets.py --only llama3.1-8b       # rows whose name contains the text
     python benchmarks/plan_targets.py --programs update        # the update alone (its before/after)
     python benchmarks/plan_targets.py --json out.json          # and the raw rows
@@ -90,21 +90,21 @@ RUNS = {  # name: (algorithm, reward model, LoRA rank)
     "grpo full": ("grpo", False, 0),
     "grpo lora16": ("grpo", False, 16),
 }
-# The rows: {layout: ((runs), (targets))}, each run on each of its targets.
+# The rows: {layout: ((run, (targets)), ...)}.
 ROWS = {
-    "qwen2.5-0.5b": (("grpo full", "ppo full"), ("h100", "h200", "v5e-16")),
-    "qwen3-1.7b": (("grpo full", "ppo full"), ("h100", "h200", "h100x8", "v5e-16")),
-    "llama3.1-8b": (("grpo full", "ppo full", "grpo lora16"), ("h200", "h100x8", "h200x8", "v5e-16", "v5p-8")),
-    "qwen3-30b-a3b": (("grpo full", "grpo lora16"), ("h100x8", "h200x8", "v5p-16")),
-    "llama3.1-70b": (("grpo lora16",), ("h100x8", "h200x8", "v5p-16")),
+    "qwen2.5-0.5b": (("grpo full", ("h200",)), ("ppo full", ("h200",))),
+    "qwen3-1.7b": (("grpo full", ("h100", "h200", "v5e-16")), ("ppo full", ("h200",))),
+    "llama3.1-8b": (("grpo full", ("h100x8", "h200x8", "v5p-8")), ("ppo full", ("h200x8",)),
+                    ("grpo lora16", ("h200",))),
+    "qwen3-30b-a3b": (("grpo full", ("h100x8", "h200x8", "v5p-16")), ("grpo lora16", ("h200x8",))),
+    "llama3.1-70b": (("grpo lora16", ("h200x8",)),),
 }
 PROGRAMS = ("update", "score", "generate")
 
 
 def _rows(layouts):
     for layout in layouts:
-        runs, targets = ROWS[layout]
-        for run in runs:
+        for run, targets in ROWS[layout]:
             for target in targets:
                 yield f"{layout} {run} {target}", layout, run, target
 

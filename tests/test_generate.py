@@ -331,13 +331,23 @@ _FAMILIES = {
 }
 
 
+def _cast_at_every_step(monkeypatch):
+    """The samplers as they decoded before `Model.for_decoding` cast the matrices once per
+    call: the float32 weights themselves, cast by the layers at every use (the reference),
+    in programs traced afresh (jit caches cleared on entry and by the caller after)."""
+    from jaxppo.models import model as model_module
+
+    monkeypatch.setattr(model_module, "matrices_in_compute_dtype", lambda params, dtype, stacked=None: params)
+    jax.clear_caches()
+
+
 @pytest.mark.parametrize("family", list(_FAMILIES))
-def test_hoisted_weights_in_the_compute_dtype_decode_as_before(family):
-    """float32 weights, bfloat16 compute: the hoisted sampler decodes from a copy whose
-    matrices are bfloat16 (`matrices_in_compute_dtype`), bit for bit the tokens, log-probs
-    and mask of the unrolled layout decoding from the float32 weights themselves (which
-    its layers cast at every use), in every family, LoRA included; its program takes the
-    matrices as bfloat16."""
+def test_weights_in_the_compute_dtype_decode_as_before(family, monkeypatch):
+    """float32 weights, bfloat16 compute: the samplers decode from a copy whose matrices are
+    bfloat16 (`matrices_in_compute_dtype`, once per call), bit for bit the tokens, log-probs
+    and mask of decoding from the float32 weights themselves (which the layers cast at
+    every use), in every family, LoRA included, with scanned, hoisted and unrolled layers;
+    the program takes the matrices as bfloat16."""
     config = jm.ModelConfig(**{**dict(vocab_size=V, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                                       intermediate_size=64, max_position_embeddings=64), **_FAMILIES[family]})
     lora = jm.LoraConfig(rank=2, alpha=4.0) if family.endswith("lora") else None
@@ -346,15 +356,35 @@ def test_hoisted_weights_in_the_compute_dtype_decode_as_before(family):
     leaves, tree = jax.tree.flatten(params)  # off the initialisation (LoRA's B starts at zero)
     keys = jax.random.split(jax.random.key(2), len(leaves))
     params = tree.unflatten([x + 0.1 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)])
-    hoisted = jm.Model(config, dtype="bfloat16", lora=lora, scan_layers=True, hoist_layers=True)
     stacked = jm.stack_layers(params, config)
+    layouts = {"unrolled": (unrolled, params),
+               "scanned": (jm.Model(config, dtype="bfloat16", lora=lora, scan_layers=True), stacked),
+               "hoisted": (jm.Model(config, dtype="bfloat16", lora=lora, scan_layers=True, hoist_layers=True), stacked)}
     ids, mask = _prompts(4, q=6, seed=3)
     settings = dict(response_length=7, stop_token_ids=(2,))
-    want = generate(unrolled, params, ids, mask, jax.random.key(4), **settings)
-    got = generate(hoisted, stacked, ids, mask, jax.random.key(4), **settings)
-    for a, b in zip(got, want):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    _, decoding = hoisted.for_decoding(stacked)
-    dtypes = {leaf.dtype for leaf in jax.tree.leaves(decoding) if leaf.ndim >= 2}
-    assert dtypes == {jnp.dtype(jnp.bfloat16)}, dtypes
-    assert {leaf.dtype for leaf in jax.tree.leaves(decoding) if leaf.ndim == 1} == {jnp.dtype(jnp.float32)}
+    got = {name: generate(model, p, ids, mask, jax.random.key(4), **settings) for name, (model, p) in layouts.items()}
+    prefix = jm.model._layer_prefix(config)
+
+    def dtypes(tree, matrices):  # a matrix: two or more axes per layer (a stack's first axis is its layers')
+        out = set()
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            per_layer = leaf.ndim - (prefix in [str(getattr(k, "key", k)) for k in path] and model.scan_layers)
+            if (per_layer >= 2) == matrices:
+                out.add(leaf.dtype)
+        return out
+
+    for name, (model, p) in layouts.items():
+        model, decoding = model.for_decoding(p)
+        assert dtypes(decoding, True) == {jnp.dtype(jnp.bfloat16)}, name
+        assert dtypes(decoding, False) == {jnp.dtype(jnp.float32)}, name  # norm scales, biases
+    with monkeypatch.context() as patched:
+        _cast_at_every_step(patched)
+        want = {name: generate(model, p, ids, mask, jax.random.key(4), **settings)
+                for name, (model, p) in layouts.items() if name != "hoisted"}
+        model, uncast = layouts["scanned"][0].for_decoding(stacked)
+        assert dtypes(uncast, True) == {jnp.dtype(jnp.float32)}
+    jax.clear_caches()
+    want["hoisted"] = want["unrolled"]  # the hoisted layout decodes as the unrolled one
+    for name in layouts:
+        for a, b in zip(got[name], want[name]):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -225,13 +225,16 @@ class Model:
                            zero_init=self.kind == "value", **common)
 
     def for_decoding(self, params):
-        """(model, params) the samplers decode with: with `hoist_layers` and scanned layers,
-        the unrolled layout, its per-layer weights sliced out here once (matrices in the
-        compute dtype); else as they are."""
+        """(model, params) the samplers decode with: the matrices in the compute dtype, cast
+        here once per call rather than by the layers at every decode step (the same values;
+        float32 master weights under bfloat16 compute: half the bytes each step reads, a copy
+        of half their size held while sampling); with `hoist_layers` and scanned layers, the
+        unrolled layout, its per-layer weights sliced out here once."""
         if self.hoist_layers and self.scan_layers:
             unstacked = unstack_layers(params, self.config)
             return dataclasses.replace(self, scan_layers=False), matrices_in_compute_dtype(unstacked, self.dtype)
-        return self, params
+        stacked = (trunk_name(self.config), _layer_prefix(self.config)) if self.scan_layers else None
+        return self, matrices_in_compute_dtype(params, self.dtype, stacked)
 
     @property
     def is_causal_lm(self) -> bool:
@@ -570,20 +573,27 @@ def _trunk_collections(variables, trunk):
     return [k for k, v in variables.items() if isinstance(v, dict) and trunk in v]
 
 
-def matrices_in_compute_dtype(params, dtype):
+def matrices_in_compute_dtype(params, dtype, stacked: Optional[Tuple[str, ...]] = None):
     """`params` with every floating leaf of two or more axes (kernels, embeddings, LoRA's
     factors) cast to `dtype` where `dtype` is narrower; the others (biases, norm scales)
-    as they are. The layers cast such a matrix to their compute dtype at every use, so a
-    sampler given the cast copy computes the same values, from half the bytes (float32
-    weights, bfloat16 compute) and without a conversion per weight per decode step."""
+    as they are. `stacked`: the key path (as `(trunk, layers prefix)`) under which each
+    leaf carries a leading layer axis (scanned layers), so that there a matrix has three
+    or more axes (a stacked norm scale has two, and stays). The layers cast such a matrix
+    to their compute dtype at every use, so a sampler given the cast copy computes the
+    same values, from half the bytes (float32 weights, bfloat16 compute) and without a
+    conversion per weight per decode step."""
     dtype = jnp.dtype(dtype)
 
-    def cast(x):
-        if jnp.ndim(x) >= 2 and jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize > dtype.itemsize:
+    def cast(path, x):
+        names = [str(getattr(k, "key", k)) for k in path]
+        layered = stacked is not None and any(tuple(names[i:i + len(stacked)]) == stacked
+                                              for i in range(len(names)))
+        if (jnp.ndim(x) >= (3 if layered else 2) and jnp.issubdtype(x.dtype, jnp.floating)
+                and jnp.dtype(x.dtype).itemsize > dtype.itemsize):
             return x.astype(dtype)
         return x
 
-    return jax.tree.map(cast, params)
+    return jax.tree_util.tree_map_with_path(cast, params)
 
 
 def unstack_layers(params, config: ModelConfig):

@@ -186,7 +186,8 @@ class ModelShape:
     runs through (`matmul`; of a mixture's experts, num_experts_per_tok of num_experts),
     the LM head's (hidden x vocab, 0 for a scalar head), the attention widths, the layer
     count, the bytes of all its parameters as held, and of one token's keys and values in
-    the KV cache."""
+    the KV cache, and the bytes of the parameters the samplers decode from (matrices in the
+    compute dtype: `Model.for_decoding`)."""
 
     matmul: int
     head: int
@@ -194,6 +195,7 @@ class ModelShape:
     attention_width: int
     weight_bytes: int
     kv_bytes_per_token: int
+    decode_weight_bytes: int = 0
 
 
 _HEADS = ("lm_head", "score", "value_head", "embed", "wte", "wpe")
@@ -210,12 +212,13 @@ def model_shape(model, params, cache_dtype=None) -> ModelShape:
             # A mixture's experts: a token runs num_experts_per_tok of num_experts.
             matmul += size * c.num_experts_per_tok // c.num_experts if "'experts'" in key else size
     head = c.hidden_size * c.vocab_size if model.kind in ("causal_lm", "causal_lm_value") else 0
-    weight_bytes = sum(int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
-                       for x in jax.tree.leaves(params) if hasattr(x, "shape"))
+    nbytes = lambda tree: sum(int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize  # noqa: E731
+                              for x in jax.tree.leaves(tree) if hasattr(x, "shape"))
     head_dim = c.head_dim or c.hidden_size // c.num_heads
     itemsize = np.dtype(cache_dtype or model.dtype).itemsize
-    return ModelShape(matmul, head, c.num_layers, c.num_heads * head_dim, weight_bytes,
-                      2 * c.num_layers * c.num_kv_heads * head_dim * itemsize)
+    decoding = jax.eval_shape(lambda p: model.for_decoding(p)[1], params) if model.is_causal_lm else params
+    return ModelShape(matmul, head, c.num_layers, c.num_heads * head_dim, nbytes(params),
+                      2 * c.num_layers * c.num_kv_heads * head_dim * itemsize, nbytes(decoding))
 
 
 def _forward_flops(shape: ModelShape, rows: int, query: int, response: int, head_positions: int,
@@ -270,13 +273,18 @@ def score_work(models: list, rows: int, prompt_rows: int, query: int, response: 
 
 
 def generate_work(shape: ModelShape, rows: int, prompts: int, query: int, response: int, rows_per_chip: int,
-                  tensor: int = 1) -> ProgramWork:
+                  shards: int = 1, gathered_per_step: int = 0) -> ProgramWork:
     """Sampling: the prefill of `prompts` distinct prompts of `query` tokens (a group's
-    rows share theirs), then `response` decode steps of `rows` rows, each step reading the
-    weights (whole on every chip, or a `tensor`-th) and the chip's rows of the KV cache at
-    its full length (the sampler attends over the whole cache, masked)."""
+    rows share theirs), then `response` decode steps of `rows` rows, each step reading each
+    chip's share of the weights the sampler decodes from (in the compute dtype, split over
+    the `shards` chips that hold them: the compiled decode step computes with the shard a
+    chip keeps and moves activations, not weights; what it does gather is
+    `gathered_per_step`, bytes a chip receives per step, read from the compiled program)
+    and the chip's rows of the KV cache at its full length (the sampler attends over the
+    whole cache, masked)."""
     prefill = _forward_flops(shape, prompts, query, 0, 1)
     attention = 2 * 2 * shape.layers * shape.attention_width * rows * response * (query + response)
     decode = response * (2.0 * shape.matmul + 2.0 * shape.head) * rows + attention
     cache = rows_per_chip * (query + response) * shape.kv_bytes_per_token
-    return ProgramWork(prefill + decode, response * (shape.weight_bytes / tensor + cache))
+    weights = (shape.decode_weight_bytes or shape.weight_bytes) / shards
+    return ProgramWork(prefill + decode, response * (weights + cache + gathered_per_step))

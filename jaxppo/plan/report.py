@@ -191,8 +191,7 @@ def run_work(shapes: RunShapes) -> dict:
         scored.append((critic_shape, False))
     score = costs.score_work(scored, b, prompts, q, r)
     data = shapes.mesh.shape["data"] * shapes.mesh.shape["fsdp"] if shapes.mesh is not None else 1
-    tensor = shapes.mesh.shape["tensor"] if shapes.mesh is not None else 1
-    generate = costs.generate_work(policy, b, b // spec.num_generations, q, r, b // data, tensor)
+    generate = costs.generate_work(policy, b, b // spec.num_generations, q, r, b // data, shards)
     return {"update": update, "score": score, "generate": generate}
 
 
@@ -232,6 +231,10 @@ def plan_run(config, inputs, target: Target, *, devices=None, programs=PROGRAMS,
         seconds = time.perf_counter() - start
         hlo = compiled.as_text() if name == "generate" else None
         kernels, gathered = (costs.decode_kernels(hlo), costs.decode_gathered_bytes(hlo)) if hlo else (None, None)
+        if gathered:  # what each decode step receives from the other chips, as compiled
+            steps = shapes.config.sampling.response_length
+            work[name] = costs.ProgramWork(work[name].flops, work[name].bytes_per_chip + steps * gathered)
+            floor = work[name].lower_bound(target.chips, target.peak_flops, target.bandwidth)
         out.append(ProgramPlan(name, seconds, costs.memory_figures(compiled), resident[name], work[name], floor,
                                kernels, breakdown=breakdown, decode_gathered=gathered))
     axes = dict(shapes.mesh.shape) if shapes.mesh is not None else {}
