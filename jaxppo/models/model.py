@@ -188,10 +188,11 @@ class Model:
       size that is a multiple of 8, at most 256). Decode steps always use "einsum". The
       same outputs and gradients up to rounding.
     hoist_layers: with `scan_layers`, the samplers slice each layer's weights out of the
-      stacked arrays once per call (matrices in the compute dtype) and decode through the
-      unrolled layers, not slicing every layer at every step: faster, for a copy of the
-      weights held while sampling. The unrolled layout's tokens (the scanned layout's up
-      to rounding). No effect without `scan_layers` or outside the samplers.
+      stacked arrays once per call and decode through the unrolled layers, not slicing
+      every layer at every step: faster, for a copy of the weights held while sampling.
+      The unrolled layout's tokens (the scanned layout's up to rounding). No effect
+      without `scan_layers` or outside the samplers. (In every layout the samplers decode
+      from the matrices cast to the compute dtype once per call: `for_decoding`.)
     head_window: for `grouped_outputs`, apply the LM head at each row's last `head_window`
       attended positions of the response region only (their log-probs and entropies; 0 at
       the others). For a layout whose trained tokens are the last of each row's region: the
