@@ -89,6 +89,9 @@ def test_the_updates_temporaries_follow_the_mini_batch_and_hold_no_second_state(
     for plan in plans.values():
         b = plan.programs[0].breakdown
         assert b is not None and b.part(bd.STATE_COPIES) == 0, b.text()
+    # What grows with the rows is what the breakdown calls activations and logits.
+    grows = lambda mini: sum(plans[mini].programs[0].breakdown.part(p) for p in (bd.ACTIVATIONS, bd.LOGITS))  # noqa: E731
+    assert grows(16) - grows(4) > 0.5 * (temporaries[16] - temporaries[4]), (grows(4), grows(16), temporaries)
 
 
 @pytest.mark.skipif(not all(HAVE.values()) and not os.environ.get("JAXPPO_REQUIRE_PLAN"),

@@ -3,7 +3,7 @@ them (parameters, optimizer state, frozen models, the batch), and its temporarie
 the compiler's own buffer assignment (XLA's dump of the optimised program: every value of
 the temporaries' arena with its offset and size, and each value's live range), at the
 moment the arena is fullest, each value sorted by what it matches: the trained parameters'
-gradients and the optimizer's temporaries, copies of the training state, weights gathered
+gradients and the optimizer's temporaries, state-sized copies, weights gathered
 from their shards, weights converted to the compute dtype or sliced out of a stack of
 layers, logits, the KV cache, and the rest (activations).
 
@@ -36,7 +36,7 @@ import numpy as np
 __all__ = ["Breakdown", "ValueShapes", "compile_with_breakdown", "temporaries_at_peak", "TEMPORARY_PARTS"]
 
 GRADIENTS = "gradients and optimizer temporaries"
-STATE_COPIES = "copies of the training state"
+STATE_COPIES = "state-sized copies"
 GATHERED = "gathered weights"
 WEIGHT_COPIES = "weight copies (compute dtype, layer slices)"
 LOGITS = "logits"
@@ -53,7 +53,8 @@ class ValueShapes:
       trained: per-device dims of the trained parameters (of a scanned stack also one
         layer's), whose float32 values are gradients or the optimizer's temporaries.
       state: per-device dims of every leaf of the training state (parameters, optimizer
-        state), whose copies are copies of the training state.
+        state), a copy of whose shape (a weight, a moment or a gradient: they share their
+        shapes) is a state-sized copy.
       weights_local: per-device dims of every weight the program reads (and one layer's).
       weights_full: the whole dims of every weight (and one layer's): held whole where a
         device keeps a shard, they were gathered.

@@ -137,8 +137,8 @@ def advice(config, over: set, axes: dict, target: Target, breakdowns: Optional[d
         "rows": (True, "a smaller --batch-size or --response-length (the sampler's KV cache and the scored batch)"),
         "tensor": (axes.get("tensor", 1) == 1 and target.chips > 1,
                    "--mesh-tensor 2 (each layer's gathered weights split over two chips)"),
-        "report": (True, "copies of the training state in the update: not expected of jaxppo's update on this "
-                         "target (please report it with this plan)"),
+        "report": (True, "state-sized copies in the update (of weights, moments or gradients): not expected of "
+                         "jaxppo's update on this target (please report it with this plan)"),
     }
     kinds = []
     breakdowns = breakdowns or {}
