@@ -351,3 +351,19 @@ ENTRY %main (a: bf16[4,8]) -> (s32[], bf16[4,8]) {
 """
     # per decode step: 3 layer trips x 16*8 bf16 (256 bytes) + 32*8 f32 (1024 bytes)
     assert decode_gathered_bytes(hlo) == 3 * 16 * 8 * 2 + 32 * 8 * 4
+
+
+def test_a_copy_of_zeros_is_a_gradient_accumulator_not_a_state_copy(tmp_path):
+    """XLA starts a loop's gradient accumulator by copying a broadcast of zeros; that copy
+    is a gradient, a copy of anything else of the state's shape a state-sized copy."""
+    from jaxppo.plan import breakdown as bd
+
+    hlo = tmp_path / "m.txt"
+    hlo.write_text("  %loop_broadcast_fusion.12 = f32[4,8]{1,0} fusion(%c), kind=kLoop\n"
+                   "  %copy.1 = f32[4,8]{1,0} copy(%loop_broadcast_fusion.12), metadata={}\n"
+                   "  %copy.2 = f32[4,8]{1,0} copy(%param.3), metadata={}\n")
+    opcodes = bd._opcodes(str(hlo))
+    assert opcodes == {"loop_broadcast_fusion.12": "fusion", "copy.1": "copy-of-broadcast", "copy.2": "copy"}
+    shapes = bd.ValueShapes(trained=frozenset({(4, 8)}), state=frozenset({(4, 8)}))
+    assert bd.classify("f32[4,8]{1,0}", opcodes["copy.1"], shapes) == bd.GRADIENTS
+    assert bd.classify("f32[4,8]{1,0}", opcodes["copy.2"], shapes) == bd.STATE_COPIES

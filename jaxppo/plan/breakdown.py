@@ -16,7 +16,8 @@ weight's whole shape and that is not the shard a device keeps (or is any matrix 
 all-gather made: a mixture's tokens gathered for its experts count there too), logits when
 its last axis is the vocabulary, KV cache (in the sampler) when it ends in the cache's
 length, heads and head width. An activation that happens to have a weight's shape is
-sorted with the weights; in the update a float32 slice of a weight counts as a gradient
+sorted with the weights; in the update a float32 slice of a weight counts as a gradient, and so does a
+copy of zeros of a trained parameter's shape (a loop's gradient accumulator starts so)
 (the scoring pass and the sampler have neither gradients nor optimizer state). The dump is
 XLA's debug output (`xla_dump_to`); where a compiler writes none, or one this parser does
 not read, the breakdown is None and the plan reports totals alone.
@@ -124,7 +125,7 @@ def compile_with_breakdown(lowered, arguments: dict, shapes: ValueShapes, rest: 
 
 _VALUE = re.compile(r"^\s*value:\s*<\d+\s+(\S+)[^>]*@\d+>\s*\(size=(\d+),offset=(\d+)\):\s*(\S+)")
 _RANGE = re.compile(r"^\s*(\S+\{[\d,]*\}):(\d+)-(\d+)\s*$")
-_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\s([a-z][a-z0-9\-]*)\(")
+_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\s([a-z][a-z0-9\-]*)\(%?([\w.\-]*)")
 _ARRAY = re.compile(r"^([a-z]+\d*)\[([\d,]*)\]")
 
 
@@ -200,13 +201,15 @@ def _live_ranges(path: str) -> dict:
 
 
 def _opcodes(path: str) -> dict:
-    """{instruction name: opcode} of the optimised HLO."""
+    """{instruction name: opcode} of the optimised HLO; a copy of a broadcast (zeros to
+    start a loop's accumulator from) as "copy-of-broadcast"."""
     out = {}
     with open(path) as f:
         for line in f:
             m = _NAME.match(line)
             if m:
-                out[m.group(1)] = m.group(2)
+                copied_zeros = m.group(2) == "copy" and "broadcast" in m.group(3)
+                out[m.group(1)] = "copy-of-broadcast" if copied_zeros else m.group(2)
     return out
 
 
@@ -247,7 +250,7 @@ def classify(shape: str, opcode: str, shapes: ValueShapes) -> str:
     if (dims in shapes.weights_full and dims not in shapes.weights_local) or (
             opcode.startswith("all-gather") and len(dims) in (2, 3)):  # (a padded gather has no weight's dims)
         return GATHERED
-    if master and opcode == "copy" and dims in shapes.state:
+    if master and opcode == "copy" and dims in shapes.state:  # (a copy of zeros starts an accumulator: below)
         return STATE_COPIES
     if master and dims in shapes.trained:
         return GRADIENTS
