@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from typing import Optional, Tuple, Union
+from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -188,11 +188,10 @@ class Model:
       size that is a multiple of 8, at most 256). Decode steps always use "einsum". The
       same outputs and gradients up to rounding.
     hoist_layers: with `scan_layers`, the samplers slice each layer's weights out of the
-      stacked arrays once per call and decode through the unrolled layers, not slicing
-      every layer at every step: faster, for a copy of the weights held while sampling.
-      The unrolled layout's tokens (the scanned layout's up to rounding). No effect
-      without `scan_layers` or outside the samplers. (In every layout the samplers decode
-      from the matrices cast to the compute dtype once per call: `for_decoding`.)
+      stacked arrays once per call (matrices in the compute dtype) and decode through the
+      unrolled layers, not slicing every layer at every step: faster, for a copy of the
+      weights held while sampling. The unrolled layout's tokens (the scanned layout's up
+      to rounding). No effect without `scan_layers` or outside the samplers.
     head_window: for `grouped_outputs`, apply the LM head at each row's last `head_window`
       attended positions of the response region only (their log-probs and entropies; 0 at
       the others). For a layout whose trained tokens are the last of each row's region: the
@@ -226,16 +225,13 @@ class Model:
                            zero_init=self.kind == "value", **common)
 
     def for_decoding(self, params):
-        """(model, params) the samplers decode with: the matrices in the compute dtype, cast
-        here once per call rather than by the layers at every decode step (the same values;
-        float32 master weights under bfloat16 compute: half the bytes each step reads, a copy
-        of half their size held while sampling); with `hoist_layers` and scanned layers, the
-        unrolled layout, its per-layer weights sliced out here once."""
+        """(model, params) the samplers decode with: the matrices cast to the compute dtype
+        once per call (`matrices_in_compute_dtype`); with `hoist_layers` and scanned layers,
+        the unrolled layout, its per-layer weights sliced out here once."""
         if self.hoist_layers and self.scan_layers:
             unstacked = unstack_layers(params, self.config)
             return dataclasses.replace(self, scan_layers=False), matrices_in_compute_dtype(unstacked, self.dtype)
-        stacked = (trunk_name(self.config), _layer_prefix(self.config)) if self.scan_layers else None
-        return self, matrices_in_compute_dtype(params, self.dtype, stacked)
+        return self, matrices_in_compute_dtype(params, self.dtype, self.config if self.scan_layers else None)
 
     @property
     def is_causal_lm(self) -> bool:
@@ -574,16 +570,17 @@ def _trunk_collections(variables, trunk):
     return [k for k, v in variables.items() if isinstance(v, dict) and trunk in v]
 
 
-def matrices_in_compute_dtype(params, dtype, stacked: Optional[Tuple[str, ...]] = None):
+def matrices_in_compute_dtype(params, dtype, stacked: Optional[ModelConfig] = None):
     """`params` with every floating leaf of two or more axes (kernels, embeddings, LoRA's
     factors) cast to `dtype` where `dtype` is narrower; the others (biases, norm scales)
-    as they are. `stacked`: the key path (as `(trunk, layers prefix)`) under which each
-    leaf carries a leading layer axis (scanned layers), so that there a matrix has three
-    or more axes (a stacked norm scale has two, and stays). The layers cast such a matrix
-    to their compute dtype at every use, so a sampler given the cast copy computes the
-    same values, from half the bytes (float32 weights, bfloat16 compute) and without a
-    conversion per weight per decode step."""
+    as they are. `stacked`: the config of params in the scanned layout, whose stacked
+    layers' leaves carry a leading layer axis, so that there a matrix has three or more
+    axes (a stacked norm scale has two, and stays). The layers cast such a matrix to their
+    compute dtype at every use, so a sampler given the cast copy computes the same values,
+    from half the bytes (float32 weights, bfloat16 compute) and without a conversion per
+    weight per decode step: the samplers decode from it (`Model.for_decoding`)."""
     dtype = jnp.dtype(dtype)
+    stacked = (trunk_name(stacked), _layer_prefix(stacked)) if stacked is not None else None
 
     def cast(path, x):
         names = [str(getattr(k, "key", k)) for k in path]
