@@ -233,7 +233,9 @@ def packed_against_padded(model, params, config, streams=None, *, freeze=None, r
 
 
 def assert_same_update(padded, packed, m_padded, m_packed):
-    chex.assert_trees_all_close(packed.params, padded.params, rtol=1e-4, atol=1e-5)
+    # Four SGD steps at lr 0.5 move the parameters by more than 1e-2 (checked above); float32 rounding
+    # reaches 5e-5 on a host without AVX-512 (XLA:CPU sums in another order), far under a wrong layout's error.
+    chex.assert_trees_all_close(packed.params, padded.params, rtol=1e-4, atol=1e-4)
     assert int(packed.step) == int(padded.step) == int(m_packed["ppo/updates_planned"])
     np.testing.assert_allclose(m_packed["per_minibatch/loss/total"], m_padded["per_minibatch/loss/total"],
                                rtol=1e-4, atol=1e-6)

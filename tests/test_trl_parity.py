@@ -138,7 +138,8 @@ def test_loss_and_gradients_equal_trl(setup, case):
         minibatch["loss_token_norm"] = jnp.full((B,), num_items / config.batch.num_minibatches, jnp.float32)
     loss_fn = lambda p: ppo_loss(p, minibatch, apply_fn=model.apply, config=config)[0]
     loss, grads = jax.value_and_grad(loss_fn)(params)
-    assert float(loss) == pytest.approx(want_loss, abs=2e-7, rel=1e-6), case
+    # float32 rounding: XLA:CPU reduces in another order without AVX-512 (vespo-2-steps: 1.2e-6 relative there)
+    assert float(loss) == pytest.approx(want_loss, abs=2e-7, rel=2e-6), case
     ours_hf = jm.params_to_hf_tensors(model, jax.tree.map(np.asarray, grads))
     compared = 0
     for name, want in want_grads.items():
