@@ -140,6 +140,7 @@ def _raw(name: str, plan) -> dict:
                              "flops": v.work.flops, "bytes_per_chip": v.work.bytes_per_chip,
                              "floor_s": v.lower_bound_s, "decode_kernels": v.decode_kernels,
                              "decode_gathered_bytes": getattr(v, "decode_gathered", None),
+                             "decode_unknown_loops": getattr(v, "decode_unknown_loops", None),
                              "breakdown": breakdown(v)}
                          for k, v in p.items()}}
 

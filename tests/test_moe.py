@@ -56,8 +56,9 @@ def test_blocked_matmul_equals_a_loop_over_the_groups(sizes, extra):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dense", [False, True], ids=["grouped", "every-expert"])
 @pytest.mark.parametrize("normalise", [False, True])
-def test_routing_and_experts_equal_a_loop_over_tokens(normalise):
+def test_routing_and_experts_equal_a_loop_over_tokens(normalise, dense):
     rng = np.random.default_rng(0)
     n, d, i, e, k = 11, 6, 5, 4, 2
     x, logits = rng.normal(size=(n, d)).astype(np.float32), rng.normal(size=(n, e)).astype(np.float32)
@@ -77,8 +78,72 @@ def test_routing_and_experts_equal_a_loop_over_tokens(normalise):
         for j in range(k):
             ex = int(idx[t, j])
             want[t] += float(top[t, j]) * ((silu(x[t] @ wg[ex]) * (x[t] @ wu[ex])) @ wd[ex])
-    got = experts_forward(jnp.asarray(x), experts, weights, wg, wu, wd, "silu")
+    got = experts_forward(jnp.asarray(x), experts, weights, wg, wu, wd, "silu", dense=dense)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5)
+
+
+def test_every_expert_equals_the_grouped_path_with_adapters_and_gradients():
+    """The few-token path (`every_expert`: one product with every expert, then each token's
+    k outputs picked) against the grouped one (`grouped_matmul`), with LoRA on two of the
+    projections and pairs routed to an expert past E (the expert-parallel path's pairs of
+    other devices, weight 0): the outputs and the gradients of x, the kernels and the
+    adapters agree to float32 rounding (the two sum the same terms in other orders)."""
+    rng = np.random.default_rng(3)
+    n, d, i, e, k, r = 12, 16, 8, 6, 2, 3
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape) / np.sqrt(shape[-2] if len(shape) > 1 else 1),  # noqa: E731
+                                        jnp.float32)
+    x, wg, wu, wd = normal(n, d), normal(e, d, i), normal(e, d, i), normal(e, i, d)
+    weights, experts, _ = route(normal(n, e), k, True)
+    experts = experts.at[::5, 1].set(e)  # not this device's: contributes nothing
+    weights = weights.at[::5, 1].set(0.0)
+    lora = {"gate_proj": (normal(e, d, r), normal(e, r, i)), "down_proj": (normal(e, i, r), normal(e, r, d))}
+
+    def loss(dense, x, wg, wu, wd, lora):
+        adapters = {name: (a, b, 0.5) for name, (a, b) in lora.items()}
+        return jnp.sum(jnp.sin(experts_forward(x, experts, weights, wg, wu, wd, "silu", adapters, dense=dense)))
+
+    grads = {dense: jax.jit(jax.value_and_grad(lambda *a: loss(dense, *a), argnums=(0, 1, 2, 3, 4)))(
+        x, wg, wu, wd, lora) for dense in (False, True)}
+    assert float(grads[True][0]) == pytest.approx(float(grads[False][0]), rel=1e-5)
+    for a, b in zip(jax.tree.leaves(grads[True][1]), jax.tree.leaves(grads[False][1])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    assert float(jnp.max(jnp.abs(grads[True][1][1]))) > 1e-2  # the kernels do receive a gradient
+
+
+@pytest.mark.parametrize("fsdp", [1, 8], ids=["one-device", "expert-parallel-1x8"])
+def test_decoding_through_every_expert_samples_the_grouped_tokens(fsdp, monkeypatch):
+    """The samplers' decode steps (16 rows: under `DENSE_TOKENS`) run every expert at once:
+    the same tokens as the grouped path, the log-probs within float32 rounding, on one
+    device and expert parallel over a 1x8 mesh (one expert a device)."""
+    from jaxppo import sharding as sh
+    from jaxppo.models import moe
+    from jaxppo.rollout.samplers.static import generate
+
+    model = jm.Model(_config(), scan_layers=True)
+    params = model.init(jax.random.key(0))
+    rng = np.random.default_rng(1)
+    ids = rng.integers(3, V, (16, 5))
+    mask = np.ones_like(ids)
+    mask[1::3, :2] = 0
+    ids, mask = jnp.asarray(ids * mask), jnp.asarray(mask)
+    mesh = sh.make_mesh(sh.MeshConfig(data=8 // fsdp, fsdp=fsdp))
+    placed = (sh.shard_state(params, mesh), sh.shard_batch(ids, mesh), sh.shard_batch(mask, mesh))
+
+    run = lambda: generate(model, *placed, jax.random.key(2), response_length=10, temperature=1.0)  # noqa: E731
+
+    def sample(dense_tokens):
+        monkeypatch.setattr(moe, "DENSE_TOKENS", dense_tokens)
+        jax.clear_caches()  # the threshold is read when the program is traced
+        with jax.set_mesh(mesh):  # as the trainer samples (`jaxppo.run.iteration`)
+            return run(), str(jax.make_jaxpr(run)())
+
+    (grouped, _), (dense, program) = sample(0), sample(moe.DENSE_TOKENS)
+    jax.clear_caches()
+    # Over fsdp 8 the 16 rows' decode steps go through the expert-parallel path.
+    assert ("shard_map" in program) == (fsdp > 1)
+    np.testing.assert_array_equal(np.asarray(dense.tokens), np.asarray(grouped.tokens))
+    np.testing.assert_allclose(np.asarray(dense.logprobs), np.asarray(grouped.logprobs), rtol=0, atol=1e-5)
+    assert len(np.unique(np.asarray(dense.tokens))) > 10  # sampled, not one repeated token
 
 
 def test_the_load_balancing_loss_equals_transformers(hf_checkpoints):

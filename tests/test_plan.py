@@ -13,7 +13,7 @@ import transformers
 import jaxppo
 from jaxppo.cli import main as cli_main
 from jaxppo.plan import MissingExtra, Target, plan_run, resolve_target, target_devices
-from jaxppo.plan.costs import count_kernels, decode_kernels, per_device_bytes
+from jaxppo.plan.costs import DecodeStep, count_kernels, decode_kernels, decode_step, per_device_bytes
 from jaxppo.plan.programs import abstract_run, lower_programs
 from jaxppo.plan.report import run_work
 from jaxppo.run.parts import Inputs
@@ -148,6 +148,11 @@ ENTRY %main (x: f32[4]) -> f32[4] {
 """
     # One decode step: 2 (fusion, library call) + 3 x (1 fusion + 1 compare) + 1 compare.
     assert decode_kernels(hlo) == 2 + 3 * 2 + 1
+    assert decode_step(hlo).unknown_trip_loops == 0
+    # The inner loop without its known trip count (a loop over a traced count, as a
+    # mixture's blocked products run): counted once, and said to be.
+    unknown = hlo.replace(', backend_config={"known_trip_count":{"n":"3"}}', "")
+    assert decode_step(unknown) == DecodeStep(kernels=2 + 2 + 1, gathered_bytes=0, unknown_trip_loops=1)
     assert count_kernels({"c": ["  %a = f32[] fusion(%x), calls=%f", "  %b = f32[] bitcast(%a)"]}, "c") == 1
 
 
@@ -316,8 +321,9 @@ def test_values_are_sorted_by_shape_dtype_and_opcode():
 
 def test_the_bytes_a_decode_step_gathers_are_counted_per_trip():
     """All-gathers in the decode loop (and in a layer loop inside it, per trip) add up
-    their results' bytes; an asynchronous start counts its gathered array, not its
-    operand; a gather outside the decode loop does not count."""
+    their results' bytes; an asynchronous start counts its gathered arrays, not its
+    operands, also where the compiler combined several gathers into one start; a gather
+    outside the decode loop does not count."""
     from jaxppo.plan.costs import decode_gathered_bytes
 
     hlo = """HloModule m
@@ -327,6 +333,9 @@ def test_the_bytes_a_decode_step_gathers_are_counted_per_trip():
   %w = bf16[2,8]{1,0} get-tuple-element(%p), index=1
   %ag = (bf16[2,8]{1,0}, bf16[16,8]{1,0}) all-gather-start(%w), dimensions={0}
   %agd = bf16[16,8]{1,0} all-gather-done(%ag)
+  %v = f32[1,8]{1,0} get-tuple-element(%p), index=2
+  %ag2 = ((bf16[2,8]{1,0}, f32[1,8]{1,0}), (bf16[16,8]{1,0}, f32[8,8]{1,0})) all-gather-start(%w, %v), dimensions={0}
+  %agd2 = (bf16[16,8]{1,0}, f32[8,8]{1,0}) all-gather-done(%ag2)
   ROOT %t = (s32[], bf16[4,8]) tuple(%p)
 }
 
@@ -349,8 +358,9 @@ ENTRY %main (a: bf16[4,8]) -> (s32[], bf16[4,8]) {
   ROOT %w = (s32[], bf16[4,8]) while(%i), condition=%cond, body=%step, backend_config={"known_trip_count":{"n":"10"}}
 }
 """
-    # per decode step: 3 layer trips x 16*8 bf16 (256 bytes) + 32*8 f32 (1024 bytes)
-    assert decode_gathered_bytes(hlo) == 3 * 16 * 8 * 2 + 32 * 8 * 4
+    # per decode step: 3 layer trips x (16*8 bf16 + a combined start of 16*8 bf16 and 8*8
+    # f32: each of its results) + 32*8 f32
+    assert decode_gathered_bytes(hlo) == 3 * (16 * 8 * 2 + 16 * 8 * 2 + 8 * 8 * 4) + 32 * 8 * 4
 
 
 def test_a_copy_of_zeros_is_a_gradient_accumulator_not_a_state_copy(tmp_path):

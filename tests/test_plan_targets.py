@@ -5,6 +5,7 @@ under which a missing compiler fails instead of skipping."""
 
 import os
 
+import jax
 import pytest
 import transformers
 
@@ -92,6 +93,38 @@ def test_the_updates_temporaries_follow_the_mini_batch_and_hold_no_second_state(
     # What grows with the rows is what the breakdown calls activations and logits.
     grows = lambda mini: sum(plans[mini].programs[0].breakdown.part(p) for p in (bd.ACTIVATIONS, bd.LOGITS))  # noqa: E731
     assert grows(16) - grows(4) > 0.5 * (temporaries[16] - temporaries[4]), (grows(4), grows(16), temporaries)
+
+
+@pytest.mark.parametrize("name", TARGETS)
+def test_a_mixtures_decode_step_runs_every_expert_in_one_product_per_projection(tmp_path, name, monkeypatch):
+    """The decode step of a Qwen3-MoE layout (64 experts, 8 a token; 16 rows decode) as the
+    target's compiler builds it: with few tokens a layer multiplies them with every expert
+    at once (`moe.every_expert`), so the step has no loop over blocks of rows (whose trips,
+    up to E a projection, the compiler cannot count) and fewer kernels than the grouped
+    products' step even when each of that loop's bodies is counted once. (On a TPU the
+    grouped products are `ragged_dot`s, without a loop: there the step is a little shorter.)"""
+    from jaxppo.models import moe
+    from jaxppo.plan.costs import decode_step
+
+    transformers.Qwen3MoeConfig(vocab_size=4096, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                                num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                num_experts=64, num_experts_per_tok=8, norm_topk_prob=True,
+                                max_position_embeddings=256, eos_token_id=2,
+                                architectures=["Qwen3MoeForCausalLM"]).save_pretrained(tmp_path)
+    target = resolve_target(name)
+    steps = {}
+    for dense_tokens in (0, moe.DENSE_TOKENS):
+        monkeypatch.setattr(moe, "DENSE_TOKENS", dense_tokens)
+        jax.clear_caches()  # the path is chosen when the program is traced
+        shapes = abstract_run(_config(), _inputs(str(tmp_path)), target_devices(target)[:1])
+        steps[dense_tokens] = decode_step(lower_programs(shapes, ("generate",))["generate"].compile().as_text())
+    jax.clear_caches()
+    grouped, dense = steps[0], steps[moe.DENSE_TOKENS]
+    assert dense.unknown_trip_loops == 0, dense
+    if target.platform == "tpu":  # there the grouped products are one ragged_dot each (measured: 196 -> 162)
+        assert dense.kernels < grouped.kernels, (grouped, dense)
+    else:  # measured on the H200: at least 225 (6 loops, each body counted once) -> 76
+        assert grouped.unknown_trip_loops >= 3 * LAYERS and dense.kernels < grouped.kernels / 2, (grouped, dense)
 
 
 @pytest.mark.skipif(not all(HAVE.values()) and not os.environ.get("JAXPPO_REQUIRE_PLAN"),

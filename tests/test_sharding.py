@@ -417,11 +417,19 @@ def test_dynamic_sampling_under_mesh_matches_single_device(tmp_path):
     assert mesh_trainer.run.prompts_consumed == single_trainer.run.prompts_consumed
 
 
-@pytest.mark.parametrize("mesh_config,scan", [(MESHES[2], True), (MESHES[3], False)], ids=["fsdp8-scanned", "2x2x2"])
-def test_mixture_of_experts_sharded_equals_single_device(setup, mesh_config, scan):
+@pytest.mark.parametrize("mesh_config,scan,grouped", [(MESHES[2], True, False), (MESHES[2], True, True),
+                                                      (MESHES[3], False, False)],
+                         ids=["fsdp8-scanned", "fsdp8-scanned-grouped", "2x2x2"])
+def test_mixture_of_experts_sharded_equals_single_device(setup, mesh_config, scan, grouped, monkeypatch):
     """A Qwen3-MoE-layout policy and critic (8 experts, 2 per token): the update on the mesh
     equals one device, the experts' kernels split on the expert axis over "fsdp" and on
-    their intermediate features over "tensor"."""
+    their intermediate features over "tensor". A micro-batch's 80 tokens take the few-token
+    path (`moe.every_expert`); "grouped" forces the grouped products, as long rows run."""
+    from jaxppo.models import moe
+
+    if grouped:
+        monkeypatch.setattr(moe, "DENSE_TOKENS", 0)
+    jax.clear_caches()  # the path is chosen when the program is traced
     _, _, _, rollout = setup
     cfg = jm.ModelConfig(model_type="qwen3_moe", vocab_size=V, hidden_size=32, num_layers=2, num_heads=4,
                          num_kv_heads=2, head_dim=8, intermediate_size=64, max_position_embeddings=32,
@@ -453,3 +461,4 @@ def test_mixture_of_experts_sharded_equals_single_device(setup, mesh_config, sca
     with jax.set_mesh(mesh):
         assert "shard_map" in str(jax.make_jaxpr(policy.apply)(sharded.params["policy"], ids, mask))
     assert "shard_map" not in str(jax.make_jaxpr(policy.apply)(params["policy"], ids, mask))
+    jax.clear_caches()

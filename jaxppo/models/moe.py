@@ -32,7 +32,7 @@ checkpoint says), so the router still receives a gradient.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import flax.linen as nn
 import jax
@@ -40,7 +40,7 @@ import jax.numpy as jnp
 
 from jaxppo.models.transformer import activation
 
-__all__ = ["SparseMoe", "route", "experts_forward", "grouped_matmul", "blocked_matmul", "load_balancing_loss",
+__all__ = ["SparseMoe", "route", "experts_forward", "every_expert", "DENSE_TOKENS", "grouped_matmul", "blocked_matmul", "load_balancing_loss",
            "EXPERT_PROJECTIONS"]
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -56,12 +56,24 @@ def route(logits, k: int, normalise: bool):
     return weights, experts.astype(jnp.int32), probs
 
 
-def experts_forward(x, experts, weights, wg, wu, wd, act: str, adapters=None, out_dtype=None):
+DENSE_TOKENS = 128
+
+
+def experts_forward(x, experts, weights, wg, wu, wd, act: str, adapters=None, out_dtype=None,
+                    dense: Optional[bool] = None):
     """The experts' outputs for tokens x (N, D), each routed to `experts` (N, k) with
     `weights` (N, k): sum_j weights[n, j] * down(act(gate(x_n)) * up(x_n)) of expert
     experts[n, j]. Kernels wg/wu (E, D, I), wd (E, I, D). `adapters`: {projection name:
     (A (E, in, r), B (E, r, out), scale)} adds each expert's low-rank update
-    scale * (x A_e) B_e to that projection (LoRA on the experts)."""
+    scale * (x A_e) B_e to that projection (LoRA on the experts). An expert index of E
+    or more (the expert-parallel path's pairs of other devices) gives 0.
+
+    `dense` (default: N <= `DENSE_TOKENS`, as a decode step's few rows): every token
+    through every expert in one product per projection (`every_expert`), then each
+    token's k outputs picked and summed as the grouped path sums them. Otherwise the
+    (token, expert) pairs are grouped by expert (`grouped_matmul`)."""
+    if dense if dense is not None else x.shape[0] <= DENSE_TOKENS:
+        return every_expert(x, experts, weights, wg, wu, wd, act, adapters, out_dtype)
     n, k = experts.shape
     num_experts = wg.shape[0]
     flat = experts.reshape(-1)
@@ -84,6 +96,46 @@ def experts_forward(x, experts, weights, wg, wu, wd, act: str, adapters=None, ou
     y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
     back = jnp.argsort(order)  # each pair's place in the sorted order
     return jnp.sum(y[back].reshape(n, k, -1), axis=1, dtype=jnp.float32).astype(out_dtype or x.dtype)
+
+
+def every_expert(x, experts, weights, wg, wu, wd, act: str, adapters=None, out_dtype=None):
+    """`experts_forward` for few tokens: one product of all N tokens with all E experts per
+    projection ((E, N, I) and (E, N, D) values), then each token's k chosen outputs taken
+    from the last and summed in the order of its slots. E / k times the grouped path's
+    arithmetic, but each expert's kernels are read once either way, and a decode step of
+    a few rows is bound by those reads: where the grouped path loops over blocks of rows
+    (a few kernels a trip, up to E trips per projection), this is one product. On the
+    accelerators the product of N <= `DENSE_TOKENS` rows with a kernel stays below the
+    point where its arithmetic, not its reads, takes the time."""
+    n, k = experts.shape
+    adapters = adapters or {}
+
+    def product(inputs, kernel):  # (N, in) or (E, N, in) with (E, in, out): (E, N, out)
+        spec = "nd,edf->enf" if inputs.ndim == 2 else "end,edf->enf"
+
+        def run(inputs, kernel, operands):
+            return jnp.einsum(spec, inputs.astype(operands), kernel.astype(operands),
+                              preferred_element_type=jnp.float32).astype(inputs.dtype)
+
+        # XLA:CPU has no bfloat16 x bfloat16 -> float32 kernel for some of these products
+        # (jax 0.10: "Unsupported element type for DotThunk"); there the operands go to
+        # float32 first, which multiplies the same bfloat16 values exactly.
+        return jax.lax.platform_dependent(inputs, kernel, cpu=lambda a, b: run(a, b, jnp.float32),
+                                          default=lambda a, b: run(a, b, a.dtype))
+
+    def project(name, inputs, kernel):
+        out = product(inputs, kernel)
+        if name not in adapters:
+            return out
+        a, b, scale = adapters[name]
+        return out + (scale * product(product(inputs, a), b)).astype(out.dtype)
+
+    g = project("gate_proj", x, wg)
+    u = project("up_proj", x, wu)
+    y = project("down_proj", activation(act)(g) * u, wd)  # (E, N, D)
+    chosen = y.at[experts, jnp.arange(n)[:, None]].get(mode="fill", fill_value=0)  # (N, k, D)
+    chosen = chosen * weights[..., None].astype(y.dtype)
+    return jnp.sum(chosen, axis=1, dtype=jnp.float32).astype(out_dtype or x.dtype)
 
 
 def _expert_shards(num_experts: int, tokens: int) -> int:

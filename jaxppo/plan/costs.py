@@ -22,7 +22,7 @@ from typing import Optional
 import jax
 import numpy as np
 
-__all__ = ["MemoryFigures", "memory_figures", "decode_kernels", "decode_gathered_bytes", "count_kernels", "ModelShape", "model_shape",
+__all__ = ["MemoryFigures", "memory_figures", "DecodeStep", "decode_step", "decode_kernels", "decode_gathered_bytes", "count_kernels", "ModelShape", "model_shape",
            "ProgramWork", "update_work", "score_work", "generate_work", "per_device_bytes"]
 
 
@@ -128,10 +128,37 @@ def count_kernels(computations: dict, name: str, cost=None) -> int:
     return total
 
 
-def _decode_loop_sum(hlo: str, cost=None) -> Optional[int]:
-    """`count_kernels` of one trip (body and condition) of the sampler's decode loop: the
-    loop at the top of the program with the most kernels per trip (the prefill's layer
-    loop, where there is one, has fewer). None when the program has no loop at its top."""
+def _unknown_trips(computations: dict, name: str) -> int:
+    """Loops that one run of computation `name` enters whose trip count the compiler does
+    not know (`count_kernels` counts each of them once)."""
+    total = 0
+    for line in computations.get(name, ()):
+        m = _INSTRUCTION.match(line)
+        if m is None:
+            continue
+        op = m.group(1)
+        keys = {"while": ("body", "condition"), "call": ("to_apply",),
+                "conditional": ("branch_computations", "true_computation", "false_computation")}.get(op, ())
+        total += (op == "while" and _trip_count(line) is None) + sum(
+            _unknown_trips(computations, c) for key in keys for c in _called(line, key))
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeStep:
+    """One trip of a compiled sampler's decode loop: the kernels it launches, the bytes it
+    all-gathers per device, and how many loops inside it run a number of trips the
+    compiler does not know (each counted once, so that `kernels` is then a lower bound)."""
+
+    kernels: int
+    gathered_bytes: int
+    unknown_trip_loops: int
+
+
+def decode_step(hlo: str) -> Optional[DecodeStep]:
+    """The sampler's decode loop (the loop at the top of the program with the most kernels
+    per trip: the prefill's layer loop, where there is one, has fewer) read from compiled
+    HLO text; None when the program has no loop at its top."""
     computations, entry = _computations(hlo)
     best = None
     for line in computations.get(entry, ()):
@@ -141,14 +168,26 @@ def _decode_loop_sum(hlo: str, cost=None) -> Optional[int]:
         called = _called(line, "body") + _called(line, "condition")
         kernels = sum(count_kernels(computations, c) for c in called)
         if best is None or kernels > best[0]:
-            best = (kernels, sum(count_kernels(computations, c, cost) for c in called))
-    return None if best is None else best[1]
+            best = (kernels, called)
+    if best is None:
+        return None
+    kernels, called = best
+    return DecodeStep(kernels, sum(count_kernels(computations, c, _gathered_bytes) for c in called),
+                      sum(_unknown_trips(computations, c) for c in called))
 
 
 def decode_kernels(hlo: str) -> Optional[int]:
-    """Kernels per decode step of a compiled sampler (its decode loop's body and condition,
-    once per trip of the loops inside). None when the program has no loop at its top."""
-    return _decode_loop_sum(hlo)
+    """Kernels per decode step of a compiled sampler (`decode_step`)."""
+    step = decode_step(hlo)
+    return None if step is None else step.kernels
+
+
+def decode_gathered_bytes(hlo: str) -> Optional[int]:
+    """Bytes one decode step all-gathers per device (weights gathered from their shards
+    for every step, tokens gathered for a mixture's experts): what the step moves over
+    the interconnect beyond the device's share (`decode_step`)."""
+    step = decode_step(hlo)
+    return None if step is None else step.gathered_bytes
 
 
 _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
@@ -158,24 +197,18 @@ _ARRAYS = re.compile(r"([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
 
 
 def _gathered_bytes(op: str, line: str) -> int:
-    """Bytes an all-gather instruction's result holds (of an asynchronous start, the last
-    array of its tuple: the gathered one); 0 for any other instruction."""
+    """Bytes an all-gather instruction's results hold; 0 for any other instruction. An
+    asynchronous start's result is (its operands, its results), one array each or one
+    tuple each where the compiler combined several gathers into one: the second half
+    counts."""
     if not op.startswith("all-gather"):
         return 0
     m = _SHAPED.match(line)
     arrays = _ARRAYS.findall(m.group(1)) if m else []
-    if not arrays:
-        return 0
-    dtype, dims = arrays[-1]
-    return int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64)) * _ITEMSIZE.get(dtype, 4)
-
-
-def decode_gathered_bytes(hlo: str) -> Optional[int]:
-    """Bytes one decode step all-gathers per device (weights gathered from their shards
-    for every step, tokens gathered for a mixture's experts): what the step moves over
-    the interconnect beyond the device's share. None when the program has no loop at its
-    top."""
-    return _decode_loop_sum(hlo, _gathered_bytes)
+    if op == "all-gather-start":
+        arrays = arrays[len(arrays) // 2:]
+    return sum(int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64)) * _ITEMSIZE.get(dtype, 4)
+               for dtype, dims in arrays)
 
 
 # ------------------------------------------------------------------ work from the shapes

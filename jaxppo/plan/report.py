@@ -42,6 +42,7 @@ class ProgramPlan:
     refused: Optional[str] = None
     decode_gathered: Optional[int] = None
     breakdown: Optional[bd.Breakdown] = None
+    decode_unknown_loops: int = 0  # loops in the decode step of unknown trips: decode_kernels is then "at least"
 
     @property
     def total(self) -> float:
@@ -81,6 +82,9 @@ class Plan:
                 continue
             headroom = (t.usable_bytes - p.total) / GIB
             note = "" if p.decode_kernels is None else f"{p.decode_kernels} kernels per decode step"
+            if p.decode_unknown_loops:
+                note = (f"at least {note} ({p.decode_unknown_loops} loops inside of unknown trip count, "
+                        "each counted once)")
             if p.decode_gathered:
                 note += f", {p.decode_gathered / GIB:.2f} GiB all-gathered per step"
             note = ("DOES NOT FIT; " if p.total > t.usable_bytes else "") + note
@@ -229,14 +233,15 @@ def plan_run(config, inputs, target: Target, *, devices=None, programs=PROGRAMS,
                                    refused=_first_line(str(err))))
             continue
         seconds = time.perf_counter() - start
-        hlo = compiled.as_text() if name == "generate" else None
-        kernels, gathered = (costs.decode_kernels(hlo), costs.decode_gathered_bytes(hlo)) if hlo else (None, None)
+        step = costs.decode_step(compiled.as_text()) if name == "generate" else None
+        kernels, gathered = (step.kernels, step.gathered_bytes) if step else (None, None)
         if gathered:  # what each decode step receives from the other chips, as compiled
             steps = shapes.config.sampling.response_length
             work[name] = costs.ProgramWork(work[name].flops, work[name].bytes_per_chip + steps * gathered)
             floor = work[name].lower_bound(target.chips, target.peak_flops, target.bandwidth)
         out.append(ProgramPlan(name, seconds, costs.memory_figures(compiled), resident[name], work[name], floor,
-                               kernels, breakdown=breakdown, decode_gathered=gathered))
+                               kernels, breakdown=breakdown, decode_gathered=gathered,
+                               decode_unknown_loops=step.unknown_trip_loops if step else 0))
     axes = dict(shapes.mesh.shape) if shapes.mesh is not None else {}
     return Plan(target, tuple(out), axes, _summary(shapes), shapes.config)
 
