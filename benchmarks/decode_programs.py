@@ -5,6 +5,7 @@ launches and the program's temporaries, by layer layout and weight dtype (issue 
     pip install 'jaxppo[plan-gpu]'
     python benchmarks/decode_programs.py                 # both layouts; writes --out (JSON)
     python benchmarks/decode_programs.py --layouts qwen2.5-0.5b
+    python benchmarks/decode_programs.py --layouts qwen3-30b-a3b --weights bfloat16 --builds scanned [--experts grouped]
 
 Cases: 64 rows, 256 prompt + 256 new tokens, bfloat16 compute; weights float32 (the
 trainer's master weights, which its sampler decodes from) or bfloat16; layers scanned,
@@ -53,7 +54,8 @@ def compile_case(config, device, weights: str, build: dict, rows: int, q: int, r
                                   use_top_p=False, greedy=False, stop_token_ids=(), pad_token_id=0,
                                   early_stop=False).compile()
     memory = costs.memory_figures(compiled)
-    return {"kernels_per_decode_step": costs.decode_kernels(compiled.as_text()),
+    step = costs.decode_step(compiled.as_text())
+    return {"kernels_per_decode_step": step.kernels, "unknown_trip_loops": step.unknown_trip_loops,
             "temporaries_gib": memory.temporaries / 2**30, "compile_s": time.perf_counter() - start}
 
 
@@ -64,25 +66,35 @@ def main(argv=None):
     p.add_argument("--rows", type=int, default=64)
     p.add_argument("--query", type=int, default=256)
     p.add_argument("--response", type=int, default=256)
+    p.add_argument("--weights", default="float32,bfloat16")
+    p.add_argument("--builds", default=",".join(BUILDS))
+    p.add_argument("--experts", choices=("auto", "grouped"), default="auto",
+                   help="a mixture's decode step: auto (every expert at once for few tokens) or the grouped path")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if args.experts == "grouped":
+        from jaxppo.models import moe
+
+        moe.DENSE_TOKENS = 0
     device = target_devices(resolve_target(args.target))[0]
     results = {"target": args.target, "jax": jax.__version__, "settings": vars(args), "cases": {}}
     table = []
     for layout in args.layouts.split(","):
         config = layouts.LAYOUTS[layout]()
-        for weights in ("float32", "bfloat16"):
-            for build_name, build in BUILDS.items():
+        for weights in args.weights.split(","):
+            for build_name, build in ((b, BUILDS[b]) for b in args.builds.split(",")):
                 name = f"{layout}, {weights} weights, {build_name}"
                 out = compile_case(config, device, weights, build, args.rows, args.query, args.response)
                 results["cases"][name] = out
                 print(name, json.dumps(out), flush=True)
-                table.append([layout, weights, build_name, str(out["kernels_per_decode_step"]),
+                kernels = ("at least " if out["unknown_trip_loops"] else "") + str(out["kernels_per_decode_step"])
+                table.append([layout, weights, build_name, kernels, str(out["unknown_trip_loops"]),
                               f'{out["temporaries_gib"]:.2f}', f'{out["compile_s"]:.0f}'])
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
-    print_markdown(["layout", "weights", "layers", "kernels per decode step", "temporaries (GiB)", "compile (s)"],
+    print_markdown(["layout", "weights", "layers", "kernels per decode step", "loops of unknown trips",
+                    "temporaries (GiB)", "compile (s)"],
                    table)
     return 0
 

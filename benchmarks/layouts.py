@@ -43,7 +43,17 @@ def qwen3_17b(layers=28):
                        tie_word_embeddings=True, rope_theta=1000000.0, activation="silu", norm_eps=1e-6, qk_norm=True)
 
 
-LAYOUTS = {"qwen2.5-0.5b": qwen25_05b, "qwen3-1.7b": qwen3_17b, "llama3.2-1b": llama32_1b, "llama3.1-8b": llama31_8b}
+def qwen3_30b_a3b(layers=48):
+    """Qwen3-30B-A3B: vocab 151936, hidden 2048, 32 / 4 heads of 128, 128 experts of 768 (8 a token), untied."""
+    return ModelConfig(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_layers=layers, num_heads=32,
+                       num_kv_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768,
+                       num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=40960,
+                       tie_word_embeddings=False, rope_theta=1000000.0, activation="silu", norm_eps=1e-6,
+                       qk_norm=True)
+
+
+LAYOUTS = {"qwen2.5-0.5b": qwen25_05b, "qwen3-1.7b": qwen3_17b, "llama3.2-1b": llama32_1b, "llama3.1-8b": llama31_8b,
+           "qwen3-30b-a3b": qwen3_30b_a3b}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -156,6 +156,43 @@ ENTRY %main (x: f32[4]) -> f32[4] {
     assert count_kernels({"c": ["  %a = f32[] fusion(%x), calls=%f", "  %b = f32[] bitcast(%a)"]}, "c") == 1
 
 
+def test_the_decode_loop_is_the_top_loop_that_runs_the_most_kernels_in_all():
+    """Of the loops at the top of a sampler: a prefill's layer loop (2 trips of 4 kernels),
+    a prefill's loop of unknown trips (1 kernel), and the decode loop (31 trips of 2): the
+    decode loop, though a trip of the layer loop launches more."""
+    hlo = """HloModule m
+
+%cond (p: (s32[], f32[4])) -> pred[] {
+  ROOT %c = pred[] constant(true)
+}
+
+%layer (p: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %a = f32[4] fusion(%p), kind=kLoop, calls=%f1
+  %b = f32[4] fusion(%a), kind=kLoop, calls=%f2
+  %c = f32[4] fusion(%b), kind=kLoop, calls=%f3
+  ROOT %d = f32[4] fusion(%c), kind=kLoop, calls=%f4
+}
+
+%blocks (p: (s32[], f32[4])) -> (s32[], f32[4]) {
+  ROOT %a = f32[4] fusion(%p), kind=kLoop, calls=%f5
+}
+
+%step (p: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %a = f32[4] fusion(%p), kind=kLoop, calls=%f6
+  ROOT %b = f32[4] fusion(%a), kind=kLoop, calls=%f7
+}
+
+ENTRY %main (x: f32[4]) -> f32[4] {
+  %x = f32[4] parameter(0)
+  %pre = (s32[], f32[4]) while(%x), condition=%cond, body=%layer, backend_config={"known_trip_count":{"n":"2"}}
+  %blk = (s32[], f32[4]) while(%pre), condition=%cond, body=%blocks
+  %dec = (s32[], f32[4]) while(%blk), condition=%cond, body=%step, backend_config={"known_trip_count":{"n":"31"}}
+  ROOT %r = f32[4] get-tuple-element(%dec), index=1
+}
+"""
+    assert decode_step(hlo) == DecodeStep(kernels=2, gathered_bytes=0, unknown_trip_loops=0)
+
+
 def test_decode_kernels_of_a_real_sampler_grow_with_its_layers(tmp_path):
     counts = {}
     for layers in (2, 4):

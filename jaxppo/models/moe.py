@@ -111,10 +111,14 @@ def every_expert(x, experts, weights, wg, wu, wd, act: str, adapters=None, out_d
     adapters = adapters or {}
 
     def product(inputs, kernel):  # (N, in) or (E, N, in) with (E, in, out): (E, N, out)
-        spec = "nd,edf->enf" if inputs.ndim == 2 else "end,edf->enf"
+        if inputs.ndim == 2:
+            # The tokens broadcast on the expert axis: a product batched on it, which XLA:GPU
+            # runs on the kernels as stored (as "nd,edf->enf" it transposed every expert's
+            # kernel first, at every decode step: compiled for an H200).
+            inputs = jnp.broadcast_to(inputs, (kernel.shape[0],) + inputs.shape)
 
         def run(inputs, kernel, operands):
-            return jnp.einsum(spec, inputs.astype(operands), kernel.astype(operands),
+            return jnp.einsum("end,edf->enf", inputs.astype(operands), kernel.astype(operands),
                               preferred_element_type=jnp.float32).astype(inputs.dtype)
 
         # XLA:CPU has no bfloat16 x bfloat16 -> float32 kernel for some of these products

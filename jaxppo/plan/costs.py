@@ -156,9 +156,12 @@ class DecodeStep:
 
 
 def decode_step(hlo: str) -> Optional[DecodeStep]:
-    """The sampler's decode loop (the loop at the top of the program with the most kernels
-    per trip: the prefill's layer loop, where there is one, has fewer) read from compiled
-    HLO text; None when the program has no loop at its top."""
+    """One trip of the sampler's decode loop, read from compiled HLO text: of the loops at
+    the top of the program, the one that launches the most kernels in all, a trip's
+    kernels times its trips (a loop of unknown trips, as decoding with an early stop, taken
+    as one). The prefill's layer loop runs once per layer, the decode loop once per token
+    with each trip through every layer, and the prefill's own loops (a mixture's blocks)
+    are small. None when the program has no loop at its top."""
     computations, entry = _computations(hlo)
     best = None
     for line in computations.get(entry, ()):
@@ -167,11 +170,13 @@ def decode_step(hlo: str) -> Optional[DecodeStep]:
             continue
         called = _called(line, "body") + _called(line, "condition")
         kernels = sum(count_kernels(computations, c) for c in called)
-        if best is None or kernels > best[0]:
-            best = (kernels, called)
+        trips = _trip_count(line)
+        rank = kernels * (trips or 1)
+        if best is None or rank > best[0]:
+            best = (rank, kernels, called)
     if best is None:
         return None
-    kernels, called = best
+    _, kernels, called = best
     return DecodeStep(kernels, sum(count_kernels(computations, c, _gathered_bytes) for c in called),
                       sum(_unknown_trips(computations, c) for c in called))
 
@@ -310,9 +315,10 @@ def generate_work(shape: ModelShape, rows: int, prompts: int, query: int, respon
     """Sampling: the prefill of `prompts` distinct prompts of `query` tokens (a group's
     rows share theirs), then `response` decode steps of `rows` rows, each step reading each
     chip's share of the weights the sampler decodes from (in the compute dtype, split over
-    the `shards` chips that hold them: the compiled decode step computes with the shard a
-    chip keeps and moves activations, not weights; what it does gather is
-    `gathered_per_step`, bytes a chip receives per step, read from the compiled program)
+    the `shards` chips that hold them: the compiled decode step computes mostly with the
+    shard a chip keeps; what it gathers, activations and, where the partitioner chooses,
+    whole weights, is `gathered_per_step`, bytes a chip receives per step, read from the
+    compiled program)
     and the chip's rows of the KV cache at its full length (the sampler attends over the
     whole cache, masked)."""
     prefill = _forward_flops(shape, prompts, query, 0, 1)
