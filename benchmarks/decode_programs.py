@@ -54,7 +54,7 @@ def compile_case(config, device, weights: str, build: dict, rows: int, q: int, r
                                   use_top_p=False, greedy=False, stop_token_ids=(), pad_token_id=0,
                                   early_stop=False).compile()
     memory = costs.memory_figures(compiled)
-    step = costs.decode_step(compiled.as_text())
+    step = costs.decode_step(compiled.as_text(), r)
     return {"kernels_per_decode_step": step.kernels, "unknown_trip_loops": step.unknown_trip_loops,
             "temporaries_gib": memory.temporaries / 2**30, "compile_s": time.perf_counter() - start}
 

@@ -191,6 +191,9 @@ ENTRY %main (x: f32[4]) -> f32[4] {
 }
 """
     assert decode_step(hlo) == DecodeStep(kernels=2, gathered_bytes=0, unknown_trip_loops=0)
+    # Decoding with an early stop: its loop's trips unknown, taken as the tokens decoded.
+    early = hlo.replace(', body=%step, backend_config={"known_trip_count":{"n":"31"}}', ", body=%step")
+    assert decode_step(early, steps=31).kernels == 2
 
 
 def test_decode_kernels_of_a_real_sampler_grow_with_its_layers(tmp_path):

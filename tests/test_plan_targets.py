@@ -119,7 +119,7 @@ def test_a_mixtures_decode_step_runs_every_expert_in_one_product_per_projection(
         jax.clear_caches()  # the path is chosen when the program is traced
         shapes = abstract_run(_config(), _inputs(str(tmp_path)), target_devices(target)[:1])
         hlo = lower_programs(shapes, ("generate",))["generate"].compile().as_text()
-        steps[dense_tokens] = decode_step(hlo)
+        steps[dense_tokens] = decode_step(hlo, steps=_config().sampling.response_length)
     jax.clear_caches()
     # The products run on the experts' kernels as stored: no transposed copy of a layer's
     # (E, D, I) or (E, I, D) kernels (as "nd,edf->enf", XLA:GPU made one at every step).

@@ -40,8 +40,8 @@ import jax.numpy as jnp
 
 from jaxppo.models.transformer import activation
 
-__all__ = ["SparseMoe", "route", "experts_forward", "every_expert", "DENSE_TOKENS", "grouped_matmul", "blocked_matmul", "load_balancing_loss",
-           "EXPERT_PROJECTIONS"]
+__all__ = ["SparseMoe", "route", "experts_forward", "every_expert", "DENSE_TOKENS", "grouped_matmul", "blocked_matmul",
+           "load_balancing_loss", "EXPERT_PROJECTIONS"]
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 

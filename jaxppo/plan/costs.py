@@ -155,43 +155,42 @@ class DecodeStep:
     unknown_trip_loops: int
 
 
-def decode_step(hlo: str) -> Optional[DecodeStep]:
+def decode_step(hlo: str, steps: Optional[int] = None) -> Optional[DecodeStep]:
     """One trip of the sampler's decode loop, read from compiled HLO text: of the loops at
     the top of the program, the one that launches the most kernels in all, a trip's
-    kernels times its trips (a loop of unknown trips, as decoding with an early stop, taken
-    as one). The prefill's layer loop runs once per layer, the decode loop once per token
-    with each trip through every layer, and the prefill's own loops (a mixture's blocks)
-    are small. None when the program has no loop at its top."""
+    kernels times its trips. A loop of unknown trips (decoding with an early stop; a
+    mixture's blocks in an unrolled prefill) counts `steps` trips (the tokens decoded), or
+    where not given as many as the top loop with the most known trips. So the decode loop,
+    once per token through every layer, wins over the prefill's layer loop, once per
+    layer, however few the layers. None when the program has no loop at its top."""
     computations, entry = _computations(hlo)
-    best = None
+    loops = []
     for line in computations.get(entry, ()):
         m = _INSTRUCTION.match(line)
         if m is None or m.group(1) != "while":
             continue
         called = _called(line, "body") + _called(line, "condition")
-        kernels = sum(count_kernels(computations, c) for c in called)
-        trips = _trip_count(line)
-        rank = kernels * (trips or 1)
-        if best is None or rank > best[0]:
-            best = (rank, kernels, called)
-    if best is None:
+        loops.append((sum(count_kernels(computations, c) for c in called), _trip_count(line), called))
+    if not loops:
         return None
-    _, kernels, called = best
+    if steps is None:
+        steps = max([trips for _, trips, _ in loops if trips is not None], default=1)
+    kernels, _, called = max(loops, key=lambda loop: loop[0] * (loop[1] if loop[1] is not None else steps))
     return DecodeStep(kernels, sum(count_kernels(computations, c, _gathered_bytes) for c in called),
                       sum(_unknown_trips(computations, c) for c in called))
 
 
-def decode_kernels(hlo: str) -> Optional[int]:
+def decode_kernels(hlo: str, steps: Optional[int] = None) -> Optional[int]:
     """Kernels per decode step of a compiled sampler (`decode_step`)."""
-    step = decode_step(hlo)
+    step = decode_step(hlo, steps)
     return None if step is None else step.kernels
 
 
-def decode_gathered_bytes(hlo: str) -> Optional[int]:
+def decode_gathered_bytes(hlo: str, steps: Optional[int] = None) -> Optional[int]:
     """Bytes one decode step all-gathers per device (weights gathered from their shards
     for every step, tokens gathered for a mixture's experts): what the step moves over
     the interconnect beyond the device's share (`decode_step`)."""
-    step = decode_step(hlo)
+    step = decode_step(hlo, steps)
     return None if step is None else step.gathered_bytes
 
 

@@ -233,10 +233,10 @@ def plan_run(config, inputs, target: Target, *, devices=None, programs=PROGRAMS,
                                    refused=_first_line(str(err))))
             continue
         seconds = time.perf_counter() - start
-        step = costs.decode_step(compiled.as_text()) if name == "generate" else None
+        steps = shapes.config.sampling.response_length
+        step = costs.decode_step(compiled.as_text(), steps) if name == "generate" else None
         kernels, gathered = (step.kernels, step.gathered_bytes) if step else (None, None)
         if gathered:  # what each decode step receives from the other chips, as compiled
-            steps = shapes.config.sampling.response_length
             work[name] = costs.ProgramWork(work[name].flops, work[name].bytes_per_chip + steps * gathered)
             floor = work[name].lower_bound(target.chips, target.peak_flops, target.bandwidth)
         out.append(ProgramPlan(name, seconds, costs.memory_figures(compiled), resident[name], work[name], floor,
