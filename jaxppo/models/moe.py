@@ -72,7 +72,9 @@ def experts_forward(x, experts, weights, wg, wu, wd, act: str, adapters=None, ou
     through every expert in one product per projection (`every_expert`), then each
     token's k outputs picked and summed as the grouped path sums them. Otherwise the
     (token, expert) pairs are grouped by expert (`grouped_matmul`)."""
-    if dense if dense is not None else x.shape[0] <= DENSE_TOKENS:
+    if dense is None:
+        dense = x.shape[0] <= DENSE_TOKENS
+    if dense:
         return every_expert(x, experts, weights, wg, wu, wd, act, adapters, out_dtype)
     n, k = experts.shape
     num_experts = wg.shape[0]
