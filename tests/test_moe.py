@@ -27,6 +27,15 @@ def _config(**kw):
     return jm.ModelConfig(**{**settings, **kw})
 
 
+def _left_padded_prompts(rows: int, every: int, seed: int):
+    """Prompts of 5 tokens (numpy), every `every`-th row from the second left-padded by 2:
+    (ids with 0 at the padding, mask)."""
+    ids = np.random.default_rng(seed).integers(3, V, (rows, 5))
+    mask = np.ones_like(ids)
+    mask[1::every, :2] = 0
+    return ids * mask, mask
+
+
 @pytest.mark.parametrize("sizes,extra", [([3, 0, 9, 1], 0), ([0, 0, 13, 0], 0), ([1], 0),
                                          ([40, 2, 0, 7, 7, 0, 1, 5], 0), ([3, 0, 2], 4)])
 def test_blocked_matmul_equals_a_loop_over_the_groups(sizes, extra):
@@ -121,11 +130,7 @@ def test_decoding_through_every_expert_samples_the_grouped_tokens(fsdp, monkeypa
 
     model = jm.Model(_config(), scan_layers=True)
     params = model.init(jax.random.key(0))
-    rng = np.random.default_rng(1)
-    ids = rng.integers(3, V, (16, 5))
-    mask = np.ones_like(ids)
-    mask[1::3, :2] = 0
-    ids, mask = jnp.asarray(ids * mask), jnp.asarray(mask)
+    ids, mask = (jnp.asarray(a) for a in _left_padded_prompts(16, every=3, seed=1))
     mesh = sh.make_mesh(sh.MeshConfig(data=8 // fsdp, fsdp=fsdp))
     placed = (sh.shard_state(params, mesh), sh.shard_batch(ids, mesh), sh.shard_batch(mask, mesh))
 
@@ -357,13 +362,10 @@ def test_the_continuous_sampler_equals_the_static_one_on_a_mixture(scan):
 
     model = jm.Model(_config(), scan_layers=scan)
     params = model.init(jax.random.key(0))
-    rng = np.random.default_rng(0)
-    ids = rng.integers(3, V, (10, 5))
-    mask = np.ones_like(ids)
-    mask[1::2, :2] = 0
+    ids, mask = _left_padded_prompts(10, every=2, seed=0)
     kw = dict(response_length=12, stop_token_ids=(2, 3, 4, 5, 6))
-    static = generate(model, params, ids * mask, mask, jax.random.key(1), **kw)
-    engine = generate_continuous(model, params, ids * mask, mask, jax.random.key(1), num_slots=3, **kw)
+    static = generate(model, params, ids, mask, jax.random.key(1), **kw)
+    engine = generate_continuous(model, params, ids, mask, jax.random.key(1), num_slots=3, **kw)
     np.testing.assert_array_equal(np.asarray(engine.tokens), np.asarray(static.tokens))
     np.testing.assert_allclose(np.asarray(engine.logprobs), np.asarray(static.logprobs), rtol=0, atol=4e-6)
     lengths = np.asarray(static.mask).sum(axis=1)
