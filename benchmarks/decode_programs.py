@@ -34,7 +34,8 @@ import jaxppo  # noqa: E402
 import layouts  # noqa: E402
 from jaxppo.plan import costs  # noqa: E402
 from jaxppo.plan.targets import resolve_target, target_devices  # noqa: E402
-from jaxppo.rollout.samplers.static import generate_jit  # noqa: E402
+from jaxppo.models.sampling import Sampling  # noqa: E402
+from jaxppo.rollout.engines.static import generate_jit  # noqa: E402
 from tables import print_markdown  # noqa: E402
 
 BUILDS = {"scanned": dict(scan_layers=True), "scanned, hoisted": dict(scan_layers=True, hoist_layers=True),
@@ -48,11 +49,9 @@ def compile_case(config, device, weights: str, build: dict, rows: int, q: int, r
     params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), params)
     ids = jax.ShapeDtypeStruct((rows, q), jnp.int32, sharding=sharding)
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=sharding)
-    scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=sharding)
+    sampling = Sampling(response_length=r, stop_token_ids=(), pad_token_id=0, early_stop=False).check(model)
     start = time.perf_counter()
-    compiled = generate_jit.lower(model, params, ids, ids, key, scalar, scalar, response_length=r, top_k=None,
-                                  use_top_p=False, greedy=False, stop_token_ids=(), pad_token_id=0,
-                                  early_stop=False).compile()
+    compiled = generate_jit.lower(model, params, ids, ids, key, sampling).compile()
     memory = costs.memory_figures(compiled)
     step = costs.decode_step(compiled.as_text(), r)
     return {"kernels_per_decode_step": step.kernels, "unknown_trip_loops": step.unknown_trip_loops,

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxppo.models as jm
-from jaxppo.rollout.samplers.static import generate
+from jaxppo.rollout.engines.static import generate
 from tables import print_markdown
 
 
@@ -192,7 +192,7 @@ def bench_continuous(name, layers, width, vocab, requests, slots, prompt_len, sh
     `long` for a `long_share` of them; no stop token), the static sampler (early stop on:
     it runs until the longest row ends) against the continuous sampler with
     `slots` slots, alternating on the same keys (same tokens, checked)."""
-    from jaxppo.rollout.samplers.continuous import generate_continuous
+    from jaxppo.rollout.engines.continuous import generate_continuous
 
     with tempfile.TemporaryDirectory() as directory:
         build_checkpoint(directory, layers, width, vocab, prompt_len + long)

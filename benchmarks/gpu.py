@@ -30,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxppo
-from jaxppo.rollout.samplers.static import generate_jit
+from jaxppo.models.sampling import Sampling
+from jaxppo.rollout.engines.static import generate_jit
 
 import layouts
 from tables import print_markdown
@@ -93,13 +94,11 @@ def bench_generate(config, setup, batch, q, r, repeats, peak, peak_bw=None):
     rng = np.random.default_rng(0)
     ids = jnp.asarray(rng.integers(0, config.vocab_size, (batch, q)), jnp.int32)
     mask = jnp.ones_like(ids)
-    static = dict(response_length=r, top_k=None, use_top_p=False, greedy=False, stop_token_ids=(), pad_token_id=0,
-                  early_stop=False)
-    one = jnp.float32(1.0)
+    sampling = Sampling(response_length=r, stop_token_ids=(), pad_token_id=0, early_stop=False).check(policy)
     start = time.perf_counter()
-    compiled = generate_jit.lower(policy, params, ids, mask, jax.random.key(0), one, one, **static).compile()
+    compiled = generate_jit.lower(policy, params, ids, mask, jax.random.key(0), sampling).compile()
     first_s = time.perf_counter() - start
-    call = lambda key: compiled(params, ids, mask, key, one, one).tokens
+    call = lambda key: compiled(params, ids, mask, key, sampling).tokens
     seconds, _ = _timed(lambda: call(jax.random.key(1)), repeats)
     flops = layouts.decode_flops(config, batch, q, r)
     out = {"first_call_s": first_s, "generate_s": seconds, "tokens_per_s": batch * r / seconds,

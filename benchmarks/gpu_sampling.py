@@ -95,8 +95,9 @@ def jax_case(case: dict, args) -> dict:
     import jax.numpy as jnp
 
     import jaxppo
-    from jaxppo.rollout.samplers.continuous import continuous_jit
-    from jaxppo.rollout.samplers.static import generate_jit
+    from jaxppo.rollout.engines.continuous import continuous_jit
+    from jaxppo.models.sampling import Sampling
+    from jaxppo.rollout.engines.static import generate_jit
 
     if case["attention"] == "cudnn" and jax.default_backend() != "gpu":
         return {"skipped": "cuDNN attention needs an NVIDIA GPU"}
@@ -107,22 +108,20 @@ def jax_case(case: dict, args) -> dict:
     rows, q, r = case["rows"], args.query, args.response
     ids = jnp.asarray(np.random.default_rng(0).integers(3, config.vocab_size, (rows, q)), jnp.int32)
     mask = jnp.ones_like(ids)
-    one, top_p = jnp.float32(1.0), jnp.float32(case["top_p"] or 1.0)
-    switches = dict(top_k=None, use_top_p=case["top_p"] is not None, greedy=False, stop_token_ids=(),
-                    pad_token_id=0)
+    sampling = {length: Sampling(response_length=length, top_p=case["top_p"], stop_token_ids=(), pad_token_id=0,
+                                 early_stop=False).check(model) for length in (r, 1)}
     programs, compile_s = {}, 0.0
     for length in (r, 1):
         start = time.perf_counter()
         if case["sampler"] == "static":
-            lowered = generate_jit.lower(model, params, ids, mask, jax.random.key(1), one, top_p,
-                                         response_length=length, early_stop=False, **switches)
+            lowered = generate_jit.lower(model, params, ids, mask, jax.random.key(1), sampling[length])
         else:
-            lowered = continuous_jit.lower(model, params, ids, mask, jax.random.key(1), one, top_p,
-                                           response_length=length, num_slots=rows, **switches)
+            lowered = continuous_jit.lower(model, params, ids, mask, jax.random.key(1), sampling[length],
+                                           num_slots=rows)
         programs[length] = lowered.compile()
         compile_s += time.perf_counter() - start
-    whole = _timed(lambda: programs[r](params, ids, mask, jax.random.key(2), one, top_p).tokens, args.repeats)
-    prefill = _timed(lambda: programs[1](params, ids, mask, jax.random.key(2), one, top_p).tokens, args.repeats)
+    whole = _timed(lambda: programs[r](params, ids, mask, jax.random.key(2), sampling[r]).tokens, args.repeats)
+    prefill = _timed(lambda: programs[1](params, ids, mask, jax.random.key(2), sampling[1]).tokens, args.repeats)
     return _result(config, rows, q, r, whole, prefill, compile_s, args.peak_tbps)
 
 

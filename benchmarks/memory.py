@@ -44,7 +44,8 @@ from jaxppo.update.kl import fixed_kl_controller
 from jaxppo.update.stats import RunningMoments
 from jaxppo.models import Model
 from jaxppo.models.decoding import GenerationOutput
-from jaxppo.rollout.samplers.static import generate_jit
+from jaxppo.models.sampling import Sampling
+from jaxppo.rollout.engines.static import generate_jit
 from jaxppo.rollout.spec import RolloutSpec
 from jaxppo.rollout.forward import finish_rollout
 from jaxppo.run import assembly
@@ -235,13 +236,11 @@ def generate(row):
     b, q = row.batch, row.q
     ids = jax.ShapeDtypeStruct((b, q), jnp.int32)
     key = jax.eval_shape(lambda: jax.random.key(0))
-    f32 = jax.ShapeDtypeStruct((), jnp.float32)
-    static = dict(response_length=row.r, top_k=None, use_top_p=False, greedy=False, stop_token_ids=(),
-                  pad_token_id=0, early_stop=True)
+    sampling = Sampling(response_length=row.r, stop_token_ids=(), pad_token_id=0).check(policy)
     if row.fsdp > 1:
         mesh = _mesh(row)
         params, ids = _with_shardings(params, mesh), _rows_sharded(ids, mesh)
-    return _timed_compile(lambda: generate_jit.lower(policy, params, ids, ids, key, f32, f32, **static))
+    return _timed_compile(lambda: generate_jit.lower(policy, params, ids, ids, key, sampling))
 
 
 PROGRAMS = {"train": train, "score": score, "generate": generate}

@@ -46,7 +46,7 @@ def main():
     from jaxppo.models import fixtures
     from jaxppo.models.stops import StopStrings
     from jaxppo.models.tokenizer import load_tokenizer
-    from jaxppo.rollout.samplers.static import generate
+    from jaxppo.rollout.engines.static import generate
 
     directory = fixtures.fixture_dir()
     if not fixtures.is_prepared(directory):

@@ -48,7 +48,7 @@ def _port():
 
 
 def start_servers(model_dir, count, lora_rank=None):
-    from jaxppo.rollout.vllm_server import serve_command
+    from jaxppo.rollout.engines.vllm.server import serve_command
 
     servers = []
     for _ in range(count):

@@ -31,7 +31,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxppo.models as jm  # noqa: E402
-from jaxppo.rollout.samplers.static import generate  # noqa: E402
+from jaxppo.rollout.engines.static import generate  # noqa: E402
 from tables import median_time, print_markdown  # noqa: E402
 
 

@@ -415,7 +415,7 @@ def _mixed(prompts: str, weights: Optional[str], seed: int, column: str):
     files (`jaxppo.mix_prompts`)."""
     if weights is None:
         return prompts
-    from jaxppo.rollout.prompts import mix_prompts
+    from jaxppo.rollout.streams import mix_prompts
 
     files = [f.strip() for f in prompts.split(",")]
     try:
@@ -531,7 +531,7 @@ def main(argv=None) -> int:
     if args[:1] == ["plan"]:
         return plan_main(args[1:])
     if args[:1] == ["serve"]:  # a vLLM server for rollout_engine="vllm-server"
-        from jaxppo.rollout.vllm_server import serve_main
+        from jaxppo.rollout.engines.vllm.server import serve_main
 
         return serve_main(args[1:])
     config, extras = resolve(args)

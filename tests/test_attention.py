@@ -13,7 +13,7 @@ import torch
 import hf_models
 import jaxppo
 import jaxppo.models as jm
-from jaxppo.rollout.samplers.static import generate
+from jaxppo.rollout.engines.static import generate
 
 ARCHS = {
     "gpt2": dict(model_type="gpt2"),

@@ -101,7 +101,7 @@ def test_prompt_files_without_a_known_extension_are_read_by_their_content(tmp_pa
     read as its extension says (each line a prompt), with a warning naming the file."""
     import warnings
 
-    from jaxppo.rollout.prompts import read_prompt_records
+    from jaxppo.rollout.streams import read_prompt_records
 
     (tmp_path / "records").write_text(json.dumps({"prompt": "one", "answer": 1}) + "\n\n"
                                       + json.dumps({"prompt": "two", "answer": 2}) + "\n")

@@ -12,6 +12,7 @@ import pytest
 
 import jaxppo
 import jaxppo.models as jm
+from jaxppo.models.sampling import Sampling
 from jaxppo import demo
 from jaxppo.rollout.engines import sample_responses
 from jaxppo.rollout.spec import RolloutSpec
@@ -378,7 +379,7 @@ def test_the_sampler_prefills_the_common_prefix_once():
     float rounding; the compiled prefill's FLOPs drop with the rows' shared tokens; the
     run's engine uses it for batches that begin with the prefix only; bad input refused."""
     from jaxppo.rollout.engines import StaticEngine
-    from jaxppo.rollout.samplers.static import generate, generate_jit
+    from jaxppo.rollout.engines.static import generate, generate_jit
 
     policy = jm.Model(_config())
     params = perturbed(policy.init(jax.random.key(0)), 1)
@@ -410,12 +411,11 @@ def test_the_sampler_prefills_the_common_prefix_once():
 
     # Compiled FLOPs with abstract parameters (nothing runs): 16 prompts of 48 tokens sharing 40.
     ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-    settings = dict(response_length=2, top_k=None, use_top_p=False, greedy=True, stop_token_ids=(2,),
-                    pad_token_id=0, early_stop=False)
     wide = jm.Model(_config(max_position_embeddings=64))
+    sampling = Sampling(response_length=2, greedy=True, stop_token_ids=(2,), pad_token_id=0, early_stop=False).check(wide)
     abstract = jax.eval_shape(wide.init, jax.random.key(0))
-    flops = {p: generate_jit.lower(wide, abstract, ints(16, 48), ints(16, 48), jax.random.key(0), jnp.float32(1),
-                                   jnp.float32(1), **settings, common_prefix=p).compile().cost_analysis()["flops"]
+    flops = {p: generate_jit.lower(wide, abstract, ints(16, 48), ints(16, 48), jax.random.key(0), sampling,
+                                   common_prefix=p).compile().cost_analysis()["flops"]
              for p in (40, 0)}
     # prompt tokens: 40 + 16 * 8 = 168 against 16 * 48 = 768
     assert flops[40] < 0.5 * flops[0], flops

@@ -264,7 +264,7 @@ def test_importing_jaxppo_starts_no_optional_backend():
     import subprocess
     import sys
 
-    code = ("import sys, jaxppo; print(sorted(m for m in ('jaxppo.rollout.vllm', 'vllm', 'torch', 'wandb', 'mlflow', "
+    code = ("import sys, jaxppo; print(sorted(m for m in ('jaxppo.rollout.engines.vllm.inprocess', 'vllm', 'torch', 'wandb', 'mlflow', "
             "'trackio') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

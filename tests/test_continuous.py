@@ -7,8 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxppo.rollout.samplers.static import generate
-from jaxppo.rollout.samplers.continuous import continuous_jit, generate_continuous
+from jaxppo.rollout.engines.static import generate
+from jaxppo.rollout.engines.continuous import continuous_jit, generate_continuous
 
 from trainer_setup import tiny_llama
 

@@ -13,7 +13,7 @@ import jaxppo
 from jaxppo import demo
 from jaxppo.update.advantages import discounted_returns, gae
 from jaxppo.update.kl import at_last_token
-from jaxppo.rollout.samplers.static import generate
+from jaxppo.rollout.engines.static import generate
 from jaxppo.rollout.environments import StepResult, chat_continuation, run_episodes
 from jaxppo.run.iteration import select_prompts
 

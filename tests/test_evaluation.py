@@ -17,7 +17,7 @@ import jaxppo
 from jaxppo import demo
 from jaxppo.errors import RewardError
 from jaxppo.models.tokenizer import decode_responses
-from jaxppo.rollout.samplers.static import generate
+from jaxppo.rollout.engines.static import generate
 from jaxppo.run.evaluation import pass_at_k
 from jaxppo.tracking import read_metrics, read_table
 

@@ -16,7 +16,7 @@ import pytest
 
 import jaxppo
 import jaxppo.models as jm
-from jaxppo.rollout.samplers.static import generate
+from jaxppo.rollout.engines.static import generate
 from jaxppo import demo
 from jaxppo.models.transformer import RMSNorm, activation, apply_rope, attend_with_cache, dense, rope_inv_freq
 

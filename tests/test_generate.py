@@ -7,9 +7,10 @@ import pytest
 from scipy import stats
 
 import jaxppo.models as jm
-from jaxppo.rollout.samplers.static import generate
+from jaxppo.models.sampling import Sampling
+from jaxppo.rollout.engines.static import generate
 from jaxppo.models.decoding import inverse_cdf_index
-from jaxppo.rollout.samplers.static import generate_jit
+from jaxppo.rollout.engines.static import generate_jit
 
 V = 24
 
@@ -257,7 +258,7 @@ def test_hoisted_layers_decode_as_the_unrolled_layout(tiny, kwargs):
     """`Model.hoist_layers`: a scanned model's samplers slice each layer's weights out once
     and decode through the unrolled layers: bit for bit the unrolled layout's tokens,
     log-probs and mask (static sampler and continuous engine alike)."""
-    from jaxppo.rollout.samplers.continuous import generate_continuous
+    from jaxppo.rollout.engines.continuous import generate_continuous
 
     model, params = tiny
     config = jm.ModelConfig(**{**model.config.__dict__, "num_layers": 2})
@@ -278,12 +279,10 @@ def test_hoisted_layers_decode_as_the_unrolled_layout(tiny, kwargs):
     for a, b in zip(got, want):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # The hoisted sampler's program decodes layer by layer: no loop over the stacked layers.
-    text = generate_jit.lower(scanned, stacked, ids, mask, jax.random.key(3), jnp.float32(1.0), jnp.float32(1.0),
-                              response_length=9, top_k=None, use_top_p=False, greedy=False, stop_token_ids=(2,),
-                              pad_token_id=0, early_stop=False).as_text()
+    sampling = Sampling(response_length=9, stop_token_ids=(2,), early_stop=False).check(scanned)
+    text = generate_jit.lower(scanned, stacked, ids, mask, jax.random.key(3), sampling).as_text()
     plain = generate_jit.lower(jm.Model(config, scan_layers=True), stacked, ids, mask, jax.random.key(3),
-                               jnp.float32(1.0), jnp.float32(1.0), response_length=9, top_k=None, use_top_p=False,
-                               greedy=False, stop_token_ids=(2,), pad_token_id=0, early_stop=False).as_text()
+                               sampling).as_text()
     assert text.count("stablehlo.while") < plain.count("stablehlo.while")
     with pytest.raises(ValueError, match="Model.hoist_layers='yes' is invalid; use True or False"):
         jm.Model(config, hoist_layers="yes")
@@ -363,7 +362,7 @@ def test_weights_in_the_compute_dtype_decode_as_before(family, monkeypatch):
     ids, mask = _prompts(4, q=6, seed=3)
     settings = dict(response_length=7, stop_token_ids=(2,))
     got = {name: generate(model, p, ids, mask, jax.random.key(4), **settings) for name, (model, p) in layouts.items()}
-    prefix = jm.model._layer_prefix(config)
+    prefix = jm.stacking.layer_prefix(config)
 
     def dtypes(tree, matrices):  # a matrix: two or more axes per layer (a stack's first axis is its layers')
         out = set()

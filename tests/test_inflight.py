@@ -1,5 +1,5 @@
 """In-flight weight updates in the continuous sampler
-(`jaxppo.rollout.samplers.continuous.generate_inflight`): without an update it is the engine; with
+(`jaxppo.rollout.engines.continuous.generate_inflight`): without an update it is the engine; with
 "recompute", every token after an update is drawn from the new policy given its whole
 context, against a plain loop of full forwards; the same parameters under a new version
 change no token either way; the version of every token is recorded."""
@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import jaxppo.models as jm
-from jaxppo.rollout.samplers.continuous import generate_continuous, generate_inflight
+from jaxppo.models.sampling import Sampling
+from jaxppo.rollout.engines.continuous import generate_continuous, generate_inflight
 from jaxppo.models.decoding import pick_tokens, step_keys
 
 from trainer_setup import tiny_llama
@@ -102,7 +103,7 @@ def full_forward_tokens(model, versions_params, out, versions):
             pad = Q + R - len(context)  # left-padded to one width: one compile
             logits = forward(model, params, jnp.asarray([[0] * pad + context]),
                              jnp.asarray([[0] * pad + [1] * len(context)]))
-            token, logprob, _ = pick_tokens(logits, step_keys(keys[i][None], t), jnp.float32(1.0), None, None, False)
+            token, logprob, _ = pick_tokens(logits, step_keys(keys[i][None], t), Sampling(temperature=np.float32(1.0)))
             want_tokens[i, t], want_logprobs[i, t] = int(token[0]), float(logprob[0])
             context.append(int(tokens[i, t]))
     return want_tokens, want_logprobs

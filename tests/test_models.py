@@ -14,7 +14,7 @@ import torch
 import hf_models
 import jaxppo
 import jaxppo.models as jm
-from jaxppo.rollout.samplers.static import generate
+from jaxppo.rollout.engines.static import generate
 
 CAUSAL = ("gpt2", "llama", "qwen2", "qwen3", "gemma3", "mistral", "qwen3_moe", "mixtral")
 REWARD = ("gpt2-reward", "llama-reward", "qwen3-reward", "gemma3-reward", "qwen3_moe-reward")

@@ -126,7 +126,7 @@ def test_decoding_through_every_expert_samples_the_grouped_tokens(fsdp, monkeypa
     device and expert parallel over a 1x8 mesh (one expert a device)."""
     from jaxppo import sharding as sh
     from jaxppo.models import moe
-    from jaxppo.rollout.samplers.static import generate
+    from jaxppo.rollout.engines.static import generate
 
     model = jm.Model(_config(), scan_layers=True)
     params = model.init(jax.random.key(0))
@@ -357,8 +357,8 @@ def test_lora_on_the_experts_trains_only_the_adapters_and_merges():
 def test_the_continuous_sampler_equals_the_static_one_on_a_mixture(scan):
     """The KV-cache samplers run a mixture of experts like any block: the continuous engine
     (3 slots, rows refilled as they stop) gives the static sampler's tokens."""
-    from jaxppo.rollout.samplers.continuous import generate_continuous
-    from jaxppo.rollout.samplers.static import generate
+    from jaxppo.rollout.engines.continuous import generate_continuous
+    from jaxppo.rollout.engines.static import generate
 
     model = jm.Model(_config(), scan_layers=scan)
     params = model.init(jax.random.key(0))

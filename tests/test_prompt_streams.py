@@ -1,4 +1,4 @@
-"""Prompts that stream (`jaxppo.rollout.prompts.PromptStream`), mixtures with weights
+"""Prompts that stream (`jaxppo.rollout.streams.PromptStream`), mixtures with weights
 (`jaxppo.rollout.mix_prompts`) and over-long prompts filtered out (`overlong_prompts="filter"`).
 
 The references are plain: the prompts a run must see are computed here by walking the
@@ -13,7 +13,8 @@ import pytest
 
 import jaxppo
 from jaxppo import demo
-from jaxppo.rollout.prompts import PromptEncoder, PromptStream, load_prompts, read_prompt_records
+from jaxppo.rollout.prompts import PromptEncoder, load_prompts
+from jaxppo.rollout.streams import PromptStream, read_prompt_records
 from trainer_setup import small_trainer
 
 # 40 records, every fifth far over the tests' query length of 32 tokens (ByT5: a token a byte).

@@ -17,7 +17,7 @@ import transformers
 import jaxppo
 import jaxppo.models as jm
 from jaxppo import demo
-from jaxppo.rollout.samplers.static import generate
+from jaxppo.rollout.engines.static import generate
 from jaxppo.models import fixtures
 from jaxppo.rollout.prompts import render_prompts
 

@@ -165,7 +165,7 @@ def test_the_server_engine_is_packaged_and_jaxppo_serve_builds_vllms_command(tmp
     gives vLLM's server the options the engine needs (its tests start real servers with it,
     tests/test_vllm_server.py); `jaxppo serve` refuses a directory that is no checkpoint."""
     from jaxppo.cli import main
-    from jaxppo.rollout.vllm_server import serve_command
+    from jaxppo.rollout.engines.vllm.server import serve_command
 
     assert "vllm-server" in rollout_engine_names()
     caps = engine_class("vllm-server").capabilities

@@ -10,11 +10,12 @@ import pytest
 from scipy import stats
 
 from jaxppo import demo
-from jaxppo.models.decoding import Extra, pick_tokens
+from jaxppo.models.decoding import pick_tokens
+from jaxppo.models.sampling import Sampling
 from jaxppo.models.stops import StopStrings
-from jaxppo.rollout.samplers.continuous import generate_continuous
-from jaxppo.rollout.samplers.static import generate
-from jaxppo.rollout.samplers.turns import first_turn, next_turn
+from jaxppo.rollout.engines.continuous import generate_continuous
+from jaxppo.rollout.engines.static import generate
+from jaxppo.rollout.engines.static import TurnInput, first_turn, next_turn
 from sampling_reference import decoded_stop as _decoded_stop, reference_probs as _reference_probs
 from trainer_setup import TwoTurns, perturbed, tiny_llama
 
@@ -41,13 +42,13 @@ def test_picked_tokens_follow_the_filtered_distribution_chi_square(setting):
     n, s = 20000, dict(setting)
     seen = s.pop("seen", ())
     expected = _reference_probs(logits, **s, seen=seen)
-    extra = Extra(None if s.get("min_p") is None else jnp.float32(s["min_p"]),
-                  None if s.get("penalty") is None else jnp.float32(s["penalty"]))
+    sampling = Sampling(temperature=np.float32(s["temperature"]), top_k=s.get("top_k"), top_p=s.get("top_p"),
+                        min_p=None if s.get("min_p") is None else np.float32(s["min_p"]),
+                        repetition_penalty=None if s.get("penalty") is None else np.float32(s["penalty"]))
     seen_mask = jnp.broadcast_to(jnp.isin(jnp.arange(V), jnp.asarray(seen, jnp.int32)), (n, V))
     keys = jax.random.split(jax.random.key(1), n)
-    token, logprob, policy = jax.jit(lambda lg, k: pick_tokens(
-        lg, k, jnp.float32(s["temperature"]), s.get("top_k"), s.get("top_p"), False, extra, seen_mask))(
-        jnp.broadcast_to(jnp.asarray(logits), (n, V)), keys)
+    token, logprob, policy = jax.jit(lambda lg, k, sampling: pick_tokens(lg, k, sampling, seen_mask))(
+        jnp.broadcast_to(jnp.asarray(logits), (n, V)), keys, sampling)
     counts = np.bincount(np.asarray(token), minlength=V)
     support = expected > 0
     assert counts[~support].sum() == 0, np.flatnonzero(counts * ~support)
@@ -127,11 +128,11 @@ def test_every_sampler_penalises_repetition_as_a_plain_loop_does(tiny):
     static = np.asarray(generate(model, params, ids, mask, jax.random.key(0), response_length=8, **common).tokens)
     continuous = np.asarray(generate_continuous(model, params, ids, mask, jax.random.key(0), response_length=8,
                                                 num_slots=3, **common).tokens)
-    first, state = first_turn(model, params, ids, mask, jax.random.key(0), turn_length=3, response_budget=12, **common)
+    first, state = first_turn(model, params, ids, mask, jax.random.key(0), turn_length=3, response_length=12, **common)
     observation = np.array([[5, 6]] * 4, np.int32)
     new = np.concatenate([np.asarray(first.tokens)[:, -1:], observation], axis=1)
-    second, _ = next_turn(model, params, state, new, np.full(4, 2), np.full(4, 3), jax.random.key(1), turn_length=4,
-                          response_budget=12, **common)
+    second, _ = next_turn(model, params, state, TurnInput(new, np.full(4, 2), np.full(4, 3)), jax.random.key(1),
+                          turn_length=4, response_length=12, **common)
     plain_penalty = repeats = 0
     for i in range(4):
         prompt = [int(t) for t, m in zip(ids[i], mask[i]) if m]
@@ -216,7 +217,7 @@ def test_every_sampler_ends_rows_at_the_first_stop_string_and_changes_nothing_be
                            **common),
         "continuous": generate_continuous(model, params, ids, mask, jax.random.key(2), response_length=16, num_slots=5,
                                           stop_strings=stops, **common),
-        "first turn": first_turn(model, params, ids, mask, jax.random.key(2), turn_length=16, response_budget=20,
+        "first turn": first_turn(model, params, ids, mask, jax.random.key(2), turn_length=16, response_length=20,
                                  stop_strings=stops, **common)[0],
     }
     tokens, m = np.asarray(free.tokens), np.asarray(free.mask)
@@ -362,3 +363,44 @@ def test_a_run_with_the_sampling_settings_stopped_and_resumed_equals_the_uninter
     resumed = small_trainer(tmp_path / "b", **settings).train()
     assert [r["iteration"] for r in resumed] == [0, 1, 2, 3]
     assert comparable(resumed) == comparable(straight)
+
+
+def test_the_sampling_value_is_built_once_and_passed_whole(tiny):
+    """`Sampling`: its numbers are the pytree's leaves (traced: a new value reuses the
+    compiled sampler), the rest its structure (static: turning a filter on compiles
+    anew); `check` fills the stop and pad tokens from the model and refuses a bad value;
+    keywords replace fields and an unknown one is named; a run's value comes from its
+    `SamplingConfig` (a top-p of 1 and a penalty of 1 are off)."""
+    import jaxppo
+    from jaxppo.rollout.engines.static import generate_jit
+    from jaxppo.rollout.spec import RolloutSpec
+
+    model, params = tiny
+    value = Sampling(response_length=4, temperature=0.7, top_k=5, top_p=0.9, stop_token_ids=(1,))
+    assert jax.tree.leaves(value) == [0.7, 0.9]  # min-p, the penalty and the stop strings are off: no leaf
+    assert jax.tree.structure(value) != jax.tree.structure(Sampling(response_length=4, temperature=0.7, top_p=0.9))
+    checked = value.check(model)
+    assert checked.stop_token_ids == (1,) and checked.pad_token_id == (model.config.pad_token_id or 0)
+    assert Sampling(repetition_penalty=1.0).check(model).repetition_penalty is None
+    assert Sampling(stop_token_ids=None).check(model).stop_token_ids == tuple(model.config.eos_token_ids)
+    with pytest.raises(TypeError, match="unknown sampling setting.*tempreature.*valid: response_length, temperature"):
+        Sampling.of(value, tempreature=1.0)
+    with pytest.raises(ValueError, match="temperature=0"):
+        Sampling(temperature=0).check(model)
+    assert Sampling.of(value, temperature=1.0) == Sampling(response_length=4, top_k=5, top_p=0.9, stop_token_ids=(1,))
+    assert value.at_temperature(0.0).greedy and value.at_temperature(None) is value
+
+    ids, mask = _prompts(4, seed=9)
+    before = generate_jit._cache_size()
+    outs = [generate(model, params, ids, mask, jax.random.key(0), value, temperature=t, top_p=p)
+            for t, p in ((0.7, 0.9), (1.3, 0.5))]
+    assert generate_jit._cache_size() == before + 1  # new numbers, one program
+    assert not np.array_equal(np.asarray(outs[0].logprobs), np.asarray(outs[1].logprobs))
+    generate(model, params, ids, mask, jax.random.key(0), value, top_k=None)
+    assert generate_jit._cache_size() == before + 2  # top-k off: another program
+
+    config = jaxppo.Config.from_settings(temperature=0.8, top_p=1.0, top_k=7, repetition_penalty=1.0,
+                                         response_length=6)
+    spec = RolloutSpec.from_config(config, policy=model, apply_fn=model.apply, ref_apply=None, stop_token_ids=(2,))
+    assert spec.sampling == Sampling(response_length=6, temperature=0.8, top_k=7, stop_token_ids=(2,), pad_token_id=0)
+    assert spec.sampling is spec.sampling  # built once

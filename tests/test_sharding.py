@@ -10,7 +10,7 @@ import pytest
 
 import jaxppo
 import jaxppo.models as jm
-from jaxppo.rollout.samplers.static import generate
+from jaxppo.rollout.engines.static import generate
 from jaxppo import sharding as sh
 from jaxppo import demo
 from jaxppo.version import release

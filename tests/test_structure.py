@@ -265,3 +265,48 @@ def test_the_update_namespace_holds_modules_not_a_copy_of_their_functions():
     assert update.advantages.gae is jaxppo.update.advantages.gae
     for name in ("gae", "masked_whiten", "policy_loss", "kl_per_token"):
         assert not hasattr(update, name), name
+
+
+# How tokens are picked and where a row stops (a call's budget, `response_length`, may vary per call).
+SAMPLING_SETTINGS = {"temperature", "top_k", "top_p", "min_p", "repetition_penalty", "greedy", "stop_token_ids",
+                     "pad_token_id", "stop_strings", "early_stop"}
+
+
+def _parameters(node):
+    """A function's named parameters (not `self`/`cls`, not *args/**kwargs)."""
+    a = node.args
+    names = [p.arg for p in a.posonlyargs + a.args + a.kwonlyargs]
+    return names[1:] if names and names[0] in ("self", "cls") else names
+
+
+def test_the_samplers_take_one_sampling_value():
+    """The rollout engines' wing and the decoding primitives: no function with more than 9
+    parameters, and none that takes two sampling settings as loose parameters (they travel
+    as one `Sampling`); `filter_logits`, the primitive that applies the three filters, is the
+    one exception. The samplers' settings once travelled as up to 20 keywords."""
+    wing = [path for name, path in _modules(PACKAGE).items()
+            if name.startswith("jaxppo.rollout.engines") or name in ("jaxppo.models.decoding", "jaxppo.models.sampling")]
+    assert len(wing) >= 9, wing
+    wide, loose = [], []
+    for path in wing:
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                params = _parameters(node)
+                if len(params) > 9:
+                    wide.append((os.path.relpath(path, ROOT), node.name, len(params)))
+                settings = SAMPLING_SETTINGS.intersection(params)
+                if len(settings) > 1 and node.name != "filter_logits":
+                    loose.append((os.path.relpath(path, ROOT), node.name, sorted(settings)))
+    assert not wide, wide
+    assert not loose, loose
+    # The checks see what they look for (the decode loop's signature before the value).
+    old = ast.parse("def decode_loop(model, params, cache, next_logits, kv_mask, first_slot, next_position, row_keys, "
+                    "temperature, top_p, max_lengths=None, *, response_length, top_k, use_top_p, greedy, "
+                    "stop_token_ids, pad_token_id, early_stop, extra=None, seen=None): pass").body[0]
+    assert len(_parameters(old)) == 20 and len(SAMPLING_SETTINGS.intersection(_parameters(old))) == 7
+
+
+def test_no_module_over_600_lines():
+    """A module past 600 lines holds two rooms; split it where its data divides."""
+    sizes = {os.path.relpath(path, ROOT): sum(1 for _ in open(path)) for path in _modules(PACKAGE).values()}
+    assert not {path: n for path, n in sizes.items() if n > 600}, sorted(sizes.items(), key=lambda kv: -kv[1])[:3]

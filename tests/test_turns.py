@@ -1,4 +1,4 @@
-"""Turns without re-prefill (`jaxppo.rollout.samplers.turns`, `TrainerConfig.turn_cache`): each row's
+"""Turns without re-prefill (`jaxppo.rollout.engines.static`, `TrainerConfig.turn_cache`): each row's
 KV cache kept between turns gives the tokens that prefilling the whole context again gives
 (`generate` on the left-padded context, today's other path), log-probs equal up to
 rounding, for every architecture, both layer layouts, hoisted layers, shared prompts, a
@@ -12,8 +12,8 @@ import pytest
 
 import jaxppo.models as jm
 from jaxppo import sharding
-from jaxppo.rollout.samplers import turns
-from jaxppo.rollout.samplers.static import generate
+from jaxppo.rollout.engines import static as turns
+from jaxppo.rollout.engines.static import generate
 
 from test_shared_prompts import _config
 from trainer_setup import perturbed
@@ -64,15 +64,15 @@ def _play(model, params, g=1, mesh=None, turns_played=4, long_observation=False,
         ref = _reference_turn(model, params, ids, mask, None if turn == 0 else tokens, used, k, budgets, g, **common)
         if turn == 0:
             out, state = turns.first_turn(model, params, place(ids), place(mask), k, turn_length=L,
-                                          response_budget=R, num_generations=g, max_lengths=place(budgets), **common)
+                                          response_length=R, num_generations=g, max_lengths=place(budgets), **common)
         else:
             start = np.where(live, cached, used)
             lengths = used - start
             new = np.zeros((b, max(1, lengths.max())), np.int32)
             for i in np.flatnonzero(lengths):
                 new[i, :lengths[i]] = tokens[i, start[i]:used[i]]
-            out, state = turns.next_turn(model, params, state, new, start, lengths, k, turn_length=L,
-                                         response_budget=R, max_lengths=budgets, place=place, **common)
+            out, state = turns.next_turn(model, params, state, turns.TurnInput(new, start, lengths, budgets), k,
+                                         turn_length=L, response_length=R, place=place, **common)
         out, ref = jax.device_get(out), jax.device_get(ref)
         results.append((out, ref, live.copy()))
         n = ref.mask.sum(axis=1)
@@ -140,12 +140,12 @@ def test_bad_new_tokens_are_refused_before_anything_runs():
     model = jm.Model(_config("llama"))
     params = model.init(jax.random.key(0))
     ids, mask = _prompts(np.random.default_rng(0), 2, 1)
-    _, state = turns.first_turn(model, params, ids, mask, jax.random.key(0), turn_length=L, response_budget=R)
-    with pytest.raises(ValueError, match="response_budget=24"):
-        turns.next_turn(model, params, state, np.ones((2, 3)), np.array([R - 1, 0]), np.array([3, 1]),
-                        jax.random.key(1), turn_length=L, response_budget=R)
+    _, state = turns.first_turn(model, params, ids, mask, jax.random.key(0), turn_length=L, response_length=R)
+    with pytest.raises(ValueError, match="response_length=24"):
+        turns.next_turn(model, params, state, turns.TurnInput(np.ones((2, 3)), np.array([R - 1, 0]), np.array([3, 1])),
+                        jax.random.key(1), turn_length=L, response_length=R)
     with pytest.raises(ValueError, match="must be \\(2,\\)"):
-        turns.next_turn(model, params, state, np.ones((2, 3)), np.array([0]), np.array([1, 1]), jax.random.key(1),
-                        turn_length=L, response_budget=R)
+        turns.next_turn(model, params, state, turns.TurnInput(np.ones((2, 3)), np.array([0]), np.array([1, 1])),
+                        jax.random.key(1), turn_length=L, response_length=R)
     with pytest.raises(ValueError, match="turn_length"):
-        turns.first_turn(model, params, ids, mask, jax.random.key(0), turn_length=R + 1, response_budget=R)
+        turns.first_turn(model, params, ids, mask, jax.random.key(0), turn_length=R + 1, response_length=R)

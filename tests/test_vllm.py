@@ -1,4 +1,4 @@
-"""vLLM as the rollout engine (`jaxppo.rollout.vllm`), on vLLM's CPU build. These tests run
+"""vLLM as the rollout engine (`jaxppo.rollout.engines.vllm.inprocess`), on vLLM's CPU build. These tests run
 in their own environment (vLLM pins its own transformers): `.ci/run` builds it and runs
 this file with JAXPPO_REQUIRE_VLLM=1, where a missing vLLM is an error; elsewhere the file
 is skipped when vLLM is not installed.

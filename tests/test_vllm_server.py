@@ -1,4 +1,4 @@
-"""vLLM servers as the rollout engine (`jaxppo.rollout.vllm_server`): two real vLLM servers
+"""vLLM servers as the rollout engine (`jaxppo.rollout.engines.vllm.server`): two real vLLM servers
 (vLLM's CPU build, started with `jaxppo serve`'s command on localhost) for the module; the
 trainer samples on them and pushes its weights after every update. These tests run in CI's
 vLLM environment (`.ci/run`, JAXPPO_REQUIRE_VLLM=1); elsewhere the file is skipped when vLLM
@@ -27,7 +27,7 @@ import jaxppo  # noqa: E402
 import jaxppo.models as jm  # noqa: E402
 from jaxppo import demo  # noqa: E402
 from jaxppo.models import hf as hf_io  # noqa: E402
-from jaxppo.rollout.vllm_server import AdapterTransport, FileTransport, serve_command  # noqa: E402
+from jaxppo.rollout.engines.vllm.server import AdapterTransport, FileTransport, serve_command  # noqa: E402
 from processes import free_port, run_two_processes  # noqa: E402
 
 V = 384

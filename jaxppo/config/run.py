@@ -106,7 +106,7 @@ class DataConfig(Concern):
         out, counted in `data/prompts_filtered`).
       stream_prompts: read and tokenize the prompts as the run reaches them, in the order
         given, instead of all up front and reshuffled every pass
-        (`jaxppo.rollout.prompts.PromptStream`; a generator, a `datasets.IterableDataset`
+        (`jaxppo.rollout.streams.PromptStream`; a generator, a `datasets.IterableDataset`
         or a `jaxppo.mix_prompts` mixture is always streamed).
       prompt_column: the column or field holding the prompts in datasets and JSON files. A
         prompt may be a list of chat messages ({"role", "content"} dicts), rendered with the

@@ -39,8 +39,8 @@ class SamplingConfig(Concern):
       stop_strings: a completion ends at the token completing one of these texts
         (`jaxppo.models.stops`).
       rollout_engine: "jaxppo" (the built-in engines: the static sampler, or the continuous
-        one with `num_slots`), "vllm" (vLLM in this process, `jaxppo.rollout.vllm`),
-        "vllm-server" (running vLLM servers, `vllm_urls`; `jaxppo.rollout.vllm_server`), or a
+        one with `num_slots`), "vllm" (vLLM in this process, `jaxppo.rollout.engines.vllm.inprocess`),
+        "vllm-server" (running vLLM servers, `vllm_urls`; `jaxppo.rollout.engines.vllm.server`), or a
         name registered with `jaxppo.rollout.engines.register_rollout_engine`.
       vllm_urls: with rollout_engine "vllm-server", the servers' base URLs
         ("http://host:port"; `jaxppo serve` starts one); requests are spread over them.
@@ -48,7 +48,7 @@ class SamplingConfig(Concern):
         dropped from the run and its requests go to the others; > 0.
       weight_sync: how the trainer's weights reach vLLM servers: "files" (a safetensors file
         per version in `weight_sync_dir`; CPUs and GPUs) or "nccl" (broadcast from the
-        trainer's GPU into the servers', untested: see `jaxppo.rollout.vllm_nccl`). With
+        trainer's GPU into the servers', untested: see `jaxppo.rollout.engines.vllm.nccl`). With
         LoRA the adapter alone goes by file either way.
       weight_sync_dir: where the trainer writes the weights it pushes to vLLM servers (a
         directory they read: on one host None, a temporary directory in /dev/shm; across

@@ -2,11 +2,12 @@
 Gemma 3 in Flax, each a family registered by `model_type` (`jaxppo.models.families`; add
 your own with `register_family`), value and score heads, LoRA adapters (PEFT format),
 Hugging Face checkpoint import/export, tokenizers, and the KV-cache decoding primitives
-(`decoding`) the samplers of `jaxppo.rollout.samplers` are made of."""
+(`decoding`) the samplers of `jaxppo.rollout.engines` are made of."""
 
 from jaxppo.models.config import ModelConfig
 from jaxppo.models.family import ModelFamily, family_of, model_types, register_family
 from jaxppo.models.decoding import GenerationOutput, filter_logits
+from jaxppo.models.sampling import Sampling
 from jaxppo.models.lora import LoraConfig
 from jaxppo.models.adapters import add_lora, merge_lora
 from jaxppo.models.peft import load_peft_adapter, save_peft_adapter
@@ -39,6 +40,7 @@ __all__ = [
     "params_from_hf_tensors",
     "params_to_hf_tensors",
     "GenerationOutput",
+    "Sampling",
     "filter_logits",
     "StopStrings",
     "load_tokenizer",

@@ -1,4 +1,4 @@
-"""The decoding primitives the samplers are made of (`jaxppo.rollout.samplers`): prefill a
+"""The decoding primitives the samplers are made of (`jaxppo.rollout.engines`): prefill a
 KV cache after left-padded prompts, the decode loop that feeds each sampled token back,
 picking tokens (repetition penalty, temperature, top-k, min-p, top-p) with per-row keys,
 stop strings matched token by token (`jaxppo.models.stops`), and the checks of a sampler's
@@ -14,7 +14,7 @@ matter), then top-p over what is left (its mass renormalised); one draw from the
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -22,12 +22,13 @@ import numpy as np
 
 from jaxppo.models.family import family_of
 from jaxppo.models.model import Model
+from jaxppo.models.sampling import Sampling
 from jaxppo.models.transformer import default_positions
 
-__all__ = ["prefill", "decode_loop", "cap_positions", "GenerationOutput", "Extra", "filter_logits", "pick_tokens",
-           "two_logprobs", "step_keys", "stop_step", "strings_completed", "seen_tokens", "mark_seen", "note_token",
-           "penalize", "make_extra", "inverse_cdf_index", "check_sampler_arguments", "check_max_lengths",
-           "check_groups", "prefill_common"]
+__all__ = ["prefill", "decode_loop", "Prefilled", "cap_positions", "GenerationOutput", "Sampling", "filter_logits",
+           "pick_tokens", "step_keys", "stop_step", "strings_completed", "seen_tokens", "mark_seen", "note_token",
+           "penalize", "inverse_cdf_index", "check_sampler_arguments", "check_max_lengths", "check_groups",
+           "prefill_common"]
 
 
 class GenerationOutput(NamedTuple):
@@ -52,26 +53,6 @@ class GenerationOutput(NamedTuple):
     def policy_logprobs(self):
         """The log-probs under the policy's own temperature-scaled distribution."""
         return self.logprobs if self.full_logprobs is None else self.full_logprobs
-
-
-class Extra(NamedTuple):
-    """The sampler's settings beyond temperature and top-p that are arrays (traced, so a
-    new value does not recompile); each None when off, which is static (None is part of
-    the argument's structure).
-
-    min_p: float32 scalar in (0, 1): keep the tokens whose probability is at least min_p
-      times the most likely one's.
-    repetition_penalty: float32 scalar > 0 (1: none).
-    stop_table: int32 (K, S, V), the stop strings' automata (`jaxppo.models.stops`)."""
-
-    min_p: Optional[jax.Array] = None
-    repetition_penalty: Optional[jax.Array] = None
-    stop_table: Optional[jax.Array] = None
-
-    @property
-    def reshapes(self) -> bool:
-        """The penalty or min-p is on (the sampled distribution is not the policy's)."""
-        return self.min_p is not None or self.repetition_penalty is not None
 
 
 def _largest_threshold(p, accepted):
@@ -182,13 +163,13 @@ def mark_seen(seen, token, live):
     return seen.at[rows, token].set(seen[rows, token] | live)
 
 
-def note_token(extra: Extra, token, live, seen, matched):
+def note_token(sampling: Sampling, token, live, seen, matched):
     """The per-row state after each row's new `token` (B,): `seen` with the live rows'
     token marked, the stop strings' states `matched` stepped (each None when off), and
     (B,) whether the token completed a stop string."""
     completed = jnp.zeros(token.shape, bool)
     if matched is not None:
-        matched, completed = stop_step(extra.stop_table, matched, token)
+        matched, completed = stop_step(sampling.stop_table, matched, token)
     if seen is not None:
         seen = mark_seen(seen, token, live)
     return seen, matched, completed
@@ -206,30 +187,24 @@ def _take(logprobs, token):
     return jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
 
 
-def two_logprobs(extra: Optional[Extra], top_k, top_p_on: bool, greedy: bool) -> bool:
-    """Whether the distribution sampled from differs from the policy's own (a filter or the
-    penalty, and not greedy): then a second log-prob per token, the policy's, is kept."""
-    return not greedy and ((extra is not None and extra.reshapes) or top_k is not None or top_p_on)
-
-
-def pick_tokens(next_logits, keys, temperature, top_k, top_p, greedy, extra: Optional[Extra] = None, seen=None):
+def pick_tokens(next_logits, keys, sampling: Sampling, seen=None):
     """Each row's next token, its log-prob under the distribution it was drawn from (see
     the module for the order), and its log-prob under the policy's own
     softmax(logits / temperature), or None when the two are the same distribution (no
-    penalty or filter; or `greedy`, whose log-prob is the policy's). `seen` (B, V): the
+    penalty or filter; or greedy, whose log-prob is the policy's). `seen` (B, V): the
     row's tokens so far, for the repetition penalty. Row i's randomness comes from keys[i]
     alone, so a row's tokens do not depend on which other rows are decoded beside it."""
-    extra = extra or Extra()
+    s = sampling
     logits = next_logits.astype(jnp.float32)
-    policy = jax.nn.log_softmax(logits / temperature, axis=-1)
-    if extra.repetition_penalty is not None:
-        logits = penalize(logits, seen, extra.repetition_penalty)
-    if greedy:
+    policy = jax.nn.log_softmax(logits / s.temperature, axis=-1)
+    if s.repetition_penalty is not None:
+        logits = penalize(logits, seen, s.repetition_penalty)
+    if s.greedy:
         token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         return token, _take(policy, token), None
-    filtered = filter_logits(logits / temperature, top_k, top_p, extra.min_p)
+    filtered = filter_logits(logits / s.temperature, s.top_k, s.top_p, s.min_p)
     token = _sample_inverse_cdf(keys, filtered)
-    if not two_logprobs(extra, top_k, top_p is not None, greedy):
+    if not s.two_logprobs:
         return token, _take(policy, token), None
     return token, _take(jax.nn.log_softmax(filtered, axis=-1), token), _take(policy, token)
 
@@ -349,34 +324,47 @@ def scan_until(step, init, length: int, empty, finished):
     return carry, outs
 
 
-def decode_loop(model, params, cache, next_logits, kv_mask, first_slot, next_position, row_keys, temperature, top_p,
-                max_lengths=None, *, response_length, top_k, use_top_p, greedy, stop_token_ids, pad_token_id,
-                early_stop, extra: Optional[Extra] = None, seen=None):
-    """Decode `response_length` tokens from a prefilled cache (traced; the samplers' shared
-    loop). `next_logits` (B, V): each row's next-token logits; `first_slot`: the cache slot
-    of the first new token, an int (every row) or (B,) (each row its own);
-    `next_position` (B,): its position; `row_keys` (B,): row i samples step t from
-    fold_in(row_keys[i], t). `kv_mask` (B, slots) marks the valid slots; the new tokens'
-    slots are set as they are fed. `extra`: min-p, the penalty (`seen` (B, V): each row's
-    tokens so far) and the stop strings (matched from this loop's first token). Returns
-    (`GenerationOutput`, the cache, `seen` with the new tokens or None): every token but
-    the last one decoded is in the cache (the last is sampled and not fed back)."""
-    b, r = next_logits.shape[0], response_length
-    extra = extra or Extra()
+class Prefilled(NamedTuple):
+    """Where a decode starts, after a prefill.
+
+    next_logits: (B, V), each row's next-token logits.
+    kv_mask: (B, slots), the valid cache slots (the new tokens' are set as they are fed).
+    first_slot: the cache slot of the first new token, an int (every row) or (B,) (each
+      row its own).
+    next_position: (B,), the first new token's position.
+    row_keys: (B,) typed keys; row i samples step t from fold_in(row_keys[i], t)."""
+
+    next_logits: jax.Array
+    kv_mask: jax.Array
+    first_slot: Any
+    next_position: jax.Array
+    row_keys: jax.Array
+
+
+def decode_loop(model, params, cache, start: Prefilled, sampling: Sampling, max_lengths=None, seen=None):
+    """Decode `sampling.response_length` tokens from a prefilled cache (traced; the samplers'
+    shared loop), from `start` (`Prefilled`), picking tokens as `sampling` (a checked
+    `Sampling`, `Sampling.check`) says; `max_lengths` (B,): each row's budget, or None;
+    `seen` (B, V): each row's tokens so far, with a repetition penalty (else None). The
+    stop strings are matched from this loop's first token. Returns (`GenerationOutput`,
+    the cache, `seen` with the new tokens or None): every token but the last one decoded
+    is in the cache (the last is sampled and not fed back)."""
+    next_logits, kv_mask, first_slot, next_position, row_keys = start
+    b, r, pad = next_logits.shape[0], sampling.response_length, sampling.pad_token_id
     per_row = jnp.ndim(first_slot) == 1
-    stop_ids = jnp.asarray(stop_token_ids if stop_token_ids else (-1,), jnp.int32)
-    matched = None if extra.stop_table is None else jnp.zeros((b, extra.stop_table.shape[0]), jnp.int32)
-    two = two_logprobs(extra, top_k, use_top_p, greedy)
+    stop_ids = jnp.asarray(sampling.stop_token_ids or (-1,), jnp.int32)
+    table = sampling.stop_table
+    matched = None if table is None else jnp.zeros((b, table.shape[0]), jnp.int32)
+    two = sampling.two_logprobs
 
     def choose(next_logits, done, seen, matched, t):
         """Pick each row's next token; rows already done get pad (masked out, log-prob 0)."""
-        token, logprob, policy = pick_tokens(next_logits, step_keys(row_keys, t), temperature, top_k,
-                                             top_p if use_top_p else None, greedy, extra, seen)
+        token, logprob, policy = pick_tokens(next_logits, step_keys(row_keys, t), sampling, seen)
         live = ~done
-        token = jnp.where(live, token, pad_token_id)
+        token = jnp.where(live, token, pad)
         logprob = jnp.where(live, logprob, 0.0)
         policy = None if policy is None else jnp.where(live, policy, 0.0)
-        seen, matched, completed = note_token(extra, token, live, seen, matched)
+        seen, matched, completed = note_token(sampling, token, live, seen, matched)
         ended = jnp.isin(token, stop_ids) | completed
         if max_lengths is not None:
             ended = ended | (t + 1 >= max_lengths)
@@ -397,10 +385,10 @@ def decode_loop(model, params, cache, next_logits, kv_mask, first_slot, next_pos
 
     # R - 1 steps that feed their token back, then the last token, which needs no forward.
     init = (cache, next_logits, kv_mask, jnp.zeros((b,), bool), seen, matched)
-    if not early_stop or r == 1:  # (R = 1: no step to take)
+    if not sampling.early_stop or r == 1:  # (R = 1: no step to take)
         (cache, last_logits, _, done, seen, matched), outs = jax.lax.scan(step, init, jnp.arange(r - 1))
     else:  # what a finished row emits (pad, log-prob 0, mask 0) fills the steps not taken
-        empty = (jnp.full((r - 1, b), pad_token_id, jnp.int32), jnp.zeros((r - 1, b), jnp.float32),
+        empty = (jnp.full((r - 1, b), pad, jnp.int32), jnp.zeros((r - 1, b), jnp.float32),
                  jnp.zeros((r - 1, b), jnp.int32)) + ((jnp.zeros((r - 1, b), jnp.float32),) if two else ())
         (cache, last_logits, _, done, seen, matched), outs = scan_until(step, init, r - 1, empty,
                                                                          lambda carry: jnp.all(carry[3]))
@@ -410,55 +398,33 @@ def decode_loop(model, params, cache, next_logits, kv_mask, first_slot, next_pos
     return GenerationOutput(*columns), cache, seen
 
 
-def check_sampler_arguments(model, prompt_ids, prompt_mask, response_length, temperature, top_k, top_p, stop_token_ids,
-                            pad_token_id, max_lengths=None, min_p=None, repetition_penalty=None):
-    """Errors in a sampler's arguments, before anything compiles; returns the stop ids
-    (default: the model's EOS ids) and the pad id (default: the config's pad, else the
-    first EOS, else 0). Learned positions (GPT-2) must cover the longest row: its real
-    prompt tokens plus its budget (`max_lengths`, else `response_length`); when the mask
-    is not concrete, the padded width plus `response_length`."""
+def check_sampler_arguments(model, prompt_ids, prompt_mask, sampling: Optional[Sampling], max_lengths=None,
+                            budget: Optional[int] = None) -> Sampling:
+    """Errors in a sampler's arguments, before anything compiles; returns `sampling` checked
+    (`Sampling.check`: the stop ids default to the model's EOS ids, the pad id to the
+    config's pad, else the first EOS, else 0). `budget`: the response tokens a row may hold
+    in all (default `sampling.response_length`; multi-turn episodes hold more than a turn).
+    Learned positions (GPT-2) must cover the longest row: its real prompt tokens plus its
+    budget (`max_lengths`, else the budget); when the mask is not concrete, the padded
+    width plus the budget."""
     if not isinstance(model, Model) or not model.is_causal_lm:
         raise ValueError(f"generate needs a causal-LM jaxppo Model, got {model!r:.80}")
-    if not isinstance(response_length, int) or response_length <= 0:
-        raise ValueError(f"response_length={response_length!r} must be a positive int")
+    if not isinstance(sampling, Sampling):
+        raise TypeError(f"sampling must be a jaxppo.models.sampling.Sampling, got {sampling!r:.80}")
+    sampling = sampling.check(model)
+    budget = sampling.response_length if budget is None else budget
     if prompt_ids.ndim != 2 or prompt_ids.shape != prompt_mask.shape:
         raise ValueError(f"prompt_ids {prompt_ids.shape} and prompt_mask {prompt_mask.shape} must both be (batch, prompt_len)")
-    total = prompt_ids.shape[1] + response_length
+    total = prompt_ids.shape[1] + budget
     learned = family_of(model.config).learned_positions
     if learned and total > model.config.max_position_embeddings:
-        total = _longest_row(prompt_mask, max_lengths, response_length, total)
+        total = _longest_row(prompt_mask, max_lengths, budget, total)
     if learned and total > model.config.max_position_embeddings:
         raise ValueError(
             f"prompt_len + response_length = {total} exceeds the model's "
             f"max_position_embeddings={model.config.max_position_embeddings}"
         )
-    if not (isinstance(temperature, (int, float)) and temperature > 0):
-        raise ValueError(f"temperature={temperature!r} must be > 0")
-    if top_k is not None and (not isinstance(top_k, int) or top_k <= 0):
-        raise ValueError(f"top_k={top_k!r} must be None or a positive int")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p={top_p!r} must be None or in (0, 1]")
-    if min_p is not None and not (isinstance(min_p, (int, float)) and 0.0 < min_p < 1.0):
-        raise ValueError(f"min_p={min_p!r} must be None or in (0, 1)")
-    if repetition_penalty is not None and not (isinstance(repetition_penalty, (int, float))
-                                               and 0.0 < repetition_penalty < math.inf):
-        raise ValueError(f"repetition_penalty={repetition_penalty!r} must be None or a finite number > 0 (1: none)")
-    if stop_token_ids is None:
-        stop_token_ids = model.config.eos_token_ids
-    stop_token_ids = tuple(int(t) for t in stop_token_ids)
-    if pad_token_id is None:
-        pad_token_id = model.config.pad_token_id
-        if pad_token_id is None:
-            pad_token_id = model.config.eos_token_ids[0] if model.config.eos_token_ids else 0
-    return stop_token_ids, pad_token_id
-
-
-def make_extra(min_p=None, repetition_penalty=None, stop_strings=None) -> Extra:
-    """The `Extra` of the samplers' keyword arguments (checked by `check_sampler_arguments`):
-    `stop_strings` a `jaxppo.models.stops.StopStrings` or None; a penalty of 1 is none."""
-    table = None if stop_strings is None else jnp.asarray(stop_strings.table)
-    return Extra(None if min_p is None else jnp.float32(min_p),
-                 None if repetition_penalty in (None, 1, 1.0) else jnp.float32(repetition_penalty), table)
+    return sampling
 
 
 def _longest_row(prompt_mask, max_lengths, response_length: int, default: int) -> int:

@@ -25,6 +25,7 @@ from jaxppo.models.family import family_of
 from jaxppo.models.heads import LMHead, token_logprobs, top_logprobs
 from jaxppo.models.lora import LoraConfig
 from jaxppo.models.moe import load_balancing_loss
+from jaxppo.models.stacking import layer_prefix, matrices_in_compute_dtype, stack_layers, trunk_name, unstack_layers
 from jaxppo.models.transformer import ATTENTION, CausalLMModule, GroupedKV, ScoreModule, default_positions
 
 __all__ = ["Model", "KINDS", "PolicyAndCritic", "stack_layers", "unstack_layers", "matrices_in_compute_dtype",
@@ -465,7 +466,7 @@ def _grouped_hidden(model: "Model", params, query_tokens, query_mask, response_t
 
 def _layers_last(model: "Model", sown, name: str):
     """A value every MoE layer `sow`ed (each (B, L, ...)) as one array (B, L, layers, ...)."""
-    trunk, prefix = sown[trunk_name(model.config)], _layer_prefix(model.config)
+    trunk, prefix = sown[trunk_name(model.config)], layer_prefix(model.config)
     if model.scan_layers:  # stacked by the layer scan: (layers, B, L, ...)
         return jnp.moveaxis(trunk[prefix]["moe"][name][0], 0, 2)
     return jnp.stack([trunk[f"{prefix}_{i}"]["moe"][name][0] for i in range(model.config.num_layers)], axis=2)
@@ -474,7 +475,7 @@ def _layers_last(model: "Model", sown, name: str):
 def _per_layer(model: "Model", routing):
     """The "replay" collection of `routing` (B, L, layers, k): each layer's `chosen`, stacked
     on a leading layer axis for the layer scan."""
-    prefix = _layer_prefix(model.config)
+    prefix = layer_prefix(model.config)
     if model.scan_layers:
         layers = {prefix: {"moe": {"chosen": jnp.moveaxis(routing, 2, 0)}}}
     else:
@@ -534,79 +535,6 @@ def join_sequences(query_tokens, query_mask, response_tokens, response_mask):
     Position Q - 1 + t of the joined sequence predicts response token t."""
     return (jnp.concatenate([query_tokens, response_tokens], axis=1),
             jnp.concatenate([query_mask, response_mask], axis=1))
-
-
-def _layer_prefix(config: ModelConfig) -> str:
-    return family_of(config).layers_prefix
-
-
-def trunk_name(config: ModelConfig) -> str:
-    """The params entry holding the trunk: its family's `trunk_name` ("transformer" for
-    GPT-2, "model" for the Llama family and Gemma 3)."""
-    return family_of(config).trunk_name
-
-
-def stack_layers(params, config: ModelConfig):
-    """Per-layer params (`layers_0` ... `layers_{n-1}`, as `Model(scan_layers=False)` has
-    them) -> the stacked layout of `Model(scan_layers=True)` (one `layers` entry whose
-    leaves lead with a num_layers axis). Other entries are kept as they are."""
-    prefix, trunk = _layer_prefix(config), trunk_name(config)
-    out = dict(params)
-    for collection in _trunk_collections(params, trunk):
-        inner = dict(params[collection][trunk])
-        names = [f"{prefix}_{i}" for i in range(config.num_layers)]
-        missing = [n for n in names if n not in inner]
-        if missing or prefix in inner:
-            raise ValueError(f"stack_layers needs the per-layer layout ({prefix}_0 ... {prefix}_{config.num_layers - 1}); "
-                             f"missing {missing}" + (f", and {prefix!r} is already stacked" if prefix in inner else ""))
-        layers = [inner.pop(n) for n in names]
-        inner[prefix] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
-        out[collection] = {**params[collection], trunk: inner}
-    return out
-
-
-def _trunk_collections(variables, trunk):
-    """The variable collections ("params", and "lora" for adapters) that hold the trunk."""
-    return [k for k, v in variables.items() if isinstance(v, dict) and trunk in v]
-
-
-def matrices_in_compute_dtype(params, dtype, stacked: Optional[ModelConfig] = None):
-    """`params` with every floating leaf of two or more axes (kernels, embeddings, LoRA's
-    factors) cast to `dtype` where `dtype` is narrower; the others (biases, norm scales)
-    as they are. `stacked`: the config of params in the scanned layout, whose stacked
-    layers' leaves carry a leading layer axis, so that there a matrix has three or more
-    axes (a stacked norm scale has two, and stays). The layers cast such a matrix to their
-    compute dtype at every use, so a sampler given the cast copy computes the same values,
-    from half the bytes (float32 weights, bfloat16 compute) and without a conversion per
-    weight per decode step: the samplers decode from it (`Model.for_decoding`)."""
-    dtype = jnp.dtype(dtype)
-    stacked = (trunk_name(stacked), _layer_prefix(stacked)) if stacked is not None else None
-
-    def cast(path, x):
-        names = [str(getattr(k, "key", k)) for k in path]
-        layered = stacked is not None and any(tuple(names[i:i + len(stacked)]) == stacked
-                                              for i in range(len(names)))
-        if (jnp.ndim(x) >= (3 if layered else 2) and jnp.issubdtype(x.dtype, jnp.floating)
-                and jnp.dtype(x.dtype).itemsize > dtype.itemsize):
-            return x.astype(dtype)
-        return x
-
-    return jax.tree_util.tree_map_with_path(cast, params)
-
-
-def unstack_layers(params, config: ModelConfig):
-    """The inverse of `stack_layers`: stacked `layers` -> `layers_0` ... `layers_{n-1}`."""
-    prefix, trunk = _layer_prefix(config), trunk_name(config)
-    out = dict(params)
-    for collection in _trunk_collections(params, trunk):
-        inner = dict(params[collection][trunk])
-        if prefix not in inner:
-            raise ValueError(f"unstack_layers needs the stacked layout (a {prefix!r} entry under {trunk!r})")
-        stacked = inner.pop(prefix)
-        for i in range(config.num_layers):
-            inner[f"{prefix}_{i}"] = jax.tree.map(lambda x: x[i], stacked)
-        out[collection] = {**params[collection], trunk: inner}
-    return out
 
 
 def is_model_spec(spec) -> bool:

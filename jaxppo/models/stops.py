@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 from typing import Sequence, Tuple
 
+import jax
 import numpy as np
 
 __all__ = ["StopStrings", "token_texts", "automaton"]
@@ -128,7 +129,7 @@ class StopStrings:
     def cut(self, tokens: np.ndarray, mask: np.ndarray, pad_token_id: int):
         """Host (B, R) tokens and mask with every row ended at its first completed stop
         string: the tokens after it set to `pad_token_id` and masked out (for an engine that
-        cannot stop on strings itself: `jaxppo.rollout.vllm`)."""
+        cannot stop on strings itself: `jaxppo.rollout.engines.vllm.inprocess`)."""
         tokens, mask = tokens.copy(), mask.copy()
         for row in range(tokens.shape[0]):
             n = int(mask[row].sum())
@@ -145,3 +146,19 @@ class StopStrings:
 
     def __repr__(self):
         return f"StopStrings({self.strings!r}, vocab={self.table.shape[2]})"
+
+
+def _flatten_stops(stops: StopStrings):
+    return (stops.table,), (stops.strings, stops._digest)
+
+
+def _unflatten_stops(aux, children) -> StopStrings:
+    """A `StopStrings` around `children`' table as it is (traced inside a compiled sampler:
+    the digest is the host value's)."""
+    stops = object.__new__(StopStrings)
+    (stops.table,), (stops.strings, stops._digest) = children, aux
+    return stops
+
+
+# A pytree: the table is a leaf (an array a compiled sampler traces), the strings its structure.
+jax.tree_util.register_pytree_node(StopStrings, _flatten_stops, _unflatten_stops)

@@ -29,7 +29,7 @@ from jaxppo.config.optimizer import build_optimizer
 from jaxppo.models.hf import ConfigOnly
 from jaxppo.models.decoding import GenerationOutput
 from jaxppo.rollout.forward import finish_rollout
-from jaxppo.rollout.samplers.static import lower_generate
+from jaxppo.rollout.engines.static import lower_generate
 from jaxppo.run.assembly import assemble
 from jaxppo.run.compiled import Step, abstract_rollout
 from jaxppo.run.parts import Inputs, initial_run_state, rollout_spec
@@ -186,11 +186,10 @@ def lower_generate_program(shapes: RunShapes):
     c, spec = shapes.config, shapes.spec
     b, q = c.batch.batch_size, c.data.query_length
     ids = shapes.rows_placed(jax.ShapeDtypeStruct((b, q), jnp.int32))
-    settings = spec.sampling()
     params = spec.policy_params(shapes.run.train.params)
     with _mesh_context(shapes):
-        return lower_generate(spec.policy, params, ids, ids, _key(shapes), response_length=spec.response_length,
-                              num_generations=spec.num_generations, **settings)
+        return lower_generate(spec.policy, params, ids, ids, _key(shapes), spec.sampling,
+                              num_generations=spec.num_generations)
 
 
 LOWER = {"update": lower_update, "score": lower_score, "generate": lower_generate_program}

@@ -41,6 +41,7 @@ from jaxppo import sharding
 from jaxppo.errors import EpisodeError
 from jaxppo.models.tokenizer import decode_responses
 from jaxppo.rollout.engines import BUILT_IN, engine_class
+from jaxppo.rollout.engines.static import TurnInput
 from jaxppo.rollout.rewards import accepted_columns, load_callable, qualified_name
 
 __all__ = ["StepResult", "EpisodeOutput", "EpisodeError", "EnvironmentSpec", "Episodes", "run_episodes",
@@ -392,7 +393,7 @@ class _Play:
 class _Sampler:
     """Samples the turns of one batch of episodes with a rollout engine: with an engine that
     keeps KV caches between turns (`Capabilities.turn_cache`: the static one) and
-    `spec.turn_cache`, a turn feeds only its new tokens (`jaxppo.rollout.samplers.turns`);
+    `spec.turn_cache`, a turn feeds only its new tokens (`jaxppo.rollout.engines.static`);
     else every turn samples from its whole context again (`RolloutEngine.sample` with a
     budget per row)."""
 
@@ -438,8 +439,8 @@ class _Sampler:
         new = np.full((len(start), max(1, int(lengths.max(initial=0)))), spec.pad_token_id, np.int32)
         for i in np.flatnonzero(lengths):
             new[i, :lengths[i]] = play.tokens[i, start[i]:play.used[i]]
-        gen, self.state = self.engine.next_turn(self.state, new, start, lengths, key, turn_length=self.length,
-                                                max_lengths=budgets, place=self.place, **self.settings)
+        gen, self.state = self.engine.next_turn(self.state, TurnInput(new, start, lengths, budgets), key,
+                                                turn_length=self.length, place=self.place, **self.settings)
         return gen
 
 

@@ -5,11 +5,13 @@ scoring read (the models, the sampler's settings, how scores become rewards), ma
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Optional, Tuple
 
 import jax.numpy as jnp
 
 from jaxppo.models.model import Model
+from jaxppo.models.sampling import Sampling
 from jaxppo.models.stops import StopStrings
 from jaxppo.rollout.engines import engine_class
 from jaxppo.update.shaping import default_overlong_buffer
@@ -76,9 +78,9 @@ class RolloutSpec:
       score_clip: clip (normalised) scores to [-score_clip, score_clip].
       uses_critic: the rollout carries the critic's values (PPO); False: `values` is None.
       num_generations: G, rows per prompt (consecutive): each prompt is prefilled once
-        and its KV cache shared by its G rows (`jaxppo.rollout.samplers.static`).
+        and its KV cache shared by its G rows (`jaxppo.rollout.engines.static`).
       num_slots: None (the static sampler) or the slots of the continuous sampler
-        (`jaxppo.rollout.samplers.continuous`); the same tokens either way.
+        (`jaxppo.rollout.engines.continuous`); the same tokens either way.
       overlong_penalty_factor, overlong_buffer: DAPO's soft overlong punishment of the
         scores (`jaxppo.update.shaping.overlong_penalty`; factor 0: off; buffer None: a fifth of
         `response_length`), from `RewardConfig`.
@@ -96,7 +98,7 @@ class RolloutSpec:
         than the trained one (`SamplingConfig.max_staleness`); "auto" old log-probs are
         then recomputed (the decoupled objective: see `jaxppo.run.pipeline`).
       turn_cache: multi-turn episodes keep each row's KV cache between turns with the
-        static sampler (`EnvironmentConfig.turn_cache`; `jaxppo.rollout.samplers.turns`).
+        static sampler (`EnvironmentConfig.turn_cache`; `jaxppo.rollout.engines.static`).
       share_prompts: with `num_generations` G > 1, the scoring pass runs each group's
         prompt once for its G rows (policy, critic and reference; `LayoutConfig.share_prompts`,
         whose None, the trainer's default, counts as True here; False for a spec built by
@@ -111,7 +113,7 @@ class RolloutSpec:
         prefix is every row's query, run once by the policy, the reference, the critic and
         the reward model; `LayoutConfig.common_prefix` then runs it once per micro-batch in
         the loss; the static sampler prefills it once for batches that begin with it
-        (`jaxppo.rollout.samplers.static.generate`'s `common_prefix`). 0: the usual layout.
+        (`jaxppo.rollout.engines.static.generate`'s `common_prefix`). 0: the usual layout.
       distill_top_k: k > 0: on-policy distillation keeps the teacher's (the `ref_apply`
         model's) k largest log-probs at each response position and their ids in the rollout
         (`teacher_top_logprobs`, `teacher_top_ids`), from the same forward that scores the
@@ -203,11 +205,13 @@ class RolloutSpec:
         softmax(logits / temperature), and the sampler's log-probs are of the former."""
         return any(v is not None for v in (self.top_k, self.top_p, self.min_p, self.repetition_penalty))
 
-    def sampling(self) -> dict:
-        """The sampling settings every built-in sampler takes from the spec."""
-        return dict(temperature=self.temperature, stop_token_ids=self.stop_token_ids, pad_token_id=self.pad_token_id,
-                    top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
-                    stop_strings=self.stop_strings)
+    @functools.cached_property
+    def sampling(self) -> Sampling:
+        """The run's `Sampling` value, built once from the spec (every sampler takes it whole)."""
+        return Sampling(response_length=self.response_length, temperature=self.temperature, top_k=self.top_k,
+                        top_p=self.top_p, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+                        stop_token_ids=self.stop_token_ids, stop_strings=self.stop_strings,
+                        pad_token_id=self.pad_token_id)
 
     @property
     def sampler_logprobs_used(self) -> bool:

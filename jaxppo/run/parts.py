@@ -22,8 +22,8 @@ from jaxppo.models.stops import StopStrings
 from jaxppo.models.tokenizer import largest_token_id
 from jaxppo.rollout import engines
 from jaxppo.rollout.environments import EnvironmentSpec
-from jaxppo.rollout.prompts import (PromptEncoder, PromptStream, PromptTable, is_stream, labelled_prompt_table,
-                                    read_prompt_records)
+from jaxppo.rollout.prompts import PromptEncoder, PromptTable, labelled_prompt_table
+from jaxppo.rollout.streams import PromptStream, is_stream, read_prompt_records
 from jaxppo.rollout.rewards import RewardSetup, sort_rewards
 from jaxppo.rollout.spec import RolloutSpec
 from jaxppo.rollout.tools import check_tools, tool_environment

@@ -45,7 +45,7 @@ class NCCLTransport:
         """vLLM's `WeightSource` over the policy's tensors, on the GPU through DLPack."""
         from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
-        from jaxppo.rollout.vllm import hf_weights
+        from jaxppo.rollout.engines.vllm.inprocess import hf_weights
 
         tensors = [(name, tensor.contiguous()) for name, tensor in hf_weights(self.model, params)]
 

@@ -10,11 +10,11 @@ below), on this host or others; the trainer talks to them over HTTP:
   where each row has its own budget (multi-turn episodes); the log-probs vLLM computed for
   its tokens after temperature and filters (`--logprobs-mode processed_logprobs`) are the
   rollout's sampler log-probs. Requests are spread over the live servers and gathered in
-  order (`jaxppo.rollout.vllm_pool`); a server that fails has its requests sent to the
+  order (`jaxppo.rollout.engines.vllm.pool`); a server that fails has its requests sent to the
   others, and with none left the iteration stops before anything is trained on.
 - **Weights** after every update, through vLLM's weight-update routes
   (`/start_weight_update`, `/update_weights`, `/finish_weight_update`), by a transport
-  (`FileTransport`: the "jaxppo-files" backend of `jaxppo.rollout.vllm_plugin`, one
+  (`FileTransport`: the "jaxppo-files" backend of `jaxppo.rollout.engines.vllm.plugin`, one
   safetensors file per version in a directory the servers read). With LoRA the adapter
   alone is pushed (`AdapterTransport`: vLLM's runtime LoRA loading, one adapter per
   version; the base weights once, with the first push). Each push has a version (the
@@ -30,12 +30,13 @@ gathered to process 0 for each push, and every process takes part in the probe's
 An error on process 0 (a server down, a probe failed) is raised on every process.
 
 Limits: no in-flight weight updates; the NCCL transport from one process only. The NCCL
-transport (`weight_sync="nccl"`, `jaxppo.rollout.vllm_nccl`) is written but untested (no
+transport (`weight_sync="nccl"`, `jaxppo.rollout.engines.vllm.nccl`) is written but untested (no
 GPU was lent); the file transport works on GPUs too, through host memory.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -44,8 +45,9 @@ from typing import Optional
 
 import numpy as np
 
-from jaxppo.rollout.engines import Capabilities, RolloutEngine, register_rollout_engine
-from jaxppo.rollout.vllm_pool import ServerDown, ServerPool, ServerRefused, check_urls
+from jaxppo.rollout.engines.base import Capabilities, RolloutEngine
+from jaxppo.rollout.engines.registry import register_rollout_engine
+from jaxppo.rollout.engines.vllm.pool import ServerDown, ServerPool, ServerRefused, check_urls
 from jaxppo.sharding import gather_to_process_zero, on_process_zero
 
 __all__ = ["VLLMServerEngine", "FileTransport", "AdapterTransport", "serve_command", "serve_main", "PROBE_TOLERANCE"]
@@ -73,7 +75,7 @@ class FileTransport:
         from safetensors.numpy import save_file
 
         from jaxppo.models import hf as hf_io
-        from jaxppo.rollout.vllm import tied_head
+        from jaxppo.rollout.engines.vllm.inprocess import tied_head
 
         tensors = hf_io.params_to_hf_tensors(self.model, params)
         tensors.update(tied_head(self.model, tensors.items()))
@@ -166,7 +168,7 @@ class VLLMServerEngine(RolloutEngine):
     def check(cls, config, *, multi_turn: bool, mesh) -> None:
         import jax
 
-        from jaxppo.rollout.vllm import check_sampler_logprobs
+        from jaxppo.rollout.engines.vllm.inprocess import check_sampler_logprobs
 
         sampling = config.sampling
         if not sampling.vllm_urls:
@@ -300,8 +302,7 @@ class VLLMServerEngine(RolloutEngine):
         import jax.numpy as jnp
 
         from jaxppo.models.decoding import GenerationOutput
-        from jaxppo.rollout.engines import sampling_settings
-        from jaxppo.rollout.vllm import request_seeds
+        from jaxppo.rollout.engines.vllm.inprocess import request_seeds
         from jaxppo.sharding import to_host
 
         if self._closed:
@@ -311,7 +312,8 @@ class VLLMServerEngine(RolloutEngine):
         ids, mask = to_host(prompt_ids), to_host(prompt_mask)
         seeds = None if key is None else request_seeds(key, ids.shape[0] // num_generations)
         limits = None if max_lengths is None else to_host(max_lengths)
-        settings = sampling_settings(self.spec, temperature)
+        settings = dataclasses.replace(self.spec.sampling.at_temperature(temperature), response_length=response_length)
+        settings = settings.check(self.spec.policy)
         b = ids.shape[0]
         like = (np.zeros((b, response_length), np.int32), np.zeros((b, response_length), np.float32),
                 np.zeros((b, response_length), np.int32), np.zeros((b,), np.int32))
@@ -326,13 +328,13 @@ class VLLMServerEngine(RolloutEngine):
             place = lambda x: jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])  # noqa: E731
         return GenerationOutput(*(place(x) for x in out))
 
-    def _generate(self, ids, mask, g: int, length: int, settings: dict, seeds, limits):
+    def _generate(self, ids, mask, g: int, length: int, settings, seeds, limits):
         """(tokens, logprobs, mask) numpy (B, length) from the servers, and each row's
         version label (B,) (-1: a row not sampled)."""
         b = ids.shape[0]
         bodies, rows = _requests(ids, mask, g, length, settings, seeds, limits,
                                  self.transport.request_fields(self.pushed_version))
-        tokens = np.full((b, length), settings["pad_token_id"], np.int32)
+        tokens = np.full((b, length), settings.pad_token_id, np.int32)
         logprobs = np.zeros((b, length), np.float32)
         out_mask = np.zeros((b, length), np.int32)
         versions = np.full((b,), -1, np.int32)
@@ -344,23 +346,21 @@ class VLLMServerEngine(RolloutEngine):
                 for r in filled:
                     tokens[r, :len(t)], logprobs[r, :len(t)], out_mask[r, :len(t)] = t, lp, 1
                     versions[r] = self.pushed_version
-        if settings.get("stop_strings") is not None:
-            tokens, out_mask = settings["stop_strings"].cut(tokens, out_mask, settings["pad_token_id"])
+        if settings.stop_strings is not None:
+            tokens, out_mask = settings.stop_strings.cut(tokens, out_mask, settings.pad_token_id)
             logprobs = np.where(out_mask > 0, logprobs, 0.0).astype(np.float32)
         return tokens, logprobs, out_mask, versions
 
 
-def _requests(ids, mask, g: int, length: int, settings: dict, seeds, limits, fields: dict):
-    """The generate requests of a batch of prompt groups (`g` rows each) and, for each, the
-    rows each of its answer's choices fills."""
+def _requests(ids, mask, g: int, length: int, settings, seeds, limits, fields: dict):
+    """The generate requests of a batch of prompt groups (`g` rows each, sampled as the
+    checked `Sampling` `settings` says) and, for each, the rows each of its answer's choices
+    fills."""
+    from jaxppo.rollout.engines.vllm.inprocess import vllm_sampling
+
     b = ids.shape[0]
-    greedy = settings.get("greedy", False)
-    params = {"temperature": 0.0 if greedy else settings["temperature"], "logprobs": 0, "ignore_eos": True,
-              "stop_token_ids": [int(t) for t in settings["stop_token_ids"]],
-              "top_k": settings.get("top_k") or 0, "min_p": settings.get("min_p") or 0.0,
-              "top_p": 1.0 if settings.get("top_p") is None else float(settings["top_p"]),
-              "repetition_penalty": 1.0 if settings.get("repetition_penalty") is None
-              else float(settings["repetition_penalty"])}
+    greedy = settings.greedy
+    params = vllm_sampling(settings)
     bodies, rows = [], []
     for group in range(b // g):
         prompt = ids[group * g][mask[group * g] > 0].tolist()
@@ -456,7 +456,7 @@ def _transport(model, directory: Optional[str], weight_sync: str, owner):
     """The weight transport of a server engine (`owner`, whose life bounds a temporary
     directory): the adapter with LoRA, else NCCL or files."""
     if model.lora is None and weight_sync == "nccl":
-        from jaxppo.rollout.vllm_nccl import NCCLTransport
+        from jaxppo.rollout.engines.vllm.nccl import NCCLTransport
 
         return NCCLTransport(model)
     if directory is None:

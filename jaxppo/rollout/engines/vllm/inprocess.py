@@ -33,6 +33,7 @@ is open, and `close()` (`Trainer.close()`) shuts one down at a known point.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import shutil
@@ -42,7 +43,9 @@ import weakref
 import numpy as np
 
 from jaxppo.models.family import family_of
-from jaxppo.rollout.engines import Capabilities, RolloutEngine, register_rollout_engine
+from jaxppo.models.sampling import Sampling
+from jaxppo.rollout.engines.base import Capabilities, RolloutEngine
+from jaxppo.rollout.engines.registry import register_rollout_engine
 from jaxppo.rollout.spec import sampling_filters_on
 
 __all__ = ["VLLMEngine", "check_available", "check_sampler_logprobs", "CPU_HEAD_DIMS", "hf_weights", "request_seeds",
@@ -195,19 +198,18 @@ class VLLMEngine(RolloutEngine):
         self.llm.reset_prefix_cache()
         self.pushed_version = version
 
-    def generate(self, prompt_ids, prompt_mask, *, num_generations: int, response_length: int, temperature: float,
-                 stop_token_ids, pad_token_id: int, top_k=None, top_p=None, min_p=None, repetition_penalty=None,
-                 stop_strings=None, greedy: bool = False, seeds=None):
+    def generate(self, prompt_ids, prompt_mask, sampling=None, *, num_generations: int, seeds=None, **settings):
         """Sample `num_generations` completions of each group's prompt (rows come in
-        groups of `num_generations` equal prompts, as the trainer lays them out):
-        (tokens, logprobs, mask), numpy (B, response_length), padded like
+        groups of `num_generations` equal prompts, as the trainer lays them out) as
+        `sampling` says (a `jaxppo.models.sampling.Sampling`; `settings` replace its fields,
+        as `jaxppo.rollout.generate`'s do): (tokens, logprobs, mask), numpy (B, R), padded like
         `jaxppo.generate`'s output (mask 1 up to and including the stop token). The filters
         and penalty go to vLLM, whose order is the built-in samplers' (penalty, temperature,
         min-p, top-k, top-p); its log-probs ("processed") are of the distribution it drew
         from. vLLM runs without a tokenizer, so `stop_strings` (a
         `jaxppo.models.stops.StopStrings`) are matched here after sampling, with the same
         automata the built-in samplers run: each row is cut after the token that completed
-        one (the tokens vLLM sampled past it are dropped). `greedy`: the argmax (vLLM's
+        one (the tokens vLLM sampled past it are dropped). Greedy: the argmax (vLLM's
         temperature 0; one completion per group, copied to its rows). `seeds`: None (vLLM's
         own seed), or one int per prompt group: the group's completions are drawn with
         vLLM's per-request seed (seed, seed + 1, ... for its `num_generations` samples), so
@@ -217,14 +219,13 @@ class VLLMEngine(RolloutEngine):
         self._check_open()
         if self.pushed_version is None:
             raise RuntimeError("the last weight push into vLLM failed; it holds no usable policy")
+        sampling = Sampling.of(sampling, **settings).check(self.model)
         ids, mask = np.asarray(prompt_ids), np.asarray(prompt_mask)
-        b, g = ids.shape[0], num_generations
+        b, g, greedy = ids.shape[0], num_generations, sampling.greedy
+        response_length, pad_token_id = sampling.response_length, sampling.pad_token_id
         prompts = [{"prompt_token_ids": ids[i][mask[i] > 0].tolist()} for i in range(0, b, g)]
         # Greedy (vLLM takes n = 1 only): one completion per group, the same for its g rows.
-        settings = dict(n=1 if greedy else g, temperature=0.0 if greedy else temperature,
-                        max_tokens=response_length, stop_token_ids=list(stop_token_ids), ignore_eos=True, logprobs=0,
-                        detokenize=False, top_k=top_k or 0, top_p=1.0 if top_p is None else top_p, min_p=min_p or 0.0,
-                        repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty)
+        settings = dict(n=1 if greedy else g, max_tokens=response_length, detokenize=False, **vllm_sampling(sampling))
         if seeds is None:
             params = SamplingParams(**settings)
         else:
@@ -241,8 +242,8 @@ class VLLMEngine(RolloutEngine):
                 tokens[row, :n] = completion.token_ids
                 logprobs[row, :n] = [step[t].logprob for step, t in zip(completion.logprobs, completion.token_ids)]
                 out_mask[row, :n] = 1
-        if stop_strings is not None:
-            tokens, out_mask = stop_strings.cut(tokens, out_mask, pad_token_id)
+        if sampling.stop_strings is not None:
+            tokens, out_mask = sampling.stop_strings.cut(tokens, out_mask, pad_token_id)
             logprobs = np.where(out_mask > 0, logprobs, 0.0).astype(np.float32)
         return tokens, logprobs, out_mask
 
@@ -260,17 +261,27 @@ class VLLMEngine(RolloutEngine):
         import jax.numpy as jnp
 
         from jaxppo.models.decoding import GenerationOutput
-        from jaxppo.rollout.engines import sampling_settings
         from jaxppo.sharding import to_host
 
         if max_lengths is not None:
             raise ValueError("VLLMEngine samples one budget for every row (max_lengths=None)")
         ids = to_host(prompt_ids)
         seeds = None if key is None else request_seeds(key, ids.shape[0] // num_generations)
-        tokens, logprobs, mask = self.generate(ids, to_host(prompt_mask), num_generations=num_generations,
-                                               response_length=response_length, seeds=seeds,
-                                               **sampling_settings(self.spec, temperature))
+        sampling = dataclasses.replace(self.spec.sampling.at_temperature(temperature), response_length=response_length)
+        tokens, logprobs, mask = self.generate(ids, to_host(prompt_mask), sampling,
+                                               num_generations=num_generations, seeds=seeds)
         return GenerationOutput(jnp.asarray(tokens), jnp.asarray(logprobs), jnp.asarray(mask))
+
+
+def vllm_sampling(sampling) -> dict:
+    """vLLM's `SamplingParams` fields for a checked `Sampling` (greedy: temperature 0),
+    besides the count and the budget; vLLM never stops at its own EOS (the stop tokens are
+    ours) and returns the sampled tokens' log-probs."""
+    s = sampling
+    return dict(temperature=0.0 if s.greedy else float(s.temperature), stop_token_ids=[int(t) for t in s.stop_token_ids],
+                ignore_eos=True, logprobs=0, top_k=s.top_k or 0, top_p=1.0 if s.top_p is None else float(s.top_p),
+                min_p=0.0 if s.min_p is None else float(s.min_p),
+                repetition_penalty=1.0 if s.repetition_penalty is None else float(s.repetition_penalty))
 
 
 def request_seeds(key, groups: int) -> list:

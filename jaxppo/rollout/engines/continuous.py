@@ -1,5 +1,6 @@
 """Continuous batching: a sampler that decodes `num_slots` rows together and refills a
-finished row's slot with the next pending request, until every request is done.
+finished row's slot with the next pending request, until every request is done; and
+`ContinuousEngine`, the built-in rollout engine that runs it.
 
     generate_continuous(model, params, prompt_ids (N, Q), prompt_mask, key,
                         response_length=R, num_slots=S) -> GenerationOutput (N, R)
@@ -20,17 +21,19 @@ response's steps.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 
-from jaxppo.models.decoding import (Extra, GenerationOutput, cap_positions, check_max_lengths, check_sampler_arguments,
-                                    make_extra, note_token, pick_tokens, prefill, seen_tokens, step_keys, two_logprobs)
+from jaxppo.models.decoding import (GenerationOutput, cap_positions, check_max_lengths, check_sampler_arguments,
+                                    note_token, pick_tokens, prefill, seen_tokens, step_keys)
 from jaxppo.models.model import Model
+from jaxppo.models.sampling import Sampling
+from jaxppo.rollout.engines.base import BuiltinEngine, Capabilities
 from jaxppo.models.transformer import default_positions
 
-__all__ = ["generate_continuous", "continuous_jit", "generate_inflight", "ON_UPDATE"]
+__all__ = ["generate_continuous", "continuous_jit", "generate_inflight", "ON_UPDATE", "ContinuousEngine"]
 
 
 class _Requests(NamedTuple):
@@ -41,9 +44,7 @@ class _Requests(NamedTuple):
     keys: jax.Array  # (N,) request i's key: split(key, N)[i]
     first_position: jax.Array  # (N,) the position of each request's first response token
     max_lengths: Optional[jax.Array]  # (N,) budgets, or None: response_length
-    temperature: jax.Array
-    top_p: jax.Array
-    extra: Extra  # min-p, the repetition penalty, the stop strings' automata (None fields: off)
+    sampling: Sampling  # checked (`Sampling.check`)
 
 
 class _Slots(NamedTuple):
@@ -69,48 +70,36 @@ class _Out(NamedTuple):
     full_logprobs: Optional[jax.Array]  # (N, R): the policy's own log-probs where a filter or penalty is on, or None
 
 
-class _Static(NamedTuple):
-    """Everything static about a generation (hashable: a jit static argument)."""
-
-    response_length: int
-    num_slots: int
-    top_k: Optional[int]
-    use_top_p: bool
-    greedy: bool
-    stop_token_ids: Tuple[int, ...]
-    pad_token_id: int
-
-
-def _requests(prompt_ids, prompt_mask, key, temperature, top_p, max_lengths, extra=None) -> _Requests:
+def _requests(prompt_ids, prompt_mask, key, max_lengths, sampling: Sampling) -> _Requests:
     mask = prompt_mask.astype(jnp.int32)
     return _Requests(prompt_ids, mask, jax.random.split(key, prompt_ids.shape[0]), jnp.sum(mask, axis=1), max_lengths,
-                     temperature, top_p, extra or Extra())
+                     sampling)
 
 
 def _row_state(reqs: _Requests, ids, mask, vocab: int):
     """(seen, matched) of rows starting on prompts `ids`/`mask`: None where off."""
-    seen = None if reqs.extra.repetition_penalty is None else seen_tokens(ids, mask, vocab)
-    table = reqs.extra.stop_table
+    seen = None if reqs.sampling.repetition_penalty is None else seen_tokens(ids, mask, vocab)
+    table = reqs.sampling.stop_table
     return seen, None if table is None else jnp.zeros((ids.shape[0], table.shape[0]), jnp.int32)
 
 
-def _start(model, params, reqs: _Requests, version, st: _Static):
+def _start(model, params, reqs: _Requests, version, num_slots: int):
     """The first S requests in the slots (one prefill) and empty outputs."""
-    (n, q), r, s = reqs.prompt_ids.shape, st.response_length, st.num_slots
+    (n, q), r, s = reqs.prompt_ids.shape, reqs.sampling.response_length, num_slots
     cache, next_logits = prefill(model, params, reqs.prompt_ids[:s], reqs.prompt_mask[:s], q + r)
     kv_mask = jnp.concatenate([reqs.prompt_mask[:s], jnp.zeros((s, r), jnp.int32)], axis=1)
     slots = _Slots(cache, next_logits, kv_mask, jnp.arange(s, dtype=jnp.int32), jnp.zeros((s,), jnp.int32),
                    jnp.ones((s,), bool), jnp.int32(s), jnp.full((s,), version, jnp.int32),
                    *_row_state(reqs, reqs.prompt_ids[:s], reqs.prompt_mask[:s], next_logits.shape[-1]))
-    out = _Out(jnp.full((n, r), st.pad_token_id, jnp.int32), jnp.zeros((n, r), jnp.float32),
+    out = _Out(jnp.full((n, r), reqs.sampling.pad_token_id, jnp.int32), jnp.zeros((n, r), jnp.float32),
                jnp.zeros((n, r), jnp.int32), jnp.zeros((n, r), jnp.int32),
-               jnp.zeros((n, r), jnp.float32) if two_logprobs(reqs.extra, st.top_k, st.use_top_p, st.greedy) else None)
+               jnp.zeros((n, r), jnp.float32) if reqs.sampling.two_logprobs else None)
     return slots, out
 
 
-def _admit(model, params, reqs: _Requests, version, slots: _Slots, st: _Static) -> _Slots:
+def _admit(model, params, reqs: _Requests, version, slots: _Slots) -> _Slots:
     """Prefill the next pending request into the first free slot."""
-    q, r = reqs.prompt_ids.shape[1], st.response_length
+    q, r = reqs.prompt_ids.shape[1], reqs.sampling.response_length
     batch_axis = 1 if model.scan_layers else 0
     j = jnp.argmin(slots.active)  # the first free slot
     ids = jax.lax.dynamic_slice_in_dim(reqs.prompt_ids, slots.next_req, 1, axis=0)
@@ -129,12 +118,11 @@ def _admit(model, params, reqs: _Requests, version, slots: _Slots, st: _Static) 
                   put(slots.seen, row_seen), put(slots.matched, row_matched))
 
 
-def _step(model, params, reqs: _Requests, version, slots: _Slots, out: _Out, st: _Static):
+def _step(model, params, reqs: _Requests, version, slots: _Slots, out: _Out):
     """One decode step of every slot, then the free slots refilled."""
-    (n, q), r, s = reqs.prompt_ids.shape, st.response_length, st.num_slots
-    stop_ids = jnp.asarray(st.stop_token_ids if st.stop_token_ids else (-1,), jnp.int32)
-    token, logprob, policy = pick_tokens(slots.next_logits, step_keys(reqs.keys[slots.req], slots.t), reqs.temperature,
-                                         st.top_k, reqs.top_p if st.use_top_p else None, st.greedy, reqs.extra,
+    (n, q), r, s = reqs.prompt_ids.shape, reqs.sampling.response_length, slots.req.shape[0]
+    stop_ids = jnp.asarray(reqs.sampling.stop_token_ids or (-1,), jnp.int32)
+    token, logprob, policy = pick_tokens(slots.next_logits, step_keys(reqs.keys[slots.req], slots.t), reqs.sampling,
                                          slots.seen)
     # Write each active slot's token into its request's row (inactive slots write nowhere).
     rows, t = jnp.where(slots.active, slots.req, n), slots.t
@@ -142,7 +130,7 @@ def _step(model, params, reqs: _Requests, version, slots: _Slots, out: _Out, st:
                out.masks.at[rows, t].set(1, mode="drop"), out.versions.at[rows, t].set(slots.version, mode="drop"),
                None if out.full_logprobs is None else out.full_logprobs.at[rows, t].set(policy, mode="drop"))
     budget = r if reqs.max_lengths is None else reqs.max_lengths[slots.req]
-    seen, matched, completed = note_token(reqs.extra, token, slots.active, slots.seen, slots.matched)
+    seen, matched, completed = note_token(reqs.sampling, token, slots.active, slots.seen, slots.matched)
     finished = slots.active & (jnp.isin(token, stop_ids) | (t + 1 >= budget) | completed)
     going_on = slots.active & ~finished
     # Feed the token back for the rows that go on (the others' results are not read).
@@ -153,48 +141,45 @@ def _step(model, params, reqs: _Requests, version, slots: _Slots, out: _Out, st:
     slots = _Slots(cache, logits[:, 0], kv_mask, slots.req, t + 1, going_on, slots.next_req,
                    jnp.where(going_on, version, slots.version), seen, matched)
     slots = jax.lax.while_loop(lambda sl: ~jnp.all(sl.active) & (sl.next_req < n),
-                               lambda sl: _admit(model, params, reqs, version, sl, st), slots)
+                               lambda sl: _admit(model, params, reqs, version, sl), slots)
     return slots, out
 
 
-@functools.partial(jax.jit, static_argnames=("model", "response_length", "num_slots", "top_k", "use_top_p", "greedy",
-                                             "stop_token_ids", "pad_token_id"))
-def continuous_jit(model, params, prompt_ids, prompt_mask, key, temperature, top_p, max_lengths=None, extra=None, *,
-                   response_length, num_slots, top_k, use_top_p, greedy, stop_token_ids, pad_token_id):
+@functools.partial(jax.jit, static_argnames=("model", "num_slots"))
+def continuous_jit(model, params, prompt_ids, prompt_mask, key, sampling: Sampling, max_lengths=None, *, num_slots):
     """The compiled engine behind `generate_continuous` (arguments checked there): the whole
     generation as one program."""
-    static = _Static(response_length, num_slots, top_k, use_top_p, greedy, tuple(stop_token_ids), pad_token_id)
-    reqs = _requests(prompt_ids, prompt_mask, key, temperature, top_p, max_lengths, extra)
+    reqs = _requests(prompt_ids, prompt_mask, key, max_lengths, sampling)
     model, params = model.for_decoding(params)  # `Model.hoist_layers`
-    slots, out = _start(model, params, reqs, 0, static)
+    slots, out = _start(model, params, reqs, 0, num_slots)
     _, out = jax.lax.while_loop(lambda state: jnp.any(state[0].active),
-                                lambda state: _step(model, params, reqs, 0, *state, static), (slots, out))
+                                lambda state: _step(model, params, reqs, 0, *state), (slots, out))
     return GenerationOutput(out.tokens, out.logprobs, out.masks, out.full_logprobs)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "static"))
-def _start_jit(model, params, reqs, version, *, static):
+@functools.partial(jax.jit, static_argnames=("model", "num_slots"))
+def _start_jit(model, params, reqs, version, *, num_slots):
     model, params = model.for_decoding(params)
-    return _start(model, params, reqs, version, static)
+    return _start(model, params, reqs, version, num_slots)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "static"), donate_argnums=(4, 5))
-def _steps_jit(model, params, reqs, version, slots, out, max_steps, *, static):
+@functools.partial(jax.jit, static_argnames=("model",), donate_argnums=(4, 5))
+def _steps_jit(model, params, reqs, version, slots, out, max_steps):
     """At most `max_steps` decode steps (fewer when every request is done)."""
     model, params = model.for_decoding(params)
-    step = lambda state: (*_step(model, params, reqs, version, state[0], state[1], static), state[2] + 1)
+    step = lambda state: (*_step(model, params, reqs, version, state[0], state[1]), state[2] + 1)
     slots, out, _ = jax.lax.while_loop(lambda state: jnp.any(state[0].active) & (state[2] < max_steps), step,
                                        (slots, out, jnp.int32(0)))
     return slots, out
 
 
-@functools.partial(jax.jit, static_argnames=("model", "static"), donate_argnums=(4,))
-def _recompute_jit(model, params, reqs, version, slots: _Slots, out: _Out, *, static):
+@functools.partial(jax.jit, static_argnames=("model",), donate_argnums=(4,))
+def _recompute_jit(model, params, reqs, version, slots: _Slots, out: _Out):
     """Every active slot's KV cache and next logits computed again with `params`: its
     prompt and the tokens it sampled, in the engine's own layout (prompt slots, then
     response token j at slot Q + j), one forward over the whole width."""
     model, params = model.for_decoding(params)
-    q, r = reqs.prompt_ids.shape[1], static.response_length
+    q, r = reqs.prompt_ids.shape[1], reqs.sampling.response_length
     rows = slots.req
     ids = jnp.concatenate([reqs.prompt_ids[rows], out.tokens[rows]], axis=1)
     prompt_positions = default_positions(reqs.prompt_mask[rows])
@@ -226,14 +211,11 @@ def _where_rows(rows, new, old, axis: int = 0):
 ON_UPDATE = ("keep", "recompute")
 
 
-def generate_inflight(model: Model, params_source: Callable, prompt_ids, prompt_mask, key, *, response_length: int,
-                      num_slots: int, steps_per_check: int = 8, on_update: str = "keep", temperature: float = 1.0,
-                      top_k: Optional[int] = None, top_p: Optional[float] = None, greedy: bool = False,
-                      stop_token_ids: Optional[Sequence[int]] = None, pad_token_id: Optional[int] = None,
-                      max_lengths=None, min_p: Optional[float] = None, repetition_penalty: Optional[float] = None,
-                      stop_strings=None):
+def generate_inflight(model: Model, params_source: Callable, prompt_ids, prompt_mask, key,
+                      sampling: Optional[Sampling] = None, *, num_slots: int, steps_per_check: int = 8,
+                      on_update: str = "keep", **settings):
     """The continuous sampler taking new parameters while it generates: in-flight
-    weight updates.
+    weight updates (`sampling` and `settings` as `generate_continuous`'s).
 
     `params_source()` -> (version: int, params) is asked before the first step and after
     every `steps_per_check` decode steps; when its version differs from the one in use,
@@ -255,28 +237,20 @@ def generate_inflight(model: Model, params_source: Callable, prompt_ids, prompt_
         raise ValueError(f"steps_per_check={steps_per_check!r} must be a positive int (decode steps between "
                          "checks for new parameters)")
     _check_slots(num_slots)
-    stop_token_ids, pad_token_id = check_sampler_arguments(model, prompt_ids, prompt_mask, response_length, temperature,
-                                                           top_k, top_p, stop_token_ids, pad_token_id, max_lengths,
-                                                           min_p, repetition_penalty)
+    sampling = check_sampler_arguments(model, prompt_ids, prompt_mask, Sampling.of(sampling, **settings))
     n = prompt_ids.shape[0]
-    static = _Static(response_length, min(num_slots, n), top_k, top_p is not None, bool(greedy),
-                     tuple(stop_token_ids), int(pad_token_id))
-    reqs = _requests(jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_mask, jnp.int32), key,
-                     jnp.float32(temperature), jnp.float32(1.0 if top_p is None else top_p),
-                     check_max_lengths(max_lengths, n, response_length),
-                     make_extra(min_p, repetition_penalty, stop_strings))
+    reqs = _requests(jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_mask, jnp.int32), key, None, sampling)
     version, params = params_source()
-    slots, out = _start_jit(model, params, reqs, jnp.int32(version), static=static)
+    slots, out = _start_jit(model, params, reqs, jnp.int32(version), num_slots=min(num_slots, n))
     while True:
-        slots, out = _steps_jit(model, params, reqs, jnp.int32(version), slots, out, jnp.int32(steps_per_check),
-                                static=static)
+        slots, out = _steps_jit(model, params, reqs, jnp.int32(version), slots, out, jnp.int32(steps_per_check))
         if not bool(jnp.any(slots.active)):
             break
         new_version, new_params = params_source()
         if new_version != version:
             version, params = new_version, new_params
             if on_update == "recompute":
-                slots = _recompute_jit(model, params, reqs, jnp.int32(version), slots, out, static=static)
+                slots = _recompute_jit(model, params, reqs, jnp.int32(version), slots, out)
     return GenerationOutput(out.tokens, out.logprobs, out.masks, out.full_logprobs), out.versions
 
 
@@ -285,40 +259,46 @@ def _check_slots(num_slots):
         raise ValueError(f"num_slots={num_slots!r} must be a positive int (rows decoded together)")
 
 
-def generate_continuous(
-    model: Model,
-    params,
-    prompt_ids,
-    prompt_mask,
-    key,
-    *,
-    response_length: int,
-    num_slots: int,
-    temperature: float = 1.0,
-    top_k: Optional[int] = None,
-    top_p: Optional[float] = None,
-    greedy: bool = False,
-    stop_token_ids: Optional[Sequence[int]] = None,
-    pad_token_id: Optional[int] = None,
-    max_lengths=None,
-    min_p: Optional[float] = None,
-    repetition_penalty: Optional[float] = None,
-    stop_strings=None,
-) -> GenerationOutput:
-    """Sample `response_length` tokens for each of N left-padded prompts with a slot loop
-    of `num_slots` rows (continuous batching; see the module). The arguments and the
-    result are `jaxppo.rollout.samplers.static`'s, and so are the tokens for the same key; only
-    `num_slots` is new (capped at N). Rows end at a stop token (kept, masked in), at
-    `response_length`, or at their `max_lengths` entry (optional (N,) budgets); after that a
-    row is pad, log-prob 0, mask 0."""
+def generate_continuous(model: Model, params, prompt_ids, prompt_mask, key, sampling: Optional[Sampling] = None, *,
+                        num_slots: int, max_lengths=None, **settings) -> GenerationOutput:
+    """Sample `sampling.response_length` tokens for each of N left-padded prompts with a
+    slot loop of `num_slots` rows (continuous batching; see the module). The arguments
+    (`settings`: fields of `Sampling` that replace `sampling`'s) and the result are
+    `jaxppo.rollout.engines.static.generate`'s, and so are the tokens for the same key;
+    only `num_slots` is new (capped at N). Rows end at a stop token (kept, masked in), at
+    the response length, or at their `max_lengths` entry (optional (N,) budgets); after
+    that a row is pad, log-prob 0, mask 0."""
     _check_slots(num_slots)
-    stop_token_ids, pad_token_id = check_sampler_arguments(model, prompt_ids, prompt_mask, response_length, temperature,
-                                                           top_k, top_p, stop_token_ids, pad_token_id, max_lengths,
-                                                           min_p, repetition_penalty)
+    sampling = check_sampler_arguments(model, prompt_ids, prompt_mask, Sampling.of(sampling, **settings), max_lengths)
     return continuous_jit(
-        model, params, jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_mask, jnp.int32), key,
-        jnp.float32(temperature), jnp.float32(1.0 if top_p is None else top_p),
-        check_max_lengths(max_lengths, prompt_ids.shape[0], response_length),
-        make_extra(min_p, repetition_penalty, stop_strings), response_length=response_length,
-        num_slots=min(num_slots, prompt_ids.shape[0]), top_k=top_k, use_top_p=top_p is not None,
-        greedy=bool(greedy), stop_token_ids=stop_token_ids, pad_token_id=int(pad_token_id))
+        model, params, jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_mask, jnp.int32), key, sampling,
+        check_max_lengths(max_lengths, prompt_ids.shape[0], sampling.response_length),
+        num_slots=min(num_slots, prompt_ids.shape[0]))
+
+
+class ContinuousEngine(BuiltinEngine):
+    """Continuous batching (`generate_continuous`): `spec.num_slots` rows
+    decode together and a row that ends frees its slot for the next request; the same
+    tokens as the static sampler for the same key. Takes new weights while it decodes
+    (`sample_inflight`)."""
+
+    capabilities = Capabilities(continuous_batching=True, inflight_updates=True, multi_turn=True, meshes=True,
+                                exact_logprobs=True)
+
+    def sample(self, prompt_ids, prompt_mask, key, *, num_generations: int, response_length: int,
+               max_lengths=None, temperature: Optional[float] = None) -> GenerationOutput:
+        return generate_continuous(self.spec.policy, self.params, prompt_ids, prompt_mask, key,
+                                   self.sampling(temperature), num_slots=self.spec.num_slots,
+                                   max_lengths=max_lengths, response_length=response_length)
+
+    def sample_inflight(self, source, prompt_ids, prompt_mask, key, *, on_update: str, steps: int):
+        spec = self.spec
+
+        def policy_source():
+            version, params = source()
+            return version, spec.policy_params(params)
+
+        return generate_inflight(spec.policy, policy_source, prompt_ids, prompt_mask, key, self.sampling(),
+                                 num_slots=spec.num_slots, steps_per_check=steps, on_update=on_update)
+
+
