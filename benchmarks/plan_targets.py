@@ -41,7 +41,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jaxppo  # noqa: E402
 from jaxppo.plan import plan_run, resolve_target  # noqa: E402
 from jaxppo.plan.targets import GIB  # noqa: E402
-from jaxppo.models.lora import LoraConfig  # noqa: E402
 from jaxppo.run.parts import Inputs  # noqa: E402
 
 from tables import print_markdown  # noqa: E402
@@ -115,11 +114,11 @@ def _plan(layouts: dict, layout: str, run: str, target: str, programs=PROGRAMS):
                     dtype="bfloat16", remat=True, logits_chunk_size=128, scan_layers=True)
     if algorithm == "grpo":
         settings["num_generations"] = 8
+    if rank:
+        settings.update(lora_rank=rank, lora_alpha=2.0 * rank, lora_targets=("all-linear",))
     config = jaxppo.Config.for_algorithm(algorithm, **settings)
     policy, reward_dir = layouts[layout]
-    lora = LoraConfig(rank=rank, alpha=2.0 * rank, targets=("all-linear",)) if rank else None
-    inputs = Inputs(policy=policy, tokenizer=None, prompts=None, reward_model=reward_dir if reward else None,
-                    lora=lora)
+    inputs = Inputs(policy=policy, tokenizer=None, prompts=None, reward_model=reward_dir if reward else None)
     return plan_run(config, inputs, resolve_target(target), programs=programs)
 
 

@@ -89,12 +89,12 @@ def run(model_dir, out, iterations, lora=None, **settings):
                                       num_generations=G)
     config = ppo.replace(iterations=iterations, query_length=QUERY, response_length=RESPONSE, learning_rate=1e-5,
                          output_dir=out, progress=False, sample_every=0, checkpoint_every=0, export_final=False,
-                         plot=False, report_to="jsonl", stop_tokens=(), **settings)
+                         plot=False, report_to="jsonl", stop_tokens=(), **settings, **jaxppo.AdapterConfig.of(lora))
     model, params = jm.from_pretrained(model_dir, scan_layers=True)
     tokenizer = jm.load_tokenizer(model_dir)
     start = time.perf_counter()
     trainer = jaxppo.Trainer(config, policy=(model, params), tokenizer=tokenizer,
-                             prompts=demo.DEMO_PROMPTS[:PROMPTS] * 2, reward_fns=demo.lowercase_reward, lora=lora)
+                             prompts=demo.DEMO_PROMPTS[:PROMPTS] * 2, reward_fns=demo.lowercase_reward)
     built = time.perf_counter() - start
     history = trainer.train()
     engine = trainer.parts.rollout_engine

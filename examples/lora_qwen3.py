@@ -32,7 +32,7 @@ import sys
 
 import jaxppo
 import jaxppo.models as jm
-from jaxppo.cli import model_options, resolve
+from jaxppo.cli import resolve
 
 DEFAULTS = ["--algorithm", "grpo", "--learning-rate", "1e-5", "--batch-size", "16", "--num-generations", "4",
             "--mini-batch-size", "8"]
@@ -55,9 +55,9 @@ def main(argv=None):
     if extras["model"] is None or extras["prompts"] is None:
         raise SystemExit("give --model DIR (a local Qwen3 checkpoint with its tokenizer) and --prompts FILE")
     tokenizer = jm.load_tokenizer(extras["model"])
-    options = model_options(extras)  # --lora-rank, --lora-init, ... as the command reads them
+    # --lora-rank, --lora-init, ... are settings: `config.lora` holds them
     trainer = jaxppo.Trainer(config, policy=extras["model"], tokenizer=tokenizer, prompts=extras["prompts"],
-                             reward_fns=[concise_answer], **options)
+                             reward_fns=[concise_answer])
     return trainer.train()
 
 

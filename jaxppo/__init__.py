@@ -17,8 +17,9 @@ import warnings as _warnings
 import jax as _jax
 
 from jaxppo import algorithms, models, update
-from jaxppo.config import (AdvantageConfig, BatchConfig, Config, DataConfig, EnvironmentConfig, EvalConfig, KLConfig,
-                           LayoutConfig, LossConfig, OptimizerConfig, RewardConfig, RunConfig, SamplingConfig)
+from jaxppo.config import (AdapterConfig, AdvantageConfig, BatchConfig, Config, DataConfig, EnvironmentConfig,
+                           EvalConfig, KLConfig, LayoutConfig, LossConfig, OptimizerConfig, RewardConfig, RunConfig,
+                           SamplingConfig)
 from jaxppo.config.legacy import PPOConfig, TrainerConfig  # noqa: F401  deprecated: they warn when built
 from jaxppo.errors import EpisodeError, RewardError, RunError, ToolCallError
 from jaxppo.rollout.environments import StepResult
@@ -45,6 +46,7 @@ __all__ = [
     "SamplingConfig",
     "EnvironmentConfig",
     "OptimizerConfig",
+    "AdapterConfig",
     "LayoutConfig",
     "DataConfig",
     "EvalConfig",

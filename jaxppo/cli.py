@@ -34,7 +34,7 @@ from jaxppo.config.settings import CONCERNS, Config
 from jaxppo.errors import name_the_flag  # noqa: F401  (also re-exported: jaxppo.cli.name_the_flag)
 from jaxppo.run.trainer import Trainer
 
-__all__ = ["main", "build_parser", "resolve", "model_options", "build_trainer", "plan_main"]
+__all__ = ["main", "build_parser", "resolve", "build_trainer", "plan_main"]
 
 DEMOS = ("lowercase", "multiturn", "sums")
 # The built-in reward functions `--reward NAME` names (else MODULE:FN).
@@ -73,17 +73,7 @@ _EXTRA = {
                                 "metrics in the iterations' lines"),
     "eval_reward": (list, None, "a reward function scoring the evaluation, repeatable, as --reward (default: the "
                                 "run's --reward functions)"),
-    "lora_rank": (int, None, "train LoRA adapters of this rank instead of every policy weight (base frozen in "
-                             "--dtype; the reference is the policy with adapters off; the final export adds "
-                             "final_adapter/ in PEFT's format)"),
-    "lora_alpha": (float, None, "LoRA alpha: the adapters' output is scaled by alpha / rank (default: 2 x rank)"),
-    "lora_targets": (str, "all-linear", "comma-separated module names that get adapters (q_proj,v_proj,...; "
-                                         "GPT-2: c_attn,c_proj,c_fc) or all-linear"),
-    "lora_init": (str, None, "start from this PEFT LoRA adapter directory (its rank, alpha and targets apply)"),
     "config": (str, None, "JSON or TOML file of settings (flags override it)"),
-    "mesh_data": (int, None, "devices on the mesh's 'data' axis (pure data parallelism)"),
-    "mesh_fsdp": (int, None, "devices on the 'fsdp' axis (data parallel, parameters and optimizer states sharded)"),
-    "mesh_tensor": (int, None, "devices on the 'tensor' axis (tensor parallelism)"),
     "distributed": (bool, False, "call jax.distributed.initialize() first (multi-host runs)"),
     "compilation_cache": (str, None, "persistent XLA compilation cache directory, so a second run of the same shapes "
                                      "skips compilation; 'none' disables it. Default: $JAX_COMPILATION_CACHE_DIR if "
@@ -270,22 +260,12 @@ def resolve(argv=None):
         if value is not None and not (isinstance(value, kind) and (kind is not int or not isinstance(value, bool))):
             raise SystemExit(f"jaxppo: setting {name}={value!r} is invalid: {name} must be a {kind.__name__}")
     _check_rewards(values["reward"], values["reward_weight"])
-    for name in ("mesh_data", "mesh_fsdp", "mesh_tensor"):
-        if values[name] is not None and values[name] <= 0:
-            raise SystemExit(f"jaxppo: --{name.replace('_', '-')} {values[name]} is invalid: a mesh axis needs at "
-                             "least 1 device")
-    if values["lora_rank"] is not None and values["lora_rank"] <= 0:
-        raise SystemExit(f"jaxppo: --lora-rank {values['lora_rank']} is invalid: a positive int (8, 16, 64 ...)")
-    if values["lora_rank"] is None and values["lora_init"] is None:
-        given = [f"--{n.replace('_', '-')}" for n in ("lora_alpha", "lora_targets")
-                 if values[n] != _EXTRA[n][1]]
-        if given:
-            raise SystemExit(f"jaxppo: {' and '.join(given)} need --lora-rank (or --lora-init)")
     extras = {name: values[name] for name in _EXTRA}
     extras["is_demo"] = is_demo
-    mesh = _mesh(extras)
-    if mesh is not None:
-        config = config.replace(mesh=mesh)
+    if extras["distributed"] and config.layout.device_mesh is None:  # several hosts: a mesh over all their devices
+        from jaxppo.sharding import MeshConfig
+
+        config = config.replace(mesh=MeshConfig())
     return config, extras
 
 
@@ -332,7 +312,7 @@ def build_trainer(config: Config, extras: dict) -> Trainer:
                    reward_weights=extras["reward_weight"], critic=extras["critic"], ref_policy=extras["ref_model"],
                    teacher=extras["teacher"], environment=environment, eval_prompts=extras["eval_prompts"],
                    eval_reward_fns=[_reward_function(t) for t in extras["eval_reward"]] if extras["eval_reward"]
-                   else None, **model_options(extras))
+                   else None)
 
 
 def _sums_model() -> str:
@@ -380,34 +360,6 @@ def _load_environment(text: str):
         return load_factory(text)
     except ValueError as err:
         raise SystemExit(f"jaxppo: {name_the_flag(str(err))}") from None
-
-
-def _mesh(extras: dict):
-    """The `MeshConfig` the mesh flags (and `--distributed`) give, or None."""
-    axes = (extras["mesh_data"], extras["mesh_fsdp"], extras["mesh_tensor"])
-    if not any(a is not None for a in axes) and not extras["distributed"]:
-        return None
-    from jaxppo.sharding import MeshConfig
-
-    return MeshConfig(data=axes[0], fsdp=axes[1], tensor=1 if axes[2] is None else axes[2])
-
-
-def model_options(extras: dict) -> dict:
-    """The `Trainer` keyword arguments that the command's flags set for the policy's form:
-    lora, lora_init (for scripts that build their own trainer from `resolve`)."""
-    lora = None
-    if extras["lora_init"] is not None and extras["lora_rank"] is not None:
-        raise SystemExit("jaxppo: --lora-init takes its rank, alpha and targets from the adapter; drop --lora-rank")
-    if extras["lora_rank"] is not None:
-        from jaxppo.models.lora import LoraConfig
-
-        rank = extras["lora_rank"]
-        targets = tuple(t.strip() for t in extras["lora_targets"].split(",") if t.strip())
-        try:
-            lora = LoraConfig(rank=rank, alpha=extras["lora_alpha"] or 2.0 * rank, targets=targets)
-        except ValueError as err:
-            raise SystemExit(f"jaxppo: {name_the_flag(str(err))}") from None
-    return dict(lora=lora, lora_init=extras["lora_init"])
 
 
 def _mixed(prompts: str, weights: Optional[str], seed: int, column: str):
@@ -505,8 +457,7 @@ def plan_main(args: list) -> int:
         raise SystemExit("jaxppo plan: give --model DIR, the policy's checkpoint directory (its config.json is all "
                          "that is read)")
     inputs = Inputs(policy=extras["model"], tokenizer=None, prompts=None, reward_model=extras["reward_model"],
-                    ref_policy=extras["ref_model"], critic=extras["critic"], teacher=extras["teacher"],
-                    **model_options(extras))
+                    ref_policy=extras["ref_model"], critic=extras["critic"], teacher=extras["teacher"])
     for target in targets:
         try:
             plan = plan_run(config, inputs, target)

@@ -74,11 +74,10 @@ def test_task_rewards_mixed_in_with_a_weight(models, tmp_path):
 
 
 def test_a_lora_student_is_scored_against_the_teacher_not_its_base(models, tmp_path):
-    import jaxppo.models as jm
 
     tok, student, teacher = models
-    trainer = jaxppo.Trainer(settings(tmp_path, iterations=1), policy=student, tokenizer=tok,
-                             prompts=demo.DEMO_PROMPTS, teacher=teacher, lora=jm.LoraConfig(rank=2, alpha=4, targets="all-linear"))
+    config = settings(tmp_path, iterations=1).replace(lora_rank=2, lora_alpha=4, lora_targets="all-linear")
+    trainer = jaxppo.Trainer(config, policy=student, tokenizer=tok, prompts=demo.DEMO_PROMPTS, teacher=teacher)
     assert trainer.parts.ref_params is not None and not trainer.parts.spec.ref_is_policy
     trainer.train()
     assert metrics(tmp_path)[0]["distill/reverse_kl"] > 0.5  # a teacher unlike the student (its base gives 0)

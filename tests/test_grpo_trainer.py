@@ -23,6 +23,7 @@ def grpo_trainer(tmp_path, name="grpo", iterations=1, ppo=None, prompts=None, re
     tc = dict(iterations=iterations, query_length=32, response_length=6, learning_rate=1e-3,
               output_dir=str(tmp_path), progress=False, sample_every=0, export_final=False, plot=False,
               report_to="jsonl", **kwargs.pop("trainer", {}))
+    tc.update(jaxppo.AdapterConfig.of(kwargs.pop("lora", None), kwargs.pop("lora_init", None)))  # LoRA: settings
     rewards = {"reward_fns": reward_fns}
     return jaxppo.Trainer(ppo.replace(**tc), policy=demo.demo_policy(TOKENIZER, width=32, layers=1, max_len=38),
                              tokenizer=TOKENIZER, prompts=prompts or demo.DEMO_PROMPTS, **rewards, **kwargs)

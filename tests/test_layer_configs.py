@@ -27,7 +27,7 @@ def test_every_setting_is_in_exactly_one_concern_and_no_concern_is_large():
         # A concern a reader takes in at once: about 20 settings at most (the rule since 0.5).
         assert len(dataclasses.fields(cls)) <= 20, (cls.__name__, len(dataclasses.fields(cls)))
     assert all(len(c) == 1 for c in counts.values()), {n: c for n, c in counts.items() if len(c) > 1}
-    assert len(dataclasses.fields(jaxppo.Config)) == len(CONCERNS) <= 12
+    assert len(dataclasses.fields(jaxppo.Config)) == len(CONCERNS) <= 13  # 13 since LoRA became settings (0.5)
     # Every setting of 0.4's two flat configs has a place (its own name) or a translation.
     assert set(PPO_FIELDS) | set(TRAINER_FIELDS) <= set(SETTINGS) | set(DEPRECATED)
     assert not set(DEPRECATED) & set(SETTINGS)
@@ -35,6 +35,8 @@ def test_every_setting_is_in_exactly_one_concern_and_no_concern_is_large():
     assert {SETTINGS[n] for n in ("dtype", "scan_layers", "remat", "mesh", "logits_chunk_size")} == {"layout"}
     assert SETTINGS["prompt_column"] == SETTINGS["chat_template"] == "data"
     assert SETTINGS["transformation"] == "optimizer"
+    assert {SETTINGS[n] for n in ("lora_rank", "lora_alpha", "lora_targets", "lora_init")} == {"lora"}
+    assert {SETTINGS[n] for n in ("mesh_data", "mesh_fsdp", "mesh_tensor")} == {"layout"}
 
 
 def test_the_concerns_group_what_a_user_looks_for():

@@ -231,27 +231,43 @@ def test_lora_resume_checkpoints_adapters_only(tmp_path):
                      trainer=dict(checkpoint_every=1, shared_trunk=True)).train()
 
 
-def test_command_line_lora_flags_and_trainer_errors(tmp_path):
-    from jaxppo.cli import model_options, resolve
+def test_lora_settings_from_flags_and_config_files_and_trainer_errors(tmp_path):
+    from jaxppo.cli import resolve
 
-    _, extras = resolve(["--lora-rank", "16", "--lora-targets", "q_proj, v_proj"])
-    assert model_options(extras)["lora"] == jm.LoraConfig(rank=16, alpha=32.0, targets=("q_proj", "v_proj"))
-    with pytest.raises(SystemExit, match="--lora-alpha need --lora-rank"):
+    config, _ = resolve(["--lora-rank", "16", "--lora-targets", "q_proj, v_proj"])
+    assert config.lora.lora == jm.LoraConfig(rank=16, alpha=32.0, targets=("q_proj", "v_proj"))
+    (tmp_path / "run.toml").write_text('lora_rank = 4\nlora_targets = ["c_attn"]\nmesh_data = 2\n')
+    config, _ = resolve(["--config", str(tmp_path / "run.toml")])  # a config file holds them as the rest
+    assert config.lora.lora == jm.LoraConfig(rank=4, alpha=8.0, targets=("c_attn",))
+    assert config.layout.device_mesh == jaxppo.sharding.MeshConfig(data=2, tensor=1)
+    assert jaxppo.Config().lora.lora is None and jaxppo.Config().layout.device_mesh is None
+    with pytest.raises(SystemExit, match="lora_alpha need lora_rank"):
         resolve(["--lora-alpha", "8"])
-    with pytest.raises(SystemExit, match="--lora-rank 0 is invalid"):
+    with pytest.raises(SystemExit, match="lora_rank=0 is invalid"):
         resolve(["--lora-rank", "0"])
-    with pytest.raises(SystemExit, match="drop --lora-rank"):
-        model_options(resolve(["--lora-rank", "4", "--lora-init", str(tmp_path)])[1])
-    with pytest.raises(SystemExit, match="'all-linear' stands alone"):
-        model_options(resolve(["--lora-rank", "4", "--lora-targets", "all-linear,c_fc"])[1])
+    with pytest.raises(SystemExit, match="drop lora_rank"):
+        resolve(["--lora-rank", "4", "--lora-init", str(tmp_path)])
+    with pytest.raises(SystemExit, match="'all-linear' alone"):
+        resolve(["--lora-rank", "4", "--lora-targets", "all-linear,c_fc"])
+    with pytest.raises(SystemExit, match="mesh_fsdp=0 is invalid"):
+        resolve(["--mesh-fsdp", "0"])
+    with pytest.raises(ValueError, match="not both"):
+        jaxppo.Config.from_settings(mesh_fsdp=2, mesh=jaxppo.sharding.MeshConfig(fsdp=2))
+    # 0.4's Trainer(lora=, lora_init=) still work, translated into the settings with a warning.
+    with pytest.warns(DeprecationWarning, match="Config.lora"):
+        old = jaxppo.Trainer(jaxppo.Config.for_algorithm("grpo", batch_size=8, mini_batch_size=4, num_generations=4,
+                                                         output_dir=str(tmp_path / "old"), query_length=32,
+                                                         response_length=6),
+                             policy=demo.demo_policy(demo.demo_tokenizer(), width=32, layers=1, max_len=38),
+                             tokenizer=demo.demo_tokenizer(), prompts=demo.DEMO_PROMPTS,
+                             reward_fns=demo.lowercase_reward, lora=jm.LoraConfig(rank=2, targets=("c_attn",)))
+    assert old.config.lora.lora == jm.LoraConfig(rank=2, alpha=16.0, targets=("c_attn",))
 
-    # The trainer: an adapter directory and different LoRA settings; a policy that already
-    # has adapters given with lora=; a target the policy does not have.
+    # The trainer: an adapter directory; a policy that already has adapters given with
+    # lora settings; a target the policy does not have.
     model, params = demo.demo_policy(demo.demo_tokenizer(), width=32, layers=1, max_len=38)
     lora_model, variables = jm.add_lora(model, params, jm.LoraConfig(rank=2, targets=("c_attn",)), jax.random.key(0))
     jm.save_peft_adapter(lora_model, variables, str(tmp_path / "adapter"))
-    with pytest.raises(ValueError, match="differs from the adapter"):
-        grpo_trainer(tmp_path / "a", lora=jm.LoraConfig(rank=4, targets=("c_attn",)), lora_init=str(tmp_path / "adapter"))
     started = grpo_trainer(tmp_path / "b", lora_init=str(tmp_path / "adapter"))
     assert started.policy_model.lora == lora_model.lora
     with pytest.raises(ValueError, match=r"\['q_proj'\] are not linear layers of a gpt2 model"):

@@ -101,7 +101,8 @@ def test_lora_plans_the_adapters_alone_as_trained(config_dir):
 
     lora = LoraConfig(rank=4, alpha=8.0, targets=("all-linear",))
     full = abstract_run(_config("grpo", num_generations=2), _inputs(config_dir), jax.devices()[:1])
-    adapters = abstract_run(_config("grpo", num_generations=2), _inputs(config_dir, lora=lora), jax.devices()[:1])
+    with_lora = _config("grpo", num_generations=2).replace(**jaxppo.AdapterConfig.of(lora))
+    adapters = abstract_run(with_lora, _inputs(config_dir), jax.devices()[:1])
     assert per_device_bytes(adapters.run.train.opt_state) < per_device_bytes(full.run.train.opt_state) / 5
     assert run_work(adapters)["update"].flops < run_work(full)["update"].flops
 

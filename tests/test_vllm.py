@@ -200,10 +200,9 @@ def vllm_trainer(tmp_path, iterations=2, eval_prompts=None, **settings):
     tc = dict(**{**dict(iterations=iterations, query_length=32, response_length=8, learning_rate=3e-2,
                                         output_dir=str(tmp_path), progress=False, sample_every=0, checkpoint_every=0,
                                         export_final=False, plot=False, report_to="jsonl", rollout_engine="vllm"),
-                                 **settings})
+                                 **settings}, lora_rank=4, lora_alpha=8.0, lora_targets=("q_proj", "v_proj"))
     return jaxppo.Trainer(ppo.replace(**tc), policy=(model, params), tokenizer=tokenizer, prompts=demo.DEMO_PROMPTS[:8],
-                          reward_fns=demo.lowercase_reward, lora=jm.LoraConfig(rank=4, alpha=8.0),
-                          eval_prompts=eval_prompts)
+                          reward_fns=demo.lowercase_reward, eval_prompts=eval_prompts)
 
 
 def run_trainer(tmp_path, push=True, iterations=2, **settings):

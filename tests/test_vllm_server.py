@@ -95,12 +95,13 @@ def trainer_on(tmp_path, urls, iterations=2, lora=None, environment=None, **sett
     ppo = jaxppo.Config.for_algorithm("grpo", batch_size=8, mini_batch_size=4, ppo_epochs=1, num_generations=4)
     tc = {**dict(iterations=iterations, query_length=32, response_length=8, learning_rate=3e-2,
                  output_dir=str(tmp_path), progress=False, sample_every=0, checkpoint_every=0, export_final=False,
-                 plot=False, report_to="jsonl", rollout_engine="vllm-server", vllm_urls=tuple(urls)), **settings}
+                 plot=False, report_to="jsonl", rollout_engine="vllm-server", vllm_urls=tuple(urls)), **settings,
+          **jaxppo.AdapterConfig.of(lora)}
     if environment is not None:
         return jaxppo.Trainer(ppo.replace(**tc), policy=base_policy(), tokenizer=demo.demo_tokenizer(),
                               prompts=demo.multiturn_prompts(), reward_fns=None, environment=environment)
     return jaxppo.Trainer(ppo.replace(**tc), policy=base_policy(), tokenizer=demo.demo_tokenizer(),
-                          prompts=demo.DEMO_PROMPTS[:16], reward_fns=demo.lowercase_reward, lora=lora)
+                          prompts=demo.DEMO_PROMPTS[:16], reward_fns=demo.lowercase_reward)
 
 
 def test_two_servers_sample_what_the_trainer_computes_and_take_every_update(servers, tmp_path):

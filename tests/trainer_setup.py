@@ -58,11 +58,12 @@ def small_trainer(output_dir, iterations=2, mesh=None, reward_fns=demo.lowercase
         loop["mesh"] = mesh
     if optimizer is not None:
         loop["transformation"] = optimizer
+    loop.update(jaxppo.AdapterConfig.of(lora))  # a `jaxppo.models.LoraConfig`, or None: every weight trains
     return jaxppo.Trainer(config.replace(**loop),
                           policy=demo.demo_policy(tokenizer, width=32, layers=1, max_len=max_len),
                           tokenizer=tokenizer, prompts=demo.DEMO_PROMPTS if prompts is None else prompts,
                           reward_fns=reward_fns, reward_fn_on=reward_fn_on, callbacks=callbacks,
-                          lora=lora, environment=environment, tools=tools, eval_prompts=eval_prompts,
+                          environment=environment, tools=tools, eval_prompts=eval_prompts,
                           eval_reward_fns=eval_reward_fns)
 
 

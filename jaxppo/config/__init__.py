@@ -5,6 +5,7 @@ composes them (`jaxppo.config.settings`):
                 KLConfig, RewardConfig                      (jaxppo.config.algorithm)
     sampling    SamplingConfig, EnvironmentConfig           (jaxppo.config.sampling)
     optimizer   OptimizerConfig, and the optimizer it builds (jaxppo.config.optimizer)
+    lora        AdapterConfig: which weights train               (jaxppo.config.adapters)
     layout      LayoutConfig                                 (jaxppo.config.layout)
     run         RunConfig, DataConfig, EvalConfig            (jaxppo.config.run)
 
@@ -13,6 +14,7 @@ Each validates its own fields when it is built; `Config` checks the rules that s
 `PPOConfig` and `TrainerConfig` of 0.4 still work, deprecated (`jaxppo.config.legacy`).
 """
 
+from jaxppo.config.adapters import AdapterConfig
 from jaxppo.config.algorithm import AdvantageConfig, KLConfig, LossConfig, RewardConfig
 from jaxppo.config.fields import setting
 from jaxppo.config.layout import LayoutConfig
@@ -24,5 +26,5 @@ from jaxppo.config.settings import CONCERNS, SETTINGS, Config, check_config
 from jaxppo.update.minibatches import BatchConfig
 
 __all__ = ["Config", "BatchConfig", "AdvantageConfig", "LossConfig", "KLConfig", "RewardConfig", "SamplingConfig",
-           "EnvironmentConfig", "OptimizerConfig", "LayoutConfig", "DataConfig", "EvalConfig", "RunConfig", "CONCERNS",
+           "EnvironmentConfig", "OptimizerConfig", "AdapterConfig", "LayoutConfig", "DataConfig", "EvalConfig", "RunConfig", "CONCERNS",
            "SETTINGS", "check_config", "build_optimizer", "setting", "PPOConfig", "TrainerConfig"]

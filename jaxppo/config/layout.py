@@ -10,9 +10,12 @@ from typing import Any, Optional, Union
 from jaxppo.config.fields import Concern, check_bools, check_counts, setting
 from jaxppo.models.model import DTYPES, REMAT_POLICIES
 from jaxppo.models.transformer import ATTENTION
+from jaxppo.sharding import MeshConfig
 from jaxppo.update.checks import invalid, is_int
 
-__all__ = ["LayoutConfig", "AUTO_SCAN_MIN_LAYERS"]
+__all__ = ["LayoutConfig", "AUTO_SCAN_MIN_LAYERS", "MESH_AXES"]
+
+MESH_AXES = ("mesh_data", "mesh_fsdp", "mesh_tensor")  # the mesh's axis sizes, as settings
 
 # scan_layers="auto" (the default) scans the layers of checkpoints this deep or deeper: an
 # unrolled program's compile (and, on XLA:CPU, its load from the compilation cache) grows
@@ -66,10 +69,14 @@ class LayoutConfig(Concern):
       pack_streams: streams per micro-batch, in [1, micro_batch_size]; None: the trainer
         chooses per iteration (the fewest every micro-batch fits in).
       pack_length: tokens per stream, >= the padded width; None: that width.
-      mesh: None (one device), a `jaxppo.sharding.MeshConfig`, or a `jax.sharding.Mesh`
-        with axes ("data", "fsdp", "tensor"): parameters and optimizer states sharded,
-        rollout rows split over the data axes. Not a flag (the command's `--mesh-data`,
-        `--mesh-fsdp`, `--mesh-tensor` build a `MeshConfig`).
+      mesh_data, mesh_fsdp, mesh_tensor: the device mesh's axis sizes; all None (the
+        default): one device. With any set the run shards over a mesh of axes ("data",
+        "fsdp", "tensor"): parameters and optimizer states sharded over fsdp and tensor,
+        rollout rows split over data and fsdp; an axis left None takes what the others
+        leave (fsdp first; tensor None is 1). Flags and `--config` keys like the rest.
+      mesh: the mesh as an object instead of the axes: a `jaxppo.sharding.MeshConfig` or a
+        `jax.sharding.Mesh` with those axes (not a flag; not with the axes).
+        `device_mesh` is the one a run uses, from either.
       sampler_devices: 0 (the sampler shares the trainer's devices) or n >= 1: the last n
         devices sample on a mesh of their own, the others train (needs max_staleness >= 1).
     """
@@ -89,6 +96,9 @@ class LayoutConfig(Concern):
     pack_sequences: bool = setting(False, free=True)
     pack_streams: Optional[int] = setting(None, free=True)
     pack_length: Optional[int] = setting(None, free=True)
+    mesh_data: Optional[int] = setting(None, free=True)
+    mesh_fsdp: Optional[int] = setting(None, free=True)
+    mesh_tensor: Optional[int] = setting(None, free=True)
     mesh: Any = setting(None, free=True, flag=False)
     sampler_devices: int = setting(0, free=True)
 
@@ -125,3 +135,19 @@ class LayoutConfig(Concern):
                 raise invalid("LayoutConfig", name, value, "None unless pack_sequences=True (it sizes the packed "
                               "streams)")
         check_counts(self, ("sampler_devices",), least=0)
+        axes = {name: getattr(self, name) for name in MESH_AXES}
+        for name, size in axes.items():
+            if size is not None and (not is_int(size) or size < 1):
+                raise invalid("LayoutConfig", name, size, "None or a positive int (devices on that axis)")
+        if self.mesh is not None and any(size is not None for size in axes.values()):
+            raise ValueError(f"LayoutConfig: give the mesh as mesh={self.mesh!r} or as its axes ("
+                             + ", ".join(f"{k}={v}" for k, v in axes.items() if v is not None) + "), not both")
+
+    @property
+    def device_mesh(self):
+        """The mesh the run shards over: `mesh`, or a `jaxppo.sharding.MeshConfig` of the
+        axes `mesh_data`, `mesh_fsdp`, `mesh_tensor` when any is set; None for one device."""
+        if self.mesh is not None or all(getattr(self, name) is None for name in MESH_AXES):
+            return self.mesh
+        return MeshConfig(data=self.mesh_data, fsdp=self.mesh_fsdp,
+                          tensor=1 if self.mesh_tensor is None else self.mesh_tensor)

@@ -34,6 +34,8 @@ def recorded(config: Config, iterations: int) -> dict:
     """{concern: {setting: value}} of the settings a resumed run must match, JSON values."""
     out = {}
     for concern, part in config.concerns().items():
+        if concern == "lora":  # recorded as the policy's adapters (`describe_model`), as before they were settings
+            continue
         values = {f.name: _json(getattr(part, f.name)) for f in dataclasses.fields(part) if not is_free(f)}
         if values:
             out[concern] = values

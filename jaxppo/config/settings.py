@@ -20,6 +20,7 @@ import difflib
 from typing import Mapping, Optional
 
 from jaxppo.algorithms import ESTIMATORS
+from jaxppo.config.adapters import AdapterConfig
 from jaxppo.config.algorithm import AdvantageConfig, KLConfig, LossConfig, RewardConfig
 from jaxppo.config.fields import is_flag
 from jaxppo.config.layout import LayoutConfig
@@ -47,6 +48,7 @@ CONCERNS = {
     "sampling": SamplingConfig,
     "environment": EnvironmentConfig,
     "optimizer": OptimizerConfig,
+    "lora": AdapterConfig,
     "layout": LayoutConfig,
     "data": DataConfig,
     "evaluation": EvalConfig,
@@ -82,6 +84,8 @@ class Config:
       environment: `jaxppo.EnvironmentConfig`, multi-turn episodes.
       optimizer: `jaxppo.OptimizerConfig`, learning rates, schedule, Adam, clipping, or an
         optax transformation.
+      lora: `jaxppo.AdapterConfig`, which weights train: all, or LoRA adapters (rank,
+        alpha, targets, an adapter to start from).
       layout: `jaxppo.LayoutConfig`, what changes speed and memory, not results (dtypes,
         scanned layers, remat, attention, prompts run once, packing, the mesh).
       data: `jaxppo.DataConfig`, the prompts: their length, rendering, streaming.
@@ -102,6 +106,7 @@ class Config:
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
     environment: EnvironmentConfig = dataclasses.field(default_factory=EnvironmentConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    lora: AdapterConfig = dataclasses.field(default_factory=AdapterConfig)
     layout: LayoutConfig = dataclasses.field(default_factory=LayoutConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     evaluation: EvalConfig = dataclasses.field(default_factory=EvalConfig)

@@ -92,7 +92,7 @@ def _planned_config(config, devices):
         changes["common_prefix"] = False
     if layout.pack_sequences and layout.pack_streams is None:
         changes["pack_streams"] = config.batch.micro_batch_size
-    if len(devices) > 1 and layout.mesh is None:
+    if len(devices) > 1 and layout.device_mesh is None:
         changes["mesh"] = sharding.MeshConfig()
     if layout.sampler_devices:
         raise ValueError(f"LayoutConfig.sampler_devices={layout.sampler_devices}: a plan places every program on the "
@@ -136,9 +136,9 @@ def abstract_run(config, inputs: Inputs, devices, *, host_scores: Optional[bool]
     spec = rollout_spec(config, models, reward_weight=1.0, token_reward_fn=None, stop_token_ids=stops,
                         stop_strings=None, pad_token_id=stops[0] if stops else 0, common_prefix=0)
     mesh = None
-    if config.layout.mesh is not None:
-        mesh = config.layout.mesh if isinstance(config.layout.mesh, jax.sharding.Mesh) else \
-            sharding.make_mesh(config.layout.mesh, devices)
+    if config.layout.device_mesh is not None:
+        mesh = config.layout.device_mesh if isinstance(config.layout.device_mesh, jax.sharding.Mesh) else \
+            sharding.make_mesh(config.layout.device_mesh, devices)
         sharding.check_batch_divides(config, mesh)
     shapes = RunShapes(config, models, spec, run, ref_params, reward_params, mesh, devices[0],
                        models.reward_model is None if host_scores is None else host_scores)

@@ -24,7 +24,6 @@ from jaxppo.config.layout import AUTO_SCAN_MIN_LAYERS
 from jaxppo.errors import RunError
 from jaxppo.models import hf as hf_io
 from jaxppo.models.adapters import add_lora
-from jaxppo.models.lora import LoraConfig
 from jaxppo.models.model import (
     Model,
     PolicyAndCritic,
@@ -200,16 +199,16 @@ class Assembly:
 def assemble(config, inputs, *, reward_model=None, head_window: Optional[int] = None) -> Assembly:
     """Load or adopt the models of a run: `config` (a `jaxppo.Config`: the layout's dtypes,
     layers and attention, the critic's form, whether a reference is needed), `inputs`
-    (`jaxppo.run.parts.Inputs`: the policy, reference, critic and LoRA the trainer was
-    given), `reward_model` (a path or `(Model, params)`, or None), `head_window` (the
+    (`jaxppo.run.parts.Inputs`: the policy, reference and critic the trainer was given), `reward_model` (a path or `(Model, params)`, or None), `head_window` (the
     policy's and reference's `Model.head_window`, for rollouts in the common-prefix layout).
 
-    With LoRA (`lora`, `lora_init`, or a given policy Model that has adapters) the base
+    With LoRA (`AdapterConfig`: `lora_rank` or `lora_init`; or a given policy Model that
+    has adapters) the base
     weights are frozen (held in `dtype`, loaded from a checkpoint), only the adapters (and
     a critic) are trained, and the reference is the policy with its adapters off."""
     layout = config.layout
-    policy, lora, lora_init = inputs.policy, inputs.lora, inputs.lora_init
-    _check_arguments(config, inputs.critic, lora, lora_init)
+    policy, lora, lora_init = inputs.policy, config.lora.lora, config.lora.lora_init
+    _check_arguments(config, inputs.critic, lora_init)
     dtype = layout.dtype
     ref_dtype, reward_dtype = layout.ref_dtype or dtype, layout.reward_dtype or dtype
     scan_layers = resolve_layout(layout.scan_layers, policy, config.run)
@@ -254,17 +253,12 @@ def assemble(config, inputs, *, reward_model=None, head_window: Optional[int] = 
                     description, freeze, ref_is_policy)
 
 
-def _check_arguments(config, critic, lora, lora_init):
+def _check_arguments(config, critic, lora_init):
     """Errors in the model arguments, before any weights load."""
     if config.layout.attention == "cudnn":
         check_attention_backend([config.layout.attention])
-    if lora is not None and not isinstance(lora, LoraConfig):
-        raise TypeError(f"lora must be a jaxppo.models.LoraConfig or None, got {type(lora).__name__}")
     if lora_init is not None:
-        init_config = read_peft_config(os.fspath(lora_init))  # checked before any weights load
-        if lora is not None and lora != init_config:
-            raise ValueError(f"lora={lora} differs from the adapter in {os.fspath(lora_init)!r} ({init_config}); give "
-                             "one of them, or the same settings")
+        read_peft_config(os.fspath(lora_init))  # checked before any weights load
     if not config.uses_critic and critic is not None:
         raise ValueError(f"critic was given, but advantage_estimator={config.advantages.advantage_estimator!r} has no "
                          "critic (only 'gae', PPO, does); drop critic or use advantage_estimator='gae'")
@@ -278,7 +272,8 @@ def _load_policy(policy, config, scan_layers, lora, lora_init):
     policy_model, policy_params = load_model(policy, "causal_lm", layout.dtype, layout.dtype if use_lora else "float32",
                                              scan_layers, role="policy")
     if use_lora and policy_model.lora is not None:
-        raise ValueError("the given policy already has LoRA adapters; drop lora / lora_init, or give the base model")
+        raise ValueError("the given policy already has LoRA adapters; drop lora_rank / lora_init (AdapterConfig), or "
+                         "give the base model")
     if layout.remat is not None:
         policy_model = dataclasses.replace(policy_model, remat=layout.remat)
     if layout.logits_chunk_size is not None:

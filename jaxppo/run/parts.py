@@ -45,8 +45,7 @@ __all__ = ["Inputs", "RunParts", "build", "rollout_spec", "initial_run_state", "
 class Inputs(NamedTuple):
     """What a run is given besides its settings (the `Trainer`'s keywords, documented
     there): the policy, tokenizer and prompts; the rewards (`reward_model`, `reward_fns`,
-    `reward_fn_on`, `reward_weights`); the reference and the critic; LoRA (`lora`,
-    `lora_init`); multi-turn episodes (`environment` or `tools`); the evaluation's prompts
+    `reward_fn_on`, `reward_weights`); the reference and the critic; multi-turn episodes (`environment` or `tools`); the evaluation's prompts
     and reward functions."""
 
     policy: Any
@@ -58,8 +57,6 @@ class Inputs(NamedTuple):
     reward_weights: Optional[Sequence[float]] = None
     ref_policy: Any = None
     critic: Any = None
-    lora: Any = None
-    lora_init: Optional[str] = None
     environment: Optional[Callable] = None
     tools: Optional[Sequence[Callable]] = None
     eval_prompts: Any = None
@@ -146,7 +143,7 @@ def build(config, inputs: Inputs) -> RunParts:
     _check_experts(models.policy_model.config, config)
     _check_positions(models.policy_model, config, table, eval_table)
     spec = _rollout_spec(config, models, inputs.tokenizer, rewards, table.width, prefix)
-    rollout_engine = engine.create(spec, models.params, config, mesh=config.layout.mesh,  # wide enough for eval too
+    rollout_engine = engine.create(spec, models.params, config, mesh=config.layout.device_mesh,  # wide enough for eval too
                                    query_width=max(table.width, 0 if eval_table is None else eval_table.width))
     policy_schedule, tx = build_optimizer(config.optimizer, config.run.iterations * config.batch.updates_per_step,
                                           critic=config.uses_critic, shared_trunk=config.advantages.shared_trunk)
@@ -212,7 +209,7 @@ def _check_inputs(config, inputs: Inputs, rewards: RewardSetup, environment) -> 
                          f"process; this run has {jax.process_count()} (multi-host runs are synchronous: "
                          "max_staleness=0)")
     _check_vocabulary(inputs.tokenizer, _policy_config(inputs.policy), config)  # before any prompt or weight loads
-    return engines.check_settings(config, multi_turn=environment is not None, mesh=config.layout.mesh,
+    return engines.check_settings(config, multi_turn=environment is not None, mesh=config.layout.device_mesh,
                                   processes=jax.process_count())
 
 
@@ -221,7 +218,7 @@ def _split_mesh(config):
     devices form the sampler's mesh (every device on the "fsdp" axis) and the trainer's mesh
     (`LayoutConfig.mesh`, a `MeshConfig` or None for one over all the rest) takes the
     others."""
-    mesh, n = config.layout.mesh, config.layout.sampler_devices
+    mesh, n = config.layout.device_mesh, config.layout.sampler_devices
     if not n:
         return mesh, None
     devices = jax.devices()
@@ -459,7 +456,7 @@ def auto_common_prefix(config, table: PromptTable, environment) -> int:
     `AUTO_COMMON_PREFIX_MIN_SHARE` of a row."""
     layout = config.layout
     if (environment is not None or table.streamed or layout.pack_sequences or config.advantages.num_generations > 1
-            or layout.mesh is not None or layout.sampler_devices):
+            or layout.device_mesh is not None or layout.sampler_devices):
         return 0
     length = common_prefix_length(table.ids, table.mask)
     row = table.width + config.sampling.response_length

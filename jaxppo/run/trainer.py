@@ -25,14 +25,17 @@ runs one iteration.
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Callable, Optional, Sequence
 
 import jax
 
+from jaxppo.config.adapters import AdapterConfig
 from jaxppo.config.legacy import PPOConfig, TrainerConfig, joined
 from jaxppo.config.settings import SETTINGS, Config
 from jaxppo.errors import RewardError, RunError
+from jaxppo.models.lora import LoraConfig
 from jaxppo.run import compiled, iteration, loop, report
 from jaxppo.run.callbacks import call_hook, call_iteration_end
 from jaxppo.run.directory import RunDirectory, run_settings
@@ -72,8 +75,6 @@ class Trainer:
         policy with a zero value head).
       callbacks: functions `cb(iteration, metrics)` or `jaxppo.Callback` objects; either may
         return a `jaxppo.Control` (stop, checkpoint now).
-      lora: a `jaxppo.models.LoraConfig` (train adapters; the reference is the adapters
-        off); lora_init: a PEFT adapter directory to start from.
       environment: a factory of multi-turn environments (`jaxppo.rollout.environments`), or
         tools: functions the policy may call (`jaxppo.rollout.tools`).
       eval_prompts, eval_reward_fns: the evaluation during training (`EvalConfig`).
@@ -85,18 +86,19 @@ class Trainer:
     `Trainer(ppo_config, trainer_config, ...)`, `reward_fn=`, and the keywords that are
     settings now (`dtype`, `ref_dtype`, `reward_dtype`, `remat`, `scan_layers`,
     `logits_chunk_size`, `mesh`: `LayoutConfig`; `prompt_column`, `chat_template`:
-    `DataConfig`; `optimizer`: `OptimizerConfig.transformation`).
+    `DataConfig`; `optimizer`: `OptimizerConfig.transformation`; `lora` (a
+    `jaxppo.models.LoraConfig`) and `lora_init`: `AdapterConfig`'s `lora_rank`,
+    `lora_alpha`, `lora_targets`, `lora_init`).
     """
 
     def __init__(self, config, trainer_config: Optional[TrainerConfig] = None, /, *, policy, tokenizer, prompts,
                  reward_model=None, reward_fns=None, reward_fn_on: str = "text",
                  reward_weights: Optional[Sequence[float]] = None, ref_policy=None, critic=None,
-                 callbacks: Sequence[Callable] = (), lora=None, lora_init: Optional[str] = None,
-                 environment: Optional[Callable] = None, tools: Optional[Sequence[Callable]] = None, eval_prompts=None,
+                 callbacks: Sequence[Callable] = (), environment: Optional[Callable] = None, tools: Optional[Sequence[Callable]] = None, eval_prompts=None,
                  eval_reward_fns: Optional[Sequence[Callable]] = None, teacher=None, **deprecated):
         config, reward_fns = _config_of(config, trainer_config, reward_fns, deprecated)
         self.parts = build(config, Inputs(policy, tokenizer, prompts, reward_model, reward_fns, reward_fn_on,
-                                          reward_weights, ref_policy, critic, lora, lora_init, environment, tools,
+                                          reward_weights, ref_policy, critic, environment, tools,
                                           eval_prompts, eval_reward_fns, teacher))
         self.config, self.tokenizer, self.callbacks = self.parts.config, tokenizer, list(callbacks)
         self.run, self.train_step = self.parts.run, self.parts.train_step
@@ -263,6 +265,7 @@ def _config_of(config, trainer_config, reward_fns, deprecated: dict):
     """(the `Config`, the reward functions) of the arguments, 0.4's spellings translated with
     a `DeprecationWarning` naming the new place of each."""
     moved = {k: deprecated.pop(k) for k in list(deprecated) if k in _MOVED}
+    adapters = {k: deprecated.pop(k) for k in ("lora", "lora_init") if k in deprecated}
     reward_fn = deprecated.pop("reward_fn", None)
     if deprecated:
         raise TypeError(f"Trainer() got unexpected keyword argument(s) {sorted(deprecated)}")
@@ -281,6 +284,11 @@ def _config_of(config, trainer_config, reward_fns, deprecated: dict):
         warnings.warn("Trainer keywords that are settings now (deprecated since 0.5, removed in 0.6): "
                       + ", ".join(f"{k} -> Config.{SETTINGS[_MOVED[k]]}.{_MOVED[k]}" for k in moved),
                       DeprecationWarning, stacklevel=3)
+    if adapters:
+        config = config.replace(**_adapter_settings(**adapters))
+        warnings.warn("Trainer(lora=, lora_init=) are settings since 0.5 (the keywords are removed in 0.6): "
+                      "Config.lora (AdapterConfig: lora_rank, lora_alpha, lora_targets, lora_init)",
+                      DeprecationWarning, stacklevel=3)
     if reward_fn is not None:
         if reward_fns is not None:
             raise ValueError("give reward_fn or reward_fns, not both (reward_fns=f is reward_fn=f)")
@@ -288,6 +296,13 @@ def _config_of(config, trainer_config, reward_fns, deprecated: dict):
                       DeprecationWarning, stacklevel=3)
         reward_fns = reward_fn
     return config, reward_fns
+
+
+def _adapter_settings(lora=None, lora_init=None) -> dict:
+    """The `AdapterConfig` settings of 0.4's `Trainer(lora=LoraConfig, lora_init=path)`."""
+    if lora is not None and not isinstance(lora, LoraConfig):
+        raise TypeError(f"lora must be a jaxppo.models.LoraConfig or None, got {type(lora).__name__}")
+    return AdapterConfig.of(lora, None if lora_init is None else os.fspath(lora_init))
 
 
 def PPOTrainer(*args, **kwargs) -> Trainer:  # noqa: N802
