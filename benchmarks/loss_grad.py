@@ -1,5 +1,5 @@
 """Benchmark: one PPO loss gradient (policy + separate critic, mini-batch 16) with the
-entropy as a metric only (what `ppo_loss` does when `ent_coef` is 0) and with the entropy
+entropy as a metric only (what `total_loss` does when `ent_coef` is 0) and with the entropy
 differentiated (what it did before).
 
     python benchmarks/loss_grad.py                 # small shape, vocab 50257, and medium, vocab 384
@@ -20,7 +20,7 @@ import numpy as np
 import jaxppo
 from jaxppo.models.config import ModelConfig
 from jaxppo.models.model import Model, PolicyAndCritic
-from jaxppo.update.objective import ppo_loss
+from jaxppo.update.objective import total_loss
 
 
 def bench(layers, width, response, vocab, rounds=5):
@@ -43,7 +43,7 @@ def bench(layers, width, response, vocab, rounds=5):
     # A tiny non-zero ent_coef differentiates the entropy, as the loss did for ent_coef 0 before.
     with_entropy = dataclasses.replace(config, ent_coef=1e-30)
     def grad(apply_fn, cfg_):
-        return jax.jit(jax.value_and_grad(lambda p, x: ppo_loss(p, x, apply_fn=apply_fn, config=cfg_), has_aux=True))
+        return jax.jit(jax.value_and_grad(lambda p, x: total_loss(p, x, apply_fn=apply_fn, config=cfg_), has_aux=True))
 
     variants = {"entropy a metric (now)": grad(apply_fn, config),
                 "entropy differentiated (before)": grad(apply_fn, with_entropy)}

@@ -11,10 +11,10 @@ learn: a tiny Qwen3-MoE layout (2 layers, 8 experts, 2 per token, width 32) over
 byte vocabulary trained with GRPO (G = 8, batch 32 in two mini-batches, lr 1e-2) on the
 demo reward (lowercase letters in a 12-token response), with routing replay and without;
 per run the reward every 5 iterations, `moe/routing_mismatch` (the share of (token, layer)
-pairs whose experts the update's router picks differently from the rollout's scoring pass),
+pairs whose experts the update's router picks differently from the rollout's forward pass),
 and the importance ratio's distance from 1, the approximate KL and the clip fraction,
 averaged over the mini-batches (the first of each iteration is on-policy either way: the
-same float32 forward as the scoring pass).
+same float32 forward as the forward pass).
 
 speed: `train_step` (GRPO, 1 epoch, mini-batch 16 rows of 64 + 64 tokens) on this CPU for a
 Qwen3-MoE layout (4 layers, width 256, 16 experts of 256, 2 per token) against the dense

@@ -1,4 +1,4 @@
-"""Benchmark: the update (`train_step`) and the scoring pass on packed sequences against the
+"""Benchmark: the update (`train_step`) and the forward pass on packed sequences against the
 padded batch, on a long-tailed length mix, back to back in one process.
 
     python benchmarks/packing.py            # 32 rows, most completions 32 tokens, a tenth 512
@@ -86,7 +86,7 @@ def main():
     for what, padded_shape, packed_shape, (padded, padded_first), (packed, packed_first) in [
             ("update (train_step)", f"{b // 2} rows x {width}", f"{streams} streams x {width}", t_update_padded,
              t_update_packed),
-            ("scoring pass", f"{b} rows x {width}", f"{score_streams} streams x {width}", t_score_padded,
+            ("forward pass", f"{b} rows x {width}", f"{score_streams} streams x {width}", t_score_padded,
              t_score_packed)]:
         rows.append([what, padded_shape, packed_shape, f"{padded:.3f} s", f"{packed:.3f} s", f"{padded / packed:.2f}x",
                      f"{padded_first:.1f} s / {packed_first:.1f} s"])

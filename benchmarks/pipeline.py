@@ -22,7 +22,7 @@ compile), iterations per second relative to k = 0, the mean reward of the first 
 `--stages`, each run's stages are timed too (the device's work waited for, so the timing
 serialises nothing the lock does not already): per thread, the mean seconds per iteration
 after the first two in sampling, host scoring (decoding, rewards), building the rollout
-(the scoring pass), the update, the parameter snapshot, and the trainer's wait for a batch.
+(the forward pass), the update, the parameter snapshot, and the trainer's wait for a batch.
 """
 
 from __future__ import annotations

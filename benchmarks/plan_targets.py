@@ -1,5 +1,5 @@
 """Benchmark: `jaxppo plan` for the runs users ask about. Each row's programs (the update,
-the scoring pass, the sampler) compiled on this CPU for a GPU or TPU target without the
+the forward pass, the sampler) compiled on this CPU for a GPU or TPU target without the
 hardware (`jaxppo.plan`), with abstract parameters: memory per device (the program's peak
 plus the run's other state resident meanwhile), what the largest part of each peak is (the
 plan's breakdown, read from the compiled program), the iteration's lower bound, kernels per

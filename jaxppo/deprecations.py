@@ -16,7 +16,7 @@ __all__ = ["MOVED", "moved"]
 
 _UPDATE = {name: f"jaxppo.update:{name}" for name in (
     "UpdateConfig", "Freeze", "response_outputs", "update_epochs", "update_epochs_fn", "minibatch_indices",
-    "train_step_fn", "compute_advantages", "check_rollout", "ppo_loss", "packing")}
+    "train_step_fn", "compute_advantages", "check_rollout", "packing")}
 _ROLLOUT = {name: f"jaxppo.rollout:{name}" for name in (
     "generate", "load_prompts", "mix_prompts", "PromptStreamEnded", "RolloutSpec", "sample_responses",
     "finish_rollout")}
@@ -24,10 +24,11 @@ _ROLLOUT = {name: f"jaxppo.rollout:{name}" for name in (
 # {module: {old name: "new.module:name"}}; each removed in 0.6.
 MOVED = {
     "jaxppo": {**_UPDATE, **_ROLLOUT, "GenerationOutput": "jaxppo.models:GenerationOutput",
+               "ppo_loss": "jaxppo.update:total_loss",
                "RunState": "jaxppo.run:RunState", "Rollout": "jaxppo:RolloutBatch"},
-    "jaxppo.update": {"Rollout": "jaxppo.update:RolloutBatch"},
+    "jaxppo.update": {"Rollout": "jaxppo.update:RolloutBatch", "ppo_loss": "jaxppo.update:total_loss"},
     "jaxppo.update.batch": {"Rollout": "jaxppo.update.batch:RolloutBatch"},
-    "jaxppo.update.ppo": {"Rollout": "jaxppo.update.ppo:RolloutBatch"},
+    "jaxppo.update.ppo": {"Rollout": "jaxppo.update.ppo:RolloutBatch", "ppo_loss": "jaxppo.update:total_loss"},
 }
 
 

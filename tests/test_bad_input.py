@@ -616,7 +616,7 @@ def test_bad_input_is_refused_with_a_clear_message(tmp_path, tokenizer, model_di
 
 
 def _long_work(caplog) -> list:
-    """The compile-log lines of the update, the sampler or the scoring pass among the
+    """The compile-log lines of the update, the sampler or the forward pass among the
     records `caplog` captured under `jax.log_compiles(True)`."""
     return [r.getMessage()[:120] for r in caplog.records if r.getMessage().startswith("Compiling")
             and any(name in r.getMessage() for name in ("train_step", "generate", "finish_rollout", "update_epochs"))]

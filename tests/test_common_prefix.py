@@ -1,5 +1,5 @@
 """The prompts' common prefix once (`PPOConfig.common_prefix`, `jaxppo.update.prefix`): the
-layout against a plain Python loop; the scoring pass (policy, critic, reference, reward
+layout against a plain Python loop; the forward pass (policy, critic, reference, reward
 model) and `train_step` equal to the usual layout's; the compiled program's FLOPs; the
 trainer end to end; bad input."""
 

@@ -133,11 +133,11 @@ def test_train_step_weights_the_policy_loss(toy, mode):
 
 def test_built_in_float32_sampler_matches_the_trainer_within_rounding(tmp_path):
     """Through the trainer (its rollouts carry the sampler's log-probs): the float32
-    sampler's log-probs equal the scoring pass's within rounding, so the ratios are 1 within
+    sampler's log-probs equal the forward pass's within rounding, so the ratios are 1 within
     a few ulps; a sampler at another temperature than the scoring shows a clear mismatch."""
     tokenizer = demo.demo_tokenizer()
     config = jaxppo.Config.for_algorithm("grpo", batch_size=8, mini_batch_size=8, ppo_epochs=1, num_generations=4)
-    # The scoring pass recomputes the log-probs here (the default takes the sampler's own).
+    # The forward pass recomputes the log-probs here (the default takes the sampler's own).
     tc = dict(iterations=1, query_length=32, response_length=6, output_dir=str(tmp_path),
               progress=False, sample_every=0, export_final=False, plot=False, report_to="jsonl",
               old_logprobs="recompute")

@@ -46,7 +46,7 @@ def assert_on_policy(row):
 def test_first_update_is_on_policy(tmp_path, name):
     """Sampler, rollout scoring and loss agree on positions (left-padded prompts of
     different lengths): with one update per iteration, its ratio is 1 within float32
-    rounding. Not bit for bit: the rollout's scoring pass and the loss's forward (inside the
+    rounding. Not bit for bit: the rollout's forward pass and the loss's forward (inside the
     gradient) are different compiled programs, and XLA may fuse and round their log-softmax
     differently (on this AVX2 CPU they differ by an ulp on a few tokens; a position off by
     one would move the ratio by far more)."""

@@ -11,7 +11,7 @@ import pytest
 import jaxppo
 import jaxppo.models as jm
 from jaxppo.update.batch import scorer
-from jaxppo.update.objective import ppo_loss
+from jaxppo.update.objective import total_loss
 
 Q, R, V = 5, 6, 61
 
@@ -77,7 +77,7 @@ def test_loss_and_gradients_equal_the_full_logits_path(kind, model_type, tie, ch
     for a, b in zip(*outs):  # log-probs, values, entropies
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
 
-    grads = [jax.value_and_grad(ppo_loss, has_aux=True)(params, batch, apply_fn=fn, config=config)
+    grads = [jax.value_and_grad(total_loss, has_aux=True)(params, batch, apply_fn=fn, config=config)
              for fn in (apply_fn, _full_logits(apply_fn))]
     (loss, aux), g = grads[0]
     (ref_loss, ref_aux), ref_g = grads[1]
@@ -141,7 +141,7 @@ def _loss_grad_temp_bytes(chunk):
              "response_tokens": spec((b, r), jnp.int32), "response_mask": spec((b, r), jnp.int32),
              "logprobs": spec((b, r)), "values": spec((b, r)), "advantages": spec((b, r)), "returns": spec((b, r))}
     config = jaxppo.Config.from_settings(batch_size=4, mini_batch_size=4)
-    grad = jax.jit(jax.grad(lambda p, mb: ppo_loss(p, mb, apply_fn=fn, config=config)[0]))
+    grad = jax.jit(jax.grad(lambda p, mb: total_loss(p, mb, apply_fn=fn, config=config)[0]))
     return grad.lower(params, batch).compile().memory_analysis().temp_size_in_bytes
 
 

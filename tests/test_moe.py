@@ -313,7 +313,7 @@ def test_bad_mixture_settings_are_refused(tmp_path):
     config = jaxppo.Config.for_algorithm("grpo", batch_size=16, mini_batch_size=16, num_generations=4,
                                          kl_loss_coef=0.0, routing_replay=True)
     state = jaxppo.TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.1))
-    with pytest.raises(ValueError, match=r"need a rollout that carries the scoring pass's routing"):
+    with pytest.raises(ValueError, match=r"need a rollout that carries the forward pass's routing"):
         jaxppo.train_step(state, rollout.replace(routing=None), jax.random.key(1), config)
 
 

@@ -145,7 +145,7 @@ def test_finish_rollout_against_direct_computation(tiny_policy):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_rollout_carries_sampler_logprobs_and_sequence_scores(tiny_policy, temperature):
     """The sampler's own log-probs of the sampled tokens (behaviour policy) ride in the
-    rollout, equal to the scoring pass's within float32 rounding; critic-free rollouts carry
+    rollout, equal to the forward pass's within float32 rounding; critic-free rollouts carry
     each completion's sequence score (score + summed KL penalty = the sum of its rewards)
     and no values."""
     model, params = tiny_policy
@@ -229,7 +229,7 @@ def test_old_logprobs_from_the_sampler(tiny_policy, group):
 
 
 def test_old_logprobs_from_the_sampler_need_no_forward(tiny_policy):
-    """With the sampler's log-probs, no reference and no critic, the compiled scoring pass
+    """With the sampler's log-probs, no reference and no critic, the compiled forward pass
     runs no model: its FLOPs are a small fraction of the recomputing pass's."""
     model, params = tiny_policy
     out = _old_logprobs_rollouts(model, params, ref=False)
@@ -259,7 +259,7 @@ def test_old_logprobs_auto_takes_the_sampler_only_where_exact(tiny_policy):
 def test_the_trainers_scoring_pass_is_one_compiled_program(tmp_path):
     """`finish_rollout` is compiled (one XLA program for the policy, reference and reward
     forwards, not op by op: 0.5-dev's restructure had lost its `jax.jit`, which made the
-    demo's scoring pass 12x slower), and later iterations reuse the program."""
+    demo's forward pass 12x slower), and later iterations reuse the program."""
     from jaxppo import demo
 
     assert callable(getattr(finish_rollout, "lower", None))  # a jitted function

@@ -2,7 +2,7 @@
 `LoopEngine` samples with a plain loop of full forwards (no KV cache, none of jaxppo's
 samplers), declares no capabilities, and is registered by name. The trainer runs GRPO with
 it, synchronous and pipelined; the behaviour log-probs it returns agree with the trainer's
-own scoring pass; the evaluation samples on it; settings it cannot run are refused before anything starts; the registry
+own forward pass; the evaluation samples on it; settings it cannot run are refused before anything starts; the registry
 and the built-in engines answer as documented."""
 
 import jax
@@ -83,7 +83,7 @@ def test_the_trainer_runs_an_engine_from_outside_and_its_log_probs_agree(loop_en
     assert [row["iteration"] for row in history] == [0, 1]
     assert LoopEngine.versions == [0, 1]  # weights set before each batch: after 0 iterations, then 1
     for row in history:
-        # The engine's own log-probs against the trainer's scoring pass on the same tokens:
+        # The engine's own log-probs against the trainer's forward pass on the same tokens:
         # the same distribution, computed by other code (full forwards here, the log-prob
         # head there), equal up to float rounding.
         assert row["sampling/sampling_logp_difference/max"] < 1e-4

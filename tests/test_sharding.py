@@ -80,7 +80,7 @@ def test_shared_prompts_sharded_equal_every_row_on_one_device(setup, mesh_config
     """GRPO with `share_prompts` on a mesh equals every row run on one device. (Under a
     mesh the loss runs every row: JAX's partitioner got the grouped gradient wrong on 1x8
     and 2x2x2, by up to 0.6 in a parameter after this step, on jax 0.10.2, 0.11.2 and
-    0.12.0.1 alike; the scoring pass, a forward, groups; the trainer tests above cover it.)"""
+    0.12.0.1 alike; the forward pass, a forward, groups; the trainer tests above cover it.)"""
     policy, _, params, rollout = setup
     g = 4
     rollout = rollout.replace(query_tokens=jnp.repeat(rollout.query_tokens[::g], g, 0),

@@ -1,7 +1,7 @@
 """Each group's prompt once (`PPOConfig.share_prompts`, `Model.grouped_outputs`): the same
 log-probs, values, entropies and gradients as running every row, for every architecture,
 both layer layouts, the chunked head, the critic, LoRA, gradient accumulation, left padding
-and multi-turn rows; the group-wise mini-batch order; the scoring pass; bad input."""
+and multi-turn rows; the group-wise mini-batch order; the forward pass; bad input."""
 
 import chex
 import jax
@@ -224,7 +224,7 @@ def test_check_rollout_refuses_groups_without_one_prompt():
 
 
 def test_scoring_pass_with_shared_prompts_equals_every_row():
-    """The trainer's scoring pass (policy, critic and reference): the same rollout either way."""
+    """The trainer's forward pass (policy, critic and reference): the same rollout either way."""
     cfg = _config("llama", eos_token_ids=(2,))
     policy, critic = jm.Model(cfg), jm.Model(cfg, kind="value")
     params = {"policy": perturbed(policy.init(jax.random.key(0)), 1),

@@ -14,7 +14,7 @@ from trainer_setup import small_trainer
 def _update_temp_bytes(tmp_path, batch_size, mini_batch_size, accumulation=1, common_prefix=False):
     """The compiled temporaries of the update program a small trainer runs (a GPT-2 policy
     with a value head, 40-token prompts, 6-token responses), lowered with the abstract
-    rollout its scoring pass will produce."""
+    rollout its forward pass will produce."""
     config = jaxppo.Config.from_settings(batch_size=batch_size, mini_batch_size=mini_batch_size, ppo_epochs=2,
                               gradient_accumulation_steps=accumulation, common_prefix=common_prefix)
     prompts = ["Answer: " + p for p in demo.DEMO_PROMPTS] if common_prefix else None

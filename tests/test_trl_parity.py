@@ -32,7 +32,7 @@ import trl  # noqa: F401 - a missing TRL (a test extra) is a collection error, n
 import jaxppo
 import jaxppo.models as jm
 from jaxppo import demo
-from jaxppo.update.objective import ppo_loss
+from jaxppo.update.objective import total_loss
 
 B, Q, R, MAX_COMPLETION = 8, 5, 7, 12  # rows, prompt length, completion width, TRL's max_completion_length
 CASES = {
@@ -136,7 +136,7 @@ def test_loss_and_gradients_equal_trl(setup, case):
                      ref_logprobs=jnp.asarray(ref))
     if config.loss.loss_aggregation == "token_sum_batch_norm":  # as train_step fills it: batch tokens per mini-batch
         minibatch["loss_token_norm"] = jnp.full((B,), num_items / config.batch.num_minibatches, jnp.float32)
-    loss_fn = lambda p: ppo_loss(p, minibatch, apply_fn=model.apply, config=config)[0]
+    loss_fn = lambda p: total_loss(p, minibatch, apply_fn=model.apply, config=config)[0]
     loss, grads = jax.value_and_grad(loss_fn)(params)
     # float32 rounding: XLA:CPU reduces in another order without AVX-512 (vespo-2-steps: 1.2e-6 relative there)
     assert float(loss) == pytest.approx(want_loss, abs=2e-7, rel=2e-6), case

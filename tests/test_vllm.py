@@ -3,7 +3,7 @@ in their own environment (vLLM pins its own transformers): `.ci/run` builds it a
 this file with JAXPPO_REQUIRE_VLLM=1, where a missing vLLM is an error; elsewhere the file
 is skipped when vLLM is not installed.
 
-References: jaxppo's own scoring pass (`response_outputs`) on the same weights gives the
+References: jaxppo's own forward pass (`response_outputs`) on the same weights gives the
 log-probs vLLM returns for its sampled tokens; after a weight push the new weights' log-probs,
 not the old ones'."""
 

@@ -4,7 +4,7 @@ trainer samples on them and pushes its weights after every update. These tests r
 vLLM environment (`.ci/run`, JAXPPO_REQUIRE_VLLM=1); elsewhere the file is skipped when vLLM
 is not installed.
 
-References: jaxppo's own scoring pass over the sampled tokens (the run's
+References: jaxppo's own forward pass over the sampled tokens (the run's
 `sampling/sampling_logp_difference`: vLLM's log-probs against the trainer's forward on the
 same weights), the uninterrupted run for the resumed one. The last tests kill the servers."""
 

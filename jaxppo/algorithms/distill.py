@@ -7,7 +7,7 @@ w > 0 the task's rewards join in: each completion's group-normalised score (GRPO
 advantage) times w is added at every token.
 
 With `AdvantageConfig.distill_top_k` k > 0 the teacher's signal moves from the advantage
-into the loss: the scoring pass also keeps the teacher's k most likely tokens at each
+into the loss: the forward pass also keeps the teacher's k most likely tokens at each
 position, and the loss adds the divergence between student and teacher over those tokens
 and one bucket for the rest (`jaxppo.update.losses.top_k_divergence`; reverse or forward by
 `distill_divergence`; the vocabulary size gives the full divergence, GKD's). The advantage
@@ -15,7 +15,7 @@ is then the task's part alone (0 without task rewards); `distill/reverse_kl` is 
 reported, from the sampled tokens.
 
 The teacher is the run's frozen model in the reference's place (`Trainer(teacher=...)`,
-`--teacher`): its log-probs of the sampled tokens come from the scoring pass, as the
+`--teacher`): its log-probs of the sampled tokens come from the forward pass, as the
 reference's do, and reach the estimator as `rollout.ref_logprobs`."""
 
 from __future__ import annotations

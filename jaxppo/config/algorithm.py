@@ -49,7 +49,7 @@ class AdvantageConfig(Concern):
         teacher alone (no reward needed). > 0 needs num_generations >= 2.
       distill_top_k: read by "distill" only: 0 (the default) takes the teacher's signal
         from the sampled tokens alone (the advantage above); k > 0 keeps the teacher's k most
-        likely tokens at each response position (one scoring pass, `teacher_top_logprobs`)
+        likely tokens at each response position (one forward pass, `teacher_top_logprobs`)
         and trains the student on the divergence between the two distributions over those
         k tokens and one bucket for the rest, a term of the loss (NeMo-RL's and verl's top-k
         distillation; the vocabulary size gives the full divergence, GKD's); the advantage
@@ -148,7 +148,7 @@ class LossConfig(Concern):
         "none" (`jaxppo.update.correction`).
       rollout_correction_cap: the cap C of `rollout_correction`'s weights or ratios; > 1.
       routing_replay: a mixture-of-experts policy (`jaxppo.models.moe`) computes the
-        update's forward with the experts its router chose in the rollout's scoring pass
+        update's forward with the experts its router chose in the rollout's forward pass
         (the forward that gave the old log-probs), weighted by its current router's
         probabilities of them, so that a change of routing does not move the importance
         ratio (verl's and slime's "routing replay"). The plain layout only (no shared

@@ -52,13 +52,13 @@ class LayoutConfig(Concern):
         per call instead of at every decode step: faster sampling for a second copy of the
         weights while sampling.
       share_prompts: with `num_generations` G > 1, each group's prompt runs once for its G
-        completions in the scoring pass and the loss (the same log-probs, losses and
+        completions in the forward pass and the loss (the same log-probs, losses and
         gradients up to float rounding, for Q + G R tokens instead of G (Q + R); built-in
         models). None (the default): the trainer turns it on; `train_step` on a rollout you
         build runs every row. True: your rollout's groups share their prompt. False:
         every row.
       common_prefix: the prompts' common prefix (a chat template's system prompt) runs once
-        per micro-batch in the scoring pass, the sampler's prefill and the loss
+        per micro-batch in the forward pass, the sampler's prefill and the loss
         (`jaxppo.update.prefix`). None (the default): on where it pays (single-turn, one
         completion per prompt, the prompts sharing at least 16 tokens and an eighth of a
         row, no packing, no mesh); True: on (refused where the layout cannot be built);

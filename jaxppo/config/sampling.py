@@ -60,7 +60,7 @@ class SamplingConfig(Concern):
         sampler's own: no policy forward when scoring), "recompute" (a forward of the
         policy over the sampled batch) or "auto" ("sampler" with an engine whose log-probs
         are the trainer's own, a float32 policy without experts and max_staleness 0, else
-        "recompute": a mixture of experts' scoring pass records its routing).
+        "recompute": a mixture of experts' forward pass records its routing).
       max_staleness: k; 0 (default) samples each iteration from the parameters it trains;
         k >= 1 samples iteration i from the parameters after max(0, i - k) iterations in
         producer threads, overlapping the update (`jaxppo.run.pipeline`); the loss then

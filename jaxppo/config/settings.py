@@ -279,7 +279,7 @@ def _check_distillation(c: "Config", estimator):
 def _check_routing(c: "Config"):
     """Routing replay and the load-balancing loss read the policy's routing from the plain
     layout's forward: refused beside a layout that runs rows otherwise, and beside old
-    log-probs from the sampler (no scoring pass records the routing then)."""
+    log-probs from the sampler (no forward pass records the routing then)."""
     loss = c.loss
     asked = [f"{name}={getattr(loss, name)!r}" for name in ("routing_replay", "router_aux_loss_coef")
              if getattr(loss, name)]
@@ -293,7 +293,7 @@ def _check_routing(c: "Config"):
     if c.sampling.old_logprobs == "sampler":
         raise invalid("SamplingConfig", "old_logprobs", "sampler",
                       f"'recompute' or 'auto' with LossConfig.{' and '.join(asked)}: the routing to replay is the "
-                      "scoring pass's, which old log-probs from the sampler skip")
+                      "forward pass's, which old log-probs from the sampler skip")
 
 
 def check_config(c: Config) -> None:

@@ -291,7 +291,7 @@ class Model:
         values = None if values is None else values[:, q - 1 : q - 1 + r].astype(jnp.float32)
         return logprobs, values, entropy
 
-    # A frozen teacher's scoring pass with `distill_top_k`; a mixture of experts' outputs with its routing.
+    # A frozen teacher's forward pass with `distill_top_k`; a mixture of experts' outputs with its routing.
     response_top_logprobs = _response_top
     routed_outputs = _routed_outputs
 

@@ -18,7 +18,7 @@ its last axis is the vocabulary, KV cache (in the sampler) when it ends in the c
 length, heads and head width. An activation that happens to have a weight's shape is
 sorted with the weights; in the update a float32 slice of a weight counts as a gradient, and so does a
 copy of zeros of a trained parameter's shape (a loop's gradient accumulator starts so)
-(the scoring pass and the sampler have neither gradients nor optimizer state). The dump is
+(the forward pass and the sampler have neither gradients nor optimizer state). The dump is
 XLA's debug output (`xla_dump_to`); where a compiler writes none, or one this parser does
 not read, the breakdown is None and the plan reports totals alone.
 """

@@ -169,7 +169,7 @@ def _mesh_context(shapes: RunShapes):
 
 
 def lower_score(shapes: RunShapes):
-    """The scoring pass over a sampled batch (`finish_rollout`), lowered."""
+    """The forward pass over a sampled batch (`finish_rollout`), lowered."""
     c = shapes.config
     b, q, r = c.batch.batch_size, c.data.query_length, c.sampling.response_length
     i32, f32 = (lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)), (lambda *s: jax.ShapeDtypeStruct(s, jnp.float32))

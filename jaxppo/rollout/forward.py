@@ -40,7 +40,7 @@ __all__ = ["finish_rollout"]
 
 
 def _group(spec: RolloutSpec, rows: int) -> int:
-    """The rows that share one query in the scoring pass: all `rows` in the common-prefix
+    """The rows that share one query in the forward pass: all `rows` in the common-prefix
     layout, G when it runs each group's prompt once (`share_prompts`), else 1."""
     if spec.common_prefix:
         return rows

@@ -87,7 +87,7 @@ class RolloutSpec:
       mask_truncated: zero the rollout's response mask of completions without a stop token
         (`RewardConfig.mask_truncated_completions`), so the loss leaves them out.
       old_logprobs: where the rollout's log-probs come from (`SamplingConfig.old_logprobs`):
-        "sampler" (the sampler's own; no policy forward in the scoring pass), "recompute"
+        "sampler" (the sampler's own; no policy forward in the forward pass), "recompute"
         (a forward of the policy; the default of a spec built by hand), or "auto"
         ("sampler" when the rollout engine's log-probs are exact (`Capabilities.exact_logprobs`:
         the built-in ones) and the policy computes in
@@ -99,7 +99,7 @@ class RolloutSpec:
         then recomputed (the decoupled objective: see `jaxppo.run.pipeline`).
       turn_cache: multi-turn episodes keep each row's KV cache between turns with the
         static sampler (`EnvironmentConfig.turn_cache`; `jaxppo.rollout.engines.static`).
-      share_prompts: with `num_generations` G > 1, the scoring pass runs each group's
+      share_prompts: with `num_generations` G > 1, the forward pass runs each group's
         prompt once for its G rows (policy, critic and reference; `LayoutConfig.share_prompts`,
         whose None, the trainer's default, counts as True here; False for a spec built by
         hand).
@@ -190,7 +190,7 @@ class RolloutSpec:
 
     @property
     def records_routing(self) -> bool:
-        """The scoring pass records the policy's routing (`RolloutBatch.routing`): a mixture of
+        """The forward pass records the policy's routing (`RolloutBatch.routing`): a mixture of
         experts whose old log-probs it computes, in the plain layout (no common prefix, no
         packing, each row its own prompt)."""
         from jaxppo.update.batch import model_method
@@ -216,7 +216,7 @@ class RolloutSpec:
     @property
     def sampler_logprobs_used(self) -> bool:
         """The rollout's old-policy log-probs are the sampler's own (no policy forward). Under
-        "auto", not for a mixture of experts: its scoring pass records the routing
+        "auto", not for a mixture of experts: its forward pass records the routing
         (`records_routing`)."""
         if self.old_logprobs == "auto":  # stale samples: the trainer's own at update time (decoupled)
             exact = engine_class(self.rollout_engine, self.num_slots).capabilities.exact_logprobs

@@ -492,7 +492,8 @@ def main(argv=None) -> int:
     parser.add_argument("--eval-pairs", default=None, help="held-out pairs (instead of --eval-fraction)")
     parser.add_argument("--lora-rank", type=int, default=None, help="train LoRA adapters of this rank (and the head)")
     parser.add_argument("--lora-alpha", type=float, default=None)
-    parser.add_argument("--lora-targets", default="q_proj,v_proj", help="comma-separated modules, or all-linear")
+    parser.add_argument("--lora-targets", default="all-linear",
+                        help="comma-separated modules, or all-linear (the default, as jaxppo's)")
     types = {"batch_size": int, "mini_batch_size": int, "gradient_accumulation_steps": int, "epochs": float,
              "center_rewards_coefficient": float, "max_length": int, "overlong_pairs": str, "eval_fraction": float,
              "eval_every": int, "save_every": int, "keep_checkpoints": int, "seed": int, "dtype": str,

@@ -12,7 +12,7 @@ the rollout came from.
   `update_epochs`; 0.4's `engine`);
 - `batch`: the `RolloutBatch` pytree and the forward that scores its responses;
   `packing`: packed sequences; `prefix`: the common-prefix layout;
-- `objective`: every algorithm's loss (`ppo_loss`) and what it reads (`Objective`, a
+- `objective`: every algorithm's loss (`total_loss`) and what it reads (`Objective`, a
   `jaxppo.Config`'s view); `ppo`: `train_step` and what it reads (`UpdateConfig`: the batch,
   the objective and an advantage function; a `jaxppo.Config` hands over its `.update`);
   `checks`: the value checks the configs share.
@@ -25,12 +25,12 @@ from jaxppo.update import advantages, correction, kl, losses, packing, shaping, 
 from jaxppo.update.batch import RolloutBatch, response_outputs
 from jaxppo.update.minibatches import (BatchConfig, EngineConfig, Freeze, TrainState, minibatch_indices,  # noqa: F401
                                        update_epochs, update_epochs_fn)
-from jaxppo.update.objective import Objective, ppo_loss
+from jaxppo.update.objective import Objective, total_loss
 from jaxppo.update.ppo import UpdateConfig, check_rollout, compute_advantages, train_step, train_step_fn
 
 __all__ = ["advantages", "correction", "kl", "losses", "packing", "shaping", "stats", "BatchConfig", "Freeze",
            "TrainState", "minibatch_indices", "update_epochs", "update_epochs_fn", "RolloutBatch", "response_outputs",
-           "Objective", "ppo_loss", "UpdateConfig", "check_rollout", "compute_advantages", "train_step",
+           "Objective", "total_loss", "UpdateConfig", "check_rollout", "compute_advantages", "train_step",
            "train_step_fn"]
 
 

@@ -45,7 +45,7 @@ class RolloutBatch(flax.struct.PyTreeNode):
         (GRPO, RLOO, the REINFORCE++ baseline) read. None: they sum `rewards` themselves.
       sampler_logprobs: float (B, R) or None: the log-probs of the response tokens as the
         sampler computed them while generating (the behaviour policy), temperature-scaled,
-        0 at padding. The loss's old log-probs are `logprobs` (the scoring pass); these
+        0 at padding. The loss's old log-probs are `logprobs` (the forward pass); these
         are kept to measure or correct a mismatch between sampler and trainer.
       entropy_coef: float (B,) or None: the entropy bonus's coefficient for each
         completion, used instead of `config.ent_coef` when given (the trainer fills it
@@ -60,7 +60,7 @@ class RolloutBatch(flax.struct.PyTreeNode):
         divergence to the teacher reads them (`jaxppo.update.losses.top_k_divergence`).
       teacher_top_ids: int (B, R, k) or None: the token ids of `teacher_top_logprobs`.
       routing: int (B, Q + R, layers, k) or None: a mixture-of-experts policy's routing in
-        the scoring pass (the experts its router chose for every token of the row), which
+        the forward pass (the experts its router chose for every token of the row), which
         the update replays (`LossConfig.routing_replay`) or compares its own with (the
         metric `moe/routing_mismatch`); recorded in the plain layout.
     """

@@ -3,7 +3,7 @@ correction of the policy loss for the mismatch between them.
 
 The sampler (the built-in KV-cache sampler, bf16 or f32; later another engine) draws the
 response tokens from its distribution pi_sampler; the loss's old log-probs come from the
-trainer's scoring pass, pi_old. They are the same policy, but not the same numbers: with
+trainer's forward pass, pi_old. They are the same policy, but not the same numbers: with
 another engine or lower precision they differ, and treating the samples as drawn from
 pi_old biases the gradient. The importance ratio pi_old / pi_sampler corrects it:
 

@@ -4,7 +4,7 @@ and dual clipping; CISPO's capped, detached weights; SAPO's soft gate; VESPO's g
 weight of the completion's ratio), the clipped value loss, the approximate KL, on-policy
 distillation's divergence to the teacher's top k, and the loss aggregation modes every
 algorithm's loss is reduced by. Pure functions on arrays (they
-import only the masked statistics); `jaxppo.update.objective.ppo_loss` puts them together.
+import only the masked statistics); `jaxppo.update.objective.total_loss` puts them together.
 
 Shapes: B rows (completions), T response tokens, V the vocabulary. `mask` is 1 at real
 response tokens and 0 at padding; masked statistics count only the real tokens.

@@ -1,10 +1,10 @@
 """The loss every algorithm trains with, and what it reads (`Objective`).
 
-    ppo_loss(params, batch, apply_fn=..., config=jaxppo.Config(...)) -> (loss, aux)
+    total_loss(params, batch, apply_fn=..., config=jaxppo.Config(...)) -> (loss, aux)
 
 `Objective` is the loss's view of a `jaxppo.Config` (`Config.objective`): the settings the
 loss reads and nothing else, hashable (a static argument), so a setting the loss never
-reads does not retrace it. `ppo_loss` takes either.
+reads does not retrace it. `total_loss` takes either.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from jaxppo.update.losses import (aggregate_loss, approx_kl, cispo_policy_loss, 
 from jaxppo.update.shaping import high_entropy_mask
 from jaxppo.update.stats import masked_mean, masked_var
 
-__all__ = ["Objective", "objective", "ppo_loss", "loss_for", "prompt_rows", "loss_normaliser", "token_count",
+__all__ = ["Objective", "objective", "total_loss", "loss_for", "prompt_rows", "loss_normaliser", "token_count",
            "micro_batch_weight"]
 
 
@@ -138,7 +138,7 @@ def _reference_terms(logprobs, student_top, ratio, batch, config: Objective, agg
     return total
 
 
-def ppo_loss(params, batch, *, apply_fn, config):
+def total_loss(params, batch, *, apply_fn, config):
     """The loss of one (mini- or micro-) batch for every algorithm: a dict of rollout fields
     plus `advantages` (and `returns` with a critic), each leading with the rows. `config`:
     a `jaxppo.Config`, or its `Objective`.
@@ -242,7 +242,7 @@ def _loss_group(config: Objective, rows: int) -> int:
     """`prompt_rows`, except under a mesh of more than one device, where the loss runs
     every row: JAX's SPMD partitioner gives the grouped forward's gradient wrong on some
     meshes (1x8 fsdp, 2x2x2; seen in tests/test_sharding.py on jax 0.10.2, 0.11.2 and
-    0.12.0.1 alike), while its forward (the scoring pass) is right."""
+    0.12.0.1 alike), while its forward (the forward pass) is right."""
     mesh = jax.sharding.get_abstract_mesh()
     return 1 if not mesh.empty and mesh.size > 1 else prompt_rows(config, rows)
 
@@ -282,7 +282,7 @@ def _routed(apply_fn, batch, config: Objective, group: int) -> bool:
     elif group > 1 or config.distill_top_k:
         problem = "the plain layout (share_prompts and common_prefix off) and no distill_top_k"
     elif config.routing_replay and "routing" not in batch:
-        problem = "a rollout that carries the scoring pass's routing (RolloutBatch.routing)"
+        problem = "a rollout that carries the forward pass's routing (RolloutBatch.routing)"
     if problem is None:
         return True
     if asked:
@@ -351,7 +351,7 @@ def micro_batch_weight(config: Objective):
 
 
 def loss_for(apply_fn, config):
-    """`ppo_loss` with `apply_fn` and the `Objective` of `config` bound: one function object
+    """`total_loss` with `apply_fn` and the `Objective` of `config` bound: one function object
     per pair, so the loop's static argument is the same object on every call and nothing
     is traced twice."""
     return _bound_loss(apply_fn, objective(config))
@@ -359,4 +359,4 @@ def loss_for(apply_fn, config):
 
 @functools.lru_cache(maxsize=None)
 def _bound_loss(apply_fn, config: Objective):
-    return functools.partial(ppo_loss, apply_fn=apply_fn, config=config)
+    return functools.partial(total_loss, apply_fn=apply_fn, config=config)

@@ -1,5 +1,5 @@
 """Packed sequences: a batch's rows of real tokens laid end to end in a few fixed-length
-streams, so that the scoring pass and the loss run on real tokens instead of padding.
+streams, so that the forward pass and the loss run on real tokens instead of padding.
 
 A row is its prompt's real tokens followed by its response region's real tokens
 (`response_attention`: the policy's and, in a multi-turn episode, the environment's). Rows

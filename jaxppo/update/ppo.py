@@ -1,10 +1,10 @@
 """`train_step`: one update of a language-model policy (and critic) from a rollout, for
-PPO and the critic-free algorithms alike: an advantage estimator plus a loss on the engine.
+PPO and the critic-free algorithms alike: an advantage estimator plus a loss on the mini-batch loop (`update.minibatches`).
 
     train_step(state, rollout, key, config) -> (state, metrics)     # pure, jitted once
       rewards -> advantages (GAE with returns; or GRPO / RLOO / REINFORCE++), once, over
         the whole rollout (`config.advantage_estimator`)
-      update_epochs(...) with the loss (`jaxppo.update.objective.ppo_loss`) through
+      update_epochs(...) with the loss (`jaxppo.update.objective.total_loss`) through
         state.apply_fn
 
 `config` is a `jaxppo.Config`, or an `UpdateConfig`: the three things `train_step` reads (the
@@ -146,7 +146,7 @@ def train_step_fn(state: TrainState, rollout: RolloutBatch, key, config, minibat
     Computes advantages (and, with a critic, returns) once for the whole rollout
     (`compute_advantages`), then runs `config.ppo_epochs` epochs of
     `config.num_minibatches` shuffled mini-batch updates of the loss
-    (`jaxppo.update.objective.ppo_loss`) through
+    (`jaxppo.update.objective.total_loss`) through
     `state.apply_fn(params, tokens, mask) -> (logits, values)` (values are not read without
     a critic). Under gradient accumulation, micro-batches are weighted (by real response
     tokens for a token mean, equally for the per-completion means), so the update equals
@@ -182,17 +182,17 @@ def train_step_fn(state: TrainState, rollout: RolloutBatch, key, config, minibat
     which jit cannot see, are checked by `check_rollout` on rollouts you build yourself.
     """
     u = update_config(config)
-    engine, loss = u.batch, u.objective
+    batching, loss = u.batch, u.objective
     _check_rollout_structure(rollout, u)
     _check_packing(state.apply_fn, rollout, loss)
     advantages, returns, adv_stats = u.advantages(rollout)
     batch, mismatch = _loss_batch(rollout, u, advantages, returns)
     step_before = state.step
-    state, engine_metrics = update_epochs_fn(
-        state, batch, key, loss_for(state.apply_fn, loss), engine, weight_fn=micro_batch_weight(loss),
+    state, loop_metrics = update_epochs_fn(
+        state, batch, key, loss_for(state.apply_fn, loss), batching, weight_fn=micro_batch_weight(loss),
         minibatch_sharding=minibatch_sharding, order=minibatch_order(u),
     )
-    metrics = _summarise(engine_metrics, state.step - step_before, rollout, advantages, returns, u)
+    metrics = _summarise(loop_metrics, state.step - step_before, rollout, advantages, returns, u)
     metrics.update(adv_stats)
     metrics.update(mismatch)
     return state, metrics
@@ -201,7 +201,7 @@ def train_step_fn(state: TrainState, rollout: RolloutBatch, key, config, minibat
 def _loss_batch(rollout: RolloutBatch, config: UpdateConfig, advantages, returns):
     """The columns the loss reads (a dict leading with the rows), and the sampler-mismatch
     metrics when the rollout carries the sampler's log-probs."""
-    engine, loss = config.batch, config.objective
+    batching, loss = config.batch, config.objective
     batch = {
         "query_tokens": rollout.query_tokens,
         "query_mask": rollout.query_mask,
@@ -216,7 +216,7 @@ def _loss_batch(rollout: RolloutBatch, config: UpdateConfig, advantages, returns
         batch["ref_logprobs"] = rollout.ref_logprobs
     if loss.distill_top_k:
         batch.update(teacher_top_logprobs=rollout.teacher_top_logprobs, teacher_top_ids=rollout.teacher_top_ids)
-    if rollout.routing is not None:  # a mixture of experts' routing in the scoring pass
+    if rollout.routing is not None:  # a mixture of experts' routing in the forward pass
         batch["routing"] = rollout.routing
     if rollout.entropy_coef is not None:
         batch["entropy_coef"] = rollout.entropy_coef
@@ -225,8 +225,8 @@ def _loss_batch(rollout: RolloutBatch, config: UpdateConfig, advantages, returns
     if loss.loss_aggregation == "token_sum_batch_norm":  # TRL's dapo: the batch's tokens per mini-batch
         tokens = jnp.maximum(jnp.sum(rollout.response_mask.astype(jnp.float32)), 1.0)
         # Micro-batches are averaged (no weight_fn): each one's sum counts k times over.
-        norm = tokens / (engine.num_minibatches * engine.gradient_accumulation_steps)
-        batch["loss_token_norm"] = jnp.full((engine.batch_size,), norm, jnp.float32)
+        norm = tokens / (batching.num_minibatches * batching.gradient_accumulation_steps)
+        batch["loss_token_norm"] = jnp.full((batching.batch_size,), norm, jnp.float32)
     mismatch = {}
     if rollout.sampler_logprobs is not None:
         mismatch = mismatch_metrics(rollout.logprobs, rollout.sampler_logprobs, rollout.response_mask)
@@ -239,16 +239,16 @@ def _loss_batch(rollout: RolloutBatch, config: UpdateConfig, advantages, returns
 
 def _check_rollout_structure(rollout, config: UpdateConfig):
     """Shapes and dtypes of a rollout against the config (at trace time: before compiling)."""
-    engine, loss = config.batch, config.objective
+    batching, loss = config.batch, config.objective
     if not isinstance(rollout, RolloutBatch):
         raise TypeError(f"rollout must be a jaxppo.RolloutBatch, got {type(rollout).__name__}")
     if len(rollout.response_tokens.shape) != 2:
         raise ValueError(f"rollout.response_tokens has shape {rollout.response_tokens.shape}; expected "
                          "(batch, response_len)")
     b, r = rollout.response_tokens.shape
-    if b != engine.batch_size:
+    if b != batching.batch_size:
         raise ValueError(
-            f"rollout has {b} rows but BatchConfig.batch_size={engine.batch_size}; a rollout "
+            f"rollout has {b} rows but BatchConfig.batch_size={batching.batch_size}; a rollout "
             f"must hold exactly batch_size rows (nothing is dropped or padded)."
         )
     if loss.kl_loss_coef and rollout.ref_logprobs is None:
@@ -429,9 +429,9 @@ def check_rollout(rollout: RolloutBatch, config):
                              "finite")
 
 
-def _summarise(engine_metrics, applied, rollout, advantages, returns, config):
+def _summarise(loop_metrics, applied, rollout, advantages, returns, config):
     """TRL-named metrics: `<name>_avg` over applied updates, plus per-mini-batch arrays."""
-    applied_mask = engine_metrics["applied"]
+    applied_mask = loop_metrics["applied"]
     n_applied = jnp.sum(applied_mask.astype(jnp.float32))
 
     def avg(x):
@@ -441,22 +441,22 @@ def _summarise(engine_metrics, applied, rollout, advantages, returns, config):
     mask = rollout.response_mask.astype(jnp.float32)
     metrics = {}
     for key, (avg_name, per_mb_name) in _TRL_NAMES.items():
-        if key not in engine_metrics["aux"]:
+        if key not in loop_metrics["aux"]:
             continue  # value metrics without a critic, kl without a KL term
-        metrics[avg_name] = avg(engine_metrics["aux"][key])
-        metrics[per_mb_name] = engine_metrics["aux"][key]
-    metrics["loss/total_avg"] = avg(engine_metrics["loss"])
-    metrics["per_minibatch/loss/total"] = engine_metrics["loss"]
-    metrics["per_minibatch/grad_norm"] = engine_metrics["grad_norm"]
+        metrics[avg_name] = avg(loop_metrics["aux"][key])
+        metrics[per_mb_name] = loop_metrics["aux"][key]
+    metrics["loss/total_avg"] = avg(loop_metrics["loss"])
+    metrics["per_minibatch/loss/total"] = loop_metrics["loss"]
+    metrics["per_minibatch/grad_norm"] = loop_metrics["grad_norm"]
     metrics["per_minibatch/applied"] = applied_mask
-    metrics["per_minibatch/nonfinite"] = engine_metrics["nonfinite"]
-    metrics["ppo/grad_norm_avg"] = avg(engine_metrics["grad_norm"])
+    metrics["per_minibatch/nonfinite"] = loop_metrics["nonfinite"]
+    metrics["ppo/grad_norm_avg"] = avg(loop_metrics["grad_norm"])
     metrics["ppo/updates_applied"] = applied
     metrics["ppo/updates_planned"] = jnp.asarray(config.batch.updates_per_step, jnp.int32)
-    metrics["ppo/updates_nonfinite"] = jnp.sum(engine_metrics["nonfinite"].astype(jnp.int32))
-    if "early_stopped" in engine_metrics:
-        metrics["per_minibatch/early_stopped"] = engine_metrics["early_stopped"]
-        metrics["ppo/early_stopped"] = jnp.any(engine_metrics["early_stopped"])
+    metrics["ppo/updates_nonfinite"] = jnp.sum(loop_metrics["nonfinite"].astype(jnp.int32))
+    if "early_stopped" in loop_metrics:
+        metrics["per_minibatch/early_stopped"] = loop_metrics["early_stopped"]
+        metrics["ppo/early_stopped"] = jnp.any(loop_metrics["early_stopped"])
     metrics["ppo/advantages/mean"] = masked_mean(advantages, mask)
     if config.objective.uses_critic:
         metrics["ppo/returns/mean"] = masked_mean(returns, mask)

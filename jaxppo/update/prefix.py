@@ -18,7 +18,7 @@ trained), so the loss, the KL, GAE and the values read the same tokens as before
 token keeps its position (positions count real tokens) and attends to the same tokens, so
 a model computes the same outputs; with one query for every row, a built-in model runs it
 once per batch (`jaxppo.models.Model.grouped_outputs`): p + B * (Q - p + R) tokens instead
-of B * (Q + R). `LayoutConfig.common_prefix` tells the loss; the trainer's scoring pass builds
+of B * (Q + R). `LayoutConfig.common_prefix` tells the loss; the trainer's forward pass builds
 its rollouts in this layout (`prefix_layout`, `to_region`).
 
 Any permutation of the rows keeps the layout (every row has the same query), so mini-batches
