@@ -8,7 +8,7 @@ the same program with the update phase written out by hand, vmapped over seeds.
 Both programs are `examples/cartpole.py`'s `train` (one `jit` of a `vmap` over seeds: the
 train state created inside, 976 iterations of 4 environments x 128 steps, GAE, 4 epochs of
 4 mini-batches), differing only in the update phase: `jaxppo.update.update_epochs_fn` (with its
-non-finite check, the default, and with `BatchConfig(skip_nonfinite=False)`), or nested
+non-finite check, the default, and with `BatchConfig(skip_nonfinite_updates=False)`), or nested
 `lax.scan`s over epochs and mini-batches as PureJaxRL writes them. Each is compiled once,
 then run `--repeats` times, the variants in turn, so that drift hits them alike. Reported:
 compile seconds, median run seconds, the run time over the hand-written loop's, and the
@@ -48,8 +48,8 @@ def main():
 
     variants = {"hand-written loop (PureJaxRL's)": (cartpole.Config(total_timesteps=args.timesteps), "hand"),
                 "jaxppo engine": (cartpole.Config(total_timesteps=args.timesteps), "jaxppo"),
-                "jaxppo engine, skip_nonfinite=False": (cartpole.Config(total_timesteps=args.timesteps,
-                                                                        skip_nonfinite=False), "jaxppo")}
+                "jaxppo engine, skip_nonfinite_updates=False": (cartpole.Config(total_timesteps=args.timesteps,
+                                                                        skip_nonfinite_updates=False), "jaxppo")}
     for seeds in args.seeds:
         keys = jax.random.split(jax.random.key(0), seeds)
         compiled, compile_s, runs, finals = {}, {}, {}, {}

@@ -61,7 +61,7 @@ class Config:
     max_grad_norm: float = 0.5
     lr: float = 2.5e-4
     anneal_lr: bool = True
-    skip_nonfinite: bool = True  # the loop's non-finite check (BatchConfig.skip_nonfinite)
+    skip_nonfinite_updates: bool = True  # the loop's non-finite check (BatchConfig.skip_nonfinite_updates)
 
     @property
     def num_updates(self) -> int:
@@ -73,7 +73,7 @@ class Config:
         """The mini-batch loop's config (`update_epochs` finds it as `.batch`)."""
         batch = self.num_envs * self.num_steps
         return jaxppo.BatchConfig(batch_size=batch, mini_batch_size=batch // self.num_minibatches,
-                                  ppo_epochs=self.update_epochs, skip_nonfinite=self.skip_nonfinite)
+                                  ppo_epochs=self.update_epochs, skip_nonfinite_updates=self.skip_nonfinite_updates)
 
 
 def _dense(features, scale):

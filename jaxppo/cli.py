@@ -111,7 +111,7 @@ _FLAG_TYPES = {"stop_tokens": (_stop_token, "+", "ID|eos"), "warmup_updates": (_
                "remat": (_remat, None, "none|full|POLICY"), "report_to": (str, None, "NAMES")}
 # The flags of 0.4 that said one thing twice (their settings are translated, with a note).
 _DEPRECATED_FLAGS = {"truncate_prompts": bool, "tensorboard": bool, "total_episodes": int, "warmup_ratio": float,
-                     "stop_token_id": int, "stop_token_ids": int}
+                     "stop_token_id": int, "stop_token_ids": int, "kl_target": typing.Optional[float]}
 
 
 def _add_flag(group, name: str, hint, default_text: str):
@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
                 _add_flag(group, field.name, hints[field.name], f"{text} (default: {field.default!r})")
     group = parser.add_argument_group("deprecated since 0.5 (each says one thing another flag says)")
     for name, kind in _DEPRECATED_FLAGS.items():
-        _add_flag(group, name, typing.Optional[kind] if name == "stop_token_id" else
+        _add_flag(group, name, kind if name == "kl_target" else typing.Optional[kind] if name == "stop_token_id" else
                   typing.Tuple[int, ...] if name == "stop_token_ids" else kind, f"deprecated: {DEPRECATED[name]}")
     return parser
 

@@ -481,8 +481,8 @@ def test_the_batch_config_is_checked_and_engine_config_still_builds_one():
         BatchConfig(batch_size=10, mini_batch_size=4)
     with pytest.raises(ValueError, match=r"BatchConfig.target_kl=0 is invalid"):
         BatchConfig(batch_size=8, mini_batch_size=4, target_kl=0)
-    with pytest.raises(ValueError, match=r"BatchConfig.skip_nonfinite='no' is invalid"):
-        BatchConfig(batch_size=8, mini_batch_size=4, skip_nonfinite="no")
+    with pytest.raises(ValueError, match=r"BatchConfig.skip_nonfinite_updates='no' is invalid"):
+        BatchConfig(batch_size=8, mini_batch_size=4, skip_nonfinite_updates="no")
     with pytest.raises(TypeError, match=r"config must be a jaxppo.BatchConfig or have one as .batch"):
         update_epochs(_state(), _batch(8), jax.random.key(0), regression_loss, {"batch_size": 8})
     from jaxppo import EngineConfig  # 0.4's name: the same fields, ppo_epochs 1 by default
@@ -493,16 +493,16 @@ def test_the_batch_config_is_checked_and_engine_config_still_builds_one():
 
 
 def test_without_the_nonfinite_check_every_update_applies():
-    """`skip_nonfinite=False`: no check, every update applied (a NaN reaches the parameters,
+    """`skip_nonfinite_updates=False`: no check, every update applied (a NaN reaches the parameters,
     as it would in a loop without the check); with the check the same batch skips."""
     batch = _batch(16)
     batch["y"] = batch["y"].at[5].set(jnp.nan)
-    config = BatchConfig(batch_size=16, mini_batch_size=4, ppo_epochs=1, skip_nonfinite=False)
+    config = BatchConfig(batch_size=16, mini_batch_size=4, ppo_epochs=1, skip_nonfinite_updates=False)
     state, metrics = update_epochs(_state(optax.sgd(0.01)), batch, jax.random.key(2), regression_loss, config)
     assert int(state.step) == 4 and bool(jnp.all(metrics["applied"]))
     assert int(state.skipped_nonfinite) == 0 and bool(jnp.isnan(state.params["w"]).any())
     checked, _ = update_epochs(_state(optax.sgd(0.01)), batch, jax.random.key(2), regression_loss,
-                               config.replace(skip_nonfinite=True))
+                               config.replace(skip_nonfinite_updates=True))
     assert int(checked.step) == 3 and bool(jnp.isfinite(checked.params["w"]).all())
 
 

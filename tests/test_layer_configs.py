@@ -41,7 +41,7 @@ def test_every_setting_is_in_exactly_one_concern_and_no_concern_is_large():
 
 def test_the_concerns_group_what_a_user_looks_for():
     expect = {"temperature": "sampling", "top_p": "sampling", "top_k": "sampling", "stop_tokens": "sampling",
-              "kl_coef": "kl", "kl_target": "kl", "kl_horizon": "kl", "kl_estimator": "kl", "kl_loss_coef": "kl",
+              "kl_coef": "kl", "adaptive_kl_target": "kl", "kl_horizon": "kl", "kl_estimator": "kl", "kl_loss_coef": "kl",
               "overlong_penalty_factor": "rewards", "score_clip": "rewards", "missing_eos_penalty": "rewards",
               "share_prompts": "layout", "common_prefix": "layout", "pack_sequences": "layout",
               "learning_rate": "optimizer", "warmup_updates": "optimizer", "batch_size": "batch",
@@ -142,3 +142,24 @@ def test_settings_by_name_and_by_concern_build_the_same_config():
     settings = by_name.settings()
     assert len(settings) == len(SETTINGS) and settings["top_p"] == 0.9
     assert jaxppo.Config.from_settings(settings) == by_name  # the flat view round-trips
+
+
+def test_no_two_settings_are_the_same_words_reordered_and_the_old_names_translate():
+    """Near-twins confuse (`target_kl`, the early stop, beside `kl_target`, the adaptive
+    controller's, before 0.5): no two settings are the same words in another order.
+    `skip_nonfinite` (updates, beside `skip_nonfinite_scores`) is `skip_nonfinite_updates`.
+    The old names translate, with a warning, and a record that holds them compares equal."""
+    from jaxppo.config.record import comparable
+
+    words = {name: tuple(name.split("_")) for name in SETTINGS}
+    reordered = [(a, b) for a in SETTINGS for b in SETTINGS if a < b and sorted(words[a]) == sorted(words[b])]
+    assert not reordered, reordered
+    assert "skip_nonfinite" not in SETTINGS and {"skip_nonfinite_updates", "skip_nonfinite_scores"} <= set(SETTINGS)
+    # The check finds what it looks for (the names as 0.4 had them).
+    assert sorted("target_kl".split("_")) == sorted("kl_target".split("_"))
+    with pytest.warns(DeprecationWarning, match="kl_target -> adaptive_kl_target"):
+        config = jaxppo.Config.from_settings(kl_target=0.3, skip_nonfinite=False)
+    assert config.kl.adaptive_kl_target == 0.3 and config.batch.skip_nonfinite_updates is False
+    with pytest.raises(ValueError, match="disagree"):
+        jaxppo.Config.from_settings(kl_target=0.3, adaptive_kl_target=0.2)
+    assert comparable({"trainer": {"kl_target": 0.5}}) == comparable({"kl": {"adaptive_kl_target": 0.5}})

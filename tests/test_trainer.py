@@ -122,7 +122,7 @@ def test_hf_policy_against_hf_reward_model(tokenizer, tmp_path):
 
 
 def test_shared_trunk_and_adaptive_kl(tokenizer, tmp_path):
-    trainer = make_trainer(tokenizer, tmp_path, iterations=2, shared_trunk=True, kl_target=0.5, kl_horizon=100,
+    trainer = make_trainer(tokenizer, tmp_path, iterations=2, shared_trunk=True, adaptive_kl_target=0.5, kl_horizon=100,
                            kl_estimator="k3", export_final=True, plot=False, report_to="jsonl")
     history = trainer.train()
     assert "value_head" in trainer.state.params["params"]

@@ -250,11 +250,11 @@ def _warn_clip(c: LossConfig):
 class KLConfig(Concern):
     """The KL divergence to the reference policy: as a penalty in the per-token rewards (and
     its adaptive control), and as a term of the loss. With `kl_coef` and `kl_loss_coef` 0
-    and no `kl_target`, no reference model is built or run at all.
+    and no `adaptive_kl_target`, no reference model is built or run at all.
 
     Attributes:
       kl_coef: the initial beta of the KL penalty in the per-token rewards; >= 0.
-      kl_target: None (a fixed `kl_coef`), or the KL that the adaptive controller steers
+      adaptive_kl_target: None (a fixed `kl_coef`), or the KL that the adaptive controller steers
         beta toward (TRL's AdaptiveKLController); > 0.
       kl_horizon: the adaptive controller's horizon, in episodes; a positive int.
       kl_estimator: the per-token estimate in the reward: "k1", "k3", "abs" or "mse".
@@ -265,7 +265,7 @@ class KLConfig(Concern):
     """
 
     kl_coef: float = 0.05
-    kl_target: Optional[float] = None
+    adaptive_kl_target: Optional[float] = None
     kl_horizon: int = 10000
     kl_estimator: str = "k1"
     kl_loss_coef: float = 0.0
@@ -274,7 +274,7 @@ class KLConfig(Concern):
 
     def __post_init__(self):
         check_real(self, "kl_coef", 0.0)
-        check_optional_real(self, "kl_target", 0.0, low_open=True, none="None (a fixed kl_coef)")
+        check_optional_real(self, "adaptive_kl_target", 0.0, low_open=True, none="None (a fixed kl_coef)")
         check_counts(self, ("kl_horizon",))
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"KLConfig.kl_estimator={self.kl_estimator!r} is invalid; valid: "
@@ -287,7 +287,7 @@ class KLConfig(Concern):
     def needs_reference(self) -> bool:
         """A reference policy is needed: a KL penalty in the reward (kl_coef > 0, or an
         adaptive controller) or a KL term in the loss (kl_loss_coef > 0)."""
-        return self.kl_coef > 0 or self.kl_target is not None or self.kl_loss_coef > 0
+        return self.kl_coef > 0 or self.adaptive_kl_target is not None or self.kl_loss_coef > 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,6 +9,11 @@ it too (`jaxppo.config.record`):
     warmup_ratio=r               -> warmup_updates=r (a float: a fraction of the updates)
     stop_token_id=i              -> stop_tokens=(i, ...) in place of "eos"  (SamplingConfig)
     stop_token_ids=(j, ...)      -> stop_tokens=("eos", j, ...)
+
+and the names that said two things alike, renamed in 0.5 (`RENAMED`):
+
+    kl_target                    -> adaptive_kl_target        (KLConfig; beside target_kl, the early stop)
+    skip_nonfinite               -> skip_nonfinite_updates    (BatchConfig; beside skip_nonfinite_scores)
 """
 
 from __future__ import annotations
@@ -20,7 +25,10 @@ from typing import Mapping
 from jaxppo.config.run import RunConfig
 from jaxppo.update.minibatches import BatchConfig
 
-__all__ = ["DEPRECATED", "OLD_DEFAULTS", "translate"]
+__all__ = ["DEPRECATED", "OLD_DEFAULTS", "RENAMED", "translate"]
+
+# {old name: new name} of the settings renamed in 0.5 (the same meaning, another name)
+RENAMED = {"kl_target": "adaptive_kl_target", "skip_nonfinite": "skip_nonfinite_updates"}
 
 # {deprecated name: its replacement, as the warning says it}
 DEPRECATED = {
@@ -31,10 +39,13 @@ DEPRECATED = {
                     "run's updates)",
     "stop_token_id": "stop_tokens=(<id>, ...) in place of 'eos' (SamplingConfig)",
     "stop_token_ids": "stop_tokens=('eos', <ids>...) (SamplingConfig)",
+    "kl_target": "adaptive_kl_target (KLConfig: the adaptive controller's target, not target_kl's early stop)",
+    "skip_nonfinite": "skip_nonfinite_updates (BatchConfig; skip_nonfinite_scores is RewardConfig's)",
 }
 # The old defaults of the deprecated names (given as these, they say nothing).
 OLD_DEFAULTS = {"truncate_prompts": False, "tensorboard": True, "total_episodes": None, "warmup_ratio": 0.0,
-                 "stop_token_id": None, "stop_token_ids": (), "overlong_prompts": None}
+                 "stop_token_id": None, "stop_token_ids": (), "overlong_prompts": None, "kl_target": None,
+                 "skip_nonfinite": True}
 
 
 def translate(settings: Mapping, *, warn: bool = False, base=None, stacklevel: int = 3) -> dict:
@@ -59,6 +70,12 @@ def translate(settings: Mapping, *, warn: bool = False, base=None, stacklevel: i
         out["overlong_prompts"] = "truncate"
     elif "truncate_prompts" in old and not isinstance(old["truncate_prompts"], bool):
         raise ValueError(f"truncate_prompts={old['truncate_prompts']!r} is invalid: a bool")
+    for name, new in RENAMED.items():
+        if name in old:
+            if new in out and out[new] != old[name]:
+                raise ValueError(f"{name}={old[name]!r} and {new}={out[new]!r} disagree; give {new} alone ({name} is "
+                                 "its name before 0.5)")
+            out[new] = old[name]
     if "tensorboard" in old:
         _tensorboard(old["tensorboard"], out, base)
     if old.get("total_episodes") is not None:

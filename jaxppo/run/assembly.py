@@ -332,7 +332,7 @@ def _reference(config, policy_model, policy_params, ref_policy, ref_dtype, scan_
     on-policy distillation's teacher, always given."""
     if not config.needs_reference:
         if ref_policy is not None:
-            warnings.warn("ref_policy is not used: kl_coef and kl_loss_coef are 0 and there is no kl_target, so no "
+            warnings.warn("ref_policy is not used: kl_coef and kl_loss_coef are 0 and there is no adaptive_kl_target, so no "
                           "KL to a reference is computed (and no reference model is loaded)", UserWarning, stacklevel=4)
         return None, None, False
     if ref_policy is None and policy_model.lora is not None and role == "ref_policy":

@@ -282,16 +282,16 @@ def prepare(run: RunState, collect: Callable, spec: RolloutSpec, ref_params, rew
 
 # ------------------------------------------------------------------ check
 
-def check(prepared: Prepared, source: str, skip_nonfinite: bool, prompts) -> None:
+def check(prepared: Prepared, source: str, skip_nonfinite_scores: bool, prompts) -> None:
     """The one check of scores before any update: non-finite scores at `prepared.bad` are a
     `RewardError` naming `source`, the rows, their values and prompts (`prompts`: the prompt
-    set's texts); or with `skip_nonfinite` (`RewardConfig.skip_nonfinite_scores`) a warning,
+    set's texts); or with `skip_nonfinite_scores` (`RewardConfig`) a warning,
     and `complete` skips the iteration."""
     p = prepared
     if not p.bad.size:
         return
     rows = [prompts[r] for r in p.collected.batch.rows]
-    if skip_nonfinite:
+    if skip_nonfinite_scores:
         import warnings
 
         warnings.warn(f"iteration {p.iteration} skipped: {source} gave non-finite scores at rows "

@@ -192,8 +192,8 @@ def _check_inputs(config, inputs: Inputs, rewards: RewardSetup, environment) -> 
     """What the settings and the inputs must agree on, before anything loads; returns the
     run's rollout engine class (its capabilities checked)."""
     sampling = config.sampling
-    if not config.batch.skip_nonfinite:
-        raise ValueError("BatchConfig.skip_nonfinite=False applies updates whose loss or gradient is not finite; it "
+    if not config.batch.skip_nonfinite_updates:
+        raise ValueError("BatchConfig.skip_nonfinite_updates=False applies updates whose loss or gradient is not finite; it "
                          "is for train_step under vmap, not for a Trainer, whose parameters it could corrupt: leave it "
                          "True")
     if config.rewards.dynamic_sampling and (rewards.model_spec is not None or rewards.token_fn is not None):
@@ -493,10 +493,10 @@ def rollout_spec(config, built: Assembly, **fields) -> RolloutSpec:
 
 
 def initial_run_state(config, train: TrainState) -> RunState:
-    """Iteration 0: the KL controller (adaptive with `kl_target`), and the entropy
+    """Iteration 0: the KL controller (adaptive with `adaptive_kl_target`), and the entropy
     coefficient as run state when it adapts (`entropy_target`)."""
     kl, loss = config.kl, config.loss
-    return RunState.create(train, seed=config.run.seed, kl_coef=kl.kl_coef, kl_target=kl.kl_target or 0.0,
+    return RunState.create(train, seed=config.run.seed, kl_coef=kl.kl_coef, adaptive_kl_target=kl.adaptive_kl_target or 0.0,
                            kl_horizon=kl.kl_horizon,
                            entropy_coef=loss.ent_coef if loss.entropy_target is not None else None,
                            dynamic_sampling=config.rewards.dynamic_sampling)

@@ -57,14 +57,14 @@ class RunState(flax.struct.PyTreeNode):
     behind: Any = None
 
     @classmethod
-    def create(cls, train: TrainState, *, seed: int, kl_coef: float, kl_target: float = 0.0,
+    def create(cls, train: TrainState, *, seed: int, kl_coef: float, adaptive_kl_target: float = 0.0,
                kl_horizon: float = 1.0, entropy_coef: Optional[float] = None,
                dynamic_sampling: bool = False) -> "RunState":
         """A run at iteration 0: `train`, a KL controller at `kl_coef` (adaptive toward
-        `kl_target` when > 0), empty score moments, the key of `seed`, and the adaptive
+        `adaptive_kl_target` when > 0), empty score moments, the key of `seed`, and the adaptive
         entropy coefficient's start (None: no adaptive coefficient), and the prompts
         consumed (0) with dynamic sampling."""
-        return cls(train=train, kl=kl_controller(kl_coef, kl_target, kl_horizon), score_moments=RunningMoments.zeros(),
+        return cls(train=train, kl=kl_controller(kl_coef, adaptive_kl_target, kl_horizon), score_moments=RunningMoments.zeros(),
                    iteration=0, skipped_iterations=0, key=jax.random.key(seed),
                    entropy_coef=None if entropy_coef is None else jnp.float32(entropy_coef),
                    prompts_consumed=0 if dynamic_sampling else None)

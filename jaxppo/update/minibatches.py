@@ -93,7 +93,7 @@ class BatchConfig(BatchSizes):
         `mini_batch_size % gradient_accumulation_steps == 0`.
       target_kl: None, or > 0: once a mini-batch's approximate KL (measured before its
         update) exceeds it, that update and every later one of the same call are withheld.
-      skip_nonfinite: withhold an update whose loss or gradient is not finite (counted in
+      skip_nonfinite_updates: withhold an update whose loss or gradient is not finite (counted in
         `TrainState.skipped_nonfinite`). False drops the check and its branch: every update
         applies (cheaper under `vmap`, where a branch on a batched predicate computes both
         sides); the `Trainer` refuses False.
@@ -104,7 +104,7 @@ class BatchConfig(BatchSizes):
     ppo_epochs: int = 4
     gradient_accumulation_steps: int = 1
     target_kl: Optional[float] = None
-    skip_nonfinite: bool = dataclasses.field(default=True, metadata={"flag": False})
+    skip_nonfinite_updates: bool = dataclasses.field(default=True, metadata={"flag": False})
 
     def __post_init__(self):
         check_sizes("BatchConfig", self.batch_size, self.mini_batch_size, self.ppo_epochs,
@@ -113,9 +113,9 @@ class BatchConfig(BatchSizes):
         if kl is not None and (isinstance(kl, bool) or not isinstance(kl, (int, float)) or not 0 < kl < float("inf")):
             raise ValueError(f"BatchConfig.target_kl={kl!r} is invalid: target_kl must be None (no early stopping) "
                              "or a finite real number > 0.")
-        if not isinstance(self.skip_nonfinite, bool):
-            raise ValueError(f"BatchConfig.skip_nonfinite={self.skip_nonfinite!r} is invalid: skip_nonfinite must "
-                             "be a bool (True or False).")
+        if not isinstance(self.skip_nonfinite_updates, bool):
+            raise ValueError(f"BatchConfig.skip_nonfinite_updates={self.skip_nonfinite_updates!r} is invalid: "
+                             "skip_nonfinite_updates must be a bool (True or False).")
 
     def replace(self, **changes) -> "BatchConfig":
         """A copy with `changes` applied (validated again)."""
@@ -135,7 +135,7 @@ def batch_config(config) -> BatchConfig:
 def EngineConfig(batch_size, mini_batch_size, ppo_epochs=1, gradient_accumulation_steps=1, target_kl=None,  # noqa: N802
                  skip_nonfinite=True, owner=None) -> BatchConfig:
     """Deprecated since 0.5 (removed in 0.6): `jaxppo.BatchConfig` (the same fields, and
-    `ppo_epochs` defaulting to 4 there)."""
+    `ppo_epochs` defaulting to 4 there; `skip_nonfinite` is `skip_nonfinite_updates`)."""
     import warnings
 
     warnings.warn("jaxppo.EngineConfig is deprecated since 0.5 and will be removed in 0.6: use jaxppo.BatchConfig "
@@ -432,7 +432,7 @@ def minibatch_update(state, minibatch, stopped, loss_fn: Callable, config: Batch
     else:
         loss, aux, grads = grad_fn(minibatch)
     norm = global_norm(grads)
-    if config.skip_nonfinite:
+    if config.skip_nonfinite_updates:
         # The gradient is finite iff its norm is (a NaN or inf anywhere reaches the sum of
         # squares): one check on a number the metrics compute anyway, instead of one per
         # leaf. (A norm past float32's range, ~1.8e19, counts as non-finite too.)
@@ -449,11 +449,11 @@ def minibatch_update(state, minibatch, stopped, loss_fn: Callable, config: Batch
     apply = finite & ~kl_exceeded
     # A withheld update (non-finite, or past the KL target) leaves parameters and
     # optimizer state untouched.
-    if config.skip_nonfinite or early_stop:
+    if config.skip_nonfinite_updates or early_stop:
         new_state = apply_or_keep(state, grads, apply)
     else:
         new_state = state.apply_gradients(grads=grads)
-    if config.skip_nonfinite and hasattr(state, "skipped_nonfinite"):
+    if config.skip_nonfinite_updates and hasattr(state, "skipped_nonfinite"):
         new_state = new_state.replace(skipped_nonfinite=state.skipped_nonfinite + (~finite).astype(jnp.int32))
     metrics = {"loss": loss, "grad_norm": grad_norm, "applied": apply, "nonfinite": ~finite, "aux": aux}
     if early_stop:
@@ -504,7 +504,7 @@ def update_epochs_fn(state: TrainState, batch, key, loss_fn: Callable, config: B
         any pytree of arrays (scalars are typical). Static: pass the same function object
         on every call, or each call compiles again.
       config: a `BatchConfig`, or a config that has one as `.batch` (`jaxppo.Config`):
-        sizes, epochs, `gradient_accumulation_steps`, `target_kl`, `skip_nonfinite`. Only
+        sizes, epochs, `gradient_accumulation_steps`, `target_kl`, `skip_nonfinite_updates`. Only
         the `BatchConfig` is static, so a setting the loop never reads does not retrace it.
       weight_fn: optional `weight_fn(micro_batch) -> scalar` weighting micro-batches under
         gradient accumulation (e.g. their count of real tokens, so that a masked-mean loss
