@@ -123,7 +123,7 @@ class SamplingConfig(Concern):
     @property
     def filters(self) -> dict:
         """{name: value} of the sampling filters and the penalty that are on."""
-        from jaxppo.rollout.spec import sampling_filters_on
+        from jaxppo.models.sampling import sampling_filters_on
 
         return sampling_filters_on(self)
 

@@ -22,7 +22,10 @@ import numpy as np
 
 from jaxppo.models.stops import StopStrings
 
-__all__ = ["Sampling", "SAMPLING_FIELDS"]
+__all__ = ["Sampling", "SAMPLING_FIELDS", "SAMPLING_OFF", "filter_on", "sampling_filters_on"]
+
+# The sampling filters and penalty (`SamplingConfig`'s), each with the values that mean off.
+SAMPLING_OFF = {"top_k": (None, 0), "top_p": (None, 1.0), "min_p": (None, 0.0), "repetition_penalty": (None, 1.0)}
 
 _TRACED = ("temperature", "top_p", "min_p", "repetition_penalty", "stop_strings")
 
@@ -133,6 +136,18 @@ class Sampling:
             top_k=None if self.top_k is None else int(self.top_k), top_p=f32(self.top_p), min_p=f32(self.min_p),
             repetition_penalty=None if penalty in (None, 1, 1.0) else np.float32(penalty), greedy=bool(self.greedy),
             stop_token_ids=tuple(int(t) for t in stops), pad_token_id=int(pad), early_stop=bool(self.early_stop))
+
+
+def filter_on(name: str, value):
+    """A filter's or the penalty's value as the samplers take it: None where it is off."""
+    return None if value in SAMPLING_OFF[name] else (value if name == "top_k" else float(value))
+
+
+def sampling_filters_on(settings) -> dict:
+    """{name: value} of the filters and the penalty that are on, of `settings` (a
+    `SamplingConfig` or a `Sampling`)."""
+    return {name: getattr(settings, name) for name in SAMPLING_OFF
+            if filter_on(name, getattr(settings, name)) is not None}
 
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(Sampling))

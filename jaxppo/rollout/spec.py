@@ -11,29 +11,15 @@ from typing import Callable, Optional, Tuple
 import jax.numpy as jnp
 
 from jaxppo.models.model import Model
-from jaxppo.models.sampling import Sampling
+from jaxppo.models.sampling import Sampling, filter_on
 from jaxppo.models.stops import StopStrings
 from jaxppo.rollout.engines import engine_class
 from jaxppo.update.shaping import default_overlong_buffer
 
-__all__ = ["RolloutSpec", "OLD_LOGPROBS", "SAMPLING_OFF", "sampling_filters_on"]
+__all__ = ["RolloutSpec", "OLD_LOGPROBS"]
 
 # Where a rollout's old-policy log-probs come from (`SamplingConfig.old_logprobs`).
 OLD_LOGPROBS = ("auto", "sampler", "recompute")
-
-
-# The sampling filters and penalty (`SamplingConfig`'s), each with the values that mean off.
-SAMPLING_OFF = {"top_k": (None, 0), "top_p": (None, 1.0), "min_p": (None, 0.0), "repetition_penalty": (None, 1.0)}
-
-
-def _on(name: str, value):
-    """A filter's or the penalty's value as the samplers take it: None where it is off."""
-    return None if value in SAMPLING_OFF[name] else (value if name == "top_k" else float(value))
-
-
-def sampling_filters_on(sampling) -> dict:
-    """{name: value} of a `SamplingConfig`'s filters and penalty that are on."""
-    return {name: getattr(sampling, name) for name in SAMPLING_OFF if _on(name, getattr(sampling, name)) is not None}
 
 
 def _from(path: str, *, default=dataclasses.MISSING, convert=lambda value: value):
@@ -133,11 +119,11 @@ class RolloutSpec:
     token_reward_fn: Optional[Callable] = None
     stop_token_ids: Tuple[int, ...] = ()
     pad_token_id: int = 0
-    top_k: Optional[int] = _from("sampling.top_k", default=None, convert=lambda k: _on("top_k", k))
-    top_p: Optional[float] = _from("sampling.top_p", default=None, convert=lambda p: _on("top_p", p))
-    min_p: Optional[float] = _from("sampling.min_p", default=None, convert=lambda p: _on("min_p", p))
+    top_k: Optional[int] = _from("sampling.top_k", default=None, convert=lambda k: filter_on("top_k", k))
+    top_p: Optional[float] = _from("sampling.top_p", default=None, convert=lambda p: filter_on("top_p", p))
+    min_p: Optional[float] = _from("sampling.min_p", default=None, convert=lambda p: filter_on("min_p", p))
     repetition_penalty: Optional[float] = _from("sampling.repetition_penalty", default=None,
-                                                convert=lambda r: _on("repetition_penalty", r))
+                                                convert=lambda r: filter_on("repetition_penalty", r))
     stop_strings: Optional[StopStrings] = None
     kl_estimator: str = _from("kl.kl_estimator", default="k1")
     missing_eos_penalty: Optional[float] = _from("rewards.missing_eos_penalty", default=None)

@@ -43,10 +43,9 @@ import weakref
 import numpy as np
 
 from jaxppo.models.family import family_of
-from jaxppo.models.sampling import Sampling
+from jaxppo.models.sampling import Sampling, sampling_filters_on
 from jaxppo.rollout.engines.base import Capabilities, RolloutEngine
 from jaxppo.rollout.engines.registry import register_rollout_engine
-from jaxppo.rollout.spec import sampling_filters_on
 
 __all__ = ["VLLMEngine", "check_available", "check_sampler_logprobs", "CPU_HEAD_DIMS", "hf_weights", "request_seeds",
            "tied_head"]
