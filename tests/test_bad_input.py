@@ -345,7 +345,8 @@ CASES = [
     ("cli unknown remat policy", _cli("--remat", "some"), SystemExit,
      r"^jaxppo: --remat: LayoutConfig.remat='some' is invalid; valid: None \(each model's own\), False, True \(or "
      r"'full'\), or a policy name: nothing_saveable, dots_saveable"),
-    ("cli zero-size mesh axis", _cli("--mesh-fsdp", "0"), SystemExit, r"--mesh-fsdp 0 is invalid: a mesh axis needs"),
+    ("cli zero-size mesh axis", _cli("--mesh-fsdp", "0"), SystemExit,
+     r"--mesh-fsdp: LayoutConfig.mesh_fsdp=0 is invalid: mesh_fsdp must be None or a positive int"),
     ("cli model without prompts", lambda ctx: main(["--model", str(ctx["model_dir"]), "--output-dir", str(ctx["tmp"])]),
      SystemExit, r"--prompts is required with --model"),
     ("cli unknown built-in reward", _cli("--reward", "length"), SystemExit,

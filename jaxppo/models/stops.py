@@ -91,8 +91,8 @@ class StopStrings:
     """Stop strings compiled against a tokenizer and a vocabulary size (the model's logits'
     width, which may exceed the tokenizer's): `table`, int16 or int32 (K, S, V), the K
     strings' automata padded to the longest string's S states. Hashable (by the strings and
-    the table's digest), so a `RolloutSpec` can hold it; the samplers take the table as an
-    array (`jaxppo.models.decoding.make_extra`)."""
+    the table's digest), so a `Sampling` value can hold it; a pytree whose leaf is the table,
+    so a compiled sampler traces it as an array (`jaxppo.models.sampling`)."""
 
     def __init__(self, strings: Tuple[str, ...], table: np.ndarray):
         self.strings, self.table = tuple(strings), table
