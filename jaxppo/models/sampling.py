@@ -5,7 +5,7 @@ to every sampler (`jaxppo.rollout.engines`) and to the decode loop (`jaxppo.mode
     out = generate(model, params, prompt_ids, prompt_mask, key, sampling)
     out = generate(model, params, prompt_ids, prompt_mask, key, sampling, temperature=1.0)  # one field replaced
 
-A run builds its value once from `jaxppo.SamplingConfig` (`RolloutSpec.sampling`). The value
+A run's value comes from its `jaxppo.SamplingConfig` (`RolloutSpec.sampling`). The value
 is a pytree: the numbers (temperature, top-p, min-p, the penalty, the stop strings' automata)
 are its leaves, traced inside a compiled sampler, so a new value does not recompile; the rest
 (the budget, top-k, greedy, the stop and pad tokens, early stopping) is its structure, static.

@@ -5,7 +5,6 @@ scoring read (the models, the sampler's settings, how scores become rewards), ma
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable, Optional, Tuple
 
 import jax.numpy as jnp
@@ -191,9 +190,10 @@ class RolloutSpec:
         softmax(logits / temperature), and the sampler's log-probs are of the former."""
         return any(v is not None for v in (self.top_k, self.top_p, self.min_p, self.repetition_penalty))
 
-    @functools.cached_property
+    @property
     def sampling(self) -> Sampling:
-        """The run's `Sampling` value, built once from the spec (every sampler takes it whole)."""
+        """The run's `Sampling` value, made of the spec's sampling fields (every sampler takes
+        it whole; equal values compile once). A property, so `vars(spec)` holds fields only."""
         return Sampling(response_length=self.response_length, temperature=self.temperature, top_k=self.top_k,
                         top_p=self.top_p, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                         stop_token_ids=self.stop_token_ids, stop_strings=self.stop_strings,

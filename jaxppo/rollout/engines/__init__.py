@@ -21,7 +21,7 @@ The wing's rooms:
   `vllm.nccl`), loaded the first time their name is asked for.
 
 Every sampler takes one `Sampling` value (`jaxppo.models.sampling`: temperature, filters,
-penalty, stops, budget), which a run builds once (`RolloutSpec.sampling`). The built-in
+penalty, stops, budget), which a run's spec gives (`RolloutSpec.sampling`). The built-in
 engines are both named "jaxppo" (`SamplingConfig.num_slots` picks the continuous one). An
 engine of your own is a subclass registered by name (`register_rollout_engine`) and chosen
 with `SamplingConfig.rollout_engine` (docs/architecture.md, "Adding a rollout engine").
