@@ -23,7 +23,7 @@ if importlib.util.find_spec("vllm") is None:
 import jaxppo  # noqa: E402
 import jaxppo.models as jm  # noqa: E402
 from jaxppo import demo  # noqa: E402
-from jaxppo.rollout import vllm as vllm_engine
+from jaxppo.rollout.engines.vllm import inprocess as vllm_engine  # noqa: E402
 from jaxppo.update.batch import response_outputs  # noqa: E402
 
 B, G, Q, R, V = 8, 4, 6, 10, 384
