@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Tuple
 
-from jaxppo.config.fields import Concern, check_counts, check_real, setting
+from jaxppo.config.fields import Concern, check_counts, check_real
 from jaxppo.models.lora import ALL_LINEAR, LoraConfig
 from jaxppo.update.checks import invalid
 
