@@ -13,6 +13,7 @@ experts inside a `jax.shard_map` over "fsdp": `jaxppo.models.moe`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Optional
 
@@ -25,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 from jaxppo.update.minibatches import batch_config, key_names
 from jaxppo.update.ppo import jit_train_step
 
-__all__ = ["MeshConfig", "make_mesh", "batch_sharding", "shard_batch", "param_spec", "tree_shardings", "shard_state",
+__all__ = ["MeshConfig", "mesh_context", "make_mesh", "batch_sharding", "shard_batch", "param_spec", "tree_shardings", "shard_state",
            "sharded_train_step", "global_batch", "place_rows", "check_batch_divides", "initialize_distributed",
            "MeshBound", "to_host", "on_process_zero", "gather_to_process_zero"]
 
@@ -70,6 +71,12 @@ class MeshConfig:
         for k in free:
             sizes[k] = n_devices // known if k == target else 1
         return sizes
+
+
+def mesh_context(mesh):
+    """The mesh in context for compiled calls (axis names resolve inside them); nothing
+    without one."""
+    return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
 
 
 def make_mesh(config: MeshConfig = MeshConfig(), devices=None) -> Mesh:

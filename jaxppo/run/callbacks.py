@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional, Sequence
 
-__all__ = ["Callback", "Control", "call_iteration_end", "call_hook"]
+__all__ = ["Callback", "Control", "Hooks", "call_iteration_end", "call_hook"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,3 +79,21 @@ def call_hook(callbacks: Sequence[Any], name: str, *args) -> None:
         hook = _hook(cb, name)
         if hook is not None:
             hook(*args)
+
+
+@dataclasses.dataclass(frozen=True)
+class Hooks:
+    """A run's callbacks and what their hooks receive (`owner`: the trainer), as the loop
+    calls them."""
+
+    callbacks: Sequence[Any]
+    owner: Any
+
+    def begin(self) -> None:
+        call_hook(self.callbacks, "on_train_begin", self.owner)
+
+    def iteration_end(self, iteration: int, metrics: dict) -> Control:
+        return call_iteration_end(self.callbacks, self.owner, iteration, metrics)
+
+    def end(self, history: list) -> None:
+        call_hook(self.callbacks, "on_train_end", self.owner, history)

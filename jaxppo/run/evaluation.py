@@ -35,10 +35,9 @@ from jaxppo.models.tokenizer import decode_responses
 from jaxppo.rollout.environments import run_episodes
 from jaxppo.rollout.prompts import PromptTable, prompt_batch
 from jaxppo.rollout.spec import RolloutSpec
-from jaxppo.run.iteration import mesh_context
 from jaxppo.run.outputs import stopped_rows, table_rows
 from jaxppo.run.report import MODEL_REWARD_NAME
-from jaxppo.sharding import to_host
+from jaxppo.sharding import mesh_context, to_host
 
 __all__ = ["Evaluator", "pass_at_k", "pass_ks", "check_best_metric", "build_evaluator", "evaluate_due", "EVAL_KEY"]
 

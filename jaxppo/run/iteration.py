@@ -10,18 +10,30 @@
     build(spec, params, ref_params, reward_params,      -> Built              device: the forward pass
           batch, samples, scores, run)                                         (log-probs, reference, values,
                                                                                scores, KL-shaped rewards)
+    evaluate_due(evaluator, prepared, ...)              -> eval/... metrics   the policy that sampled it
+                                                                               (`jaxppo.run.evaluation`)
     check(prepared, source, skip, prompts)              -> raises, or the iteration is skipped
     update(run, built, key, train_step, config)         -> (RunState, device metrics)
     iteration_metrics(...)                              -> the metrics line   host (`jaxppo.run.report`)
 
-`prepare` runs everything before the update and writes nothing (an interrupt there loses
-nothing); `complete` runs the update and the metrics line. The `Trainer` installs the
-`Outcome`; nothing here holds a trainer. With dynamic sampling the sample and reward stages
-run in rounds (`jaxppo.rollout.dynamic.collect`); with pipelined iterations a producer runs
-them ahead, from older parameters (`jaxppo.run.pipeline`). The values that carry an
-iteration: `PromptBatch`, the samples (`GenerationOutput`, or a multi-turn `Episodes`),
-`HostScores`, `Collected` (the three), `Built` (the `RolloutBatch` and its statistics),
-`Prepared`, `Outcome`, and the `RunState` carried to the next iteration.
+Two functions run them, given the iteration's `RunState` and the run's parts
+(`jaxppo.run.parts.RunParts`), and nothing else:
+
+    prepare(run, parts)        -> Prepared    collect (sample and reward; or what the producer of
+                                              pipelined iterations sampled ahead), build, the
+                                              evaluation due, the check. Writes nothing (but the
+                                              best checkpoint by that evaluation): an interrupt
+                                              here loses nothing
+    complete(prepared, parts)  -> Outcome     the update (or the skip of an iteration with
+                                              non-finite scores) and the metrics line
+
+The loop (`jaxppo.run.loop`) carries the `RunState` from one `Outcome` to the next; nothing
+here holds a trainer. With dynamic sampling the sample and reward stages run in rounds
+(`jaxppo.rollout.dynamic.collect`); with pipelined iterations a producer runs them ahead,
+from older parameters (`jaxppo.run.pipeline`). The values that carry an iteration:
+`PromptBatch`, the samples (`GenerationOutput`, or a multi-turn `Episodes`), `HostScores`,
+`Collected` (the three), `Built` (the `RolloutBatch` and its statistics), `Prepared`,
+`Outcome`, and the `RunState` carried to the next iteration.
 
 The host waits for the device only where it needs the data: decoded text for text rewards,
 the scores for the non-finite check, the metrics at the end.
@@ -29,12 +41,11 @@ the scores for the non-finite check, the metrics at the end.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import threading
 import time
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -52,8 +63,9 @@ from jaxppo.rollout.prompts import PromptBatch, PromptTable, prompt_batch
 from jaxppo.rollout.rewards import HostRewards, HostScores, nonfinite_rows
 from jaxppo.rollout.spec import RolloutSpec
 from jaxppo.run import report
+from jaxppo.run.evaluation import evaluate_due
 from jaxppo.run.state import RunState
-from jaxppo.sharding import to_host
+from jaxppo.sharding import mesh_context, to_host
 from jaxppo.update import packing
 from jaxppo.update.kl import adaptive_kl_update
 from jaxppo.update.shaping import adaptive_entropy_coef
@@ -61,11 +73,6 @@ from jaxppo.update.shaping import adaptive_entropy_coef
 __all__ = ["Collector", "Collected", "Built", "Prepared", "Outcome", "prompt_rows", "select_prompts", "sample", "reward",
            "build", "check", "update", "skip", "prepare", "complete", "row_advantages", "mesh_context",
            "scoring_streams"]
-
-
-def mesh_context(mesh):
-    """The mesh in context for compiled calls (axis names resolve inside them)."""
-    return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
 
 
 # ------------------------------------------------------------------ select prompts
@@ -118,6 +125,7 @@ class Collector:
     rollout_engine: RolloutEngine
     mesh: Any
     lock: Any = dataclasses.field(default_factory=threading.Lock, compare=False)
+    warned: list = dataclasses.field(default_factory=list, compare=False)  # what was warned of once
 
     def collect(self, run: RunState, it: int, key) -> Collected:
         """The iteration's prompts, samples (or episodes) and host scores: one batch of the
@@ -175,8 +183,19 @@ class Collector:
         return episodes.output, episodes
 
     def reward(self, batch: PromptBatch, gen, episodes, it: int) -> HostScores:
-        """The batch's host scores (`reward`)."""
-        return reward(self.host_rewards, self.tokenizer, self.table, batch, gen, it, episodes)
+        """The batch's host scores (`reward`); the first batch with token ids the tokenizer
+        does not know is warned of (once per run)."""
+        scores = reward(self.host_rewards, self.tokenizer, self.table, batch, gen, it, episodes)
+        if scores.unknown_tokens and "unknown tokens" not in self.warned:
+            self.warned.append("unknown tokens")
+            import warnings
+
+            warnings.warn(f"iteration {it}: the policy sampled {scores.unknown_tokens} token ids that the tokenizer "
+                          f"does not know (>= {len(self.tokenizer)}: its vocabulary of "
+                          f"{self.spec.policy.config.vocab_size} is padded beyond the tokenizer's); the reward "
+                          "functions see them as the tokenizer's unknown token (warned once)", RuntimeWarning,
+                          stacklevel=2)
+        return scores
 
 
 def reward(rewards: Optional[HostRewards], tokenizer, table: PromptTable, batch: PromptBatch, gen,
@@ -254,7 +273,9 @@ class Prepared(NamedTuple):
     iteration: its index; run: the `RunState` it starts from; collected: its prompts,
     samples, host scores and collection metrics (`Collected`); built: the rollout and its
     statistics (`Built`); bad: rows whose raw score is not finite; train_key: the update's
-    key; times: (start, host scores done, rollout built) in `time.perf_counter` seconds."""
+    key; times: (start, host scores done, rollout built) in `time.perf_counter` seconds;
+    evaluation: the evaluation due at it (`evaluate_due`: its `eval/...` metrics and its
+    completions table, or ({}, None))."""
 
     iteration: int
     run: RunState
@@ -263,21 +284,32 @@ class Prepared(NamedTuple):
     bad: np.ndarray
     train_key: Any
     times: tuple
+    evaluation: tuple = ({}, None)
 
 
-def prepare(run: RunState, collect: Callable, spec: RolloutSpec, ref_params, reward_params, mesh=None) -> Prepared:
-    """Collect iteration `run.iteration` (`collect(run, iteration, sample key)` ->
-    `Collected`: the prompts, samples and host scores) and build its rollout from the
-    parameters of `run`. Writes nothing: an interrupt here loses nothing."""
+def prepare(run: RunState, parts) -> Prepared:
+    """Iteration `run.iteration` up to its update, with the run's parts (`RunParts`):
+    collected (the prompts, samples and host scores: `Collector.collect`, or with pipelined
+    iterations the producer's batch, sampled ahead), its rollout built from the parameters
+    of `run`, the evaluation due at it (of those parameters), and its scores checked
+    (`check`). Writes nothing but the best checkpoint by that evaluation: an interrupt here
+    loses nothing."""
     it = run.iteration
     k_sample, k_train = run.iteration_keys(it)
     t0 = time.perf_counter()
-    collected = collect(run, it, k_sample)
+    if parts.pipeline is not None:  # sampled ahead by the producer, from version max(0, it - k)
+        collected = parts.pipeline.take(run)
+    else:
+        collected = parts.collector.collect(run, it, k_sample)
     t1 = time.perf_counter()
-    built = build(spec, run.train.params, ref_params, reward_params, collected.batch, collected.gen, collected.scores,
-                  run, mesh)
-    return Prepared(it, run, collected, built, nonfinite_rows(built.raw_scores), k_train,
-                    (t0, t1, time.perf_counter()))
+    built = build(parts.spec, run.train.params, parts.ref_params, parts.reward_params, collected.batch, collected.gen,
+                  collected.scores, run, parts.mesh)
+    prepared = Prepared(it, run, collected, built, nonfinite_rows(built.raw_scores), k_train,
+                        (t0, t1, time.perf_counter()))
+    prepared = prepared._replace(evaluation=evaluate_due(parts.evaluator, prepared, parts.outputs.hf,
+                                                         parts.reward_params))
+    check(prepared, parts.rewards.source(), parts.config.rewards.skip_nonfinite_scores, parts.table.texts)
+    return prepared
 
 
 # ------------------------------------------------------------------ check
@@ -368,16 +400,16 @@ class Outcome(NamedTuple):
     advantages: Any = None
 
 
-def complete(prepared: Prepared, *, train_step, config, pipeline=None, lr: Callable, with_functions: bool,
-             advantages: bool = False) -> Outcome:
+def complete(prepared: Prepared, parts) -> Outcome:
     """The update of a prepared iteration (`update`: consumes the old train state, whose
-    buffers are donated) and its metrics line (`lr`: the learning-rate schedule by update;
-    `with_functions`: text reward functions beside a reward model; `advantages`: keep each
-    row's advantage for the completion tables); or, for an iteration with non-finite scores,
-    its skip (`skip`). With a `pipeline`, the producer's snapshots advance with the run
-    state."""
-    p, c = prepared, prepared.collected
+    buffers are donated) and its metrics line, its evaluation's metrics included; or, for an
+    iteration with non-finite scores, its skip (`skip`). With pipelined iterations the
+    producer's snapshots advance with the run state, and it is given the new one."""
+    p, c, config = prepared, prepared.collected, parts.config
     samples = (c.batch.rows, c.gen)
+    pipeline = parts.pipeline
+    evaluated, eval_table = p.evaluation
+    data = {"data/prompts_filtered": parts.table.filtered} if config.data.overlong_prompts == "filter" else {}
     if p.bad.size:
         new_run = _advance(pipeline, p.run, skip(p.run).replace(prompts_consumed=c.prompts_consumed))
         metrics = {"iteration": p.iteration, "episode": (p.iteration + 1) * config.batch.batch_size,
@@ -385,19 +417,26 @@ def complete(prepared: Prepared, *, train_step, config, pipeline=None, lr: Calla
                    "objective/nonfinite_score_rows": int(p.bad.size),
                    "objective/skipped_nonfinite_scores": new_run.skipped_iterations,
                    "time/generation": time.perf_counter() - p.times[0]}
-        return Outcome(new_run, metrics, samples, (p.built.raw_scores, c.scores.per_function))
-    rows = row_advantages(p.built, config) if advantages and not config.layout.pack_sequences else None
-    new_run, device = update(p.run, p.built, p.train_key, train_step, config)
-    new_run = _advance(pipeline, p.run, new_run.replace(prompts_consumed=c.prompts_consumed))
-    host = jax.device_get(device)  # every metric of the iteration in one transfer
-    host.update({**(c.episodes.metrics if c.episodes is not None else {}), **c.metrics})
-    metrics = report.iteration_metrics(p.iteration, host, p.built.raw_scores, c.scores.per_function,
-                                       p.built.model_scores, (*p.times, time.perf_counter()), config=config, lr=lr,
-                                       skipped=new_run.skipped_iterations, with_functions=with_functions)
-    metrics.update({f"time/reward/{name}": seconds for name, seconds in c.scores.times.items()})
-    return Outcome(new_run, metrics, samples,
-                   (p.built.raw_scores, report.with_model_scores(c.scores.per_function, p.built.model_scores)),
-                   advantages=rows)
+        outcome = Outcome(new_run, {**metrics, **data, **evaluated}, samples, (p.built.raw_scores, c.scores.per_function),
+                          eval_table)
+    else:
+        tables = bool(config.run.sample_every and config.run.num_samples) and not config.layout.pack_sequences
+        rows = row_advantages(p.built, config) if tables else None
+        new_run, device = update(p.run, p.built, p.train_key, parts.train_step, config)
+        new_run = _advance(pipeline, p.run, new_run.replace(prompts_consumed=c.prompts_consumed))
+        host = jax.device_get(device)  # every metric of the iteration in one transfer
+        host.update({**(c.episodes.metrics if c.episodes is not None else {}), **c.metrics})
+        metrics = report.iteration_metrics(p.iteration, host, p.built.raw_scores, c.scores.per_function,
+                                           p.built.model_scores, (*p.times, time.perf_counter()), config=config,
+                                           lr=parts.policy_schedule, skipped=new_run.skipped_iterations,
+                                           with_functions=parts.host_rewards is not None)
+        metrics.update({f"time/reward/{name}": seconds for name, seconds in c.scores.times.items()})
+        outcome = Outcome(new_run, {**metrics, **data, **evaluated}, samples,
+                          (p.built.raw_scores, report.with_model_scores(c.scores.per_function, p.built.model_scores)),
+                          eval_table, rows)
+    if pipeline is not None:
+        pipeline.push(outcome.run)
+    return outcome
 
 
 def _advance(pipeline: Optional[Any], run: RunState, new_run: RunState) -> RunState:

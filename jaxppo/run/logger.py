@@ -83,6 +83,11 @@ def checked_history(rows: list, start_iteration: int, path: str) -> list:
     return kept
 
 
+# What a policy's run plots (`Logger.plot`).
+POLICY_PANELS = (("objective/scores", "score"), ("objective/kl", "KL(policy || ref)"),
+                 ("objective/rlhf_reward", "RLHF reward"), ("eval/reward_mean", "eval reward (held-out prompts)"))
+
+
 class Logger:
     """Sends each iteration's metrics to the run's trackers (`report_to`: names of
     `jaxppo.tracking`; "jsonl", `<output_dir>/metrics.jsonl`, always) and holds them in
@@ -140,8 +145,10 @@ class Logger:
         if error is not None:
             raise error
 
-    def plot(self, path: str):
-        """PNG of score, KL and RLHF reward per iteration (and the eval reward where evaluated)."""
+    def plot(self, path: str, panels=POLICY_PANELS):
+        """PNG of the metrics in `panels` ((metric, title) pairs) per iteration; an `eval/...`
+        metric only where it was evaluated, and only where it was (default: score, KL and
+        RLHF reward, and the eval reward)."""
         if not self.history:
             return None
         import matplotlib
@@ -149,10 +156,8 @@ class Logger:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        panels = [("objective/scores", "score"), ("objective/kl", "KL(policy || ref)"),
-                  ("objective/rlhf_reward", "RLHF reward")]
-        if any("eval/reward_mean" in m for m in self.history):
-            panels.append(("eval/reward_mean", "eval reward (held-out prompts)"))
+        panels = [(key, title) for key, title in panels
+                  if not key.startswith("eval/") or any(key in m for m in self.history)]
         fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
         for ax, (key, title) in zip(axes, panels):
             rows = [m for m in self.history if key in m] if key.startswith("eval/") else self.history

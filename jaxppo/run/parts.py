@@ -29,7 +29,7 @@ from jaxppo.rollout.spec import RolloutSpec
 from jaxppo.rollout.tools import check_tools, tool_environment
 from jaxppo.run import pipeline as pipelining
 from jaxppo.run.assembly import Assembly, LogitsOf, assemble
-from jaxppo.run.compiled import train_step_for
+from jaxppo.run.compiled import precompile, train_step_for
 from jaxppo.run.evaluation import Evaluator, build_evaluator, check_best_metric
 from jaxppo.run.iteration import Collector
 from jaxppo.run.outputs import Outputs
@@ -115,6 +115,16 @@ class RunParts:
     @property
     def iterations(self) -> int:
         return self.config.run.iterations
+
+    def precompiled(self, run: RunState) -> "RunParts":
+        """These parts with the update's compile started in the background, once
+        (`jaxppo.run.compiled.precompile`), so that it overlaps the first iteration's
+        sampling and forward pass; single-turn only (else these parts)."""
+        if self.environment is not None:
+            return self
+        step = precompile(self.train_step, self.spec, run, self.ref_params, self.reward_params, self.table,
+                          self.config, self.host_rewards is not None, run.key, self.mesh)
+        return self if step is self.train_step else dataclasses.replace(self, train_step=step)
 
 
 def build(config, inputs: Inputs) -> RunParts:

@@ -5,17 +5,18 @@
     trainer.step()           # or one iteration at a time
 
 One iteration is `jaxppo.run.iteration`'s stages, in the order the data flows: select
-prompts -> sample -> reward -> build the rollout (the forward pass) -> check -> update ->
-metrics; `prepare_iteration` below runs the first five and `finish` the rest. Everything
-carried from one iteration to the next is one `RunState` (`run`), which is what a checkpoint
-holds; the keys of iteration i are `fold_in(key(seed), i)` and its prompts are a function of
-i, so a run resumed from a checkpoint produces exactly the metrics of an uninterrupted one.
+prompts -> sample -> reward -> build the rollout (the forward pass) -> evaluate -> check ->
+update -> metrics (`iteration.prepare` runs the first six, `iteration.complete` the rest).
+Everything carried from one iteration to the next is one `RunState` (`run`), which is what
+a checkpoint holds; the keys of iteration i are `fold_in(key(seed), i)` and its prompts are
+a function of i, so a run resumed from a checkpoint produces exactly the metrics of an
+uninterrupted one.
 
-The trainer holds explicit parts, each an object of its own: `parts` (`RunParts`: the
-models, the rollout spec and engine, the prompt table, the compiled update, ...),
-`directory` (`RunDirectory`: the lock, the settings, checkpoints), `outputs` (`Outputs`:
-exports, Hugging Face checkpoints, completion tables), and the loop
-(`jaxppo.run.loop.run_loop`) is given them.
+The trainer is a facade over the run's parts, each an object of its own: the `Session`
+(`jaxppo.run.session`: the `RunParts` (models, rollout spec and engine, prompt table,
+compiled update, ...) and the `RunState` reached), the `RunDirectory` (the lock, the
+settings, checkpoints), the `Outputs` (exports, Hugging Face checkpoints, completion
+tables), the logger and the callbacks; the loop (`jaxppo.run.loop.run_loop`) is given them.
 
 Words: an *iteration* is one pass of the stages (one rollout of `batch_size` completions);
 an *update* is one optimizer step on one mini-batch (`ppo/updates_*`, `TrainState.step`);
@@ -36,12 +37,12 @@ from jaxppo.config.legacy import PPOConfig, TrainerConfig, joined
 from jaxppo.config.settings import SETTINGS, Config
 from jaxppo.errors import RewardError, RunError
 from jaxppo.models.lora import LoraConfig
-from jaxppo.run import compiled, iteration, loop, report
-from jaxppo.run.callbacks import call_hook, call_iteration_end
+from jaxppo.run import iteration, loop
+from jaxppo.run.callbacks import Hooks
 from jaxppo.run.directory import RunDirectory, run_settings
-from jaxppo.run.evaluation import evaluate_due
 from jaxppo.run.logger import Logger, tracked_settings
 from jaxppo.run.parts import Inputs, build
+from jaxppo.run.session import Session
 
 __all__ = ["Trainer", "PPOTrainer", "RunError", "RewardError"]
 
@@ -97,13 +98,35 @@ class Trainer:
                  callbacks: Sequence[Callable] = (), environment: Optional[Callable] = None, tools: Optional[Sequence[Callable]] = None, eval_prompts=None,
                  eval_reward_fns: Optional[Sequence[Callable]] = None, teacher=None, **deprecated):
         config, reward_fns = _config_of(config, trainer_config, reward_fns, deprecated)
-        self.parts = build(config, Inputs(policy, tokenizer, prompts, reward_model, reward_fns, reward_fn_on,
-                                          reward_weights, ref_policy, critic, environment, tools,
-                                          eval_prompts, eval_reward_fns, teacher))
-        self.config, self.tokenizer, self.callbacks = self.parts.config, tokenizer, list(callbacks)
-        self.run, self.train_step = self.parts.run, self.parts.train_step
-        self.directory, self.outputs = RunDirectory(self.config.run), self.parts.outputs
-        self.history, self.last, self._warned_unknown = [], None, False
+        parts = build(config, Inputs(policy, tokenizer, prompts, reward_model, reward_fns, reward_fn_on, reward_weights,
+                                     ref_policy, critic, environment, tools, eval_prompts, eval_reward_fns, teacher))
+        self.session = Session(parts, parts.run)
+        self.config, self.tokenizer, self.callbacks = parts.config, tokenizer, list(callbacks)
+        self.directory, self.outputs, self.history = RunDirectory(self.config.run), parts.outputs, []
+
+    @property
+    def parts(self):
+        """The run's parts (`jaxppo.run.parts.RunParts`)."""
+        return self.session.parts
+
+    @property
+    def run(self):
+        """The `RunState` reached: everything carried to the next iteration."""
+        return self.session.run
+
+    @run.setter
+    def run(self, run):
+        self.session.run = run
+
+    @property
+    def last(self):
+        """The last iteration's `jaxppo.run.iteration.Outcome` (None before the first)."""
+        return self.session.last
+
+    @property
+    def train_step(self):
+        """The compiled update (`jaxppo.run.compiled`)."""
+        return self.parts.train_step
 
     @property
     def state(self):
@@ -134,57 +157,15 @@ class Trainer:
         (`jaxppo.run.iteration.prompt_rows`)."""
         return iteration.prompt_rows(self.parts.table, self.run.key, it, self.config)
 
-    # ------------------------------------------------------------------ one iteration
-
     def step(self) -> dict:
-        """Run one iteration; return its metrics (floats)."""
-        return self.prepare_iteration()().metrics
-
-    def prepare_iteration(self):
-        """Sample, reward, build and check the next iteration without touching the trainer
-        (`jaxppo.run.iteration.prepare`); return `finish()`, which runs the update
-        (`jaxppo.run.iteration.complete`: consuming the old train state, whose buffers are
-        donated), installs the new run state and returns the iteration's `Outcome`. An
-        interrupt before `finish` leaves the trainer as it was; the loop runs `finish` and
-        the metrics write with interrupts held, so a checkpoint never holds an update whose
-        metrics line is missing."""
-        self.precompile()  # where train() has not started it already
-        p, config = self.parts, self.config
-        pipeline = p.pipeline  # sampled ahead by the producer, from version max(0, it - k)
-        collect = p.collector.collect if pipeline is None else lambda run, it, key: pipeline.take(run)
-        prepared = iteration.prepare(self.run, collect, p.spec, p.ref_params, p.reward_params, p.mesh)
-        evaluated, eval_table = evaluate_due(p.evaluator, prepared, self.outputs.hf, p.reward_params)
-        self._warn_unknown(prepared.iteration, prepared.collected.scores.unknown_tokens)
-        iteration.check(prepared, p.rewards.source(), config.rewards.skip_nonfinite_scores, p.table.texts)
-
-        def finish():
-            outcome = iteration.complete(prepared, train_step=self.train_step, config=config, pipeline=pipeline,
-                                         lr=p.policy_schedule, with_functions=p.host_rewards is not None,
-                                         advantages=bool(config.run.sample_every and config.run.num_samples))
-            data = ({"data/prompts_filtered": p.table.filtered} if config.data.overlong_prompts == "filter" else {})
-            self.last = outcome._replace(metrics={**outcome.metrics, **data, **evaluated}, eval_table=eval_table)
-            self.run = outcome.run
-            pipeline and pipeline.push(self.run)
-            return self.last
-
-        return finish
+        """Run one iteration (`jaxppo.run.iteration.prepare`, then `complete`); return its
+        metrics (floats)."""
+        return self.session.step().metrics
 
     def precompile(self):
         """Start the update's compile in the background (once: `jaxppo.run.compiled.precompile`),
-        so that it overlaps the first iteration's sampling and scoring; single-turn only."""
-        p = self.parts
-        if p.environment is None:
-            self.train_step = compiled.precompile(self.train_step, p.spec, self.run, p.ref_params, p.reward_params,
-                                                  p.table, self.config, p.host_rewards is not None, self.run.key,
-                                                  p.mesh)
-
-    def _warn_unknown(self, it: int, unknown: int):
-        if unknown and not self._warned_unknown:
-            self._warned_unknown = True
-            warnings.warn(f"iteration {it}: the policy sampled {unknown} token ids that the tokenizer does not know "
-                          f"(>= {len(self.tokenizer)}: its vocabulary of {self.policy_model.config.vocab_size} is "
-                          "padded beyond the tokenizer's); the reward functions see them as the tokenizer's unknown "
-                          "token (warned once)", RuntimeWarning, stacklevel=4)
+        so that it overlaps the first iteration's sampling and forward pass; single-turn only."""
+        self.session.precompile()
 
     # ------------------------------------------------------------------ the run
 
@@ -199,27 +180,22 @@ class Trainer:
         the checkpoint is complete) and raises KeyboardInterrupt."""
         if self.parts.rollout_engine.closed:
             raise RuntimeError("this Trainer was closed (Trainer.close()): its rollout engine is shut down")
-        self.run = self.directory.open(self.run, self.settings())
-        self.precompile()  # from here the update compiles beside the run's other start-up work
+        session, run_config = self.session, self.config.run
+        session.run = self.directory.open(session.run, self.settings())
+        session.precompile()  # from here the update compiles beside the run's other start-up work
         logger = Logger(self.directory.log_dir, start_iteration=self.iteration,
-                        report_to=self.config.run.trackers if jax.process_index() == 0 else ("jsonl",),
+                        report_to=run_config.trackers if jax.process_index() == 0 else ("jsonl",),
                         config=tracked_settings(self.config))
         self.history = logger.history  # the lines of the iterations before this start, and this run's
+        hooks = Hooks(self.callbacks, self)
         try:
-            call_hook(self.callbacks, "on_train_begin", self)
-            loop.run_loop(prepare=self.prepare_iteration, current=lambda: self.run, directory=self.directory,
-                          outputs=self.outputs, logger=logger, run_config=self.config.run,
-                          tables=lambda outcome: self.outputs.tables(self.parts.table.texts, outcome, self.iteration),
-                          notify=lambda it, metrics: call_iteration_end(self.callbacks, self, it, metrics),
-                          title=loop.headline(self.config, self.parts.spec.common_prefix),
-                          description=self.config.advantages.advantage_estimator)
+            hooks.begin()
+            loop.run_loop(session, directory=self.directory, logger=logger, hooks=hooks, run_config=run_config)
         finally:
             self.parts.pipeline and self.parts.pipeline.close()
             self.directory.close()
-        loop.finish_run(current=lambda: self.run, directory=self.directory, outputs=self.outputs, logger=logger,
-                        evaluate=self.evaluate if self.parts.evaluator is not None else None,
-                        run_config=self.config.run, summary=self.summary)
-        call_hook(self.callbacks, "on_train_end", self, self.history)
+        loop.finish_run(session, directory=self.directory, logger=logger, run_config=run_config)
+        hooks.end(self.history)
         return self.history
 
     def settings(self) -> dict:
@@ -238,10 +214,7 @@ class Trainer:
     def evaluate(self) -> dict:
         """The `eval/...` metrics of the current policy on the eval prompts (the evaluation
         an iteration starting now would run; `jaxppo.run.evaluation`)."""
-        if self.parts.evaluator is None:
-            raise RuntimeError("this Trainer has no eval_prompts to evaluate on")
-        return self.parts.evaluator.evaluate(self.state.params, self.run.key, self.iteration,
-                                             self.parts.reward_params)[0]
+        return self.session.evaluate()
 
     def completion_table(self, n: int):
         """(columns, rows) of the first `n` completions of the last iteration (its "advantage"
@@ -258,7 +231,7 @@ class Trainer:
         self.outputs.export(self.state.params, path)
 
     def summary(self) -> str:
-        return report.summary(self.history, self.config, self.run, self.policy_model, self.policy_params())
+        return self.session.summary(self.history)
 
 
 def _config_of(config, trainer_config, reward_fns, deprecated: dict):
