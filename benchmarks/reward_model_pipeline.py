@@ -76,10 +76,10 @@ def reward_model_phase(args, model_dir, tokenizer):
     config = jaxppo.RewardModelConfig.from_settings(
         batch_size=args.batch_size, mini_batch_size=args.mini_batch_size, epochs=args.epochs,
         learning_rate=args.learning_rate, warmup_updates=0.1, output_dir=os.path.join(args.output_dir, "rm"),
-        eval_every=args.eval_every, save_every=args.eval_every, seed=args.seed)
+        eval_every=args.eval_every, checkpoint_every=args.eval_every, seed=args.seed, progress=False)
     trainer = jaxppo.RewardTrainer(model_dir, train, config=config, eval_pairs=held)
     print(f"reward model: {len(trainer.pairs)} training pairs, {len(trainer.eval_pairs)} held-out pairs, "
-          f"{trainer.pairs.tokens.shape[-1]} tokens per sequence, {trainer.steps} steps of {config.batch_size} pairs, "
+          f"{trainer.pairs.tokens.shape[-1]} tokens per sequence, {trainer.steps} steps of {config.batch.batch_size} pairs, "
           f"{trainer.total_updates} updates", flush=True)
     before = trainer.evaluate()
     before_kinds = _by_kind(trainer, held_kinds)
@@ -94,7 +94,7 @@ def reward_model_phase(args, model_dir, tokenizer):
                             (f"after {trainer.steps} steps ({seconds:.0f} s)", after, after_kinds)):
         print(f"| {label} | {m['accuracy']:.3f} | " + " | ".join(f"{k:.3f}" for k in kinds)
               + f" | {m['margin']:.3f} | {m['loss']:.3f} |")
-    export = os.path.join(config.output_dir, "reward_model")
+    export = os.path.join(config.run.output_dir, "reward_model")
     _check_in_transformers(export, trainer)
     with open(os.path.join(args.output_dir, "rm_summary.json"), "w") as f:
         json.dump({"before": before, "after": after, "seconds": seconds, "pairs": len(trainer.pairs),

@@ -24,7 +24,8 @@ from jaxppo.config.legacy import PPOConfig, TrainerConfig  # noqa: F401  depreca
 from jaxppo.errors import EpisodeError, RewardError, RunError, ToolCallError
 from jaxppo.rollout.environments import StepResult
 from jaxppo.run.callbacks import Callback, Control
-from jaxppo.run.reward_model import RewardModelConfig, RewardTrainer
+from jaxppo.config.reward_model import RewardModelConfig
+from jaxppo.run.reward_model import RewardTrainer
 from jaxppo.run.trainer import PPOTrainer, Trainer  # noqa: F401  PPOTrainer: deprecated, warns when called
 from jaxppo.update.batch import RolloutBatch
 from jaxppo.update.minibatches import EngineConfig, TrainState  # noqa: F401  EngineConfig: deprecated, warns

@@ -34,7 +34,8 @@ from jaxppo.config.settings import CONCERNS, Config
 from jaxppo.errors import name_the_flag  # noqa: F401  (also re-exported: jaxppo.cli.name_the_flag)
 from jaxppo.run.trainer import Trainer
 
-__all__ = ["main", "build_parser", "resolve", "build_trainer", "plan_main"]
+__all__ = ["main", "build_parser", "resolve", "build_trainer", "plan_main", "reward_model_main", "add_settings",
+           "read_config_file"]
 
 DEMOS = ("lowercase", "multiturn", "sums")
 # The built-in reward functions `--reward NAME` names (else MODULE:FN).
@@ -136,6 +137,24 @@ def _add_flag(group, name: str, hint, default_text: str):
         group.add_argument(*flags, dest=name, type=hint, default=argparse.SUPPRESS, help=default_text)
 
 
+def add_settings(parser, concerns: dict, flags, defaults: Optional[dict] = None):
+    """A group of flags per concern ({name: config class}), one flag per setting in `flags`,
+    its help the concern's docstring (`defaults`: {concern: its default config}, where not
+    the class's)."""
+    for concern, cls in concerns.items():
+        import jaxppo
+
+        where = "jaxppo" if hasattr(jaxppo, cls.__name__) else "jaxppo.config"
+        group = parser.add_argument_group(f"{concern} ({where}.{cls.__name__})")
+        hints, described = typing.get_type_hints(cls), describe(cls)
+        base = (defaults or {}).get(concern)
+        for field in dataclasses.fields(cls):
+            if field.name in flags:
+                text = described[field.name].replace("%", "%%")  # argparse formats help with %
+                default = field.default if base is None else getattr(base, field.name)
+                _add_flag(group, field.name, hints[field.name], f"{text} (default: {default!r})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxppo", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -153,14 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         group.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=argparse.SUPPRESS,
                            help=f"{text} (default: {default!r})")
-    flags = Config.flags()
-    for concern, cls in CONCERNS.items():
-        group = parser.add_argument_group(f"{concern} (jaxppo.{cls.__name__})")
-        hints, described = typing.get_type_hints(cls), describe(cls)
-        for field in dataclasses.fields(cls):
-            if field.name in flags:
-                text = described[field.name].replace("%", "%%")  # argparse formats help with %
-                _add_flag(group, field.name, hints[field.name], f"{text} (default: {field.default!r})")
+    add_settings(parser, CONCERNS, Config.flags())
     group = parser.add_argument_group("deprecated since 0.5 (each says one thing another flag says)")
     for name, kind in _DEPRECATED_FLAGS.items():
         _add_flag(group, name, kind if name == "kl_target" else typing.Optional[kind] if name == "stop_token_id" else
@@ -168,10 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _read_config_file(path: str) -> dict:
+def read_config_file(path: str, concerns: dict = CONCERNS, prog: str = "jaxppo") -> dict:
     """The settings of a JSON or TOML file: flat, or in tables named by concern."""
     if not os.path.isfile(path):
-        raise SystemExit(f"jaxppo: --config {path!r}: no such file")
+        raise SystemExit(f"{prog}: --config {path!r}: no such file")
     try:
         if path.endswith(".toml"):
             import tomllib
@@ -183,14 +195,14 @@ def _read_config_file(path: str) -> dict:
                 data = json.load(f)
     except ValueError as err:  # json.JSONDecodeError and tomllib.TOMLDecodeError
         kind = "TOML" if path.endswith(".toml") else "JSON"
-        raise SystemExit(f"jaxppo: --config {path!r} is not valid {kind}: {err}") from None
+        raise SystemExit(f"{prog}: --config {path!r} is not valid {kind}: {err}") from None
     if not isinstance(data, dict):
-        raise SystemExit(f"jaxppo: --config {path!r} holds a {type(data).__name__}; expected a table of settings "
+        raise SystemExit(f"{prog}: --config {path!r} holds a {type(data).__name__}; expected a table of settings "
                          "(names as in --help, dashes or underscores)")
     out = {}
     for key, value in data.items():
         key = key.replace("-", "_")
-        if key in CONCERNS and isinstance(value, dict):  # a table of one concern's settings
+        if key in concerns and isinstance(value, dict):  # a table of one concern's settings
             out.update({k.replace("-", "_"): v for k, v in value.items()})
         else:
             out[key] = value
@@ -217,7 +229,7 @@ def resolve(argv=None):
 
     parser = build_parser()
     args = vars(parser.parse_args(_dashed(parser, sys.argv[1:] if argv is None else argv)))
-    from_file = _read_config_file(args["config"]) if args.get("config") else {}
+    from_file = read_config_file(args["config"]) if args.get("config") else {}
     values = {name: default for name, (_, default, _) in _EXTRA.items()}
     task = args.get("demo", from_file.get("demo", "lowercase"))
     if task not in DEMOS:
@@ -469,6 +481,47 @@ def plan_main(args: list) -> int:
     return 0
 
 
+def reward_model_main(argv) -> int:
+    """`jaxppo reward-model --model PATH --pairs FILE [settings]`: its flags are the settings
+    of `jaxppo.RewardModelConfig` (the names `jaxppo`'s own flags have), generated as
+    `jaxppo`'s are; `--config FILE` holds them as a run's file does."""
+    from jaxppo.config.reward_model import EXPORT_DIR, READS, REWARD_CONCERNS, RewardModelConfig
+    from jaxppo.run.reward_model import RewardTrainer
+
+    prog = "jaxppo reward-model"
+    parser = argparse.ArgumentParser(prog=prog, description="Train a reward model on preference pairs (Bradley-Terry, "
+                                     "TRL's RewardTrainer) and export it as a ...ForSequenceClassification directory "
+                                     f"(<output-dir>/{EXPORT_DIR}).")
+    group = parser.add_argument_group("model and pairs")
+    group.add_argument("--model", required=True, help="local checkpoint directory: a causal LM (an SFT model) or a "
+                                                      "...ForSequenceClassification")
+    group.add_argument("--pairs", required=True, help=".jsonl or .json preference pairs (chosen/rejected, optional "
+                                                      "prompt and margin; or chosen_ids/rejected_ids)")
+    group.add_argument("--eval-pairs", default=None, help="held-out pairs (instead of --eval-fraction)")
+    group.add_argument("--config", default=None, help="JSON or TOML file of settings (flags override it)")
+    defaults = RewardModelConfig()
+    add_settings(parser, REWARD_CONCERNS, {n for names in READS.values() for n in names} - {"transformation"},
+                 {concern: getattr(defaults, concern) for concern in REWARD_CONCERNS})
+    args = vars(parser.parse_args(_dashed(parser, argv)))
+    inputs = {k: args.pop(k) for k in ("model", "pairs", "eval_pairs", "config")}
+    settings = read_config_file(inputs["config"], REWARD_CONCERNS, prog) if inputs["config"] else {}
+    try:
+        config = RewardModelConfig.from_settings({**settings, **args})
+        trainer = RewardTrainer(inputs["model"], inputs["pairs"], config=config, eval_pairs=inputs["eval_pairs"])
+    except (ValueError, TypeError) as err:
+        raise SystemExit(f"{prog}: {name_the_flag(str(err))}") from None
+    from jaxppo.errors import RunError
+
+    try:
+        trainer.train()
+    except KeyboardInterrupt:
+        return 130
+    except RunError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv=None) -> int:
     # transformers prints an "advice" at import when PyTorch is absent ("PyTorch was not
     # found. Models won't be available ..."); jaxppo never needs PyTorch, so that line is
@@ -476,8 +529,6 @@ def main(argv=None) -> int:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     args = sys.argv[1:] if argv is None else list(argv)
     if args[:1] == ["reward-model"]:  # the reward model's own command (jaxppo.run.reward_model)
-        from jaxppo.run.reward_model import main as reward_model_main
-
         return reward_model_main(args[1:])
     if args[:1] == ["plan"]:
         return plan_main(args[1:])

@@ -163,3 +163,20 @@ def test_no_two_settings_are_the_same_words_reordered_and_the_old_names_translat
     with pytest.raises(ValueError, match="disagree"):
         jaxppo.Config.from_settings(kl_target=0.3, adaptive_kl_target=0.2)
     assert comparable({"trainer": {"kl_target": 0.5}}) == comparable({"kl": {"adaptive_kl_target": 0.5}})
+
+
+def test_old_spellings_translate_where_settings_come_in_not_in_replace():
+    """0.4's spellings (and 0.5's renames) are read where settings enter a run (`from_settings`,
+    `for_algorithm`; the command and `--config` files go through `from_settings`), each with a
+    warning; `Config.replace`, on the core path, takes the current names only and says which
+    one to use."""
+    with pytest.warns(DeprecationWarning, match="warmup_ratio -> warmup_updates"):
+        config = jaxppo.Config.for_algorithm("grpo", warmup_ratio=0.1, batch_size=8, mini_batch_size=8,
+                                           num_generations=4)
+    assert config.optimizer.warmup_updates == 0.1 and config.loss.cliprange == 0.2
+    with pytest.raises(ValueError, match=r"Config.replace\(kl_target=...\): 'kl_target' is a name before 0.5; give "
+                                         r"adaptive_kl_target"):
+        config.replace(kl_target=0.3)
+    with pytest.raises(ValueError, match=r"'total_episodes' is a name before 0.5; give iterations"):
+        config.replace(total_episodes=64)
+    assert config.replace(adaptive_kl_target=0.3).kl.adaptive_kl_target == 0.3

@@ -20,7 +20,8 @@ import jaxppo
 import jaxppo.models as jm
 from jaxppo import demo
 from jaxppo.models.hf import hf_arrays
-from jaxppo.run.reward_model import RewardModelConfig, RewardTrainer, main
+from jaxppo.cli import reward_model_main as main
+from jaxppo.run.reward_model import RewardModelConfig, RewardTrainer
 from jaxppo.update.minibatches import minibatch_indices
 from jaxppo.update.preference import bradley_terry_loss, preference_loss_fn
 
@@ -69,7 +70,7 @@ def checkpoint(tmp_path_factory):
 
 def small_config(tmp_path, **settings):
     base = dict(batch_size=16, mini_batch_size=8, epochs=1, learning_rate=1e-3, output_dir=str(tmp_path / "run"),
-                save_every=0)
+                checkpoint_every=0)
     return RewardModelConfig.from_settings(**{**base, **settings})
 
 
@@ -144,7 +145,7 @@ def test_tokens_loss_and_gradients_equal_trl(checkpoint, tmp_path, case):
         for side, key in enumerate(("chosen_ids", "rejected_ids")):
             got = trainer.pairs.tokens[i, side][trainer.pairs.mask[i, side] == 1]
             np.testing.assert_array_equal(got, e[key])
-    loss_fn = preference_loss_fn(trainer.model.apply, config.center_rewards_coefficient)
+    loss_fn = preference_loss_fn(trainer.model.apply, config.pairs.center_rewards_coefficient)
     (ours_loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainer.state.params, trainer.pairs.arrays())
     assert float(ours_loss) == pytest.approx(loss.item(), rel=1e-5)
     got = dict((name, np.asarray(g).T if transpose else np.asarray(g))
@@ -161,10 +162,10 @@ def _plain_run(trainer, steps):
     tx = trainer.state.tx
     params = jax.device_get(trainer.state.params)
     opt_state = tx.init(params)
-    loss_fn = preference_loss_fn(trainer.model.apply, config.center_rewards_coefficient)
+    loss_fn = preference_loss_fn(trainer.model.apply, config.pairs.center_rewards_coefficient)
     for step in range(steps):
         rows = trainer.rows_of_step(step)
-        order = np.asarray(minibatch_indices(jax.random.fold_in(trainer._key, step), config.batch))[0]
+        order = np.asarray(minibatch_indices(jax.random.fold_in(trainer.run.key, step), config.batch))[0]
         for idx in order:
             (_, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, trainer.pairs.arrays(rows[idx]))
             updates, opt_state = tx.update(grads, opt_state, params)
@@ -233,21 +234,21 @@ def test_training_learns_and_the_export_loads_in_transformers(checkpoint, tmp_pa
 def test_a_killed_run_resumes_exactly(checkpoint, tmp_path, monkeypatch):
     causal, _, _ = checkpoint
     rows = letter_pairs(48)
-    straight = RewardTrainer(causal, rows, config=small_config(tmp_path / "a", epochs=2, save_every=2))
+    straight = RewardTrainer(causal, rows, config=small_config(tmp_path / "a", epochs=2, checkpoint_every=2))
     straight.train()
-    config = small_config(tmp_path / "b", epochs=2, save_every=2)
+    config = small_config(tmp_path / "b", epochs=2, checkpoint_every=2)
     killed = RewardTrainer(causal, rows, config=config)
-    step = RewardTrainer.train_step
+    complete = RewardTrainer.complete
 
-    def dies_at_step_5(self):
+    def dies_at_step_5(self, rows):
         if self.step == 5:
             raise KeyboardInterrupt
-        return step(self)
+        return complete(self, rows)
 
-    monkeypatch.setattr(RewardTrainer, "train_step", dies_at_step_5)
-    with pytest.raises(KeyboardInterrupt):
+    monkeypatch.setattr(RewardTrainer, "complete", dies_at_step_5)
+    with pytest.raises(KeyboardInterrupt):  # the loop saves a checkpoint (at step 5) on its way out
         killed.train()
-    monkeypatch.setattr(RewardTrainer, "train_step", step)
+    monkeypatch.setattr(RewardTrainer, "complete", complete)
     resumed = RewardTrainer(causal, rows, config=config)
     resumed.train()
     assert resumed.step == straight.step == 6 and int(resumed.state.step) == int(straight.state.step)
@@ -259,16 +260,15 @@ def test_a_killed_run_resumes_exactly(checkpoint, tmp_path, monkeypatch):
     assert [m["iteration"] for m in lines] == list(range(6))
     # Another setting in the same directory is refused, naming it.
     with pytest.raises(jaxppo.RunError, match="center_rewards_coefficient"):
-        RewardTrainer(causal, rows, config=config.__class__(**{**config.__dict__, "center_rewards_coefficient": 0.1})
-                      ).train()
+        RewardTrainer(causal, rows, config=config.replace(center_rewards_coefficient=0.1)).train()
 
 
 def test_lora_trains_adapters_and_the_head_only(checkpoint, tmp_path):
     import transformers
 
     causal, _, _ = checkpoint
-    lora = jm.LoraConfig(rank=4, alpha=8, targets=("c_attn",))
-    trainer = RewardTrainer(causal, letter_pairs(32), config=small_config(tmp_path, lora=lora, epochs=2))
+    config = small_config(tmp_path, lora_rank=4, lora_alpha=8, lora_targets=("c_attn",), epochs=2)
+    trainer = RewardTrainer(causal, letter_pairs(32), config=config)
     base = jax.device_get(trainer.state.params["params"])
     trainer.train()
     after = jax.device_get(trainer.state.params["params"])
@@ -305,11 +305,12 @@ def test_the_command(checkpoint, tmp_path, capsys):
 
     capsys.readouterr()
     assert cli.main(["reward-model"] + flags) == 0
-    assert "resumed from step 2" in capsys.readouterr().out
+    assert "resumed from iteration 2" in capsys.readouterr().out
     assert cli.main(["reward-model"] + flags + ["--center-rewards-coefficient", "0.01"]) == 1
     assert "holds a run with other settings" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="--batch-size: RewardModelConfig.batch_size=16 is not divisible by "
-                       "RewardModelConfig.mini_batch_size=6: every pair of a step must land in exactly one mini-batch"):
+    with pytest.raises(SystemExit, match="--batch-size: BatchConfig.batch_size=16 is not divisible by "
+                       "BatchConfig.mini_batch_size=6: every row .a completion, or a reward model's pair. must land in exactly "
+                       "one mini-batch"):
         main(["--pairs", str(pairs), "--model", causal, "--batch-size", "16", "--mini-batch-size", "6"])
 
 
@@ -338,12 +339,61 @@ def test_bad_settings_are_refused(checkpoint, tmp_path):
     with pytest.raises(ValueError, match="no setting 'learning_rat' .did you mean 'learning_rate'"):
         RewardModelConfig.from_settings(learning_rat=1e-4)
     with pytest.raises(ValueError, match="center_rewards_coefficient=-1 is invalid"):
-        RewardModelConfig(center_rewards_coefficient=-1)
+        jaxppo.config.PairConfig(center_rewards_coefficient=-1)
     with pytest.raises(ValueError, match="batch_size=16 is more than the 12 training pairs"):
         RewardTrainer(causal, letter_pairs(12), config=small_config(tmp_path))
-    with pytest.raises(ValueError, match="give eval_pairs or RewardModelConfig.eval_fraction=0.5, not both"):
+    with pytest.raises(ValueError, match="give eval_pairs or PairConfig.eval_fraction=0.5, not both"):
         RewardTrainer(causal, letter_pairs(32), eval_pairs=letter_pairs(4), config=small_config(tmp_path,
                                                                                                 eval_fraction=0.5))
     dropped = RewardTrainer(causal, letter_pairs(32) + [{"prompt": "q", "chosen": "a" * 80, "rejected": "1"}],
                             config=small_config(tmp_path, max_length=64, overlong_pairs="drop"))
     assert len(dropped.pairs) == 32 and dropped.dropped == {"pairs": 1}
+
+
+def test_the_settings_are_the_shared_concerns_by_their_names():
+    """A reward-model run's settings are `jaxppo.Config`'s concerns (one name each, the same
+    names), TRL's defaults over them; one it would not read is refused, not ignored."""
+    config = RewardModelConfig.from_settings(batch_size=16, mini_batch_size=4, epochs=2, lora_rank=8, dtype="bfloat16",
+                                             seed=3, checkpoint_every=5, learning_rate=2e-5)
+    assert (config.batch.batch_size, config.batch.mini_batch_size, config.batch.ppo_epochs) == (16, 4, 1)
+    assert config.pairs.epochs == 2 and config.layout.dtype == "bfloat16" and config.run.seed == 3
+    assert config.lora.lora == jm.LoraConfig(rank=8, alpha=16.0, targets="all-linear")
+    assert config.optimizer.learning_rate == 2e-5 and config.optimizer.lr_schedule == "linear"  # TRL's schedule kept
+    assert config.run.checkpoint_every == 5 and config.run.report_to == "jsonl"
+    for name in ("batch_size", "epochs", "lora_rank", "dtype", "seed", "learning_rate"):  # Config's names, one each
+        assert name in jaxppo.Config.flags() or name == "epochs"
+    with pytest.raises(ValueError, match=r"RunConfig.iterations=5 is not a setting of a reward-model run \(the run's "
+                                         r"length is PairConfig.epochs"):
+        RewardModelConfig.from_settings(iterations=5)
+    with pytest.raises(ValueError, match="BatchConfig.ppo_epochs=2 is not a setting of a reward-model run"):
+        RewardModelConfig.from_settings(ppo_epochs=2)
+    with pytest.raises(ValueError, match="no setting 'save_every' .it is 'checkpoint_every' now"):
+        RewardModelConfig.from_settings(save_every=2)
+    with pytest.raises(ValueError, match="LayoutConfig.dtype='int8' is invalid"):
+        RewardModelConfig.from_settings(dtype="int8")
+
+
+def test_the_command_reads_a_config_file_and_callbacks_steer_the_loop(checkpoint, tmp_path, capsys):
+    """`--config` holds a reward-model run's settings in tables by concern, as a policy run's
+    file does; callbacks see each step and may stop the run (resumable, as a policy run's)."""
+    causal, _, _ = checkpoint
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in letter_pairs(32)))
+    settings = tmp_path / "rm.toml"
+    settings.write_text(f'[batch]\nbatch_size = 8\nmini_batch_size = 4\n[pairs]\nepochs = 0.5\n'
+                        f'[run]\noutput_dir = "{tmp_path / "cmd"}"\nprogress = false\n')
+    assert main(["--pairs", str(pairs), "--model", causal, "--config", str(settings), "--learning-rate", "1e-3"]) == 0
+    lines = [json.loads(line) for line in open(tmp_path / "cmd" / "metrics.jsonl")]
+    assert [m["iteration"] for m in lines] == [0, 1] and lines[-1]["updates"] == 4  # 16 pairs, 8 a step, 2 updates
+    seen = []
+
+    class StopAfterTwo(jaxppo.Callback):
+        def on_iteration_end(self, trainer, iteration, metrics):
+            seen.append((iteration, trainer.step, metrics["loss"]))
+            return jaxppo.Control(stop=iteration == 1)
+
+    config = small_config(tmp_path / "cb", batch_size=8, mini_batch_size=4, epochs=1)
+    trainer = RewardTrainer(causal, letter_pairs(32), config=config, callbacks=[StopAfterTwo()])
+    trainer.train()
+    assert [(i, s) for i, s, _ in seen] == [(0, 1), (1, 2)] and trainer.step == 2 < trainer.steps == 4
+    assert "stopped by a callback after 2 iterations (of 4)" in capsys.readouterr().out

@@ -25,7 +25,7 @@ from jaxppo.config.algorithm import AdvantageConfig, KLConfig, LossConfig, Rewar
 from jaxppo.config.fields import is_flag
 from jaxppo.config.layout import LayoutConfig
 from jaxppo.config.optimizer import OptimizerConfig
-from jaxppo.config.renamed import translate
+from jaxppo.config.renamed import DEPRECATED, translate
 from jaxppo.config.run import DataConfig, EvalConfig, RunConfig
 from jaxppo.config.sampling import EnvironmentConfig, SamplingConfig
 from jaxppo.rollout.engines import inflight_missing
@@ -189,12 +189,19 @@ class Config:
         whole concern (the method's settings in it included)."""
         from jaxppo.algorithms import algorithm_defaults
 
-        return cls.from_settings(algorithm_defaults(name)).replace(**settings)
+        base = cls.from_settings(algorithm_defaults(name))
+        return cls(**_by_concern(translate(settings, warn=True, base=base), base.concerns()))
 
     def replace(self, **changes) -> "Config":
         """A copy with `changes` applied: settings by name (`cliprange=0.1`), or a concern by
-        its name (`loss=jaxppo.LossConfig(...)`); validated again."""
-        return Config(**_by_concern(translate(changes, warn=True, base=self), self.concerns()))
+        its name (`loss=jaxppo.LossConfig(...)`); validated again. It takes the names of
+        0.5 only (0.4's are translated where settings come in: `from_settings`,
+        `for_algorithm`, the command, `--config` files)."""
+        old = sorted(set(changes) & set(DEPRECATED))
+        if old:
+            raise ValueError(f"Config.replace({old[0]}=...): {old[0]!r} is a name before 0.5; give "
+                             f"{DEPRECATED[old[0]]} (Config.from_settings still translates it)")
+        return Config(**_by_concern(changes, self.concerns()))
 
     def concerns(self) -> dict:
         """{concern name: its config}."""

@@ -35,7 +35,7 @@ __all__ = ["BatchConfig", "batch_config", "TrainState", "Freeze", "update_epochs
 
 
 def check_sizes(owner: str, batch_size, mini_batch_size, ppo_epochs, gradient_accumulation_steps,
-                rows: str = "rollout row"):
+                rows: str = "row (a completion, or a reward model's pair)"):
     """ValueError unless the counts are positive ints and divide as the engine needs:
     `batch_size % mini_batch_size == 0` (every row in exactly one mini-batch per epoch) and
     `mini_batch_size % gradient_accumulation_steps == 0` (equal micro-batches). `owner`
