@@ -310,3 +310,38 @@ def test_no_module_over_600_lines():
     """A module past 600 lines holds two rooms; split it where its data divides."""
     sizes = {os.path.relpath(path, ROOT): sum(1 for _ in open(path)) for path in _modules(PACKAGE).values()}
     assert not {path: n for path, n in sizes.items() if n > 600}, sorted(sizes.items(), key=lambda kv: -kv[1])[:3]
+
+
+def _calls_and_lambdas(source: str) -> tuple:
+    """(the names called, the lambdas handed to the loop's functions) in `source`."""
+    tree = ast.parse(source)
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call)]
+    names = {node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+             for node in calls}
+    handed = sum(isinstance(arg, ast.Lambda) for node in calls
+                 if getattr(node.func, "attr", getattr(node.func, "id", None)) in ("run_loop", "finish_run")
+                 for arg in [*node.args, *(k.value for k in node.keywords)])
+    return names, handed
+
+
+def test_the_iteration_owns_its_flow_and_every_trainer_runs_on_the_same_loop():
+    """`iteration.prepare` runs the evaluation and the check (the trainer does not); the loop
+    is given the run in progress and its collaborators, no callables (the trainer once
+    handed it ten lambdas reading itself); the trainers call the loop and have no save loop,
+    lock or settings record of their own."""
+    import inspect
+
+    from jaxppo.run import iteration, loop
+
+    prepare = {node.func.id for node in ast.walk(ast.parse(inspect.getsource(iteration.prepare)))
+               if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
+    assert {"build", "evaluate_due", "check"} <= prepare, prepare
+    assert list(inspect.signature(loop.run_loop).parameters) == ["session", "directory", "logger", "hooks", "run_config"]
+    for name in ("trainer", "reward_model"):
+        calls, lambdas = _calls_and_lambdas(open(os.path.join(PACKAGE, "run", f"{name}.py")).read())
+        assert {"run_loop", "finish_run"} <= calls and lambdas == 0, (name, lambdas)
+        assert not {"save", "acquire", "check_settings", "evaluate_due", "check"} & calls, (name, calls)
+    # The checks see what they look for: the trainer's loop call and a save loop before this structure.
+    calls, lambdas = _calls_and_lambdas("def train(self):\n    loop.run_loop(prepare=self.prepare_iteration, "
+                                        "current=lambda: self.run)\n    checkpoints.save(ckpt_dir, self.step, tree)\n")
+    assert lambdas == 1 and "save" in calls
