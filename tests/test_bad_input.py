@@ -316,7 +316,8 @@ CASES = [
     ("trainer bool as string", _tc(progress="no"), ValueError, r"progress='no' is invalid: .*bool"),
     ("deprecated bool as string", _tc(tensorboard="no"), ValueError, r"tensorboard='no' is invalid: .*bool"),
     ("trainer empty output_dir", _tc(output_dir=""), ValueError, r"output_dir='' .*non-empty path"),
-    ("trainer total_episodes not a multiple", lambda ctx: small_trainer(ctx["tmp"], total_episodes=20), ValueError,
+    ("config total_episodes not a multiple", lambda ctx: jaxppo.Config.from_settings(batch_size=16, total_episodes=20),
+     ValueError,
      r"total_episodes=20 is not a multiple of BatchConfig.batch_size=16"),
     # The command line and its config file
     ("cli unknown key in config file", _cli_file("run.json", '{"batch_sise": 4}'), SystemExit,
