@@ -63,7 +63,7 @@ def eval_cost(iterations: int, generations: int):
         rows.append([m["iteration"], f"{m['eval/time']:.2f}", f"{iteration:.2f}", f"{m['eval/time'] / iteration:.2f}",
                      f"{m['eval/reward_mean']:.3f}"])
     print(f"\nEvaluation of {len(held_out)} prompts x {generations} ({'greedy' if generations == 1 else 'T=1'}), "
-          f"{ppo.prompts_per_batch} prompts x {ppo.advantages.num_generations} per iteration, SmolLM2-135M-Instruct:\n")
+          f"{ppo.prompts_per_batch} prompts x {ppo.batch.num_generations} per iteration, SmolLM2-135M-Instruct:\n")
     print_markdown(["iteration", "eval s", "iteration s (without eval)", "eval / iteration", "eval reward"], rows)
     steady = rows[1:]
     if steady:

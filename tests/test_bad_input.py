@@ -473,7 +473,7 @@ CASES = [
      r"LossConfig.loss_norm_length=0 is invalid.*None \(the response width\) or a positive int"),
     # dynamic sampling
     ("dynamic sampling without groups", lambda ctx: small_trainer(ctx["tmp"], dynamic_sampling=True), ValueError,
-     r"dynamic_sampling=True needs groups: AdvantageConfig.num_generations=1; give num_generations >= 2"),
+     r"dynamic_sampling=True needs groups: BatchConfig.num_generations=1; give num_generations >= 2"),
     ("dynamic sampling with device scores", lambda ctx: small_trainer(
         ctx["tmp"], dynamic_sampling=True, reward_fn_on="tokens", reward_fns=lambda ids, mask, tokens, tmask: tmask.sum(1),
         ppo=jaxppo.Config.for_algorithm("grpo", batch_size=16, mini_batch_size=8, num_generations=4)),

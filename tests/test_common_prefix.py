@@ -366,7 +366,7 @@ def test_the_default_turns_the_common_prefix_on_where_it_pays():
     assert auto_common_prefix(ppo, table(30, streamed=True), None) == 0
     assert auto_common_prefix(ppo, table(30), object()) == 0  # an environment
     assert auto_common_prefix(ppo.replace(mesh=object()), table(30), None) == 0  # a mesh
-    grpo = ppo.replace(advantages=jaxppo.AdvantageConfig(advantage_estimator="grpo", num_generations=4))
+    grpo = ppo.replace(advantages=jaxppo.AdvantageConfig(advantage_estimator="grpo"), num_generations=4)
     assert auto_common_prefix(grpo, table(30), None) == 0  # groups share their whole prompt instead
     packed = ppo.replace(pack_sequences=True)
     assert auto_common_prefix(packed, table(30), None) == 0

@@ -66,7 +66,7 @@ def with_teacher_top(rollout, k, seed=0):
 def config_for(name, **changes):
     sizes = dict(batch_size=16, mini_batch_size=8, ppo_epochs=2)
     base = Config.for_algorithm(name, **sizes)
-    if base.advantages.num_generations > 4 or base.advantages.advantage_estimator in ("grpo", "rloo"):
+    if base.batch.num_generations > 4 or base.advantages.advantage_estimator in ("grpo", "rloo"):
         sizes["num_generations"] = 4
     return Config.for_algorithm(name, **{**sizes, **changes})
 
@@ -77,7 +77,7 @@ def config_for(name, **changes):
 def ref_advantages(rollout, config):
     rewards = np.asarray(rollout.rewards, np.float64)
     mask = np.asarray(rollout.response_mask, np.float64)
-    b, g = rewards.shape[0], config.advantages.num_generations
+    b, g = rewards.shape[0], config.batch.num_generations
     scores = [sum(rewards[i, t] for t in range(R) if mask[i, t]) for i in range(b)]
     est = config.advantages.advantage_estimator
     adv = np.zeros((b, R))
@@ -206,7 +206,7 @@ def reference_train_step(model, rollout, key, config, tx):
     keys = jax.random.split(key, config.batch.ppo_epochs)
     grad = jax.jit(jax.grad(lambda p, mb: ref_loss(p, apply_fn, mb, config)))
     for e in range(config.batch.ppo_epochs):
-        g = config.advantages.num_generations
+        g = config.batch.num_generations
         if g > 1 and config.batch.mini_batch_size % g == 0:  # whole groups, shuffled group by group
             groups = np.asarray(jax.random.permutation(keys[e], config.batch.batch_size // g))
             perm = np.concatenate([np.arange(j * g, (j + 1) * g) for j in groups])
@@ -336,7 +336,7 @@ def test_kl_term_needs_reference_logprobs(model):
 
 
 @pytest.mark.parametrize("changes,message", [
-    (dict(batch_size=12, mini_batch_size=4, num_generations=8), "batch_size=12 is not a multiple of AdvantageConfig.num_generations=8"),
+    (dict(batch_size=12, mini_batch_size=4, num_generations=8), "batch_size=12 is not a multiple of BatchConfig.num_generations=8"),
     (dict(advantage_estimator="grpo", num_generations=1), "num_generations=1 is invalid.*>= 2"),
     (dict(advantage_estimator="ppo"), "advantage_estimator='ppo' is invalid.*'gae'"),
     (dict(loss_aggregation="sum"), "loss_aggregation='sum' is invalid"),

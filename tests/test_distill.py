@@ -89,7 +89,7 @@ def test_a_lora_student_is_scored_against_the_teacher_not_its_base(models, tmp_p
     ("teacher and reference", r"give teacher= \(--teacher\) or ref_policy= \(--ref-model\), not both"),
     ("another vocabulary", r"teacher= \(--teacher\) has a vocabulary of 300 tokens and the policy one of"),
     ("weight without groups", r"task_reward_weight=0.5 is invalid: task_reward_weight must be 0 with "
-                              r"AdvantageConfig.num_generations=1"),
+                              r"BatchConfig.num_generations=1"),
     ("weight without distill", r"task_reward_weight must be 0 with advantage_estimator='grpo'"),
     ("weight without a reward", r"give a reward"),
 ])

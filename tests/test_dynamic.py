@@ -91,7 +91,7 @@ def test_informative_groups_and_bad_settings(tmp_path):
     scores = np.array([1, 1, 1, 1, 0, 1, 0, 0, 2, 2, np.nan, 2], np.float32)
     np.testing.assert_array_equal(informative_groups(scores, 4), [False, True, True])
     ppo = jaxppo.Config.from_settings(batch_size=16, mini_batch_size=8)
-    with pytest.raises(ValueError, match=r"dynamic_sampling=True needs groups: AdvantageConfig.num_generations=1"):
+    with pytest.raises(ValueError, match=r"dynamic_sampling=True needs groups: BatchConfig.num_generations=1"):
         small_trainer(tmp_path, ppo=ppo, dynamic_sampling=True)
     with pytest.raises(ValueError, match=r"RewardConfig.dynamic_sampling_rounds=0 is invalid"):
         jaxppo.Config.from_settings(dynamic_sampling=True, dynamic_sampling_rounds=0)

@@ -117,17 +117,17 @@ def test_main_job_grpo_demo_learns(tmp_path):
     assert last > first + 2.0, (first, last)
     assert all(r["ppo/updates_applied"] == 16 and "loss/value_avg" not in r for r in rows)
     settings = json.loads((tmp_path / "run_settings.json").read_text())
-    assert settings["advantages"]["advantage_estimator"] == "grpo" and settings["advantages"]["num_generations"] == 8
+    assert settings["advantages"]["advantage_estimator"] == "grpo" and settings["batch"]["num_generations"] == 8
 
 
 def test_algorithm_flag_sets_defaults_and_flags_override():
     from jaxppo.cli import resolve
 
     ppo, _ = resolve(["--algorithm", "dapo", "--cliprange-high", "0.3", "--num-generations", "4"])
-    assert (ppo.advantages.advantage_estimator, ppo.loss.cliprange_low, ppo.loss.cliprange_high, ppo.advantages.num_generations) == ("grpo", 0.2, 0.3, 4)
+    assert (ppo.advantages.advantage_estimator, ppo.loss.cliprange_low, ppo.loss.cliprange_high, ppo.batch.num_generations) == ("grpo", 0.2, 0.3, 4)
     assert ppo.kl.kl_coef == 0.0 and ppo.loss.loss_aggregation == "token_mean"
     ppo, _ = resolve([])
-    assert ppo.advantages.advantage_estimator == "gae" and ppo.advantages.num_generations == 1
+    assert ppo.advantages.advantage_estimator == "gae" and ppo.batch.num_generations == 1
     with pytest.raises(SystemExit, match="--algorithm 'grpo2' is invalid; valid: ppo, grpo"):
         resolve(["--algorithm", "grpo2"])
 

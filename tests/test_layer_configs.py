@@ -68,7 +68,7 @@ def test_every_setting_is_described_where_it_lives_and_in_the_help():
 
 def test_the_views_read_each_setting_from_its_concern_unchanged():
     objective = CONFIG.objective
-    sources = {"temperature": CONFIG.sampling, "num_generations": CONFIG.advantages}
+    sources = {"temperature": CONFIG.sampling, "num_generations": CONFIG.batch}
     for f in dataclasses.fields(Objective):
         if f.name == "uses_critic":
             continue
@@ -114,13 +114,13 @@ def test_each_concern_checks_its_settings_and_names_itself(concern, field, value
 
 @pytest.mark.parametrize("settings,names", [
     (dict(batch_size=8, mini_batch_size=4, num_generations=3), ("BatchConfig.batch_size", "num_generations=3")),
-    (dict(advantage_estimator="grpo", num_generations=1), ("AdvantageConfig.num_generations=1", "'grpo'")),
+    (dict(advantage_estimator="grpo", num_generations=1), ("BatchConfig.num_generations=1", "'grpo'")),
     (dict(importance_ratio="sequence"), ("LossConfig.importance_ratio", "AdvantageConfig.advantage_estimator='gae'")),
     (dict(response_length=8, overlong_penalty_factor=1.0, overlong_buffer=9),
      ("RewardConfig.overlong_buffer=9", "SamplingConfig.response_length=8")),
     (dict(sampler_devices=1), ("LayoutConfig.sampler_devices=1", "SamplingConfig.max_staleness")),
     (dict(inflight_updates="keep", max_staleness=1), ("SamplingConfig.inflight_updates='keep'", "num_slots")),
-    (dict(dynamic_sampling=True), ("RewardConfig.dynamic_sampling=True", "AdvantageConfig.num_generations=1")),
+    (dict(dynamic_sampling=True), ("RewardConfig.dynamic_sampling=True", "BatchConfig.num_generations=1")),
     (dict(advantage_estimator="rloo", num_generations=2, shared_trunk=True), ("AdvantageConfig.shared_trunk=True",)),
     (dict(mask_truncated_completions=True, stop_tokens=()), ("RewardConfig.mask_truncated_completions",
                                                               "SamplingConfig.stop_tokens=()")),
@@ -180,3 +180,23 @@ def test_old_spellings_translate_where_settings_come_in_not_in_replace():
     with pytest.raises(ValueError, match=r"'total_episodes' is a name before 0.5; give iterations"):
         config.replace(total_episodes=64)
     assert config.replace(adaptive_kl_target=0.3).kl.adaptive_kl_target == 0.3
+
+
+def test_num_generations_is_a_batch_shape_and_estimators_read_it_through_their_view():
+    """`num_generations` (rows = prompts x generations) is `BatchConfig`'s; an estimator is
+    handed an `EstimatorConfig`: the advantage settings by name and the group size."""
+    import copy
+    import pickle
+
+    from jaxppo.algorithms.base import EstimatorConfig
+
+    config = jaxppo.Config.for_algorithm("grpo", batch_size=16, mini_batch_size=8, num_generations=4, grpo_eps=1e-3)
+    assert config.batch.num_generations == 4 and not hasattr(config.advantages, "num_generations")
+    assert config.prompts_per_batch == 4
+    view = EstimatorConfig(config.advantages, config.batch.num_generations)
+    assert (view.num_generations, view.grpo_eps, view.grpo_scale) == (4, 1e-3, "group")
+    assert hash(view) == hash(copy.deepcopy(view)) and pickle.loads(pickle.dumps(view)) == view
+    with pytest.raises(AttributeError):
+        view.no_such_setting
+    with pytest.raises(ValueError, match=r"BatchConfig.batch_size=16 is not a multiple of BatchConfig.num_generations=3"):
+        jaxppo.BatchConfig(batch_size=16, mini_batch_size=8, num_generations=3)

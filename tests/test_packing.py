@@ -203,7 +203,7 @@ def make_rollout(model, params, b, seed=0):
 
 def config_for(name, **changes):
     sizes = dict(batch_size=16, mini_batch_size=8, ppo_epochs=2)
-    if Config.for_algorithm(name, **sizes).advantages.num_generations > 1:
+    if Config.for_algorithm(name, **sizes).batch.num_generations > 1:
         sizes["num_generations"] = 4
     return Config.for_algorithm(name, **{**sizes, **changes})
 

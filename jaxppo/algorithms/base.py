@@ -6,14 +6,14 @@ method, with its source). The registry in `jaxppo.algorithms` maps names to them
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Mapping, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 
 from jaxppo.update.stats import masked_sum
 
-__all__ = ["Advantages", "AdvantageEstimator", "Algorithm", "loss_terms", "sequence_scores"]
+__all__ = ["Advantages", "AdvantageEstimator", "EstimatorConfig", "Algorithm", "loss_terms", "sequence_scores"]
 
 
 class Advantages(NamedTuple):
@@ -29,15 +29,31 @@ class Advantages(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
+class EstimatorConfig:
+    """What an estimator's `compute` is handed: the run's `jaxppo.AdvantageConfig` (each of
+    its settings readable here by its name: `config.gamma`, `config.grpo_scale`) and the
+    size of a prompt's group, `num_generations` (`jaxppo.BatchConfig`'s: a batch shape, not
+    an advantage setting). Frozen and hashable, as the update's static config is."""
+
+    advantages: Any
+    num_generations: int = 1
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name == "advantages":  # copying and pickling look for these first
+            raise AttributeError(name)
+        return getattr(self.advantages, name)
+
+
+@dataclasses.dataclass(frozen=True)
 class AdvantageEstimator:
     """One way of turning a rollout into advantages.
 
     Attributes:
       name: the value of `AdvantageConfig.advantage_estimator`.
-      compute: `compute(rollout, config) -> Advantages`, pure and jittable, `config` the
-        run's `jaxppo.AdvantageConfig` (gamma, lam, whitening, num_generations, grpo_scale,
-        grpo_eps); reads the rollout's `rewards`, `response_mask`, and `scores` / `values`
-        as it needs.
+      compute: `compute(rollout, config) -> Advantages`, pure and jittable, `config` an
+        `EstimatorConfig`: the run's `jaxppo.AdvantageConfig` settings by name (gamma, lam,
+        whitening, grpo_scale, grpo_eps, ...) and `num_generations`; reads the rollout's
+        `rewards`, `response_mask`, and `scores` / `values` as it needs.
       uses_critic: needs a value model (`values` in the rollout, a value loss, returns).
       min_generations: the least `num_generations` it accepts (2 for the estimators that
         compare the completions of a prompt).

@@ -30,10 +30,6 @@ class AdvantageConfig(Concern):
         name registered with `jaxppo.algorithms.register_estimator` (checked by
         `jaxppo.Config` against the registry). Only "gae" uses gamma, lam,
         whiten_advantages, whiten_rewards and the critic's settings.
-      num_generations: completions per prompt (G), in consecutive rows. `BatchConfig`'s
-        sizes count completions (`batch_size % num_generations == 0`), so each iteration
-        samples `batch_size / num_generations` prompts. "grpo", "rloo" and
-        "reinforce_pp_baseline" compare the completions of a prompt: they need G >= 2.
       gamma: discount per token, in [0, 1].
       lam: GAE's lambda, in [0, 1].
       whiten_advantages: whiten advantages over the whole rollout (masked) before updates.
@@ -46,7 +42,7 @@ class AdvantageConfig(Concern):
       task_reward_weight: read by "distill" (on-policy distillation) only: the weight of
         the task's rewards (each completion's group-normalised score, GRPO's advantage,
         added at every token) beside the per-token reverse KL to the teacher; >= 0, 0: the
-        teacher alone (no reward needed). > 0 needs num_generations >= 2.
+        teacher alone (no reward needed). > 0 needs `BatchConfig.num_generations` >= 2.
       distill_top_k: read by "distill" only: 0 (the default) takes the teacher's signal
         from the sampled tokens alone (the advantage above); k > 0 keeps the teacher's k most
         likely tokens at each response position (one forward pass, `teacher_top_logprobs`)
@@ -61,7 +57,6 @@ class AdvantageConfig(Concern):
     """
 
     advantage_estimator: str = "gae"
-    num_generations: int = 1
     gamma: float = 1.0
     lam: float = 0.95
     whiten_advantages: bool = True
@@ -77,7 +72,6 @@ class AdvantageConfig(Concern):
         if not isinstance(self.advantage_estimator, str) or not self.advantage_estimator:
             raise invalid("AdvantageConfig", "advantage_estimator", self.advantage_estimator,
                           "the name of a registered estimator (jaxppo.algorithms.ESTIMATORS)")
-        check_counts(self, ("num_generations",))
         for name in ("gamma", "lam"):
             check_real(self, name, 0.0, 1.0)
         check_bools(self, ("whiten_advantages", "whiten_rewards", "shared_trunk"))

@@ -20,6 +20,7 @@ import difflib
 from typing import Mapping, Optional
 
 from jaxppo.algorithms import ESTIMATORS
+from jaxppo.algorithms.base import EstimatorConfig
 from jaxppo.config.adapters import AdapterConfig
 from jaxppo.config.algorithm import AdvantageConfig, KLConfig, LossConfig, RewardConfig
 from jaxppo.config.fields import is_flag
@@ -29,7 +30,7 @@ from jaxppo.config.renamed import DEPRECATED, translate
 from jaxppo.config.run import DataConfig, EvalConfig, RunConfig
 from jaxppo.config.sampling import EnvironmentConfig, SamplingConfig
 from jaxppo.rollout.engines import inflight_missing
-from jaxppo.update.checks import divisors, invalid
+from jaxppo.update.checks import invalid
 from jaxppo.update.minibatches import BatchConfig
 from jaxppo.update.objective import Objective
 from jaxppo.update.ppo import UpdateConfig
@@ -152,7 +153,7 @@ class Config:
     @property
     def prompts_per_batch(self) -> int:
         """Prompts sampled per iteration: `batch_size // num_generations`."""
-        return self.batch.batch_size // self.advantages.num_generations
+        return self.batch.batch_size // self.batch.num_generations
 
     @property
     def objective(self) -> Objective:
@@ -166,7 +167,7 @@ class Config:
     def update(self) -> UpdateConfig:
         """What `train_step` reads (`jaxppo.update.ppo.UpdateConfig`): the batch, the loss's
         view and the registered estimator's advantages with `advantages`' settings."""
-        estimator, settings = self.estimator, self.advantages
+        estimator, settings = self.estimator, EstimatorConfig(self.advantages, self.batch.num_generations)
         return UpdateConfig(self.batch, self.objective, lambda rollout: estimator.compute(rollout, settings))
 
     # ------------------------------------------------------------ settings by name
@@ -266,9 +267,9 @@ def _check_distillation(c: "Config", estimator):
                           "(on-policy distillation's 'distill' does: "
                           + ("the task rewards' weight beside the teacher)" if name == "task_reward_weight" else
                              "how the teacher's distribution is read)"))
-    if a.task_reward_weight and a.num_generations < 2:
+    if a.task_reward_weight and c.batch.num_generations < 2:
         raise invalid("AdvantageConfig", "task_reward_weight", a.task_reward_weight,
-                      f"0 with AdvantageConfig.num_generations={a.num_generations}: the task's advantage is each "
+                      f"0 with BatchConfig.num_generations={c.batch.num_generations}: the task's advantage is each "
                       "completion's score against its group's, and a group of one has none; set num_generations >= 2 "
                       "(and batch_size a multiple of it)")
     if a.distill_divergence != "reverse" and not a.distill_top_k:
@@ -307,16 +308,12 @@ def check_config(c: Config) -> None:
     """The rules that span two concerns, each error naming the settings involved (each
     concern has checked its own settings already)."""
     b, a, sampling = c.batch, c.advantages, c.sampling
-    if b.batch_size % a.num_generations:
-        raise ValueError(f"BatchConfig.batch_size={b.batch_size} is not a multiple of AdvantageConfig.num_generations="
-                         f"{a.num_generations}: batch_size counts completions, num_generations of them per prompt. "
-                         f"Valid num_generations values for this batch_size: {divisors(b.batch_size)}.")
     if a.advantage_estimator not in ESTIMATORS:
         raise invalid("AdvantageConfig", "advantage_estimator", a.advantage_estimator,
                       "one of " + ", ".join(map(repr, ESTIMATORS)))
     estimator = ESTIMATORS[a.advantage_estimator]
-    if a.num_generations < estimator.min_generations:
-        raise invalid("AdvantageConfig", "num_generations", a.num_generations,
+    if b.num_generations < estimator.min_generations:
+        raise invalid("BatchConfig", "num_generations", b.num_generations,
                       f">= {estimator.min_generations} with advantage_estimator={a.advantage_estimator!r}, which "
                       "compares the completions of each prompt (a group of one has no baseline)")
     if c.loss.importance_ratio != "token" and estimator.per_token:
@@ -349,9 +346,9 @@ def check_config(c: Config) -> None:
                          "stop_tokens=() has none: without one every completion is truncated and nothing would be "
                          "trained")
     _check_pipelining(c)
-    if c.rewards.dynamic_sampling and a.num_generations < 2:
-        raise ValueError(f"RewardConfig.dynamic_sampling=True needs groups: AdvantageConfig.num_generations="
-                         f"{a.num_generations}; give num_generations >= 2 (a group's scores must be able to differ), "
+    if c.rewards.dynamic_sampling and b.num_generations < 2:
+        raise ValueError(f"RewardConfig.dynamic_sampling=True needs groups: BatchConfig.num_generations="
+                         f"{b.num_generations}; give num_generations >= 2 (a group's scores must be able to differ), "
                          "or turn dynamic sampling off")
     if c.layout.attention == "cudnn":
         from jaxppo.models.model import check_cudnn_dtype

@@ -78,12 +78,14 @@ def _take(gens: list, picks: list, mesh, masked: set) -> dict:
     return fields
 
 
-def collect(table, key, run, it: int, g: int, groups: int, max_rounds: int, sample: Callable, score: Callable,
-            mesh=None) -> Collected:
-    """Run the rounds of one iteration (see the module's docstring): at most `max_rounds`
-    rounds of `groups` prompts with `g` completions each. `sample(batch, key)` -> (gen,
-    episodes) and `score(batch, gen, episodes)` -> HostScores are the trainer's stages;
-    `run.prompts_consumed` is where the data stream continues."""
+def collect(table, key, run, config, sample: Callable, score: Callable, mesh=None) -> Collected:
+    """Run the rounds of one iteration (see the module's docstring): at most
+    `config.rewards.dynamic_sampling_rounds` rounds of `config.prompts_per_batch` prompts
+    with `config.batch.num_generations` completions each (`config`: the run's
+    `jaxppo.Config`). `sample(batch, key)` -> (gen, episodes) and `score(batch, gen,
+    episodes)` -> HostScores are the trainer's stages; `run.prompts_consumed` is where the
+    data stream continues."""
+    g, groups, max_rounds = config.batch.num_generations, config.prompts_per_batch, config.rewards.dynamic_sampling_rounds
     start = run.prompts_consumed
     rounds, kept, dropped, unknown = [], [], [], 0
     for r in range(max_rounds):

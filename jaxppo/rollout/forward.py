@@ -20,6 +20,7 @@ DAPO's overlong punishment, score normalisation and clipping, per-token KL, and 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -127,9 +128,21 @@ def _raw_scores(spec: RolloutSpec, reward_params, batch, host_scores, usual):
     return raw_scores, model_scores
 
 
-def _statistics(spec: RolloutSpec, logprobs, response_mask, kl, non_score, scores, raw_scores, kl_state,
-                contains_eos, lengths, penalty, with_kl: bool) -> dict:
+class _Scored(NamedTuple):
+    """A rollout's reward terms, for its statistics: the per-token KL and non-score reward,
+    the shaped and raw scores per row, the overlong penalty (or None)."""
+
+    kl: jax.Array
+    non_score: jax.Array
+    scores: jax.Array
+    raw_scores: jax.Array
+    penalty: Optional[jax.Array]
+
+
+def _statistics(spec: RolloutSpec, logprobs, response_mask, scored: _Scored, kl_state, contains_eos, lengths,
+                with_kl: bool) -> dict:
     """The rollout's TRL-named statistics (device scalars) and the raw scores per row."""
+    kl, non_score, scores, raw_scores, penalty = scored
     mean_non_score = jnp.mean(jnp.sum(non_score, axis=1))
     stats = {
         "objective/entropy": jnp.mean(jnp.sum(-logprobs * response_mask, axis=1)),
@@ -261,8 +274,8 @@ def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompt_
                            ref_logprobs=ref_logprobs if spec.keep_ref_logprobs else None, scores=sequence_scores,
                            sampler_logprobs=gen.logprobs, response_attention_mask=attention,
                            teacher_top_logprobs=teacher_top[0], teacher_top_ids=teacher_top[1], routing=routing)
-    stats = _statistics(spec, logprobs, response_mask, kl, non_score, scores, raw_scores, kl_state, contains_eos,
-                        lengths, penalty, ref_logprobs is not None)
+    stats = _statistics(spec, logprobs, response_mask, _Scored(kl, non_score, scores, raw_scores, penalty), kl_state,
+                        contains_eos, lengths, ref_logprobs is not None)
     if model_scores is not None:
         stats["per_row/model_scores"] = model_scores
     return rollout, stats, score_moments

@@ -129,7 +129,7 @@ class RolloutSpec:
     normalize_scores: bool = _from("rewards.normalize_scores", default=False)
     score_clip: Optional[float] = _from("rewards.score_clip", default=None)
     uses_critic: bool = _from("uses_critic", default=True)
-    num_generations: int = _from("advantages.num_generations", default=1)
+    num_generations: int = _from("batch.num_generations", default=1)
     num_slots: Optional[int] = _from("sampling.num_slots", default=None)
     overlong_penalty_factor: float = _from("rewards.overlong_penalty_factor", default=0.0, convert=float)
     overlong_buffer: Optional[int] = _from("rewards.overlong_buffer", default=None)

@@ -84,7 +84,7 @@ def prompt_rows(table: PromptTable, key, iteration: int, config) -> np.ndarray:
     `jaxppo.rollout.prompts.prompt_order`, or a `PromptStream`'s own order), each repeated
     `num_generations` times in consecutive rows (a prompt's group)."""
     n = config.prompts_per_batch
-    return np.repeat(table.rows_at(key, iteration * n, n), config.advantages.num_generations)
+    return np.repeat(table.rows_at(key, iteration * n, n), config.batch.num_generations)
 
 
 def select_prompts(table: PromptTable, key, iteration: int, config, mesh=None) -> PromptBatch:
@@ -132,8 +132,7 @@ class Collector:
         iteration's prompts, or with dynamic sampling the rounds of `dynamic.collect`."""
         c = self.config
         if c.rewards.dynamic_sampling:
-            return dynamic.collect(self.table, key, run, it, c.advantages.num_generations, c.prompts_per_batch,
-                                   c.rewards.dynamic_sampling_rounds, lambda batch, k: self.sample(run, batch, k, it),
+            return dynamic.collect(self.table, key, run, c, lambda batch, k: self.sample(run, batch, k, it),
                                    lambda batch, gen, episodes: self.reward(batch, gen, episodes, it), self.mesh)
         batch = select_prompts(self.table, run.key, it, c, self.mesh)
         gen, episodes = self.sample(run, batch, key, it)

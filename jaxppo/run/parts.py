@@ -465,7 +465,7 @@ def auto_common_prefix(config, table: PromptTable, environment) -> int:
     every row), and a common prefix of at least `AUTO_COMMON_PREFIX_MIN_TOKENS` tokens and
     `AUTO_COMMON_PREFIX_MIN_SHARE` of a row."""
     layout = config.layout
-    if (environment is not None or table.streamed or layout.pack_sequences or config.advantages.num_generations > 1
+    if (environment is not None or table.streamed or layout.pack_sequences or config.batch.num_generations > 1
             or layout.device_mesh is not None or layout.sampler_devices):
         return 0
     length = common_prefix_length(table.ids, table.mask)

@@ -119,7 +119,7 @@ def iteration_metrics(it: int, host: dict, raw_scores, per_function: dict, model
         warnings.warn(f"iteration {it}: {nonfinite} of {c.updates_per_step} updates had a non-finite loss or "
                       "gradient and were skipped (parameters untouched)", RuntimeWarning, stacklevel=4)
     out = {"iteration": it, "episode": (it + 1) * c.batch_size, **{k: float(v) for k, v in host.items()}}
-    out.update(reward_statistics(raw_scores, per_function, model_scores, host, config.advantages.num_generations,
+    out.update(reward_statistics(raw_scores, per_function, model_scores, host, config.batch.num_generations,
                                  with_functions=with_functions))
     applied = int(host["ppo/updates_applied"])
     t0, t1, t2, t3 = times

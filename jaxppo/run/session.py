@@ -115,7 +115,7 @@ class Session:
 
 def headline(config, common_prefix: int = 0) -> str:
     """The run's first line: its length, its sizes and the update count they give."""
-    b, g = config.batch, config.advantages.num_generations
+    b, g = config.batch, config.batch.num_generations
     groups = f" ({config.prompts_per_batch} prompts x {g} completions)" if g > 1 else ""
     prefix = (f"; the prompts' common prefix ({common_prefix} tokens) runs once (--no-common-prefix: every row)"
               if common_prefix else "")

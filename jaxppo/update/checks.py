@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["is_int", "is_real", "divisors", "invalid", "layer_config"]
+__all__ = ["is_int", "is_real", "divisors", "invalid", "layer_config", "check_sizes"]
 
 
 def is_int(value) -> bool:
@@ -38,3 +38,27 @@ def layer_config(config, cls: type, attribute: str, name: str):
         return part
     raise TypeError(f"config must be a {name} or have one as .{attribute} (jaxppo.Config does), got "
                     f"{type(config).__name__}")
+
+
+def check_sizes(owner: str, batch_size, mini_batch_size, ppo_epochs, gradient_accumulation_steps,
+                rows: str = "row (a completion, or a reward model's pair)"):
+    """ValueError unless the counts are positive ints and divide as the engine needs:
+    `batch_size % mini_batch_size == 0` (every row in exactly one mini-batch per epoch) and
+    `mini_batch_size % gradient_accumulation_steps == 0` (equal micro-batches). `owner`
+    names the config in the message ("BatchConfig"), `rows` what a row is ("rollout row")."""
+    sizes = dict(batch_size=batch_size, mini_batch_size=mini_batch_size, ppo_epochs=ppo_epochs,
+                 gradient_accumulation_steps=gradient_accumulation_steps)
+    for name, value in sizes.items():
+        if not is_int(value) or value <= 0:
+            kind = "" if is_int(value) else f" (got type {type(value).__name__})"
+            raise ValueError(f"{owner}.{name}={value!r} is invalid: {name} must be a positive int{kind}.")
+    if batch_size % mini_batch_size:
+        raise ValueError(
+            f"{owner}.batch_size={batch_size} is not divisible by {owner}.mini_batch_size={mini_batch_size}: every "
+            f"{rows} must land in exactly one mini-batch per epoch. Valid mini_batch_size values for this "
+            f"batch_size: {divisors(batch_size)}.")
+    if mini_batch_size % gradient_accumulation_steps:
+        raise ValueError(
+            f"{owner}.mini_batch_size={mini_batch_size} is not divisible by {owner}.gradient_accumulation_steps="
+            f"{gradient_accumulation_steps}: a mini-batch must split into equal micro-batches. Valid "
+            f"gradient_accumulation_steps values: {divisors(mini_batch_size)}.")

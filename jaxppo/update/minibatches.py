@@ -27,35 +27,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxppo.update.checks import divisors, is_int, layer_config
+from jaxppo.update.checks import check_sizes, divisors, invalid, is_int, layer_config
 
 __all__ = ["BatchConfig", "batch_config", "TrainState", "Freeze", "update_epochs", "update_epochs_fn",
            "minibatch_indices", "GroupOrder", "clip_by_global_norm", "global_norm", "check_sizes"]
 
-
-
-def check_sizes(owner: str, batch_size, mini_batch_size, ppo_epochs, gradient_accumulation_steps,
-                rows: str = "row (a completion, or a reward model's pair)"):
-    """ValueError unless the counts are positive ints and divide as the engine needs:
-    `batch_size % mini_batch_size == 0` (every row in exactly one mini-batch per epoch) and
-    `mini_batch_size % gradient_accumulation_steps == 0` (equal micro-batches). `owner`
-    names the config in the message ("BatchConfig"), `rows` what a row is ("rollout row")."""
-    sizes = dict(batch_size=batch_size, mini_batch_size=mini_batch_size, ppo_epochs=ppo_epochs,
-                 gradient_accumulation_steps=gradient_accumulation_steps)
-    for name, value in sizes.items():
-        if not is_int(value) or value <= 0:
-            kind = "" if is_int(value) else f" (got type {type(value).__name__})"
-            raise ValueError(f"{owner}.{name}={value!r} is invalid: {name} must be a positive int{kind}.")
-    if batch_size % mini_batch_size:
-        raise ValueError(
-            f"{owner}.batch_size={batch_size} is not divisible by {owner}.mini_batch_size={mini_batch_size}: every "
-            f"{rows} must land in exactly one mini-batch per epoch. Valid mini_batch_size values for this "
-            f"batch_size: {divisors(batch_size)}.")
-    if mini_batch_size % gradient_accumulation_steps:
-        raise ValueError(
-            f"{owner}.mini_batch_size={mini_batch_size} is not divisible by {owner}.gradient_accumulation_steps="
-            f"{gradient_accumulation_steps}: a mini-batch must split into equal micro-batches. Valid "
-            f"gradient_accumulation_steps values: {divisors(mini_batch_size)}.")
 
 
 class BatchSizes:
@@ -85,7 +61,7 @@ class BatchConfig(BatchSizes):
     the compiled loop. All counts are rows of the rollout, global over all devices.
 
     Attributes:
-      batch_size: rows collected per PPO iteration (one rollout).
+      batch_size: rows collected per PPO iteration (one rollout): completions.
       mini_batch_size: rows per optimizer update; `batch_size % mini_batch_size == 0`.
       ppo_epochs: passes over the rollout per iteration, each with a fresh permutation.
       gradient_accumulation_steps: micro-batches one mini-batch is split into to cut memory;
@@ -93,6 +69,10 @@ class BatchConfig(BatchSizes):
         `mini_batch_size % gradient_accumulation_steps == 0`.
       target_kl: None, or > 0: once a mini-batch's approximate KL (measured before its
         update) exceeds it, that update and every later one of the same call are withheld.
+      num_generations: completions per prompt (G), in consecutive rows (a prompt's group):
+        `batch_size % num_generations == 0`, so each iteration samples `batch_size /
+        num_generations` prompts. "grpo", "rloo" and "reinforce_pp_baseline" compare the
+        completions of a prompt: they need G >= 2.
       skip_nonfinite_updates: withhold an update whose loss or gradient is not finite (counted in
         `TrainState.skipped_nonfinite`). False drops the check and its branch: every update
         applies (cheaper under `vmap`, where a branch on a batched predicate computes both
@@ -104,11 +84,19 @@ class BatchConfig(BatchSizes):
     ppo_epochs: int = 4
     gradient_accumulation_steps: int = 1
     target_kl: Optional[float] = None
+    num_generations: int = 1
     skip_nonfinite_updates: bool = dataclasses.field(default=True, metadata={"flag": False})
 
     def __post_init__(self):
         check_sizes("BatchConfig", self.batch_size, self.mini_batch_size, self.ppo_epochs,
                     self.gradient_accumulation_steps)
+        g = self.num_generations
+        if not is_int(g) or g < 1:
+            raise invalid("BatchConfig", "num_generations", g, "a positive int (completions per prompt)")
+        if self.batch_size % g:
+            raise ValueError(f"BatchConfig.batch_size={self.batch_size} is not a multiple of BatchConfig.num_generations="
+                             f"{g}: batch_size counts completions, num_generations of them per prompt. Valid "
+                             f"num_generations values for this batch_size: {divisors(self.batch_size)}.")
         kl = self.target_kl
         if kl is not None and (isinstance(kl, bool) or not isinstance(kl, (int, float)) or not 0 < kl < float("inf")):
             raise ValueError(f"BatchConfig.target_kl={kl!r} is invalid: target_kl must be None (no early stopping) "
