@@ -21,7 +21,7 @@ def _algorithms_table() -> str:
             kl.append(f"loss term, {k.kl_loss_estimator}, {k.kl_loss_coef:g}")
         rows.append(f"| `{name}` | `{a.advantage_estimator}`" + (f" ({a.grpo_scale} scale)" if a.advantage_estimator == "grpo" else "")
                     + f" | {loss.loss_aggregation} | {c.objective.clip_low:g} / {c.objective.clip_high:g} | {'; '.join(kl) or 'none'} | "
-                    f"{a.num_generations} | {loss.importance_ratio} | {algorithm.source} |")
+                    f"{c.batch.num_generations} | {loss.importance_ratio} | {algorithm.source} |")
     return "\n".join(rows)
 
 
