@@ -304,7 +304,7 @@ def test_the_command(checkpoint, tmp_path, capsys):
     from jaxppo import cli
 
     capsys.readouterr()
-    assert cli.main(["reward-model"] + flags) == 0
+    assert cli.main(["reward-model"] + flags + ["--no-progress", "--no-plot"]) == 0  # free on resume, as a policy run's
     assert "resumed from iteration 2" in capsys.readouterr().out
     assert cli.main(["reward-model"] + flags + ["--center-rewards-coefficient", "0.01"]) == 1
     assert "holds a run with other settings" in capsys.readouterr().err

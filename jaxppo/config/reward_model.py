@@ -19,7 +19,7 @@ import json
 from typing import Mapping, Optional
 
 from jaxppo.config.adapters import AdapterConfig
-from jaxppo.config.fields import Concern, check_choice, check_counts, check_optional_real, check_real
+from jaxppo.config.fields import Concern, check_choice, check_counts, check_optional_real, check_real, is_free
 from jaxppo.config.layout import LayoutConfig
 from jaxppo.config.optimizer import OptimizerConfig
 from jaxppo.config.run import RunConfig
@@ -162,9 +162,12 @@ class RewardModelConfig:
         """A copy with settings changed by name (validated again)."""
         return self.from_settings({**{c: getattr(self, c) for c in REWARD_CONCERNS}, **settings})
 
-    def settings(self) -> dict:
-        """The settings the run reads, by name, as JSON values (what its settings record and
-        the trackers get)."""
-        out = {name: getattr(getattr(self, concern), name) for name, concern in SETTINGS.items()}
+    def settings(self, recorded: bool = False) -> dict:
+        """The settings the run reads, by name, as JSON values (what the trackers get); with
+        `recorded`, those a resumed run must match: the run's settings that may change on
+        resume (its directory, cadences, trackers, progress bar, plot: `free` in
+        `RunConfig`) left out, as in a policy run's record."""
+        free = {f.name for f in dataclasses.fields(RunConfig) if is_free(f)} if recorded else set()
+        out = {name: getattr(getattr(self, concern), name) for name, concern in SETTINGS.items() if name not in free}
         out.pop("transformation", None)
         return json.loads(json.dumps(out, default=str))

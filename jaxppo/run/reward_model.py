@@ -246,10 +246,11 @@ class RewardTrainer:
     # -- training ------------------------------------------------------------------
 
     def settings(self) -> dict:
-        """What a resumed run must match: the settings, the model and the pairs."""
+        """What a resumed run must match: the settings (not those free on resume: the
+        directory, cadences, trackers, progress bar), the model and the pairs."""
         return {"reward_model": {"model": self.source, "pairs": len(self.pairs), "pairs_digest": _digest(self.pairs),
                                  "eval_pairs": 0 if self.eval_pairs is None else len(self.eval_pairs),
-                                 "steps": self.steps, **self.config.settings()}}
+                                 "steps": self.steps, **self.config.settings(recorded=True)}}
 
     def train_step(self) -> dict:
         """One step (module doc): `batch_size / mini_batch_size` optimizer updates on the
@@ -265,7 +266,7 @@ class RewardTrainer:
         self.run = self.directory.open(self.run, self.settings())
         logger = Logger(self.directory.log_dir, start_iteration=self.run.iteration,
                         report_to=run_config.trackers if jax.process_index() == 0 else ("jsonl",),
-                        config=self.settings()["reward_model"])
+                        config={**self.settings()["reward_model"], **self.config.settings()})
         self.history = logger.history
         hooks = Hooks(self.callbacks, self)
         try:

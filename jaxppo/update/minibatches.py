@@ -30,7 +30,7 @@ import optax
 from jaxppo.update.checks import check_sizes, divisors, invalid, is_int, layer_config
 
 __all__ = ["BatchConfig", "batch_config", "TrainState", "Freeze", "update_epochs", "update_epochs_fn",
-           "minibatch_indices", "GroupOrder", "clip_by_global_norm", "global_norm", "check_sizes"]
+           "minibatch_indices", "GroupOrder", "clip_by_global_norm", "global_norm", "check_sizes", "loop_config"]
 
 
 
@@ -130,7 +130,8 @@ def EngineConfig(batch_size, mini_batch_size, ppo_epochs=1, gradient_accumulatio
                   "(the same fields; its ppo_epochs defaults to 4, give ppo_epochs=1 for the old default)",
                   DeprecationWarning, stacklevel=2)
     del owner
-    return BatchConfig(batch_size, mini_batch_size, ppo_epochs, gradient_accumulation_steps, target_kl, skip_nonfinite)
+    return BatchConfig(batch_size, mini_batch_size, ppo_epochs, gradient_accumulation_steps, target_kl,
+                       skip_nonfinite_updates=skip_nonfinite)
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
@@ -576,10 +577,18 @@ update_epochs_jit = jax.jit(
 @functools.wraps(update_epochs_fn)
 def update_epochs(state, batch, key, loss_fn: Callable, config, **options):
     """`update_epochs_fn` under `jax.jit`, compiled once per `BatchConfig` (a `jaxppo.Config`
-    is reduced to its `.batch` first), loss function, options and shapes."""
-    return update_epochs_jit(state, batch, key, loss_fn, batch_config(config), **options)
+    is reduced to its `.batch` first, `loop_config`), loss function, options and shapes."""
+    return update_epochs_jit(state, batch, key, loss_fn, loop_config(config), **options)
 
 
 update_epochs.lower = lambda state, batch, key, loss_fn, config, **options: update_epochs_jit.lower(
-    state, batch, key, loss_fn, batch_config(config), **options)
+    state, batch, key, loss_fn, loop_config(config), **options)
+
+
+def loop_config(config) -> BatchConfig:
+    """The `BatchConfig` the loop compiles for: `config`'s (`batch_config`) with
+    `num_generations` at 1. The loop never reads the group size (a group-wise order comes as
+    `order`), so configs that differ only in it share one compiled loop."""
+    batch = batch_config(config)
+    return batch if batch.num_generations == 1 else dataclasses.replace(batch, num_generations=1)
 
