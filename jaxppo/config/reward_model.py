@@ -35,7 +35,6 @@ REWARD_OPTIMIZER = OptimizerConfig(learning_rate=1e-4, lr_schedule="linear", ada
 REWARD_BATCH = BatchConfig(batch_size=32, mini_batch_size=8, ppo_epochs=1)
 REWARD_RUN = RunConfig(output_dir="runs/reward_model", checkpoint_every=10, report_to="jsonl")
 EXPORT_DIR = "reward_model"  # under output_dir: the trained model, a ...ForSequenceClassification directory
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,8 +132,6 @@ class RewardModelConfig:
                     raise ValueError(f"{cls.__name__}.{name}={getattr(value, name)!r} is not a setting of a reward-model "
                                      f"run ({_WHAT_ELSE.get(concern, 'it does not read it')}); leave it at "
                                      f"{getattr(base, name)!r}. It reads: {', '.join(READS[concern])}")
-        if self.layout.dtype not in DTYPES:
-            raise invalid("LayoutConfig", "dtype", self.layout.dtype, " or ".join(map(repr, DTYPES)))
 
     @classmethod
     def from_settings(cls, settings: Optional[Mapping] = None, /, **more) -> "RewardModelConfig":
