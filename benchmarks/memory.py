@@ -47,7 +47,7 @@ from jaxppo.models.decoding import GenerationOutput
 from jaxppo.models.sampling import Sampling
 from jaxppo.rollout.engines.static import generate_jit
 from jaxppo.rollout.spec import RolloutSpec
-from jaxppo.rollout.forward import finish_rollout
+from jaxppo.rollout.forward import Shaping, finish_rollout
 from jaxppo.run import assembly
 
 import layouts
@@ -224,9 +224,12 @@ def score(row):
     if row.fsdp > 1:
         mesh = _mesh(row)
         args = [_with_shardings(a, mesh) for a in args[:3]] + [_rows_sharded(a, mesh) for a in args[3:]]
+    params, ref, rewards, ids, mask, gen, host_scores = args
+    lower = lambda: finish_rollout.lower(spec, params, ref, rewards, (ids, mask), gen, host_scores, Shaping(kl, moments))
+    if row.fsdp > 1:
         with jax.set_mesh(mesh):
-            return _timed_compile(lambda: finish_rollout.lower(spec, *args, kl, moments))
-    return _timed_compile(lambda: finish_rollout.lower(spec, *args, kl, moments))
+            return _timed_compile(lower)
+    return _timed_compile(lower)
 
 
 def generate(row):

@@ -127,13 +127,13 @@ def warm_start(model, params, tok, rows, tools, steps, length):
 def evaluate(trainer, rows, samples=8):
     """Sampled exact match on the first and second half of the questions (each asked
     `samples` times) and tool calls per episode, with the trainer's current policy."""
-    from jaxppo.rollout.environments import run_episodes
+    from jaxppo.rollout.environments import EpisodeSetup, run_episodes
     from jaxppo.rollout.prompts import PromptBatch
 
     index = np.repeat(np.arange(len(rows)), samples)
     batch = PromptBatch(index, jnp.asarray(trainer.parts.table.ids[index]), jnp.asarray(trainer.parts.table.mask[index]))
-    episodes = run_episodes(trainer.parts.environment, trainer.parts.spec, trainer.state.params, trainer.parts.table, batch,
-                            jax.random.key(1), trainer.tokenizer, 0)
+    setup = EpisodeSetup(trainer.parts.environment, trainer.parts.table, trainer.tokenizer)
+    episodes = run_episodes(setup, trainer.parts.spec, trainer.state.params, batch, jax.random.key(1), 0)
     scores = np.asarray(exact_match(None, episodes.conversations, [rows[i]["answer"] for i in index]))
     half = len(index) // 2
     return float(scores[:half].mean()), float(scores[half:].mean()), episodes.metrics["env/tool_calls"] / len(index)

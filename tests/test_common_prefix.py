@@ -16,7 +16,7 @@ from jaxppo.models.sampling import Sampling
 from jaxppo import demo
 from jaxppo.rollout.engines import sample_responses
 from jaxppo.rollout.spec import RolloutSpec
-from jaxppo.rollout.forward import finish_rollout
+from jaxppo.rollout.forward import Shaping, finish_rollout
 from jaxppo.update.kl import fixed_kl_controller
 from jaxppo.update.prefix import common_prefix_length, prefix_layout, prefix_query, to_region
 from jaxppo.update.stats import RunningMoments
@@ -116,8 +116,8 @@ def scored():
                            keep_ref_logprobs=True, reward_apply=reward.apply, old_logprobs="sampler",
                            common_prefix=prefix)
         gen = sample_responses(spec, params, ids, mask, jax.random.key(7))
-        rollout, stats, _ = finish_rollout(spec, params, ref_params, reward_params, ids, mask, gen, None,
-                                           fixed_kl_controller(0.2), RunningMoments.zeros())
+        rollout, stats, _ = finish_rollout(spec, params, ref_params, reward_params, (ids, mask), gen, None,
+                                           Shaping(fixed_kl_controller(0.2), RunningMoments.zeros()))
         out[prefix] = (rollout, jax.device_get(stats))
     return out, params, jm.PolicyAndCritic(policy, critic), np.asarray(mask)
 
@@ -330,8 +330,8 @@ def test_a_token_reward_function_reads_the_usual_layout():
                            stop_token_ids=(2,), uses_critic=False, old_logprobs="sampler", common_prefix=prefix,
                            token_reward_fn=lambda q, qm, r, rm: jnp.sum((r == 7) * rm, axis=1).astype(jnp.float32))
         gen = sample_responses(spec, params, ids, mask, jax.random.key(7))
-        _, stats, _ = finish_rollout(spec, params, None, None, ids, mask, gen, None, fixed_kl_controller(0.2),
-                                     RunningMoments.zeros())
+        _, stats, _ = finish_rollout(spec, params, None, None, (ids, mask), gen, None,
+                                     Shaping(fixed_kl_controller(0.2), RunningMoments.zeros()))
         scores[prefix] = np.asarray(stats["per_row/raw_scores"])
         expected = np.sum((np.asarray(gen.tokens) == 7) * np.asarray(gen.mask), axis=1)
         np.testing.assert_array_equal(scores[prefix], expected)

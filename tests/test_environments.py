@@ -14,7 +14,7 @@ from jaxppo import demo
 from jaxppo.update.advantages import discounted_returns, gae
 from jaxppo.update.kl import at_last_token
 from jaxppo.rollout.engines.static import generate
-from jaxppo.rollout.environments import StepResult, chat_continuation, run_episodes
+from jaxppo.rollout.environments import EpisodeSetup, StepResult, chat_continuation, run_episodes
 from jaxppo.run.iteration import select_prompts
 
 from jaxppo.tracking import read_table
@@ -56,7 +56,8 @@ def test_two_turn_episode_is_the_hand_built_sequence(tmp_path, turn_cache):
     params = spec.policy_params(trainer.state.params)
     batch = select_prompts(trainer.parts.table, trainer.run.key, 0, trainer.config)
     key = jax.random.key(7)
-    episodes = run_episodes(trainer.parts.environment, spec, trainer.state.params, trainer.parts.table, batch, key, tok, 0)
+    setup = EpisodeSetup(trainer.parts.environment, trainer.parts.table, tok)
+    episodes = run_episodes(setup, spec, trainer.state.params, batch, key, 0)
     out = jax.device_get(episodes.output)
 
     ids, mask = trainer.parts.table.ids[batch.rows], trainer.parts.table.mask[batch.rows]

@@ -87,7 +87,7 @@ def test_routing_and_experts_equal_a_loop_over_tokens(normalise, dense):
         for j in range(k):
             ex = int(idx[t, j])
             want[t] += float(top[t, j]) * ((silu(x[t] @ wg[ex]) * (x[t] @ wu[ex])) @ wd[ex])
-    got = experts_forward(jnp.asarray(x), experts, weights, wg, wu, wd, "silu", dense=dense)
+    got = experts_forward(jnp.asarray(x), experts, weights, (wg, wu, wd), "silu", dense=dense)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5)
 
 
@@ -109,7 +109,7 @@ def test_every_expert_equals_the_grouped_path_with_adapters_and_gradients():
 
     def loss(dense, x, wg, wu, wd, lora):
         adapters = {name: (a, b, 0.5) for name, (a, b) in lora.items()}
-        return jnp.sum(jnp.sin(experts_forward(x, experts, weights, wg, wu, wd, "silu", adapters, dense=dense)))
+        return jnp.sum(jnp.sin(experts_forward(x, experts, weights, (wg, wu, wd), "silu", adapters, dense=dense)))
 
     grads = {dense: jax.jit(jax.value_and_grad(lambda *a: loss(dense, *a), argnums=(0, 1, 2, 3, 4)))(
         x, wg, wu, wd, lora) for dense in (False, True)}
@@ -187,7 +187,7 @@ def test_the_cpu_program_does_not_multiply_every_expert():
         wd = jax.ShapeDtypeStruct((e, i, d), jnp.float32)
         experts = (jnp.arange(n * k).reshape(n, k) % e).astype(jnp.int32)
         weights = jnp.full((n, k), 0.5, jnp.float32)
-        loss = lambda x, wg, wu, wd: jnp.sum(experts_forward(x, experts, weights, wg, wu, wd, "silu"))  # noqa: E731
+        loss = lambda x, wg, wu, wd: jnp.sum(experts_forward(x, experts, weights, (wg, wu, wd), "silu"))  # noqa: E731
         compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(x, w, w, wd).compile()
         return compiled.memory_analysis().temp_size_in_bytes
 

@@ -16,7 +16,7 @@ from jaxppo.errors import RewardError
 from jaxppo.rollout.rewards import check_scores
 from jaxppo.rollout.engines import sample_responses
 from jaxppo.rollout.spec import RolloutSpec
-from jaxppo.rollout.forward import finish_rollout
+from jaxppo.rollout.forward import Shaping, finish_rollout
 
 
 def test_kl_estimators_match_formulas():
@@ -113,8 +113,8 @@ def test_finish_rollout_against_direct_computation(tiny_policy):
     mask = jnp.ones_like(ids)
     gen = sample_responses(spec, full, ids, mask, jax.random.key(2))
     kl_state = fixed_kl_controller(0.25)
-    rollout, stats, _ = finish_rollout(spec, full, ref_params, None, ids, mask, gen, None, kl_state,
-                                       RunningMoments.zeros())
+    rollout, stats, _ = finish_rollout(spec, full, ref_params, None, (ids, mask), gen, None,
+                                       Shaping(kl_state, RunningMoments.zeros()))
 
     # Direct computation, step by step.
     tokens = jnp.concatenate([ids, gen.tokens], 1)
@@ -156,8 +156,8 @@ def test_rollout_carries_sampler_logprobs_and_sequence_scores(tiny_policy, tempe
     gen = sample_responses(spec, params, ids, mask, jax.random.key(4))
     ref_params = jax.tree.map(lambda x: x * 0.9, params)
     host_scores = jnp.asarray(np.random.default_rng(5).normal(size=8), jnp.float32)
-    rollout, _, _ = finish_rollout(spec, params, ref_params, None, ids, mask, gen, host_scores,
-                                   fixed_kl_controller(0.1), RunningMoments.zeros())
+    rollout, _, _ = finish_rollout(spec, params, ref_params, None, (ids, mask), gen, host_scores,
+                                   Shaping(fixed_kl_controller(0.1), RunningMoments.zeros()))
     m = np.asarray(gen.mask)
     assert rollout.values is None
     np.testing.assert_array_equal(np.asarray(rollout.sampler_logprobs), np.asarray(gen.logprobs))
@@ -203,8 +203,8 @@ def _old_logprobs_rollouts(model, params, critic=None, critic_params=None, group
                            old_logprobs=source)
         gen = sample_responses(spec, full, ids, mask, jax.random.key(4))
         ref_params = jax.tree.map(lambda x: x * 0.9, params) if ref else None
-        out[source] = (spec, gen, finish_rollout(spec, full, ref_params, None, ids, mask, gen, None,
-                                                 fixed_kl_controller(0.1), RunningMoments.zeros())[0])
+        out[source] = (spec, gen, finish_rollout(spec, full, ref_params, None, (ids, mask), gen, None,
+                                                 Shaping(fixed_kl_controller(0.1), RunningMoments.zeros()))[0])
     return out
 
 
@@ -236,8 +236,8 @@ def test_old_logprobs_from_the_sampler_need_no_forward(tiny_policy):
     flops = {}
     for source, (spec, gen, _) in out.items():
         ids = jnp.ones((8, 5), jnp.int32)
-        fn = jax.jit(lambda p, g, spec=spec: finish_rollout(spec, p, None, None, ids, jnp.ones_like(ids), g, None,
-                                                            fixed_kl_controller(0.1), RunningMoments.zeros()))
+        fn = jax.jit(lambda p, g, spec=spec: finish_rollout(spec, p, None, None, (ids, jnp.ones_like(ids)), g, None,
+                                                            Shaping(fixed_kl_controller(0.1), RunningMoments.zeros())))
         flops[source] = fn.lower(params, gen).compile().cost_analysis()["flops"]
     assert flops["sampler"] < 0.02 * flops["recompute"], flops
 

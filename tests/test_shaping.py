@@ -14,7 +14,7 @@ from jaxppo.update.shaping import adaptive_entropy_coef, high_entropy_mask, over
 from jaxppo.update.stats import RunningMoments, masked_quantile
 from jaxppo.rollout.engines import sample_responses
 from jaxppo.rollout.spec import RolloutSpec
-from jaxppo.rollout.forward import finish_rollout
+from jaxppo.rollout.forward import Shaping, finish_rollout
 from jaxppo.testing.toy import make_toy
 
 Q, R, V = 4, 8, 32
@@ -136,8 +136,8 @@ def test_rollout_layer_punishes_overlong_and_masks_truncated(tiny_policy):
     mask = jnp.ones_like(ids)
     gen = sample_responses(spec, params, ids, mask, jax.random.key(5))
     host = jnp.asarray(rng.normal(size=16), jnp.float32)
-    rollout, stats, _ = finish_rollout(spec, params, None, None, ids, mask, gen, host, fixed_kl_controller(0.0),
-                                       RunningMoments.zeros())
+    rollout, stats, _ = finish_rollout(spec, params, None, None, (ids, mask), gen, host,
+                                       Shaping(fixed_kl_controller(0.0), RunningMoments.zeros()))
     toks, m = np.asarray(gen.tokens), np.asarray(gen.mask)
     lengths = m.sum(1)
     stopped = np.array([(toks[i, :lengths[i]] == 2).any() for i in range(16)])

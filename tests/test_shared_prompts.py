@@ -16,7 +16,7 @@ from jaxppo.update.kl import fixed_kl_controller
 from jaxppo.update.stats import RunningMoments
 from jaxppo.rollout.engines import sample_responses
 from jaxppo.rollout.spec import RolloutSpec
-from jaxppo.rollout.forward import finish_rollout
+from jaxppo.rollout.forward import Shaping, finish_rollout
 from jaxppo.update.batch import response_outputs
 from jaxppo.update.minibatches import GroupOrder, minibatch_indices
 from jaxppo.update.ppo import minibatch_group, prompt_group
@@ -239,8 +239,8 @@ def test_scoring_pass_with_shared_prompts_equals_every_row():
                            num_generations=G, share_prompts=share, keep_ref_logprobs=True,
                            token_reward_fn=lambda pi, pm_, ri, rm: jnp.sum((ri == 7) * rm, axis=1).astype(jnp.float32))
         gen = sample_responses(spec, params, ids, mask, jax.random.key(2))
-        rollouts.append(finish_rollout(spec, params, ref_params, None, ids, mask, gen, None,
-                                       fixed_kl_controller(0.2), RunningMoments.zeros())[0])
+        rollouts.append(finish_rollout(spec, params, ref_params, None, (ids, mask), gen, None,
+                                       Shaping(fixed_kl_controller(0.2), RunningMoments.zeros()))[0])
     shared, rows = rollouts
     np.testing.assert_array_equal(np.asarray(shared.response_tokens), np.asarray(rows.response_tokens))
     m = np.asarray(rows.response_mask)

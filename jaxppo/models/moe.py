@@ -59,11 +59,12 @@ def route(logits, k: int, normalise: bool):
 DENSE_TOKENS = 128
 
 
-def experts_forward(x, experts, weights, wg, wu, wd, act: str, adapters=None, out_dtype=None,
+def experts_forward(x, experts, weights, kernels: tuple, act: str, adapters=None, out_dtype=None,
                     dense: Optional[bool] = None):
     """The experts' outputs for tokens x (N, D), each routed to `experts` (N, k) with
     `weights` (N, k): sum_j weights[n, j] * down(act(gate(x_n)) * up(x_n)) of expert
-    experts[n, j]. Kernels wg/wu (E, D, I), wd (E, I, D). `adapters`: {projection name:
+    experts[n, j]. `kernels`: (wg, wu, wd), the gate and up kernels (E, D, I) and the down
+    kernel (E, I, D). `adapters`: {projection name:
     (A (E, in, r), B (E, r, out), scale)} adds each expert's low-rank update
     scale * (x A_e) B_e to that projection (LoRA on the experts). An expert index of E
     or more (the expert-parallel path's pairs of other devices) gives 0.
@@ -75,7 +76,8 @@ def experts_forward(x, experts, weights, wg, wu, wd, act: str, adapters=None, ou
     if dense is None:
         dense = x.shape[0] <= DENSE_TOKENS
     if dense:
-        return every_expert(x, experts, weights, wg, wu, wd, act, adapters, out_dtype)
+        return every_expert(x, experts, weights, kernels, act, adapters, out_dtype)
+    wg, wu, wd = kernels
     n, k = experts.shape
     num_experts = wg.shape[0]
     flat = experts.reshape(-1)
@@ -100,7 +102,7 @@ def experts_forward(x, experts, weights, wg, wu, wd, act: str, adapters=None, ou
     return jnp.sum(y[back].reshape(n, k, -1), axis=1, dtype=jnp.float32).astype(out_dtype or x.dtype)
 
 
-def every_expert(x, experts, weights, wg, wu, wd, act: str, adapters=None, out_dtype=None):
+def every_expert(x, experts, weights, kernels: tuple, act: str, adapters=None, out_dtype=None):
     """`experts_forward` for few tokens: one product of all N tokens with all E experts per
     projection ((E, N, I) and (E, N, D) values), then each token's k chosen outputs taken
     from the last and summed in the order of its slots. E / k times the grouped path's
@@ -109,6 +111,7 @@ def every_expert(x, experts, weights, wg, wu, wd, act: str, adapters=None, out_d
     (a few kernels a trip, up to E trips per projection), this is one product. On the
     accelerators the product of N <= `DENSE_TOKENS` rows with a kernel stays below the
     point where its arithmetic, not its reads, takes the time."""
+    wg, wu, wd = kernels
     n, k = experts.shape
     adapters = adapters or {}
 
@@ -155,7 +158,7 @@ def _expert_shards(num_experts: int, tokens: int) -> int:
     return n if num_experts % n == 0 and tokens % n == 0 else 1
 
 
-def _expert_parallel(x, experts, weights, wg, wu, wd, act: str, adapters=None):
+def _expert_parallel(x, experts, weights, kernels: tuple, act: str, adapters=None):
     """`experts_forward` with the experts computed where they are stored: each device of
     the "fsdp" axis holds E / fsdp experts (`jaxppo.sharding.param_spec`) and, inside
     `jax.shard_map` over that axis, gathers its group's tokens and routing, computes the
@@ -178,14 +181,14 @@ def _expert_parallel(x, experts, weights, wg, wu, wd, act: str, adapters=None):
         x, experts, weights = everyone(x).astype(dtype), everyone(experts), everyone(weights)
         own = experts - jax.lax.axis_index("fsdp") * wg.shape[0]
         mine = (own >= 0) & (own < wg.shape[0])
-        out = experts_forward(x, jnp.where(mine, own, wg.shape[0]), jnp.where(mine, weights, 0.0), wg, wu, wd, act,
-                              adapters, out_dtype=jnp.float32)  # rounded once, after the sum over devices
+        out = experts_forward(x, jnp.where(mine, own, wg.shape[0]), jnp.where(mine, weights, 0.0), (wg, wu, wd),
+                              act, adapters, out_dtype=jnp.float32)  # rounded once, after the sum over devices
         return jax.lax.psum_scatter(out, "fsdp", scatter_dimension=0, tiled=True)
 
     rows, stored = P("fsdp"), P("fsdp")
     return jax.shard_map(local, in_specs=(rows, rows, rows, stored, stored, stored, jax.tree.map(lambda _: stored, pairs)),
                          out_specs=rows, axis_names={"fsdp"}, check_vma=False)(
-        x.astype(jnp.float32), experts, weights, wg, wu, wd, pairs).astype(dtype)
+        x.astype(jnp.float32), experts, weights, *kernels, pairs).astype(dtype)
 
 
 def grouped_matmul(rows, kernels, sizes):
@@ -355,6 +358,6 @@ class SparseMoe(nn.Module):
                                           name="experts")()
         kernels = tuple(w.astype(self.dtype) for w in (wg, wu, wd))
         run = _expert_parallel if _expert_shards(c.num_experts, tokens.shape[0]) > 1 else experts_forward
-        out = run(tokens.astype(self.dtype), experts, weights, *kernels, c.activation,
+        out = run(tokens.astype(self.dtype), experts, weights, kernels, c.activation,
                   adapters if self.adapters else None)
         return out.reshape(*lead, d)

@@ -28,7 +28,7 @@ from jaxppo import sharding
 from jaxppo.config.optimizer import build_optimizer
 from jaxppo.models.hf import ConfigOnly
 from jaxppo.models.decoding import GenerationOutput
-from jaxppo.rollout.forward import finish_rollout
+from jaxppo.rollout.forward import Shaping, finish_rollout
 from jaxppo.rollout.engines.static import lower_generate
 from jaxppo.run.assembly import assemble
 from jaxppo.run.compiled import Step, abstract_rollout
@@ -177,8 +177,10 @@ def lower_score(shapes: RunShapes):
     rows = shapes.rows_placed((i32(b, q), i32(b, q), gen, f32(b) if shapes.host_scores else None))
     state = shapes.run
     with _mesh_context(shapes):
-        return finish_rollout.lower(shapes.spec, state.train.params, shapes.ref_params, shapes.reward_params, *rows,
-                                    shapes.replicated(state.kl), shapes.replicated(state.score_moments))
+        ids, mask, gen, host_scores = rows
+        return finish_rollout.lower(shapes.spec, state.train.params, shapes.ref_params, shapes.reward_params,
+                                    (ids, mask), gen, host_scores,
+                                    Shaping(shapes.replicated(state.kl), shapes.replicated(state.score_moments)))
 
 
 def lower_generate_program(shapes: RunShapes):

@@ -18,13 +18,13 @@ from jaxppo.errors import RewardError
 from jaxppo.models.decoding import GenerationOutput
 from jaxppo.models.sampling import Sampling
 from jaxppo.rollout.engines import Capabilities, RolloutEngine, register_rollout_engine, sample_responses
-from jaxppo.rollout.forward import finish_rollout
+from jaxppo.rollout.forward import Shaping, finish_rollout
 from jaxppo.rollout.prompts import PromptStreamEnded, load_prompts
 from jaxppo.rollout.streams import mix_prompts
 from jaxppo.rollout.rewards import check_scores, nonfinite_rows
 from jaxppo.rollout.engines.static import generate
 from jaxppo.rollout.spec import RolloutSpec
 
-__all__ = ["RolloutSpec", "sample_responses", "generate", "Sampling", "GenerationOutput", "finish_rollout", "check_scores",
-           "nonfinite_rows", "RewardError", "RolloutEngine", "Capabilities", "register_rollout_engine", "load_prompts",
-           "mix_prompts", "PromptStreamEnded"]
+__all__ = ["RolloutSpec", "sample_responses", "generate", "Sampling", "GenerationOutput", "finish_rollout", "Shaping",
+           "check_scores", "nonfinite_rows", "RewardError", "RolloutEngine", "Capabilities", "register_rollout_engine",
+           "load_prompts", "mix_prompts", "PromptStreamEnded"]

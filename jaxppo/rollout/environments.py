@@ -32,7 +32,7 @@ import functools
 import queue
 import threading
 import time
-from typing import Callable, NamedTuple, Optional, Union
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import jax
 import numpy as np
@@ -44,7 +44,7 @@ from jaxppo.rollout.engines import BUILT_IN, engine_class
 from jaxppo.rollout.engines.static import TurnInput
 from jaxppo.rollout.rewards import accepted_columns, load_callable, qualified_name
 
-__all__ = ["StepResult", "EpisodeOutput", "EpisodeError", "EnvironmentSpec", "Episodes", "run_episodes",
+__all__ = ["StepResult", "EpisodeOutput", "EpisodeError", "EnvironmentSpec", "EpisodeSetup", "Episodes", "run_episodes",
            "load_factory", "observation_ids", "chat_continuation"]
 
 
@@ -110,6 +110,19 @@ class EnvironmentSpec:
     @property
     def name(self) -> str:
         return qualified_name(self.factory)
+
+
+class EpisodeSetup(NamedTuple):
+    """Where a run's episodes are played, the same for every batch: the environment
+    (`EnvironmentSpec`), the prompt table the batches' rows index
+    (`jaxppo.rollout.prompts.PromptTable`: the prompts the environments are reset with), the
+    tokenizer (renders observations, decodes turns) and the mesh the rows are split over
+    (None: one device)."""
+
+    environment: EnvironmentSpec
+    table: Any
+    tokenizer: Any
+    mesh: Any = None
 
 
 class Episodes(NamedTuple):
@@ -249,9 +262,10 @@ class _Workers:
 class _Play:
     """The host state of one batch of episodes, filled turn by turn."""
 
-    def __init__(self, env: EnvironmentSpec, spec, table, batch, tokenizer, iteration: int):
-        self.env, self.spec, self.table, self.batch, self.tokenizer = env, spec, table, batch, tokenizer
-        self.iteration = iteration
+    def __init__(self, setup: EpisodeSetup, spec, batch, iteration: int):
+        self.env, self.table, self.tokenizer = setup.environment, setup.table, setup.tokenizer
+        self.spec, self.batch, self.iteration = spec, batch, iteration
+        env = self.env
         b, r = len(batch.rows), spec.response_length
         self.tokens = np.full((b, r), spec.pad_token_id, np.int32)
         self.logprobs = np.zeros((b, r), np.float32)
@@ -444,10 +458,11 @@ class _Sampler:
         return gen
 
 
-def run_episodes(env: EnvironmentSpec, spec, params, table, batch, key, tokenizer, iteration: int,
-                 mesh=None, engine=None, temperature=None) -> Episodes:
-    """Play one batch of episodes (one per row of `batch`) with the policy in the train
-    `params`, sampled by `engine` (a `jaxppo.rollout.engines.RolloutEngine` with
+def run_episodes(setup: EpisodeSetup, spec, params, batch, key, iteration: int, engine=None,
+                 temperature=None) -> Episodes:
+    """Play one batch of episodes (one per row of `batch`, a
+    `jaxppo.rollout.prompts.PromptBatch` of `setup.table`) in `setup` (`EpisodeSetup`) with
+    the policy in the train `params`, sampled by `engine` (a `jaxppo.rollout.engines.RolloutEngine` with
     `multi_turn`, whose weights the caller has set; None: the built-in engine of `spec`,
     given `spec.policy_params(params)`); returns `Episodes`. The first turn samples from
     the prompts with `key` (so with one turn and no turn length the tokens equal the
@@ -457,7 +472,8 @@ def run_episodes(env: EnvironmentSpec, spec, params, table, batch, key, tokenize
     if engine is None:
         engine = engine_class(BUILT_IN, spec.num_slots).create(spec, params)
         engine.set_weights(spec.policy_params(params), None)
-    play = _Play(env, spec, table, batch, tokenizer, iteration)
+    env, tokenizer, mesh = setup.environment, setup.tokenizer, setup.mesh
+    play = _Play(setup, spec, batch, iteration)
     try:
         play.reset()
         r = spec.response_length

@@ -7,7 +7,7 @@ reward is a Python function on decoded text:
 
     sample_responses(spec, params, prompts, key)        -> GenerationOutput     (jit, `engines`)
     [scores = reward_fn(prompt texts, response texts)]                          (host, `rewards`)
-    finish_rollout(spec, params, ref_params, ...)       -> RolloutBatch, stats       (jit, here)
+    finish_rollout(spec, params, ref_params, ...)       -> RolloutBatch, stats  (jit, here)
 
 `finish_rollout` recomputes the policy's log-probs and the critic's values with the same function
 the PPO loss uses (so the first update sees ratio 1), the reference log-probs, the scores
@@ -37,7 +37,16 @@ from jaxppo.update.prefix import prefix_layout, prefix_query, to_region
 from jaxppo.update.shaping import overlong_penalty
 from jaxppo.update.stats import RunningMoments, masked_sum, running_moments_update
 
-__all__ = ["finish_rollout"]
+__all__ = ["finish_rollout", "Shaping"]
+
+
+class Shaping(NamedTuple):
+    """What reward shaping carries from one iteration to the next: the KL controller's state
+    (`jaxppo.update.kl.KLControllerState`: the coefficient of the KL penalty) and the running
+    moments of the scores (`RunningMoments`, read and updated with `normalize_scores`)."""
+
+    kl: KLControllerState
+    score_moments: RunningMoments
 
 
 def _group(spec: RolloutSpec, rows: int) -> int:
@@ -214,18 +223,20 @@ def _shaped_scores(spec: RolloutSpec, raw_scores, stopped, lengths, budget: int,
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
-def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompt_ids, prompt_mask,
-                   gen: GenerationOutput, host_scores, kl_state: KLControllerState,
-                   score_moments: RunningMoments):
+def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompts: tuple, gen: GenerationOutput,
+                   host_scores, shaping: Shaping):
     """Build the `RolloutBatch` and its statistics from sampled responses (compiled).
 
-    host_scores: (B,) scores from text reward functions (weighted and summed), or None;
-    added to the reward model's scores (times `spec.reward_weight`) when the spec has one. Returns (rollout, stats, score_moments), with
-    TRL-named statistics: objective/kl, objective/entropy, objective/non_score_reward,
-    objective/rlhf_reward, objective/scores, val/num_eos_tokens, ..., and the (B,) scores
-    before penalties and normalisation as `per_row/raw_scores` (the reward model's own as
-    `per_row/model_scores`). Without a reference, `objective/kl` is absent.
-    """
+    params (the policy's, with the critic's where the spec has one), ref_params, reward_params
+    (None where the spec has no such model). prompts: (ids, mask), each (B, query width), the
+    rows `gen` was sampled from. shaping: the KL coefficient and the score moments.
+    host_scores: (B,) scores from text reward functions (weighted and summed), or None; added
+    to the reward model's scores (times `spec.reward_weight`) when the spec has one. Returns
+    (rollout, stats, score_moments), with TRL-named statistics (objective/kl, .../entropy,
+    .../non_score_reward, .../rlhf_reward, .../scores, val/num_eos_tokens, ...; no
+    objective/kl without a reference) and the (B,) scores before penalties and normalisation
+    as `per_row/raw_scores` (the reward model's own as `per_row/model_scores`)."""
+    (prompt_ids, prompt_mask), (kl_state, score_moments) = prompts, shaping
     # A multi-turn episode (`jaxppo.rollout.environments.EpisodeOutput`) also has the environment's
     # tokens in the sequence, and says which episodes ran out of budget.
     attention = getattr(gen, "attention_mask", None)

@@ -32,7 +32,7 @@ import numpy as np
 
 from jaxppo.models.model import join_sequences
 from jaxppo.models.tokenizer import decode_responses
-from jaxppo.rollout.environments import run_episodes
+from jaxppo.rollout.environments import EpisodeSetup, run_episodes
 from jaxppo.rollout.prompts import PromptTable, prompt_batch
 from jaxppo.rollout.spec import RolloutSpec
 from jaxppo.run.outputs import stopped_rows, table_rows
@@ -154,9 +154,9 @@ class Evaluator:
             if environment is None:
                 return engine.sample(batch.ids, batch.mask, key, num_generations=self.generations,
                                      response_length=spec.response_length, **settings), None
-            played = run_episodes(environment, dataclasses.replace(spec, num_generations=self.generations), params,
-                                  self.table, batch, key, self.tokenizer, iteration, self.mesh, engine=engine,
-                                  **settings)
+            setup = EpisodeSetup(environment, self.table, self.tokenizer, self.mesh)
+            played = run_episodes(setup, dataclasses.replace(spec, num_generations=self.generations), params, batch,
+                                  key, iteration, engine=engine, **settings)
         return played.output, played
 
     def _table(self, rows, completions, total, per_function, mask, tokens):

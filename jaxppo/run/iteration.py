@@ -56,9 +56,9 @@ from jaxppo.errors import RewardError
 from jaxppo.models.tokenizer import decode_responses, unknown_token_count
 from jaxppo.rollout import dynamic
 from jaxppo.rollout.dynamic import Collected
-from jaxppo.rollout.environments import EnvironmentSpec, run_episodes
+from jaxppo.rollout.environments import EnvironmentSpec, EpisodeSetup, run_episodes
 from jaxppo.rollout.engines import RolloutEngine, sample_responses
-from jaxppo.rollout.forward import finish_rollout
+from jaxppo.rollout.forward import Shaping, finish_rollout
 from jaxppo.rollout.prompts import PromptBatch, PromptTable, prompt_batch
 from jaxppo.rollout.rewards import HostRewards, HostScores, nonfinite_rows
 from jaxppo.rollout.spec import RolloutSpec
@@ -177,8 +177,8 @@ class Collector:
                 with mesh_context(self.mesh):
                     return engine.sample(batch.ids, batch.mask, key, num_generations=spec.num_generations,
                                          response_length=spec.response_length), None
-            episodes = run_episodes(self.environment, spec, run.train.params, self.table, batch, key, self.tokenizer,
-                                    it, self.mesh, engine=engine)
+            setup = EpisodeSetup(self.environment, self.table, self.tokenizer, self.mesh)
+            episodes = run_episodes(setup, spec, run.train.params, batch, key, it, engine=engine)
         return episodes.output, episodes
 
     def reward(self, batch: PromptBatch, gen, episodes, it: int) -> HostScores:
@@ -245,8 +245,8 @@ def build(spec: RolloutSpec, params, ref_params, reward_params, batch: PromptBat
     if spec.pack_sequences:
         spec = scoring_streams(spec, batch, gen)
     with mesh_context(mesh):
-        rollout, stats, moments = finish_rollout(spec, params, ref_params, reward_params, batch.ids, batch.mask, gen,
-                                                 scores.scores, run.kl, run.score_moments)
+        rollout, stats, moments = finish_rollout(spec, params, ref_params, reward_params, (batch.ids, batch.mask), gen,
+                                                 scores.scores, Shaping(run.kl, run.score_moments))
     raw_scores = to_host(stats.pop("per_row/raw_scores"))
     model_scores = stats.pop("per_row/model_scores", None)
     if run.entropy_coef is not None:  # the adaptive coefficient reaches the loss with the rollout
