@@ -124,6 +124,13 @@ class ModelConfig:
     def rope_params(self) -> dict:
         return dict(self.rope_scaling or ())
 
+    @property
+    def mrope_section(self) -> Optional[Tuple[int, ...]]:
+        """Qwen2.5-VL's multimodal rotary sections (frequencies turning with the temporal,
+        height and width positions; `jaxppo.models.transformer.apply_rope`), or None."""
+        sections = self.rope_params.get("mrope_section")
+        return None if sections is None else tuple(int(s) for s in sections)
+
     # ------------------------------------------------------------------ Hugging Face
 
     @classmethod

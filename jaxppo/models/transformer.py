@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import math
 from typing import Any, NamedTuple, Optional
+import numpy as np
 
 import flax.linen as nn
 import jax
@@ -80,10 +81,22 @@ def rope_inv_freq(config: ModelConfig, local: bool = False):
     return inv_freq
 
 
-def apply_rope(x, positions, inv_freq):
+def apply_rope(x, positions, inv_freq, sections=None):
     """Rotary embeddings on x (B, L, H, D) at `positions` (B, L) with `inv_freq` (D/2,)
-    (`rope_inv_freq`): pairs (i, i + D/2) rotated, as Hugging Face's rotate_half does."""
-    freqs = positions[..., None].astype(jnp.float32) * inv_freq  # (B, L, D/2)
+    (`rope_inv_freq`): pairs (i, i + D/2) rotated, as Hugging Face's rotate_half does.
+
+    Multimodal rotary positions (Qwen2.5-VL's M-RoPE): `positions` (B, L, 3), a (temporal,
+    height, width) position per token, and `sections` (three counts summing to D/2, the
+    config's `mrope_section`): the first sections[0] frequencies turn with the temporal
+    position, the next sections[1] with the height, the rest with the width. Text tokens
+    have three equal positions, where this is the rotation of (B, L) positions."""
+    if positions.ndim == 3:
+        if sections is None or sum(sections) != inv_freq.shape[0]:
+            raise ValueError(f"3-D rotary positions need mrope sections summing to {inv_freq.shape[0]}; got {sections}")
+        axis = np.repeat(np.arange(3), sections)  # the position axis of each frequency
+        freqs = positions[..., axis].astype(jnp.float32) * inv_freq  # (B, L, D/2)
+    else:
+        freqs = positions[..., None].astype(jnp.float32) * inv_freq  # (B, L, D/2)
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
     cos, sin = jnp.cos(emb), jnp.sin(emb)
     x32 = x.astype(jnp.float32)

@@ -1,0 +1,310 @@
+"""Qwen2.5-VL's vision encoder in Flax, the layout of its patches, and the language model's
+3-D rotary positions (M-RoPE).
+
+The image processor (transformers' `Qwen2VLImageProcessor`) cuts an image into a grid of
+t x h x w patches (t = 1 for a still image, repeated over `temporal_patch_size` frames) and
+flattens each patch to in_channels * temporal_patch_size * patch_size^2 values, ordered so
+that every spatial_merge_size^2 block of neighbouring patches is consecutive. The encoder:
+
+1. a linear patch embedding (Hugging Face's Conv3d, whose stride equals its kernel);
+2. rotary positions in two dimensions: half of each head's rotated pairs turn with the
+   patch's row, half with its column;
+3. `depth` pre-norm blocks (RMSNorm, attention, RMSNorm, gated MLP) that attend within
+   windows of `window_size` pixels, except the blocks of `fullatt_block_indexes`, which
+   attend over their whole image (frame);
+4. the merger: RMSNorm, each block of merge^2 patches concatenated, an MLP to the language
+   model's width: one image token per block.
+
+The patches are visited window by window (`VisionLayout.order`) so each window is a run of
+consecutive rows; attention is masked to the row's window or frame. Everything about the
+grids is computed on the host (`vision_layout`) and static for the compiled encoder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple, Sequence, Tuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxppo.models.transformer import RMSNorm
+
+__all__ = ["QwenVisionConfig", "QwenVisionEncoder", "VisionLayout", "vision_layout", "mrope_positions",
+           "vision_params_from_hf"]
+
+
+@dataclasses.dataclass(frozen=True)
+class QwenVisionConfig:
+    """The vision transformer's shape (Hugging Face's `Qwen2_5_VLVisionConfig` names)."""
+
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    out_hidden_size: int
+    in_channels: int = 3
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    window_size: int = 112
+    fullatt_block_indexes: Tuple[int, ...] = (7, 15, 23, 31)
+    hidden_act: str = "silu"
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
+            raise ValueError(f"vision hidden_size {self.hidden_size} must split into {self.num_heads} heads whose "
+                             "size is a multiple of 4 (half of each head turns with the rows, half with the columns)")
+        unit = self.spatial_merge_size * self.patch_size
+        if self.window_size % unit:
+            raise ValueError(f"vision window_size {self.window_size} must be a multiple of spatial_merge_size x "
+                             f"patch_size ({unit})")
+        object.__setattr__(self, "fullatt_block_indexes", tuple(int(i) for i in self.fullatt_block_indexes))
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_values(self) -> int:
+        """Values per flattened patch (the processor's `pixel_values` row width)."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @property
+    def merge_unit(self) -> int:
+        """Patches per image token."""
+        return self.spatial_merge_size ** 2
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "QwenVisionConfig":
+        """From a Hugging Face `vision_config` dict."""
+        rope = d.get("rope_parameters") or {}
+        return cls(depth=d["depth"], hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
+                   num_heads=d["num_heads"], out_hidden_size=d["out_hidden_size"],
+                   in_channels=d.get("in_channels", 3), patch_size=d.get("patch_size", 14),
+                   temporal_patch_size=d.get("temporal_patch_size", 2),
+                   spatial_merge_size=d.get("spatial_merge_size", 2), window_size=d.get("window_size", 112),
+                   fullatt_block_indexes=tuple(d.get("fullatt_block_indexes", ())),
+                   hidden_act=d.get("hidden_act", "silu"), rope_theta=float(rope.get("rope_theta", 10000.0)))
+
+
+class VisionLayout(NamedTuple):
+    """The patches of a tuple of image grids as the encoder visits them (numpy, host).
+
+    order: (N,) patch indices, window by window (the encoder's row i is patch order[i]).
+    positions: (N, 2) each visited patch's (row, column) in its image.
+    windows: (N,) the window of each visited patch (attention of the windowed blocks).
+    frames: (N,) the frame (image, t) of each visited patch (attention of the full blocks).
+    restore: (N / merge_unit,) where each image token, in the processor's order, is among
+      the merged rows.
+    """
+
+    order: np.ndarray
+    positions: np.ndarray
+    windows: np.ndarray
+    frames: np.ndarray
+    restore: np.ndarray
+
+
+def _check_grid(grid, config: QwenVisionConfig) -> Tuple[int, int, int]:
+    t, h, w = (int(v) for v in grid)
+    m = config.spatial_merge_size
+    if min(t, h, w) < 1 or h % m or w % m:
+        raise ValueError(f"image grid (t, h, w) = {(t, h, w)}: each must be positive and h, w multiples of "
+                         f"spatial_merge_size {m}")
+    return t, h, w
+
+
+def vision_layout(grids: Sequence[Sequence[int]], config: QwenVisionConfig) -> VisionLayout:
+    """The `VisionLayout` of images with patch grids `grids` ((t, h, w) each, as the
+    processor's `image_grid_thw`), their patches concatenated in that order."""
+    m, unit = config.spatial_merge_size, config.merge_unit
+    side = config.window_size // m // config.patch_size  # a window's side in image tokens
+    merged_order, windows, frames, positions, start, frame = [], [], [], [], 0, 0
+    for grid in grids:
+        t, h, w = _check_grid(grid, config)
+        rows, cols = h // m, w // m
+        tokens = np.arange(t * rows * cols).reshape(t, rows, cols) + start
+        for f in range(t):
+            for i in range(0, rows, side):
+                for j in range(0, cols, side):
+                    block = tokens[f, i:i + side, j:j + side].reshape(-1)
+                    merged_order.append(block)
+                    windows.append(np.full(block.size * unit, len(windows)))
+            frames.append(np.full(rows * cols * unit, frame))
+            frame += 1
+        # (row, column) of each patch in the processor's order: merge blocks row-major, the
+        # patches of a block row-major inside it; the same for every frame.
+        r, c = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+        blocks = lambda a: a.reshape(rows, m, cols, m).transpose(0, 2, 1, 3).reshape(-1)  # noqa: E731
+        positions.append(np.tile(np.stack([blocks(r), blocks(c)], axis=-1), (t, 1)))
+        start += t * rows * cols
+    merged = np.concatenate(merged_order)
+    order = (merged[:, None] * unit + np.arange(unit)).reshape(-1)
+    frames = np.concatenate(frames)
+    return VisionLayout(order.astype(np.int32), np.concatenate(positions)[order].astype(np.int32),
+                        np.concatenate(windows).astype(np.int32), frames[order].astype(np.int32),
+                        np.argsort(merged).astype(np.int32))
+
+
+def _rotate(x, cos, sin):
+    """Rotary embedding of x (N, H, D) in float32: pairs (i, i + D/2), Hugging Face's rotate_half."""
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    return (x32 * cos[:, None] + rotated * sin[:, None]).astype(x.dtype)
+
+
+class _Attention(nn.Module):
+    config: QwenVisionConfig
+    dtype: Any
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self, x, cos, sin, mask):
+        c = self.config
+        n = x.shape[0]
+        qkv = nn.Dense(3 * c.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype, name="qkv")(x)
+        q, k, v = jnp.moveaxis(qkv.reshape(n, 3, c.num_heads, c.head_dim), 1, 0)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        scores = jnp.einsum("qhd,khd->hqk", q, k, preferred_element_type=jnp.float32) / np.sqrt(c.head_dim)
+        scores = jnp.where(mask[None], scores, jnp.finfo(jnp.float32).min)
+        weights = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+        out = jnp.einsum("hqk,khd->qhd", weights, v.astype(self.dtype)).reshape(n, c.hidden_size)
+        return nn.Dense(c.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype, name="proj")(out)
+
+
+class _MLP(nn.Module):
+    config: QwenVisionConfig
+    dtype: Any
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.config
+        dense = lambda n, name: nn.Dense(n, dtype=self.dtype, param_dtype=self.param_dtype, name=name)  # noqa: E731
+        act = getattr(jax.nn, c.hidden_act)
+        return dense(c.hidden_size, "down_proj")(act(dense(c.intermediate_size, "gate_proj")(x))
+                                                 * dense(c.intermediate_size, "up_proj")(x))
+
+
+class _Block(nn.Module):
+    config: QwenVisionConfig
+    dtype: Any
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self, x, cos, sin, mask):
+        c, kw = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        x = x + _Attention(c, **kw, name="attn")(RMSNorm(c.norm_eps, **kw, name="norm1")(x), cos, sin, mask)
+        return x + _MLP(c, **kw, name="mlp")(RMSNorm(c.norm_eps, **kw, name="norm2")(x))
+
+
+class QwenVisionEncoder(nn.Module):
+    """Qwen2.5-VL's vision transformer: `pixel_values` (N, patch_values) of images laid out as
+    `layout` (`vision_layout` of their grids; its arrays may be numpy or device arrays)
+    -> image token embeddings (N / merge_unit, out_hidden_size), in the processor's order
+    (the order of the image tokens in the text)."""
+
+    config: QwenVisionConfig
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, pixel_values, layout: VisionLayout):
+        c, kw = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        if pixel_values.shape != (len(layout.order), c.patch_values):
+            raise ValueError(f"pixel_values of shape {pixel_values.shape} for a layout of {len(layout.order)} "
+                             f"patches of {c.patch_values} values")
+        x = nn.Dense(c.hidden_size, use_bias=False, **kw, name="patch_embed")(pixel_values.astype(self.dtype))
+        x = x[layout.order]
+        # Each head's first half of frequencies turns with the row, the second with the column.
+        inv_freq = 1.0 / (c.rope_theta ** (np.arange(0, c.head_dim // 2, 2, dtype=np.float32) / (c.head_dim // 2)))
+        angles = (jnp.asarray(layout.positions, jnp.float32)[:, :, None] * inv_freq).reshape(len(x), -1)
+        angles = jnp.concatenate([angles, angles], axis=-1)
+        cos, sin = jnp.cos(angles), jnp.sin(angles)
+        windows, frames = jnp.asarray(layout.windows), jnp.asarray(layout.frames)
+        window_mask = windows[:, None] == windows[None, :]
+        frame_mask = frames[:, None] == frames[None, :]
+        for i in range(c.depth):
+            mask = frame_mask if i in c.fullatt_block_indexes else window_mask
+            x = _Block(c, **kw, name=f"blocks_{i}")(x, cos, sin, mask)
+        # The merger: one image token per block of merge^2 patches.
+        x = RMSNorm(c.norm_eps, **kw, name="ln_q")(x).reshape(-1, c.hidden_size * c.merge_unit)
+        x = nn.Dense(c.hidden_size * c.merge_unit, **kw, name="merger_fc1")(x)
+        x = nn.Dense(c.out_hidden_size, **kw, name="merger_fc2")(jax.nn.gelu(x, approximate=False))
+        return x[jnp.asarray(layout.restore)]
+
+
+def vision_params_from_hf(tensors: dict, config: QwenVisionConfig, prefix: str = "visual.") -> dict:
+    """The encoder's parameters from Hugging Face tensors (name -> numpy array) whose names
+    start with `prefix` ("visual." in Qwen2.5-VL checkpoints, "model.visual." as
+    transformers 5 names them in memory). Linear kernels are transposed to (in, out); the
+    patch embedding's Conv3d kernel flattened to one."""
+    def get(name):
+        key = prefix + name
+        if key not in tensors:
+            raise KeyError(f"the checkpoint has no tensor {key!r} for the vision encoder")
+        return np.asarray(tensors[key])
+
+    def linear(name, bias=True):
+        out = {"kernel": get(f"{name}.weight").T}
+        if bias:
+            out["bias"] = get(f"{name}.bias")
+        return out
+
+    params = {"patch_embed": {"kernel": get("patch_embed.proj.weight").reshape(config.hidden_size, -1).T},
+              "ln_q": {"weight": get("merger.ln_q.weight")},
+              "merger_fc1": linear("merger.mlp.0"), "merger_fc2": linear("merger.mlp.2")}
+    for i in range(config.depth):
+        b = f"blocks.{i}."
+        params[f"blocks_{i}"] = {
+            "norm1": {"weight": get(b + "norm1.weight")}, "norm2": {"weight": get(b + "norm2.weight")},
+            "attn": {"qkv": linear(b + "attn.qkv"), "proj": linear(b + "attn.proj")},
+            "mlp": {n: linear(f"{b}mlp.{n}") for n in ("gate_proj", "up_proj", "down_proj")}}
+    return params
+
+
+def mrope_positions(ids: np.ndarray, mask: np.ndarray, grids: Sequence[Sequence[int]], image_token_id: int,
+                    spatial_merge_size: int) -> Tuple[np.ndarray, np.ndarray]:
+    """The language model's 3-D rotary positions (temporal, height, width) of token rows
+    `ids` (B, L) with `mask` (B, L) (padding anywhere), whose runs of `image_token_id` are
+    the images of `grids` in order, row by row (each image t * (h/m) * (w/m) tokens).
+
+    Text tokens count on from the last position on all three axes; an image's tokens start
+    at the position after the text before it (its height and width positions add its token
+    row and column), and the text after it continues from that start + max(h, w) / m. Returns (positions (3, B, L) int32, 0 at padding; next (B,): each row's
+    next position, that of the first token sampled after it, on all three axes)."""
+    ids, mask = np.asarray(ids), np.asarray(mask).astype(bool)
+    m = spatial_merge_size
+    positions = np.zeros((3,) + ids.shape, np.int32)
+    nexts = np.zeros(ids.shape[0], np.int32)
+    images = iter([tuple(int(v) for v in g) for g in grids])
+    for b in range(ids.shape[0]):
+        where = np.flatnonzero(mask[b])
+        row, out, pos, i = ids[b, where], np.zeros((3, len(where)), np.int64), 0, 0
+        while i < len(row):
+            if row[i] != image_token_id:
+                out[:, i] = pos
+                pos, i = pos + 1, i + 1
+                continue
+            try:
+                t, h, w = next(images)
+            except StopIteration:
+                raise ValueError(f"row {b}: more runs of image tokens than the {len(grids)} image grids given") from None
+            count = t * (h // m) * (w // m)
+            if not np.all(row[i:i + count] == image_token_id):
+                raise ValueError(f"row {b}: an image of grid {(t, h, w)} needs {count} consecutive image tokens; "
+                                 f"the row has {int(np.sum(row[i:i + count] == image_token_id))} at position {i}")
+            tt, hh, ww = np.meshgrid(np.arange(t), np.arange(h // m), np.arange(w // m), indexing="ij")
+            out[:, i:i + count] = pos + np.stack([tt.reshape(-1), hh.reshape(-1), ww.reshape(-1)])
+            pos, i = pos + max(h, w) // m, i + count
+        positions[:, b, where] = out
+        nexts[b] = out.max(initial=-1) + 1
+    if next(images, None) is not None:
+        raise ValueError(f"{len(grids)} image grids given but fewer runs of image tokens in the rows")
+    return positions, nexts

@@ -1,0 +1,169 @@
+"""Vision encoders against transformers (PyTorch, CPU) on tiny random-weight models built
+here from transformers' own config classes: Qwen2.5-VL's vision transformer (windowed and
+full attention, 2-D rotary positions, the merger) at several image sizes and several images
+at once, its patch layout against transformers' own index functions, and the language
+model's 3-D rotary positions (M-RoPE) against `get_rope_index`."""
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+from jaxppo.models.vision import QwenVisionConfig, QwenVisionEncoder, mrope_positions, vision_layout
+from jaxppo.models.vision.qwen import vision_params_from_hf
+
+# Windows of 2 x 2 image tokens (16 px / merge 2 / patch 4); block 1 attends over its whole image.
+VISION = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=40, patch_size=4,
+              temporal_patch_size=2, spatial_merge_size=2, window_size=16, fullatt_block_indexes=[1])
+# Image grids (t, h, w) in patches: windows that tile exactly, partial windows, one image
+# token, a grid over two frames.
+GRIDS = [[(1, 8, 12)], [(1, 6, 10), (1, 2, 2), (1, 4, 8)], [(2, 4, 6)]]
+
+
+def _hf_encoder():
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Qwen2_5_VLVisionConfig(**VISION)
+    config._attn_implementation = "eager"
+    model = transformers.models.qwen2_5_vl.modeling_qwen2_5_vl.Qwen2_5_VisionTransformerPretrainedModel(config)
+    with torch.no_grad():  # norms away from 1, biases away from 0: every parameter matters
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name or "ln_q" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model.eval(), config
+
+
+@pytest.fixture(scope="module")
+def hf_encoder():
+    return _hf_encoder()
+
+
+def test_the_patch_layout_is_transformers_window_order_and_positions(hf_encoder):
+    """`vision_layout` visits the patches in the order of transformers' window index, with
+    the same window boundaries and the same (row, column) of each patch."""
+    from transformers.vision_utils import get_vision_position_ids, get_vision_window_index
+
+    config = QwenVisionConfig.from_hf(hf_encoder[1].to_dict())
+    unit = config.merge_unit
+    for grids in GRIDS:
+        layout = vision_layout(grids, config)
+        thw = torch.tensor(grids)
+        index, cu = get_vision_window_index(thw, config.spatial_merge_size, config.window_size, config.patch_size)
+        np.testing.assert_array_equal(layout.order.reshape(-1, unit)[:, 0] // unit, index.numpy())
+        bounds = np.flatnonzero(np.diff(layout.windows)) + 1
+        np.testing.assert_array_equal(np.concatenate([[0], bounds, [len(layout.order)]]), cu.numpy())
+        positions = get_vision_position_ids(thw, config.spatial_merge_size).numpy()
+        np.testing.assert_array_equal(layout.positions, positions[layout.order])
+        frames = np.repeat(np.arange(sum(t for t, _, _ in grids)), [h * w for t, h, w in grids for _ in range(t)])
+        np.testing.assert_array_equal(layout.frames, frames[layout.order])
+
+
+@pytest.mark.parametrize("grids", GRIDS, ids=["one", "three-sizes", "two-frames"])
+def test_the_qwen_vision_encoder_matches_transformers(hf_encoder, grids):
+    """The image token embeddings of `QwenVisionEncoder` equal transformers' (pooler
+    output) within 1e-4, from the same weights and pixel values."""
+    model, hf_config = hf_encoder
+    config = QwenVisionConfig.from_hf(hf_config.to_dict())
+    n = sum(t * h * w for t, h, w in grids)
+    pixels = np.random.default_rng(1).normal(size=(n, config.patch_values)).astype(np.float32)
+    with torch.no_grad():
+        want = model(torch.tensor(pixels), grid_thw=torch.tensor(grids)).pooler_output.numpy()
+    tensors = {k: v.numpy() for k, v in model.state_dict().items()}
+    params = vision_params_from_hf(tensors, config, prefix="")
+    layout = vision_layout(grids, config)
+    got = jax.jit(lambda p, x: QwenVisionEncoder(config).apply({"params": p}, x, layout))(params, pixels)
+    assert got.shape == want.shape == (n // config.merge_unit, config.out_hidden_size)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-4)
+    # The check can fail: the same pixels in another patch order give other embeddings.
+    shuffled = jax.jit(lambda p, x: QwenVisionEncoder(config).apply({"params": p}, x, layout))(params, pixels[::-1])
+    assert np.abs(np.asarray(shuffled) - want).max() > 1e-2
+
+
+def test_bad_grids_and_pixels_are_refused_with_what_would_be_valid():
+    config = QwenVisionConfig(**VISION)
+    with pytest.raises(ValueError, match="multiples of spatial_merge_size 2"):
+        vision_layout([(1, 5, 4)], config)
+    layout = vision_layout([(1, 4, 4)], config)
+    with pytest.raises(ValueError, match=r"pixel_values of shape \(15, 96\) for a layout of 16 patches of 96"):
+        QwenVisionEncoder(config).init(jax.random.key(0), np.zeros((15, 96), np.float32), layout)
+    with pytest.raises(ValueError, match="window_size 10 must be a multiple"):
+        QwenVisionConfig(**dict(VISION, window_size=10))
+
+
+def test_mrope_positions_match_transformers_get_rope_index():
+    """3-D positions of left-padded rows with zero, one and two images of several sizes,
+    against `Qwen2_5_VLModel.get_rope_index`; each row's next position is its last + 1 as
+    transformers continues it while decoding (rope delta + tokens)."""
+    import transformers
+
+    image = 90
+    text = dict(vocab_size=97, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1],
+                                                        "rope_theta": 10000.0})
+    config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=VISION, image_token_id=image)
+    model = transformers.Qwen2_5_VLModel(config).eval()
+    grids = [(1, 4, 6), (1, 2, 2), (1, 6, 4)]  # row 0: the first; row 2: the last two; row 1: none
+    rows = [[5, 6] + [image] * 6 + [7, 8, 9], [3, 4, 5], [7] + [image] * 1 + [8] + [image] * 6 + [9, 10]]
+    width = max(map(len, rows)) + 2
+    ids = np.zeros((3, width), np.int64)
+    mask = np.zeros((3, width), np.int64)
+    for b, row in enumerate(rows):
+        ids[b, width - len(row):], mask[b, width - len(row):] = row, 1
+    image_rows = torch.tensor([0, 2])  # transformers computes 3-D positions for rows with images
+    want, deltas = model.get_rope_index(torch.tensor(ids[image_rows]), torch.tensor((ids[image_rows] == image) * 1),
+                                        image_grid_thw=torch.tensor(grids), attention_mask=torch.tensor(mask[image_rows]))
+    got, nexts = mrope_positions(ids, mask, grids, image, 2)
+    real = mask.astype(bool)
+    for j, b in enumerate(image_rows.tolist()):
+        np.testing.assert_array_equal(got[:, b][:, real[b]], want[:, j].numpy()[:, real[b]])
+        assert nexts[b] == deltas[j, 0].item() + real[b].sum()
+    np.testing.assert_array_equal(got[:, 1][:, real[1]], np.tile(np.arange(3), (3, 1)))
+    assert nexts[1] == 3
+    with pytest.raises(ValueError, match="more runs of image tokens than the 2 image grids"):
+        mrope_positions(ids, mask, grids[:2], image, 2)
+    with pytest.raises(ValueError, match="fewer runs of image tokens"):
+        mrope_positions(ids, mask, grids + [(1, 2, 2)], image, 2)
+
+
+def test_the_language_model_with_mrope_positions_matches_transformers():
+    """Qwen2.5-VL's language model (the Qwen2 trunk) at 3-D positions of rows with images:
+    jaxppo's logits from `mrope_positions` and the mrope sections equal transformers'
+    `Qwen2_5_VLForConditionalGeneration` given the same positions (no pixels: the image
+    tokens' own embeddings), within 1e-4; with the sections ignored (1-D positions) they
+    differ."""
+    import transformers
+
+    import jaxppo.models as jm
+    from jaxppo.models.hf import params_from_hf_tensors
+
+    image = 90
+    text = dict(vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=128,
+                rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1000.0})
+    torch.manual_seed(0)
+    hf = transformers.Qwen2_5_VLForConditionalGeneration(
+        transformers.Qwen2_5_VLConfig(text_config=text, vision_config=VISION, image_token_id=image)).eval()
+    grids = [(1, 4, 6), (1, 6, 4), (1, 2, 2)]
+    rows = [[5, 6] + [image] * 6 + [7, 8, 9], [7] + [image] * 6 + [8] + [image] + [9, 10]]
+    width = max(map(len, rows)) + 1
+    ids, mask = np.zeros((2, width), np.int64), np.zeros((2, width), np.int64)
+    for b, row in enumerate(rows):
+        ids[b, width - len(row):], mask[b, width - len(row):] = row, 1
+    positions, _ = mrope_positions(ids, mask, grids, image, 2)
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                  position_ids=torch.tensor(positions, dtype=torch.long)).logits.numpy()
+
+    config = jm.ModelConfig.from_hf(dict(hf.config.text_config.to_dict(), model_type="qwen2",
+                                         tie_word_embeddings=False))
+    assert config.mrope_section == (2, 3, 3)
+    model = jm.Model(config)
+    lm = {k.replace("model.language_model.", "model."): v.numpy() for k, v in hf.state_dict().items()
+          if not k.startswith("model.visual.")}
+    params = params_from_hf_tensors(model, lm.__getitem__, set(lm))
+    logits, _, _ = model.module.apply(params, ids, mask, np.moveaxis(positions, 0, -1))
+    real = mask.astype(bool)
+    np.testing.assert_allclose(np.asarray(logits)[real], want[real], atol=1e-4, rtol=1e-4)
+    flat, _, _ = model.module.apply(params, ids, mask, np.maximum(np.cumsum(mask, 1) - 1, 0))
+    assert np.abs(np.asarray(flat)[real] - want[real]).max() > 1e-3
