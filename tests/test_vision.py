@@ -167,3 +167,83 @@ def test_the_language_model_with_mrope_positions_matches_transformers():
     np.testing.assert_allclose(np.asarray(logits)[real], want[real], atol=1e-4, rtol=1e-4)
     flat, _, _ = model.module.apply(params, ids, mask, np.maximum(np.cumsum(mask, 1) - 1, 0))
     assert np.abs(np.asarray(flat)[real] - want[real]).max() > 1e-3
+
+
+def _tiny_qwen_vl(path):
+    """A tiny random Qwen2.5-VL checkpoint saved by transformers at `path`."""
+    import transformers
+
+    text = dict(vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1000.0})
+    torch.manual_seed(0)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(
+        transformers.Qwen2_5_VLConfig(text_config=text, vision_config=dict(VISION, out_hidden_size=64),
+                                     image_token_id=IMAGE)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name or "ln_q" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return model
+
+
+IMAGE = 90
+
+
+def _rows_with_images(config):
+    """Three left-padded rows: two images of different sizes, one image, none; their
+    pixels, grids and the `ImageInput`."""
+    grid_rows = [[(1, 4, 6), (1, 2, 2)], [(1, 6, 4)], []]
+    m2 = config.merge_unit
+    tokens = lambda g: [IMAGE] * (g[0] * g[1] * g[2] // m2)  # noqa: E731
+    rows = [[5, 6] + tokens(grid_rows[0][0]) + [7] + tokens(grid_rows[0][1]) + [8, 9],
+            [3] + tokens(grid_rows[1][0]) + [4, 5], [10, 11, 12, 13]]
+    width = max(map(len, rows)) + 1
+    ids, mask = np.zeros((3, width), np.int64), np.zeros((3, width), np.int64)
+    for b, row in enumerate(rows):
+        ids[b, width - len(row):], mask[b, width - len(row):] = row, 1
+    rng = np.random.default_rng(3)
+    pixel_rows = [rng.normal(size=(sum(t * h * w for t, h, w in g), config.patch_values)).astype(np.float32)
+                  for g in grid_rows]
+    return ids, mask, pixel_rows, grid_rows
+
+
+def test_a_qwen2_5_vl_checkpoint_loads_and_its_logits_with_images_match_transformers(tmp_path):
+    """A Qwen2.5-VL checkpoint saved by transformers loads (`from_pretrained`: the language
+    model, the vision encoder, the image token and M-RoPE sections); its logits on rows
+    with two images of different sizes, one image and none equal transformers' given the
+    processor's arrays (`pixel_values`, `image_grid_thw`) within 1e-4; saved back
+    (`save_pretrained`), transformers loads it and gives the same logits. The same rows
+    with other pixels give other logits (the images are read)."""
+    import transformers
+
+    import jaxppo.models as jm
+    from jaxppo.models.vision import image_input
+
+    hf = _tiny_qwen_vl(tmp_path / "hf")
+    model, params = jm.from_pretrained(str(tmp_path / "hf"))
+    config = model.config
+    assert (config.model_type, config.image_token_id, config.mrope_section) == ("qwen2_5_vl", IMAGE, (2, 3, 3))
+    ids, mask, pixel_rows, grid_rows = _rows_with_images(config.vision)
+    grids = [g for row in grid_rows for g in row]
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                  pixel_values=torch.tensor(np.concatenate(pixel_rows)), image_grid_thw=torch.tensor(grids),
+                  mm_token_type_ids=torch.tensor((ids == IMAGE).astype(np.int64))).logits.numpy()
+    positions, _ = mrope_positions(ids, mask, grids, IMAGE, config.vision.spatial_merge_size)
+    images = image_input(pixel_rows, grid_rows, config.vision)
+    forward = jax.jit(lambda p, i: model.apply(p, ids, mask, images=i, positions=np.moveaxis(positions, 0, -1)))
+    got = np.asarray(forward(params, images))
+    real = mask.astype(bool)
+    np.testing.assert_allclose(got[real], want[real], atol=1e-4, rtol=1e-4)
+    other = image_input([p[::-1] for p in pixel_rows], grid_rows, config.vision)
+    assert np.abs(np.asarray(forward(params, other))[real] - want[real]).max() > 1e-3
+
+    jm.save_pretrained(model, params, str(tmp_path / "out"))
+    back = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(str(tmp_path / "out")).eval()
+    with torch.no_grad():
+        again = back(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                     pixel_values=torch.tensor(np.concatenate(pixel_rows)), image_grid_thw=torch.tensor(grids),
+                     mm_token_type_ids=torch.tensor((ids == IMAGE).astype(np.int64))).logits.numpy()
+    np.testing.assert_allclose(again[real], want[real], atol=1e-5, rtol=1e-5)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 from jaxppo.models.family import family_of
 
@@ -44,6 +44,12 @@ class ModelConfig:
     with `num_experts` > 0 every block's MLP is `num_experts` gated MLPs of
     `moe_intermediate_size` of which a router picks `num_experts_per_tok` per token, their
     weights renormalised to sum to one where `norm_topk_prob`.
+
+    Vision-language models (Qwen2.5-VL `qwen2_5_vl`; `jaxppo.models.vision`): `vision`
+    is the vision encoder's config (`jaxppo.models.vision.QwenVisionConfig`), whose image
+    token embeddings replace the embeddings of the text's `image_token_id` tokens;
+    `rope_scaling`'s "mrope_section" makes the rotary positions three-dimensional
+    (`mrope_section`).
     """
 
     model_type: str
@@ -76,6 +82,8 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: Optional[int] = None
     norm_topk_prob: bool = True
+    vision: Any = None
+    image_token_id: Optional[int] = None
 
     def __post_init__(self):
         family = family_of(self.model_type)  # ValueError naming the supported types
@@ -109,6 +117,9 @@ class ModelConfig:
         elif self.num_experts < 0 or self.num_experts_per_tok:
             raise ValueError(f"num_experts={self.num_experts}, num_experts_per_tok={self.num_experts_per_tok}: "
                              "experts per token need num_experts > 0")
+        if (self.vision is None) != (self.image_token_id is None):
+            raise ValueError("a vision-language config needs both `vision` and `image_token_id`; got "
+                             f"vision={self.vision!r}, image_token_id={self.image_token_id!r}")
         family.check(self)
 
     @property
@@ -169,6 +180,8 @@ def config_from_hf(hf) -> ModelConfig:
     """The `ModelConfig` of a transformers `PretrainedConfig` (or its dict): the fields
     every family reads alike here, the rest by the family of its `model_type`."""
     d = hf if isinstance(hf, dict) else hf.to_dict()
+    if isinstance(d.get("text_config"), dict):  # a vision-language model: the language model's fields, nested
+        d = {**d["text_config"], **{k: v for k, v in d.items() if k != "text_config"}}
     family = family_of(d.get("model_type"))
     eos = d.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
@@ -185,5 +198,5 @@ def config_from_hf(hf) -> ModelConfig:
 
 ADDED_FIELDS = ("qk_norm", "sliding_window", "layer_types", "local_rope_theta", "query_pre_attn_scalar",
                 "final_logit_softcapping", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                "norm_topk_prob")
+                "norm_topk_prob", "vision", "image_token_id")
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}

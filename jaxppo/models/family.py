@@ -69,6 +69,16 @@ class ModelFamily:
         all of them.
       learned_positions: positions come from a table of `max_position_embeddings` rows (the
         sampler then refuses longer sequences and keeps finished rows inside the table).
+
+    Vision-language families:
+      vision: (trunk module, config, embeddings (B, L, D), input_ids, images) -> the
+        embeddings with the images' token embeddings at the image tokens, called inside the
+        trunk after `embed` (the encoder's modules are the trunk's); `images` is the
+        family's image input, or None (text only; at init the encoder's parameters are
+        made all the same).
+      hf_extra_name: (flat param path, config) -> (Hugging Face name, layout) for parameters the
+        block mapping does not name (a vision encoder), or None for the generic mapping;
+        layout as `jaxppo.models.hf.hf_name` returns it.
     """
 
     name: str
@@ -90,6 +100,8 @@ class ModelFamily:
     hf_untransposed: frozenset = frozenset()
     hf_expert_names: Mapping[str, str] = dataclasses.field(default_factory=dict)
     learned_positions: bool = False
+    vision: Optional[Callable] = None
+    hf_extra_name: Optional[Callable] = None
 
     def __post_init__(self):
         if not self.model_types or not all(isinstance(t, str) and t for t in self.model_types):

@@ -37,10 +37,17 @@ def hf_name(path, config: ModelConfig):
     maps to a name with an `{expert}` field (one tensor per expert, each transposed). The
     family names its block's modules
     (`hf_block_names`) and the kernels Hugging Face stores as Flax does (`hf_untransposed`,
-    GPT-2's Conv1D); every other kernel is a torch Linear's (out, in), transposed."""
+    GPT-2's Conv1D); every other kernel is a torch Linear's (out, in), transposed. A family
+    names the parameters outside its blocks (a vision encoder) with `hf_extra_name`; there
+    the second element may be a shape: a convolution whose stride is its kernel (a patch
+    embedding), stored (out, ...) by Hugging Face and as a flat (in, out) kernel here
+    (`to_hf_layout`, `from_hf_layout`)."""
     family = family_of(config)
     if path[0] == "value_head":
         return None
+    extra = None if family.hf_extra_name is None else family.hf_extra_name(path, config)
+    if extra is not None:
+        return extra
     experts = len(path) > 2 and path[-2] == "experts" and path[-1] in family.hf_expert_names
     leaf = "weight" if experts else _LEAF_NAMES[path[-1]]
     if path[0] in ("lm_head", "score"):
@@ -56,6 +63,21 @@ def hf_name(path, config: ModelConfig):
         return ".".join(parts + [EXPERT_FIELD, family.hf_expert_names[path[-1]], leaf]), True
     transpose = path[-1] == "kernel" and module not in family.hf_untransposed
     return ".".join(parts + [leaf]), transpose
+
+
+def to_hf_layout(array, layout):
+    """A parameter as Hugging Face stores it: `layout` from `hf_name` (True: transposed; a
+    shape: transposed and reshaped to it; False: as it is)."""
+    if isinstance(layout, tuple):
+        return array.T.reshape(layout)
+    return array.T if layout else array
+
+
+def from_hf_layout(tensor, layout):
+    """The inverse of `to_hf_layout`."""
+    if isinstance(layout, tuple):
+        return tensor.reshape(tensor.shape[0], -1).T
+    return tensor.T if layout else tensor
 
 
 class _Tensors:
@@ -216,8 +238,7 @@ def params_from_hf_tensors(model: Model, get_tensor, names, *, strict: bool = Tr
             continue
         tensors = [np.asarray(get_tensor(n)) for n in expert_names]
         used.update(expert_names)
-        if transpose:
-            tensors = [t.T for t in tensors]
+        tensors = [from_hf_layout(t, transpose) for t in tensors]
         tensor, name = (np.stack(tensors), hf) if EXPERT_FIELD in hf else (tensors[0], expert_names[0])
         if tensor.shape != tuple(spec.shape):
             mismatched.append(f"{name}: checkpoint {tuple(tensor.shape)} vs model {tuple(spec.shape)}")
@@ -380,7 +401,7 @@ def params_to_hf_tensors(model: Model, params) -> dict:
     out = {}
     for name, value, transpose in hf_arrays(model, params):
         array = np.asarray(jax.device_get(value))
-        out[name] = np.ascontiguousarray(array.T if transpose else array)
+        out[name] = np.ascontiguousarray(to_hf_layout(array, transpose))
     return out
 
 

@@ -239,17 +239,17 @@ class Model:
         return self.kind in ("causal_lm", "causal_lm_value")
 
     def init(self, key, seq_len: int = 8):
-        """Random parameters (value heads start at zero), as one compiled program (run op by
-        op, the initialisers would compile a hundred small programs at start-up)."""
+        """Random parameters (value heads at zero), compiled as one program (not a hundred small ones)."""
         return _init(self, key, seq_len)
 
-    def apply(self, params, input_ids, attention_mask):
-        """Pure forward on a (left-)padded batch; output depends on `kind` (module doc)."""
-        positions = default_positions(attention_mask)
+    def apply(self, params, input_ids, attention_mask, images=None, positions=None):
+        """Pure forward on a (left-)padded batch; output depends on `kind` (module doc). A
+        vision-language model takes `images` and 3-D `positions` (`jaxppo.models.vision`)."""
+        positions = default_positions(attention_mask) if positions is None else positions
         if self.is_causal_lm:
-            logits, values, _ = self.module.apply(params, input_ids, attention_mask, positions)
+            logits, values, _ = self.module.apply(params, input_ids, attention_mask, positions, images=images)
             return logits if self.kind == "causal_lm" else (logits, values)
-        scores = self.module.apply(params, input_ids, attention_mask, positions)
+        scores = self.module.apply(params, input_ids, attention_mask, positions, images=images)
         if self.kind == "value":
             return scores[..., 0]
         # Reward: the score at each row's last scored token (`score_positions`).

@@ -316,10 +316,13 @@ class Transformer(nn.Module):
     attention: str = "einsum"  # see ATTENTION
 
     @nn.compact
-    def __call__(self, input_ids, attention_mask, positions, cache=None, cache_index=0, segment_ids=None):
+    def __call__(self, input_ids, attention_mask, positions, cache=None, cache_index=0, segment_ids=None,
+                 images=None):
         c = self.config
         family = family_of(c)
         x, table = family.embed(self, c, input_ids, positions)
+        if family.vision is not None:  # a vision-language model: the image tokens take the images' embeddings
+            x = family.vision(self, c, x, input_ids, images)
         lq, lk = input_ids.shape[1], attention_mask.shape[1]
         # The query tokens' slots, (1, Lq) or per row (B, Lq).
         query_slots = (cache_index[:, None] if jnp.ndim(cache_index) == 1 else jnp.asarray(cache_index)[None, None]
@@ -391,11 +394,11 @@ class CausalLMModule(nn.Module):
 
     @nn.compact
     def __call__(self, input_ids, attention_mask, positions, cache=None, cache_index=0, return_hidden=False,
-                 segment_ids=None):
+                 segment_ids=None, images=None):
         c = self.config
         trunk = Transformer(c, self.dtype, self.param_dtype, self.remat, self.scan_layers, self.lora, self.adapters,
                             self.attention, name=family_of(c).trunk_name)
-        hidden, cache, table = trunk(input_ids, attention_mask, positions, cache, cache_index, segment_ids)
+        hidden, cache, table = trunk(input_ids, attention_mask, positions, cache, cache_index, segment_ids, images)
         values = None
         if self.with_value_head:
             values = nn.Dense(1, dtype=jnp.float32, param_dtype=self.param_dtype, kernel_init=nn.initializers.zeros,
@@ -428,13 +431,13 @@ class ScoreModule(nn.Module):
     attention: str = "einsum"
 
     @nn.compact
-    def __call__(self, input_ids, attention_mask, positions, segment_ids=None, cache=None, cache_index=0):
+    def __call__(self, input_ids, attention_mask, positions, segment_ids=None, cache=None, cache_index=0, images=None):
         """Scores (B, Lq, num_labels); with a `cache` (as `Transformer` takes one), (scores,
         new cache)."""
         c = self.config
         trunk = Transformer(c, self.dtype, self.param_dtype, self.remat, self.scan_layers, self.lora, self.adapters,
                             self.attention, name=family_of(c).trunk_name)
-        hidden, new_cache, _ = trunk(input_ids, attention_mask, positions, cache, cache_index, segment_ids)
+        hidden, new_cache, _ = trunk(input_ids, attention_mask, positions, cache, cache_index, segment_ids, images)
         init = nn.initializers.zeros if self.zero_init else nn.initializers.normal(0.02)
         scores = nn.Dense(self.num_labels, use_bias=False, dtype=jnp.float32, param_dtype=self.param_dtype,
                           kernel_init=init, name="score")(hidden.astype(jnp.float32))

@@ -62,9 +62,9 @@ class LlamaBlock(nn.Module):
         mask = masks[0] if masks[1] is None else jnp.where(sliding, masks[1], masks[0])
         attn, layer_cache = attend_with_cache(q, k, v, layer_cache, cache_index, mask, self.dtype,
                                               c.query_pre_attn_scalar, self.attention)
-        # Hugging Face's `attention_bias` covers the output projection too, except in Qwen2,
-        # whose q/k/v biases are built in.
-        attn = proj(c.hidden_size, c.qkv_bias and c.model_type != "qwen2", "o_proj")(attn)
+        # Hugging Face's `attention_bias` covers the output projection too, except in Qwen2
+        # (and Qwen2.5-VL's language model), whose q/k/v biases are built in.
+        attn = proj(c.hidden_size, c.qkv_bias and c.model_type not in ("qwen2", "qwen2_5_vl"), "o_proj")(attn)
         if c.num_experts:  # a mixture of experts (Qwen3-MoE, Mixtral)
             mlp = SparseMoe(c, self.dtype, self.param_dtype, self.lora, self.adapters, name="moe")
         else:

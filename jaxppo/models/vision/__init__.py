@@ -2,15 +2,16 @@
 they encode (static shapes: a layout is computed once per image grid and the encoder is
 compiled for it).
 
-- `qwen`: Qwen2.5-VL's vision transformer (`QwenVisionConfig`, `QwenVisionEncoder`, the patch
-  layout `vision_layout`, the language model's 3-D rotary positions `mrope_positions`).
+- `qwen`: Qwen2.5-VL's vision transformer (`QwenVisionConfig`, `QwenVisionEncoder`), the
+  patch layout (`vision_layout`), a batch's images as the model takes them (`ImageInput`,
+  `image_input`) and the language model's 3-D rotary positions (`mrope_positions`).
 
-Work in progress (issue 67): the encoders match transformers' on tiny random-weight
-checkpoints; the families that join them to a language model are not registered yet.
+The family that joins the encoder to its language model is
+`jaxppo.models.families.qwen_vl` (model type `qwen2_5_vl`).
 """
 
-from jaxppo.models.vision.qwen import (QwenVisionConfig, QwenVisionEncoder, VisionLayout, mrope_positions,
-                                       vision_layout, vision_params_from_hf)
+from jaxppo.models.vision.qwen import (ImageInput, QwenVisionConfig, QwenVisionEncoder, VisionLayout, image_input,
+                                       mrope_positions, vision_layout, vision_params_from_hf)
 
-__all__ = ["QwenVisionConfig", "QwenVisionEncoder", "VisionLayout", "vision_layout", "mrope_positions",
-           "vision_params_from_hf"]
+__all__ = ["QwenVisionConfig", "QwenVisionEncoder", "VisionLayout", "vision_layout", "ImageInput", "image_input",
+           "mrope_positions", "vision_params_from_hf"]

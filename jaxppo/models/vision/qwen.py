@@ -33,7 +33,7 @@ import numpy as np
 from jaxppo.models.transformer import RMSNorm
 
 __all__ = ["QwenVisionConfig", "QwenVisionEncoder", "VisionLayout", "vision_layout", "mrope_positions",
-           "vision_params_from_hf"]
+           "vision_params_from_hf", "ImageInput", "image_input"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +124,8 @@ def vision_layout(grids: Sequence[Sequence[int]], config: QwenVisionConfig) -> V
     processor's `image_grid_thw`), their patches concatenated in that order."""
     m, unit = config.spatial_merge_size, config.merge_unit
     side = config.window_size // m // config.patch_size  # a window's side in image tokens
-    merged_order, windows, frames, positions, start, frame = [], [], [], [], 0, 0
+    merged_order, windows, frames, positions, start, frame = [np.zeros(0, int)], [], [np.zeros(0, int)], [], 0, 0
+    positions.append(np.zeros((0, 2), int))
     for grid in grids:
         t, h, w = _check_grid(grid, config)
         rows, cols = h // m, w // m
@@ -147,8 +148,51 @@ def vision_layout(grids: Sequence[Sequence[int]], config: QwenVisionConfig) -> V
     order = (merged[:, None] * unit + np.arange(unit)).reshape(-1)
     frames = np.concatenate(frames)
     return VisionLayout(order.astype(np.int32), np.concatenate(positions)[order].astype(np.int32),
-                        np.concatenate(windows).astype(np.int32), frames[order].astype(np.int32),
+                        np.concatenate(windows + [np.zeros(0, int)]).astype(np.int32), frames[order].astype(np.int32),
                         np.argsort(merged).astype(np.int32))
+
+
+class ImageInput(NamedTuple):
+    """The images of a batch of rows, as the model takes them: `pixels` (B, N, patch_values),
+    each row's patches (its images' `pixel_values` concatenated, padded to N), and `layout`,
+    each row's `VisionLayout` with a leading B axis (padding patches in a window and frame of
+    their own, after the real ones, so they change nothing the real patches see). Row b's
+    image tokens take its first embeddings in order; the rest are padding."""
+
+    pixels: Any
+    layout: VisionLayout
+
+
+def image_input(pixel_rows: Sequence[np.ndarray], grid_rows: Sequence[Sequence[Sequence[int]]],
+                config: QwenVisionConfig, patches: int = None) -> ImageInput:
+    """The `ImageInput` of rows whose images have patches `pixel_rows[b]` ((n_b,
+    patch_values), the processor's `pixel_values` of the row's images) and grids
+    `grid_rows[b]` ((t, h, w) each, the processor's `image_grid_thw`), padded to `patches`
+    per row (default: the largest row's). A row may have no image (an empty grid list)."""
+    if len(pixel_rows) != len(grid_rows):
+        raise ValueError(f"{len(pixel_rows)} rows of pixels for {len(grid_rows)} rows of image grids")
+    counts = [sum(t * h * w for t, h, w in (_check_grid(g, config) for g in grids)) for grids in grid_rows]
+    unit = config.merge_unit
+    n = max(counts + [unit]) if patches is None else patches
+    if n < max(counts) or n % unit:
+        raise ValueError(f"patches={n} per row must be a multiple of {unit} and hold the largest row's {max(counts)}")
+    pixels = np.zeros((len(counts), n, config.patch_values), np.float32)
+    fields = {name: [] for name in VisionLayout._fields}
+    for b, (rows, grids, count) in enumerate(zip(pixel_rows, grid_rows, counts)):
+        rows = np.asarray(rows, np.float32)
+        if rows.shape != (count, config.patch_values) and not (count == 0 and rows.size == 0):
+            raise ValueError(f"row {b}: pixel values of shape {rows.shape} for images of grids {list(grids)} "
+                             f"({count} patches of {config.patch_values} values)")
+        pixels[b, :count] = rows.reshape(count, config.patch_values)
+        layout = vision_layout(grids, config)
+        pad = np.arange(count, n)
+        spare = int(max(layout.windows.max(initial=-1), layout.frames.max(initial=-1))) + 1
+        fields["order"].append(np.concatenate([layout.order, pad]))
+        fields["positions"].append(np.concatenate([layout.positions, np.zeros((n - count, 2), np.int32)]))
+        fields["windows"].append(np.concatenate([layout.windows, np.full(n - count, spare)]))
+        fields["frames"].append(np.concatenate([layout.frames, np.full(n - count, spare)]))
+        fields["restore"].append(np.concatenate([layout.restore, np.arange(count // unit, n // unit)]))
+    return ImageInput(pixels, VisionLayout(*(np.stack(fields[name]).astype(np.int32) for name in VisionLayout._fields)))
 
 
 def _rotate(x, cos, sin):

@@ -95,7 +95,8 @@ def hf_weights(model, params):
     out = []
     for name, array, transpose in hf_io.hf_arrays(model, params):
         tensor = torch.from_dlpack(array) if hasattr(array, "__dlpack__") else torch.from_numpy(np.asarray(array))
-        out.append((name, tensor.t() if transpose else tensor))
+        out.append((name, tensor.t().reshape(transpose) if isinstance(transpose, tuple) else
+                    tensor.t() if transpose else tensor))
     return out + tied_head(model, out)
 
 

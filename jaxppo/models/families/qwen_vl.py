@@ -1,0 +1,106 @@
+"""Qwen2.5-VL (`qwen2_5_vl`, `Qwen2_5_VLForConditionalGeneration`): Qwen2's language model
+with three-dimensional rotary positions (M-RoPE), and a vision transformer
+(`jaxppo.models.vision.qwen`) whose image token embeddings replace the embeddings of the
+text's image tokens. The images come as a `jaxppo.models.vision.ImageInput`; the positions
+of a prompt with images from `jaxppo.models.vision.mrope_positions`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+
+from jaxppo.models.config import ModelConfig
+from jaxppo.models.families import llama
+from jaxppo.models.vision.qwen import ImageInput, QwenVisionConfig, QwenVisionEncoder, image_input
+
+__all__ = ["FAMILY", "merge_images"]
+
+ARCHITECTURE = "Qwen2_5_VLForConditionalGeneration"
+
+
+def _from_hf(d: dict, common: dict) -> ModelConfig:
+    if "vision_config" not in d or "image_token_id" not in d:
+        raise KeyError("vision_config and image_token_id")
+    text = llama._from_hf(dict(d, model_type="qwen2"), common)
+    if text.mrope_section is None:
+        raise ValueError("a qwen2_5_vl config's rope parameters must give mrope_section")
+    return dataclasses.replace(text, model_type="qwen2_5_vl", vision=QwenVisionConfig.from_hf(d["vision_config"]),
+                               image_token_id=int(d["image_token_id"]))
+
+
+def _to_hf(c: ModelConfig, architecture: str, common: dict):
+    import transformers
+
+    v: QwenVisionConfig = c.vision
+    text = llama.to_hf_kwargs(c, {k: v for k, v in common.items() if k not in ("architectures", "num_labels")})
+    text.update(rope_parameters=dict(c.rope_params, rope_theta=c.rope_theta), use_sliding_window=False)
+    vision = dict(depth=v.depth, hidden_size=v.hidden_size, intermediate_size=v.intermediate_size,
+                  num_heads=v.num_heads, out_hidden_size=v.out_hidden_size, in_channels=v.in_channels,
+                  patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size,
+                  spatial_merge_size=v.spatial_merge_size, window_size=v.window_size,
+                  fullatt_block_indexes=list(v.fullatt_block_indexes), hidden_act=v.hidden_act,
+                  rope_parameters={"rope_type": "axial", "rope_theta": v.rope_theta})
+    return transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=c.image_token_id,
+                                         tie_word_embeddings=c.tie_word_embeddings,
+                                         architectures=common["architectures"])
+
+
+def merge_images(x, input_ids, image_token_id: int, features):
+    """The embeddings `x` (B, L, D) with row b's k-th image token taking `features[b, k]`
+    (features (B, K, D)); tokens past a row's K image embeddings keep their own (the caller
+    checks the counts on the host: `jaxppo.models.vision.mrope_positions`)."""
+    is_image = input_ids == image_token_id
+    index = jnp.clip(jnp.cumsum(is_image, axis=1) - 1, 0, features.shape[1] - 1)
+    picked = jnp.take_along_axis(features, index[..., None], axis=1).astype(x.dtype)
+    return jnp.where(is_image[..., None], picked, x)
+
+
+def _vision(trunk, c: ModelConfig, x, input_ids, images):
+    encoder = nn.vmap(QwenVisionEncoder, in_axes=(0, 0), variable_axes={"params": None},
+                      split_rngs={"params": False})(c.vision, trunk.dtype, trunk.param_dtype, name="visual")
+    if images is None:
+        if trunk.is_initializing():  # the encoder's parameters, from one image token's patches
+            m = c.vision.spatial_merge_size
+            blank = image_input([np.zeros((m * m, c.vision.patch_values), np.float32)], [[(1, m, m)]], c.vision)
+            encoder(jnp.asarray(blank.pixels), blank.layout)
+        return x
+    if not isinstance(images, ImageInput):
+        raise TypeError(f"a qwen2_5_vl model takes its images as a jaxppo.models.vision.ImageInput; got "
+                        f"{type(images).__name__}")
+    return merge_images(x, input_ids, c.image_token_id, encoder(images.pixels, images.layout))
+
+
+_VISION_LEAVES = {"kernel": "weight", "bias": "bias", "weight": "weight"}
+
+
+def _hf_extra_name(path, c: ModelConfig):
+    """The vision encoder's Hugging Face names ("visual." + the module path); the patch
+    embedding is a Conv3d of stride = kernel there, (out, channels, t, p, p)."""
+    if len(path) < 3 or path[1] != "visual":
+        return None
+    inner, leaf, v = list(path[2:-1]), _VISION_LEAVES[path[-1]], c.vision
+    if inner == ["patch_embed"]:
+        return "visual.patch_embed.proj.weight", (v.hidden_size, v.in_channels, v.temporal_patch_size,
+                                                  v.patch_size, v.patch_size)
+    names = {"ln_q": ["merger", "ln_q"], "merger_fc1": ["merger", "mlp", "0"], "merger_fc2": ["merger", "mlp", "2"]}
+    if inner[0] in names:
+        parts = names[inner[0]]
+    else:  # blocks_{i}/attn/qkv ...
+        parts = inner[0].rsplit("_", 1) + inner[1:]
+    return ".".join(["visual"] + parts + [leaf]), path[-1] == "kernel"
+
+
+FAMILY = dataclasses.replace(
+    llama.FAMILY,
+    name="qwen2_5_vl",
+    model_types=("qwen2_5_vl",),
+    architectures={"qwen2_5_vl": (ARCHITECTURE, ARCHITECTURE)},
+    config_from_hf=_from_hf,
+    config_to_hf=_to_hf,
+    hints={},
+    vision=_vision,
+    hf_extra_name=_hf_extra_name,
+)
