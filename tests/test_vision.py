@@ -247,3 +247,40 @@ def test_a_qwen2_5_vl_checkpoint_loads_and_its_logits_with_images_match_transfor
                      pixel_values=torch.tensor(np.concatenate(pixel_rows)), image_grid_thw=torch.tensor(grids),
                      mm_token_type_ids=torch.tensor((ids == IMAGE).astype(np.int64))).logits.numpy()
     np.testing.assert_allclose(again[real], want[real], atol=1e-5, rtol=1e-5)
+
+
+def test_greedy_sampling_with_images_equals_transformers_generate(tmp_path):
+    """The static sampler on an `ImagePrompt` (rows with two images, one, none; left-padded):
+    greedy tokens equal transformers' `generate` from the same checkpoint and processor
+    arrays (M-RoPE positions continuing after the images at every decode step), with one
+    completion per prompt and in groups of two (each group's prompt and images prefilled
+    once); the same ids without their images are refused."""
+    import transformers
+
+    import jaxppo.models as jm
+    from jaxppo.models.vision import image_prompt
+    from jaxppo.rollout.engines.static import generate
+
+    hf = _tiny_qwen_vl(tmp_path / "hf")
+    model, params = jm.from_pretrained(str(tmp_path / "hf"))
+    ids, mask, pixel_rows, grid_rows = _rows_with_images(model.config.vision)
+    grids = [g for row in grid_rows for g in row]
+    new = 6
+    with torch.no_grad():
+        out = hf.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                          pixel_values=torch.tensor(np.concatenate(pixel_rows)), image_grid_thw=torch.tensor(grids),
+                          mm_token_type_ids=torch.tensor((ids == IMAGE).astype(np.int64)), do_sample=False,
+                          max_new_tokens=new, min_new_tokens=new, eos_token_id=None, pad_token_id=0)
+    want = out[:, ids.shape[1]:].numpy()
+    prompt = image_prompt(ids, mask, pixel_rows, grid_rows, model.config)
+    got = generate(model, params, prompt, mask, jax.random.key(0), greedy=True, response_length=new)
+    np.testing.assert_array_equal(np.asarray(got.tokens), want)
+    pairs = image_prompt(np.repeat(ids, 2, 0), np.repeat(mask, 2, 0), [p for p in pixel_rows for _ in range(2)],
+                         [g for g in grid_rows for _ in range(2)], model.config)
+    grouped = generate(model, params, pairs, np.repeat(mask, 2, 0), jax.random.key(0), greedy=True,
+                       response_length=new, num_generations=2)
+    np.testing.assert_array_equal(np.asarray(grouped.tokens), np.repeat(want, 2, 0))
+    with pytest.raises(ValueError, match="image tokens .* but no images"):
+        generate(model, params, ids, mask, jax.random.key(0), greedy=True, response_length=new)
+    with pytest.raises(ValueError, match="row 0 has 7 image tokens but its 1 image"):
+        image_prompt(ids, mask, pixel_rows, [grid_rows[0][:1]] + grid_rows[1:], model.config)

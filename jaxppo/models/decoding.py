@@ -24,6 +24,7 @@ from jaxppo.models.family import family_of
 from jaxppo.models.model import Model
 from jaxppo.models.sampling import Sampling
 from jaxppo.models.transformer import default_positions
+from jaxppo.models.vision.qwen import ImagePrompt
 
 __all__ = ["prefill", "decode_loop", "Prefilled", "cap_positions", "GenerationOutput", "Sampling", "filter_logits",
            "pick_tokens", "step_keys", "stop_step", "strings_completed", "seen_tokens", "mark_seen", "note_token",
@@ -219,15 +220,21 @@ def prefill(model, params, prompt_ids, prompt_mask, max_len: int, num_generation
     row's next token, (B, V). With `num_generations` G > 1 the rows come in groups of G
     equal prompts (consecutive rows): each group's prompt is run once, and its slots are
     kept once and shared by its G rows (a `GroupedKV`: each decode step reads them once
-    per group), beside each row's own response slots."""
+    per group), beside each row's own response slots. `prompt_ids` may be an `ImagePrompt`
+    (a vision-language model's rows with their images and rotary positions)."""
+    prompt = prompt_ids if isinstance(prompt_ids, ImagePrompt) else None
+    prompt_ids = prompt_ids if prompt is None else prompt.ids
     b, g = prompt_ids.shape[0], num_generations
     ids, mask = (prompt_ids, prompt_mask) if g == 1 else (prompt_ids[::g], prompt_mask[::g])
+    positions, images = default_positions(mask), None
+    if prompt is not None:  # the rows' own positions and images (each group's once)
+        positions, images = jax.tree.map(lambda a: a[::g], (prompt.positions, prompt.images))
     width = max_len if g == 1 else ids.shape[1]  # groups: the prompt slots only
     cache = model.init_cache(ids.shape[0], width)
     kv_mask = jnp.concatenate([mask.astype(jnp.int32), jnp.zeros((ids.shape[0], width - ids.shape[1]), jnp.int32)],
                               axis=1)
     # The LM head runs at the last prompt position only.
-    logits, cache = model.decode(params, ids, kv_mask, default_positions(mask), cache, 0, last_only=True)
+    logits, cache = model.decode(params, ids, kv_mask, positions, cache, 0, last_only=True, images=images)
     if g > 1:
         cache = model.grouped_cache(cache, b, max_len - ids.shape[1])
         logits = jnp.repeat(logits, g, axis=0)

@@ -355,18 +355,18 @@ class Model:
         zeros = jnp.zeros(shape, self.dtype)
         return tuple(GroupedKV(k, v, zeros, zeros) for k, v in prefix_cache)
 
-    def decode(self, params, input_ids, attention_mask, positions, cache, cache_index, last_only=False):
+    def decode(self, params, input_ids, attention_mask, positions, cache, cache_index, last_only=False, images=None):
         """Causal-LM forward of new tokens against a KV cache -> (logits (B, Lq, V), cache);
         with `last_only` the LM head runs at the last query position only: (B, 1, V).
-
-        `attention_mask` (B, Lmax) marks the valid cache slots, the new tokens' included."""
+        `attention_mask` (B, Lmax) marks the valid cache slots, the new tokens' included;
+        `images`: a vision-language model's images of these tokens (a prefill's)."""
         if not self.is_causal_lm:
             raise ValueError(f"decode needs a causal LM; this model's kind is {self.kind!r}")
+        args = (params, input_ids, attention_mask, positions, cache, cache_index)
         if last_only:
-            hidden, _, cache = self.module.apply(params, input_ids, attention_mask, positions, cache, cache_index,
-                                                 return_hidden=True)
+            hidden, _, cache = self.module.apply(*args, return_hidden=True, images=images)
             return self.lm_head(params).logits(hidden[:, -1:]), cache
-        logits, _, cache = self.module.apply(params, input_ids, attention_mask, positions, cache, cache_index)
+        logits, _, cache = self.module.apply(*args, images=images)
         return logits, cache
 
 

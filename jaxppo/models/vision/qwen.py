@@ -33,7 +33,7 @@ import numpy as np
 from jaxppo.models.transformer import RMSNorm
 
 __all__ = ["QwenVisionConfig", "QwenVisionEncoder", "VisionLayout", "vision_layout", "mrope_positions",
-           "vision_params_from_hf", "ImageInput", "image_input"]
+           "vision_params_from_hf", "ImageInput", "image_input", "ImagePrompt", "image_prompt"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +193,36 @@ def image_input(pixel_rows: Sequence[np.ndarray], grid_rows: Sequence[Sequence[S
         fields["frames"].append(np.concatenate([layout.frames, np.full(n - count, spare)]))
         fields["restore"].append(np.concatenate([layout.restore, np.arange(count // unit, n // unit)]))
     return ImageInput(pixels, VisionLayout(*(np.stack(fields[name]).astype(np.int32) for name in VisionLayout._fields)))
+
+
+class ImagePrompt(NamedTuple):
+    """Prompt rows with their images, as the samplers take them in place of the token ids:
+    `ids` (B, Q) left-padded token ids, `images` (`ImageInput`), `positions` (B, Q, 3) the
+    rows' rotary positions and `next_position` (B,) the position of each row's first
+    sampled token (`mrope_positions`)."""
+
+    ids: Any
+    images: ImageInput
+    positions: Any
+    next_position: Any
+
+
+def image_prompt(ids, mask, pixel_rows, grid_rows, config) -> ImagePrompt:
+    """The `ImagePrompt` of left-padded rows `ids`/`mask` whose runs of the model's image
+    token are the images of `grid_rows[b]` with patches `pixel_rows[b]` (the processor's
+    arrays, row by row); `config` the model's `ModelConfig` (its `vision`, `image_token_id`).
+    ValueError where a row's image tokens do not match its images."""
+    v = config.vision
+    ids, mask = np.asarray(ids), np.asarray(mask)
+    for b, grids in enumerate(grid_rows):
+        want = sum(t * h * w for t, h, w in grids) // v.merge_unit
+        have = int(np.sum((ids[b] == config.image_token_id) & (mask[b] > 0)))
+        if have != want:
+            raise ValueError(f"row {b} has {have} image tokens but its {len(grids)} image(s) of grids {list(grids)} "
+                             f"need {want}: give each image the processor's tokens")
+    positions, nexts = mrope_positions(ids, mask, [g for row in grid_rows for g in row], config.image_token_id,
+                                       v.spatial_merge_size)
+    return ImagePrompt(ids, image_input(pixel_rows, grid_rows, v), np.moveaxis(positions, 0, -1), nexts)
 
 
 def _rotate(x, cos, sin):

@@ -45,6 +45,7 @@ from jaxppo.models.decoding import (GenerationOutput, Prefilled, cap_positions, 
                                     check_sampler_arguments, decode_loop, prefill, prefill_common, seen_tokens)
 from jaxppo.models.model import Model
 from jaxppo.models.transformer import GroupedKV
+from jaxppo.models.vision.qwen import ImagePrompt
 from jaxppo.models.sampling import Sampling
 from jaxppo.rollout.engines.base import BuiltinEngine, Capabilities
 from jaxppo.update.prefix import common_prefix_length
@@ -71,6 +72,7 @@ def _sample(model, params, prompt_ids, prompt_mask, key, sampling: Sampling, max
     """`generate_jit`'s work, traced: (output, the KV cache after the decode, the tokens
     each row holds or None), the last two for a next turn (`first_turn`)."""
     model, params = model.for_decoding(params)  # `Model.hoist_layers`
+    prompt, prompt_ids = prompt_ids, getattr(prompt_ids, "ids", prompt_ids)  # an `ImagePrompt`: tokens and images
     b, q = prompt_ids.shape
     r = sampling.response_length
     if common_prefix:
@@ -81,11 +83,14 @@ def _sample(model, params, prompt_ids, prompt_mask, key, sampling: Sampling, max
         cache, next_logits, kv_mask = prefill_common(model, params, prompt_ids, prompt_mask, q + r, common_prefix)
     else:
         kv_mask = jnp.concatenate([prompt_mask.astype(jnp.int32), jnp.zeros((b, r), jnp.int32)], axis=1)
-        cache, next_logits = prefill(model, params, prompt_ids, prompt_mask, q + r, num_generations)
+        cache, next_logits = prefill(model, params, prompt, prompt_mask, q + r, num_generations)
     seen = None
     if sampling.repetition_penalty is not None:
         seen = seen_tokens(prompt_ids, prompt_mask, next_logits.shape[-1])
-    start = Prefilled(next_logits, kv_mask, q, jnp.sum(prompt_mask.astype(jnp.int32), axis=1), jax.random.split(key, b))
+    next_position = getattr(prompt, "next_position", None)
+    if next_position is None:  # text: positions count the real tokens
+        next_position = jnp.sum(prompt_mask.astype(jnp.int32), axis=1)
+    start = Prefilled(next_logits, kv_mask, q, next_position, jax.random.split(key, b))
     return decode_loop(model, params, cache, start, sampling, max_lengths, seen)
 
 
@@ -130,7 +135,8 @@ def generate(model: Model, params, prompt_ids, prompt_mask, key, sampling: Optio
     Args:
       model, params: a causal-LM `Model` ("causal_lm" or "causal_lm_value") and its params.
       prompt_ids, prompt_mask: int (B, Q), left-padded (mask 1 at real tokens; every row's
-        last slot must be a real token).
+        last slot must be a real token). For a vision-language model, `prompt_ids` may be a
+        `jaxppo.models.vision.ImagePrompt`: the ids with their images and rotary positions.
       key: PRNG key; the same key gives the same tokens.
       sampling: a `Sampling` (the budget R, temperature, filters, penalty, stops, greedy,
         early stopping; default `Sampling()`).
@@ -155,13 +161,42 @@ def generate(model: Model, params, prompt_ids, prompt_mask, key, sampling: Optio
       under the distribution sampled from; `full_logprobs` under softmax(logits /
       temperature), None when that is the same one).
     """
+    prompt, prompt_ids = _with_images(model, prompt_ids, prompt_mask, common_prefix)
     sampling = check_sampler_arguments(model, prompt_ids, prompt_mask, Sampling.of(sampling, **settings), max_lengths)
     check_groups(prompt_ids, prompt_mask, num_generations)
     check_common_prefix(prompt_ids, prompt_mask, common_prefix)
     return generate_jit(
-        model, params, jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_mask, jnp.int32), key, sampling,
+        model, params, prompt, jnp.asarray(prompt_mask, jnp.int32), key, sampling,
         check_max_lengths(max_lengths, prompt_ids.shape[0], sampling.response_length), num_generations=num_generations,
         common_prefix=effective_prefix(model, common_prefix, num_generations, prompt_ids.shape[1]))
+
+
+def _with_images(model: Model, prompt_ids, prompt_mask, common_prefix: int):
+    """(what the compiled sampler takes: the token ids, or the `ImagePrompt` with them on the
+    device; the token ids). A model with a vision encoder samples from an `ImagePrompt`
+    (text-only rows: plain ids without image tokens); other models from token ids."""
+    prompt = prompt_ids
+    if isinstance(prompt, ImagePrompt):
+        if model.config.vision is None:
+            raise ValueError(f"an ImagePrompt was given to a {model.config.model_type} model, which reads no images")
+        if common_prefix:
+            raise ValueError("common_prefix is not supported for prompts with images; pass 0")
+        ids = jnp.asarray(prompt.ids, jnp.int32)
+        return prompt._replace(ids=ids, images=jax.tree.map(jnp.asarray, prompt.images),
+                               positions=jnp.asarray(prompt.positions, jnp.int32),
+                               next_position=jnp.asarray(prompt.next_position, jnp.int32)), ids
+    ids = jnp.asarray(prompt_ids, jnp.int32)
+    image_token = model.config.image_token_id
+    if image_token is None or not getattr(ids, "is_fully_addressable", True):
+        return ids, ids
+    try:
+        holds = bool(np.any((np.asarray(ids) == image_token) & (np.asarray(prompt_mask) > 0)))
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        holds = False  # traced: not known here
+    if holds:
+        raise ValueError(f"the prompts hold image tokens ({image_token}) but no images: pass a "
+                         "jaxppo.models.vision.ImagePrompt (`image_prompt`) in place of the token ids")
+    return ids, ids
 
 
 def lower_generate(model: Model, params, prompt_ids, prompt_mask, key, sampling: Sampling, *, num_generations: int = 1):
