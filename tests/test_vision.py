@@ -5,6 +5,7 @@ at once, its patch layout against transformers' own index functions, and the lan
 model's 3-D rotary positions (M-RoPE) against `get_rope_index`."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -284,3 +285,44 @@ def test_greedy_sampling_with_images_equals_transformers_generate(tmp_path):
         generate(model, params, ids, mask, jax.random.key(0), greedy=True, response_length=new)
     with pytest.raises(ValueError, match="row 0 has 7 image tokens but its 1 image"):
         image_prompt(ids, mask, pixel_rows, [grid_rows[0][:1]] + grid_rows[1:], model.config)
+
+
+def test_the_forward_pass_over_responses_reads_the_images(tmp_path):
+    """`Model.response_outputs` with an `ImagePrompt` as the queries: the log-probs of
+    sampled responses equal the sampler's own (the same images and positions, not processed
+    twice; a sampled image token stays text, as it was decoded), they differ under other
+    images of the same grids, and the gradient of their sum reaches the vision encoder
+    (non-zero) and the language model."""
+    import jaxppo.models as jm
+    from jaxppo.models.vision import image_prompt
+    from jaxppo.rollout.engines.static import generate
+
+    _tiny_qwen_vl(tmp_path / "hf")
+    model, params = jm.from_pretrained(str(tmp_path / "hf"))
+    ids, mask, pixel_rows, grid_rows = _rows_with_images(model.config.vision)
+    prompt = image_prompt(ids, mask, pixel_rows, grid_rows, model.config)
+    out = generate(model, params, prompt, mask, jax.random.key(2), response_length=5, temperature=1.0)
+    rmask = np.asarray(out.mask)
+    assert np.any((np.asarray(out.tokens) == IMAGE) & (rmask > 0))  # this key samples an image token
+    outputs = jax.jit(lambda p, pr: model.response_outputs(p, pr, mask, out.tokens, out.mask)[0])
+    logprobs = np.asarray(outputs(params, prompt))
+    np.testing.assert_allclose(logprobs * rmask, np.asarray(out.logprobs) * rmask, atol=1e-4)
+    other = image_prompt(ids, mask, [p[::-1] for p in pixel_rows], grid_rows, model.config)
+    changed = np.abs(np.asarray(outputs(params, other)) - logprobs)
+    assert changed[:2].max() > 1e-3 and changed[2].max() < 1e-6  # rows with images change; the text row does not
+    grads = jax.grad(lambda p: jnp.sum(outputs(p, prompt) * out.mask))(params)["params"]
+    assert float(jnp.abs(grads["model"]["visual"]["patch_embed"]["kernel"]).max()) > 0
+    assert float(jnp.abs(grads["model"]["embed_tokens"]["embedding"]).max()) > 0
+
+
+def test_a_run_refuses_a_vision_language_model_until_it_reads_images(tmp_path):
+    """The trainer's models read text only for now: a Qwen2.5-VL checkpoint (or Model) as
+    a run's policy is refused, naming the keyword and flag, before anything compiles."""
+    from jaxppo.run.assembly import load_model
+
+    _tiny_qwen_vl(tmp_path / "hf")
+    with pytest.raises(ValueError, match=r"policy= \(--model\) .*a vision-language model \(qwen2_5_vl\); training"):
+        load_model(str(tmp_path / "hf"), "causal_lm", "float32", role="policy")
+    model, params = load_model(str(tmp_path / "hf"), "causal_lm", "float32")  # without a role: loads
+    with pytest.raises(ValueError, match=r"reward_model= \(--reward-model\) \(a Model\): a vision-language"):
+        load_model((model, params), "causal_lm", "float32", role="reward_model")

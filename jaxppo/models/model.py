@@ -27,6 +27,7 @@ from jaxppo.models.lora import LoraConfig
 from jaxppo.models.moe import load_balancing_loss
 from jaxppo.models.stacking import layer_prefix, matrices_in_compute_dtype, stack_layers, trunk_name, unstack_layers
 from jaxppo.models.transformer import ATTENTION, CausalLMModule, GroupedKV, ScoreModule, default_positions
+from jaxppo.models.vision.qwen import ImagePrompt, joined_positions
 
 __all__ = ["Model", "KINDS", "PolicyAndCritic", "stack_layers", "unstack_layers", "matrices_in_compute_dtype",
            "check_attention_backend", "check_cudnn_dtype", "describe_model", "is_model_spec"]
@@ -122,6 +123,39 @@ def _response_top(model: "Model", params, query_tokens, query_mask, response_tok
     tokens, mask = join_sequences(query_tokens, query_mask, response_tokens, response_mask)
     hidden = model.hidden(params, tokens, mask)[0][:, q - 1 : q - 1 + r]
     return top_logprobs(hidden, model.lm_head(params), response_tokens, k, temperature, model.logits_chunk_size)
+
+
+def _joined(query_tokens, query_mask, response_tokens, response_mask):
+    """(tokens, mask, images, positions), each over the queries followed by the responses:
+    `query_tokens` may be a vision-language model's `ImagePrompt` (its images, and its rotary
+    positions continued through the responses); else images and positions are None (the
+    positions then count along the mask)."""
+    if not isinstance(query_tokens, ImagePrompt):
+        return (*join_sequences(query_tokens, query_mask, response_tokens, response_mask), None, None)
+    tokens, mask = join_sequences(query_tokens.ids, query_mask, response_tokens, response_mask)
+    return tokens, mask, query_tokens.images, joined_positions(query_tokens, response_mask)
+
+
+def _response_outputs(model: "Model", params, query_tokens, query_mask, response_tokens, response_mask,
+                      temperature=1.0, also=None):
+    """Log-probs (B, R) of `response_tokens` given the left-padded queries, per-position
+    entropies (B, R) (float32, of softmax(logits / temperature)), and values (B, R) (a
+    "causal_lm_value" model; None for "causal_lm"). Equal to slicing `apply`'s full logits
+    at positions Q - 1 ... Q + R - 2, but the LM head runs only there, in chunks of
+    `logits_chunk_size` positions when set; a "value" model gives (None, values, None).
+    `query_tokens` may be an `ImagePrompt` (a vision-language model's queries with their
+    images). The protocol by which built-in models score without full logits
+    (`jaxppo.response_outputs`; `Model.response_outputs`)."""
+    r = response_tokens.shape[1]
+    tokens, mask, images, positions = _joined(query_tokens, query_mask, response_tokens, response_mask)
+    q = tokens.shape[1] - r
+    if not model.is_causal_lm:  # position q - 1 + t predicts response token t
+        return None, model.apply(params, tokens, mask, images, positions)[:, q - 1 : q - 1 + r].astype(jnp.float32), None
+    hidden, values = model.hidden(params, tokens, mask, images, positions)
+    logprobs, entropy = token_logprobs(hidden[:, q - 1 : q - 1 + r], model.lm_head(params),
+                                       _targets(response_tokens, also), temperature, model.logits_chunk_size)
+    values = None if values is None else values[:, q - 1 : q - 1 + r].astype(jnp.float32)
+    return logprobs, values, entropy
 
 
 def _routed_outputs(model: "Model", params, query_tokens, query_mask, response_tokens, response_mask, temperature=1.0,
@@ -265,33 +299,19 @@ class Model:
             return LMHead(table, True, jnp.dtype(self.dtype), self.config.final_logit_softcapping)
         return LMHead(p["lm_head"]["kernel"], False, jnp.dtype(self.dtype), self.config.final_logit_softcapping)
 
-    def hidden(self, params, input_ids, attention_mask):
-        """Causal LM: final hidden states (B, L, D) and values (B, L) or None, no LM head."""
+    def hidden(self, params, input_ids, attention_mask, images=None, positions=None):
+        """Causal LM: final hidden states (B, L, D) and values (B, L) or None, no LM head
+        (`images`, `positions` as `apply` takes them)."""
         if not self.is_causal_lm:
             raise ValueError(f"hidden needs a causal LM; this model's kind is {self.kind!r}")
-        hidden, values, _ = self.module.apply(params, input_ids, attention_mask, default_positions(attention_mask),
-                                              return_hidden=True)
+        positions = default_positions(attention_mask) if positions is None else positions
+        hidden, values, _ = self.module.apply(params, input_ids, attention_mask, positions, return_hidden=True,
+                                              images=images)
         return hidden, values
 
-    def response_outputs(self, params, query_tokens, query_mask, response_tokens, response_mask, temperature=1.0,
-                         also=None):
-        """Log-probs (B, R) of `response_tokens` given the left-padded queries, per-position
-        entropies (B, R) (float32, of softmax(logits / temperature)), and values (B, R) (a
-        "causal_lm_value" model; None for "causal_lm"). Equal to slicing `apply`'s full
-        logits at positions Q - 1 ... Q + R - 2, but the LM head runs only there, in chunks
-        of `logits_chunk_size` positions when set; a "value" model gives (None, values, None).
-        The protocol by which built-in models score without full logits (`jaxppo.response_outputs`)."""
-        q, r = query_tokens.shape[1], response_tokens.shape[1]
-        tokens, mask = join_sequences(query_tokens, query_mask, response_tokens, response_mask)
-        if not self.is_causal_lm:  # position q - 1 + t predicts response token t
-            return None, self.apply(params, tokens, mask)[:, q - 1 : q - 1 + r].astype(jnp.float32), None
-        hidden, values = self.hidden(params, tokens, mask)
-        logprobs, entropy = token_logprobs(hidden[:, q - 1 : q - 1 + r], self.lm_head(params),
-                                           _targets(response_tokens, also), temperature, self.logits_chunk_size)
-        values = None if values is None else values[:, q - 1 : q - 1 + r].astype(jnp.float32)
-        return logprobs, values, entropy
-
-    # A frozen teacher's forward pass with `distill_top_k`; a mixture of experts' outputs with its routing.
+    # Log-probs, values and entropies of given responses (the protocol of `jaxppo.response_outputs`);
+    # a frozen teacher's forward pass with `distill_top_k`; a mixture of experts' outputs with its routing.
+    response_outputs = _response_outputs
     response_top_logprobs = _response_top
     routed_outputs = _routed_outputs
 

@@ -55,19 +55,32 @@ def load_model(spec, kind, dtype, param_dtype=None, scan_layers=None, role: Opti
     if isinstance(spec, (str, os.PathLike)):
         try:
             path = spec if isinstance(spec, hf_io.ConfigOnly) else os.fspath(spec)  # ConfigOnly: its shapes alone
-            return hf_io.from_pretrained(path, dtype=dtype, param_dtype=param_dtype or dtype, kind=kind,
-                                         scan_layers=bool(scan_layers))
+            loaded = hf_io.from_pretrained(path, dtype=dtype, param_dtype=param_dtype or dtype, kind=kind,
+                                           scan_layers=bool(scan_layers))
         except ValueError as err:
             if role is None:
                 raise
             raise ValueError(f"{ROLES[role]} {os.fspath(spec)!r}: {err}{_what_it_is(spec, kind)}") from None
+        _refuse_vision(loaded[0], role, repr(os.fspath(spec)))
+        return loaded
     model, params = spec
     if not isinstance(model, Model):
         raise TypeError(f"expected a checkpoint path or a (jaxppo.models.Model, params) pair, got {type(model).__name__}")
+    _refuse_vision(model, role, "(a Model)")
     if scan_layers is not None and model.scan_layers != scan_layers:
         convert = stack_layers if scan_layers else unstack_layers
         model, params = dataclasses.replace(model, scan_layers=scan_layers), convert(params, model.config)
     return model, params
+
+
+def _refuse_vision(model: Model, role: Optional[str], what: str):
+    """A run's models read text only for now: a vision-language model is refused before
+    anything compiles (`jaxppo.models` loads, samples and scores it with images)."""
+    if role is not None and model.config.vision is not None:
+        raise ValueError(f"{ROLES[role]} {what}: a vision-language model ({model.config.model_type}); training on it "
+                         "is not available yet (the run's prompts, rollouts and updates carry no images). "
+                         "jaxppo.models loads it, samples from prompts with images and scores responses "
+                         "(docs: Vision-language models)")
 
 
 def _what_it_is(path, kind: str) -> str:

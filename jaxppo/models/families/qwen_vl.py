@@ -48,12 +48,14 @@ def _to_hf(c: ModelConfig, architecture: str, common: dict):
                                          architectures=common["architectures"])
 
 
-def merge_images(x, input_ids, image_token_id: int, features):
+def merge_images(x, input_ids, image_token_id: int, features, tokens):
     """The embeddings `x` (B, L, D) with row b's k-th image token taking `features[b, k]`
-    (features (B, K, D)); tokens past a row's K image embeddings keep their own (the caller
-    checks the counts on the host: `jaxppo.models.vision.mrope_positions`)."""
-    is_image = input_ids == image_token_id
-    index = jnp.clip(jnp.cumsum(is_image, axis=1) - 1, 0, features.shape[1] - 1)
+    (features (B, K, D)) for k < tokens[b]; image tokens after those (a sampled one) keep
+    their own embedding, as when they are decoded (`jaxppo.models.vision.image_prompt`
+    checks the prompts' counts on the host)."""
+    count = jnp.cumsum(input_ids == image_token_id, axis=1)
+    is_image = (input_ids == image_token_id) & (count <= jnp.asarray(tokens)[:, None])
+    index = jnp.clip(count - 1, 0, features.shape[1] - 1)
     picked = jnp.take_along_axis(features, index[..., None], axis=1).astype(x.dtype)
     return jnp.where(is_image[..., None], picked, x)
 
@@ -70,7 +72,7 @@ def _vision(trunk, c: ModelConfig, x, input_ids, images):
     if not isinstance(images, ImageInput):
         raise TypeError(f"a qwen2_5_vl model takes its images as a jaxppo.models.vision.ImageInput; got "
                         f"{type(images).__name__}")
-    return merge_images(x, input_ids, c.image_token_id, encoder(images.pixels, images.layout))
+    return merge_images(x, input_ids, c.image_token_id, encoder(images.pixels, images.layout), images.tokens)
 
 
 _VISION_LEAVES = {"kernel": "weight", "bias": "bias", "weight": "weight"}

@@ -33,7 +33,7 @@ import numpy as np
 from jaxppo.models.transformer import RMSNorm
 
 __all__ = ["QwenVisionConfig", "QwenVisionEncoder", "VisionLayout", "vision_layout", "mrope_positions",
-           "vision_params_from_hf", "ImageInput", "image_input", "ImagePrompt", "image_prompt"]
+           "vision_params_from_hf", "ImageInput", "image_input", "ImagePrompt", "image_prompt", "joined_positions"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,11 +156,13 @@ class ImageInput(NamedTuple):
     """The images of a batch of rows, as the model takes them: `pixels` (B, N, patch_values),
     each row's patches (its images' `pixel_values` concatenated, padded to N), and `layout`,
     each row's `VisionLayout` with a leading B axis (padding patches in a window and frame of
-    their own, after the real ones, so they change nothing the real patches see). Row b's
-    image tokens take its first embeddings in order; the rest are padding."""
+    their own, after the real ones, so they change nothing the real patches see); `tokens`
+    (B,) the image tokens of each row's images. Row b's first tokens[b] image tokens take
+    its first embeddings in order; image tokens after them (a sampled one) are text."""
 
     pixels: Any
     layout: VisionLayout
+    tokens: Any
 
 
 def image_input(pixel_rows: Sequence[np.ndarray], grid_rows: Sequence[Sequence[Sequence[int]]],
@@ -192,7 +194,8 @@ def image_input(pixel_rows: Sequence[np.ndarray], grid_rows: Sequence[Sequence[S
         fields["windows"].append(np.concatenate([layout.windows, np.full(n - count, spare)]))
         fields["frames"].append(np.concatenate([layout.frames, np.full(n - count, spare)]))
         fields["restore"].append(np.concatenate([layout.restore, np.arange(count // unit, n // unit)]))
-    return ImageInput(pixels, VisionLayout(*(np.stack(fields[name]).astype(np.int32) for name in VisionLayout._fields)))
+    layout = VisionLayout(*(np.stack(fields[name]).astype(np.int32) for name in VisionLayout._fields))
+    return ImageInput(pixels, layout, np.asarray(counts, np.int32) // unit)
 
 
 class ImagePrompt(NamedTuple):
@@ -223,6 +226,17 @@ def image_prompt(ids, mask, pixel_rows, grid_rows, config) -> ImagePrompt:
     positions, nexts = mrope_positions(ids, mask, [g for row in grid_rows for g in row], config.image_token_id,
                                        v.spatial_merge_size)
     return ImagePrompt(ids, image_input(pixel_rows, grid_rows, v), np.moveaxis(positions, 0, -1), nexts)
+
+
+def joined_positions(prompt: ImagePrompt, response_mask):
+    """The rotary positions (B, Q + R, 3) of the prompt rows followed by responses
+    (`response_mask` (B, R)): the prompt's own, then each response token at the row's next
+    position plus the response tokens before it, on all three axes (as the samplers
+    decode)."""
+    counted = jnp.maximum(jnp.cumsum(jnp.asarray(response_mask, jnp.int32), axis=1) - 1, 0)
+    after = jnp.asarray(prompt.next_position, jnp.int32)[:, None] + counted
+    return jnp.concatenate([jnp.asarray(prompt.positions, jnp.int32),
+                            jnp.repeat(after[..., None], 3, axis=-1)], axis=1)
 
 
 def _rotate(x, cos, sin):
