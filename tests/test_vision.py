@@ -256,8 +256,6 @@ def test_greedy_sampling_with_images_equals_transformers_generate(tmp_path):
     arrays (M-RoPE positions continuing after the images at every decode step), with one
     completion per prompt and in groups of two (each group's prompt and images prefilled
     once); the same ids without their images are refused."""
-    import transformers
-
     import jaxppo.models as jm
     from jaxppo.models.vision import image_prompt
     from jaxppo.rollout.engines.static import generate
