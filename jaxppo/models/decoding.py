@@ -24,7 +24,7 @@ from jaxppo.models.family import family_of
 from jaxppo.models.model import Model
 from jaxppo.models.sampling import Sampling
 from jaxppo.models.transformer import default_positions
-from jaxppo.models.vision.qwen import ImagePrompt
+from jaxppo.models.vision.prompt import ImagePrompt
 
 __all__ = ["prefill", "decode_loop", "Prefilled", "cap_positions", "GenerationOutput", "Sampling", "filter_logits",
            "pick_tokens", "step_keys", "stop_step", "strings_completed", "seen_tokens", "mark_seen", "note_token",

@@ -27,7 +27,7 @@ from jaxppo.models.lora import LoraConfig
 from jaxppo.models.moe import load_balancing_loss
 from jaxppo.models.stacking import layer_prefix, matrices_in_compute_dtype, stack_layers, trunk_name, unstack_layers
 from jaxppo.models.transformer import ATTENTION, CausalLMModule, GroupedKV, ScoreModule, default_positions
-from jaxppo.models.vision.qwen import ImagePrompt, joined_positions
+from jaxppo.models.vision.prompt import ImagePrompt, joined_positions
 
 __all__ = ["Model", "KINDS", "PolicyAndCritic", "stack_layers", "unstack_layers", "matrices_in_compute_dtype",
            "check_attention_backend", "check_cudnn_dtype", "describe_model", "is_model_spec"]

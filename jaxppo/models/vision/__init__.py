@@ -2,17 +2,20 @@
 they encode (static shapes: a layout is computed once per image grid and the encoder is
 compiled for it).
 
+- `prompt`: prompt rows with their images and rotary positions (`ImagePrompt`), as the
+  samplers and `Model.response_outputs` take them; what every vision family shares.
 - `qwen`: Qwen2.5-VL's vision transformer (`QwenVisionConfig`, `QwenVisionEncoder`), the
   patch layout (`vision_layout`), a batch's images as the model takes them (`ImageInput`,
-  `image_input`), the language model's 3-D rotary positions (`mrope_positions`) and prompt
-  rows with both, as the samplers take them (`ImagePrompt`, `image_prompt`).
+  `image_input`), the language model's 3-D rotary positions (`mrope_positions`) and its
+  `ImagePrompt`s (`image_prompt`).
 
 The family that joins the encoder to its language model is
 `jaxppo.models.families.qwen_vl` (model type `qwen2_5_vl`).
 """
 
-from jaxppo.models.vision.qwen import (ImageInput, ImagePrompt, QwenVisionConfig, QwenVisionEncoder, VisionLayout,
-                                       image_input, image_prompt, mrope_positions, vision_layout, vision_params_from_hf)
+from jaxppo.models.vision.prompt import ImagePrompt, joined_positions
+from jaxppo.models.vision.qwen import (ImageInput, QwenVisionConfig, QwenVisionEncoder, VisionLayout, image_input,
+                                       image_prompt, mrope_positions, vision_layout, vision_params_from_hf)
 
 __all__ = ["QwenVisionConfig", "QwenVisionEncoder", "VisionLayout", "vision_layout", "ImageInput", "image_input",
-           "ImagePrompt", "image_prompt", "mrope_positions", "vision_params_from_hf"]
+           "ImagePrompt", "image_prompt", "joined_positions", "mrope_positions", "vision_params_from_hf"]

@@ -31,9 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxppo.models.transformer import RMSNorm
+from jaxppo.models.vision.prompt import ImagePrompt
 
 __all__ = ["QwenVisionConfig", "QwenVisionEncoder", "VisionLayout", "vision_layout", "mrope_positions",
-           "vision_params_from_hf", "ImageInput", "image_input", "ImagePrompt", "image_prompt", "joined_positions"]
+           "vision_params_from_hf", "ImageInput", "image_input", "image_prompt"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,18 +199,6 @@ def image_input(pixel_rows: Sequence[np.ndarray], grid_rows: Sequence[Sequence[S
     return ImageInput(pixels, layout, np.asarray(counts, np.int32) // unit)
 
 
-class ImagePrompt(NamedTuple):
-    """Prompt rows with their images, as the samplers take them in place of the token ids:
-    `ids` (B, Q) left-padded token ids, `images` (`ImageInput`), `positions` (B, Q, 3) the
-    rows' rotary positions and `next_position` (B,) the position of each row's first
-    sampled token (`mrope_positions`)."""
-
-    ids: Any
-    images: ImageInput
-    positions: Any
-    next_position: Any
-
-
 def image_prompt(ids, mask, pixel_rows, grid_rows, config) -> ImagePrompt:
     """The `ImagePrompt` of left-padded rows `ids`/`mask` whose runs of the model's image
     token are the images of `grid_rows[b]` with patches `pixel_rows[b]` (the processor's
@@ -226,17 +215,6 @@ def image_prompt(ids, mask, pixel_rows, grid_rows, config) -> ImagePrompt:
     positions, nexts = mrope_positions(ids, mask, [g for row in grid_rows for g in row], config.image_token_id,
                                        v.spatial_merge_size)
     return ImagePrompt(ids, image_input(pixel_rows, grid_rows, v), np.moveaxis(positions, 0, -1), nexts)
-
-
-def joined_positions(prompt: ImagePrompt, response_mask):
-    """The rotary positions (B, Q + R, 3) of the prompt rows followed by responses
-    (`response_mask` (B, R)): the prompt's own, then each response token at the row's next
-    position plus the response tokens before it, on all three axes (as the samplers
-    decode)."""
-    counted = jnp.maximum(jnp.cumsum(jnp.asarray(response_mask, jnp.int32), axis=1) - 1, 0)
-    after = jnp.asarray(prompt.next_position, jnp.int32)[:, None] + counted
-    return jnp.concatenate([jnp.asarray(prompt.positions, jnp.int32),
-                            jnp.repeat(after[..., None], 3, axis=-1)], axis=1)
 
 
 def _rotate(x, cos, sin):

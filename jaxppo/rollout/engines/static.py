@@ -45,7 +45,7 @@ from jaxppo.models.decoding import (GenerationOutput, Prefilled, cap_positions, 
                                     check_sampler_arguments, decode_loop, prefill, prefill_common, seen_tokens)
 from jaxppo.models.model import Model
 from jaxppo.models.transformer import GroupedKV
-from jaxppo.models.vision.qwen import ImagePrompt
+from jaxppo.models.vision.prompt import ImagePrompt
 from jaxppo.models.sampling import Sampling
 from jaxppo.rollout.engines.base import BuiltinEngine, Capabilities
 from jaxppo.update.prefix import common_prefix_length
