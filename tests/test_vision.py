@@ -214,8 +214,9 @@ def test_a_qwen2_5_vl_checkpoint_loads_and_its_logits_with_images_match_transfor
     """A Qwen2.5-VL checkpoint saved by transformers loads (`from_pretrained`: the language
     model, the vision encoder, the image token and M-RoPE sections); its logits on rows
     with two images of different sizes, one image and none equal transformers' given the
-    processor's arrays (`pixel_values`, `image_grid_thw`) within 1e-4; saved back
-    (`save_pretrained`), transformers loads it and gives the same logits. The same rows
+    processor's arrays (`pixel_values`, `image_grid_thw`) within 1e-4, with the layers
+    unrolled and scanned; saved back (`save_pretrained`), transformers loads it and gives
+    the same logits. The same rows
     with other pixels give other logits (the images are read)."""
     import transformers
 
@@ -240,6 +241,9 @@ def test_a_qwen2_5_vl_checkpoint_loads_and_its_logits_with_images_match_transfor
     np.testing.assert_allclose(got[real], want[real], atol=1e-4, rtol=1e-4)
     other = image_input([p[::-1] for p in pixel_rows], grid_rows, config.vision)
     assert np.abs(np.asarray(forward(params, other))[real] - want[real]).max() > 1e-3
+    scanned, stacked = jm.from_pretrained(str(tmp_path / "hf"), scan_layers=True)  # the layers as one scan
+    got = np.asarray(scanned.apply(stacked, ids, mask, images=images, positions=np.moveaxis(positions, 0, -1)))
+    np.testing.assert_allclose(got[real], want[real], atol=1e-4, rtol=1e-4)
 
     jm.save_pretrained(model, params, str(tmp_path / "out"))
     back = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(str(tmp_path / "out")).eval()
