@@ -42,7 +42,8 @@ def hf_encoder():
 
 def test_the_patch_layout_is_transformers_window_order_and_positions(hf_encoder):
     """`vision_layout` visits the patches in the order of transformers' window index, with
-    the same window boundaries and the same (row, column) of each patch."""
+    the same window boundaries and the same (row, column) of each patch; each window's and
+    frame's slots hold exactly its rows."""
     from transformers.vision_utils import get_vision_position_ids, get_vision_window_index
 
     config = QwenVisionConfig.from_hf(hf_encoder[1].to_dict())
@@ -58,6 +59,10 @@ def test_the_patch_layout_is_transformers_window_order_and_positions(hf_encoder)
         np.testing.assert_array_equal(layout.positions, positions[layout.order])
         frames = np.repeat(np.arange(sum(t for t, _, _ in grids)), [h * w for t, h, w in grids for _ in range(t)])
         np.testing.assert_array_equal(layout.frames, frames[layout.order])
+        n = len(layout.order)  # each window's and frame's slots hold its rows, every row once
+        for slots, segments in ((layout.window_slots, layout.windows), (layout.frame_slots, layout.frames)):
+            np.testing.assert_array_equal(np.sort(slots[slots < n]), np.arange(n))
+            assert all(len(set(segments[row[row < n]])) == 1 for row in slots)
 
 
 @pytest.mark.parametrize("grids", GRIDS, ids=["one", "three-sizes", "two-frames"])

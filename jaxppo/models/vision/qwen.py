@@ -16,8 +16,10 @@ that every spatial_merge_size^2 block of neighbouring patches is consecutive. Th
    model's width: one image token per block.
 
 The patches are visited window by window (`VisionLayout.order`) so each window is a run of
-consecutive rows; attention is masked to the row's window or frame. Everything about the
-grids is computed on the host (`vision_layout`) and static for the compiled encoder.
+consecutive rows; each window (each frame, in the full blocks) attends alone, gathered
+through its slots (`VisionLayout.window_slots`, `frame_slots`), so no block holds scores
+over all the row's patches at once. Everything about the grids is computed on the host
+(`vision_layout`) and static for the compiled encoder.
 """
 
 from __future__ import annotations
@@ -102,6 +104,9 @@ class VisionLayout(NamedTuple):
     frames: (N,) the frame (image, t) of each visited patch (attention of the full blocks).
     restore: (N / merge_unit,) where each image token, in the processor's order, is among
       the merged rows.
+    window_slots: (windows, largest window) the visited rows of each window, padded with N;
+      the windowed blocks attend window by window through it.
+    frame_slots: (frames, largest frame) the same for the frames (the full blocks).
     """
 
     order: np.ndarray
@@ -109,6 +114,21 @@ class VisionLayout(NamedTuple):
     windows: np.ndarray
     frames: np.ndarray
     restore: np.ndarray
+    window_slots: np.ndarray
+    frame_slots: np.ndarray
+
+
+def _slots(segments: np.ndarray, count: int = 0, width: int = 0) -> np.ndarray:
+    """(at least `count` segments, at least `width` slots each): the rows of each segment of
+    `segments` (contiguous ids, in order), padded with len(segments), the encoder's empty row."""
+    n = len(segments)
+    ids = list(dict.fromkeys(segments.tolist()))
+    rows = [np.flatnonzero(segments == s) for s in ids]
+    width = max([width] + [len(r) for r in rows])
+    out = np.full((max(count, len(rows)), width), n, np.int32)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = r
+    return out
 
 
 def _check_grid(grid, config: QwenVisionConfig) -> Tuple[int, int, int]:
@@ -147,10 +167,10 @@ def vision_layout(grids: Sequence[Sequence[int]], config: QwenVisionConfig) -> V
         start += t * rows * cols
     merged = np.concatenate(merged_order)
     order = (merged[:, None] * unit + np.arange(unit)).reshape(-1)
-    frames = np.concatenate(frames)
+    windows, frames = np.concatenate(windows + [np.zeros(0, int)]), np.concatenate(frames)[order]
     return VisionLayout(order.astype(np.int32), np.concatenate(positions)[order].astype(np.int32),
-                        np.concatenate(windows + [np.zeros(0, int)]).astype(np.int32), frames[order].astype(np.int32),
-                        np.argsort(merged).astype(np.int32))
+                        windows.astype(np.int32), frames.astype(np.int32), np.argsort(merged).astype(np.int32),
+                        _slots(windows), _slots(frames))
 
 
 class ImageInput(NamedTuple):
@@ -180,7 +200,7 @@ def image_input(pixel_rows: Sequence[np.ndarray], grid_rows: Sequence[Sequence[S
     if n < max(counts) or n % unit:
         raise ValueError(f"patches={n} per row must be a multiple of {unit} and hold the largest row's {max(counts)}")
     pixels = np.zeros((len(counts), n, config.patch_values), np.float32)
-    fields = {name: [] for name in VisionLayout._fields}
+    fields = {name: [] for name in VisionLayout._fields[:5]}
     for b, (rows, grids, count) in enumerate(zip(pixel_rows, grid_rows, counts)):
         rows = np.asarray(rows, np.float32)
         if rows.shape != (count, config.patch_values) and not (count == 0 and rows.size == 0):
@@ -195,7 +215,13 @@ def image_input(pixel_rows: Sequence[np.ndarray], grid_rows: Sequence[Sequence[S
         fields["windows"].append(np.concatenate([layout.windows, np.full(n - count, spare)]))
         fields["frames"].append(np.concatenate([layout.frames, np.full(n - count, spare)]))
         fields["restore"].append(np.concatenate([layout.restore, np.arange(count // unit, n // unit)]))
-    layout = VisionLayout(*(np.stack(fields[name]).astype(np.int32) for name in VisionLayout._fields))
+    slots = {}
+    for name, field in (("window_slots", "windows"), ("frame_slots", "frames")):
+        rows = [_slots(ids) for ids in fields[field]]
+        count, width = max(len(r) for r in rows), max(r.shape[1] for r in rows)
+        slots[name] = np.stack([_slots(ids, count, width) for ids in fields[field]])
+    layout = VisionLayout(*(np.stack(fields[name]).astype(np.int32) for name in VisionLayout._fields[:5]),
+                          slots["window_slots"], slots["frame_slots"])
     return ImageInput(pixels, layout, np.asarray(counts, np.int32) // unit)
 
 
@@ -231,16 +257,22 @@ class _Attention(nn.Module):
     param_dtype: Any
 
     @nn.compact
-    def __call__(self, x, cos, sin, mask):
+    def __call__(self, x, cos, sin, slots):
+        """Attention within segments: `slots` (S, W) the rows of each of S segments (a window
+        or a frame), padded with N. Each segment attends alone, (S, heads, W, W) scores,
+        never (N, N)."""
         c = self.config
         n = x.shape[0]
         qkv = nn.Dense(3 * c.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype, name="qkv")(x)
         q, k, v = jnp.moveaxis(qkv.reshape(n, 3, c.num_heads, c.head_dim), 1, 0)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        scores = jnp.einsum("qhd,khd->hqk", q, k, preferred_element_type=jnp.float32) / np.sqrt(c.head_dim)
-        scores = jnp.where(mask[None], scores, jnp.finfo(jnp.float32).min)
+        slots = jnp.asarray(slots)
+        q, k, v = (jnp.concatenate([a, jnp.zeros((1,) + a.shape[1:], a.dtype)])[slots] for a in (q, k, v))
+        scores = jnp.einsum("swhd,suhd->shwu", q, k, preferred_element_type=jnp.float32) / np.sqrt(c.head_dim)
+        scores = jnp.where((slots < n)[:, None, None, :], scores, jnp.finfo(jnp.float32).min)
         weights = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        out = jnp.einsum("hqk,khd->qhd", weights, v.astype(self.dtype)).reshape(n, c.hidden_size)
+        out = jnp.einsum("shwu,suhd->swhd", weights, v.astype(self.dtype))
+        out = jnp.zeros((n + 1,) + out.shape[2:], out.dtype).at[slots].set(out)[:n].reshape(n, c.hidden_size)
         return nn.Dense(c.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype, name="proj")(out)
 
 
@@ -264,9 +296,9 @@ class _Block(nn.Module):
     param_dtype: Any
 
     @nn.compact
-    def __call__(self, x, cos, sin, mask):
+    def __call__(self, x, cos, sin, slots):
         c, kw = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        x = x + _Attention(c, **kw, name="attn")(RMSNorm(c.norm_eps, **kw, name="norm1")(x), cos, sin, mask)
+        x = x + _Attention(c, **kw, name="attn")(RMSNorm(c.norm_eps, **kw, name="norm1")(x), cos, sin, slots)
         return x + _MLP(c, **kw, name="mlp")(RMSNorm(c.norm_eps, **kw, name="norm2")(x))
 
 
@@ -293,12 +325,9 @@ class QwenVisionEncoder(nn.Module):
         angles = (jnp.asarray(layout.positions, jnp.float32)[:, :, None] * inv_freq).reshape(len(x), -1)
         angles = jnp.concatenate([angles, angles], axis=-1)
         cos, sin = jnp.cos(angles), jnp.sin(angles)
-        windows, frames = jnp.asarray(layout.windows), jnp.asarray(layout.frames)
-        window_mask = windows[:, None] == windows[None, :]
-        frame_mask = frames[:, None] == frames[None, :]
         for i in range(c.depth):
-            mask = frame_mask if i in c.fullatt_block_indexes else window_mask
-            x = _Block(c, **kw, name=f"blocks_{i}")(x, cos, sin, mask)
+            slots = layout.frame_slots if i in c.fullatt_block_indexes else layout.window_slots
+            x = _Block(c, **kw, name=f"blocks_{i}")(x, cos, sin, slots)
         # The merger: one image token per block of merge^2 patches.
         x = RMSNorm(c.norm_eps, **kw, name="ln_q")(x).reshape(-1, c.hidden_size * c.merge_unit)
         x = nn.Dense(c.hidden_size * c.merge_unit, **kw, name="merger_fc1")(x)
