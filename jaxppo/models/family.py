@@ -20,7 +20,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
-__all__ = ["ModelFamily", "register_family", "family_of", "model_types", "unsupported_model_type"]
+__all__ = ["ModelFamily", "register_family", "family_of", "model_types", "unsupported_model_type", "to_hf_layout",
+           "from_hf_layout"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -78,7 +79,7 @@ class ModelFamily:
         made all the same).
       hf_extra_name: (flat param path, config) -> (Hugging Face name, layout) for parameters the
         block mapping does not name (a vision encoder), or None for the generic mapping;
-        layout as `jaxppo.models.hf.hf_name` returns it.
+        layout as `jaxppo.models.hf.hf_name` returns it (`to_hf_layout`).
     """
 
     name: str
@@ -162,3 +163,20 @@ def family_of(config_or_type) -> ModelFamily:
     if family is None:
         raise ValueError(unsupported_model_type(model_type))
     return family
+
+
+def to_hf_layout(array, layout):
+    """A parameter as Hugging Face stores it, from a layout as `jaxppo.models.hf.hf_name`
+    gives it: True (transposed: a torch Linear's (out, in)), a shape (transposed and reshaped
+    to it: a convolution whose stride is its kernel, flat (in, out) here), False (as it is).
+    Arrays of numpy, JAX or torch."""
+    if isinstance(layout, tuple):
+        return array.T.reshape(layout)
+    return array.T if layout else array
+
+
+def from_hf_layout(tensor, layout):
+    """The inverse of `to_hf_layout`: a Hugging Face tensor in this package's layout."""
+    if isinstance(layout, tuple):
+        return tensor.reshape(tensor.shape[0], -1).T
+    return tensor.T if layout else tensor

@@ -15,7 +15,7 @@ from flax import traverse_util
 from jaxppo.files import verify_if_present
 from jaxppo.models.adapters import merge_lora
 from jaxppo.models.config import ModelConfig
-from jaxppo.models.family import family_of, model_types
+from jaxppo.models.family import family_of, from_hf_layout, model_types, to_hf_layout
 from jaxppo.models.gguf import check_gguf, is_gguf, read_gguf
 from jaxppo.models.model import KINDS, Model, stack_layers, trunk_name, unstack_layers
 
@@ -41,7 +41,7 @@ def hf_name(path, config: ModelConfig):
     names the parameters outside its blocks (a vision encoder) with `hf_extra_name`; there
     the second element may be a shape: a convolution whose stride is its kernel (a patch
     embedding), stored (out, ...) by Hugging Face and as a flat (in, out) kernel here
-    (`to_hf_layout`, `from_hf_layout`)."""
+    (`jaxppo.models.family.to_hf_layout`, `from_hf_layout`)."""
     family = family_of(config)
     if path[0] == "value_head":
         return None
@@ -63,21 +63,6 @@ def hf_name(path, config: ModelConfig):
         return ".".join(parts + [EXPERT_FIELD, family.hf_expert_names[path[-1]], leaf]), True
     transpose = path[-1] == "kernel" and module not in family.hf_untransposed
     return ".".join(parts + [leaf]), transpose
-
-
-def to_hf_layout(array, layout):
-    """A parameter as Hugging Face stores it: `layout` from `hf_name` (True: transposed; a
-    shape: transposed and reshaped to it; False: as it is)."""
-    if isinstance(layout, tuple):
-        return array.T.reshape(layout)
-    return array.T if layout else array
-
-
-def from_hf_layout(tensor, layout):
-    """The inverse of `to_hf_layout`."""
-    if isinstance(layout, tuple):
-        return tensor.reshape(tensor.shape[0], -1).T
-    return tensor.T if layout else tensor
 
 
 class _Tensors:

@@ -10,11 +10,11 @@ import dataclasses
 
 import flax.linen as nn
 import jax.numpy as jnp
-import numpy as np
 
 from jaxppo.models.config import ModelConfig
 from jaxppo.models.families import llama
-from jaxppo.models.vision.qwen import ImageInput, QwenVisionConfig, QwenVisionEncoder, image_input
+from jaxppo.models.vision.qwen import (ImageInput, QwenVisionConfig, QwenVisionEncoder, smallest_image_input,
+                                       vision_hf_name)
 
 __all__ = ["FAMILY", "merge_images"]
 
@@ -65,8 +65,7 @@ def _vision(trunk, c: ModelConfig, x, input_ids, images):
                       split_rngs={"params": False})(c.vision, trunk.dtype, trunk.param_dtype, name="visual")
     if images is None:
         if trunk.is_initializing():  # the encoder's parameters, from one image token's patches
-            m = c.vision.spatial_merge_size
-            blank = image_input([np.zeros((m * m, c.vision.patch_values), np.float32)], [[(1, m, m)]], c.vision)
+            blank = smallest_image_input(c.vision)
             encoder(jnp.asarray(blank.pixels), blank.layout)
         return x
     if not isinstance(images, ImageInput):
@@ -75,24 +74,13 @@ def _vision(trunk, c: ModelConfig, x, input_ids, images):
     return merge_images(x, input_ids, c.image_token_id, encoder(images.pixels, images.layout), images.tokens)
 
 
-_VISION_LEAVES = {"kernel": "weight", "bias": "bias", "weight": "weight"}
-
-
 def _hf_extra_name(path, c: ModelConfig):
-    """The vision encoder's Hugging Face names ("visual." + the module path); the patch
-    embedding is a Conv3d of stride = kernel there, (out, channels, t, p, p)."""
+    """The vision encoder's parameters (under the trunk's "visual"): "visual." + their names
+    in the encoder (`vision_hf_name`)."""
     if len(path) < 3 or path[1] != "visual":
         return None
-    inner, leaf, v = list(path[2:-1]), _VISION_LEAVES[path[-1]], c.vision
-    if inner == ["patch_embed"]:
-        return "visual.patch_embed.proj.weight", (v.hidden_size, v.in_channels, v.temporal_patch_size,
-                                                  v.patch_size, v.patch_size)
-    names = {"ln_q": ["merger", "ln_q"], "merger_fc1": ["merger", "mlp", "0"], "merger_fc2": ["merger", "mlp", "2"]}
-    if inner[0] in names:
-        parts = names[inner[0]]
-    else:  # blocks_{i}/attn/qkv ...
-        parts = inner[0].rsplit("_", 1) + inner[1:]
-    return ".".join(["visual"] + parts + [leaf]), path[-1] == "kernel"
+    name, layout = vision_hf_name(path[2:], c.vision)
+    return "visual." + name, layout
 
 
 FAMILY = dataclasses.replace(

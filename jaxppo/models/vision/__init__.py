@@ -15,7 +15,9 @@ The family that joins the encoder to its language model is
 
 from jaxppo.models.vision.prompt import ImagePrompt, joined_positions
 from jaxppo.models.vision.qwen import (ImageInput, QwenVisionConfig, QwenVisionEncoder, VisionLayout, image_input,
-                                       image_prompt, mrope_positions, vision_layout, vision_params_from_hf)
+                                       image_prompt, mrope_positions, smallest_image_input, vision_hf_name,
+                                       vision_layout, vision_params_from_hf)
 
 __all__ = ["QwenVisionConfig", "QwenVisionEncoder", "VisionLayout", "vision_layout", "ImageInput", "image_input",
-           "ImagePrompt", "image_prompt", "joined_positions", "mrope_positions", "vision_params_from_hf"]
+           "ImagePrompt", "image_prompt", "joined_positions", "mrope_positions", "vision_params_from_hf",
+           "vision_hf_name", "smallest_image_input"]

@@ -36,7 +36,8 @@ from jaxppo.models.transformer import RMSNorm
 from jaxppo.models.vision.prompt import ImagePrompt
 
 __all__ = ["QwenVisionConfig", "QwenVisionEncoder", "VisionLayout", "vision_layout", "mrope_positions",
-           "vision_params_from_hf", "ImageInput", "image_input", "image_prompt"]
+           "vision_params_from_hf", "vision_hf_name", "ImageInput", "image_input", "smallest_image_input",
+           "image_prompt"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,33 +336,48 @@ class QwenVisionEncoder(nn.Module):
         return x[jnp.asarray(layout.restore)]
 
 
+# The merger's modules and Hugging Face's names for them; every other module is a block's.
+_MERGER_NAMES = {"ln_q": ["merger", "ln_q"], "merger_fc1": ["merger", "mlp", "0"], "merger_fc2": ["merger", "mlp", "2"]}
+_LEAF_NAMES = {"kernel": "weight", "bias": "bias", "weight": "weight"}
+
+
+def vision_hf_name(path: tuple, config: QwenVisionConfig):
+    """(Hugging Face name under the encoder's prefix, layout) of the encoder's parameter at
+    `path` (inside the encoder: ("blocks_0", "attn", "qkv", "kernel")); the layout as
+    `jaxppo.models.family.to_hf_layout` takes it: Linear kernels transposed, the patch
+    embedding a Conv3d of stride = kernel, (out, channels, t, p, p)."""
+    inner, leaf = list(path[:-1]), _LEAF_NAMES[path[-1]]
+    if inner == ["patch_embed"]:
+        return "patch_embed.proj.weight", (config.hidden_size, config.in_channels, config.temporal_patch_size,
+                                           config.patch_size, config.patch_size)
+    parts = _MERGER_NAMES.get(inner[0]) or inner[0].rsplit("_", 1) + inner[1:]  # blocks_{i}/attn/qkv ...
+    return ".".join(parts + [leaf]), path[-1] == "kernel"
+
+
+def smallest_image_input(config: QwenVisionConfig) -> ImageInput:
+    """One row with one image of a single image token (blank): what the encoder's
+    parameters are made from."""
+    m = config.spatial_merge_size
+    return image_input([np.zeros((m * m, config.patch_values), np.float32)], [[(1, m, m)]], config)
+
+
 def vision_params_from_hf(tensors: dict, config: QwenVisionConfig, prefix: str = "visual.") -> dict:
     """The encoder's parameters from Hugging Face tensors (name -> numpy array) whose names
     start with `prefix` ("visual." in Qwen2.5-VL checkpoints, "model.visual." as
-    transformers 5 names them in memory). Linear kernels are transposed to (in, out); the
-    patch embedding's Conv3d kernel flattened to one."""
-    def get(name):
-        key = prefix + name
-        if key not in tensors:
-            raise KeyError(f"the checkpoint has no tensor {key!r} for the vision encoder")
-        return np.asarray(tensors[key])
+    transformers 5 names them in memory), named and laid out by `vision_hf_name`."""
+    from flax import traverse_util
 
-    def linear(name, bias=True):
-        out = {"kernel": get(f"{name}.weight").T}
-        if bias:
-            out["bias"] = get(f"{name}.bias")
-        return out
+    from jaxppo.models.family import from_hf_layout
 
-    params = {"patch_embed": {"kernel": get("patch_embed.proj.weight").reshape(config.hidden_size, -1).T},
-              "ln_q": {"weight": get("merger.ln_q.weight")},
-              "merger_fc1": linear("merger.mlp.0"), "merger_fc2": linear("merger.mlp.2")}
-    for i in range(config.depth):
-        b = f"blocks.{i}."
-        params[f"blocks_{i}"] = {
-            "norm1": {"weight": get(b + "norm1.weight")}, "norm2": {"weight": get(b + "norm2.weight")},
-            "attn": {"qkv": linear(b + "attn.qkv"), "proj": linear(b + "attn.proj")},
-            "mlp": {n: linear(f"{b}mlp.{n}") for n in ("gate_proj", "up_proj", "down_proj")}}
-    return params
+    blank = jax.tree.map(lambda a: a[0], smallest_image_input(config))
+    shapes = jax.eval_shape(lambda: QwenVisionEncoder(config).init(jax.random.key(0), blank.pixels, blank.layout))
+    out = {}
+    for path in traverse_util.flatten_dict(shapes["params"]):
+        name, layout = vision_hf_name(path, config)
+        if prefix + name not in tensors:
+            raise KeyError(f"the checkpoint has no tensor {prefix + name!r} for the vision encoder")
+        out[path] = from_hf_layout(np.asarray(tensors[prefix + name]), layout)
+    return traverse_util.unflatten_dict(out)
 
 
 def mrope_positions(ids: np.ndarray, mask: np.ndarray, grids: Sequence[Sequence[int]], image_token_id: int,

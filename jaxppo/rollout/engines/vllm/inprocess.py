@@ -42,7 +42,7 @@ import weakref
 
 import numpy as np
 
-from jaxppo.models.family import family_of
+from jaxppo.models.family import family_of, to_hf_layout
 from jaxppo.models.sampling import Sampling, sampling_filters_on
 from jaxppo.rollout.engines.base import Capabilities, RolloutEngine
 from jaxppo.rollout.engines.registry import register_rollout_engine
@@ -95,8 +95,7 @@ def hf_weights(model, params):
     out = []
     for name, array, transpose in hf_io.hf_arrays(model, params):
         tensor = torch.from_dlpack(array) if hasattr(array, "__dlpack__") else torch.from_numpy(np.asarray(array))
-        out.append((name, tensor.t().reshape(transpose) if isinstance(transpose, tuple) else
-                    tensor.t() if transpose else tensor))
+        out.append((name, to_hf_layout(tensor, transpose)))
     return out + tied_head(model, out)
 
 
