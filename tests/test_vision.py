@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from jaxppo.models.vision import QwenVisionConfig, QwenVisionEncoder, mrope_positions, vision_layout
+from jaxppo.models.vision import QwenVisionConfig, QwenVisionEncoder, image_input, mrope_positions, vision_layout
 from jaxppo.models.vision.qwen import vision_params_from_hf
 
 # Windows of 2 x 2 image tokens (16 px / merge 2 / patch 4); block 1 attends over its whole image.
@@ -43,7 +43,7 @@ def hf_encoder():
 def test_the_patch_layout_is_transformers_window_order_and_positions(hf_encoder):
     """`vision_layout` visits the patches in the order of transformers' window index, with
     the same window boundaries and the same (row, column) of each patch; each window's and
-    frame's slots hold exactly its rows."""
+    frame's slots hold exactly its rows, also in a padded batch."""
     from transformers.vision_utils import get_vision_position_ids, get_vision_window_index
 
     config = QwenVisionConfig.from_hf(hf_encoder[1].to_dict())
@@ -53,16 +53,26 @@ def test_the_patch_layout_is_transformers_window_order_and_positions(hf_encoder)
         thw = torch.tensor(grids)
         index, cu = get_vision_window_index(thw, config.spatial_merge_size, config.window_size, config.patch_size)
         np.testing.assert_array_equal(layout.order.reshape(-1, unit)[:, 0] // unit, index.numpy())
-        bounds = np.flatnonzero(np.diff(layout.windows)) + 1
-        np.testing.assert_array_equal(np.concatenate([[0], bounds, [len(layout.order)]]), cu.numpy())
+        n = len(layout.order)
+        sizes = (layout.window_slots < n).sum(axis=1)  # each window a run of consecutive rows
+        np.testing.assert_array_equal(np.concatenate([[0], np.cumsum(sizes)]), cu.numpy())
         positions = get_vision_position_ids(thw, config.spatial_merge_size).numpy()
         np.testing.assert_array_equal(layout.positions, positions[layout.order])
         frames = np.repeat(np.arange(sum(t for t, _, _ in grids)), [h * w for t, h, w in grids for _ in range(t)])
-        np.testing.assert_array_equal(layout.frames, frames[layout.order])
-        n = len(layout.order)  # each window's and frame's slots hold its rows, every row once
-        for slots, segments in ((layout.window_slots, layout.windows), (layout.frame_slots, layout.frames)):
-            np.testing.assert_array_equal(np.sort(slots[slots < n]), np.arange(n))
-            assert all(len(set(segments[row[row < n]])) == 1 for row in slots)
+        frame_of = np.full(n, -1)
+        for i, row in enumerate(layout.frame_slots):
+            frame_of[row[row < n]] = i
+        np.testing.assert_array_equal(frame_of, frames[layout.order])
+        for slots in (layout.window_slots, layout.frame_slots):  # every row in exactly one slot, runs in order
+            np.testing.assert_array_equal(slots[slots < n], np.arange(n))
+    # A batch pads each row's patches: the padding takes runs of its own, no wider than the
+    # largest real window or frame (a row without images must not widen every row's table).
+    batch = image_input([np.zeros((48 + 24, 96)), np.zeros((0, 96))], [[(1, 4, 6), (1, 6, 8)], []], config)
+    side = (config.window_size // config.patch_size) ** 2
+    assert batch.layout.window_slots.shape[-1] == side and batch.layout.frame_slots.shape[-1] == 48
+    for slots in (batch.layout.window_slots, batch.layout.frame_slots):
+        for row in slots:
+            np.testing.assert_array_equal(row[row < 72], np.arange(72))
 
 
 @pytest.mark.parametrize("grids", GRIDS, ids=["one", "three-sizes", "two-frames"])

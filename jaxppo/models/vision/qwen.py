@@ -101,34 +101,41 @@ class VisionLayout(NamedTuple):
 
     order: (N,) patch indices, window by window (the encoder's row i is patch order[i]).
     positions: (N, 2) each visited patch's (row, column) in its image.
-    windows: (N,) the window of each visited patch (attention of the windowed blocks).
-    frames: (N,) the frame (image, t) of each visited patch (attention of the full blocks).
     restore: (N / merge_unit,) where each image token, in the processor's order, is among
       the merged rows.
-    window_slots: (windows, largest window) the visited rows of each window, padded with N;
-      the windowed blocks attend window by window through it.
-    frame_slots: (frames, largest frame) the same for the frames (the full blocks).
+    window_slots: (windows, largest window) the visited rows of each window (a run of
+      consecutive rows), padded with N: the windowed blocks attend window by window.
+    frame_slots: (frames, largest frame) the same for the frames (image, t): the full blocks.
     """
 
     order: np.ndarray
     positions: np.ndarray
-    windows: np.ndarray
-    frames: np.ndarray
     restore: np.ndarray
     window_slots: np.ndarray
     frame_slots: np.ndarray
 
 
-def _slots(segments: np.ndarray, count: int = 0, width: int = 0) -> np.ndarray:
-    """(at least `count` segments, at least `width` slots each): the rows of each segment of
-    `segments` (contiguous ids, in order), padded with len(segments), the encoder's empty row."""
-    n = len(segments)
-    ids = list(dict.fromkeys(segments.tolist()))
-    rows = [np.flatnonzero(segments == s) for s in ids]
-    width = max([width] + [len(r) for r in rows])
-    out = np.full((max(count, len(rows)), width), n, np.int32)
-    for i, r in enumerate(rows):
-        out[i, :len(r)] = r
+def _slots(sizes: Sequence[int], n: int) -> np.ndarray:
+    """The rows of consecutive runs of `sizes` rows, one run a line, padded with `n` (the
+    encoder's empty row): (runs, largest run)."""
+    out = np.full((len(sizes), max(sizes, default=0)), n, np.int32)
+    for i, (start, size) in enumerate(zip(np.cumsum([0] + list(sizes)), sizes)):
+        out[i, :size] = np.arange(start, start + size)
+    return out
+
+
+def _pad_slots(tables: Sequence[np.ndarray], counts: Sequence[int], n: int) -> np.ndarray:
+    """Rows' slot tables (each its `vision_layout`'s, of `counts[b]` real rows) for rows of
+    `n` rows: the same runs, then the padding rows count .. n - 1 in runs no longer than the
+    longest real one (what they compute is dropped; longer runs would only widen every
+    row's table), the empty row n; stacked, padded with n to the largest."""
+    sizes = [list((table < count).sum(axis=1)) for table, count in zip(tables, counts)]
+    width = max([size for row in sizes for size in row] or [n])
+    rows = [_slots(row + [min(width, n - start) for start in range(count, n, width)], n)
+            for row, count in zip(sizes, counts)]
+    out = np.full((len(rows), max(len(r) for r in rows), width), n, np.int32)
+    for b, r in enumerate(rows):
+        out[b, :r.shape[0], :r.shape[1]] = r
     return out
 
 
@@ -146,39 +153,36 @@ def vision_layout(grids: Sequence[Sequence[int]], config: QwenVisionConfig) -> V
     processor's `image_grid_thw`), their patches concatenated in that order."""
     m, unit = config.spatial_merge_size, config.merge_unit
     side = config.window_size // m // config.patch_size  # a window's side in image tokens
-    merged_order, windows, frames, positions, start, frame = [np.zeros(0, int)], [], [np.zeros(0, int)], [], 0, 0
-    positions.append(np.zeros((0, 2), int))
+    merged, windows, frames, positions, start = [], [], [], [], 0
     for grid in grids:
         t, h, w = _check_grid(grid, config)
         rows, cols = h // m, w // m
         tokens = np.arange(t * rows * cols).reshape(t, rows, cols) + start
-        for f in range(t):
+        for f in range(t):  # windows row-major within each frame: the order the encoder visits
             for i in range(0, rows, side):
                 for j in range(0, cols, side):
-                    block = tokens[f, i:i + side, j:j + side].reshape(-1)
-                    merged_order.append(block)
-                    windows.append(np.full(block.size * unit, len(windows)))
-            frames.append(np.full(rows * cols * unit, frame))
-            frame += 1
+                    merged.append(tokens[f, i:i + side, j:j + side].reshape(-1))
+                    windows.append(merged[-1].size * unit)
+            frames.append(rows * cols * unit)
         # (row, column) of each patch in the processor's order: merge blocks row-major, the
         # patches of a block row-major inside it; the same for every frame.
         r, c = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
         blocks = lambda a: a.reshape(rows, m, cols, m).transpose(0, 2, 1, 3).reshape(-1)  # noqa: E731
         positions.append(np.tile(np.stack([blocks(r), blocks(c)], axis=-1), (t, 1)))
         start += t * rows * cols
-    merged = np.concatenate(merged_order)
+    merged = np.concatenate(merged) if merged else np.zeros(0, np.int64)
     order = (merged[:, None] * unit + np.arange(unit)).reshape(-1)
-    windows, frames = np.concatenate(windows + [np.zeros(0, int)]), np.concatenate(frames)[order]
-    return VisionLayout(order.astype(np.int32), np.concatenate(positions)[order].astype(np.int32),
-                        windows.astype(np.int32), frames.astype(np.int32), np.argsort(merged).astype(np.int32),
-                        _slots(windows), _slots(frames))
+    n = len(order)
+    positions = np.concatenate(positions)[order] if positions else np.zeros((0, 2))
+    return VisionLayout(order.astype(np.int32), positions.astype(np.int32), np.argsort(merged).astype(np.int32),
+                        _slots(windows, n), _slots(frames, n))
 
 
 class ImageInput(NamedTuple):
     """The images of a batch of rows, as the model takes them: `pixels` (B, N, patch_values),
     each row's patches (its images' `pixel_values` concatenated, padded to N), and `layout`,
-    each row's `VisionLayout` with a leading B axis (padding patches in a window and frame of
-    their own, after the real ones, so they change nothing the real patches see); `tokens`
+    each row's `VisionLayout` with a leading B axis (padding patches after the real ones, in
+    windows and frames of their own, so they change nothing the real patches see); `tokens`
     (B,) the image tokens of each row's images. Row b's first tokens[b] image tokens take
     its first embeddings in order; image tokens after them (a sampled one) are text."""
 
@@ -201,28 +205,21 @@ def image_input(pixel_rows: Sequence[np.ndarray], grid_rows: Sequence[Sequence[S
     if n < max(counts) or n % unit:
         raise ValueError(f"patches={n} per row must be a multiple of {unit} and hold the largest row's {max(counts)}")
     pixels = np.zeros((len(counts), n, config.patch_values), np.float32)
-    fields = {name: [] for name in VisionLayout._fields[:5]}
+    layouts, order, positions, restore = [], [], [], []
     for b, (rows, grids, count) in enumerate(zip(pixel_rows, grid_rows, counts)):
         rows = np.asarray(rows, np.float32)
         if rows.shape != (count, config.patch_values) and not (count == 0 and rows.size == 0):
             raise ValueError(f"row {b}: pixel values of shape {rows.shape} for images of grids {list(grids)} "
                              f"({count} patches of {config.patch_values} values)")
         pixels[b, :count] = rows.reshape(count, config.patch_values)
-        layout = vision_layout(grids, config)
-        pad = np.arange(count, n)
-        spare = int(max(layout.windows.max(initial=-1), layout.frames.max(initial=-1))) + 1
-        fields["order"].append(np.concatenate([layout.order, pad]))
-        fields["positions"].append(np.concatenate([layout.positions, np.zeros((n - count, 2), np.int32)]))
-        fields["windows"].append(np.concatenate([layout.windows, np.full(n - count, spare)]))
-        fields["frames"].append(np.concatenate([layout.frames, np.full(n - count, spare)]))
-        fields["restore"].append(np.concatenate([layout.restore, np.arange(count // unit, n // unit)]))
-    slots = {}
-    for name, field in (("window_slots", "windows"), ("frame_slots", "frames")):
-        rows = [_slots(ids) for ids in fields[field]]
-        count, width = max(len(r) for r in rows), max(r.shape[1] for r in rows)
-        slots[name] = np.stack([_slots(ids, count, width) for ids in fields[field]])
-    layout = VisionLayout(*(np.stack(fields[name]).astype(np.int32) for name in VisionLayout._fields[:5]),
-                          slots["window_slots"], slots["frame_slots"])
+        layouts.append(vision_layout(grids, config))
+        order.append(np.concatenate([layouts[-1].order, np.arange(count, n)]))  # padding visited last
+        positions.append(np.concatenate([layouts[-1].positions, np.zeros((n - count, 2), np.int32)]))
+        restore.append(np.concatenate([layouts[-1].restore, np.arange(count // unit, n // unit)]))
+    layout = VisionLayout(np.stack(order).astype(np.int32), np.stack(positions).astype(np.int32),
+                          np.stack(restore).astype(np.int32),
+                          _pad_slots([lay.window_slots for lay in layouts], counts, n),
+                          _pad_slots([lay.frame_slots for lay in layouts], counts, n))
     return ImageInput(pixels, layout, np.asarray(counts, np.int32) // unit)
 
 
