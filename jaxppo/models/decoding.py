@@ -29,7 +29,7 @@ from jaxppo.models.vision.prompt import ImagePrompt
 __all__ = ["prefill", "decode_loop", "Prefilled", "cap_positions", "GenerationOutput", "Sampling", "filter_logits",
            "pick_tokens", "step_keys", "stop_step", "strings_completed", "seen_tokens", "mark_seen", "note_token",
            "penalize", "inverse_cdf_index", "check_sampler_arguments", "check_max_lengths", "check_groups",
-           "prefill_common"]
+           "host_values", "prefill_common"]
 
 
 class GenerationOutput(NamedTuple):
@@ -462,6 +462,18 @@ def check_max_lengths(max_lengths, rows: int, response_length: int):
     return lengths
 
 
+def host_values(*arrays):
+    """The arrays' values as numpy arrays, or None where they are not known on this host:
+    traced (inside `jit`), or a multi-host array (each process holds part of the rows). The
+    samplers' value checks run only where they are known."""
+    if not all(getattr(a, "is_fully_addressable", True) for a in arrays):
+        return None
+    try:
+        return tuple(np.asarray(a) for a in arrays)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
 def check_groups(prompt_ids, prompt_mask, g):
     """ValueError unless the rows form groups of `g` equal prompts (values are checked only
     when they are concrete, not while tracing)."""
@@ -472,12 +484,10 @@ def check_groups(prompt_ids, prompt_mask, g):
     b = prompt_ids.shape[0]
     if b % g:
         raise ValueError(f"num_generations={g} must divide the batch of {b} prompt rows (groups of G equal prompts)")
-    if not getattr(prompt_ids, "is_fully_addressable", True):
-        return  # a multi-host array: each process holds part of the rows
-    try:
-        ids, mask = np.asarray(prompt_ids).reshape(b // g, g, -1), np.asarray(prompt_mask).reshape(b // g, g, -1)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return  # traced: the values are not known yet
+    values = host_values(prompt_ids, prompt_mask)
+    if values is None:  # traced, or a multi-host array: not known here
+        return
+    ids, mask = (a.reshape(b // g, g, -1) for a in values)
     unequal = np.flatnonzero(~((ids == ids[:, :1]).all(axis=(1, 2)) & (mask == mask[:, :1]).all(axis=(1, 2))))
     if unequal.size:
         raise ValueError(f"num_generations={g}: the prompts of group {int(unequal[0])} (rows {int(unequal[0]) * g} to "

@@ -42,7 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxppo.models.decoding import (GenerationOutput, Prefilled, cap_positions, check_groups, check_max_lengths,
-                                    check_sampler_arguments, decode_loop, prefill, prefill_common, seen_tokens)
+                                    check_sampler_arguments, decode_loop, host_values, prefill, prefill_common,
+                                    seen_tokens)
 from jaxppo.models.model import Model
 from jaxppo.models.transformer import GroupedKV
 from jaxppo.models.vision.prompt import ImagePrompt
@@ -108,13 +109,8 @@ def shares_prefix(prompt_ids, prompt_mask, prefix: int):
     """Whether every row of the left-padded prompts begins with the same `prefix` real
     tokens (`common_prefix_length` at least `prefix`: `prefill_common`'s condition); None
     when the values are not known (traced, or a multi-host array)."""
-    if not getattr(prompt_ids, "is_fully_addressable", True):
-        return None
-    try:
-        ids, mask = np.asarray(prompt_ids), np.asarray(prompt_mask)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return None
-    return common_prefix_length(ids, mask) >= prefix
+    values = host_values(prompt_ids, prompt_mask)
+    return None if values is None else common_prefix_length(*values) >= prefix
 
 
 def check_common_prefix(prompt_ids, prompt_mask, prefix):
@@ -187,13 +183,8 @@ def _with_images(model: Model, prompt_ids, prompt_mask, common_prefix: int):
                                next_position=jnp.asarray(prompt.next_position, jnp.int32)), ids
     ids = jnp.asarray(prompt_ids, jnp.int32)
     image_token = model.config.image_token_id
-    if image_token is None or not getattr(ids, "is_fully_addressable", True):
-        return ids, ids
-    try:
-        holds = bool(np.any((np.asarray(ids) == image_token) & (np.asarray(prompt_mask) > 0)))
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        holds = False  # traced: not known here
-    if holds:
+    values = None if image_token is None else host_values(ids, prompt_mask)  # None where not known here
+    if values is not None and np.any((values[0] == image_token) & (values[1] > 0)):
         raise ValueError(f"the prompts hold image tokens ({image_token}) but no images: pass a "
                          "jaxppo.models.vision.ImagePrompt (`image_prompt`) in place of the token ids")
     return ids, ids
