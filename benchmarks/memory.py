@@ -225,7 +225,8 @@ def score(row):
         mesh = _mesh(row)
         args = [_with_shardings(a, mesh) for a in args[:3]] + [_rows_sharded(a, mesh) for a in args[3:]]
     params, ref, rewards, ids, mask, gen, host_scores = args
-    lower = lambda: finish_rollout.lower(spec, params, ref, rewards, (ids, mask), gen, host_scores, Shaping(kl, moments))
+    lower = lambda: finish_rollout.lower(spec, params, ref, rewards, (ids, mask), gen, host_scores,  # noqa: E731
+                                         Shaping(kl, moments))
     if row.fsdp > 1:
         with jax.set_mesh(mesh):
             return _timed_compile(lower)

@@ -78,7 +78,8 @@ def main():
                                                           train)
             rows.append([f"{images} x {height}x{width}", "forward + backward" if train else "forward", patches,
                          patches // QWEN25_VL_7B.merge_unit, f"{memory.argument_size_in_bytes / MIB:.0f}",
-                         f"{memory.temp_size_in_bytes / MIB:.0f}", f"{scores / MIB:.0f}", "n/a" if flops is None else f"{flops / 1e12:.2f}"])
+                         f"{memory.temp_size_in_bytes / MIB:.0f}", f"{scores / MIB:.0f}",
+                         "n/a" if flops is None else f"{flops / 1e12:.2f}"])
     tables.print_markdown(["images", "program", "patches", "image tokens", "arguments MiB", "temporaries MiB",
                            "full-block scores MiB", "TFLOP"], rows, numeric_from=2)
 

@@ -128,7 +128,8 @@ def test_mrope_positions_match_transformers_get_rope_index():
         ids[b, width - len(row):], mask[b, width - len(row):] = row, 1
     image_rows = torch.tensor([0, 2])  # transformers computes 3-D positions for rows with images
     want, deltas = model.get_rope_index(torch.tensor(ids[image_rows]), torch.tensor((ids[image_rows] == image) * 1),
-                                        image_grid_thw=torch.tensor(grids), attention_mask=torch.tensor(mask[image_rows]))
+                                        image_grid_thw=torch.tensor(grids),
+                                        attention_mask=torch.tensor(mask[image_rows]))
     got, nexts = mrope_positions(ids, mask, grids, image, 2)
     real = mask.astype(bool)
     for j, b in enumerate(image_rows.tolist()):

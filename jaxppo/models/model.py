@@ -150,7 +150,8 @@ def _response_outputs(model: "Model", params, query_tokens, query_mask, response
     tokens, mask, images, positions = _joined(query_tokens, query_mask, response_tokens, response_mask)
     q = tokens.shape[1] - r
     if not model.is_causal_lm:  # position q - 1 + t predicts response token t
-        return None, model.apply(params, tokens, mask, images, positions)[:, q - 1 : q - 1 + r].astype(jnp.float32), None
+        values = model.apply(params, tokens, mask, images, positions)[:, q - 1 : q - 1 + r]
+        return None, values.astype(jnp.float32), None
     hidden, values = model.hidden(params, tokens, mask, images, positions)
     logprobs, entropy = token_logprobs(hidden[:, q - 1 : q - 1 + r], model.lm_head(params),
                                        _targets(response_tokens, also), temperature, model.logits_chunk_size)

@@ -142,8 +142,8 @@ def abstract_rollout(spec: RolloutSpec, run, ref_params, reward_params, rows: in
     gen = GenerationOutput(tokens, logprobs, tokens, logprobs if spec.reshapes else None)
     ids = jax.ShapeDtypeStruct((rows, query_width), jnp.int32)
     scores = jax.ShapeDtypeStruct((rows,), jnp.float32) if host_scores else None
-    shapes = jax.eval_shape(lambda *a: finish_rollout(spec, *a), run.train.params, ref_params, reward_params, (ids, ids),
-                            gen, scores, Shaping(run.kl, run.score_moments))[0]
+    shapes = jax.eval_shape(lambda *a: finish_rollout(spec, *a), run.train.params, ref_params, reward_params,
+                            (ids, ids), gen, scores, Shaping(run.kl, run.score_moments))[0]
     if run.entropy_coef is not None:
         shapes = shapes.replace(entropy_coef=jax.ShapeDtypeStruct((rows,), jnp.float32))
     if mesh is not None:

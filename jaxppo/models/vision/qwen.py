@@ -385,8 +385,9 @@ def mrope_positions(ids: np.ndarray, mask: np.ndarray, grids: Sequence[Sequence[
 
     Text tokens count on from the last position on all three axes; an image's tokens start
     at the position after the text before it (its height and width positions add its token
-    row and column), and the text after it continues from that start + max(h, w) / m. Returns (positions (3, B, L) int32, 0 at padding; next (B,): each row's
-    next position, that of the first token sampled after it, on all three axes)."""
+    row and column), and the text after it continues from that start + max(h, w) / m.
+    Returns (positions (3, B, L) int32, 0 at padding; next (B,): each row's next position,
+    that of the first token sampled after it, on all three axes)."""
     ids, mask = np.asarray(ids), np.asarray(mask).astype(bool)
     m = spatial_merge_size
     positions = np.zeros((3,) + ids.shape, np.int32)
@@ -403,7 +404,8 @@ def mrope_positions(ids: np.ndarray, mask: np.ndarray, grids: Sequence[Sequence[
             try:
                 t, h, w = next(images)
             except StopIteration:
-                raise ValueError(f"row {b}: more runs of image tokens than the {len(grids)} image grids given") from None
+                raise ValueError(f"row {b}: more runs of image tokens than the {len(grids)} image grids "
+                                 "given") from None
             count = t * (h // m) * (w // m)
             if not np.all(row[i:i + count] == image_token_id):
                 raise ValueError(f"row {b}: an image of grid {(t, h, w)} needs {count} consecutive image tokens; "
