@@ -13,9 +13,8 @@ import torch
 from jaxppo.models.vision import QwenVisionConfig, QwenVisionEncoder, image_input, mrope_positions, vision_layout
 from jaxppo.models.vision.qwen import vision_params_from_hf
 
-# Windows of 2 x 2 image tokens (16 px / merge 2 / patch 4); block 1 attends over its whole image.
-VISION = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=40, patch_size=4,
-              temporal_patch_size=2, spatial_merge_size=2, window_size=16, fullatt_block_indexes=[1])
+from vision_models import IMAGE, VISION, tiny_qwen_vl
+
 # Image grids (t, h, w) in patches: windows that tile exactly, partial windows, one image
 # token, a grid over two frames.
 GRIDS = [[(1, 8, 12)], [(1, 6, 10), (1, 2, 2), (1, 4, 8)], [(2, 4, 6)]]
@@ -186,26 +185,6 @@ def test_the_language_model_with_mrope_positions_matches_transformers():
     assert np.abs(np.asarray(flat)[real] - want[real]).max() > 1e-3
 
 
-def _tiny_qwen_vl(path):
-    """A tiny random Qwen2.5-VL checkpoint saved by transformers at `path`."""
-    import transformers
-
-    text = dict(vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1000.0})
-    torch.manual_seed(0)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(
-        transformers.Qwen2_5_VLConfig(text_config=text, vision_config=dict(VISION, out_hidden_size=64),
-                                     image_token_id=IMAGE)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name or "ln_q" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(path)
-    return model
-
-
-IMAGE = 90
 
 
 def _rows_with_images(config):
@@ -239,7 +218,7 @@ def test_a_qwen2_5_vl_checkpoint_loads_and_its_logits_with_images_match_transfor
     import jaxppo.models as jm
     from jaxppo.models.vision import image_input
 
-    hf = _tiny_qwen_vl(tmp_path / "hf")
+    hf = tiny_qwen_vl(tmp_path / "hf")
     model, params = jm.from_pretrained(str(tmp_path / "hf"))
     config = model.config
     assert (config.model_type, config.image_token_id, config.mrope_section) == ("qwen2_5_vl", IMAGE, (2, 3, 3))
@@ -280,7 +259,7 @@ def test_greedy_sampling_with_images_equals_transformers_generate(tmp_path):
     from jaxppo.models.vision import image_prompt
     from jaxppo.rollout.engines.static import generate
 
-    hf = _tiny_qwen_vl(tmp_path / "hf")
+    hf = tiny_qwen_vl(tmp_path / "hf")
     model, params = jm.from_pretrained(str(tmp_path / "hf"))
     ids, mask, pixel_rows, grid_rows = _rows_with_images(model.config.vision)
     grids = [g for row in grid_rows for g in row]
@@ -315,7 +294,7 @@ def test_the_forward_pass_over_responses_reads_the_images(tmp_path):
     from jaxppo.models.vision import image_prompt
     from jaxppo.rollout.engines.static import generate
 
-    _tiny_qwen_vl(tmp_path / "hf")
+    tiny_qwen_vl(tmp_path / "hf")
     model, params = jm.from_pretrained(str(tmp_path / "hf"))
     ids, mask, pixel_rows, grid_rows = _rows_with_images(model.config.vision)
     prompt = image_prompt(ids, mask, pixel_rows, grid_rows, model.config)
@@ -333,14 +312,15 @@ def test_the_forward_pass_over_responses_reads_the_images(tmp_path):
     assert float(jnp.abs(grads["model"]["embed_tokens"]["embedding"]).max()) > 0
 
 
-def test_a_run_refuses_a_vision_language_model_until_it_reads_images(tmp_path):
-    """The trainer's models read text only for now: a Qwen2.5-VL checkpoint (or Model) as
-    a run's policy is refused, naming the keyword and flag, before anything compiles."""
+def test_a_reward_model_or_teacher_that_reads_images_is_refused(tmp_path):
+    """A run's reward model and teacher read text: a Qwen2.5-VL checkpoint (or Model) in
+    either role is refused, naming the keyword and flag, before anything compiles; as the
+    policy it loads."""
     from jaxppo.run.assembly import load_model
 
-    _tiny_qwen_vl(tmp_path / "hf")
-    with pytest.raises(ValueError, match=r"policy= \(--model\) .*a vision-language model \(qwen2_5_vl\); training"):
-        load_model(str(tmp_path / "hf"), "causal_lm", "float32", role="policy")
-    model, params = load_model(str(tmp_path / "hf"), "causal_lm", "float32")  # without a role: loads
+    tiny_qwen_vl(tmp_path / "hf")
+    with pytest.raises(ValueError, match=r"teacher= \(--teacher\) .*a vision-language model \(qwen2_5_vl\); a teacher"):
+        load_model(str(tmp_path / "hf"), "causal_lm", "float32", role="teacher")
+    model, params = load_model(str(tmp_path / "hf"), "causal_lm", "float32", role="policy")
     with pytest.raises(ValueError, match=r"reward_model= \(--reward-model\) \(a Model\): a vision-language"):
         load_model((model, params), "causal_lm", "float32", role="reward_model")

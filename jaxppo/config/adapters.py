@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Tuple
 
-from jaxppo.config.fields import Concern, check_counts, check_real
+from jaxppo.config.fields import Concern, check_bools, check_counts, check_real
 from jaxppo.models.lora import ALL_LINEAR, LoraConfig
 from jaxppo.update.checks import invalid
 
@@ -29,6 +29,9 @@ class AdapterConfig(Concern):
         linear layer of the trunk). A text with commas is split ("q_proj,v_proj").
       lora_init: a PEFT LoRA adapter directory to start from (its rank, alpha and targets
         apply; give no lora_rank with it).
+      train_vision_encoder: a vision-language policy's vision encoder trains with the rest
+        of the policy (full fine-tuning only). False (the default): it stays frozen (no
+        gradient, no optimizer state; the images' features are the initial encoder's).
 
     A resumed run must match these: the run's settings record them as the policy's adapters
     (with the adapter directory's path), where runs before 0.5 recorded them.
@@ -38,6 +41,7 @@ class AdapterConfig(Concern):
     lora_alpha: Optional[float] = None
     lora_targets: Tuple[str, ...] = DEFAULT_TARGETS
     lora_init: Optional[str] = None
+    train_vision_encoder: bool = False
 
     def __post_init__(self):
         if self.lora_rank is not None:
@@ -60,6 +64,11 @@ class AdapterConfig(Concern):
         if self.lora_init is not None and self.lora_rank is not None:
             raise ValueError(f"AdapterConfig.lora_init={self.lora_init!r} takes its rank, alpha and targets from the "
                              f"adapter; drop lora_rank={self.lora_rank} (or lora_init)")
+        check_bools(self, ("train_vision_encoder",))
+        if self.train_vision_encoder and (self.lora_rank is not None or self.lora_init is not None):
+            raise ValueError("AdapterConfig.train_vision_encoder=True trains the vision encoder's weights, which LoRA "
+                             "holds frozen in LayoutConfig.dtype; train it with full fine-tuning (no lora_rank / "
+                             "lora_init), or leave it frozen")
         if self.lora_rank is None and self.lora_init is None:
             given = [name for name, default in (("lora_alpha", None), ("lora_targets", DEFAULT_TARGETS))
                      if getattr(self, name) != default]

@@ -113,6 +113,8 @@ class DataConfig(Concern):
         tokenizer's chat template; reward functions then receive the messages.
       chat_template: None renders chat-message prompts with the tokenizer's template (an
         error when it has none); False refuses them; True is None made explicit.
+      image_column: the column or field holding each prompt's images (one or a list) for a
+        vision-language policy; the default "images" also finds a column named "image".
     """
 
     query_length: int = 32
@@ -120,6 +122,7 @@ class DataConfig(Concern):
     stream_prompts: bool = False
     prompt_column: str = setting("prompt", free=True)  # compared on resume in the run's description
     chat_template: Optional[bool] = setting(None, free=True)
+    image_column: str = setting("images", free=True)
 
     def __post_init__(self):
         check_counts(self, ("query_length",))
@@ -129,6 +132,8 @@ class DataConfig(Concern):
         check_bools(self, ("stream_prompts",))
         if not isinstance(self.prompt_column, str) or not self.prompt_column:
             raise invalid("DataConfig", "prompt_column", self.prompt_column, "a non-empty column name")
+        if not isinstance(self.image_column, str) or not self.image_column:
+            raise invalid("DataConfig", "image_column", self.image_column, "a non-empty column name")
         if self.chat_template is not None and not isinstance(self.chat_template, bool):
             raise invalid("DataConfig", "chat_template", self.chat_template, "None, True or False")
 

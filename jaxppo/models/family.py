@@ -80,6 +80,9 @@ class ModelFamily:
       hf_extra_name: (flat param path, config) -> (Hugging Face name, layout) for parameters the
         block mapping does not name (a vision encoder), or None for the generic mapping;
         layout as `jaxppo.models.hf.hf_name` returns it (`to_hf_layout`).
+      images: (config, image processor, tokenizer) -> how a run's prompts give the model
+        their images (e.g. `jaxppo.models.vision.qwen_images.QwenImages`: the image tokens
+        of each image, a batch's images processed into an `ImagePrompt`).
     """
 
     name: str
@@ -103,6 +106,7 @@ class ModelFamily:
     learned_positions: bool = False
     vision: Optional[Callable] = None
     hf_extra_name: Optional[Callable] = None
+    images: Optional[Callable] = None
 
     def __post_init__(self):
         if not self.model_types or not all(isinstance(t, str) and t for t in self.model_types):

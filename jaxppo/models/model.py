@@ -27,7 +27,7 @@ from jaxppo.models.lora import LoraConfig
 from jaxppo.models.moe import load_balancing_loss
 from jaxppo.models.stacking import layer_prefix, matrices_in_compute_dtype, stack_layers, trunk_name, unstack_layers
 from jaxppo.models.transformer import ATTENTION, CausalLMModule, GroupedKV, ScoreModule, default_positions
-from jaxppo.models.vision.prompt import ImagePrompt, joined_positions
+from jaxppo.models.vision.prompt import ImagePrompt, joined_positions, response_positions
 
 __all__ = ["Model", "KINDS", "PolicyAndCritic", "stack_layers", "unstack_layers", "matrices_in_compute_dtype",
            "check_attention_backend", "check_cudnn_dtype", "describe_model", "is_model_spec"]
@@ -459,23 +459,28 @@ def _init(model: Model, key, seq_len: int):
 def _grouped_hidden(model: "Model", params, query_tokens, query_mask, response_tokens, response_mask):
     """(hidden states (B, R, D) or None, values or scores (B, R) or None) at the positions
     that predict each response token, the groups' prompts run once."""
-    groups, q = query_tokens.shape
+    ids = query_tokens.ids if isinstance(query_tokens, ImagePrompt) else query_tokens
+    groups, q = ids.shape
     b = response_tokens.shape[0]
     if b % groups:
         raise ValueError(f"grouped outputs: {b} response rows do not come in groups of the {groups} prompts")
     g = b // groups
 
-    def run(ids, kv_mask, positions, cache, index):
+    def run(ids, kv_mask, positions, cache, index, images=None):
         if model.is_causal_lm:
-            return model.module.apply(params, ids, kv_mask, positions, cache, index, return_hidden=True)
-        scores, cache = model.module.apply(params, ids, kv_mask, positions, cache=cache, cache_index=index)
+            return model.module.apply(params, ids, kv_mask, positions, cache, index, return_hidden=True, images=images)
+        scores, cache = model.module.apply(params, ids, kv_mask, positions, cache=cache, cache_index=index,
+                                           images=images)
         return None, scores[..., 0], cache
 
-    hidden_p, values_p, cache = run(query_tokens, query_mask, default_positions(query_mask),
-                                    model.init_cache(groups, q), 0)
     kv_mask = jnp.concatenate([jnp.repeat(query_mask, g, axis=0), response_mask.astype(query_mask.dtype)], axis=1)
-    hidden_r, values_r, _ = run(response_tokens, kv_mask, default_positions(kv_mask)[:, q:],
-                                model.grouped_cache(cache, b, 0), q)
+    if isinstance(query_tokens, ImagePrompt):  # each group's images encoded once, with its prompt
+        prompt_run = (query_tokens.positions, query_tokens.images)
+        after = response_positions(jnp.repeat(query_tokens.next_position, g, axis=0), response_mask)
+    else:
+        prompt_run, after = (default_positions(query_mask), None), default_positions(kv_mask)[:, q:]
+    hidden_p, values_p, cache = run(ids, query_mask, prompt_run[0], model.init_cache(groups, q), 0, prompt_run[1])
+    hidden_r, values_r, _ = run(response_tokens, kv_mask, after, model.grouped_cache(cache, b, 0), q)
 
     def predicting(prompt, response):  # the prompt's last position, then the response's own but its last
         if prompt is None:

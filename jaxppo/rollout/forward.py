@@ -27,9 +27,10 @@ import jax.numpy as jnp
 
 from jaxppo.models.decoding import GenerationOutput, strings_completed
 from jaxppo.models.model import scored_mask
+from jaxppo.models.vision import ImagePrompt
 from jaxppo.rollout.spec import RolloutSpec
 from jaxppo.update import packing
-from jaxppo.update.batch import (RolloutBatch, joined, model_method, response_attention, response_outputs,
+from jaxppo.update.batch import (RolloutBatch, joined, model_method, queries, response_attention, response_outputs,
                                  routed_outputs, scorer, teacher_outputs)
 from jaxppo.update.kl import KLControllerState, kl_per_token, kl_shaped_rewards
 from jaxppo.update.losses import logprobs_from_logits
@@ -94,8 +95,10 @@ def _reference_logprobs(spec: RolloutSpec, ref_params, batch):
         return _outputs(spec, spec.ref_apply, ref_params, batch)[0]
     ref_scorer = scorer(spec.ref_apply)
     if ref_scorer is not None:  # a built-in model: no full logits
-        return ref_scorer(ref_params, batch["query_tokens"], batch["query_mask"], batch["response_tokens"],
+        return ref_scorer(ref_params, queries(batch), batch["query_mask"], batch["response_tokens"],
                           response_attention(batch), spec.temperature)[0]
+    if batch.get("images") is not None:
+        raise ValueError("the reference scores rows with images through a built-in Model (its response_outputs)")
     q, r = batch["query_tokens"].shape[1], batch["response_tokens"].shape[1]
     tokens, mask = joined(batch)
     ref_logits = spec.ref_apply(ref_params, tokens, mask)[:, q - 1 : q - 1 + r]
@@ -122,6 +125,9 @@ def _raw_scores(spec: RolloutSpec, reward_params, batch, host_scores, usual):
         model_scores = jnp.take_along_axis(scores, after_last[:, None], axis=1)[:, 0].astype(jnp.float32)
         raw_scores = spec.reward_weight * model_scores
     elif spec.reward_apply is not None:
+        if usual.get("images") is not None:
+            raise ValueError("a reward model reads text: score a vision-language policy's responses with reward "
+                             "functions")
         model_scores = spec.reward_apply(reward_params, *joined(usual)).astype(jnp.float32)
         raw_scores = spec.reward_weight * model_scores
     elif spec.token_reward_fn is not None:
@@ -229,14 +235,18 @@ def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompts
 
     params (the policy's, with the critic's where the spec has one), ref_params, reward_params
     (None where the spec has no such model). prompts: (ids, mask), each (B, query width), the
-    rows `gen` was sampled from. shaping: the KL coefficient and the score moments.
-    host_scores: (B,) scores from text reward functions (weighted and summed), or None; added
+    rows `gen` was sampled from (the ids a vision-language policy's `ImagePrompt`, whose
+    images the forward passes read and the rollout carries). shaping: the KL coefficient
+    and the score moments. host_scores: (B,) scores from text reward functions (weighted and summed), or None; added
     to the reward model's scores (times `spec.reward_weight`) when the spec has one. Returns
     (rollout, stats, score_moments), with TRL-named statistics (objective/kl, .../entropy,
     .../non_score_reward, .../rlhf_reward, .../scores, val/num_eos_tokens, ...; no
     objective/kl without a reference) and the (B,) scores before penalties and normalisation
     as `per_row/raw_scores` (the reward model's own as `per_row/model_scores`)."""
     (prompt_ids, prompt_mask), (kl_state, score_moments) = prompts, shaping
+    images = None
+    if isinstance(prompt_ids, ImagePrompt):  # a vision-language policy's prompts: their images travel with the rows
+        images, prompt_ids = prompt_ids._replace(ids=None), prompt_ids.ids
     # A multi-turn episode (`jaxppo.rollout.environments.EpisodeOutput`) also has the environment's
     # tokens in the sequence, and says which episodes ran out of budget.
     attention = getattr(gen, "attention_mask", None)
@@ -247,6 +257,8 @@ def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompts
              "response_mask": gen.mask}
     if attention is not None:
         usual["response_attention_mask"] = attention
+    if images is not None:
+        usual["images"] = images
     if spec.common_prefix:
         prompt_ids, prompt_mask, gen, attention = _common_prefix_layout(spec, prompt_ids, prompt_mask, gen, attention)
     response_mask = gen.mask  # the policy's tokens
@@ -254,6 +266,8 @@ def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompts
              "response_tokens": gen.tokens, "response_mask": response_mask}
     if attention is not None:
         batch["response_attention_mask"] = attention
+    if images is not None:
+        batch["images"] = images
     logprobs, values, routing = _policy_outputs(spec, params, batch, gen)
     ref_logprobs, teacher_top = None, (None, None)
     if spec.ref_apply is not None:
@@ -284,7 +298,8 @@ def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompts
                            response_mask=train_mask, logprobs=logprobs, values=values, rewards=rewards,
                            ref_logprobs=ref_logprobs if spec.keep_ref_logprobs else None, scores=sequence_scores,
                            sampler_logprobs=gen.logprobs, response_attention_mask=attention,
-                           teacher_top_logprobs=teacher_top[0], teacher_top_ids=teacher_top[1], routing=routing)
+                           teacher_top_logprobs=teacher_top[0], teacher_top_ids=teacher_top[1], routing=routing,
+                           images=images)
     stats = _statistics(spec, logprobs, response_mask, _Scored(kl, non_score, scores, raw_scores, penalty), kl_state,
                         contains_eos, lengths, ref_logprobs is not None)
     if model_scores is not None:

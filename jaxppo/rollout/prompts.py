@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from jaxppo import sharding
+from jaxppo.rollout.images import TableImages, has_image_parts, image_values
 
 __all__ = ["load_prompts", "load_prompt_table", "prompt_order", "prompt_stream", "render_prompts", "PromptTable",
            "PromptBatch", "prompt_batch", "PromptEncoder", "PromptStreamEnded", "labelled_prompt_table",
@@ -234,13 +235,22 @@ def check_messages(messages, label: str):
         raise ValueError(f"{label} is an empty list of chat messages; give at least one {{\"role\", \"content\"}} "
                          "message")
     for j, m in enumerate(messages):
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                and (isinstance(m.get("content"), str) or _content_parts(m.get("content")))):
             raise ValueError(f"{label} message {j} is {m!r:.80}; a chat message is a dict with a string \"role\" and "
-                             "a string \"content\"")
+                             "a \"content\": a string, or a list of parts {\"type\": \"text\", \"text\": ...} and "
+                             "{\"type\": \"image\"} (a vision-language policy's images)")
         if m["role"] not in CHAT_ROLES:
             raise ValueError(f"{label} message {j} has role {m['role']!r}, which no chat template knows; a role is one "
                              f"of {', '.join(map(repr, CHAT_ROLES))} (a misspelt role would be rendered into the "
                              "prompt and trained on)")
+
+
+def _content_parts(content) -> bool:
+    """Whether a message's content is a list of text and image parts."""
+    return isinstance(content, list) and bool(content) and all(
+        isinstance(p, dict) and (p.get("type") == "image" or (p.get("type") == "text" and isinstance(p.get("text"), str)))
+        for p in content)
 
 
 def render_prompts(tokenizer, prompts: list, chat_template: Optional[bool] = None, tools=None):
@@ -314,8 +324,10 @@ def _epoch_permutation(base_key, epoch, n: int):
 class PromptTable:
     """The run's prompts, tokenised once: `prompts` as given (text or chat messages),
     `columns` (the dataset's other columns, for reward functions), `texts` (rendered),
-    `ids` / `mask` (int32 (N, Q), left-padded); `filtered`: prompts left out as longer than
-    Q (`overlong_prompts="filter"`). Rows are walked in an order reshuffled every pass
+    `ids` / `mask` (int32 (N, Q), left-padded; a prompt's images are their image tokens
+    there); `filtered`: prompts left out as longer than Q (`overlong_prompts="filter"`);
+    `images`: the prompts' images (`jaxppo.rollout.images.TableImages`) for a
+    vision-language policy, or None. Rows are walked in an order reshuffled every pass
     (`rows_at`)."""
 
     prompts: list
@@ -324,6 +336,7 @@ class PromptTable:
     ids: np.ndarray
     mask: np.ndarray
     filtered: int = 0
+    images: Optional[object] = None
 
     streamed = False
 
@@ -337,24 +350,39 @@ class PromptTable:
         return prompt_stream(key, len(self.prompts), start, count)
 
     def digest(self) -> dict:
-        """What a resumed run must match: the count and a hash of the rendered prompts."""
-        return {"count": len(self.prompts), "sha256": hashlib.sha256("\x00".join(self.texts).encode()).hexdigest()}
+        """What a resumed run must match: the count and a hash of the rendered prompts (and
+        of their images' grids, where they have images)."""
+        text = "\x00".join(self.texts) + ("" if self.images is None else repr(self.images.grids))
+        return {"count": len(self.prompts), "sha256": hashlib.sha256(text.encode()).hexdigest()}
 
 
 class PromptBatch(NamedTuple):
     """An iteration's prompt rows (numpy (B,): each prompt repeated `num_generations` times
     in consecutive rows) and their ids and mask on the device (split over the mesh's data
-    axes under a mesh)."""
+    axes under a mesh); `images`: a vision-language policy's images of the rows, an
+    `ImagePrompt` without its ids (processed once, what the sampler, the forward pass and
+    the update all read), or None."""
 
     rows: np.ndarray
     ids: jax.Array
     mask: jax.Array
+    images: Optional[object] = None
+
+    @property
+    def queries(self):
+        """What the engines sample after: the ids, or with images the `ImagePrompt`."""
+        return self.ids if self.images is None else self.images._replace(ids=self.ids)
 
 
 def prompt_batch(table: PromptTable, rows: np.ndarray, mesh=None) -> PromptBatch:
     """The `PromptBatch` of the table's `rows` (ids and mask on the device, split over the
-    mesh's data axes under a mesh)."""
-    return PromptBatch(rows, sharding.place_rows(table.ids[rows], mesh), sharding.place_rows(table.mask[rows], mesh))
+    mesh's data axes under a mesh; their images processed, where the table has images)."""
+    images = None
+    if table.images is not None:
+        images = table.images.prompt(table.ids[rows], table.mask[rows], rows)._replace(ids=None)
+        images = jax.tree.map(lambda x: sharding.place_rows(x, mesh), images)
+    return PromptBatch(rows, sharding.place_rows(table.ids[rows], mesh), sharding.place_rows(table.mask[rows], mesh),
+                       images)
 
 
 # ----------------------------------------------------------------------------------------
@@ -376,47 +404,93 @@ class PromptEncoder:
     """Prompts rendered (chat messages through the tokenizer's chat template) and tokenized
     to `query_length`, left-padded; a prompt longer than that gets `overlong`: "error" (a
     ValueError naming it and the settings), "truncate" (its last `query_length` tokens) or
-    "filter" (left out). `tools`: JSON schemas the chat template shows the model."""
+    "filter" (left out). `tools`: JSON schemas the chat template shows the model.
+    `images`: a vision-language policy's image reader (its family's, e.g.
+    `jaxppo.models.vision.qwen_images.QwenImages`), or None: prompts with images are then
+    refused, with `no_images` (why); `image_column`: the column of the prompts' images
+    ("images", or "image" where there is no "images")."""
 
     tokenizer: object
     query_length: int
     overlong: str = "error"
     chat_template: Optional[bool] = None
     tools: Optional[tuple] = None
+    images: Optional[object] = None
+    image_column: str = "images"
+    no_images: str = "the policy reads text only"
 
-    def __call__(self, prompts: list, labels: list):
+    def __call__(self, prompts: list, labels: list, grids: Optional[list] = None):
         """(texts, ids, mask, keep) of `prompts` (each named by its label in errors): `keep`
         (bool, one per prompt) is False where a prompt was filtered out; texts, ids and mask
-        hold the kept prompts only."""
+        hold the kept prompts only. `grids`: each prompt's images' grids (`TableImages`),
+        whose image tokens replace the placeholders of the rendered text."""
         from jaxppo.models.tokenizer import left_padded, token_lists
 
+        if grids is None and any(map(has_image_parts, prompts)):
+            raise ValueError("prompts with image parts are read as a prompt table with a vision-language policy (not "
+                             "streamed)")
         texts, is_chat = render_prompts(self.tokenizer, prompts, self.chat_template, self.tools)
         if self.tools and not is_chat:
             raise ValueError("tools are shown to the model through the chat template: give the prompts as chat "
                              "messages (lists of {role, content} dicts), or use an environment with plain-text prompts")
-        tokens = token_lists(self.tokenizer, texts, add_special_tokens=not is_chat)
+        full = texts if grids is None else [self._expanded(t, g, label) for t, g, label in zip(texts, grids, labels)]
+        tokens = token_lists(self.tokenizer, full, add_special_tokens=not is_chat)
         q = self.query_length
         keep = np.asarray([len(t) <= q for t in tokens], bool) if self.overlong == "filter" else np.ones(len(tokens), bool)
-        if self.overlong == "error":
-            over = next((i for i, t in enumerate(tokens) if len(t) > q), None)
-            if over is not None:
-                raise ValueError(f"{labels[over]} has {len(tokens[over])} tokens, longer than DataConfig.query_length="
-                                 f"{q} (--query-length) ({texts[over][:60]!r}...); raise query_length, or set "
-                                 f"overlong_prompts='truncate' (--overlong-prompts truncate) to keep each long "
-                                 f"prompt's last {q} tokens, "
-                                 "or overlong_prompts='filter' (--overlong-prompts filter) to leave such prompts out")
+        over = next((i for i, t in enumerate(tokens) if len(t) > q), None)
+        if over is not None and (self.overlong == "error" or (self.overlong == "truncate" and grids and grids[over])):
+            raise ValueError(self._overlong(labels[over], tokens[over], texts[over], grids and grids[over]))
         kept = [i for i in range(len(tokens)) if keep[i]]
         ids, mask = left_padded(self.tokenizer, [tokens[i] for i in kept], q, truncate=True)
         return [texts[i] for i in kept], ids, mask, keep
 
+    def _expanded(self, text: str, grids: list, label: str) -> str:
+        """The rendered text with each image's tokens in place of its placeholder."""
+        try:
+            return self.images.expand(text, grids) if grids else text
+        except ValueError as err:
+            raise ValueError(f"{label}: {err}; a prompt shows each image once, as an image part of its chat messages "
+                             f"({{'type': 'image'}}) or as {self.images.placeholder!r} in its text") from None
+
+    def _overlong(self, label: str, tokens: list, text: str, grids) -> str:
+        q = self.query_length
+        if grids:
+            images = sum(self.images.tokens(g) for g in grids)
+            return (f"{label} has {len(tokens)} tokens, {images} of them its {len(grids)} image(s)' (grids "
+                    f"{list(grids)}), longer than DataConfig.query_length={q} (--query-length); a prompt with images is "
+                    "never truncated (it would cut its image tokens): raise query_length, shrink the images (the "
+                    "image processor's largest size, its size['longest_edge'] in pixels), or set "
+                    "overlong_prompts='filter' to leave such prompts out")
+        return (f"{label} has {len(tokens)} tokens, longer than DataConfig.query_length={q} (--query-length) "
+                f"({text[:60]!r}...); raise query_length, or set overlong_prompts='truncate' (--overlong-prompts "
+                f"truncate) to keep each long prompt's last {q} tokens, or overlong_prompts='filter' "
+                "(--overlong-prompts filter) to leave such prompts out")
+
+    def _table_images(self, prompts: list, columns: dict, labels: list):
+        """The prompts' `TableImages`, or None where they have none; an error for images a
+        text-only policy would not see."""
+        column = self.image_column if self.image_column in columns else None
+        if column is None and self.image_column == "images" and "image" in columns:
+            column = "image"  # the default name's other spelling
+        given = columns.get(column) if column else None
+        values = [image_values(p, None if given is None else given[i], labels[i]) for i, p in enumerate(prompts)]
+        first = next((i for i, v in enumerate(values) if v), None)
+        if first is None:
+            return None
+        if self.images is None:
+            where = f"its {column!r} column" if given is not None and given[first] is not None else "its messages"
+            raise ValueError(f"{labels[first]} has images ({where}), but {self.no_images}")
+        return TableImages.read(self.images, values, labels)
+
     def table(self, prompts: list, columns: dict, labels: list) -> PromptTable:
         """The `PromptTable` of a whole prompt set (over-long prompts filtered out and counted
-        with overlong="filter"; an error if none is left)."""
-        texts, ids, mask, keep = self(prompts, labels)
+        with overlong="filter"; an error if none is left), with its images."""
+        images = self._table_images(prompts, columns, labels)
+        texts, ids, mask, keep = self(prompts, labels, None if images is None else images.grids)
         if not texts:
             raise ValueError(f"all {len(prompts)} prompts are longer than DataConfig.query_length="
                              f"{self.query_length} (--query-length), so overlong_prompts='filter' leaves none; raise "
                              "query_length or truncate them (overlong_prompts='truncate')")
         kept = np.flatnonzero(keep)
         return PromptTable([prompts[i] for i in kept], {k: [v[i] for i in kept] for k, v in columns.items()}, texts, ids,
-                           mask, int(len(prompts) - len(kept)))
+                           mask, int(len(prompts) - len(kept)), None if images is None else images.kept(keep))

@@ -24,6 +24,7 @@ from jaxppo.config.layout import AUTO_SCAN_MIN_LAYERS
 from jaxppo.errors import RunError
 from jaxppo.models import hf as hf_io
 from jaxppo.models.adapters import add_lora
+from jaxppo.models.family import family_of
 from jaxppo.models.model import (
     Model,
     PolicyAndCritic,
@@ -74,13 +75,46 @@ def load_model(spec, kind, dtype, param_dtype=None, scan_layers=None, role: Opti
 
 
 def _refuse_vision(model: Model, role: Optional[str], what: str):
-    """A run's models read text only for now: a vision-language model is refused before
-    anything compiles (`jaxppo.models` loads, samples and scores it with images)."""
-    if role is not None and model.config.vision is not None:
-        raise ValueError(f"{ROLES[role]} {what}: a vision-language model ({model.config.model_type}); training on it "
-                         "is not available yet (the run's prompts, rollouts and updates carry no images). "
-                         "jaxppo.models loads it, samples from prompts with images and scores responses "
-                         "(docs: Vision-language models)")
+    """A vision-language model as the policy or its reference (the same model's), or as a
+    critic on a vision-language policy; a reward model or a teacher reads text (refused
+    before anything compiles)."""
+    if role in ("reward_model", "teacher") and model.config.vision is not None:
+        raise ValueError(f"{ROLES[role]} {what}: a vision-language model ({model.config.model_type}); a "
+                         f"{role.replace('_', ' ')} reads text here (the policy may read images: docs: "
+                         "Vision-language models)")
+
+
+def split_processor(tokenizer):
+    """(tokenizer, image processor or None) of what a run was given as its tokenizer: a
+    transformers processor (`AutoProcessor`'s, holding `tokenizer` and `image_processor`)
+    gives both, as TRL's `processing_class` does; a tokenizer gives itself and None."""
+    inner = getattr(tokenizer, "tokenizer", None)
+    processor = getattr(tokenizer, "image_processor", None)
+    if inner is not None and processor is not None:
+        return inner, processor
+    return tokenizer, None
+
+
+def image_reader(policy, model_config, tokenizer, processor):
+    """(reader, why not): a vision-language policy's image reader (its family's `images`,
+    over its image processor: the one given with the tokenizer, else the checkpoint's own
+    `preprocessor_config.json`, PIL backend), or (None, what a prompt with images is told:
+    the policy reads text only, or has no image processor)."""
+    text_only = ("the policy reads text only; give a vision-language policy (docs: Vision-language models), or drop "
+                 "the images")
+    if model_config is None or model_config.vision is None or family_of(model_config).images is None:
+        return None, text_only
+    if processor is None and isinstance(policy, (str, os.PathLike)):
+        path = os.fspath(policy)
+        if os.path.isfile(os.path.join(path, "preprocessor_config.json")):
+            import transformers
+
+            processor = transformers.AutoImageProcessor.from_pretrained(path, backend="pil", local_files_only=True)
+    if processor is None:
+        return None, ("the vision-language policy has no image processor: give tokenizer= its processor "
+                      "(transformers.AutoProcessor of the checkpoint), or the policy as a checkpoint directory "
+                      "holding preprocessor_config.json")
+    return family_of(model_config).images(model_config, processor, tokenizer), None
 
 
 def _what_it_is(path, kind: str) -> str:
@@ -246,9 +280,11 @@ def assemble(config, inputs, *, reward_model=None, head_window: Optional[int] = 
         config, policy_model, policy_params, inputs.critic, reward, reward_params, scan_layers)
     check_attention_backend([policy_model, ref_model, reward, getattr(apply_fn, "critic", None)])
     freeze = None
+    base = ("params",) if params_key is None else (params_key, "params")
     if policy_model.lora is not None:  # only the adapters (and the critic or value head) train
-        base = ("params",) if params_key is None else (params_key, "params")
         freeze = Freeze(prefixes=(base,), unless=((*base, "value_head"),))
+    elif policy_model.config.vision is not None and not config.lora.train_vision_encoder:
+        freeze = Freeze(prefixes=((*base, trunk_name(policy_model.config), "visual"),))  # the encoder stays as it is
     if ref_model is None:
         reference = "none"
     elif role == "teacher":

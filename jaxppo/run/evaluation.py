@@ -152,7 +152,7 @@ class Evaluator:
         with collector.lock, mesh_context(self.mesh):
             engine.set_weights(spec.policy_params(params), iteration)
             if environment is None:
-                return engine.sample(batch.ids, batch.mask, key, num_generations=self.generations,
+                return engine.sample(batch.queries, batch.mask, key, num_generations=self.generations,
                                      response_length=spec.response_length, **settings), None
             setup = EpisodeSetup(environment, self.table, self.tokenizer, self.mesh)
             played = run_episodes(setup, dataclasses.replace(spec, num_generations=self.generations), params, batch,

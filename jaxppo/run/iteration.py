@@ -101,7 +101,7 @@ def sample(spec: RolloutSpec, params, batch: PromptBatch, key, mesh=None):
     sample stage as a function, for a loop of one's own (a run samples with its rollout
     engine, through `Collector`)."""
     with mesh_context(mesh):
-        return sample_responses(spec, params, batch.ids, batch.mask, key)
+        return sample_responses(spec, params, batch.queries, batch.mask, key)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +157,7 @@ class Collector:
         if sampling.inflight_updates and source is not None:
             with self.lock, mesh_context(self.mesh):
                 gen, versions = self.rollout_engine.sample_inflight(
-                    source, batch.ids, batch.mask, key, on_update=sampling.inflight_updates,
+                    source, batch.queries, batch.mask, key, on_update=sampling.inflight_updates,
                     steps=sampling.inflight_steps)
             return Collected(batch, gen, None, None, {}, None, versions)
         return Collected(batch, self.sample(run, batch, key, it)[0], None, None, {}, None)
@@ -175,7 +175,7 @@ class Collector:
             engine.set_weights(spec.policy_params(run.train.params), version)
             if self.environment is None:
                 with mesh_context(self.mesh):
-                    return engine.sample(batch.ids, batch.mask, key, num_generations=spec.num_generations,
+                    return engine.sample(batch.queries, batch.mask, key, num_generations=spec.num_generations,
                                          response_length=spec.response_length), None
             setup = EpisodeSetup(self.environment, self.table, self.tokenizer, self.mesh)
             episodes = run_episodes(setup, spec, run.train.params, batch, key, it, engine=engine)
@@ -245,8 +245,8 @@ def build(spec: RolloutSpec, params, ref_params, reward_params, batch: PromptBat
     if spec.pack_sequences:
         spec = scoring_streams(spec, batch, gen)
     with mesh_context(mesh):
-        rollout, stats, moments = finish_rollout(spec, params, ref_params, reward_params, (batch.ids, batch.mask), gen,
-                                                 scores.scores, Shaping(run.kl, run.score_moments))
+        rollout, stats, moments = finish_rollout(spec, params, ref_params, reward_params, (batch.queries, batch.mask),
+                                                 gen, scores.scores, Shaping(run.kl, run.score_moments))
     raw_scores = to_host(stats.pop("per_row/raw_scores"))
     model_scores = stats.pop("per_row/model_scores", None)
     if run.entropy_coef is not None:  # the adaptive coefficient reaches the loss with the rollout

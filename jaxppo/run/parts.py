@@ -28,7 +28,7 @@ from jaxppo.rollout.rewards import RewardSetup, sort_rewards
 from jaxppo.rollout.spec import RolloutSpec
 from jaxppo.rollout.tools import check_tools, tool_environment
 from jaxppo.run import pipeline as pipelining
-from jaxppo.run.assembly import Assembly, LogitsOf, assemble
+from jaxppo.run.assembly import Assembly, LogitsOf, assemble, image_reader, split_processor
 from jaxppo.run.compiled import precompile, train_step_for
 from jaxppo.run.evaluation import Evaluator, build_evaluator, check_best_metric
 from jaxppo.run.iteration import Collector
@@ -129,7 +129,11 @@ class RunParts:
 
 def build(config, inputs: Inputs) -> RunParts:
     """The parts of a run: everything checked before anything loads, then the prompts, the
-    models, the rollout engine, the optimizer and the run state."""
+    models, the rollout engine, the optimizer and the run state. The tokenizer may be a
+    vision-language policy's processor (its tokenizer and image processor)."""
+    tokenizer, processor = split_processor(inputs.tokenizer)
+    inputs = inputs._replace(tokenizer=tokenizer)
+    images = image_reader(inputs.policy, _policy_config(inputs.policy), tokenizer, processor)
     environment = _environment(inputs, config)
     # On-policy distillation from the teacher alone needs no reward (one given is still
     # scored and logged: objective/scores).
@@ -140,9 +144,11 @@ def build(config, inputs: Inputs) -> RunParts:
     routed = config.loss.routing_replay or bool(config.loss.router_aux_loss_coef)
     if config.layout.share_prompts is None:  # the trainer's groups share their prompt (unless routing is replayed)
         config = config.replace(share_prompts=not routed)
-    table = _prompt_table(inputs.tokenizer, inputs.prompts, config, environment and environment.tools, streamed=True)
-    eval_table, eval_rewards = _eval_inputs(inputs, config, rewards, environment)
+    table = _prompt_table(inputs.tokenizer, inputs.prompts, config, environment and environment.tools, streamed=True,
+                          images=images)
+    eval_table, eval_rewards = _eval_inputs(inputs, config, rewards, environment, images)
     _check_columns(rewards, table, eval_table, eval_rewards)
+    _check_images(config, engine, rewards, environment, [t for t in (table, eval_table) if t is not None])
     _check_eval_engine(engine, config, eval_table, environment)
     config, prefix = _resolve_layout(config, table, environment)
     # In the common-prefix layout a row's region opens with the rest of its prompt: the LM head
@@ -268,13 +274,19 @@ def _environment(inputs: Inputs, config) -> Optional[EnvironmentSpec]:
                            workers=env.environment_workers, tools=schemas)
 
 
-def _prompt_table(tokenizer, prompts, config, tools=None, streamed: bool = False):
+def _prompt_table(tokenizer, prompts, config, tools=None, streamed: bool = False, images=(None, None)):
     """The run's `PromptTable`, or with a stream (`streamed`: the run's prompts, not the eval
-    prompts) its `PromptStream`, its first iteration's prompts read and checked now."""
+    prompts) its `PromptStream`, its first iteration's prompts read and checked now.
+    `images`: (the policy's image reader or None, why not), `image_reader`'s."""
     data = config.data
+    reader, no_images = images
     encoder = PromptEncoder(tokenizer, data.query_length, data.overlong_prompts, data.chat_template,
-                            tuple(tools) if tools else None)
+                            tuple(tools) if tools else None, reader, data.image_column, no_images or "")
     if streamed and (data.stream_prompts or is_stream(prompts)):
+        if reader is not None:
+            raise ValueError("a vision-language policy's prompts are read as a prompt table (a list, a file or a "
+                             "datasets.Dataset), not streamed (DataConfig.stream_prompts, a generator, an "
+                             "IterableDataset or mix_prompts)")
         rounds = config.rewards.dynamic_sampling_rounds if config.rewards.dynamic_sampling else 1
         per_iteration = config.prompts_per_batch * rounds
         stream = PromptStream(read_prompt_records(prompts, data.prompt_column), encoder, data.prompt_column,
@@ -294,6 +306,29 @@ def _check_columns(rewards, table, eval_table, eval_rewards):
         eval_rewards[0].check_columns(eval_table.columns, "the eval prompts")
 
 
+def _check_images(config, engine: type, rewards, environment, tables):
+    """What a run whose prompts have images cannot do yet, refused before anything loads:
+    an engine that samples no images, multi-turn episodes, a reward model (they read
+    text), the layouts that regroup rows (common prefix, packing), a teacher's top-k."""
+    if all(getattr(t, "images", None) is None for t in tables):
+        return
+    refused = [(not engine.capabilities.images, f"rollout_engine={config.sampling.rollout_engine!r} "
+                f"({engine.__name__}) samples no images (its capabilities lack images); use the built-in static "
+                "sampler (rollout_engine='jaxppo' without num_slots)"),
+               (environment is not None, "multi-turn episodes (an environment or tools) with images are not supported "
+                "yet; give single-turn prompts"),
+               (rewards.model_spec is not None, "a reward model reads text, not the images; score with reward "
+                "functions"),
+               (config.layout.common_prefix is True, "LayoutConfig.common_prefix=True: the common-prefix layout "
+                "reads no images; turn it off"),
+               (config.layout.pack_sequences, "LayoutConfig.pack_sequences: packed rows read no images; turn it off"),
+               (bool(config.advantages.distill_top_k), "AdvantageConfig.distill_top_k: the teacher's top-k "
+                "forward reads no images; leave it 0")]
+    problem = next((why for bad, why in refused if bad), None)
+    if problem is not None:
+        raise ValueError(f"the prompts have images: {problem}")
+
+
 def _check_eval_engine(engine: type, config, eval_table, environment):
     """An evaluation at its own temperature needs an engine whose sampling methods take
     `temperature=` (the built-in ones and vLLM's do; a registered engine may not)."""
@@ -311,7 +346,7 @@ def _check_eval_engine(engine: type, config, eval_table, environment):
                          "samples at SamplingConfig.temperature)")
 
 
-def _eval_inputs(inputs: Inputs, config, rewards, environment):
+def _eval_inputs(inputs: Inputs, config, rewards, environment, images=(None, None)):
     """(the eval `PromptTable`, (its `HostRewards` or None, whether the run's reward model or
     token-level function scores too)), or (None, None) without eval prompts; errors name
     `eval_prompts` / `eval_reward_fns`, before anything loads."""
@@ -334,7 +369,7 @@ def _eval_inputs(inputs: Inputs, config, rewards, environment):
     check_best_metric(config.evaluation, ([f.name for f in host.functions] if host is not None else [])
                       + ([device] if device else []) + (["environment"] if environment is not None else []))
     try:
-        table = _prompt_table(inputs.tokenizer, prompts, config, environment and environment.tools)
+        table = _prompt_table(inputs.tokenizer, prompts, config, environment and environment.tools, images=images)
     except (ValueError, TypeError) as err:
         raise type(err)(f"eval_prompts: {err}") from err
     return table, (host, device is not None)
@@ -422,8 +457,9 @@ def _resolve_layout(config, table, environment):
     `auto_common_prefix` says it pays; with False 0. In that layout Dr. GRPO's aggregation
     divides by the response length (`loss_norm_length`), not the layout's width."""
     setting = config.layout.common_prefix
-    if setting is None and (config.loss.routing_replay or config.loss.router_aux_loss_coef):
-        setting = False  # the routing is recorded and replayed in the plain layout
+    if setting is None and (config.loss.routing_replay or config.loss.router_aux_loss_coef
+                            or getattr(table, "images", None) is not None):
+        setting = False  # the routing is recorded and replayed, images are read, in the plain layout
     if setting is False:
         prefix = 0
     elif setting is None:

@@ -4,7 +4,7 @@ so that both compute the same log-probs). Depends on the math layer only."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 
 import flax.struct
@@ -15,7 +15,7 @@ from jaxppo.models.model import join_sequences
 from jaxppo.update.losses import entropy_from_logits, logprobs_from_logits
 
 __all__ = ["RolloutBatch", "response_outputs", "routed_outputs", "teacher_outputs", "scorer", "model_method",
-           "joined", "response_attention"]
+           "joined", "response_attention", "queries"]
 
 
 class RolloutBatch(flax.struct.PyTreeNode):
@@ -63,6 +63,10 @@ class RolloutBatch(flax.struct.PyTreeNode):
         the forward pass (the experts its router chose for every token of the row), which
         the update replays (`LossConfig.routing_replay`) or compares its own with (the
         metric `moe/routing_mismatch`); recorded in the plain layout.
+      images: a vision-language policy's images of the prompts or None: an
+        `jaxppo.models.vision.ImagePrompt` without its ids (`query_tokens` are they), every
+        leaf leading with B: the pixel values processed once, which the forward pass and
+        every update read (`queries`).
     """
 
     query_tokens: jax.Array
@@ -80,6 +84,20 @@ class RolloutBatch(flax.struct.PyTreeNode):
     teacher_top_logprobs: Optional[jax.Array] = None
     teacher_top_ids: Optional[jax.Array] = None
     routing: Optional[jax.Array] = None
+    images: Optional[Any] = None
+
+
+def queries(batch):
+    """The batch's queries as a model takes them: `query_tokens`, or with images (a
+    vision-language policy's) the `ImagePrompt` of the tokens and their images."""
+    images = batch.get("images")
+    return batch["query_tokens"] if images is None else images._replace(ids=batch["query_tokens"])
+
+
+def _text_only(batch, what: str):
+    if batch.get("images") is not None:
+        raise ValueError(f"the rows have images, which {what} does not read: a vision-language policy scores through "
+                         "a built-in Model (its response_outputs)")
 
 
 def model_method(fn, name: str):
@@ -137,12 +155,13 @@ def response_outputs(apply_fn, params, batch, temperature: float, group: int = 1
     if group > 1:
         grouped = model_method(apply_fn, "grouped_outputs")
         if grouped is not None:
-            return grouped(params, batch["query_tokens"][::group], batch["query_mask"][::group],
+            return grouped(params, jax.tree.map(lambda x: x[::group], queries(batch)), batch["query_mask"][::group],
                            batch["response_tokens"], response_attention(batch), temperature, **extra)
     method = scorer(apply_fn)
     if method is not None:
-        return method(params, batch["query_tokens"], batch["query_mask"], batch["response_tokens"],
+        return method(params, queries(batch), batch["query_mask"], batch["response_tokens"],
                       response_attention(batch), temperature, **extra)
+    _text_only(batch, f"{type(apply_fn).__name__} (an apply function without response_outputs)")
     logits, values = _response_logits(apply_fn(params, *joined(batch)), batch)
     if also is None:
         logprobs = logprobs_from_logits(logits, batch["response_tokens"], temperature)
@@ -159,6 +178,7 @@ def routed_outputs(apply_fn, params, batch, temperature: float, replay=None, aux
     `routed_outputs` (`jaxppo.models.Model.routed_outputs`, `PolicyAndCritic`'s): the
     response outputs and the routing of every token of the rows, from one forward; with
     `replay` (B, Q + R, layers, k) the forward computes with those experts."""
+    _text_only(batch, "a mixture of experts' routed forward")
     method = model_method(apply_fn, "routed_outputs")
     if method is None:
         raise ValueError("the routing of a mixture of experts is read from a model that offers routed_outputs (the "
@@ -181,6 +201,7 @@ def teacher_outputs(apply_fn, params, batch, k: int, temperature: float):
     distillation's teacher with `distill_top_k`. A built-in model runs its LM head at the
     response positions only (`Model.response_top_logprobs`); any `apply_fn(params, tokens,
     mask) -> logits (B, L, V)` is sliced there. Each row runs its own prompt."""
+    _text_only(batch, "on-policy distillation's teacher (distill_top_k)")
     method = model_method(apply_fn, "response_top_logprobs")
     if method is not None:
         return method(params, batch["query_tokens"], batch["query_mask"], batch["response_tokens"],

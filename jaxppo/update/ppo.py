@@ -218,6 +218,8 @@ def _loss_batch(rollout: RolloutBatch, config: UpdateConfig, advantages, returns
         batch.update(teacher_top_logprobs=rollout.teacher_top_logprobs, teacher_top_ids=rollout.teacher_top_ids)
     if rollout.routing is not None:  # a mixture of experts' routing in the forward pass
         batch["routing"] = rollout.routing
+    if rollout.images is not None:  # a vision-language policy's images, read by every forward
+        batch["images"] = rollout.images
     if rollout.entropy_coef is not None:
         batch["entropy_coef"] = rollout.entropy_coef
     if rollout.response_attention_mask is not None:  # a multi-turn episode's environment tokens
@@ -352,6 +354,9 @@ def _check_shared_queries(rollout, group: int, common_prefix: bool):
     rows = np.arange(rollout.query_tokens.shape[0])
     first = np.zeros_like(rows) if common_prefix else rows // group * group
     differs = np.any((qm != qm[first]) | (qt != qt[first]), axis=1)
+    for leaf in jax.tree.leaves(rollout.images):  # a vision-language policy's: the group's images too
+        leaf = np.asarray(leaf).reshape(len(rows), -1)
+        differs |= np.any(leaf != leaf[first], axis=1)
     if not differs.any():
         return
     row = int(np.flatnonzero(differs)[0])
@@ -364,7 +369,7 @@ def _check_shared_queries(rollout, group: int, common_prefix: bool):
         f"rollout row {row} has another prompt than row {int(first[row])}, the first of its group "
         f"(rows {int(first[row])}-{int(first[row]) + group - 1}): with LayoutConfig.share_prompts=True "
         f"train_step runs each group's prompt once, so each group of num_generations={group} "
-        "consecutive rows must share query_tokens and query_mask (a prompt's completions); "
+        "consecutive rows must share query_tokens and query_mask (a prompt's completions; and its images); "
         "set share_prompts=False for rows that do not")
 
 

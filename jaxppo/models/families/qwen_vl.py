@@ -74,6 +74,12 @@ def _vision(trunk, c: ModelConfig, x, input_ids, images):
     return merge_images(x, input_ids, c.image_token_id, encoder(images.pixels, images.layout), images.tokens)
 
 
+def _images(c: ModelConfig, processor, tokenizer):
+    from jaxppo.models.vision.qwen_images import QwenImages
+
+    return QwenImages(processor, c, tokenizer.convert_ids_to_tokens(c.image_token_id))
+
+
 def _hf_extra_name(path, c: ModelConfig):
     """The vision encoder's parameters (under the trunk's "visual"): "visual." + their names
     in the encoder (`vision_hf_name`)."""
@@ -93,4 +99,5 @@ FAMILY = dataclasses.replace(
     hints={},
     vision=_vision,
     hf_extra_name=_hf_extra_name,
+    images=_images,
 )

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
-__all__ = ["ImagePrompt", "joined_positions"]
+__all__ = ["ImagePrompt", "joined_positions", "response_positions"]
 
 
 class ImagePrompt(NamedTuple):
@@ -29,7 +29,14 @@ def joined_positions(prompt: ImagePrompt, response_mask):
     (`response_mask` (B, R)): the prompt's own, then each response token at the row's next
     position plus the response tokens before it, on all three axes (as the samplers
     decode)."""
-    counted = jnp.maximum(jnp.cumsum(jnp.asarray(response_mask, jnp.int32), axis=1) - 1, 0)
-    after = jnp.asarray(prompt.next_position, jnp.int32)[:, None] + counted
     return jnp.concatenate([jnp.asarray(prompt.positions, jnp.int32),
-                            jnp.repeat(after[..., None], 3, axis=-1)], axis=1)
+                            response_positions(prompt.next_position, response_mask)], axis=1)
+
+
+def response_positions(next_position, response_mask):
+    """The rotary positions (B, R, 3) of responses (`response_mask` (B, R)) after prompts whose
+    next positions are `next_position` (B,): each token at the next position plus the
+    response tokens before it, on all three axes."""
+    counted = jnp.maximum(jnp.cumsum(jnp.asarray(response_mask, jnp.int32), axis=1) - 1, 0)
+    after = jnp.asarray(next_position, jnp.int32)[:, None] + counted
+    return jnp.repeat(after[..., None], 3, axis=-1)

@@ -37,7 +37,7 @@ from jaxppo.models.vision.prompt import ImagePrompt
 
 __all__ = ["QwenVisionConfig", "QwenVisionEncoder", "VisionLayout", "vision_layout", "mrope_positions",
            "vision_params_from_hf", "vision_hf_name", "ImageInput", "image_input", "smallest_image_input",
-           "image_prompt"]
+           "image_prompt", "ImageShape", "image_shape"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,16 +124,22 @@ def _slots(sizes: Sequence[int], n: int) -> np.ndarray:
     return out
 
 
-def _pad_slots(tables: Sequence[np.ndarray], counts: Sequence[int], n: int) -> np.ndarray:
+def _run_sizes(table: np.ndarray, count: int) -> list:
+    """The sizes of a slot table's runs (each run's rows below `count`, the real rows)."""
+    return list((table < count).sum(axis=1))
+
+
+def _pad_slots(tables: Sequence[np.ndarray], counts: Sequence[int], n: int, least=(0, 0)) -> np.ndarray:
     """Rows' slot tables (each its `vision_layout`'s, of `counts[b]` real rows) for rows of
     `n` rows: the same runs, then the padding rows count .. n - 1 in runs no longer than the
     longest real one (what they compute is dropped; longer runs would only widen every
-    row's table), the empty row n; stacked, padded with n to the largest."""
-    sizes = [list((table < count).sum(axis=1)) for table, count in zip(tables, counts)]
-    width = max([size for row in sizes for size in row] or [n])
+    row's table), the empty row n; stacked, padded with n to the largest, and to at least
+    `least` = (runs, width) (a shape fixed for many batches, `ImageShape`)."""
+    sizes = [_run_sizes(table, count) for table, count in zip(tables, counts)]
+    width = max([size for row in sizes for size in row] + [least[1]] or [n]) or n
     rows = [_slots(row + [min(width, n - start) for start in range(count, n, width)], n)
             for row, count in zip(sizes, counts)]
-    out = np.full((len(rows), max(len(r) for r in rows), width), n, np.int32)
+    out = np.full((len(rows), max([len(r) for r in rows] + [least[0]]), width), n, np.int32)
     for b, r in enumerate(rows):
         out[b, :r.shape[0], :r.shape[1]] = r
     return out
@@ -191,17 +197,45 @@ class ImageInput(NamedTuple):
     tokens: Any
 
 
+class ImageShape(NamedTuple):
+    """The padded shape of a batch's `ImageInput`: `patches` per row, and the (runs, width)
+    of its window and frame slot tables. Batches of one shape run one compiled program;
+    `image_shape` gives the smallest that holds a set of rows (a run's whole prompt set)."""
+
+    patches: int
+    windows: Tuple[int, int]
+    frames: Tuple[int, int]
+
+
+def image_shape(grid_rows: Sequence[Sequence[Sequence[int]]], config: QwenVisionConfig) -> ImageShape:
+    """The smallest `ImageShape` that holds every row of `grid_rows` (each row's images'
+    grids, (t, h, w) each): `image_input(..., shape=)` pads any batch of these rows to it."""
+    layouts = [vision_layout(grids, config) for grids in grid_rows]
+    counts = [len(layout.order) for layout in layouts]
+    n = max(counts + [config.merge_unit])
+    n += -n % config.merge_unit
+
+    def least(tables):
+        width = max([s for table, count in zip(tables, counts) for s in _run_sizes(table, count)] + [0]) or n
+        runs = max(len(_run_sizes(table, count)) + -(-(n - count) // width) for table, count in zip(tables, counts))
+        return int(runs), int(width)
+
+    return ImageShape(n, least([lay.window_slots for lay in layouts]), least([lay.frame_slots for lay in layouts]))
+
+
 def image_input(pixel_rows: Sequence[np.ndarray], grid_rows: Sequence[Sequence[Sequence[int]]],
-                config: QwenVisionConfig, patches: int = None) -> ImageInput:
+                config: QwenVisionConfig, patches: int = None, shape: ImageShape = None) -> ImageInput:
     """The `ImageInput` of rows whose images have patches `pixel_rows[b]` ((n_b,
     patch_values), the processor's `pixel_values` of the row's images) and grids
     `grid_rows[b]` ((t, h, w) each, the processor's `image_grid_thw`), padded to `patches`
-    per row (default: the largest row's). A row may have no image (an empty grid list)."""
+    per row (default: the largest row's), or to `shape` (`image_shape` of a set of rows
+    these are among: the same shape for every batch of them). A row may have no image (an
+    empty grid list)."""
     if len(pixel_rows) != len(grid_rows):
         raise ValueError(f"{len(pixel_rows)} rows of pixels for {len(grid_rows)} rows of image grids")
     counts = [sum(t * h * w for t, h, w in (_check_grid(g, config) for g in grids)) for grids in grid_rows]
     unit = config.merge_unit
-    n = max(counts + [unit]) if patches is None else patches
+    n = shape.patches if shape is not None else max(counts + [unit]) if patches is None else patches
     if n < max(counts) or n % unit:
         raise ValueError(f"patches={n} per row must be a multiple of {unit} and hold the largest row's {max(counts)}")
     pixels = np.zeros((len(counts), n, config.patch_values), np.float32)
@@ -216,18 +250,22 @@ def image_input(pixel_rows: Sequence[np.ndarray], grid_rows: Sequence[Sequence[S
         order.append(np.concatenate([layouts[-1].order, np.arange(count, n)]))  # padding visited last
         positions.append(np.concatenate([layouts[-1].positions, np.zeros((n - count, 2), np.int32)]))
         restore.append(np.concatenate([layouts[-1].restore, np.arange(count // unit, n // unit)]))
+    windows = _pad_slots([lay.window_slots for lay in layouts], counts, n, shape.windows if shape else (0, 0))
+    frames = _pad_slots([lay.frame_slots for lay in layouts], counts, n, shape.frames if shape else (0, 0))
+    if shape is not None and (windows.shape[1:], frames.shape[1:]) != (tuple(shape.windows), tuple(shape.frames)):
+        raise ValueError(f"images of grids {[list(g) for g in grid_rows]} do not fit {shape}: their slot tables are "
+                         f"{windows.shape[1:]} and {frames.shape[1:]} (give the image_shape of rows that include them)")
     layout = VisionLayout(np.stack(order).astype(np.int32), np.stack(positions).astype(np.int32),
-                          np.stack(restore).astype(np.int32),
-                          _pad_slots([lay.window_slots for lay in layouts], counts, n),
-                          _pad_slots([lay.frame_slots for lay in layouts], counts, n))
+                          np.stack(restore).astype(np.int32), windows, frames)
     return ImageInput(pixels, layout, np.asarray(counts, np.int32) // unit)
 
 
-def image_prompt(ids, mask, pixel_rows, grid_rows, config) -> ImagePrompt:
+def image_prompt(ids, mask, pixel_rows, grid_rows, config, shape: ImageShape = None) -> ImagePrompt:
     """The `ImagePrompt` of left-padded rows `ids`/`mask` whose runs of the model's image
     token are the images of `grid_rows[b]` with patches `pixel_rows[b]` (the processor's
-    arrays, row by row); `config` the model's `ModelConfig` (its `vision`, `image_token_id`).
-    ValueError where a row's image tokens do not match its images."""
+    arrays, row by row); `config` the model's `ModelConfig` (its `vision`, `image_token_id`);
+    `shape` as `image_input` takes it. ValueError where a row's image tokens do not match
+    its images."""
     v = config.vision
     ids, mask = np.asarray(ids), np.asarray(mask)
     for b, grids in enumerate(grid_rows):
@@ -238,7 +276,8 @@ def image_prompt(ids, mask, pixel_rows, grid_rows, config) -> ImagePrompt:
                              f"need {want}: give each image the processor's tokens")
     positions, nexts = mrope_positions(ids, mask, [g for row in grid_rows for g in row], config.image_token_id,
                                        v.spatial_merge_size)
-    return ImagePrompt(ids, image_input(pixel_rows, grid_rows, v), np.moveaxis(positions, 0, -1), nexts)
+    return ImagePrompt(ids, image_input(pixel_rows, grid_rows, v, shape=shape), np.moveaxis(positions, 0, -1),
+                       nexts)
 
 
 def _rotate(x, cos, sin):

@@ -33,6 +33,8 @@ class Capabilities:
         several processes, or `sampler_devices`).
       exact_logprobs: its log-probs are the trainer's own forward's in float32 (the same
         code), so `old_logprobs="auto"` may take them as the old policy's.
+      images: samples from prompts with images (a vision-language policy's `ImagePrompt` in
+        place of the prompt ids).
     """
 
     continuous_batching: bool = False
@@ -41,6 +43,7 @@ class Capabilities:
     turn_cache: bool = False
     meshes: bool = False
     exact_logprobs: bool = False
+    images: bool = False
 
 
 class RolloutEngine(abc.ABC):

@@ -355,7 +355,7 @@ class StaticEngine(BuiltinEngine):
     stops, each group's prompt prefilled once; with `turn_cache`, multi-turn episodes keep
     each row's KV cache between turns (`first_turn`, `next_turn`)."""
 
-    capabilities = Capabilities(multi_turn=True, turn_cache=True, meshes=True, exact_logprobs=True)
+    capabilities = Capabilities(multi_turn=True, turn_cache=True, meshes=True, exact_logprobs=True, images=True)
 
     def sample(self, prompt_ids, prompt_mask, key, *, num_generations: int, response_length: int,
                max_lengths=None, temperature: Optional[float] = None) -> GenerationOutput:
@@ -366,7 +366,9 @@ class StaticEngine(BuiltinEngine):
     def prefix_of(self, prompt_ids, prompt_mask, num_generations: int) -> int:
         """The run's common prefix (`RolloutSpec.common_prefix`) where these prompts begin
         with it (the training batches do; an evaluation's prompts may not) and the sampler
-        can prefill it once (`effective_prefix`), else 0."""
+        can prefill it once (`effective_prefix`), else 0 (always with images)."""
+        if isinstance(prompt_ids, ImagePrompt):
+            return 0
         prefix = effective_prefix(self.spec.policy, self.spec.common_prefix, num_generations, prompt_ids.shape[1])
         return prefix if prefix and shares_prefix(prompt_ids, prompt_mask, prefix) else 0
 

@@ -1,0 +1,105 @@
+"""How a Qwen2.5-VL policy reads the images of a run's prompts (`QwenImages`): the number
+of image tokens each image becomes, read from its size as the model's own image processor
+resizes it, and a batch's images processed once into the `ImagePrompt` that the samplers,
+the forward pass and the update all take (the same pixel values everywhere).
+
+The image processor is transformers' (`Qwen2VLImageProcessor`; its PIL backend,
+`Qwen2VLImageProcessorPil`, needs no PyTorch), loaded from the checkpoint's
+`preprocessor_config.json` or given with the processor."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import numpy as np
+
+from jaxppo.models.vision.prompt import ImagePrompt
+from jaxppo.models.vision.qwen import ImageShape, image_prompt, image_shape
+
+__all__ = ["QwenImages"]
+
+
+def _size_bounds(processor):
+    """(min_pixels, max_pixels) of the processor's resize (transformers 5's `size` holds
+    them as shortest_edge / longest_edge; older processors as min_pixels / max_pixels)."""
+    size = getattr(processor, "size", None) or {}
+    get = size.get if isinstance(size, dict) else lambda k: getattr(size, k, None)
+    low = get("shortest_edge") or getattr(processor, "min_pixels", None)
+    high = get("longest_edge") or getattr(processor, "max_pixels", None)
+    if low is None or high is None:
+        raise ValueError(f"the image processor {type(processor).__name__} gives no pixel bounds (size "
+                         "shortest_edge / longest_edge): give the checkpoint's Qwen2VLImageProcessor")
+    return int(low), int(high)
+
+
+@dataclasses.dataclass(frozen=True)
+class QwenImages:
+    """The images of a Qwen2.5-VL policy's prompts: `processor` (transformers'
+    `Qwen2VLImageProcessor`, PIL or torchvision backend), `config` (the policy's
+    `ModelConfig`), `placeholder` (the image token's text: a rendered prompt holds it once
+    per image, where `expand` puts the image's tokens)."""
+
+    processor: Any
+    config: Any
+    placeholder: str
+
+    def __post_init__(self):
+        v, p = self.config.vision, self.processor
+        theirs = tuple(getattr(p, k, None) for k in ("patch_size", "temporal_patch_size", "merge_size"))
+        ours = (v.patch_size, v.temporal_patch_size, v.spatial_merge_size)
+        if theirs != ours:
+            raise ValueError(f"the image processor's (patch_size, temporal_patch_size, merge_size) = {theirs} are not "
+                             f"the model's vision_config {ours}: give the processor saved with this checkpoint")
+        _size_bounds(p)
+
+    def grid(self, image) -> tuple:
+        """(t, h, w) patches of a PIL image once the processor resizes it (its `smart_resize`
+        with the processor's pixel bounds); what `prompt` checks the processor gives."""
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        v = self.config.vision
+        low, high = _size_bounds(self.processor)
+        width, height = image.size
+        h, w = smart_resize(height, width, factor=v.patch_size * v.spatial_merge_size, min_pixels=low, max_pixels=high)
+        return 1, h // v.patch_size, w // v.patch_size
+
+    def tokens(self, grid) -> int:
+        """The image tokens of an image of patch grid (t, h, w)."""
+        t, h, w = grid
+        return t * h * w // self.config.vision.merge_unit
+
+    def expand(self, text: str, grids: Sequence[tuple]) -> str:
+        """`text` with its k-th placeholder repeated as many times as image k has tokens."""
+        parts = text.split(self.placeholder)
+        if len(parts) - 1 != len(grids):
+            raise ValueError(f"{len(grids)} image(s) for {len(parts) - 1} image placeholder(s)")
+        out = [parts[0]]
+        for grid, part in zip(grids, parts[1:]):
+            out += [self.placeholder * self.tokens(grid), part]
+        return "".join(out)
+
+    def shape(self, grid_rows) -> ImageShape:
+        """The padded shape that every batch of these rows (each a prompt's grids) takes."""
+        return image_shape(grid_rows, self.config.vision)
+
+    def prompt(self, ids, mask, image_rows, grid_rows, shape: ImageShape) -> ImagePrompt:
+        """The `ImagePrompt` of left-padded rows `ids` / `mask` whose images are
+        `image_rows[b]` (PIL images) of grids `grid_rows[b]` (as `grid` gave them): each row's
+        images processed once (rows that are the same prompt share the arrays)."""
+        pixel_rows, done = [], {}
+        for b, (images, grids) in enumerate(zip(image_rows, grid_rows)):
+            key = tuple(map(id, images))
+            if key not in done:
+                done[key] = self._pixels(images, grids)
+            pixel_rows.append(done[key])
+        return image_prompt(ids, mask, pixel_rows, grid_rows, self.config, shape)
+
+    def _pixels(self, images, grids):
+        if not images:
+            return np.zeros((0, self.config.vision.patch_values), np.float32)
+        out = self.processor(images=list(images), return_tensors="np")
+        got = [tuple(int(x) for x in g) for g in np.asarray(out["image_grid_thw"])]
+        if got != [tuple(g) for g in grids]:
+            raise RuntimeError(f"the image processor gave grids {got} where the prompts were tokenized for {list(grids)}")
+        return np.asarray(out["pixel_values"], np.float32)

@@ -1,0 +1,196 @@
+"""A vision-language policy in a run: prompts with images read through the model's own
+image processor (an image column, chat messages with image parts; paths, bytes, PIL
+images), the bad inputs refused before anything loads, and GRPO through the `Trainer` with
+the images carried from the sampler to the forward pass and every update (the first
+update on-policy, and off-policy once the images are swapped), the encoder frozen by
+default. On a tiny random Qwen2.5-VL built here (`vision_models`)."""
+
+import io
+
+import jax
+import numpy as np
+import pytest
+
+import jaxppo
+from jaxppo.models.hf import checkpoint_config
+from jaxppo.rollout.prompts import PromptEncoder, labelled_prompt_table, prompt_batch
+from jaxppo.run import iteration
+from jaxppo.run.assembly import image_reader
+
+import vision_models as vm
+from test_grpo_trainer import assert_on_policy
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return vm.tiny_vl_checkpoint(tmp_path_factory.mktemp("vl") / "hf")
+
+
+def _reader(checkpoint):
+    reader, why = image_reader(checkpoint, checkpoint_config(checkpoint), vm.tokenizer(), None)
+    assert why is None
+    return reader
+
+
+def _encoder(checkpoint, q=40, **kwargs):
+    return PromptEncoder(vm.tokenizer(), q, images=_reader(checkpoint), **kwargs)
+
+
+def _records(tmp_path):
+    """Prompts with images given every way: a path, bytes, a PIL image, a dict, two images
+    in one prompt, chat parts holding their image, and a prompt without images."""
+    path = tmp_path / "red.png"
+    vm.colour_image("red", (20, 12)).save(path)
+    buffer = io.BytesIO()
+    vm.colour_image("blue", (12, 28)).save(buffer, format="PNG")
+    ask = [{"type": "text", "text": "what colour is this"}]
+    return [
+        {"prompt": [{"role": "user", "content": [{"type": "image"}] + ask}], "images": [str(path)]},
+        {"prompt": [{"role": "user", "content": [{"type": "image"}] + ask}], "images": buffer.getvalue()},
+        {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "image"}] + ask}],
+         "images": [vm.noise_image(1, (16, 16)), {"bytes": buffer.getvalue()}]},
+        {"prompt": [{"role": "user", "content": [{"type": "image", "image": str(path)}] + ask}]},
+        {"prompt": [{"role": "user", "content": f"{vm.PLACEHOLDER} what is this"}], "images": vm.colour_image("green")},
+        {"prompt": [{"role": "user", "content": "what is this"}]},
+    ]
+
+
+def test_prompts_with_images_are_read_through_the_models_processor(checkpoint, tmp_path):
+    """Each prompt's image placeholder becomes as many image tokens as the processor's grid
+    gives its image, and a batch carries exactly the processor's pixel values (the
+    processor called here directly is the reference); rows of one prompt share them."""
+    table = _encoder(checkpoint).table(*labelled_prompt_table(_records(tmp_path)))
+    processor, tok = vm.image_processor(), vm.tokenizer()
+    expected = [[vm.colour_image("red", (20, 12))], [vm.colour_image("blue", (12, 28))],
+                [vm.noise_image(1, (16, 16)), vm.colour_image("blue", (12, 28))], [vm.colour_image("red", (20, 12))],
+                [vm.colour_image("green")], []]
+    rows = np.repeat(np.arange(len(expected)), 2)  # groups of two rows per prompt
+    batch = prompt_batch(table, rows)
+    pixels, layout = np.asarray(batch.images.images.pixels), batch.images.images.layout
+    for r, images in enumerate(expected):
+        ids, mask = table.ids[r], table.mask[r]
+        tokens = int(np.sum((ids == vm.IMAGE) & (mask > 0)))
+        if not images:
+            assert tokens == 0 and int(batch.images.images.tokens[2 * r]) == 0
+            continue
+        out = processor(images=images, return_tensors="np")
+        merge = 4
+        assert tokens == int(np.prod(out["image_grid_thw"], axis=1).sum()) // merge
+        n = out["pixel_values"].shape[0]
+        for b in (2 * r, 2 * r + 1):
+            np.testing.assert_array_equal(pixels[b, :n], out["pixel_values"])
+            assert not pixels[b, n:].any()  # padding
+        # The prompt's text tokens are the template's, the image tokens in the placeholder's place.
+        text = tok.apply_chat_template(table.prompts[r], tokenize=False, add_generation_prompt=True)
+        words = [w for w in text.split() if w != vm.PLACEHOLDER]
+        assert tok.convert_ids_to_tokens([int(i) for i in ids[mask > 0] if i != vm.IMAGE]) == words
+    # Every batch of the table is padded to one shape (one compiled program).
+    other = prompt_batch(table, np.array([5, 5, 4, 4]))
+    assert jax.tree.map(np.shape, other.images.images.layout) == jax.tree.map(
+        lambda x: (4,) + np.shape(x)[1:], layout)
+
+
+def test_bad_images_are_refused_before_anything_loads(checkpoint, tmp_path):
+    encoder = _encoder(checkpoint)
+    ask = [{"type": "text", "text": "what"}]
+
+    def table(records, enc=encoder):
+        return enc.table(*labelled_prompt_table(records))
+
+    with pytest.raises(ValueError, match=r"prompt 0 image 0: image file '.*missing.png' does not exist"):
+        table([{"prompt": "a", "images": str(tmp_path / "missing.png")}])
+    (tmp_path / "text.png").write_text("not an image")
+    with pytest.raises(ValueError, match=r"prompt 0 image 0: the image .*text.png' cannot be read"):
+        table([{"prompt": "a", "images": str(tmp_path / "text.png")}])
+    with pytest.raises(ValueError, match="is a URL; nothing is downloaded"):
+        table([{"prompt": "a", "images": "https://example.com/a.png"}])
+    with pytest.raises(ValueError, match="an image must be a file path, image bytes"):
+        table([{"prompt": "a", "images": 3}])
+    red = vm.colour_image("red")
+    with pytest.raises(ValueError, match="prompt 0: 2 image.s. for 1 image placeholder"):
+        table([{"prompt": f"a {vm.PLACEHOLDER}", "images": [red, red]}])
+    with pytest.raises(ValueError, match="prompt 0 has more image parts than images"):
+        table([{"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "image"}] + ask}],
+                "images": [red]}])
+    with pytest.raises(ValueError, match=r"prompt 0 has 2 images in its image column but only 1 image parts"):
+        table([{"prompt": [{"role": "user", "content": [{"type": "image"}] + ask}], "images": [red, red]}])
+    # Too long once its image tokens are in: refused, never truncated, whatever overlong_prompts says.
+    big = vm.colour_image("red", (64, 64))  # 16 x 16 pixels at most: 4 image tokens
+    for overlong in ("error", "truncate"):
+        with pytest.raises(ValueError, match=r"prompt 0 has 6 tokens, 4 of them its 1 image.*never truncated"):
+            table([{"prompt": f"a b {vm.PLACEHOLDER}", "images": big}], _encoder(checkpoint, q=5, overlong=overlong))
+    filtered = table([{"prompt": f"a b {vm.PLACEHOLDER}", "images": big}, {"prompt": "a", "images": []}],
+                     _encoder(checkpoint, q=5, overlong="filter"))
+    assert filtered.filtered == 1 and filtered.images.grids == [[]]
+    # A text-only policy: its prompts' images are refused, not dropped.
+    text_only = PromptEncoder(vm.tokenizer(), 40)
+    with pytest.raises(ValueError, match=r"prompt 0 has images \(its 'images' column\), but the policy reads text"):
+        table([{"prompt": "a", "images": red}], text_only)
+    with pytest.raises(ValueError, match=r"prompt 0 has images \(its messages\), but the policy reads text only"):
+        table([{"prompt": [{"role": "user", "content": [{"type": "image", "image": red}] + ask}]}], text_only)
+
+
+def _trainer(tmp_path, checkpoint, records, reward, **settings):
+    config = jaxppo.Config.for_algorithm("grpo", batch_size=8, mini_batch_size=4, ppo_epochs=1, num_generations=4)
+    config = config.replace(iterations=2, query_length=24, response_length=4, learning_rate=1e-2,
+                            output_dir=str(tmp_path / "run"), progress=False, sample_every=0, export_final=False,
+                            plot=False, report_to="jsonl", **settings)
+    return jaxppo.Trainer(config, policy=checkpoint, tokenizer=vm.tokenizer(), prompts=records, reward_fns=reward)
+
+
+def _colour_records():
+    ask = [{"type": "text", "text": "what colour is this"}]
+    return [{"prompt": [{"role": "user", "content": [{"type": "image"}] + ask}], "images": [vm.colour_image(c)],
+             "colour": c} for c in ("red", "blue", "green")]
+
+
+def _said_colour(prompts, completions, colour):
+    """1 for a completion that opens with its image's colour, plus a little for each other
+    character (so that a tiny random policy's groups differ in score)."""
+    return [float(c.split()[:1] == [k]) + 0.01 * len(c) for c, k in zip(completions, colour)]
+
+
+def test_grpo_trains_a_vision_language_policy_with_its_images(tmp_path, checkpoint):
+    """GRPO with image prompts through the Trainer: the first update is on-policy (the
+    update reads the images the rollout was scored with: with them swapped, the same
+    rollout is off-policy), the language model trains, the frozen encoder does not."""
+    trainer = _trainer(tmp_path, checkpoint, _colour_records(), _said_colour, ppo_epochs=1, mini_batch_size=8)
+    start = jax.tree.map(np.asarray, trainer.state.params)
+    row = trainer.step()
+    assert_on_policy(row)
+    assert row["ppo/updates_applied"] == 1
+    params = trainer.state.params["params"]["model"]
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(start["params"]["model"]["visual"]),
+                                                      jax.tree.leaves(params["visual"])))
+    assert not np.array_equal(start["params"]["model"]["embed_tokens"]["embedding"],
+                              params["embed_tokens"]["embedding"])
+    rollout = iteration.prepare(trainer.run, trainer.parts).built.rollout  # the next iteration's
+    assert rollout.images is not None and rollout.images.images.pixels.shape[0] == 8
+    # The same rollout with each row's images replaced by another prompt's: the loss's
+    # log-probs are no longer the rollout's (the update reads the images).
+    swapped = rollout.replace(images=jax.tree.map(lambda x: np.roll(np.asarray(x), 4, axis=0), rollout.images))
+    spec = trainer.parts.spec
+    key = jax.random.key(0)
+    _, same = jaxppo.train_step(trainer.state, rollout, key, trainer.config)
+    _, other = jaxppo.train_step(trainer.state, swapped, key, trainer.config)
+    assert float(other["policy/approxkl_avg"]) > 1e3 * max(float(same["policy/approxkl_avg"]), 1e-12)
+    assert spec.policy.config.vision is not None
+
+
+def test_the_encoder_trains_when_asked(tmp_path, checkpoint):
+    trainer = _trainer(tmp_path, checkpoint, _colour_records(), _said_colour, train_vision_encoder=True)
+    start = np.asarray(trainer.state.params["params"]["model"]["visual"]["patch_embed"]["kernel"])
+    trainer.step()
+    assert not np.array_equal(start, trainer.state.params["params"]["model"]["visual"]["patch_embed"]["kernel"])
+
+
+def test_what_a_run_with_images_cannot_do_yet_is_refused(tmp_path, checkpoint):
+    with pytest.raises(ValueError, match=r"the prompts have images: rollout_engine='jaxppo' \(ContinuousEngine\) "
+                                         "samples no images"):
+        _trainer(tmp_path, checkpoint, _colour_records(), _said_colour, num_slots=4)
+    with pytest.raises(ValueError, match="the prompts have images: LayoutConfig.pack_sequences"):
+        _trainer(tmp_path, checkpoint, _colour_records(), _said_colour, pack_sequences=True)
+    with pytest.raises(ValueError, match="read as a prompt table .* not streamed"):
+        _trainer(tmp_path, checkpoint, _colour_records(), _said_colour, stream_prompts=True)
+    with pytest.raises(ValueError, match="train_vision_encoder=True trains the vision encoder's weights, which LoRA"):
+        jaxppo.AdapterConfig(lora_rank=4, train_vision_encoder=True)

@@ -1,0 +1,102 @@
+"""Tiny random-weight vision-language checkpoints for the tests, built here from
+transformers' own config classes (no hub download): a Qwen2.5-VL model, and beside it a
+word-level tokenizer with a chat template that shows image parts, and the model's image
+processor (`Qwen2VLImageProcessorPil`, saved as `preprocessor_config.json`)."""
+
+import json
+import os
+
+import numpy as np
+
+# Windows of 2 x 2 image tokens (16 px / merge 2 / patch 4); block 1 attends over its whole image.
+VISION = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=40, patch_size=4,
+              temporal_patch_size=2, spatial_merge_size=2, window_size=16, fullatt_block_indexes=[1])
+IMAGE = 90  # the image token's id
+PLACEHOLDER = "<|image_pad|>"
+WORDS = ["user", "assistant", ":", "<eol>", "what", "colour", "is", "this", "red", "blue", "green", "it", "a", "b",
+         "picture", "and", "or", "yes", "no", "the"]
+# A chat template that renders a message's image parts as the image token (once per image).
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }} :{% if m['content'] is string %} {{ m['content'] }}{% else %}"
+            "{% for p in m['content'] %}{% if p['type'] == 'image' %} " + PLACEHOLDER + "{% else %} {{ p['text'] }}"
+            "{% endif %}{% endfor %}{% endif %} <eol> {% endfor %}{% if add_generation_prompt %}assistant :{% endif %}")
+
+
+def tiny_qwen_vl(path, seed: int = 0):
+    """A tiny random Qwen2.5-VL checkpoint saved by transformers at `path` (vocabulary 97,
+    image token 90); returns the torch model."""
+    import torch
+    import transformers
+
+    text = dict(vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1000.0})
+    torch.manual_seed(seed)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(
+        transformers.Qwen2_5_VLConfig(text_config=text, vision_config=dict(VISION, out_hidden_size=64),
+                                     image_token_id=IMAGE)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name or "ln_q" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return model
+
+
+def tokenizer():
+    """A word-level tokenizer of the tiny model's 97 ids: <pad> 0, <s> 1, </s> 2, <unk> 3,
+    `WORDS`, fillers, the image token at 90, fillers; with `TEMPLATE` as its chat template."""
+    import tokenizers
+    import transformers
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    for word in WORDS:
+        vocab[word] = len(vocab)
+    while len(vocab) < IMAGE:
+        vocab[f"w{len(vocab)}"] = len(vocab)
+    vocab[PLACEHOLDER] = IMAGE
+    while len(vocab) < 97:
+        vocab[f"w{len(vocab)}"] = len(vocab)
+    model = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    model.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    model.decoder = tokenizers.decoders.WordPiece()
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=model, pad_token="<pad>", eos_token="</s>",
+                                              bos_token="<s>", unk_token="<unk>",
+                                              additional_special_tokens=[PLACEHOLDER])
+    tok.chat_template = TEMPLATE
+    return tok
+
+
+def image_processor(max_side: int = 16):
+    """The tiny model's image processor: 4-pixel patches, merged 2 x 2, images resized to at
+    most `max_side`^2 pixels."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2, min_pixels=8 * 8,
+                                    max_pixels=max_side * max_side)
+
+
+def tiny_vl_checkpoint(path, seed: int = 0):
+    """`tiny_qwen_vl` at `path` with its tokenizer and image processor saved beside it."""
+    tiny_qwen_vl(path, seed)
+    tokenizer().save_pretrained(path)
+    image_processor().save_pretrained(path)
+    return os.fspath(path)
+
+
+def colour_image(colour, size=(16, 16)):
+    """A PIL image of one colour ("red", "green", "blue", or an RGB triple), `size` (w, h)."""
+    import PIL.Image
+
+    rgb = {"red": (220, 20, 20), "green": (20, 200, 20), "blue": (20, 20, 220)}.get(colour, colour)
+    return PIL.Image.new("RGB", size, tuple(rgb))
+
+
+def write_json(path, value):
+    with open(path, "w") as f:
+        json.dump(value, f)
+
+
+def noise_image(seed, size=(16, 16)):
+    import PIL.Image
+
+    return PIL.Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
