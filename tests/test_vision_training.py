@@ -177,11 +177,37 @@ def test_grpo_trains_a_vision_language_policy_with_its_images(tmp_path, checkpoi
     assert spec.policy.config.vision is not None
 
 
-def test_the_encoder_trains_when_asked(tmp_path, checkpoint):
+def test_the_encoder_trains_when_asked_and_the_export_keeps_the_image_processor(tmp_path, checkpoint):
+    """With train_vision_encoder the encoder's weights move; the exported policy is a
+    checkpoint transformers loads whole, with the image processor saved beside it, and its
+    logits with images equal jaxppo's trained policy's."""
+    import torch
+    import transformers
+
+    from jaxppo.models.hf import from_pretrained
+
     trainer = _trainer(tmp_path, checkpoint, _colour_records(), _said_colour, train_vision_encoder=True)
     start = np.asarray(trainer.state.params["params"]["model"]["visual"]["patch_embed"]["kernel"])
     trainer.step()
     assert not np.array_equal(start, trainer.state.params["params"]["model"]["visual"]["patch_embed"]["kernel"])
+    trainer.export(str(tmp_path / "out"))
+    processor = transformers.AutoImageProcessor.from_pretrained(tmp_path / "out", backend="pil")
+    assert processor.to_dict() == vm.image_processor().to_dict()
+    table = trainer.parts.table
+    prompt = table.images.prompt(table.ids[:1], table.mask[:1], np.array([0]))
+    model, params = from_pretrained(str(tmp_path / "out"))
+    ours = np.asarray(model.apply(params, prompt.ids, table.mask[:1], prompt.images,
+                                  np.asarray(prompt.positions)))
+    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "out").eval()
+    pixels = processor(images=[vm.colour_image("red")], return_tensors="np")
+    with torch.no_grad():
+        theirs = hf(input_ids=torch.tensor(prompt.ids, dtype=torch.long),
+                    attention_mask=torch.tensor(table.mask[:1], dtype=torch.long),
+                    pixel_values=torch.tensor(pixels["pixel_values"]),
+                    image_grid_thw=torch.tensor(pixels["image_grid_thw"]),
+                    mm_token_type_ids=torch.tensor((prompt.ids == vm.IMAGE).astype(np.int64))).logits.numpy()
+    real = table.mask[0] > 0
+    np.testing.assert_allclose(ours[0][real], theirs[0][real], atol=1e-4)
 
 
 def test_what_a_run_with_images_cannot_do_yet_is_refused(tmp_path, checkpoint):

@@ -197,6 +197,27 @@ def _common_prefix_layout(spec: RolloutSpec, prompt_ids, prompt_mask, gen: Gener
     return ids, mask, moved, to_region(layout, prompt_mask, gen.mask)
 
 
+def _batches(spec: RolloutSpec, prompts: tuple, gen):
+    """(the rows in the usual layout, the rows as the forward passes read them, the samples
+    in that layout): the same but in the common-prefix layout. Each a dict of the
+    `RolloutBatch` fields; a vision-language policy's `ImagePrompt` gives the ids and the
+    images (which travel with the rows)."""
+    (ids, mask), images = prompts, None
+    if isinstance(ids, ImagePrompt):
+        images, ids = ids._replace(ids=None), ids.ids
+    attention = getattr(gen, "attention_mask", None)
+
+    def rows(ids, mask, gen, attention):
+        out = {"query_tokens": ids, "query_mask": mask, "response_tokens": gen.tokens, "response_mask": gen.mask}
+        extra = {"response_attention_mask": attention, "images": images}
+        return {**out, **{k: v for k, v in extra.items() if v is not None}}
+
+    usual = rows(ids, mask, gen, attention)
+    if spec.common_prefix:
+        ids, mask, gen, attention = _common_prefix_layout(spec, ids, mask, gen, attention)
+    return usual, rows(ids, mask, gen, attention), gen
+
+
 @functools.partial(jax.jit, static_argnames=("spec",))
 def _stopped(spec: RolloutSpec, gen, truncated):
     """(B,) bool: the completion ended at a stop token or a stop string (an episode: without
@@ -243,31 +264,14 @@ def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompts
     .../non_score_reward, .../rlhf_reward, .../scores, val/num_eos_tokens, ...; no
     objective/kl without a reference) and the (B,) scores before penalties and normalisation
     as `per_row/raw_scores` (the reward model's own as `per_row/model_scores`)."""
-    (prompt_ids, prompt_mask), (kl_state, score_moments) = prompts, shaping
-    images = None
-    if isinstance(prompt_ids, ImagePrompt):  # a vision-language policy's prompts: their images travel with the rows
-        images, prompt_ids = prompt_ids._replace(ids=None), prompt_ids.ids
+    kl_state, score_moments = shaping
     # A multi-turn episode (`jaxppo.rollout.environments.EpisodeOutput`) also has the environment's
     # tokens in the sequence, and says which episodes ran out of budget.
+    truncated, budget = getattr(gen, "truncated", None), gen.tokens.shape[1]
     attention = getattr(gen, "attention_mask", None)
-    truncated = getattr(gen, "truncated", None)
-    budget = gen.tokens.shape[1]
     lengths = jnp.sum(gen.mask if attention is None else attention, axis=1)
-    usual = {"query_tokens": prompt_ids, "query_mask": prompt_mask, "response_tokens": gen.tokens,
-             "response_mask": gen.mask}
-    if attention is not None:
-        usual["response_attention_mask"] = attention
-    if images is not None:
-        usual["images"] = images
-    if spec.common_prefix:
-        prompt_ids, prompt_mask, gen, attention = _common_prefix_layout(spec, prompt_ids, prompt_mask, gen, attention)
+    usual, batch, gen = _batches(spec, prompts, gen)
     response_mask = gen.mask  # the policy's tokens
-    batch = {"query_tokens": prompt_ids, "query_mask": prompt_mask,
-             "response_tokens": gen.tokens, "response_mask": response_mask}
-    if attention is not None:
-        batch["response_attention_mask"] = attention
-    if images is not None:
-        batch["images"] = images
     logprobs, values, routing = _policy_outputs(spec, params, batch, gen)
     ref_logprobs, teacher_top = None, (None, None)
     if spec.ref_apply is not None:
@@ -294,12 +298,13 @@ def finish_rollout(spec: RolloutSpec, params, ref_params, reward_params, prompts
     train_mask = response_mask
     if spec.mask_truncated:
         train_mask = response_mask * contains_eos[:, None].astype(response_mask.dtype)
-    rollout = RolloutBatch(query_tokens=prompt_ids, query_mask=prompt_mask, response_tokens=gen.tokens,
-                           response_mask=train_mask, logprobs=logprobs, values=values, rewards=rewards,
-                           ref_logprobs=ref_logprobs if spec.keep_ref_logprobs else None, scores=sequence_scores,
-                           sampler_logprobs=gen.logprobs, response_attention_mask=attention,
+    rollout = RolloutBatch(query_tokens=batch["query_tokens"], query_mask=batch["query_mask"],
+                           response_tokens=gen.tokens, response_mask=train_mask, logprobs=logprobs, values=values,
+                           rewards=rewards, ref_logprobs=ref_logprobs if spec.keep_ref_logprobs else None,
+                           scores=sequence_scores, sampler_logprobs=gen.logprobs,
+                           response_attention_mask=batch.get("response_attention_mask"),
                            teacher_top_logprobs=teacher_top[0], teacher_top_ids=teacher_top[1], routing=routing,
-                           images=images)
+                           images=batch.get("images"))
     stats = _statistics(spec, logprobs, response_mask, _Scored(kl, non_score, scores, raw_scores, penalty), kl_state,
                         contains_eos, lengths, ref_logprobs is not None)
     if model_scores is not None:

@@ -58,17 +58,25 @@ def export_policy(model, params, tokenizer, path: str, drop_value_head: bool = F
     _export_model(model, params, tokenizer, path)
 
 
+def _save_beside(tokenizer, directory: str):
+    """Save `tokenizer` (or each of a tuple: a tokenizer and an image processor) in `directory`."""
+    for saved in tokenizer if isinstance(tokenizer, tuple) else (tokenizer,):
+        if hasattr(saved, "save_pretrained"):
+            saved.save_pretrained(directory)
+
+
 def _export_model(model, params, tokenizer, path: str):
     """`model` / `params` and `tokenizer` as a Hugging Face directory in `path`, written
-    atomically with checksums by the one process that writes exports."""
+    atomically with checksums by the one process that writes exports. `tokenizer` may be a
+    tuple of what is saved with the weights (a vision-language policy's tokenizer and image
+    processor)."""
     params = for_writer(params)
     if params is None:
         return
 
     def write(directory):
         hf_io.save_pretrained(model, params, directory)
-        if hasattr(tokenizer, "save_pretrained"):
-            tokenizer.save_pretrained(directory)
+        _save_beside(tokenizer, directory)
 
     _replace_with_checksums(write, path)
 
@@ -109,8 +117,7 @@ def export_checkpoint(model, params, tokenizer, path: str, base_path=None, drop_
 
     def write(directory):
         save_peft_adapter(model, adapters, directory, base_model_name_or_path=base)
-        if hasattr(tokenizer, "save_pretrained"):
-            tokenizer.save_pretrained(directory)
+        _save_beside(tokenizer, directory)
 
     _replace_with_checksums(write, path)
 
@@ -233,11 +240,13 @@ class Outputs:
     checkpoint directory (None for a given `(Model, params)`: the PEFT adapter's base),
     whether the train parameters hold a shared trunk's value head (left out of exports),
     and the run's `RunConfig` and `EvalConfig` (the directory, the Hugging Face checkpoints'
-    cadence, the best metric)."""
+    cadence, the best metric); a vision-language policy's image processor, saved with every
+    export."""
 
     def __init__(self, policy_model, spec, tokenizer, policy_source: Optional[str], run_config, eval_config,
-                 shared_trunk: bool = False):
+                 shared_trunk: bool = False, image_processor=None):
         self.policy_model, self.spec, self.tokenizer, self.policy_source = policy_model, spec, tokenizer, policy_source
+        self.saved = tokenizer if image_processor is None else (tokenizer, image_processor)
         self.shared_trunk, self.sample_every, self.num_samples = shared_trunk, run_config.sample_every, run_config.num_samples
         self.hf = HfCheckpoints(run_config.output_dir, self.export_checkpoint_of, every=run_config.save_hf_every,
                                 keep=run_config.keep_hf, best_metric=eval_config.best_metric,
@@ -246,7 +255,7 @@ class Outputs:
     def export(self, params, path: str):
         """The policy of the train `params` (and the tokenizer) as a Hugging Face directory;
         a LoRA policy with its adapters merged into the base weights."""
-        export_policy(self.policy_model, self.spec.policy_params(params), self.tokenizer, path,
+        export_policy(self.policy_model, self.spec.policy_params(params), self.saved, path,
                       drop_value_head=self.shared_trunk)
 
     def export_adapter(self, params, path: str):
@@ -257,7 +266,7 @@ class Outputs:
     def export_checkpoint_of(self, path: str, params):
         """A Hugging Face checkpoint of the policy of the train `params` at `path` (with the
         tokenizer): the merged policy, or with LoRA the PEFT adapter."""
-        export_checkpoint(self.policy_model, self.spec.policy_params(params), self.tokenizer, path,
+        export_checkpoint(self.policy_model, self.spec.policy_params(params), self.saved, path,
                           base_path=self.policy_source, drop_value_head=self.shared_trunk)
 
     def final(self, params, output_dir: str):

@@ -183,7 +183,8 @@ def build(config, inputs: Inputs) -> RunParts:
                     _description(config, inputs, models, rewards, table, environment),
                     build_evaluator(eval_table, eval_rewards, spec, inputs.tokenizer, config, collector, placed),
                     Outputs(models.policy_model, spec, inputs.tokenizer, source, config.run, config.evaluation,
-                            shared_trunk=config.advantages.shared_trunk))
+                            shared_trunk=config.advantages.shared_trunk,
+                            image_processor=getattr(images[0], "processor", None)))
 
 
 def _description(config, inputs: Inputs, models: Assembly, rewards: RewardSetup, table, environment) -> dict:
