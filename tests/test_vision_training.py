@@ -130,12 +130,15 @@ def test_bad_images_are_refused_before_anything_loads(checkpoint, tmp_path):
         table([{"prompt": [{"role": "user", "content": [{"type": "image", "image": red}] + ask}]}], text_only)
 
 
-def _trainer(tmp_path, checkpoint, records, reward, **settings):
-    config = jaxppo.Config.for_algorithm("grpo", batch_size=8, mini_batch_size=4, ppo_epochs=1, num_generations=4)
-    config = config.replace(iterations=2, query_length=24, response_length=4, learning_rate=1e-2,
+def _trainer(tmp_path, checkpoint, records, reward, name="grpo", callbacks=(), **settings):
+    config = jaxppo.Config.for_algorithm(name, batch_size=8, mini_batch_size=4, ppo_epochs=1,
+                                         num_generations=1 if name == "ppo" else 4)
+    settings = {"iterations": 2, **settings}
+    config = config.replace(query_length=24, response_length=4, learning_rate=1e-2,
                             output_dir=str(tmp_path / "run"), progress=False, sample_every=0, export_final=False,
                             plot=False, report_to="jsonl", **settings)
-    return jaxppo.Trainer(config, policy=checkpoint, tokenizer=vm.tokenizer(), prompts=records, reward_fns=reward)
+    return jaxppo.Trainer(config, policy=checkpoint, tokenizer=vm.tokenizer(), prompts=records, reward_fns=reward,
+                          callbacks=callbacks)
 
 
 def _colour_records():
@@ -150,31 +153,34 @@ def _said_colour(prompts, completions, colour):
     return [float(c.split()[:1] == [k]) + 0.01 * len(c) for c, k in zip(completions, colour)]
 
 
-def test_grpo_trains_a_vision_language_policy_with_its_images(tmp_path, checkpoint):
-    """GRPO with image prompts through the Trainer: the first update is on-policy (the
-    update reads the images the rollout was scored with: with them swapped, the same
-    rollout is off-policy), the language model trains, the frozen encoder does not."""
-    trainer = _trainer(tmp_path, checkpoint, _colour_records(), _said_colour, ppo_epochs=1, mini_batch_size=8)
-    start = jax.tree.map(np.asarray, trainer.state.params)
+@pytest.mark.parametrize("name, settings", [("grpo", {}), ("ppo", {}), ("grpo", {"lora_rank": 4})],
+                         ids=["grpo", "ppo", "grpo-lora"])
+def test_a_vision_language_policy_trains_on_its_images(tmp_path, checkpoint, name, settings):
+    """GRPO and PPO (a critic on the same trunk, reading the images too), and GRPO with
+    LoRA, on image prompts through the Trainer: the first update is on-policy (the update
+    reads the images the rollout was scored with: with them swapped, the same rollout is
+    off-policy), the language model (or its adapters) trains, the frozen encoder does not."""
+    trainer = _trainer(tmp_path, checkpoint, _colour_records(), _said_colour, name=name, ppo_epochs=1,
+                       mini_batch_size=8, **settings)
+    start = jax.tree.map(np.asarray, trainer.policy_params())
     row = trainer.step()
     assert_on_policy(row)
     assert row["ppo/updates_applied"] == 1
-    params = trainer.state.params["params"]["model"]
+    after = trainer.policy_params()
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(start["params"]["model"]["visual"]),
-                                                      jax.tree.leaves(params["visual"])))
-    assert not np.array_equal(start["params"]["model"]["embed_tokens"]["embedding"],
-                              params["embed_tokens"]["embedding"])
+                                                      jax.tree.leaves(after["params"]["model"]["visual"])))
+    trained = (lambda p: p["lora"]) if settings else (lambda p: p["params"]["model"]["embed_tokens"])
+    assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(trained(start)),
+                                                          jax.tree.leaves(trained(after))))
     rollout = iteration.prepare(trainer.run, trainer.parts).built.rollout  # the next iteration's
     assert rollout.images is not None and rollout.images.images.pixels.shape[0] == 8
-    # The same rollout with each row's images replaced by another prompt's: the loss's
-    # log-probs are no longer the rollout's (the update reads the images).
+    # The same rollout with each row's images replaced by those 4 rows on (another prompt's
+    # in a group of 4): the loss's log-probs are no longer the rollout's.
     swapped = rollout.replace(images=jax.tree.map(lambda x: np.roll(np.asarray(x), 4, axis=0), rollout.images))
-    spec = trainer.parts.spec
     key = jax.random.key(0)
     _, same = jaxppo.train_step(trainer.state, rollout, key, trainer.config)
     _, other = jaxppo.train_step(trainer.state, swapped, key, trainer.config)
     assert float(other["policy/approxkl_avg"]) > 1e3 * max(float(same["policy/approxkl_avg"]), 1e-12)
-    assert spec.policy.config.vision is not None
 
 
 def test_the_encoder_trains_when_asked_and_the_export_keeps_the_image_processor(tmp_path, checkpoint):
@@ -220,3 +226,27 @@ def test_what_a_run_with_images_cannot_do_yet_is_refused(tmp_path, checkpoint):
         _trainer(tmp_path, checkpoint, _colour_records(), _said_colour, stream_prompts=True)
     with pytest.raises(ValueError, match="train_vision_encoder=True trains the vision encoder's weights, which LoRA"):
         jaxppo.AdapterConfig(lora_rank=4, train_vision_encoder=True)
+
+
+def test_a_resumed_run_with_images_gives_the_uninterrupted_one(tmp_path, checkpoint):
+    """Stopped after iteration 1 (its checkpoint) and resumed to 2: the same metrics and
+    parameters as two iterations straight (the images drawn and processed again alike)."""
+    starts = []
+
+    class Start:
+        def on_train_begin(self, trainer):
+            starts.append(trainer.iteration)
+
+    def run(out, iterations):
+        trainer = _trainer(out, checkpoint, _colour_records(), _said_colour, iterations=iterations,
+                           callbacks=(Start(),))
+        return trainer, trainer.train()
+
+    straight_trainer, straight = run(tmp_path / "straight", 2)
+    run(tmp_path / "stopped", 1)
+    resumed_trainer, resumed = run(tmp_path / "stopped", 2)
+    drop = lambda r: {k: v for k, v in r.items() if not k.startswith("time/") and k != "eps"}  # noqa: E731
+    assert starts == [0, 0, 1] and len(resumed) == len(straight) == 2  # the third restored iteration 1's checkpoint
+    assert [drop(r) for r in resumed] == [drop(r) for r in straight]
+    for a, b in zip(jax.tree.leaves(resumed_trainer.state.params), jax.tree.leaves(straight_trainer.state.params)):
+        np.testing.assert_array_equal(a, b)
