@@ -5,6 +5,7 @@
     jaxppo --config run.toml --iterations 200
     jaxppo --algorithm grpo                  # the demo with GRPO (no critic, 8 completions per prompt)
     jaxppo --demo multiturn                  # the multi-turn demo: guess a hidden digit from feedback
+    jaxppo --demo vision                     # a tiny vision-language policy learns to name a picture's colour
     jaxppo --model DIR --prompts p.jsonl --environment mypkg.envs:make_env   # multi-turn episodes
     jaxppo plan --target h200x8 --model DIR --batch-size 64 ...   # does the run fit? (compiled, not run)
 
@@ -37,9 +38,9 @@ from jaxppo.run.trainer import Trainer
 __all__ = ["main", "build_parser", "resolve", "build_trainer", "plan_main", "reward_model_main", "add_settings",
            "read_config_file"]
 
-DEMOS = ("lowercase", "multiturn", "sums")
+DEMOS = ("lowercase", "multiturn", "sums", "vision")
 # The built-in reward functions `--reward NAME` names (else MODULE:FN).
-BUILTIN_REWARDS = ("lowercase", "sums")
+BUILTIN_REWARDS = ("lowercase", "sums", "colour")
 
 _EXTRA = {
     "algorithm": (str, "ppo", f"{', '.join(REGISTRY)}: sets that method's advantage estimator, loss aggregation, "
@@ -50,14 +51,16 @@ _EXTRA = {
     "reward": (list, None, "a reward function, repeatable: MODULE:FN (a module on the Python path and a function "
                            "f(prompts, completions, **columns) -> one number or None per completion, receiving the "
                            "prompt dataset's columns it names), or a built-in: 'lowercase' (the demo's), 'sums' (the "
-                           "sums demo's: 1 where the completion's last integer is the prompt's answer column); "
+                           "sums demo's: 1 where the completion's last integer is the prompt's answer column), 'colour' (the "
+                           "vision demo's: 1 where the completion's first word is the prompt's colour column); "
                            "several add up, weighted by --reward-weight"),
     "reward_weight": (list, None, "the weight of each --reward, repeatable, in the same order (default: 1 each)"),
     "demo": (str, "lowercase", "which embedded demo runs without --model: 'lowercase' (PPO; the score counts "
                                "lowercase letters), 'multiturn' (GRPO unless --algorithm; guess a hidden digit over "
                                "several turns from the environment's 'higher'/'lower' replies) or 'sums' (GRPO: "
                                "SmolLM2-135M-Instruct learns two-number sums; run jaxppo-fixture once first; "
-                               "held-out accuracy before and after)"),
+                               "held-out accuracy before and after) or 'vision' (GRPO: a tiny random "
+                               "vision-language policy learns to name the colour of the picture it is shown)"),
     "environment": (str, None, "MODULE:FACTORY of a multi-turn environment (jaxppo.rollout.environments): factory() -> an "
                                "object with reset(prompt, **columns) and step(text) -> jaxppo.StepResult; its rewards "
                                "score the episodes (with --reward-model or --reward they add)"),
@@ -225,7 +228,7 @@ def _dashed(parser, argv) -> list:
 
 def resolve(argv=None):
     """Parse arguments -> (the `jaxppo.Config`, extras dict: the flags that are not settings)."""
-    from jaxppo import demo
+    from jaxppo import demo, demo_vision
 
     parser = build_parser()
     args = vars(parser.parse_args(_dashed(parser, sys.argv[1:] if argv is None else argv)))
@@ -239,7 +242,8 @@ def resolve(argv=None):
     if is_demo:
         values.update(demo.DEMO_PPO)
         values.update(demo.DEMO_TRAINER)
-        values.update({"multiturn": demo.DEMO_MULTITURN, "sums": demo.DEMO_SUMS_TRAINER}.get(task, {}))
+        values.update({"multiturn": demo.DEMO_MULTITURN, "sums": demo.DEMO_SUMS_TRAINER,
+                       "vision": demo_vision.DEMO_VISION_TRAINER}.get(task, {}))
     algorithm = args.get("algorithm", from_file.get("algorithm", "grpo" if is_demo and task != "lowercase" else "ppo"))
     from jaxppo.algorithms import ALGORITHMS, algorithm_defaults
 
@@ -249,7 +253,7 @@ def resolve(argv=None):
     values.update(algorithm_defaults(algorithm))
     if is_demo:
         values.update(demo.DEMO_ALGORITHM.get(algorithm, {}))
-        values.update(demo.DEMO_SUMS_PPO if task == "sums" else {})
+        values.update({"sums": demo.DEMO_SUMS_PPO, "vision": demo_vision.DEMO_VISION_GRPO}.get(task, {}))
     values.update(from_file)
     values.update(args)
     settings = {k: v for k, v in values.items() if k not in _EXTRA}
@@ -282,7 +286,7 @@ def resolve(argv=None):
 
 
 def build_trainer(config: Config, extras: dict) -> Trainer:
-    from jaxppo import demo
+    from jaxppo import demo, demo_vision
     from jaxppo.models.hf import check_checkpoint_dir
     from jaxppo.models.tokenizer import load_tokenizer
 
@@ -296,6 +300,11 @@ def build_trainer(config: Config, extras: dict) -> Trainer:
         prompts = extras["prompts"] or demo.sums_rows(train_pairs)
         rewards = extras["reward"] or ["sums"]
         extras = {**extras, "eval_prompts": extras["eval_prompts"] or demo.sums_rows(held_out)}
+    elif task == "vision":
+        policy = _vision_model(config.run.output_dir, seed)
+        tokenizer = load_tokenizer(policy)
+        prompts = extras["prompts"] or demo_vision.vision_prompts(seed=seed)
+        rewards = extras["reward"] or ["colour"]
     elif extras["is_demo"]:
         tokenizer = demo.demo_tokenizer()
         policy = demo.demo_policy(tokenizer, seed=seed,
@@ -327,6 +336,18 @@ def build_trainer(config: Config, extras: dict) -> Trainer:
                    else None)
 
 
+def _vision_model(output_dir: str, seed: int) -> str:
+    """The vision demo's policy: a checkpoint directory in the run's directory, made (tiny and
+    random, with its tokenizer and image processor) the first time."""
+    from jaxppo import demo_vision
+
+    directory = os.path.join(output_dir, "demo_policy")
+    if not os.path.isfile(os.path.join(directory, "config.json")):
+        print(f"jaxppo: making the vision demo's policy in {directory}", file=sys.stderr)
+        demo_vision.vision_checkpoint(directory, seed)
+    return directory
+
+
 def _sums_model() -> str:
     """The sums demo's model: the prepared SmolLM2-135M-Instruct fixture."""
     from jaxppo.models import fixtures
@@ -353,10 +374,10 @@ def _check_rewards(rewards, weights):
 
 def _reward_function(text: str):
     """The function a `--reward` value names."""
-    from jaxppo import demo
+    from jaxppo import demo, demo_vision
     from jaxppo.rollout.rewards import load_callable
 
-    builtin = {"lowercase": demo.lowercase_reward, "sums": demo.sums_reward}
+    builtin = {"lowercase": demo.lowercase_reward, "sums": demo.sums_reward, "colour": demo_vision.colour_reward}
     if text in builtin:
         return builtin[text]
     try:

@@ -250,3 +250,24 @@ def test_a_resumed_run_with_images_gives_the_uninterrupted_one(tmp_path, checkpo
     assert [drop(r) for r in resumed] == [drop(r) for r in straight]
     for a, b in zip(jax.tree.leaves(resumed_trainer.state.params), jax.tree.leaves(straight_trainer.state.params)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_policy_learns_a_task_only_its_images_answer_and_cannot_with_them_blanked(tmp_path):
+    """The vision demo's task (`jaxppo.demo_vision`: name the colour of the square in the
+    picture; every prompt's text is the same): a policy that sees the pictures rises far
+    above what any policy blind to them can score (1/3), and the same run with grey
+    pictures stays at or below it."""
+    from jaxppo import demo_vision as dv
+
+    checkpoint = dv.vision_checkpoint(str(tmp_path / "policy"))
+    config = jaxppo.Config.for_algorithm("grpo", **dv.DEMO_VISION_GRPO).replace(
+        **{**dv.DEMO_VISION_TRAINER, "iterations": 60, "progress": False, "sample_every": 0, "export_final": False,
+           "plot": False, "report_to": "jsonl"})
+    late = {}
+    for blank in (False, True):
+        trainer = jaxppo.Trainer(config.replace(output_dir=str(tmp_path / f"run_{blank}")), policy=checkpoint,
+                                 tokenizer=dv.vision_tokenizer(), prompts=dv.vision_prompts(blank=blank),
+                                 reward_fns=dv.colour_reward)
+        late[blank] = float(np.mean([row["objective/scores"] for row in trainer.train()[-10:]]))
+    assert late[False] > 0.6, late
+    assert late[True] < 0.45, late  # blind: 1/3 at best, in expectation
