@@ -352,7 +352,7 @@ CASES = [
      SystemExit, r"--prompts is required with --model"),
     ("cli unknown built-in reward", _cli("--reward", "length"), SystemExit,
      r"--reward 'length' is invalid: expected MODULE:FN \(e.g. mypackage.rewards:exact\) or a built-in reward "
-     r"\(lowercase, sums\)"),
+     r"\(lowercase, sums, colour\)"),
     ("cli reward module missing", _main("--reward", "no_such_module:score"), SystemExit,
      r"--reward 'no_such_module:score': cannot import module 'no_such_module'"),
     ("cli reward function missing", _main("--reward", "json:no_such_function"), SystemExit,

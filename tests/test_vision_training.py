@@ -130,7 +130,7 @@ def test_bad_images_are_refused_before_anything_loads(checkpoint, tmp_path):
         table([{"prompt": [{"role": "user", "content": [{"type": "image", "image": red}] + ask}]}], text_only)
 
 
-def _trainer(tmp_path, checkpoint, records, reward, name="grpo", callbacks=(), **settings):
+def _trainer(tmp_path, checkpoint, records, reward, name="grpo", callbacks=(), inputs=None, **settings):
     config = jaxppo.Config.for_algorithm(name, batch_size=8, mini_batch_size=4, ppo_epochs=1,
                                          num_generations=1 if name == "ppo" else 4)
     settings = {"iterations": 2, **settings}
@@ -138,7 +138,7 @@ def _trainer(tmp_path, checkpoint, records, reward, name="grpo", callbacks=(), *
                             output_dir=str(tmp_path / "run"), progress=False, sample_every=0, export_final=False,
                             plot=False, report_to="jsonl", **settings)
     return jaxppo.Trainer(config, policy=checkpoint, tokenizer=vm.tokenizer(), prompts=records, reward_fns=reward,
-                          callbacks=callbacks)
+                          callbacks=callbacks, **(inputs or {}))
 
 
 def _colour_records():
@@ -216,10 +216,45 @@ def test_the_encoder_trains_when_asked_and_the_export_keeps_the_image_processor(
     np.testing.assert_allclose(ours[0][real], theirs[0][real], atol=1e-4)
 
 
+def test_the_continuous_sampler_with_images_gives_the_static_samplers_tokens(checkpoint, tmp_path):
+    """Continuous batching over prompts with images (3 slots for 12 requests: most are
+    prefilled, images and all, into a freed slot mid-run): the same tokens and log-probs
+    as the static sampler for the same key; with in-flight updates that recompute every
+    slot's cache (the same parameters as a new version), greedy tokens are still equal."""
+    from jaxppo.models.hf import from_pretrained
+    from jaxppo.rollout.engines.continuous import generate_continuous, generate_inflight
+    from jaxppo.rollout.engines.static import generate
+
+    table = _encoder(checkpoint).table(*labelled_prompt_table(_records(tmp_path)))
+    rows = np.repeat(np.arange(6), 2)
+    batch = prompt_batch(table, rows)
+    model, params = from_pretrained(checkpoint)
+    key = jax.random.key(3)
+    static = generate(model, params, batch.queries, batch.mask, key, response_length=6, temperature=1.0)
+    continuous = generate_continuous(model, params, batch.queries, batch.mask, key, num_slots=3, response_length=6,
+                                     temperature=1.0)
+    np.testing.assert_array_equal(continuous.tokens, static.tokens)
+    np.testing.assert_allclose(continuous.logprobs, static.logprobs, atol=1e-5)
+    greedy = generate(model, params, batch.queries, batch.mask, key, response_length=6, greedy=True)
+    versions = iter(range(100))
+    inflight, _ = generate_inflight(model, lambda: (next(versions), params), batch.queries, batch.mask, key,
+                                    num_slots=3, steps_per_check=2, on_update="recompute", response_length=6,
+                                    greedy=True)
+    np.testing.assert_array_equal(inflight.tokens, greedy.tokens)
+
+
+def _calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression.
+
+    Args:
+        expression: the expression.
+    """
+    return expression
+
+
 def test_what_a_run_with_images_cannot_do_yet_is_refused(tmp_path, checkpoint):
-    with pytest.raises(ValueError, match=r"the prompts have images: rollout_engine='jaxppo' \(ContinuousEngine\) "
-                                         "samples no images"):
-        _trainer(tmp_path, checkpoint, _colour_records(), _said_colour, num_slots=4)
+    with pytest.raises(ValueError, match="the prompts have images: multi-turn episodes"):
+        _trainer(tmp_path, checkpoint, _colour_records(), _said_colour, inputs={"tools": [_calculator]})
     with pytest.raises(ValueError, match="the prompts have images: LayoutConfig.pack_sequences"):
         _trainer(tmp_path, checkpoint, _colour_records(), _said_colour, pack_sequences=True)
     with pytest.raises(ValueError, match="read as a prompt table .* not streamed"):
@@ -275,3 +310,21 @@ def test_a_policy_learns_a_task_only_its_images_answer_and_cannot_with_them_blan
     blind = float(np.mean([row["objective/scores"] for row in trainer.train()[-10:]]))
     assert len(rows) == 60 and sees > 0.6, sees
     assert blind < 0.45, blind  # blind: 1/3 at best, in expectation
+
+
+@pytest.mark.parametrize("settings", [dict(max_staleness=1), dict(dynamic_sampling=True), dict(num_slots=4)],
+                         ids=["pipelined", "dynamic-sampling", "continuous"])
+def test_pipelined_iterations_dynamic_sampling_and_evaluation_carry_the_images(tmp_path, checkpoint, settings):
+    """The other ways a run draws its prompts (a producer sampling an iteration ahead,
+    rounds of dynamic sampling) and samples them (the continuous sampler), and its
+    evaluation on prompts with images: two iterations run, and the evaluation scores the
+    eval prompts' completions."""
+    trainer = jaxppo.Trainer(
+        jaxppo.Config.for_algorithm("grpo", batch_size=8, mini_batch_size=4, ppo_epochs=1, num_generations=4).replace(
+            iterations=2, query_length=24, response_length=4, output_dir=str(tmp_path / "run"), progress=False,
+            sample_every=0, export_final=False, plot=False, report_to="jsonl", eval_every=1, **settings),
+        policy=checkpoint, tokenizer=vm.tokenizer(), prompts=_colour_records(), reward_fns=_said_colour,
+        eval_prompts=_colour_records())
+    rows = trainer.train()
+    assert [r["iteration"] for r in rows] == [0, 1]
+    assert all(np.isfinite(r["eval/reward_mean"]) and r["ppo/updates_applied"] == 2 for r in rows)

@@ -30,7 +30,9 @@ from jaxppo.models.decoding import (GenerationOutput, cap_positions, check_max_l
                                     note_token, pick_tokens, prefill, seen_tokens, step_keys)
 from jaxppo.models.model import Model
 from jaxppo.models.sampling import Sampling
+from jaxppo.models.vision import ImagePrompt
 from jaxppo.rollout.engines.base import BuiltinEngine, Capabilities
+from jaxppo.rollout.engines.static import sampler_prompt
 from jaxppo.models.transformer import default_positions
 
 __all__ = ["generate_continuous", "continuous_jit", "generate_inflight", "ON_UPDATE", "ContinuousEngine"]
@@ -45,6 +47,13 @@ class _Requests(NamedTuple):
     first_position: jax.Array  # (N,) the position of each request's first response token
     max_lengths: Optional[jax.Array]  # (N,) budgets, or None: response_length
     sampling: Sampling  # checked (`Sampling.check`)
+    images: Optional[ImagePrompt] = None  # a vision-language model's images of the requests (its ids None)
+
+    def prompts(self, take):
+        """The requests' prompts as the prefill takes them, `take` applied to each array
+        (a slice of rows): the ids, or the `ImagePrompt` with its images."""
+        ids = take(self.prompt_ids)
+        return ids if self.images is None else jax.tree.map(take, self.images)._replace(ids=ids)
 
 
 class _Slots(NamedTuple):
@@ -71,7 +80,13 @@ class _Out(NamedTuple):
 
 
 def _requests(prompt_ids, prompt_mask, key, max_lengths, sampling: Sampling) -> _Requests:
+    """The requests of prompts `prompt_ids` (token ids, or an `ImagePrompt`: each first
+    response token then at its row's next rotary position)."""
     mask = prompt_mask.astype(jnp.int32)
+    if isinstance(prompt_ids, ImagePrompt):
+        images, ids = prompt_ids._replace(ids=None), prompt_ids.ids
+        return _Requests(ids, mask, jax.random.split(key, ids.shape[0]), images.next_position, max_lengths, sampling,
+                         images)
     return _Requests(prompt_ids, mask, jax.random.split(key, prompt_ids.shape[0]), jnp.sum(mask, axis=1), max_lengths,
                      sampling)
 
@@ -86,7 +101,7 @@ def _row_state(reqs: _Requests, ids, mask, vocab: int):
 def _start(model, params, reqs: _Requests, version, num_slots: int):
     """The first S requests in the slots (one prefill) and empty outputs."""
     (n, q), r, s = reqs.prompt_ids.shape, reqs.sampling.response_length, num_slots
-    cache, next_logits = prefill(model, params, reqs.prompt_ids[:s], reqs.prompt_mask[:s], q + r)
+    cache, next_logits = prefill(model, params, reqs.prompts(lambda a: a[:s]), reqs.prompt_mask[:s], q + r)
     kv_mask = jnp.concatenate([reqs.prompt_mask[:s], jnp.zeros((s, r), jnp.int32)], axis=1)
     slots = _Slots(cache, next_logits, kv_mask, jnp.arange(s, dtype=jnp.int32), jnp.zeros((s,), jnp.int32),
                    jnp.ones((s,), bool), jnp.int32(s), jnp.full((s,), version, jnp.int32),
@@ -102,9 +117,9 @@ def _admit(model, params, reqs: _Requests, version, slots: _Slots) -> _Slots:
     q, r = reqs.prompt_ids.shape[1], reqs.sampling.response_length
     batch_axis = 1 if model.scan_layers else 0
     j = jnp.argmin(slots.active)  # the first free slot
-    ids = jax.lax.dynamic_slice_in_dim(reqs.prompt_ids, slots.next_req, 1, axis=0)
-    mask = jax.lax.dynamic_slice_in_dim(reqs.prompt_mask, slots.next_req, 1, axis=0)
-    row_cache, row_logits = prefill(model, params, ids, mask, q + r)
+    take = lambda a: jax.lax.dynamic_slice_in_dim(a, slots.next_req, 1, axis=0)  # noqa: E731
+    ids, mask = take(reqs.prompt_ids), take(reqs.prompt_mask)
+    row_cache, row_logits = prefill(model, params, reqs.prompts(take), mask, q + r)
     cache = jax.tree.map(lambda buf, row: jax.lax.dynamic_update_slice_in_dim(buf, row.astype(buf.dtype), j,
                                                                               axis=batch_axis), slots.cache, row_cache)
     next_logits = jax.lax.dynamic_update_slice_in_dim(slots.next_logits, row_logits.astype(slots.next_logits.dtype), j,
@@ -182,11 +197,16 @@ def _recompute_jit(model, params, reqs, version, slots: _Slots, out: _Out):
     q, r = reqs.prompt_ids.shape[1], reqs.sampling.response_length
     rows = slots.req
     ids = jnp.concatenate([reqs.prompt_ids[rows], out.tokens[rows]], axis=1)
-    prompt_positions = default_positions(reqs.prompt_mask[rows])
-    positions = jnp.concatenate([prompt_positions, reqs.first_position[rows][:, None] + jnp.arange(r)[None]], axis=1)
+    after = reqs.first_position[rows][:, None] + jnp.arange(r)[None]
+    images = None
+    if reqs.images is None:
+        positions = jnp.concatenate([default_positions(reqs.prompt_mask[rows]), after], axis=1)
+    else:  # the prompt's 3-D positions, then the responses' equal on the three axes
+        positions = jnp.concatenate([reqs.images.positions[rows], jnp.repeat(after[..., None], 3, axis=-1)], axis=1)
+        images = jax.tree.map(lambda a: a[rows], reqs.images.images)
     cache = model.init_cache(ids.shape[0], q + r)
     hidden, _, cache = model.module.apply(params, ids, slots.kv_mask, cap_positions(model, positions), cache, 0,
-                                          return_hidden=True)
+                                          return_hidden=True, images=images)
     at = q + slots.t - 1  # each row's last fed token: its last prompt token when it has sampled none
     logits = model.lm_head(params).logits(jnp.take_along_axis(hidden, at[:, None, None], axis=1))[:, 0]
     cache_axis = 1 if model.scan_layers else 0  # the slot axis: behind the stacked layers' when scanned
@@ -237,9 +257,10 @@ def generate_inflight(model: Model, params_source: Callable, prompt_ids, prompt_
         raise ValueError(f"steps_per_check={steps_per_check!r} must be a positive int (decode steps between "
                          "checks for new parameters)")
     _check_slots(num_slots)
+    prompt, prompt_ids = sampler_prompt(model, prompt_ids, prompt_mask)
     sampling = check_sampler_arguments(model, prompt_ids, prompt_mask, Sampling.of(sampling, **settings))
     n = prompt_ids.shape[0]
-    reqs = _requests(jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_mask, jnp.int32), key, None, sampling)
+    reqs = _requests(prompt, jnp.asarray(prompt_mask, jnp.int32), key, None, sampling)
     version, params = params_source()
     slots, out = _start_jit(model, params, reqs, jnp.int32(version), num_slots=min(num_slots, n))
     while True:
@@ -267,11 +288,13 @@ def generate_continuous(model: Model, params, prompt_ids, prompt_mask, key, samp
     `jaxppo.rollout.engines.static.generate`'s, and so are the tokens for the same key;
     only `num_slots` is new (capped at N). Rows end at a stop token (kept, masked in), at
     the response length, or at their `max_lengths` entry (optional (N,) budgets); after
-    that a row is pad, log-prob 0, mask 0."""
+    that a row is pad, log-prob 0, mask 0. `prompt_ids` may be a vision-language model's
+    `ImagePrompt` (each request prefilled with its images when it takes a slot)."""
     _check_slots(num_slots)
+    prompt, prompt_ids = sampler_prompt(model, prompt_ids, prompt_mask)
     sampling = check_sampler_arguments(model, prompt_ids, prompt_mask, Sampling.of(sampling, **settings), max_lengths)
     return continuous_jit(
-        model, params, jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_mask, jnp.int32), key, sampling,
+        model, params, prompt, jnp.asarray(prompt_mask, jnp.int32), key, sampling,
         check_max_lengths(max_lengths, prompt_ids.shape[0], sampling.response_length),
         num_slots=min(num_slots, prompt_ids.shape[0]))
 
@@ -283,7 +306,7 @@ class ContinuousEngine(BuiltinEngine):
     (`sample_inflight`)."""
 
     capabilities = Capabilities(continuous_batching=True, inflight_updates=True, multi_turn=True, meshes=True,
-                                exact_logprobs=True)
+                                exact_logprobs=True, images=True)
 
     def sample(self, prompt_ids, prompt_mask, key, *, num_generations: int, response_length: int,
                max_lengths=None, temperature: Optional[float] = None) -> GenerationOutput:

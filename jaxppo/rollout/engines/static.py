@@ -157,7 +157,7 @@ def generate(model: Model, params, prompt_ids, prompt_mask, key, sampling: Optio
       under the distribution sampled from; `full_logprobs` under softmax(logits /
       temperature), None when that is the same one).
     """
-    prompt, prompt_ids = _with_images(model, prompt_ids, prompt_mask, common_prefix)
+    prompt, prompt_ids = sampler_prompt(model, prompt_ids, prompt_mask, common_prefix)
     sampling = check_sampler_arguments(model, prompt_ids, prompt_mask, Sampling.of(sampling, **settings), max_lengths)
     check_groups(prompt_ids, prompt_mask, num_generations)
     check_common_prefix(prompt_ids, prompt_mask, common_prefix)
@@ -167,7 +167,7 @@ def generate(model: Model, params, prompt_ids, prompt_mask, key, sampling: Optio
         common_prefix=effective_prefix(model, common_prefix, num_generations, prompt_ids.shape[1]))
 
 
-def _with_images(model: Model, prompt_ids, prompt_mask, common_prefix: int):
+def sampler_prompt(model: Model, prompt_ids, prompt_mask, common_prefix: int = 0):
     """(what the compiled sampler takes: the token ids, or the `ImagePrompt` with them on the
     device; the token ids). A model with a vision encoder samples from an `ImagePrompt`
     (text-only rows: plain ids without image tokens); other models from token ids."""
