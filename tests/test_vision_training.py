@@ -14,7 +14,7 @@ import pytest
 import jaxppo
 from jaxppo.models.hf import checkpoint_config
 from jaxppo.rollout.prompts import PromptEncoder, labelled_prompt_table, prompt_batch
-from jaxppo.run import iteration
+from jaxppo.run import compiled, iteration
 from jaxppo.run.assembly import image_reader
 
 import vision_models as vm
@@ -166,6 +166,8 @@ def test_a_vision_language_policy_trains_on_its_images(tmp_path, checkpoint, nam
     row = trainer.step()
     assert_on_policy(row)
     assert row["ppo/updates_applied"] == 1
+    # The update compiled in the background for the rollout's form, images included, ran it.
+    assert isinstance(trainer.train_step, compiled.Precompiled) and trainer.train_step.compiled is not None
     after = trainer.policy_params()
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(start["params"]["model"]["visual"]),
                                                       jax.tree.leaves(after["params"]["model"]["visual"])))

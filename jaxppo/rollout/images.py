@@ -124,6 +124,11 @@ class TableImages:
         return dataclasses.replace(self, values=[v for v, k in zip(self.values, keep) if k],
                                    grids=[g for g, k in zip(self.grids, keep) if k])
 
+    def abstract(self, rows: int, width: int):
+        """The shapes of `prompt`'s result for `rows` rows of width `width`, its ids None
+        (`jax.ShapeDtypeStruct`s: nothing is opened)."""
+        return self.reader.abstract(rows, width, self.shape)
+
     def prompt(self, ids, mask, rows: np.ndarray):
         """The `ImagePrompt` of table rows `rows` (ids / mask: their tokens): each distinct
         row's images opened and processed once."""

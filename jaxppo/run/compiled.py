@@ -130,20 +130,23 @@ def sharding_context(step: Step):
 
 
 def abstract_rollout(spec: RolloutSpec, run, ref_params, reward_params, rows: int, query_width: int,
-                     host_scores: bool, mesh=None) -> RolloutBatch:
+                     host_scores: bool, mesh=None, images=None) -> RolloutBatch:
     """The shapes and dtypes of the rollout that `jaxppo.run.iteration.build` will produce
     for `rows` rows of prompts `query_width` wide (`jax.eval_shape` of `finish_rollout`:
     nothing runs), with the adaptive entropy coefficient's column where the run has one,
-    placed like the rollout on `mesh` (rows split over its data axes)."""
+    placed like the rollout on `mesh` (rows split over its data axes). `images`: the
+    prompts' images as shapes (an `ImagePrompt` without ids, `TableImages.abstract`), or
+    None."""
     from jaxppo.models.decoding import GenerationOutput
 
     tokens = jax.ShapeDtypeStruct((rows, spec.response_length), jnp.int32)
     logprobs = jax.ShapeDtypeStruct(tokens.shape, jnp.float32)
     gen = GenerationOutput(tokens, logprobs, tokens, logprobs if spec.reshapes else None)
     ids = jax.ShapeDtypeStruct((rows, query_width), jnp.int32)
+    queries = ids if images is None else images._replace(ids=ids)
     scores = jax.ShapeDtypeStruct((rows,), jnp.float32) if host_scores else None
     shapes = jax.eval_shape(lambda *a: finish_rollout(spec, *a), run.train.params, ref_params, reward_params,
-                            (ids, ids), gen, scores, Shaping(run.kl, run.score_moments))[0]
+                            (queries, ids), gen, scores, Shaping(run.kl, run.score_moments))[0]
     if run.entropy_coef is not None:
         shapes = shapes.replace(entropy_coef=jax.ShapeDtypeStruct((rows,), jnp.float32))
     if mesh is not None:
@@ -160,7 +163,7 @@ def precompile(step: Any, spec: RolloutSpec, run, ref_params, reward_params, tab
     compile at most), single-turn (the caller's part); else `step` unchanged."""
     if not isinstance(step, Step):
         return step
-    width = table.width
-    return Precompiled(step, lambda: (run.train, abstract_rollout(spec, run, ref_params, reward_params,
-                                                                  config.batch.batch_size, width, host_scores, mesh),
-                                      key))
+    width, rows = table.width, config.batch.batch_size
+    images = None if getattr(table, "images", None) is None else table.images.abstract(rows, width)
+    return Precompiled(step, lambda: (run.train, abstract_rollout(spec, run, ref_params, reward_params, rows, width,
+                                                                  host_scores, mesh, images), key))

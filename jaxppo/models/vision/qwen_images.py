@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from jaxppo.models.vision.prompt import ImagePrompt
-from jaxppo.models.vision.qwen import ImageShape, image_prompt, image_shape
+from jaxppo.models.vision.qwen import ImageInput, ImageShape, VisionLayout, image_prompt, image_shape
 
 __all__ = ["QwenImages"]
 
@@ -82,6 +82,19 @@ class QwenImages:
     def shape(self, grid_rows) -> ImageShape:
         """The padded shape that every batch of these rows (each a prompt's grids) takes."""
         return image_shape(grid_rows, self.config.vision)
+
+    def abstract(self, rows: int, width: int, shape: ImageShape) -> ImagePrompt:
+        """The shapes and dtypes (`jax.ShapeDtypeStruct`s) of `prompt`'s result for `rows`
+        rows `width` tokens wide padded to `shape`, its ids None: what a program is compiled
+        for before any image is processed."""
+        import jax
+
+        v = self.config.vision
+        i32 = lambda *s: jax.ShapeDtypeStruct((rows,) + s, np.int32)  # noqa: E731
+        n = shape.patches
+        layout = VisionLayout(i32(n), i32(n, 2), i32(n // v.merge_unit), i32(*shape.windows), i32(*shape.frames))
+        images = ImageInput(jax.ShapeDtypeStruct((rows, n, v.patch_values), np.float32), layout, i32())
+        return ImagePrompt(None, images, i32(width, 3), i32())
 
     def prompt(self, ids, mask, image_rows, grid_rows, shape: ImageShape) -> ImagePrompt:
         """The `ImagePrompt` of left-padded rows `ids` / `mask` whose images are
