@@ -66,6 +66,7 @@ class PromptStream:
     iterator raises `PromptStreamEnded`."""
 
     streamed = True
+    images = None  # no images: a vision-language policy's prompts are read as a table
 
     def __init__(self, source, encoder: PromptEncoder, prompt_column: str = "prompt", keep_behind: int = 4096):
         self.source, self.encoder, self.prompt_column, self.keep_behind = source, encoder, prompt_column, keep_behind
