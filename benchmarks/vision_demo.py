@@ -72,7 +72,7 @@ def main():
             results["blank" if blank else "images"] = {"scores": scores, "seconds": seconds}
         images, text = encoder_share(trainer)
     window = 10
-    print(f"| iterations | with the pictures | pictures blanked (grey) |\n| --- | ---: | ---: |")
+    print("| iterations | with the pictures | pictures blanked (grey) |\n| --- | ---: | ---: |")
     for start in range(0, args.iterations, window):
         means = [np.mean(results[k]["scores"][start:start + window]) for k in ("images", "blank")]
         print(f"| {start}-{start + window - 1} | {means[0]:.3f} | {means[1]:.3f} |")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-__all__ = ["COLOURS", "vision_tokenizer", "vision_image_processor", "vision_policy", "vision_checkpoint", "vision_prompts",
+__all__ = ["COLOURS", "word_level_tokenizer", "vision_tokenizer", "vision_image_processor", "vision_policy", "vision_checkpoint", "vision_prompts",
            "colour_reward", "DEMO_VISION_GRPO", "DEMO_VISION_TRAINER", "PLACEHOLDER"]
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 190, 30), "blue": (30, 30, 220)}
@@ -38,19 +38,16 @@ DEMO_VISION_TRAINER = dict(iterations=80, query_length=24, response_length=2, le
                            output_dir="runs/demo_vision")
 
 
-def vision_tokenizer():
-    """A word-level tokenizer: <pad> 0, <s> 1, </s> 2, <unk> 3, the demo's words, unused
-    fillers, and the image token last (`IMAGE_TOKEN`); its chat template renders a
-    message's image parts as the image token."""
+def word_level_tokenizer(words, size: int, image_token: int):
+    """A word-level tokenizer of `size` ids: <pad> 0, <s> 1, </s> 2, <unk> 3, `words`,
+    unused fillers, and the image token (`PLACEHOLDER`) at `image_token`; its chat template
+    renders a message's image parts as the image token, once per image."""
     import tokenizers
     import transformers
 
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
-    for word in _WORDS:
-        vocab[word] = len(vocab)
-    while len(vocab) < IMAGE_TOKEN:
-        vocab[f"<unused{len(vocab)}>"] = len(vocab)
-    vocab[PLACEHOLDER] = IMAGE_TOKEN
+    names = ["<pad>", "<s>", "</s>", "<unk>", *words]
+    vocab = {PLACEHOLDER if i == image_token else names[i] if i < len(names) else f"<unused{i}>": i
+             for i in range(size)}
     model = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
     model.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
     model.decoder = tokenizers.decoders.WordPiece()
@@ -59,6 +56,11 @@ def vision_tokenizer():
                                                      additional_special_tokens=[PLACEHOLDER])
     tokenizer.chat_template = _TEMPLATE
     return tokenizer
+
+
+def vision_tokenizer():
+    """The demo's tokenizer (`word_level_tokenizer` of its words; the image token last)."""
+    return word_level_tokenizer(_WORDS, VOCAB, IMAGE_TOKEN)
 
 
 def vision_image_processor():

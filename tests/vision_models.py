@@ -12,15 +12,9 @@ import numpy as np
 VISION = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=40, patch_size=4,
               temporal_patch_size=2, spatial_merge_size=2, window_size=16, fullatt_block_indexes=[1])
 IMAGE = 90  # the image token's id
-PLACEHOLDER = "<|image_pad|>"
+PLACEHOLDER = "<|image_pad|>"  # jaxppo.demo_vision.PLACEHOLDER
 WORDS = ["user", "assistant", ":", "<eol>", "what", "colour", "is", "this", "red", "blue", "green", "it", "a", "b",
          "picture", "and", "or", "yes", "no", "the"]
-# A chat template that renders a message's image parts as the image token (once per image).
-TEMPLATE = ("{% for m in messages %}{{ m['role'] }} :{% if m['content'] is string %} {{ m['content'] }}{% else %}"
-            "{% for p in m['content'] %}{% if p['type'] == 'image' %} " + PLACEHOLDER + "{% else %} {{ p['text'] }}"
-            "{% endif %}{% endfor %}{% endif %} <eol> {% endfor %}{% if add_generation_prompt %}assistant :{% endif %}")
-
-
 def tiny_qwen_vl(path, seed: int = 0):
     """A tiny random Qwen2.5-VL checkpoint saved by transformers at `path` (vocabulary 97,
     image token 90); returns the torch model."""
@@ -43,27 +37,12 @@ def tiny_qwen_vl(path, seed: int = 0):
 
 
 def tokenizer():
-    """A word-level tokenizer of the tiny model's 97 ids: <pad> 0, <s> 1, </s> 2, <unk> 3,
-    `WORDS`, fillers, the image token at 90, fillers; with `TEMPLATE` as its chat template."""
-    import tokenizers
-    import transformers
+    """A word-level tokenizer of the tiny model's 97 ids (`jaxppo.demo_vision`'s kind):
+    <pad> 0, <s> 1, </s> 2, <unk> 3, `WORDS`, fillers, the image token at 90; its chat
+    template renders a message's image parts as the image token."""
+    from jaxppo.demo_vision import word_level_tokenizer
 
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
-    for word in WORDS:
-        vocab[word] = len(vocab)
-    while len(vocab) < IMAGE:
-        vocab[f"w{len(vocab)}"] = len(vocab)
-    vocab[PLACEHOLDER] = IMAGE
-    while len(vocab) < 97:
-        vocab[f"w{len(vocab)}"] = len(vocab)
-    model = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
-    model.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    model.decoder = tokenizers.decoders.WordPiece()
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=model, pad_token="<pad>", eos_token="</s>",
-                                              bos_token="<s>", unk_token="<unk>",
-                                              additional_special_tokens=[PLACEHOLDER])
-    tok.chat_template = TEMPLATE
-    return tok
+    return word_level_tokenizer(WORDS, 97, IMAGE)
 
 
 def image_processor(max_side: int = 16):

@@ -60,7 +60,8 @@ def read_image(value, label: str):
             raise ValueError(f"{label}: an image must be {valid}; got {type(value).__name__} {value!r:.60}")
         image.load()
     except (OSError, SyntaxError) as err:  # PIL's errors for files that are not images or are cut short
-        raise ValueError(f"{label}: the image {value!r:.80} cannot be read ({err})") from None
+        shown = repr(os.fspath(value)) if isinstance(value, (str, os.PathLike)) else f"{type(value).__name__} data"
+        raise ValueError(f"{label}: the image {shown} cannot be read ({err})") from None
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
