@@ -330,3 +330,12 @@ def test_pipelined_iterations_dynamic_sampling_and_evaluation_carry_the_images(t
     rows = trainer.train()
     assert [r["iteration"] for r in rows] == [0, 1]
     assert all(np.isfinite(r["eval/reward_mean"]) and r["ppo/updates_applied"] == 2 for r in rows)
+
+
+def test_a_vision_language_policy_trains_on_text_prompts_too(tmp_path, checkpoint):
+    """Prompts without images for a vision-language policy: no image is processed or
+    carried, the run trains as a text model's does (its first update on-policy)."""
+    trainer = _trainer(tmp_path, checkpoint, [{"prompt": "what colour is it", "colour": c} for c in ("red", "blue")],
+                       _said_colour, mini_batch_size=8)
+    assert trainer.parts.table.images is None
+    assert_on_policy(trainer.step())
