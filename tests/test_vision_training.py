@@ -133,12 +133,12 @@ def test_bad_images_are_refused_before_anything_loads(checkpoint, tmp_path):
 def _trainer(tmp_path, checkpoint, records, reward, name="grpo", callbacks=(), inputs=None, **settings):
     config = jaxppo.Config.for_algorithm(name, batch_size=8, mini_batch_size=4, ppo_epochs=1,
                                          num_generations=1 if name == "ppo" else 4)
-    settings = {"iterations": 2, **settings}
-    config = config.replace(query_length=24, response_length=4, learning_rate=1e-2,
-                            output_dir=str(tmp_path / "run"), progress=False, sample_every=0, export_final=False,
+    settings = {"iterations": 2, "query_length": 24, "response_length": 4, "learning_rate": 1e-2, **settings}
+    config = config.replace(output_dir=str(tmp_path / "run"), progress=False, sample_every=0, export_final=False,
                             plot=False, report_to="jsonl", **settings)
-    return jaxppo.Trainer(config, policy=checkpoint, tokenizer=vm.tokenizer(), prompts=records, reward_fns=reward,
-                          callbacks=callbacks, **(inputs or {}))
+    rewards = {} if reward is None else {"reward_fns": reward}
+    return jaxppo.Trainer(config, policy=checkpoint, tokenizer=vm.tokenizer(), prompts=records, callbacks=callbacks,
+                          **rewards, **(inputs or {}))
 
 
 def _colour_records():
@@ -245,18 +245,9 @@ def test_the_continuous_sampler_with_images_gives_the_static_samplers_tokens(che
     np.testing.assert_array_equal(inflight.tokens, greedy.tokens)
 
 
-def _calculator(expression: str) -> str:
-    """Evaluate an arithmetic expression.
-
-    Args:
-        expression: the expression.
-    """
-    return expression
-
-
 def test_what_a_run_with_images_cannot_do_yet_is_refused(tmp_path, checkpoint):
-    with pytest.raises(ValueError, match="the prompts have images: multi-turn episodes"):
-        _trainer(tmp_path, checkpoint, _colour_records(), _said_colour, inputs={"tools": [_calculator]})
+    with pytest.raises(ValueError, match="the prompts have images: LayoutConfig.common_prefix=True"):
+        _trainer(tmp_path, checkpoint, _colour_records(), _said_colour, common_prefix=True)
     with pytest.raises(ValueError, match="the prompts have images: LayoutConfig.pack_sequences"):
         _trainer(tmp_path, checkpoint, _colour_records(), _said_colour, pack_sequences=True)
     with pytest.raises(ValueError, match="read as a prompt table .* not streamed"):
@@ -339,3 +330,36 @@ def test_a_vision_language_policy_trains_on_text_prompts_too(tmp_path, checkpoin
                        _said_colour, mini_batch_size=8)
     assert trainer.parts.table.images is None
     assert_on_policy(trainer.step())
+
+
+class ColourGame:
+    """A multi-turn environment over the colour prompts: a turn that opens with the image's
+    colour ends the episode with reward 1; any other gets the observation "no" and another
+    turn."""
+
+    def reset(self, prompt, colour):
+        self.colour = colour
+
+    def step(self, completion: str):
+        from jaxppo.rollout.environments import StepResult
+
+        if completion.split()[:1] == [self.colour]:
+            return StepResult(None, 1.0, True)
+        return StepResult(" no <eol> assistant :", 0.0, False)
+
+
+def test_multi_turn_episodes_over_prompts_with_images(tmp_path, checkpoint):
+    """Episodes of several turns whose prompts have images: with each row's KV cache kept
+    between turns and with the whole context prefilled every turn (its rotary positions
+    rebuilt around the images), the same episodes; the first update on-policy."""
+    episodes = {}
+    for cache in (True, False):
+        trainer = _trainer(tmp_path / str(cache), checkpoint, _colour_records(), None, mini_batch_size=8,
+                           response_length=12, turn_length=3, max_turns=3, turn_cache=cache,
+                           inputs={"environment": ColourGame})
+        assert_on_policy(trainer.step())
+        gen = trainer.last.samples[1]
+        episodes[cache] = (np.asarray(gen.tokens), np.asarray(gen.attention_mask))
+    np.testing.assert_array_equal(episodes[True][0], episodes[False][0])
+    np.testing.assert_array_equal(episodes[True][1], episodes[False][1])
+    assert (episodes[True][1].sum(axis=1) > np.asarray(gen.mask).sum(axis=1)).any()  # observations were added

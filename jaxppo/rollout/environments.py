@@ -326,12 +326,17 @@ class _Play:
         self.call(reset, range(len(rows)), None)
 
     def prompts(self):
-        """The rows' left-padded prompts: ids and mask, (B, Q) each."""
-        return self.table.ids[self.batch.rows], self.table.mask[self.batch.rows]
+        """The rows' left-padded prompts: ids (with images, the batch's `ImagePrompt`) and
+        mask, (B, Q) each."""
+        ids = self.table.ids[self.batch.rows]
+        images = self.batch.images
+        return ids if images is None else images._replace(ids=ids), self.table.mask[self.batch.rows]
 
     def context(self):
-        """Each row's prompt and response so far, left-padded to (B, Q + R)."""
-        q_ids, q_mask = self.prompts()
+        """Each row's prompt and response so far, left-padded to (B, Q + R): ids (with
+        images, an `ImagePrompt` whose rotary positions run on through the responses) and
+        mask."""
+        q_ids, q_mask = self.table.ids[self.batch.rows], self.table.mask[self.batch.rows]
         b, q = q_ids.shape
         width = q + self.spec.response_length
         ids = np.full((b, width), self.spec.pad_token_id, np.int32)
@@ -339,7 +344,16 @@ class _Play:
         for i in range(b):
             seq = np.concatenate([q_ids[i][q_mask[i] > 0], self.tokens[i, :self.used[i]]])
             ids[i, width - seq.size:], mask[i, width - seq.size:] = seq, 1
-        return ids, mask
+        images = self.batch.images
+        if images is None:
+            return ids, mask
+        prompt_positions, first = sharding.to_host(images.positions), sharding.to_host(images.next_position)
+        positions = np.zeros((b, width, 3), np.int32)
+        for i in range(b):
+            after = first[i] + np.arange(self.used[i])
+            seq = np.concatenate([prompt_positions[i][q_mask[i] > 0], np.repeat(after[:, None], 3, axis=1)])
+            positions[i, width - len(seq):] = seq
+        return images._replace(ids=ids, positions=positions, next_position=first + self.used.astype(np.int32)), mask
 
     def add_turn(self, tokens, logprobs, mask, full=None):
         """Append each live row's sampled turn (`full`: the policy's own log-probs, or None
@@ -415,6 +429,7 @@ class _Sampler:
         self.engine, self.spec, self.play, self.length = engine, spec, play, length
         self.settings = {} if temperature is None else {"temperature": temperature}  # an evaluation's
         self.place = functools.partial(sharding.place_rows, mesh=mesh)
+        self.placed = lambda tree: jax.tree.map(self.place, tree)  # an `ImagePrompt`'s arrays too
         self.keep_cache = spec.turn_cache and engine.capabilities.turn_cache
         self.state = None
         self.cached = np.zeros(len(play.live), np.int64)  # response tokens whose keys/values the cache holds
@@ -430,7 +445,7 @@ class _Sampler:
             gen = self.turn_with_cache(turn, key, budgets)
         else:
             ids, mask = play.prompts() if turn == 0 else play.context()
-            gen = self.engine.sample(self.place(ids), self.place(mask), key, response_length=self.length,
+            gen = self.engine.sample(self.placed(ids), self.place(mask), key, response_length=self.length,
                                      num_generations=spec.num_generations if turn == 0 else 1, max_lengths=budgets,
                                      **self.settings)
         out = tuple(None if x is None else sharding.to_host(x)
@@ -443,7 +458,7 @@ class _Sampler:
         spec, play = self.spec, self.play
         if turn == 0:
             ids, mask = play.prompts()
-            gen, self.state = self.engine.first_turn(self.place(ids), self.place(mask), key,
+            gen, self.state = self.engine.first_turn(self.placed(ids), self.place(mask), key,
                                                      num_generations=spec.num_generations, turn_length=self.length,
                                                      max_lengths=budgets, **self.settings)
             return gen

@@ -148,7 +148,7 @@ def build(config, inputs: Inputs) -> RunParts:
                           images=images)
     eval_table, eval_rewards = _eval_inputs(inputs, config, rewards, environment, images)
     _check_columns(rewards, table, eval_table, eval_rewards)
-    _check_images(config, engine, rewards, environment, [t for t in (table, eval_table) if t is not None])
+    _check_images(config, engine, rewards, [t for t in (table, eval_table) if t is not None])
     _check_eval_engine(engine, config, eval_table, environment)
     config, prefix = _resolve_layout(config, table, environment)
     # In the common-prefix layout a row's region opens with the rest of its prompt: the LM head
@@ -307,17 +307,15 @@ def _check_columns(rewards, table, eval_table, eval_rewards):
         eval_rewards[0].check_columns(eval_table.columns, "the eval prompts")
 
 
-def _check_images(config, engine: type, rewards, environment, tables):
+def _check_images(config, engine: type, rewards, tables):
     """What a run whose prompts have images cannot do yet, refused before anything loads:
-    an engine that samples no images, multi-turn episodes, a reward model (they read
-    text), the layouts that regroup rows (common prefix, packing), a teacher's top-k."""
+    an engine that samples no images, a reward model (it reads text), the layouts that
+    regroup rows (common prefix, packing), a teacher's top-k."""
     if all(getattr(t, "images", None) is None for t in tables):
         return
     refused = [(not engine.capabilities.images, f"rollout_engine={config.sampling.rollout_engine!r} "
                 f"({engine.__name__}) samples no images (its capabilities lack images); use the built-in static "
                 "sampler (rollout_engine='jaxppo' without num_slots)"),
-               (environment is not None, "multi-turn episodes (an environment or tools) with images are not supported "
-                "yet; give single-turn prompts"),
                (rewards.model_spec is not None, "a reward model reads text, not the images; score with reward "
                 "functions"),
                (config.layout.common_prefix is True, "LayoutConfig.common_prefix=True: the common-prefix layout "

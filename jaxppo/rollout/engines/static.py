@@ -202,12 +202,14 @@ def lower_generate(model: Model, params, prompt_ids, prompt_mask, key, sampling:
 # Multi-turn sampling with the KV cache kept between turns.
 class TurnCache(NamedTuple):
     """What a turn leaves for the next: the KV cache (see the module for its layout), the
-    prompts' mask (B, Q) (a row's positions count its real prompt tokens) and, with a
-    repetition penalty, the tokens each row holds so far (B, V) bool (else None)."""
+    prompts' mask (B, Q), with a repetition penalty the tokens each row holds so far (B, V)
+    bool (else None), and the position of each row's first response token (B,) (a row's
+    real prompt tokens counted, or an `ImagePrompt`'s next positions)."""
 
     cache: Any
     prompt_mask: jax.Array
     seen: Optional[jax.Array] = None
+    first_position: Optional[jax.Array] = None
 
 
 def _slot_axis(model) -> int:
@@ -246,8 +248,10 @@ def _first_turn_jit(model, params, prompt_ids, prompt_mask, key, sampling, max_l
 
 
 @functools.partial(jax.jit, static_argnames=("model", "piece"), donate_argnames=("cache",))
-def _next_turn_jit(model, params, cache, prompt_mask, seen, turn: TurnInput, key, sampling, *, piece):
+def _next_turn_jit(model, params, cache, prompt_rows, seen, turn: TurnInput, key, sampling, *, piece):
+    """`prompt_rows`: (the prompts' mask (B, Q), each row's first response position (B,))."""
     model, params = model.for_decoding(params)
+    prompt_mask, real = prompt_rows
     b, q = prompt_mask.shape
     prompt_mask = prompt_mask.astype(jnp.int32)
     grouped = isinstance(cache, GroupedKV) or isinstance(cache[0], GroupedKV)
@@ -255,7 +259,6 @@ def _next_turn_jit(model, params, cache, prompt_mask, seen, turn: TurnInput, key
     response_slots = slots if grouped else slots - q
     new_start, new_lengths = turn.new_start, turn.new_lengths
     used = new_start + new_lengths  # each row's response tokens once the new ones are in
-    real = jnp.sum(prompt_mask, axis=1)
     # Every response token up to `used` is real (model turns and observations alike); the
     # causal mask keeps each new token from the ones after it.
     kv_mask = jnp.concatenate([prompt_mask, (jnp.arange(response_slots)[None, :] < used[:, None]).astype(jnp.int32)],
@@ -304,12 +307,14 @@ def first_turn(model, params, prompt_ids, prompt_mask, key, sampling: Optional[S
     observation of an episode) for `next_turn`. Returns (`GenerationOutput` (B, L),
     `TurnCache`)."""
     sampling = Sampling.of(sampling, **settings)
+    prompt, prompt_ids = sampler_prompt(model, prompt_ids, prompt_mask)
     turn = _turn_sampling(model, prompt_ids, prompt_mask, sampling, turn_length)
     max_lengths = check_max_lengths(max_lengths, prompt_ids.shape[0], turn_length)
-    prompt_ids, prompt_mask = jnp.asarray(prompt_ids, jnp.int32), jnp.asarray(prompt_mask, jnp.int32)
-    out, cache, seen = _first_turn_jit(model, params, prompt_ids, prompt_mask, key, turn, max_lengths,
+    prompt_mask = jnp.asarray(prompt_mask, jnp.int32)
+    out, cache, seen = _first_turn_jit(model, params, prompt, prompt_mask, key, turn, max_lengths,
                                        budget=sampling.response_length, num_generations=num_generations)
-    return out, TurnCache(cache, prompt_mask, seen)
+    first = prompt.next_position if isinstance(prompt, ImagePrompt) else jnp.sum(prompt_mask, axis=1)
+    return out, TurnCache(cache, prompt_mask, seen, first)
 
 
 def piece_width(longest: int, turn_length: int) -> int:
@@ -345,9 +350,11 @@ def next_turn(model, params, state: TurnCache, turn: TurnInput, key, sampling: O
     padded[:, :width] = new_tokens[:, :width]
     placed = TurnInput(place(padded), place(new_start), place(new_lengths),
                        None if max_lengths is None else place(np.asarray(max_lengths)))
-    out, cache, seen = _next_turn_jit(model, params, state.cache, state.prompt_mask, state.seen, placed, key, checked,
-                                      piece=piece)
-    return out, TurnCache(cache, state.prompt_mask, seen)
+    first = state.first_position
+    first = jnp.sum(jnp.asarray(state.prompt_mask, jnp.int32), axis=1) if first is None else first
+    out, cache, seen = _next_turn_jit(model, params, state.cache, (state.prompt_mask, first), state.seen, placed, key,
+                                      checked, piece=piece)
+    return out, TurnCache(cache, state.prompt_mask, seen, first)
 
 
 class StaticEngine(BuiltinEngine):
