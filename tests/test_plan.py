@@ -418,3 +418,20 @@ def test_a_copy_of_zeros_is_a_gradient_accumulator_not_a_state_copy(tmp_path):
     shapes = bd.ValueShapes(trained=frozenset({(4, 8)}), state=frozenset({(4, 8)}))
     assert bd.classify("f32[4,8]{1,0}", opcodes["copy.1"], shapes) == bd.GRADIENTS
     assert bd.classify("f32[4,8]{1,0}", opcodes["copy.2"], shapes) == bd.STATE_COPIES
+
+
+def test_a_vision_language_policy_is_planned_on_text_and_the_plan_says_so(tmp_path):
+    """A Qwen2.5-VL checkpoint (config.json only) plans its programs on text prompts; the
+    plan's summary says the images and the encoder's work are not in its figures."""
+    from vision_models import IMAGE, VISION
+
+    text = dict(vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=128, eos_token_id=2,
+                rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1000.0})
+    transformers.Qwen2_5_VLConfig(text_config=text, vision_config=dict(VISION, out_hidden_size=64),
+                                  image_token_id=IMAGE,
+                                  architectures=["Qwen2_5_VLForConditionalGeneration"]).save_pretrained(tmp_path)
+    plan = plan_run(_config("grpo", num_generations=2), _inputs(str(tmp_path)), _cpu_target(), programs=("score",),
+                    devices=jax.devices()[:1])
+    assert "a vision-language policy planned on text prompts: its images and the vision encoder's work are not" \
+        in plan.summary

@@ -293,4 +293,6 @@ def _summary(shapes: RunShapes) -> str:
     return (f"{c.advantages.advantage_estimator} {m.config.model_type} {m.config.num_layers} layers{lora}, "
             f"batch {c.batch.batch_size} x ({c.data.query_length} + {c.sampling.response_length}) tokens, mini-batch "
             f"{c.batch.mini_batch_size}, micro-batch {c.batch.micro_batch_size}, {c.batch.ppo_epochs} epoch(s), "
-            f"{c.layout.dtype}, remat {c.layout.remat or 'off'}")
+            f"{c.layout.dtype}, remat {c.layout.remat or 'off'}"
+            + ("; a vision-language policy planned on text prompts: its images and the vision encoder's work are "
+               "not in these figures" if m.config.vision is not None else ""))
