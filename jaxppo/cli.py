@@ -451,23 +451,39 @@ gathered weights, KV cache: read from the compiled program) and, when it does no
 settings that lower its largest parts. Known targets: {targets}; or a TOML/JSON
 target file (platform, chips, memory_gib, peak_tflops, bandwidth_gbs, a TPU's topology).
 GPU targets need `pip install 'jaxppo[plan-gpu]'`, TPU targets `pip install 'jaxppo[plan-tpu]'`.
-On a target of several chips the mesh spans them all (--mesh-* axes as given, the rest on fsdp)."""
+On a target of several chips the mesh spans them all (--mesh-* axes as given, the rest on fsdp).
+A vision-language policy is planned on text prompts unless --images COUNTxHEIGHTxWIDTH gives
+each prompt's images (in pixels, as its image processor resizes them; --query-length must
+hold their image tokens)."""
 
 
 def _plan_arguments(args: list) -> tuple:
-    """(the --target values, the other arguments) of `jaxppo plan`'s command line."""
-    targets, rest, i = [], [], 0
+    """({"target": the --target values, "images": the --images values}, the other
+    arguments) of `jaxppo plan`'s command line."""
+    own, rest, i = {"target": [], "images": []}, [], 0
     while i < len(args):
-        if args[i] == "--target" and i + 1 < len(args):
-            targets.append(args[i + 1])
-            i += 2
-        elif args[i].startswith("--target="):
-            targets.append(args[i].split("=", 1)[1])
+        name = args[i][2:].split("=", 1)[0] if args[i].startswith("--") else None
+        if name in own and "=" in args[i]:
+            own[name].append(args[i].split("=", 1)[1])
             i += 1
+        elif name in own and i + 1 < len(args):
+            own[name].append(args[i + 1])
+            i += 2
         else:
             rest.append(args[i])
             i += 1
-    return targets, rest
+    return own, rest
+
+
+def _plan_images(values: list):
+    """(count, height, width) of `--images COUNTxHEIGHTxWIDTH`, or None."""
+    if not values:
+        return None
+    parts = values[-1].lower().split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise SystemExit(f"jaxppo plan: --images {values[-1]!r} is invalid: give COUNTxHEIGHTxWIDTH, the images per "
+                         "prompt and their size in pixels as the image processor resizes them (e.g. 1x448x448)")
+    return tuple(int(p) for p in parts)
 
 
 def plan_main(args: list) -> int:
@@ -478,7 +494,8 @@ def plan_main(args: list) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(PLAN_USAGE.format(targets=", ".join(TARGETS)))
         return 0
-    names, rest = _plan_arguments(args)
+    own, rest = _plan_arguments(args)
+    names, images = own["target"], _plan_images(own["images"])
     if not names:
         raise SystemExit(f"jaxppo plan: give --target NAME (one of {', '.join(TARGETS)}) or a target file")
     try:
@@ -489,11 +506,18 @@ def plan_main(args: list) -> int:
     if extras["model"] is None:
         raise SystemExit("jaxppo plan: give --model DIR, the policy's checkpoint directory (its config.json is all "
                          "that is read)")
+    if images is not None:  # before any compiler is asked for: the policy must read images
+        from jaxppo.models.hf import checkpoint_config
+
+        policy_config = checkpoint_config(extras["model"])
+        if policy_config.vision is None:
+            raise SystemExit(f"jaxppo plan: --images: the policy ({policy_config.model_type}) reads text only; plan "
+                             "it without --images")
     inputs = Inputs(policy=extras["model"], tokenizer=None, prompts=None, reward_model=extras["reward_model"],
                     ref_policy=extras["ref_model"], critic=extras["critic"], teacher=extras["teacher"])
     for target in targets:
         try:
-            plan = plan_run(config, inputs, target)
+            plan = plan_run(config, inputs, target, images=images)
         except MissingExtra as err:
             raise SystemExit(f"jaxppo plan: {err}") from None
         except (ValueError, TypeError) as err:

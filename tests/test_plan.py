@@ -249,6 +249,10 @@ def test_the_command_refuses_bad_input_in_one_line(config_dir, capsys):
         cli_main(["plan", "--target", "h300", "--model", config_dir])
     with pytest.raises(SystemExit, match="give --model DIR"):
         cli_main(["plan", "--target", "h200"])
+    with pytest.raises(SystemExit, match=r"--images '2x448' is invalid: give COUNTxHEIGHTxWIDTH"):
+        cli_main(["plan", "--target", "h200", "--images", "2x448", "--model", config_dir])
+    with pytest.raises(SystemExit, match=r"--images: the policy \(llama\) reads text only; plan it without"):
+        cli_main(["plan", "--target=h200", "--images=1x448x448", "--model", config_dir])
     assert cli_main(["plan", "--help"]) == 0
     assert "h200x8" in capsys.readouterr().out
 
@@ -420,9 +424,12 @@ def test_a_copy_of_zeros_is_a_gradient_accumulator_not_a_state_copy(tmp_path):
     assert bd.classify("f32[4,8]{1,0}", opcodes["copy.2"], shapes) == bd.STATE_COPIES
 
 
-def test_a_vision_language_policy_is_planned_on_text_and_the_plan_says_so(tmp_path):
-    """A Qwen2.5-VL checkpoint (config.json only) plans its programs on text prompts; the
-    plan's summary says the images and the encoder's work are not in its figures."""
+def test_a_vision_language_policys_images_are_planned_where_given(tmp_path):
+    """A Qwen2.5-VL checkpoint (config.json only): planned on text prompts its summary says
+    the images are not in the figures; with two 32 x 48 images per prompt, every program is
+    compiled with the batch's images (the update's arguments grow by the pixel values, the
+    scoring pass's temporaries by the encoder's work), and sizes the encoder cannot take or
+    image tokens that fill the prompt are refused naming the fix."""
     from vision_models import IMAGE, VISION
 
     text = dict(vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -431,7 +438,18 @@ def test_a_vision_language_policy_is_planned_on_text_and_the_plan_says_so(tmp_pa
     transformers.Qwen2_5_VLConfig(text_config=text, vision_config=dict(VISION, out_hidden_size=64),
                                   image_token_id=IMAGE,
                                   architectures=["Qwen2_5_VLForConditionalGeneration"]).save_pretrained(tmp_path)
-    plan = plan_run(_config("grpo", num_generations=2), _inputs(str(tmp_path)), _cpu_target(), programs=("score",),
-                    devices=jax.devices()[:1])
+    config = _config("grpo", num_generations=2, query_length=64)
+    one = jax.devices()[:1]
+    plain = plan_run(config, _inputs(str(tmp_path)), _cpu_target(), devices=one)
     assert "a vision-language policy planned on text prompts: its images and the vision encoder's work are not" \
-        in plan.summary
+        in plain.summary
+    planned = plan_run(config, _inputs(str(tmp_path)), _cpu_target(), devices=one, images=(2, 32, 48))
+    assert "2 image(s) of 32 x 48 pixels per prompt (48 of its 64 tokens" in planned.summary
+    with_images, without = ({p.name: p for p in plan.programs} for plan in (planned, plain))
+    pixels = 8 * 2 * (32 // 4) * (48 // 4) * VISION["patch_size"] ** 2 * 3 * 2 * 4  # rows x patches x values, f32
+    assert with_images["update"].memory.arguments >= without["update"].memory.arguments + pixels
+    assert with_images["score"].memory.temporaries > without["score"].memory.temporaries
+    with pytest.raises(ValueError, match="each side must be a positive multiple of 8"):
+        plan_run(config, _inputs(str(tmp_path)), _cpu_target(), devices=one, images=(1, 30, 48))
+    with pytest.raises(ValueError, match=r"are 96 image tokens, which leave no room in DataConfig.query_length=64"):
+        plan_run(config, _inputs(str(tmp_path)), _cpu_target(), devices=one, images=(4, 32, 48))

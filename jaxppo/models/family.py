@@ -82,7 +82,8 @@ class ModelFamily:
         layout as `jaxppo.models.hf.hf_name` returns it (`to_hf_layout`).
       images: (config, image processor, tokenizer) -> how a run's prompts give the model
         their images (e.g. `jaxppo.models.vision.qwen_images.QwenImages`: the image tokens
-        of each image, a batch's images processed into an `ImagePrompt`).
+        of each image, a batch's images processed into an `ImagePrompt`); with None for
+        both, what a plan asks (the grid of an image size, the shapes of a batch's images).
     """
 
     name: str

@@ -35,7 +35,7 @@ from jaxppo.run.compiled import Step, abstract_rollout
 from jaxppo.run.parts import Inputs, initial_run_state, rollout_spec
 from jaxppo.update.minibatches import TrainState
 
-__all__ = ["RunShapes", "abstract_run", "lower_programs", "PROGRAMS", "ROLES"]
+__all__ = ["RunShapes", "abstract_run", "lower_programs", "PROGRAMS", "ROLES", "planned_images"]
 
 PROGRAMS = ("update", "score", "generate")
 ROLES = ("policy", "reward_model", "ref_policy", "critic", "teacher")
@@ -58,6 +58,11 @@ class RunShapes:
     mesh: Any
     device: Any
     host_scores: bool
+    images: Any = None  # the batch's images as shapes (an `ImagePrompt` without ids), or None
+
+    def queries(self, ids):
+        """The prompts as the programs take them: `ids`, or with images their `ImagePrompt`."""
+        return ids if self.images is None else self.rows_placed(self.images)._replace(ids=ids)
 
     def rows_placed(self, tree):
         """`tree`'s leaves as shapes whose rows are split like the rollout's."""
@@ -109,11 +114,13 @@ def _abstract(value):
     return value
 
 
-def abstract_run(config, inputs: Inputs, devices, *, host_scores: Optional[bool] = None) -> RunShapes:
+def abstract_run(config, inputs: Inputs, devices, *, host_scores: Optional[bool] = None, images=None) -> RunShapes:
     """The run of `config` and `inputs` (`jaxppo.run.parts.Inputs`: the policy and the other
     models as checkpoint directories or `(Model, params)` pairs; LoRA; no tokenizer or
     prompts needed) as shapes on `devices`. `host_scores`: rewards computed on the host
-    (default: where no reward model is given)."""
+    (default: where no reward model is given). `images`: (count, height, width): every
+    prompt with `count` images of height x width pixels (a vision-language policy's, as its
+    processor resizes them), or None (text prompts)."""
     config = _planned_config(config, devices)
     given = {role: _abstract(getattr(inputs, role)) for role in ROLES}
     pairs = {role: v[1] for role, v in given.items() if isinstance(v, tuple)}
@@ -141,10 +148,30 @@ def abstract_run(config, inputs: Inputs, devices, *, host_scores: Optional[bool]
             sharding.make_mesh(config.layout.device_mesh, devices)
         sharding.check_batch_divides(config, mesh)
     shapes = RunShapes(config, models, spec, run, ref_params, reward_params, mesh, devices[0],
-                       models.reward_model is None if host_scores is None else host_scores)
+                       models.reward_model is None if host_scores is None else host_scores,
+                       None if images is None else planned_images(models.policy_model.config, config, images))
     shapes.run = run.replace(train=shapes.placed(run.train))
     shapes.ref_params, shapes.reward_params = shapes.placed(ref_params), shapes.placed(reward_params)
     return shapes
+
+
+def planned_images(model_config, config, images):
+    """The shapes of a batch's images (an `ImagePrompt` without ids, `batch_size` rows of
+    `query_length`) where every prompt has `images` = (count, height, width): ValueError for
+    a text-only policy, a size the encoder cannot take, or image tokens that leave no room
+    in `query_length`."""
+    from jaxppo.models.family import family_of
+
+    count, height, width = images
+    if model_config.vision is None or family_of(model_config).images is None:
+        raise ValueError(f"images were given to plan, but the policy ({model_config.model_type}) reads text only")
+    reader = family_of(model_config).images(model_config, None, None)
+    grids = [reader.grid_of(height, width)] * count
+    tokens, q = count * reader.tokens(grids[0]), config.data.query_length
+    if tokens >= q:
+        raise ValueError(f"{count} image(s) of {height} x {width} pixels are {tokens} image tokens, which leave no room "
+                         f"in DataConfig.query_length={q} (--query-length): raise it above {tokens}")
+    return reader.abstract(config.batch.batch_size, q, reader.shape([grids]))
 
 
 def _key(shapes: RunShapes):
@@ -156,7 +183,7 @@ def lower_update(shapes: RunShapes):
     c = shapes.config
     step = Step(c, shapes.mesh, shapes.run.train if shapes.mesh is not None else None)
     rollout = abstract_rollout(shapes.spec, shapes.run, shapes.ref_params, shapes.reward_params, c.batch.batch_size,
-                               c.data.query_length, shapes.host_scores, shapes.mesh)
+                               c.data.query_length, shapes.host_scores, shapes.mesh, shapes.images)
     if shapes.mesh is None:
         rollout = shapes.rows_placed(rollout)
     return step.lower(shapes.run.train, rollout, _key(shapes))
@@ -179,7 +206,7 @@ def lower_score(shapes: RunShapes):
     with _mesh_context(shapes):
         ids, mask, gen, host_scores = rows
         return finish_rollout.lower(shapes.spec, state.train.params, shapes.ref_params, shapes.reward_params,
-                                    (ids, mask), gen, host_scores,
+                                    (shapes.queries(ids), mask), gen, host_scores,
                                     Shaping(shapes.replicated(state.kl), shapes.replicated(state.score_moments)))
 
 
@@ -190,7 +217,7 @@ def lower_generate_program(shapes: RunShapes):
     ids = shapes.rows_placed(jax.ShapeDtypeStruct((b, q), jnp.int32))
     params = spec.policy_params(shapes.run.train.params)
     with _mesh_context(shapes):
-        return lower_generate(spec.policy, params, ids, ids, _key(shapes), spec.sampling,
+        return lower_generate(spec.policy, params, shapes.queries(ids), ids, _key(shapes), spec.sampling,
                               num_generations=spec.num_generations)
 
 

@@ -210,15 +210,17 @@ def _resident(shapes: RunShapes) -> dict:
 
 
 def plan_run(config, inputs, target: Target, *, devices=None, programs=PROGRAMS,
-             host_scores: Optional[bool] = None) -> Plan:
+             host_scores: Optional[bool] = None, images=None) -> Plan:
     """The `Plan` of the run of `config` and `inputs` (`jaxppo.run.parts.Inputs`; models as
     checkpoint directories, of which only config.json is read, or `(Model, params)` pairs)
     on `target`: each program compiled for the target's devices (`devices`: others of the
-    same count, such as host CPU devices, to plan against their compiler)."""
+    same count, such as host CPU devices, to plan against their compiler). `images`:
+    (count, height, width), a vision-language policy's images per prompt in pixels
+    (`jaxppo.plan.programs.planned_images`), or None."""
     devices = target_devices(target) if devices is None else list(devices)
     if len(devices) != target.chips:
         raise ValueError(f"{len(devices)} devices given for target {target.name} of {target.chips} chips")
-    shapes = abstract_run(config, inputs, devices, host_scores=host_scores)
+    shapes = abstract_run(config, inputs, devices, host_scores=host_scores, images=images)
     work, resident = run_work(shapes), _resident(shapes)
     out = []
     for name, lowered in lower_programs(shapes, programs).items():
@@ -243,7 +245,7 @@ def plan_run(config, inputs, target: Target, *, devices=None, programs=PROGRAMS,
                                kernels, breakdown=breakdown, decode_gathered=gathered,
                                decode_unknown_loops=step.unknown_trip_loops if step else 0))
     axes = dict(shapes.mesh.shape) if shapes.mesh is not None else {}
-    return Plan(target, tuple(out), axes, _summary(shapes), shapes.config)
+    return Plan(target, tuple(out), axes, _summary(shapes, images), shapes.config)
 
 
 def _parts(shapes: RunShapes, program: str) -> tuple:
@@ -287,12 +289,20 @@ def _first_line(message: str) -> str:
     return line.split("RESOURCE_EXHAUSTED: ", 1)[-1][:300]
 
 
-def _summary(shapes: RunShapes) -> str:
+def _summary(shapes: RunShapes, images=None) -> str:
     c, m = shapes.config, shapes.models.policy_model
+    seen = ""
+    if images is not None:
+        count, height, width = images
+        side = m.config.vision.patch_size * m.config.vision.spatial_merge_size  # one image token's pixels
+        tokens = count * (height // side) * (width // side)
+        seen = (f"; {count} image(s) of {height} x {width} pixels per prompt ({tokens} of its "
+                f"{c.data.query_length} tokens; the floor leaves out the vision encoder's FLOPs)")
+    elif m.config.vision is not None:
+        seen = ("; a vision-language policy planned on text prompts: its images and the vision encoder's work are "
+                "not in these figures (--images COUNTxHEIGHTxWIDTH plans them)")
     lora = f", LoRA rank {m.lora.rank}" if m.lora is not None else ", full fine-tuning"
     return (f"{c.advantages.advantage_estimator} {m.config.model_type} {m.config.num_layers} layers{lora}, "
             f"batch {c.batch.batch_size} x ({c.data.query_length} + {c.sampling.response_length}) tokens, mini-batch "
             f"{c.batch.mini_batch_size}, micro-batch {c.batch.micro_batch_size}, {c.batch.ppo_epochs} epoch(s), "
-            f"{c.layout.dtype}, remat {c.layout.remat or 'off'}"
-            + ("; a vision-language policy planned on text prompts: its images and the vision encoder's work are "
-               "not in these figures" if m.config.vision is not None else ""))
+            f"{c.layout.dtype}, remat {c.layout.remat or 'off'}{seen}")

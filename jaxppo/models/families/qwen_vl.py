@@ -77,7 +77,7 @@ def _vision(trunk, c: ModelConfig, x, input_ids, images):
 def _images(c: ModelConfig, processor, tokenizer):
     from jaxppo.models.vision.qwen_images import QwenImages
 
-    return QwenImages(processor, c, tokenizer.convert_ids_to_tokens(c.image_token_id))
+    return QwenImages(processor, c, None if tokenizer is None else tokenizer.convert_ids_to_tokens(c.image_token_id))
 
 
 def _hf_extra_name(path, c: ModelConfig):

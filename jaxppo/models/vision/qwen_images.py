@@ -10,7 +10,7 @@ The image processor is transformers' (`Qwen2VLImageProcessor`; its PIL backend,
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -38,13 +38,16 @@ class QwenImages:
     """The images of a Qwen2.5-VL policy's prompts: `processor` (transformers'
     `Qwen2VLImageProcessor`, PIL or torchvision backend), `config` (the policy's
     `ModelConfig`), `placeholder` (the image token's text: a rendered prompt holds it once
-    per image, where `expand` puts the image's tokens)."""
+    per image, where `expand` puts the image's tokens). Without a processor (None: a plan,
+    which processes no image) only `grid_of`, `tokens`, `shape` and `abstract` work."""
 
     processor: Any
     config: Any
-    placeholder: str
+    placeholder: Optional[str]
 
     def __post_init__(self):
+        if self.processor is None:
+            return
         v, p = self.config.vision, self.processor
         theirs = tuple(getattr(p, k, None) for k in ("patch_size", "temporal_patch_size", "merge_size"))
         ours = (v.patch_size, v.temporal_patch_size, v.spatial_merge_size)
@@ -63,6 +66,18 @@ class QwenImages:
         width, height = image.size
         h, w = smart_resize(height, width, factor=v.patch_size * v.spatial_merge_size, min_pixels=low, max_pixels=high)
         return 1, h // v.patch_size, w // v.patch_size
+
+    def grid_of(self, height: int, width: int) -> tuple:
+        """(t, h, w) patches of an image of `height` x `width` pixels as the encoder sees it
+        (after the processor's resize): each side a multiple of patch_size x
+        spatial_merge_size, else a ValueError saying so."""
+        v = self.config.vision
+        side = v.patch_size * v.spatial_merge_size
+        if height < side or width < side or height % side or width % side:
+            raise ValueError(f"an image of {height} x {width} pixels: each side must be a positive multiple of "
+                             f"{side} (patch_size {v.patch_size} x spatial_merge_size {v.spatial_merge_size}), as "
+                             "the image processor resizes it")
+        return 1, height // v.patch_size, width // v.patch_size
 
     def tokens(self, grid) -> int:
         """The image tokens of an image of patch grid (t, h, w)."""
