@@ -13,7 +13,9 @@ decode step.
     python benchmarks/plan_targets.py --timeout 600            # seconds a row may take (default 900)
 
 Layouts (config.json only, written to a temporary directory from transformers' config
-classes): Qwen2.5-0.5B, Qwen3-1.7B, Llama-3.1-8B, Qwen3-30B-A3B, Llama-3.1-70B. Runs: PPO
+classes): Qwen2.5-0.5B, Qwen3-1.7B, Llama-3.1-8B, Qwen3-30B-A3B, Llama-3.1-70B, and
+Qwen2.5-VL-7B with one 448 x 448 image per prompt (256 of its 512 prompt tokens; the
+vision encoder frozen, as by default; `jaxppo plan --images 1x448x448`). Runs: PPO
 with a critic and a reward model of the same layout (full fine-tuning), GRPO (G = 8) full
 and with LoRA rank 16 on every linear layer; batch 64, 512 prompt + 512 response tokens,
 mini-batch 16, 1 epoch, bf16 compute (float32 master weights where the weights train),
@@ -73,6 +75,9 @@ def _layouts(root: str) -> dict:
                                             num_attention_heads=64, **llama3), "Llama"),
     }
     out = {}
+    vl = os.path.join(root, "qwen2.5-vl-7b")  # a vision-language model: no sequence-classification sibling
+    _qwen25_vl_7b().save_pretrained(vl)
+    out["qwen2.5-vl-7b"] = (vl, None)
     for name, (cls, kw, arch) in configs.items():
         dirs = []
         for suffix in ("ForCausalLM", "ForSequenceClassification"):
@@ -83,7 +88,24 @@ def _layouts(root: str) -> dict:
     return out
 
 
-LAYOUT_NAMES = ("qwen2.5-0.5b", "qwen3-1.7b", "llama3.1-8b", "qwen3-30b-a3b", "llama3.1-70b")  # `_layouts`' keys
+def _qwen25_vl_7b():
+    """Qwen2.5-VL-7B-Instruct's config."""
+    from transformers import Qwen2_5_VLConfig
+
+    text = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=128000, rms_norm_eps=1e-6,
+                eos_token_id=151645, rope_parameters={"rope_type": "default", "mrope_section": [16, 24, 24],
+                                                      "rope_theta": 1000000.0})
+    vision = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                  patch_size=14, temporal_patch_size=2, spatial_merge_size=2, window_size=112,
+                  fullatt_block_indexes=[7, 15, 23, 31], hidden_act="silu")
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=151655, tie_word_embeddings=False,
+                            architectures=["Qwen2_5_VLForConditionalGeneration"])
+
+
+LAYOUT_NAMES = ("qwen2.5-0.5b", "qwen3-1.7b", "llama3.1-8b", "qwen3-30b-a3b", "llama3.1-70b",
+                "qwen2.5-vl-7b")  # `_layouts`' keys
+IMAGES = {"qwen2.5-vl-7b": (1, 448, 448)}  # a vision-language layout's images per prompt
 RUNS = {  # name: (algorithm, reward model, LoRA rank)
     "ppo full": ("ppo", True, 0),
     "grpo full": ("grpo", False, 0),
@@ -97,6 +119,7 @@ ROWS = {
                     ("grpo lora16", ("h200",))),
     "qwen3-30b-a3b": (("grpo full", ("h100x8", "h200x8", "v5p-16")), ("grpo lora16", ("h200x8",))),
     "llama3.1-70b": (("grpo lora16", ("h200x8",)),),
+    "qwen2.5-vl-7b": (("grpo full", ("h200x8", "v5p-8")), ("grpo lora16", ("h200",))),
 }
 PROGRAMS = ("update", "score", "generate")
 
@@ -119,7 +142,7 @@ def _plan(layouts: dict, layout: str, run: str, target: str, programs=PROGRAMS):
     config = jaxppo.Config.for_algorithm(algorithm, **settings)
     policy, reward_dir = layouts[layout]
     inputs = Inputs(policy=policy, tokenizer=None, prompts=None, reward_model=reward_dir if reward else None)
-    return plan_run(config, inputs, resolve_target(target), programs=programs)
+    return plan_run(config, inputs, resolve_target(target), programs=programs, images=IMAGES.get(layout))
 
 
 def _raw(name: str, plan) -> dict:
