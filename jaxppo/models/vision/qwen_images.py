@@ -64,8 +64,8 @@ class QwenImages:
         v = self.config.vision
         low, high = _size_bounds(self.processor)
         width, height = image.size
-        h, w = smart_resize(height, width, factor=v.patch_size * v.spatial_merge_size, min_pixels=low, max_pixels=high)
-        return 1, h // v.patch_size, w // v.patch_size
+        return self.grid_of(*smart_resize(height, width, factor=v.patch_size * v.spatial_merge_size, min_pixels=low,
+                                          max_pixels=high))
 
     def grid_of(self, height: int, width: int) -> tuple:
         """(t, h, w) patches of an image of `height` x `width` pixels as the encoder sees it
