@@ -2,7 +2,9 @@
 here from transformers' own config classes: Qwen2.5-VL's vision transformer (windowed and
 full attention, 2-D rotary positions, the merger) at several image sizes and several images
 at once, its patch layout against transformers' own index functions, and the language
-model's 3-D rotary positions (M-RoPE) against `get_rope_index`."""
+model's 3-D rotary positions (M-RoPE) against `get_rope_index`; whole Qwen2.5-VL and
+Qwen3-VL checkpoints (Qwen3-VL's learned position grid, DeepStack and interleaved M-RoPE)
+against transformers' logits and `generate`."""
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +15,7 @@ import torch
 from jaxppo.models.vision import QwenVisionConfig, QwenVisionEncoder, image_input, mrope_positions, vision_layout
 from jaxppo.models.vision.qwen import vision_params_from_hf
 
-from vision_models import IMAGE, VISION, tiny_qwen_vl
+from vision_models import IMAGE, VISION, tiny_qwen3_vl, tiny_qwen_vl
 
 # Image grids (t, h, w) in patches: windows that tile exactly, partial windows, one image
 # token, a grid over two frames.
@@ -249,17 +251,66 @@ def test_a_qwen2_5_vl_checkpoint_loads_and_its_logits_with_images_match_transfor
     np.testing.assert_allclose(again[real], want[real], atol=1e-5, rtol=1e-5)
 
 
-def test_greedy_sampling_with_images_equals_transformers_generate(tmp_path):
+def test_a_qwen3_vl_checkpoint_loads_and_its_logits_with_images_match_transformers(tmp_path):
+    """A Qwen3-VL checkpoint saved by transformers loads (its tensors under
+    model.language_model and model.visual; the learned position grid resampled to each
+    image's grid, DeepStack's mergers, the interleaved M-RoPE sections); its logits on rows
+    with two images of different sizes, one image and none equal transformers' within 1e-4,
+    with the layers unrolled and scanned; DeepStack's features count (with their mergers'
+    last layer zeroed the logits move); saved back, transformers loads it and gives the
+    same logits."""
+    import transformers
+
+    import jaxppo.models as jm
+    from jaxppo.models.vision import image_input
+
+    hf = tiny_qwen3_vl(tmp_path / "hf")
+    model, params = jm.from_pretrained(str(tmp_path / "hf"))
+    config = model.config
+    assert (config.model_type, config.image_token_id, config.vision.deepstack_visual_indexes) == ("qwen3_vl", IMAGE,
+                                                                                                   (0, 2))
+    assert config.mrope_axes == (0, 1, 2, 0, 1, 2, 0, 1)  # not (0, 0, 0, 1, 1, 1, 2, 2): interleaved
+    ids, mask, pixel_rows, grid_rows = _rows_with_images(config.vision)
+    grids = [g for row in grid_rows for g in row]
+
+    def reference(m):
+        with torch.no_grad():
+            return m(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                     pixel_values=torch.tensor(np.concatenate(pixel_rows)), image_grid_thw=torch.tensor(grids),
+                     mm_token_type_ids=torch.tensor((ids == IMAGE).astype(np.int64))).logits.numpy()
+
+    want, real = reference(hf), mask.astype(bool)
+    positions = np.moveaxis(mrope_positions(ids, mask, grids, IMAGE, config.vision.spatial_merge_size)[0], 0, -1)
+    images = image_input(pixel_rows, grid_rows, config.vision)
+    forward = jax.jit(lambda p: model.apply(p, ids, mask, images=images, positions=positions))
+    np.testing.assert_allclose(np.asarray(forward(params))[real], want[real], atol=1e-4, rtol=1e-4)
+    scanned, stacked = jm.from_pretrained(str(tmp_path / "hf"), scan_layers=True)
+    got = np.asarray(scanned.apply(stacked, ids, mask, images=images, positions=positions))
+    np.testing.assert_allclose(got[real], want[real], atol=1e-4, rtol=1e-4)
+    visual = params["params"]["model"]["visual"]
+    quiet = {**visual, **{k: jax.tree.map(jnp.zeros_like, visual[k]) for k in visual if k.startswith("deepstack")}}
+    moved = np.asarray(forward({"params": {**params["params"], "model": {**params["params"]["model"],
+                                                                         "visual": quiet}}}))
+    assert np.abs(moved[real] - want[real]).max() > 1e-3
+
+    jm.save_pretrained(model, params, str(tmp_path / "out"))
+    again = reference(transformers.Qwen3VLForConditionalGeneration.from_pretrained(str(tmp_path / "out")).eval())
+    np.testing.assert_allclose(again[real], want[real], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_greedy_sampling_with_images_equals_transformers_generate(tmp_path, family):
     """The static sampler on an `ImagePrompt` (rows with two images, one, none; left-padded):
     greedy tokens equal transformers' `generate` from the same checkpoint and processor
-    arrays (M-RoPE positions continuing after the images at every decode step), with one
+    arrays (M-RoPE positions continuing after the images at every decode step; Qwen3-VL's
+    DeepStack features added at the prefill only, as transformers does), with one
     completion per prompt and in groups of two (each group's prompt and images prefilled
     once); the same ids without their images are refused."""
     import jaxppo.models as jm
     from jaxppo.models.vision import image_prompt
     from jaxppo.rollout.engines.static import generate
 
-    hf = tiny_qwen_vl(tmp_path / "hf")
+    hf = (tiny_qwen3_vl if family == "qwen3_vl" else tiny_qwen_vl)(tmp_path / "hf")
     model, params = jm.from_pretrained(str(tmp_path / "hf"))
     ids, mask, pixel_rows, grid_rows = _rows_with_images(model.config.vision)
     grids = [g for row in grid_rows for g in row]

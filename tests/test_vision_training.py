@@ -26,6 +26,12 @@ def checkpoint(tmp_path_factory):
     return vm.tiny_vl_checkpoint(tmp_path_factory.mktemp("vl") / "hf")
 
 
+@pytest.fixture(scope="module")
+def checkpoint3(tmp_path_factory):
+    """A Qwen3-VL checkpoint (DeepStack, interleaved M-RoPE) with the same tokenizer and processor."""
+    return vm.tiny_vl_checkpoint(tmp_path_factory.mktemp("vl3") / "hf", family="qwen3_vl")
+
+
 def _reader(checkpoint):
     reader, why = image_reader(checkpoint, checkpoint_config(checkpoint), vm.tokenizer(), None)
     assert why is None
@@ -153,15 +159,16 @@ def _said_colour(prompts, completions, colour):
     return [float(c.split()[:1] == [k]) + 0.01 * len(c) for c, k in zip(completions, colour)]
 
 
-@pytest.mark.parametrize("name, settings", [("grpo", {}), ("ppo", {}), ("grpo", {"lora_rank": 4})],
-                         ids=["grpo", "ppo", "grpo-lora"])
-def test_a_vision_language_policy_trains_on_its_images(tmp_path, checkpoint, name, settings):
-    """GRPO and PPO (a critic on the same trunk, reading the images too), and GRPO with
-    LoRA, on image prompts through the Trainer: the first update is on-policy (the update
-    reads the images the rollout was scored with: with them swapped, the same rollout is
-    off-policy), the language model (or its adapters) trains, the frozen encoder does not."""
-    trainer = _trainer(tmp_path, checkpoint, _colour_records(), _said_colour, name=name, ppo_epochs=1,
-                       mini_batch_size=8, **settings)
+@pytest.mark.parametrize("name, settings, family", [("grpo", {}, 2), ("ppo", {}, 2), ("grpo", {"lora_rank": 4}, 3)],
+                         ids=["grpo", "ppo", "grpo-lora-qwen3-vl"])
+def test_a_vision_language_policy_trains_on_its_images(tmp_path, checkpoint, checkpoint3, name, settings, family):
+    """GRPO and PPO (a critic on the same trunk, reading the images too) on Qwen2.5-VL, and
+    GRPO with LoRA on Qwen3-VL, on image prompts through the Trainer: the first update is
+    on-policy (the update reads the images the rollout was scored with: with them swapped,
+    the same rollout is off-policy), the language model (or its adapters) trains, the frozen
+    encoder does not."""
+    trainer = _trainer(tmp_path, checkpoint3 if family == 3 else checkpoint, _colour_records(), _said_colour,
+                       name=name, ppo_epochs=1, mini_batch_size=8, **settings)
     start = jax.tree.map(np.asarray, trainer.policy_params())
     row = trainer.step()
     assert_on_policy(row)

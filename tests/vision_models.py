@@ -1,5 +1,6 @@
 """Tiny random-weight vision-language checkpoints for the tests, built here from
-transformers' own config classes (no hub download): a Qwen2.5-VL model, and beside it a
+transformers' own config classes (no hub download): a Qwen2.5-VL and a Qwen3-VL model, and
+beside them a
 word-level tokenizer with a chat template that shows image parts, and the model's image
 processor (`Qwen2VLImageProcessorPil`, saved as `preprocessor_config.json`)."""
 
@@ -36,6 +37,34 @@ def tiny_qwen_vl(path, seed: int = 0):
     return model
 
 
+# Qwen3-VL's: no windows, a 4 x 4 grid of learned positions, DeepStack after blocks 0 and 2.
+VISION_3 = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=4,
+                temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16,
+                deepstack_visual_indexes=[0, 2])
+
+
+def tiny_qwen3_vl(path, seed: int = 0):
+    """A tiny random Qwen3-VL checkpoint saved by transformers at `path` (vocabulary 97,
+    image token 90; interleaved M-RoPE sections (3, 3, 2), which differ from the sections
+    laid end to end); returns the torch model."""
+    import torch
+    import transformers
+
+    text = dict(vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
+                pad_token_id=0, rope_parameters={"rope_type": "default", "mrope_section": [3, 3, 2],
+                                                 "mrope_interleaved": True, "rope_theta": 1000.0})
+    torch.manual_seed(seed)
+    model = transformers.Qwen3VLForConditionalGeneration(
+        transformers.Qwen3VLConfig(text_config=text, vision_config=VISION_3, image_token_id=IMAGE)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return model
+
+
 def tokenizer():
     """A word-level tokenizer of the tiny model's 97 ids (`jaxppo.demo_vision`'s kind):
     <pad> 0, <s> 1, </s> 2, <unk> 3, `WORDS`, fillers, the image token at 90; its chat
@@ -54,9 +83,10 @@ def image_processor(max_side: int = 16):
                                     max_pixels=max_side * max_side)
 
 
-def tiny_vl_checkpoint(path, seed: int = 0):
-    """`tiny_qwen_vl` at `path` with its tokenizer and image processor saved beside it."""
-    tiny_qwen_vl(path, seed)
+def tiny_vl_checkpoint(path, seed: int = 0, family: str = "qwen2_5_vl"):
+    """`tiny_qwen_vl` (or `tiny_qwen3_vl`, family "qwen3_vl") at `path` with its tokenizer
+    and image processor saved beside it."""
+    (tiny_qwen3_vl if family == "qwen3_vl" else tiny_qwen_vl)(path, seed)
     tokenizer().save_pretrained(path)
     image_processor().save_pretrained(path)
     return os.fspath(path)

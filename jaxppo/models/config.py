@@ -7,6 +7,8 @@ import dataclasses
 import json
 from typing import Any, Optional, Tuple
 
+import numpy as np
+
 from jaxppo.models.family import family_of
 
 __all__ = ["ModelConfig"]
@@ -141,6 +143,25 @@ class ModelConfig:
         height and width positions; `jaxppo.models.transformer.apply_rope`), or None."""
         sections = self.rope_params.get("mrope_section")
         return None if sections is None else tuple(int(s) for s in sections)
+
+    @property
+    def mrope_axes(self) -> Optional[Tuple[int, ...]]:
+        """The position axis (0 temporal, 1 height, 2 width) each rotary frequency turns
+        with under M-RoPE, or None: `mrope_section` in sections (Qwen2.5-VL), or, with
+        rope parameters' "mrope_interleaved" (Qwen3-VL), interleaved as Hugging Face
+        recomposes them: frequency j turns with the height where j % 3 == 1 and j < 3 x
+        sections[1], with the width where j % 3 == 2 and j < 3 x sections[2], else with
+        the temporal position."""
+        sections = self.mrope_section
+        if sections is None:
+            return None
+        if not self.rope_params.get("mrope_interleaved"):
+            return tuple(int(a) for a in np.repeat(np.arange(3), sections))
+        axes = [0] * sum(sections)
+        for axis in (1, 2):
+            for j in range(axis, min(3 * sections[axis], len(axes)), 3):
+                axes[j] = axis
+        return tuple(axes)
 
     # ------------------------------------------------------------------ Hugging Face
 

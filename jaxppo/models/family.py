@@ -72,11 +72,14 @@ class ModelFamily:
         sampler then refuses longer sequences and keeps finished rows inside the table).
 
     Vision-language families:
-      vision: (trunk module, config, embeddings (B, L, D), input_ids, images) -> the
-        embeddings with the images' token embeddings at the image tokens, called inside the
-        trunk after `embed` (the encoder's modules are the trunk's); `images` is the
-        family's image input, or None (text only; at init the encoder's parameters are
-        made all the same).
+      vision: (trunk module, config, embeddings (B, L, D), input_ids, images) -> (the
+        embeddings with the images' token embeddings at the image tokens, DeepStack's
+        additions or None), called inside the trunk after `embed` (the encoder's modules
+        are the trunk's); `images` is the family's image input, or None (text only; at init
+        the encoder's parameters are made all the same). DeepStack's additions (K, B, L, D)
+        are added to the hidden states after each of the first K blocks (Qwen3-VL).
+      hf_trunk_name: the trunk's name in Hugging Face checkpoints where it is not
+        `trunk_name` ("model.language_model" in Qwen3-VL's), or None.
       hf_extra_name: (flat param path, config) -> (Hugging Face name, layout) for parameters the
         block mapping does not name (a vision encoder), or None for the generic mapping;
         layout as `jaxppo.models.hf.hf_name` returns it (`to_hf_layout`).
@@ -107,6 +110,7 @@ class ModelFamily:
     learned_positions: bool = False
     vision: Optional[Callable] = None
     hf_extra_name: Optional[Callable] = None
+    hf_trunk_name: Optional[str] = None
     images: Optional[Callable] = None
 
     def __post_init__(self):

@@ -52,7 +52,7 @@ def hf_name(path, config: ModelConfig):
     leaf = "weight" if experts else _LEAF_NAMES[path[-1]]
     if path[0] in ("lm_head", "score"):
         return f"{path[0]}.{leaf}", path[-1] == "kernel"
-    parts = [path[0]]
+    parts = [family.hf_trunk_name if path[0] == family.trunk_name and family.hf_trunk_name else path[0]]
     module = path[-2]
     for p in path[1:-1]:
         if "_" in p and p.rsplit("_", 1)[1].isdigit() and p.rsplit("_", 1)[0] == family.layers_prefix:

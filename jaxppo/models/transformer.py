@@ -81,20 +81,21 @@ def rope_inv_freq(config: ModelConfig, local: bool = False):
     return inv_freq
 
 
-def apply_rope(x, positions, inv_freq, sections=None):
+def apply_rope(x, positions, inv_freq, axes=None):
     """Rotary embeddings on x (B, L, H, D) at `positions` (B, L) with `inv_freq` (D/2,)
     (`rope_inv_freq`): pairs (i, i + D/2) rotated, as Hugging Face's rotate_half does.
 
-    Multimodal rotary positions (Qwen2.5-VL's M-RoPE): `positions` (B, L, 3), a (temporal,
-    height, width) position per token, and `sections` (three counts summing to D/2, the
-    config's `mrope_section`): the first sections[0] frequencies turn with the temporal
-    position, the next sections[1] with the height, the rest with the width. Text tokens
-    have three equal positions, where this is the rotation of (B, L) positions."""
+    Multimodal rotary positions (Qwen-VL's M-RoPE): `positions` (B, L, 3), a (temporal,
+    height, width) position per token, and `axes` (D/2 of 0, 1, 2: the config's
+    `mrope_axes`), the position each frequency turns with: in sections (Qwen2.5-VL: the
+    first frequencies with the temporal position, the next with the height, the rest with
+    the width) or interleaved (Qwen3-VL). Text tokens have three equal positions, where
+    this is the rotation of (B, L) positions."""
     if positions.ndim == 3:
-        if sections is None or sum(sections) != inv_freq.shape[0]:
-            raise ValueError(f"3-D rotary positions need mrope sections summing to {inv_freq.shape[0]}; got {sections}")
-        axis = np.repeat(np.arange(3), sections)  # the position axis of each frequency
-        freqs = positions[..., axis].astype(jnp.float32) * inv_freq  # (B, L, D/2)
+        if axes is None or len(axes) != inv_freq.shape[0]:
+            raise ValueError(f"3-D rotary positions need mrope sections summing to {inv_freq.shape[0]}; got "
+                             f"{None if axes is None else len(axes)} frequencies")
+        freqs = positions[..., np.asarray(axes)].astype(jnp.float32) * inv_freq  # (B, L, D/2)
     else:
         freqs = positions[..., None].astype(jnp.float32) * inv_freq  # (B, L, D/2)
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
@@ -296,6 +297,23 @@ def dense(block, features, use_bias, name):
     return nn.Dense(features, use_bias=use_bias, dtype=block.dtype, param_dtype=block.param_dtype, name=name)
 
 
+@functools.lru_cache(maxsize=None)
+def _deepstacked(block_cls):
+    """`block_cls` taking two more arguments in a scan over the layers: DeepStack's additions
+    (K, B, L, D) and the layer's index, the addition of index i < K added to its output
+    (Qwen3-VL); the same parameters and names."""
+
+    class Deepstacked(block_cls):
+        def __call__(self, x, masks, positions, layer_cache, cache_index, sliding, deep, index):
+            x, new_kv = super().__call__(x, masks, positions, layer_cache, cache_index, sliding)
+            k = deep.shape[0]
+            added = jnp.where(index < k, deep[jnp.minimum(index, k - 1)], 0).astype(x.dtype)
+            return x + added, new_kv
+
+    Deepstacked.__name__ = block_cls.__name__
+    return Deepstacked
+
+
 class Transformer(nn.Module):
     """The trunk: embeddings, blocks, final norm (each as the model's family makes them).
 
@@ -321,8 +339,9 @@ class Transformer(nn.Module):
         c = self.config
         family = family_of(c)
         x, table = family.embed(self, c, input_ids, positions)
+        deep = None  # DeepStack's additions to the first blocks' outputs (K, B, Lq, D), or None
         if family.vision is not None:  # a vision-language model: the image tokens take the images' embeddings
-            x = family.vision(self, c, x, input_ids, images)
+            x, deep = family.vision(self, c, x, input_ids, images)
         lq, lk = input_ids.shape[1], attention_mask.shape[1]
         # The query tokens' slots, (1, Lq) or per row (B, Lq).
         query_slots = (cache_index[:, None] if jnp.ndim(cache_index) == 1 else jnp.asarray(cache_index)[None, None]
@@ -338,6 +357,8 @@ class Transformer(nn.Module):
             local_mask = mask & in_window
         masks = (mask, local_mask)
         block_cls = family.block
+        if deep is not None and self.scan_layers:
+            block_cls = _deepstacked(block_cls)
         if self.remat:
             policy = None if self.remat is True else getattr(jax.checkpoint_policies, self.remat)
             # prevent_cse=False is safe (and cheaper) inside a scan, where XLA cannot CSE
@@ -350,11 +371,15 @@ class Transformer(nn.Module):
             # sliding flags are scanned over.
             # (the "router" collections are what a mixture of experts records, "replay" what it is given)
             axes = {"params": 0, "lora": 0, "router": 0, "router_probs": 0, "replay": 0}
-            stack = nn.scan(block_cls, variable_axes=axes, split_rngs={"params": True},
-                            in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast, 0), length=c.num_layers)
+            in_axes = (nn.broadcast, nn.broadcast, 0, nn.broadcast, 0)
+            scanned = (jnp.asarray(sliding),)
+            if deep is not None:  # each layer is given its index and DeepStack's additions
+                in_axes, scanned = in_axes + (nn.broadcast, 0), scanned + (deep, jnp.arange(c.num_layers))
+            stack = nn.scan(block_cls, variable_axes=axes, split_rngs={"params": True}, in_axes=in_axes,
+                            length=c.num_layers)
             layer_cache = None if cache is None else cache if isinstance(cache, GroupedKV) else NewKV(*cache)
             x, new_kv = stack(c, self.dtype, self.param_dtype, self.lora, self.adapters, self.attention, name=prefix)(
-                x, masks, positions, layer_cache, cache_index, jnp.asarray(sliding))
+                x, masks, positions, layer_cache, cache_index, *scanned)
             new_cache = None
             if isinstance(cache, GroupedKV):  # the new tokens' k/v into every layer's response slots
                 new_cache = _write_response(cache, new_kv, cache_index, axis=2)
@@ -367,6 +392,8 @@ class Transformer(nn.Module):
                                   name=f"{prefix}_{i}")
                 layer_cache = None if cache is None else cache[i]
                 x, new_kv = block(x, masks, positions, layer_cache, cache_index, sliding[i])
+                if deep is not None and i < deep.shape[0]:
+                    x = x + deep[i].astype(x.dtype)
                 if isinstance(layer_cache, GroupedKV):
                     new_kv = _write_response(layer_cache, new_kv, cache_index, axis=1)
                 new_cache.append(new_kv)

@@ -57,8 +57,8 @@ class LlamaBlock(nn.Module):
         inv_freq = rope_inv_freq(c)
         if c.local_rope_theta is not None:
             inv_freq = jnp.where(sliding, rope_inv_freq(c, local=True), inv_freq)
-        q = apply_rope(q, positions, inv_freq, c.mrope_section)
-        k = apply_rope(k, positions, inv_freq, c.mrope_section)
+        q = apply_rope(q, positions, inv_freq, c.mrope_axes)
+        k = apply_rope(k, positions, inv_freq, c.mrope_axes)
         mask = masks[0] if masks[1] is None else jnp.where(sliding, masks[1], masks[0])
         attn, layer_cache = attend_with_cache(q, k, v, layer_cache, cache_index, mask, self.dtype,
                                               c.query_pre_attn_scalar, self.attention)

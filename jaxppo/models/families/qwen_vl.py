@@ -1,24 +1,31 @@
-"""Qwen2.5-VL (`qwen2_5_vl`, `Qwen2_5_VLForConditionalGeneration`): Qwen2's language model
-with three-dimensional rotary positions (M-RoPE), and a vision transformer
-(`jaxppo.models.vision.qwen`) whose image token embeddings replace the embeddings of the
-text's image tokens. The images come as a `jaxppo.models.vision.ImageInput`; the positions
-of a prompt with images from `jaxppo.models.vision.mrope_positions`."""
+"""Qwen's vision-language models: Qwen2.5-VL (`qwen2_5_vl`,
+`Qwen2_5_VLForConditionalGeneration`), Qwen2's language model with three-dimensional rotary
+positions (M-RoPE) and a vision transformer (`jaxppo.models.vision.qwen`) whose image token
+embeddings replace the embeddings of the text's image tokens; and Qwen3-VL (`qwen3_vl`,
+`Qwen3VLForConditionalGeneration`), Qwen3's language model with interleaved M-RoPE and
+Qwen3-VL's vision transformer (`jaxppo.models.vision.qwen3`), whose DeepStack features are
+added to the image tokens' hidden states after the language model's first layers. The
+images come as a `jaxppo.models.vision.ImageInput`; the positions of a prompt with images
+from `jaxppo.models.vision.mrope_positions` (the same for both)."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from jaxppo.models.config import ModelConfig
 from jaxppo.models.families import llama
 from jaxppo.models.vision.qwen import (ImageInput, QwenVisionConfig, QwenVisionEncoder, smallest_image_input,
                                        vision_hf_name)
+from jaxppo.models.vision.qwen3 import Qwen3VisionConfig, Qwen3VisionEncoder, vision3_hf_name
 
-__all__ = ["FAMILY", "merge_images"]
+__all__ = ["FAMILY", "QWEN3_FAMILY", "merge_images"]
 
 ARCHITECTURE = "Qwen2_5_VLForConditionalGeneration"
+ARCHITECTURE_3 = "Qwen3VLForConditionalGeneration"
 
 
 def _from_hf(d: dict, common: dict) -> ModelConfig:
@@ -48,16 +55,31 @@ def _to_hf(c: ModelConfig, architecture: str, common: dict):
                                          architectures=common["architectures"])
 
 
+def _image_slots(input_ids, image_token_id: int, tokens, count: int):
+    """(is_image (B, L): the image tokens that take an image's features, index (B, L): which
+    of the row's `count` features each takes)."""
+    seen = jnp.cumsum(input_ids == image_token_id, axis=1)
+    is_image = (input_ids == image_token_id) & (seen <= jnp.asarray(tokens)[:, None])
+    return is_image, jnp.clip(seen - 1, 0, count - 1)
+
+
 def merge_images(x, input_ids, image_token_id: int, features, tokens):
     """The embeddings `x` (B, L, D) with row b's k-th image token taking `features[b, k]`
     (features (B, K, D)) for k < tokens[b]; image tokens after those (a sampled one) keep
     their own embedding, as when they are decoded (`jaxppo.models.vision.image_prompt`
     checks the prompts' counts on the host)."""
-    count = jnp.cumsum(input_ids == image_token_id, axis=1)
-    is_image = (input_ids == image_token_id) & (count <= jnp.asarray(tokens)[:, None])
-    index = jnp.clip(count - 1, 0, features.shape[1] - 1)
+    is_image, index = _image_slots(input_ids, image_token_id, tokens, features.shape[1])
     picked = jnp.take_along_axis(features, index[..., None], axis=1).astype(x.dtype)
     return jnp.where(is_image[..., None], picked, x)
+
+
+def deepstack_additions(input_ids, image_token_id: int, deep, tokens, dtype):
+    """DeepStack's additions (K, B, L, D) to the hidden states, from the encoder's DeepStack
+    features `deep` (B, K, N, D) (K layers, N image tokens per row): row b's n-th image token
+    gets `deep[b, :, n]` for n < tokens[b]; 0 everywhere else."""
+    is_image, index = _image_slots(input_ids, image_token_id, tokens, deep.shape[2])
+    picked = jax.vmap(lambda d: jnp.take_along_axis(d, index[..., None], axis=1), in_axes=1)(deep)
+    return jnp.where(is_image[None, ..., None], picked, 0).astype(dtype)
 
 
 def _vision(trunk, c: ModelConfig, x, input_ids, images):
@@ -67,11 +89,31 @@ def _vision(trunk, c: ModelConfig, x, input_ids, images):
         if trunk.is_initializing():  # the encoder's parameters, from one image token's patches
             blank = smallest_image_input(c.vision)
             encoder(jnp.asarray(blank.pixels), blank.layout)
-        return x
+        return x, None
+    _check_input(c, images)
+    return merge_images(x, input_ids, c.image_token_id, encoder(images.pixels, images.layout), images.tokens), None
+
+
+def _check_input(c: ModelConfig, images):
     if not isinstance(images, ImageInput):
-        raise TypeError(f"a qwen2_5_vl model takes its images as a jaxppo.models.vision.ImageInput; got "
+        raise TypeError(f"a {c.model_type} model takes its images as a jaxppo.models.vision.ImageInput; got "
                         f"{type(images).__name__}")
-    return merge_images(x, input_ids, c.image_token_id, encoder(images.pixels, images.layout), images.tokens)
+
+
+def _vision3(trunk, c: ModelConfig, x, input_ids, images):
+    encoder = nn.vmap(Qwen3VisionEncoder, in_axes=(0, 0), variable_axes={"params": None},
+                      split_rngs={"params": False})(c.vision, trunk.dtype, trunk.param_dtype, name="visual")
+    if images is None:
+        if trunk.is_initializing():  # the encoder's parameters, from one image token's patches
+            blank = smallest_image_input(c.vision)
+            encoder(jnp.asarray(blank.pixels), blank.layout)
+        return x, None
+    _check_input(c, images)
+    features, deep = encoder(images.pixels, images.layout)  # (B, N, D), (B, K, N, D)
+    x = merge_images(x, input_ids, c.image_token_id, features, images.tokens)
+    if not c.vision.deepstack_visual_indexes:
+        return x, None
+    return x, deepstack_additions(input_ids, c.image_token_id, deep, images.tokens, x.dtype)
 
 
 def _images(c: ModelConfig, processor, tokenizer):
@@ -89,6 +131,35 @@ def _hf_extra_name(path, c: ModelConfig):
     return "visual." + name, layout
 
 
+def _from_hf3(d: dict, common: dict) -> ModelConfig:
+    if "vision_config" not in d or "image_token_id" not in d:
+        raise KeyError("vision_config and image_token_id")
+    text = llama._from_hf(dict(d, model_type="qwen3"), common)
+    if text.mrope_section is None:
+        raise ValueError("a qwen3_vl config's rope parameters must give mrope_section")
+    return dataclasses.replace(text, model_type="qwen3_vl", vision=Qwen3VisionConfig.from_hf(d["vision_config"]),
+                               image_token_id=int(d["image_token_id"]))
+
+
+def _to_hf3(c: ModelConfig, architecture: str, common: dict):
+    import transformers
+
+    text = llama.to_hf_kwargs(c, {k: v for k, v in common.items() if k not in ("architectures", "num_labels")})
+    text.update(rope_parameters=dict(c.rope_params, rope_theta=c.rope_theta), attention_bias=c.qkv_bias)
+    return transformers.Qwen3VLConfig(text_config=text, vision_config=c.vision.to_hf(), image_token_id=c.image_token_id,
+                                      tie_word_embeddings=c.tie_word_embeddings,
+                                      architectures=common["architectures"])
+
+
+def _hf_extra_name3(path, c: ModelConfig):
+    """Qwen3-VL's vision encoder (under the trunk's "visual"): "model.visual." + its names
+    in the encoder (`vision3_hf_name`)."""
+    if len(path) < 3 or path[1] != "visual":
+        return None
+    name, layout = vision3_hf_name(path[2:], c.vision)
+    return "model.visual." + name, layout
+
+
 FAMILY = dataclasses.replace(
     llama.FAMILY,
     name="qwen2_5_vl",
@@ -100,4 +171,16 @@ FAMILY = dataclasses.replace(
     vision=_vision,
     hf_extra_name=_hf_extra_name,
     images=_images,
+)
+
+QWEN3_FAMILY = dataclasses.replace(
+    FAMILY,
+    name="qwen3_vl",
+    model_types=("qwen3_vl",),
+    architectures={"qwen3_vl": (ARCHITECTURE_3, ARCHITECTURE_3)},
+    config_from_hf=_from_hf3,
+    config_to_hf=_to_hf3,
+    vision=_vision3,
+    hf_extra_name=_hf_extra_name3,
+    hf_trunk_name="model.language_model",
 )

@@ -25,7 +25,7 @@ over all the row's patches at once. Everything about the grids is computed on th
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple, Sequence, Tuple
+from typing import Any, NamedTuple, Optional, Sequence, Tuple
 
 import flax.linen as nn
 import jax
@@ -53,7 +53,7 @@ class QwenVisionConfig:
     patch_size: int = 14
     temporal_patch_size: int = 2
     spatial_merge_size: int = 2
-    window_size: int = 112
+    window_size: Optional[int] = 112
     fullatt_block_indexes: Tuple[int, ...] = (7, 15, 23, 31)
     hidden_act: str = "silu"
     rope_theta: float = 10000.0
@@ -64,7 +64,7 @@ class QwenVisionConfig:
             raise ValueError(f"vision hidden_size {self.hidden_size} must split into {self.num_heads} heads whose "
                              "size is a multiple of 4 (half of each head turns with the rows, half with the columns)")
         unit = self.spatial_merge_size * self.patch_size
-        if self.window_size % unit:
+        if self.window_size is not None and self.window_size % unit:
             raise ValueError(f"vision window_size {self.window_size} must be a multiple of spatial_merge_size x "
                              f"patch_size ({unit})")
         object.__setattr__(self, "fullatt_block_indexes", tuple(int(i) for i in self.fullatt_block_indexes))
@@ -106,6 +106,8 @@ class VisionLayout(NamedTuple):
     window_slots: (windows, largest window) the visited rows of each window (a run of
       consecutive rows), padded with N: the windowed blocks attend window by window.
     frame_slots: (frames, largest frame) the same for the frames (image, t): the full blocks.
+    sizes: (N, 2) each visited patch's image grid (h, w) (what Qwen3-VL's learned position
+      embeddings are resampled to).
     """
 
     order: np.ndarray
@@ -113,6 +115,7 @@ class VisionLayout(NamedTuple):
     restore: np.ndarray
     window_slots: np.ndarray
     frame_slots: np.ndarray
+    sizes: np.ndarray
 
 
 def _slots(sizes: Sequence[int], n: int) -> np.ndarray:
@@ -158,11 +161,12 @@ def vision_layout(grids: Sequence[Sequence[int]], config: QwenVisionConfig) -> V
     """The `VisionLayout` of images with patch grids `grids` ((t, h, w) each, as the
     processor's `image_grid_thw`), their patches concatenated in that order."""
     m, unit = config.spatial_merge_size, config.merge_unit
-    side = config.window_size // m // config.patch_size  # a window's side in image tokens
-    merged, windows, frames, positions, start = [], [], [], [], 0
+    merged, windows, frames, positions, sizes, start = [], [], [], [], [], 0
     for grid in grids:
         t, h, w = _check_grid(grid, config)
         rows, cols = h // m, w // m
+        # a window's side in image tokens (no windows: the whole frame is one)
+        side = max(rows, cols) if config.window_size is None else config.window_size // m // config.patch_size
         tokens = np.arange(t * rows * cols).reshape(t, rows, cols) + start
         for f in range(t):  # windows row-major within each frame: the order the encoder visits
             for i in range(0, rows, side):
@@ -175,13 +179,15 @@ def vision_layout(grids: Sequence[Sequence[int]], config: QwenVisionConfig) -> V
         r, c = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
         blocks = lambda a: a.reshape(rows, m, cols, m).transpose(0, 2, 1, 3).reshape(-1)  # noqa: E731
         positions.append(np.tile(np.stack([blocks(r), blocks(c)], axis=-1), (t, 1)))
+        sizes.append(np.tile([h, w], (t * h * w, 1)))
         start += t * rows * cols
     merged = np.concatenate(merged) if merged else np.zeros(0, np.int64)
     order = (merged[:, None] * unit + np.arange(unit)).reshape(-1)
     n = len(order)
     positions = np.concatenate(positions)[order] if positions else np.zeros((0, 2))
+    sizes = np.concatenate(sizes)[order] if sizes else np.zeros((0, 2))
     return VisionLayout(order.astype(np.int32), positions.astype(np.int32), np.argsort(merged).astype(np.int32),
-                        _slots(windows, n), _slots(frames, n))
+                        _slots(windows, n), _slots(frames, n), sizes.astype(np.int32))
 
 
 class ImageInput(NamedTuple):
@@ -239,7 +245,7 @@ def image_input(pixel_rows: Sequence[np.ndarray], grid_rows: Sequence[Sequence[S
     if n < max(counts) or n % unit:
         raise ValueError(f"patches={n} per row must be a multiple of {unit} and hold the largest row's {max(counts)}")
     pixels = np.zeros((len(counts), n, config.patch_values), np.float32)
-    layouts, order, positions, restore = [], [], [], []
+    layouts, order, positions, restore, sizes = [], [], [], [], []
     for b, (rows, grids, count) in enumerate(zip(pixel_rows, grid_rows, counts)):
         rows = np.asarray(rows, np.float32)
         if rows.shape != (count, config.patch_values) and not (count == 0 and rows.size == 0):
@@ -250,13 +256,14 @@ def image_input(pixel_rows: Sequence[np.ndarray], grid_rows: Sequence[Sequence[S
         order.append(np.concatenate([layouts[-1].order, np.arange(count, n)]))  # padding visited last
         positions.append(np.concatenate([layouts[-1].positions, np.zeros((n - count, 2), np.int32)]))
         restore.append(np.concatenate([layouts[-1].restore, np.arange(count // unit, n // unit)]))
+        sizes.append(np.concatenate([layouts[-1].sizes, np.ones((n - count, 2), np.int32)]))
     windows = _pad_slots([lay.window_slots for lay in layouts], counts, n, shape.windows if shape else (0, 0))
     frames = _pad_slots([lay.frame_slots for lay in layouts], counts, n, shape.frames if shape else (0, 0))
     if shape is not None and (windows.shape[1:], frames.shape[1:]) != (tuple(shape.windows), tuple(shape.frames)):
         raise ValueError(f"images of grids {[list(g) for g in grid_rows]} do not fit {shape}: their slot tables are "
                          f"{windows.shape[1:]} and {frames.shape[1:]} (give the image_shape of rows that include them)")
     layout = VisionLayout(np.stack(order).astype(np.int32), np.stack(positions).astype(np.int32),
-                          np.stack(restore).astype(np.int32), windows, frames)
+                          np.stack(restore).astype(np.int32), windows, frames, np.stack(sizes).astype(np.int32))
     return ImageInput(pixels, layout, np.asarray(counts, np.int32) // unit)
 
 
@@ -288,7 +295,9 @@ def _rotate(x, cos, sin):
     return (x32 * cos[:, None] + rotated * sin[:, None]).astype(x.dtype)
 
 
-class _Attention(nn.Module):
+class SegmentAttention(nn.Module):
+    """A vision block's attention (Qwen2.5-VL's and Qwen3-VL's): see `__call__`."""
+
     config: QwenVisionConfig
     dtype: Any
     param_dtype: Any
@@ -335,7 +344,7 @@ class _Block(nn.Module):
     @nn.compact
     def __call__(self, x, cos, sin, slots):
         c, kw = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        x = x + _Attention(c, **kw, name="attn")(RMSNorm(c.norm_eps, **kw, name="norm1")(x), cos, sin, slots)
+        x = x + SegmentAttention(c, **kw, name="attn")(RMSNorm(c.norm_eps, **kw, name="norm1")(x), cos, sin, slots)
         return x + _MLP(c, **kw, name="mlp")(RMSNorm(c.norm_eps, **kw, name="norm2")(x))
 
 

@@ -107,7 +107,8 @@ class QwenImages:
         v = self.config.vision
         i32 = lambda *s: jax.ShapeDtypeStruct((rows,) + s, np.int32)  # noqa: E731
         n = shape.patches
-        layout = VisionLayout(i32(n), i32(n, 2), i32(n // v.merge_unit), i32(*shape.windows), i32(*shape.frames))
+        layout = VisionLayout(i32(n), i32(n, 2), i32(n // v.merge_unit), i32(*shape.windows), i32(*shape.frames),
+                              i32(n, 2))
         images = ImageInput(jax.ShapeDtypeStruct((rows, n, v.patch_values), np.float32), layout, i32())
         return ImagePrompt(None, images, i32(width, 3), i32())
 
