@@ -14,8 +14,8 @@ decode step.
 
 Layouts (config.json only, written to a temporary directory from transformers' config
 classes): Qwen2.5-0.5B, Qwen3-1.7B, Llama-3.1-8B, Qwen3-30B-A3B, Llama-3.1-70B, and
-Qwen2.5-VL-7B with one 448 x 448 image per prompt (256 of its 512 prompt tokens; the
-vision encoder frozen, as by default; `jaxppo plan --images 1x448x448`). Runs: PPO
+Qwen2.5-VL-7B and Qwen3-VL-8B with one 448 x 448 image per prompt (256 and 196 of their 512
+prompt tokens; the vision encoder frozen, as by default; `jaxppo plan --images 1x448x448`). Runs: PPO
 with a critic and a reward model of the same layout (full fine-tuning), GRPO (G = 8) full
 and with LoRA rank 16 on every linear layer; batch 64, 512 prompt + 512 response tokens,
 mini-batch 16, 1 epoch, bf16 compute (float32 master weights where the weights train),
@@ -78,6 +78,9 @@ def _layouts(root: str) -> dict:
     vl = os.path.join(root, "qwen2.5-vl-7b")  # a vision-language model: no sequence-classification sibling
     _qwen25_vl_7b().save_pretrained(vl)
     out["qwen2.5-vl-7b"] = (vl, None)
+    vl3 = os.path.join(root, "qwen3-vl-8b")
+    _qwen3_vl_8b().save_pretrained(vl3)
+    out["qwen3-vl-8b"] = (vl3, None)
     for name, (cls, kw, arch) in configs.items():
         dirs = []
         for suffix in ("ForCausalLM", "ForSequenceClassification"):
@@ -103,9 +106,25 @@ def _qwen25_vl_7b():
                             architectures=["Qwen2_5_VLForConditionalGeneration"])
 
 
+def _qwen3_vl_8b():
+    """Qwen3-VL-8B-Instruct's config."""
+    from transformers import Qwen3VLConfig
+
+    text = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=262144,
+                rms_norm_eps=1e-6, eos_token_id=151645,
+                rope_parameters={"rope_type": "default", "mrope_section": [24, 20, 20], "mrope_interleaved": True,
+                                 "rope_theta": 5000000.0})
+    vision = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=4096,
+                  patch_size=16, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=2304,
+                  deepstack_visual_indexes=[8, 16, 24], hidden_act="gelu_pytorch_tanh")
+    return Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=151655, tie_word_embeddings=False,
+                         architectures=["Qwen3VLForConditionalGeneration"])
+
+
 LAYOUT_NAMES = ("qwen2.5-0.5b", "qwen3-1.7b", "llama3.1-8b", "qwen3-30b-a3b", "llama3.1-70b",
-                "qwen2.5-vl-7b")  # `_layouts`' keys
-IMAGES = {"qwen2.5-vl-7b": (1, 448, 448)}  # a vision-language layout's images per prompt
+                "qwen2.5-vl-7b", "qwen3-vl-8b")  # `_layouts`' keys
+IMAGES = {"qwen2.5-vl-7b": (1, 448, 448), "qwen3-vl-8b": (1, 448, 448)}  # a vision-language layout's images per prompt
 RUNS = {  # name: (algorithm, reward model, LoRA rank)
     "ppo full": ("ppo", True, 0),
     "grpo full": ("grpo", False, 0),
@@ -120,6 +139,7 @@ ROWS = {
     "qwen3-30b-a3b": (("grpo full", ("h100x8", "h200x8", "v5p-16")), ("grpo lora16", ("h200x8",))),
     "llama3.1-70b": (("grpo lora16", ("h200x8",)),),
     "qwen2.5-vl-7b": (("grpo full", ("h200x8", "v5p-8")), ("grpo lora16", ("h200",))),
+    "qwen3-vl-8b": (("grpo full", ("h200x8", "v5p-8")), ("grpo lora16", ("h200",))),
 }
 PROGRAMS = ("update", "score", "generate")
 

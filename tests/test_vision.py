@@ -375,3 +375,50 @@ def test_a_reward_model_or_teacher_that_reads_images_is_refused(tmp_path):
     model, params = load_model(str(tmp_path / "hf"), "causal_lm", "float32", role="policy")
     with pytest.raises(ValueError, match=r"reward_model= \(--reward-model\) \(a Model\): a vision-language"):
         load_model((model, params), "causal_lm", "float32", role="reward_model")
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_lora_on_a_vision_language_model_loads_in_peft_with_equal_logits(tmp_path, family):
+    """LoRA on every linear layer of the language model (the encoder untouched): adapters
+    moved from their start change the logits with images; saved in PEFT's format (named as
+    transformers' modules are, under model.language_model, the encoder excluded), PEFT loads
+    them onto transformers' model and its logits with the same images equal jaxppo's, and
+    jaxppo reads them back; the merged export loads in transformers with the same logits."""
+    import peft
+    import transformers
+
+    import jaxppo.models as jm
+    from jaxppo.models.vision import image_input
+
+    hf = (tiny_qwen3_vl if family == "qwen3_vl" else tiny_qwen_vl)(tmp_path / "hf")
+    model, params = jm.from_pretrained(str(tmp_path / "hf"))
+    lora_model, variables = jm.add_lora(model, params, jm.LoraConfig(rank=4, alpha=8, targets="all-linear"),
+                                        jax.random.key(1))
+    leaves, tree = jax.tree.flatten(variables["lora"])
+    keys = jax.random.split(jax.random.key(3), len(leaves))
+    trained = {**variables, "lora": jax.tree.unflatten(tree, [x + 0.1 * jax.random.normal(k, x.shape)
+                                                              for x, k in zip(leaves, keys)])}
+    ids, mask, pixel_rows, grid_rows = _rows_with_images(model.config.vision)
+    grids = [g for row in grid_rows for g in row]
+    positions = np.moveaxis(mrope_positions(ids, mask, grids, IMAGE, model.config.vision.spatial_merge_size)[0], 0, -1)
+    images = image_input(pixel_rows, grid_rows, model.config.vision)
+    real = mask.astype(bool)
+    base = np.asarray(model.apply(params, ids, mask, images=images, positions=positions))
+    adapted = np.asarray(lora_model.apply(trained, ids, mask, images=images, positions=positions))
+    assert np.abs(adapted[real] - base[real]).max() > 0.1
+
+    def reference(m):
+        with torch.no_grad():
+            return m(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                     pixel_values=torch.tensor(np.concatenate(pixel_rows)), image_grid_thw=torch.tensor(grids),
+                     mm_token_type_ids=torch.tensor((ids == IMAGE).astype(np.int64))).logits.numpy()
+
+    jm.save_pretrained(lora_model, trained, str(tmp_path / "merged"))
+    jm.save_peft_adapter(lora_model, trained, str(tmp_path / "adapter"), base_model_name_or_path=str(tmp_path / "hf"))
+    with_adapter = peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter")).eval()
+    np.testing.assert_allclose(reference(with_adapter)[real], adapted[real], atol=1e-4, rtol=0)
+    _, again = jm.load_peft_adapter(model, params, str(tmp_path / "adapter"))  # and jaxppo reads it back
+    for a, b in zip(jax.tree.leaves(again["lora"]), jax.tree.leaves(trained["lora"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    merged = transformers.AutoModelForImageTextToText.from_pretrained(str(tmp_path / "merged")).eval()
+    np.testing.assert_allclose(reference(merged)[real], adapted[real], atol=1e-4, rtol=0)

@@ -80,6 +80,11 @@ class ModelFamily:
         are added to the hidden states after each of the first K blocks (Qwen3-VL).
       hf_trunk_name: the trunk's name in Hugging Face checkpoints where it is not
         `trunk_name` ("model.language_model" in Qwen3-VL's), or None.
+      peft_trunk_name: the trunk's name in transformers' modules where it differs from the
+        checkpoint's (Qwen2.5-VL: saved as "model", "model.language_model" in memory): PEFT
+        names adapters by the modules; None where they agree.
+      peft_exclude: a regular expression of the modules PEFT must leave alone (a vision
+        encoder whose layers share the language model's names), or None.
       hf_extra_name: (flat param path, config) -> (Hugging Face name, layout) for parameters the
         block mapping does not name (a vision encoder), or None for the generic mapping;
         layout as `jaxppo.models.hf.hf_name` returns it (`to_hf_layout`).
@@ -111,6 +116,8 @@ class ModelFamily:
     vision: Optional[Callable] = None
     hf_extra_name: Optional[Callable] = None
     hf_trunk_name: Optional[str] = None
+    peft_trunk_name: Optional[str] = None
+    peft_exclude: Optional[str] = None
     images: Optional[Callable] = None
 
     def __post_init__(self):

@@ -34,6 +34,9 @@ def peft_name(path, config):
     leaf = path[-1]
     kernel = ("kernel",) if leaf in ("lora_a", "lora_b") else (leaf[: -len("_lora_a")],)
     name, _ = hf_name(path[:-1] + kernel, config)  # e.g. model.layers.0.self_attn.q_proj.weight
+    family = family_of(config)
+    if family.peft_trunk_name and name.startswith(family.trunk_name + "."):  # the modules' name, not the file's
+        name = family.peft_trunk_name + name[len(family.trunk_name):]
     which = "lora_A" if leaf.endswith("lora_a") else "lora_B"
     return f"base_model.model.{name[: -len('.weight')]}.{which}.weight"
 
@@ -78,6 +81,7 @@ def save_peft_adapter(model, variables, path: str, base_model_name_or_path: str 
         "use_dora": False,
         "modules_to_save": None,
         "layers_to_transform": None,
+        "exclude_modules": family_of(model.config).peft_exclude,
         "init_lora_weights": True,
         "inference_mode": True,
         "base_model_name_or_path": base_model_name_or_path,

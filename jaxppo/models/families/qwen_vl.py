@@ -171,6 +171,8 @@ FAMILY = dataclasses.replace(
     vision=_vision,
     hf_extra_name=_hf_extra_name,
     images=_images,
+    peft_trunk_name="model.language_model",
+    peft_exclude=r".*\.visual\..*",
 )
 
 QWEN3_FAMILY = dataclasses.replace(
@@ -183,4 +185,5 @@ QWEN3_FAMILY = dataclasses.replace(
     vision=_vision3,
     hf_extra_name=_hf_extra_name3,
     hf_trunk_name="model.language_model",
+    peft_trunk_name=None,
 )
