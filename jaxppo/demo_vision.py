@@ -38,23 +38,27 @@ DEMO_VISION_TRAINER = dict(iterations=80, query_length=24, response_length=2, le
                            output_dir="runs/demo_vision")
 
 
-def word_level_tokenizer(words, size: int, image_token: int):
+def word_level_tokenizer(words, size: int, image_token: int, specials: dict = None, placeholder: str = PLACEHOLDER,
+                         named: dict = None):
     """A word-level tokenizer of `size` ids: <pad> 0, <s> 1, </s> 2, <unk> 3, `words`,
-    unused fillers, and the image token (`PLACEHOLDER`) at `image_token`; its chat template
-    renders a message's image parts as the image token, once per image."""
+    unused fillers, and special tokens: `specials` ({id: text}; default the image token
+    `PLACEHOLDER` at `image_token`). Its chat template renders a message's image parts as
+    `placeholder`, once per image; `named` special tokens ({"boi_token": text, ...}) become
+    the tokenizer's attributes, as a model's processor may read them."""
     import tokenizers
     import transformers
 
+    specials = {image_token: PLACEHOLDER} if specials is None else specials
     names = ["<pad>", "<s>", "</s>", "<unk>", *words]
-    vocab = {PLACEHOLDER if i == image_token else names[i] if i < len(names) else f"<unused{i}>": i
-             for i in range(size)}
+    vocab = {specials[i] if i in specials else names[i] if i < len(names) else f"<unused{i}>": i for i in range(size)}
     model = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
     model.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
     model.decoder = tokenizers.decoders.WordPiece()
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=model, pad_token="<pad>", eos_token="</s>",
                                                      bos_token="<s>", unk_token="<unk>",
-                                                     additional_special_tokens=[PLACEHOLDER])
-    tokenizer.chat_template = _TEMPLATE
+                                                     additional_special_tokens=list(specials.values()),
+                                                     extra_special_tokens=named or None)
+    tokenizer.chat_template = _TEMPLATE.replace(PLACEHOLDER, placeholder)
     return tokenizer
 
 

@@ -109,3 +109,60 @@ def noise_image(seed, size=(16, 16)):
     import PIL.Image
 
     return PIL.Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+
+
+# Gemma 3: a 16 x 16 image in 4-pixel patches, pooled to 4 image tokens (ids 97 start of
+# image, 98 end of image, 99 image token of a 100-id vocabulary).
+BOI, EOI, GEMMA_IMAGE = 97, 98, 99
+GEMMA_SPECIALS = {BOI: "<start_of_image>", EOI: "<end_of_image>", GEMMA_IMAGE: "<image_soft_token>"}
+
+
+def tiny_gemma3_vl(path, seed: int = 0):
+    """A tiny random Gemma 3 with its SigLIP tower (`Gemma3ForConditionalGeneration`) saved
+    by transformers at `path`: 3 layers, sliding and full, a window of 3 tokens (narrower
+    than an image's 4 tokens); returns the torch model."""
+    import torch
+    import transformers
+
+    text = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, max_position_embeddings=128, sliding_window=3,
+                layer_types=["sliding_attention", "full_attention", "sliding_attention"], query_pre_attn_scalar=8,
+                bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                 "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=16,
+                  patch_size=4, vision_use_head=False)
+    torch.manual_seed(seed)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=GEMMA_IMAGE, boi_token_index=BOI, eoi_token_index=EOI)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name or "mm_input" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return model
+
+
+def gemma_tokenizer():
+    """The word-level tokenizer of the tiny Gemma 3's 100 ids, its chat template showing an
+    image part as the start-of-image token, and the marker tokens Gemma 3's processor reads."""
+    from jaxppo.demo_vision import word_level_tokenizer
+
+    return word_level_tokenizer(WORDS, 100, GEMMA_IMAGE, GEMMA_SPECIALS, GEMMA_SPECIALS[BOI],
+                                dict(boi_token=GEMMA_SPECIALS[BOI], eoi_token=GEMMA_SPECIALS[EOI],
+                                     image_token=GEMMA_SPECIALS[GEMMA_IMAGE]))
+
+
+def gemma_image_processor():
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    return Gemma3ImageProcessorPil(size={"height": 16, "width": 16})
+
+
+def tiny_gemma_checkpoint(path, seed: int = 0):
+    """`tiny_gemma3_vl` at `path` with its tokenizer and image processor saved beside it."""
+    tiny_gemma3_vl(path, seed)
+    gemma_tokenizer().save_pretrained(path)
+    gemma_image_processor().save_pretrained(path)
+    return os.fspath(path)

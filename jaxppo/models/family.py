@@ -74,10 +74,15 @@ class ModelFamily:
     Vision-language families:
       vision: (trunk module, config, embeddings (B, L, D), input_ids, images) -> (the
         embeddings with the images' token embeddings at the image tokens, DeepStack's
-        additions or None), called inside the trunk after `embed` (the encoder's modules
-        are the trunk's); `images` is the family's image input, or None (text only; at init
-        the encoder's parameters are made all the same). DeepStack's additions (K, B, L, D)
-        are added to the hidden states after each of the first K blocks (Qwen3-VL).
+        additions or None, each token's image or None), called inside the trunk after
+        `embed` (the encoder's modules are the trunk's); `images` is the family's image
+        input, or None (text only; at init the encoder's parameters are made all the same).
+        DeepStack's additions (K, B, L, D) are added to the hidden states after each of the
+        first K blocks (Qwen3-VL); each token's image (B, L), -1 for text, makes an image's
+        tokens attend to each other both ways (Gemma 3).
+      hf_checkpoint_name: (a checkpoint's tensor name) -> the name the family's mapping
+        reads it by, or None for a tensor the model does not use (e.g. the one of a
+        published layout that differs from what transformers saves); None: as they are.
       hf_trunk_name: the trunk's name in Hugging Face checkpoints where it is not
         `trunk_name` ("model.language_model" in Qwen3-VL's), or None.
       peft_trunk_name: the trunk's name in transformers' modules where it differs from the
@@ -118,6 +123,7 @@ class ModelFamily:
     hf_trunk_name: Optional[str] = None
     peft_trunk_name: Optional[str] = None
     peft_exclude: Optional[str] = None
+    hf_checkpoint_name: Optional[Callable] = None
     images: Optional[Callable] = None
 
     def __post_init__(self):

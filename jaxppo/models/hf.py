@@ -285,6 +285,17 @@ def layer_count(path: str) -> Optional[int]:
     return checkpoint_config(path).num_layers
 
 
+def _renamed(config: ModelConfig, get_tensor, names):
+    """(get_tensor, names) by the family's names for the checkpoint's tensors
+    (`ModelFamily.hf_checkpoint_name`; a tensor it names None is left out)."""
+    rename = family_of(config).hf_checkpoint_name
+    if rename is None:
+        return get_tensor, names
+    renamed = {rename(n): n for n in names}
+    renamed.pop(None, None)
+    return (lambda name: get_tensor(renamed[name])), set(renamed)
+
+
 def _model_config(d: dict, source: str) -> ModelConfig:
     """The `ModelConfig` of a Hugging Face config dict read from `source`; a ValueError
     naming the file when a field is missing or wrong."""
@@ -347,7 +358,7 @@ def from_pretrained(
                   scan_layers=scan_layers)
     if get_tensor is None:
         return model, model.init(jax.random.key(0), seq_len=2)
-    params = params_from_hf_tensors(model, get_tensor, names)
+    params = params_from_hf_tensors(model, *_renamed(config, get_tensor, names))
     value_head_file = os.path.join(path, _VALUE_HEAD_FILE)
     if kind == "causal_lm_value" and not is_gguf(path) and os.path.isfile(value_head_file):
         from safetensors.numpy import load_file

@@ -476,7 +476,8 @@ def _grouped_hidden(model: "Model", params, query_tokens, query_mask, response_t
     kv_mask = jnp.concatenate([jnp.repeat(query_mask, g, axis=0), response_mask.astype(query_mask.dtype)], axis=1)
     if isinstance(query_tokens, ImagePrompt):  # each group's images encoded once, with its prompt
         prompt_run = (query_tokens.positions, query_tokens.images)
-        after = response_positions(jnp.repeat(query_tokens.next_position, g, axis=0), response_mask)
+        after = response_positions(jnp.repeat(query_tokens.next_position, g, axis=0), response_mask,
+                                   jnp.ndim(query_tokens.positions))
     else:
         prompt_run, after = (default_positions(query_mask), None), default_positions(kv_mask)[:, q:]
     hidden_p, values_p, cache = run(ids, query_mask, prompt_run[0], model.init_cache(groups, q), 0, prompt_run[1])

@@ -35,8 +35,9 @@ def peft_name(path, config):
     kernel = ("kernel",) if leaf in ("lora_a", "lora_b") else (leaf[: -len("_lora_a")],)
     name, _ = hf_name(path[:-1] + kernel, config)  # e.g. model.layers.0.self_attn.q_proj.weight
     family = family_of(config)
-    if family.peft_trunk_name and name.startswith(family.trunk_name + "."):  # the modules' name, not the file's
-        name = family.peft_trunk_name + name[len(family.trunk_name):]
+    saved = family.hf_trunk_name or family.trunk_name
+    if family.peft_trunk_name and name.startswith(saved + "."):  # the modules' name, not the file's
+        name = family.peft_trunk_name + name[len(saved):]
     which = "lora_A" if leaf.endswith("lora_a") else "lora_B"
     return f"base_model.model.{name[: -len('.weight')]}.{which}.weight"
 

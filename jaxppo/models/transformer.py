@@ -297,6 +297,40 @@ def dense(block, features, use_bias, name):
     return nn.Dense(features, use_bias=use_bias, dtype=block.dtype, param_dtype=block.param_dtype, name=name)
 
 
+def _masks(c: ModelConfig, lq: int, attention_mask, cache_index, segment_ids, blocks):
+    """(mask, sliding layers' mask or None), each (1 or B, Lq, Lk): what the Lq query tokens
+    at cache slot `cache_index` on (a scalar, or (B,)) attend to among the Lk slots of
+    `attention_mask`: the earlier real slots and their own (causal); within their own
+    segment (packed rows, `segment_ids`); an image's tokens all of that image's (`blocks`);
+    in the sliding layers only the last `sliding_window` slots."""
+    lk = attention_mask.shape[1]
+    # The query tokens' slots, (1, Lq) or per row (B, Lq).
+    query_slots = (cache_index[:, None] if jnp.ndim(cache_index) == 1 else jnp.asarray(cache_index)[None, None]
+                   ) + jnp.arange(lq)[None, :]
+    causal = jnp.arange(lk)[None, None, :] <= query_slots[:, :, None]  # (1 or B, Lq, Lk)
+    if blocks is not None:  # an image's tokens attend to each other both ways (Gemma 3)
+        causal = causal | _same_image(blocks, query_slots, lk)
+    mask = causal & attention_mask.astype(bool)[:, None, :]
+    if segment_ids is not None:  # packed rows: a token attends within its own segment only
+        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    if not any(c.sliding_layers):
+        return mask, None
+    in_window = jnp.arange(lk)[None, None, :] > query_slots[:, :, None] - c.sliding_window  # q - window < s
+    return mask, mask & in_window
+
+
+def _same_image(blocks, query_slots, lk: int):
+    """(B, Lq, Lk): query and key are tokens of one image. `blocks` (B, Lq) is each query
+    token's image (-1 for text), the queries at cache slots `query_slots` (1 or B, Lq); a
+    key slot that is none of these queries' (an earlier call's) is text to them."""
+    b, lq = blocks.shape
+    index = jnp.arange(lk)[None, :] - query_slots[:, :1]  # the query each key slot is, if any
+    key = jnp.take_along_axis(jnp.broadcast_to(blocks, (b, lq)), jnp.clip(jnp.broadcast_to(index, (b, lk)), 0, lq - 1),
+                              axis=1)
+    key = jnp.where((index >= 0) & (index < lq), key, -1)
+    return (blocks[:, :, None] >= 0) & (blocks[:, :, None] == key[:, None, :])
+
+
 @functools.lru_cache(maxsize=None)
 def _deepstacked(block_cls):
     """`block_cls` taking two more arguments in a scan over the layers: DeepStack's additions
@@ -339,23 +373,11 @@ class Transformer(nn.Module):
         c = self.config
         family = family_of(c)
         x, table = family.embed(self, c, input_ids, positions)
-        deep = None  # DeepStack's additions to the first blocks' outputs (K, B, Lq, D), or None
+        deep = blocks = None  # DeepStack's additions (K, B, Lq, D); each token's image (B, Lq), -1 for text
         if family.vision is not None:  # a vision-language model: the image tokens take the images' embeddings
-            x, deep = family.vision(self, c, x, input_ids, images)
-        lq, lk = input_ids.shape[1], attention_mask.shape[1]
-        # The query tokens' slots, (1, Lq) or per row (B, Lq).
-        query_slots = (cache_index[:, None] if jnp.ndim(cache_index) == 1 else jnp.asarray(cache_index)[None, None]
-                       ) + jnp.arange(lq)[None, :]
-        causal = jnp.arange(lk)[None, None, :] <= query_slots[:, :, None]  # (1 or B, Lq, Lk)
-        mask = causal & attention_mask.astype(bool)[:, None, :]
-        if segment_ids is not None:  # packed rows: a token attends within its own segment only
-            mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+            x, deep, blocks = family.vision(self, c, x, input_ids, images)
+        masks = _masks(c, input_ids.shape[1], attention_mask, cache_index, segment_ids, blocks)
         sliding = c.sliding_layers
-        local_mask = None
-        if any(sliding):  # slots within the window: q - window < s
-            in_window = jnp.arange(lk)[None, None, :] > query_slots[:, :, None] - c.sliding_window
-            local_mask = mask & in_window
-        masks = (mask, local_mask)
         block_cls = family.block
         if deep is not None and self.scan_layers:
             block_cls = _deepstacked(block_cls)

@@ -40,6 +40,7 @@ import numpy as np
 from jaxppo import sharding
 from jaxppo.errors import EpisodeError
 from jaxppo.models.tokenizer import decode_responses
+from jaxppo.models.vision.prompt import positions_like
 from jaxppo.rollout.engines import BUILT_IN, engine_class
 from jaxppo.rollout.engines.static import TurnInput
 from jaxppo.rollout.rewards import accepted_columns, load_callable, qualified_name
@@ -348,10 +349,10 @@ class _Play:
         if images is None:
             return ids, mask
         prompt_positions, first = sharding.to_host(images.positions), sharding.to_host(images.next_position)
-        positions = np.zeros((b, width, 3), np.int32)
+        positions = np.zeros((b, width) + prompt_positions.shape[2:], np.int32)
         for i in range(b):
-            after = first[i] + np.arange(self.used[i])
-            seq = np.concatenate([prompt_positions[i][q_mask[i] > 0], np.repeat(after[:, None], 3, axis=1)])
+            after = positions_like(first[i] + np.arange(self.used[i]), prompt_positions.ndim - 1)
+            seq = np.concatenate([prompt_positions[i][q_mask[i] > 0], after])
             positions[i, width - len(seq):] = seq
         return images._replace(ids=ids, positions=positions, next_position=first + self.used.astype(np.int32)), mask
 

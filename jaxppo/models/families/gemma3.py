@@ -1,18 +1,26 @@
-"""Gemma 3 (text): the Llama block with norms after attention and around the MLP, RMSNorm
-with (1 + weight), q/k norms, GeGLU, embeddings scaled by sqrt(hidden_size), sliding and
-global layers with their own rope bases, optional logit soft-capping."""
+"""Gemma 3: the Llama block with norms after attention and around the MLP, RMSNorm with
+(1 + weight), q/k norms, GeGLU, embeddings scaled by sqrt(hidden_size), sliding and global
+layers with their own rope bases, optional logit soft-capping. Text (`gemma3_text`,
+`FAMILY`), and with images (`gemma3`, `Gemma3ForConditionalGeneration`, `VISION_FAMILY`):
+a SigLIP encoder and projector (`jaxppo.models.vision.gemma`) whose image token embeddings
+replace the embeddings of the text's image tokens, each image's tokens attending to each
+other both ways."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
+import flax.linen as nn
 import jax.numpy as jnp
 
 from jaxppo.models.config import ModelConfig
 from jaxppo.models.families import llama
 from jaxppo.models.transformer import RMSNorm
+from jaxppo.models.vision.gemma import GemmaImageInput, GemmaVisionConfig, GemmaVisionEncoder, gemma_vision_hf_name
+from jaxppo.models.vision.prompt import image_slots, merge_images
 
-__all__ = ["GemmaBlock", "FAMILY"]
+__all__ = ["GemmaBlock", "FAMILY", "VISION_FAMILY"]
 
 
 class GemmaBlock(llama.LlamaBlock):
@@ -85,9 +93,94 @@ FAMILY = dataclasses.replace(
     config_from_hf=_from_hf,
     config_to_hf=_to_hf,
     tied_by_default=True,
-    hints={"gemma3": "this is a multimodal Gemma3ForConditionalGeneration checkpoint: jaxppo loads Gemma 3 text "
-                     "checkpoints (model_type gemma3_text, Gemma3ForCausalLM) only"},
+    hints={},
     block=GemmaBlock,
     embed=_embed,
     final_norm=_final_norm,
+)
+
+
+def _from_hf_vision(d: dict, common: dict) -> ModelConfig:
+    if "vision_config" not in d:
+        raise KeyError("vision_config")
+    text = _from_hf(dict(d, model_type="gemma3_text"), common)
+    image = d.get("image_token_index", d.get("image_token_id"))
+    if image is None:
+        raise KeyError("image_token_index")
+    if d["vision_config"].get("model_type", "siglip_vision_model") != "siglip_vision_model":
+        raise ValueError(f"a gemma3 vision_config of model_type {d['vision_config']['model_type']!r}: jaxppo loads "
+                         "Gemma 3's SigLIP tower (siglip_vision_model)")
+    return dataclasses.replace(text, model_type="gemma3", vision=GemmaVisionConfig.from_hf(d), image_token_id=int(image))
+
+
+def _to_hf_vision(c: ModelConfig, architecture: str, common: dict):
+    import transformers
+
+    text = _to_hf(dataclasses.replace(c, model_type="gemma3_text", vision=None, image_token_id=None),
+                  "Gemma3ForCausalLM", {k: v for k, v in common.items() if k not in ("architectures", "num_labels")})
+    vision, beside = c.vision.to_hf()
+    return transformers.Gemma3Config(text_config=text, vision_config=vision, image_token_index=c.image_token_id,
+                                     tie_word_embeddings=c.tie_word_embeddings, architectures=common["architectures"],
+                                     **beside)
+
+
+def _vision(trunk, c: ModelConfig, x, input_ids, images):
+    v = c.vision
+    encoder = nn.vmap(GemmaVisionEncoder, variable_axes={"params": None}, split_rngs={"params": False})(
+        v, c.hidden_size, trunk.dtype, trunk.param_dtype, name="visual")
+    if images is None:
+        if trunk.is_initializing():  # the encoder's parameters, from one blank image
+            encoder(jnp.zeros((1, 1, v.num_channels, v.image_size, v.image_size), trunk.dtype))
+        return x, None, None
+    if not isinstance(images, GemmaImageInput):
+        raise TypeError(f"a gemma3 model takes its images as a jaxppo.models.vision.gemma.GemmaImageInput; got "
+                        f"{type(images).__name__}")
+    features = encoder(jnp.asarray(images.pixels))  # (B, M, T, D)
+    b, m, t, d = features.shape
+    x = merge_images(x, input_ids, c.image_token_id, features.reshape(b, m * t, d), images.tokens)
+    is_image, index = image_slots(input_ids, c.image_token_id, images.tokens, m * t)
+    return x, None, jnp.where(is_image, index // t, -1)  # each image token's image
+
+
+def _images(c: ModelConfig, processor, tokenizer):
+    from jaxppo.models.vision.gemma_images import GemmaImages
+
+    return GemmaImages(processor, c, tokenizer)
+
+
+def _hf_extra_name(path, c: ModelConfig):
+    """The vision encoder and projector (under the trunk's "visual", as every vision family
+    names its encoder) by
+    `gemma_vision_hf_name`; the language model under "language_model" as transformers saves
+    Gemma 3 (its trunk "language_model.model", an untied head "language_model.lm_head")."""
+    if path[0] == "lm_head":
+        return "language_model.lm_head.weight", True
+    if len(path) < 3 or path[1] != "visual":
+        return None
+    return gemma_vision_hf_name(path[2:], c.vision)
+
+
+def _checkpoint_name(name: str):
+    """Gemma 3's published checkpoints hold the tower under vision_tower.vision_model and
+    SigLIP's pooling head, which Gemma 3 does not use; transformers saves the tower under
+    vision_tower."""
+    name = re.sub(r"^vision_tower\.vision_model\.", "vision_tower.", name)
+    return None if name.startswith("vision_tower.head.") else name
+
+
+VISION_FAMILY = dataclasses.replace(
+    FAMILY,
+    name="gemma3_vision",
+    model_types=("gemma3",),
+    architectures={"gemma3": ("Gemma3ForConditionalGeneration", "Gemma3ForConditionalGeneration")},
+    config_from_hf=_from_hf_vision,
+    config_to_hf=_to_hf_vision,
+    hints={},
+    vision=_vision,
+    hf_extra_name=_hf_extra_name,
+    images=_images,
+    hf_trunk_name="language_model.model",
+    hf_checkpoint_name=_checkpoint_name,
+    peft_trunk_name="model.language_model",
+    peft_exclude=r".*\.vision_tower\..*",
 )

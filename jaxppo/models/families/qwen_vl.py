@@ -20,9 +20,10 @@ from jaxppo.models.config import ModelConfig
 from jaxppo.models.families import llama
 from jaxppo.models.vision.qwen import (ImageInput, QwenVisionConfig, QwenVisionEncoder, smallest_image_input,
                                        vision_hf_name)
+from jaxppo.models.vision.prompt import image_slots, merge_images
 from jaxppo.models.vision.qwen3 import Qwen3VisionConfig, Qwen3VisionEncoder, vision3_hf_name
 
-__all__ = ["FAMILY", "QWEN3_FAMILY", "merge_images"]
+__all__ = ["FAMILY", "QWEN3_FAMILY", "deepstack_additions"]
 
 ARCHITECTURE = "Qwen2_5_VLForConditionalGeneration"
 ARCHITECTURE_3 = "Qwen3VLForConditionalGeneration"
@@ -55,29 +56,11 @@ def _to_hf(c: ModelConfig, architecture: str, common: dict):
                                          architectures=common["architectures"])
 
 
-def _image_slots(input_ids, image_token_id: int, tokens, count: int):
-    """(is_image (B, L): the image tokens that take an image's features, index (B, L): which
-    of the row's `count` features each takes)."""
-    seen = jnp.cumsum(input_ids == image_token_id, axis=1)
-    is_image = (input_ids == image_token_id) & (seen <= jnp.asarray(tokens)[:, None])
-    return is_image, jnp.clip(seen - 1, 0, count - 1)
-
-
-def merge_images(x, input_ids, image_token_id: int, features, tokens):
-    """The embeddings `x` (B, L, D) with row b's k-th image token taking `features[b, k]`
-    (features (B, K, D)) for k < tokens[b]; image tokens after those (a sampled one) keep
-    their own embedding, as when they are decoded (`jaxppo.models.vision.image_prompt`
-    checks the prompts' counts on the host)."""
-    is_image, index = _image_slots(input_ids, image_token_id, tokens, features.shape[1])
-    picked = jnp.take_along_axis(features, index[..., None], axis=1).astype(x.dtype)
-    return jnp.where(is_image[..., None], picked, x)
-
-
 def deepstack_additions(input_ids, image_token_id: int, deep, tokens, dtype):
     """DeepStack's additions (K, B, L, D) to the hidden states, from the encoder's DeepStack
     features `deep` (B, K, N, D) (K layers, N image tokens per row): row b's n-th image token
     gets `deep[b, :, n]` for n < tokens[b]; 0 everywhere else."""
-    is_image, index = _image_slots(input_ids, image_token_id, tokens, deep.shape[2])
+    is_image, index = image_slots(input_ids, image_token_id, tokens, deep.shape[2])
     picked = jax.vmap(lambda d: jnp.take_along_axis(d, index[..., None], axis=1), in_axes=1)(deep)
     return jnp.where(is_image[None, ..., None], picked, 0).astype(dtype)
 
@@ -89,9 +72,10 @@ def _vision(trunk, c: ModelConfig, x, input_ids, images):
         if trunk.is_initializing():  # the encoder's parameters, from one image token's patches
             blank = smallest_image_input(c.vision)
             encoder(jnp.asarray(blank.pixels), blank.layout)
-        return x, None
+        return x, None, None
     _check_input(c, images)
-    return merge_images(x, input_ids, c.image_token_id, encoder(images.pixels, images.layout), images.tokens), None
+    features = encoder(images.pixels, images.layout)
+    return merge_images(x, input_ids, c.image_token_id, features, images.tokens), None, None
 
 
 def _check_input(c: ModelConfig, images):
@@ -107,13 +91,13 @@ def _vision3(trunk, c: ModelConfig, x, input_ids, images):
         if trunk.is_initializing():  # the encoder's parameters, from one image token's patches
             blank = smallest_image_input(c.vision)
             encoder(jnp.asarray(blank.pixels), blank.layout)
-        return x, None
+        return x, None, None
     _check_input(c, images)
     features, deep = encoder(images.pixels, images.layout)  # (B, N, D), (B, K, N, D)
     x = merge_images(x, input_ids, c.image_token_id, features, images.tokens)
     if not c.vision.deepstack_visual_indexes:
-        return x, None
-    return x, deepstack_additions(input_ids, c.image_token_id, deep, images.tokens, x.dtype)
+        return x, None, None
+    return x, deepstack_additions(input_ids, c.image_token_id, deep, images.tokens, x.dtype), None
 
 
 def _images(c: ModelConfig, processor, tokenizer):

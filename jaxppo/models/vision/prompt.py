@@ -8,15 +8,16 @@ from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
-__all__ = ["ImagePrompt", "joined_positions", "response_positions"]
+__all__ = ["ImagePrompt", "joined_positions", "response_positions", "positions_like", "image_slots", "merge_images"]
 
 
 class ImagePrompt(NamedTuple):
     """Prompt rows with their images, as the samplers take them in place of the token ids:
     `ids` (B, Q) left-padded token ids; `images`, the family's image input (e.g.
-    `jaxppo.models.vision.qwen.ImageInput`); `positions` (B, Q, 3), the rows' rotary
-    positions; `next_position` (B,), the position of each row's first sampled token (e.g.
-    from `jaxppo.models.vision.qwen.mrope_positions`)."""
+    `jaxppo.models.vision.qwen.ImageInput`); `positions`, the rows' rotary positions:
+    (B, Q, 3) for Qwen's M-RoPE (`jaxppo.models.vision.qwen.mrope_positions`), (B, Q)
+    where an image's tokens count like text (Gemma 3); `next_position` (B,), the position
+    of each row's first sampled token."""
 
     ids: Any
     images: Any
@@ -25,18 +26,44 @@ class ImagePrompt(NamedTuple):
 
 
 def joined_positions(prompt: ImagePrompt, response_mask):
-    """The rotary positions (B, Q + R, 3) of the prompt rows followed by responses
+    """The rotary positions (B, Q + R[, 3]) of the prompt rows followed by responses
     (`response_mask` (B, R)): the prompt's own, then each response token at the row's next
-    position plus the response tokens before it, on all three axes (as the samplers
-    decode)."""
-    return jnp.concatenate([jnp.asarray(prompt.positions, jnp.int32),
-                            response_positions(prompt.next_position, response_mask)], axis=1)
+    position plus the response tokens before it (on all three axes where the prompt's
+    positions have them), as the samplers decode."""
+    positions = jnp.asarray(prompt.positions, jnp.int32)
+    return jnp.concatenate([positions, response_positions(prompt.next_position, response_mask, positions.ndim)],
+                           axis=1)
 
 
-def response_positions(next_position, response_mask):
-    """The rotary positions (B, R, 3) of responses (`response_mask` (B, R)) after prompts whose
-    next positions are `next_position` (B,): each token at the next position plus the
-    response tokens before it, on all three axes."""
+def response_positions(next_position, response_mask, ndim: int = 3):
+    """The rotary positions of responses (`response_mask` (B, R)) after prompts whose next
+    positions are `next_position` (B,): each token at the next position plus the response
+    tokens before it; (B, R, 3), equal on the three axes, for prompts whose positions are
+    (B, Q, 3) (`ndim` 3), else (B, R)."""
     counted = jnp.maximum(jnp.cumsum(jnp.asarray(response_mask, jnp.int32), axis=1) - 1, 0)
     after = jnp.asarray(next_position, jnp.int32)[:, None] + counted
-    return jnp.repeat(after[..., None], 3, axis=-1)
+    return positions_like(after, ndim)
+
+
+def positions_like(after, ndim: int):
+    """1-D positions `after` (B, R) laid out as a prompt's of `ndim` dimensions: (B, R, 3),
+    equal on the three axes, for 3 (numpy or jax arrays alike); else as they are."""
+    return after[..., None].repeat(3, axis=-1) if ndim == 3 else after
+
+
+def image_slots(input_ids, image_token_id: int, tokens, count: int):
+    """(is_image (B, L): the image tokens that take an image's features (row b's first
+    tokens[b]), index (B, L): which of the row's `count` features each takes)."""
+    seen = jnp.cumsum(input_ids == image_token_id, axis=1)
+    is_image = (input_ids == image_token_id) & (seen <= jnp.asarray(tokens)[:, None])
+    return is_image, jnp.clip(seen - 1, 0, count - 1)
+
+
+def merge_images(x, input_ids, image_token_id: int, features, tokens):
+    """The embeddings `x` (B, L, D) with row b's k-th image token taking `features[b, k]`
+    (features (B, K, D)) for k < tokens[b]; image tokens after those (a sampled one) keep
+    their own embedding, as when they are decoded (the prompts' counts are checked on the
+    host)."""
+    is_image, index = image_slots(input_ids, image_token_id, tokens, features.shape[1])
+    picked = jnp.take_along_axis(features, index[..., None], axis=1).astype(x.dtype)
+    return jnp.where(is_image[..., None], picked, x)

@@ -1,4 +1,4 @@
-"""How a Qwen2.5-VL policy reads the images of a run's prompts (`QwenImages`): the number
+"""How a Qwen2.5-VL or Qwen3-VL policy reads the images of a run's prompts (`QwenImages`): the number
 of image tokens each image becomes, read from its size as the model's own image processor
 resizes it, and a batch's images processed once into the `ImagePrompt` that the samplers,
 the forward pass and the update all take (the same pixel values everywhere).
@@ -35,7 +35,7 @@ def _size_bounds(processor):
 
 @dataclasses.dataclass(frozen=True)
 class QwenImages:
-    """The images of a Qwen2.5-VL policy's prompts: `processor` (transformers'
+    """The images of a Qwen2.5-VL or Qwen3-VL policy's prompts (both read them alike): `processor` (transformers'
     `Qwen2VLImageProcessor`, PIL or torchvision backend), `config` (the policy's
     `ModelConfig`), `placeholder` (the image token's text: a rendered prompt holds it once
     per image, where `expand` puts the image's tokens). Without a processor (None: a plan,

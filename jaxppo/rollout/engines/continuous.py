@@ -31,6 +31,7 @@ from jaxppo.models.decoding import (GenerationOutput, cap_positions, check_max_l
 from jaxppo.models.model import Model
 from jaxppo.models.sampling import Sampling
 from jaxppo.models.vision import ImagePrompt
+from jaxppo.models.vision.prompt import positions_like
 from jaxppo.rollout.engines.base import BuiltinEngine, Capabilities
 from jaxppo.rollout.engines.static import sampler_prompt
 from jaxppo.models.transformer import default_positions
@@ -201,8 +202,9 @@ def _recompute_jit(model, params, reqs, version, slots: _Slots, out: _Out):
     images = None
     if reqs.images is None:
         positions = jnp.concatenate([default_positions(reqs.prompt_mask[rows]), after], axis=1)
-    else:  # the prompt's 3-D positions, then the responses' equal on the three axes
-        positions = jnp.concatenate([reqs.images.positions[rows], jnp.repeat(after[..., None], 3, axis=-1)], axis=1)
+    else:  # the prompt's positions, then the responses' (equal on the three axes of 3-D ones)
+        prompt_positions = reqs.images.positions[rows]
+        positions = jnp.concatenate([prompt_positions, positions_like(after, prompt_positions.ndim)], axis=1)
         images = jax.tree.map(lambda a: a[rows], reqs.images.images)
     cache = model.init_cache(ids.shape[0], q + r)
     hidden, _, cache = model.module.apply(params, ids, slots.kv_mask, cap_positions(model, positions), cache, 0,
