@@ -453,3 +453,22 @@ def test_a_vision_language_policys_images_are_planned_where_given(tmp_path):
         plan_run(config, _inputs(str(tmp_path)), _cpu_target(), devices=one, images=(1, 30, 48))
     with pytest.raises(ValueError, match=r"are 96 image tokens, which leave no room in DataConfig.query_length=64"):
         plan_run(config, _inputs(str(tmp_path)), _cpu_target(), devices=one, images=(4, 32, 48))
+
+
+def test_a_gemma3_policys_images_are_planned_at_its_one_image_size(tmp_path):
+    """A Gemma 3 checkpoint with images (config.json only): every image, whatever its size,
+    is planned at the encoder's one square size; the update's arguments grow by the pixel
+    values of two such images per row."""
+    import vision_models as vm
+
+    vm.tiny_gemma3_vl(tmp_path)
+    for name in ("model.safetensors",):
+        (tmp_path / name).unlink()
+    config = _config("grpo", num_generations=2, query_length=64)
+    one = jax.devices()[:1]
+    plain = plan_run(config, _inputs(str(tmp_path)), _cpu_target(), devices=one)
+    planned = plan_run(config, _inputs(str(tmp_path)), _cpu_target(), devices=one, images=(2, 50, 70))
+    assert "2 image(s) of 50 x 70 pixels per prompt (8 of its 64 tokens" in planned.summary
+    with_images, without = ({p.name: p for p in plan.programs} for plan in (planned, plain))
+    pixels = 8 * 2 * 3 * 16 * 16 * 4  # rows x images x channels x 16 x 16, float32
+    assert with_images["update"].memory.arguments >= without["update"].memory.arguments + pixels

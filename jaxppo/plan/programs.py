@@ -155,11 +155,10 @@ def abstract_run(config, inputs: Inputs, devices, *, host_scores: Optional[bool]
     return shapes
 
 
-def planned_images(model_config, config, images):
-    """The shapes of a batch's images (an `ImagePrompt` without ids, `batch_size` rows of
-    `query_length`) where every prompt has `images` = (count, height, width): ValueError for
-    a text-only policy, a size the encoder cannot take, or image tokens that leave no room
-    in `query_length`."""
+def image_tokens(model_config, images):
+    """(the family's image reader, the grids, the image tokens) of a prompt with `images` =
+    (count, height, width); ValueError for a text-only policy or a size the encoder cannot
+    take."""
     from jaxppo.models.family import family_of
 
     count, height, width = images
@@ -167,7 +166,17 @@ def planned_images(model_config, config, images):
         raise ValueError(f"images were given to plan, but the policy ({model_config.model_type}) reads text only")
     reader = family_of(model_config).images(model_config, None, None)
     grids = [reader.grid_of(height, width)] * count
-    tokens, q = count * reader.tokens(grids[0]), config.data.query_length
+    return reader, grids, count * reader.tokens(grids[0])
+
+
+def planned_images(model_config, config, images):
+    """The shapes of a batch's images (an `ImagePrompt` without ids, `batch_size` rows of
+    `query_length`) where every prompt has `images` = (count, height, width): ValueError for
+    a text-only policy, a size the encoder cannot take, or image tokens that leave no room
+    in `query_length`."""
+    count, height, width = images
+    reader, grids, tokens = image_tokens(model_config, images)
+    q = config.data.query_length
     if tokens >= q:
         raise ValueError(f"{count} image(s) of {height} x {width} pixels are {tokens} image tokens, which leave no room "
                          f"in DataConfig.query_length={q} (--query-length): raise it above {tokens}")

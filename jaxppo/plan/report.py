@@ -17,7 +17,7 @@ import jax
 
 from jaxppo.plan import breakdown as bd
 from jaxppo.plan import costs
-from jaxppo.plan.programs import PROGRAMS, RunShapes, abstract_run, lower_programs
+from jaxppo.plan.programs import PROGRAMS, RunShapes, abstract_run, image_tokens, lower_programs
 from jaxppo.plan.targets import GIB, Target, target_devices
 
 __all__ = ["ProgramPlan", "Plan", "plan_run", "run_work"]
@@ -294,8 +294,7 @@ def _summary(shapes: RunShapes, images=None) -> str:
     seen = ""
     if images is not None:
         count, height, width = images
-        side = m.config.vision.patch_size * m.config.vision.spatial_merge_size  # one image token's pixels
-        tokens = count * (height // side) * (width // side)
+        tokens = image_tokens(m.config, images)[2]
         seen = (f"; {count} image(s) of {height} x {width} pixels per prompt ({tokens} of its "
                 f"{c.data.query_length} tokens; the floor leaves out the vision encoder's FLOPs)")
     elif m.config.vision is not None:
