@@ -54,10 +54,10 @@ def word_level_tokenizer(words, size: int, image_token: int, specials: dict = No
     model = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
     model.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
     model.decoder = tokenizers.decoders.WordPiece()
+    extra = {"extra_special_tokens": named} if named else {}
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=model, pad_token="<pad>", eos_token="</s>",
                                                      bos_token="<s>", unk_token="<unk>",
-                                                     additional_special_tokens=list(specials.values()),
-                                                     extra_special_tokens=named or None)
+                                                     additional_special_tokens=list(specials.values()), **extra)
     tokenizer.chat_template = _TEMPLATE.replace(PLACEHOLDER, placeholder)
     return tokenizer
 

@@ -124,24 +124,34 @@ def test_greedy_sampling_with_gemma3_images_equals_transformers_generate(checkpo
         gemma_prompt(ids, mask, [pixel_rows[0][:1]] + pixel_rows[1:], model.config)
 
 
+_IMAGES = [[vm.colour_image("red", (20, 12)), vm.noise_image(2, (9, 30))], [vm.colour_image("blue")], []]
+
+
+def _table(path):
+    """The prompt table of three chat prompts with two images, one and none (`_IMAGES`)."""
+    from jaxppo.models.hf import checkpoint_config
+    from jaxppo.rollout.prompts import PromptEncoder, labelled_prompt_table
+    from jaxppo.run.assembly import image_reader
+
+    tok = vm.gemma_tokenizer()
+    reader, _ = image_reader(path, checkpoint_config(path), tok, None)
+    ask = [{"type": "text", "text": "what colour is this"}]
+    records = [{"prompt": [{"role": "user", "content": [{"type": "image"}] * len(row) + ask}], "images": row}
+               for row in _IMAGES]
+    return PromptEncoder(tok, 40, images=reader).table(*labelled_prompt_table(records))
+
+
 def test_gemma3_prompts_are_written_as_its_processor_writes_them(checkpoint):
     """A run's prompts with images, rendered by the chat template: the token ids and pixel
     values equal those of transformers' own `Gemma3Processor` on the same text and images
     (each start-of-image token written out to the image's tokens and markers)."""
     import transformers
 
-    from jaxppo.models.hf import checkpoint_config
-    from jaxppo.rollout.prompts import PromptEncoder, labelled_prompt_table, prompt_batch
-    from jaxppo.run.assembly import image_reader
+    from jaxppo.rollout.prompts import prompt_batch
 
     path, _ = checkpoint
-    tok = vm.gemma_tokenizer()
-    reader, _ = image_reader(path, checkpoint_config(path), tok, None)
-    ask = [{"type": "text", "text": "what colour is this"}]
-    images = [[vm.colour_image("red", (20, 12)), vm.noise_image(2, (9, 30))], [vm.colour_image("blue")], []]
-    records = [{"prompt": [{"role": "user", "content": [{"type": "image"}] * len(row) + ask}], "images": row}
-               for row in images]
-    table = PromptEncoder(tok, 40, images=reader).table(*labelled_prompt_table(records))
+    tok, images = vm.gemma_tokenizer(), _IMAGES
+    table = _table(path)
     batch = prompt_batch(table, np.arange(3))
     processor = transformers.Gemma3Processor(image_processor=vm.gemma_image_processor(), tokenizer=tok,
                                              image_seq_length=4)
@@ -153,6 +163,32 @@ def test_gemma3_prompts_are_written_as_its_processor_writes_them(checkpoint):
             got = np.asarray(batch.images.images.pixels)[r, :len(row)]
             np.testing.assert_allclose(got, out["pixel_values"], atol=1e-6)
     assert int(batch.images.images.tokens[0]) == 8 and int(batch.images.images.tokens[2]) == 0
+
+
+def test_the_continuous_sampler_with_gemma3_images_gives_the_static_samplers_tokens(checkpoint):
+    """Continuous batching (2 slots for 6 requests: most prefilled, images and all, into a
+    freed slot of its own cache row mid-run): the static sampler's tokens and log-probs for
+    the same key; with in-flight updates that recompute every slot's cache, greedy tokens
+    are unchanged."""
+    from jaxppo.rollout.engines.continuous import generate_continuous, generate_inflight
+    from jaxppo.rollout.engines.static import generate
+    from jaxppo.rollout.prompts import prompt_batch
+
+    path, _ = checkpoint
+    batch = prompt_batch(_table(path), np.repeat(np.arange(3), 2))
+    model, params = jm.from_pretrained(path)
+    key = jax.random.key(3)
+    static = generate(model, params, batch.queries, batch.mask, key, response_length=5, temperature=1.0)
+    continuous = generate_continuous(model, params, batch.queries, batch.mask, key, num_slots=2, response_length=5,
+                                     temperature=1.0)
+    np.testing.assert_array_equal(continuous.tokens, static.tokens)
+    np.testing.assert_allclose(continuous.logprobs, static.logprobs, atol=1e-5)
+    greedy = generate(model, params, batch.queries, batch.mask, key, response_length=5, greedy=True)
+    versions = iter(range(100))
+    inflight, _ = generate_inflight(model, lambda: (next(versions), params), batch.queries, batch.mask, key,
+                                    num_slots=2, steps_per_check=2, on_update="recompute", response_length=5,
+                                    greedy=True)
+    np.testing.assert_array_equal(inflight.tokens, greedy.tokens)
 
 
 def test_lora_on_gemma3_with_images_loads_in_peft_with_equal_logits(checkpoint, tmp_path):

@@ -351,7 +351,7 @@ class _Play:
         prompt_positions, first = sharding.to_host(images.positions), sharding.to_host(images.next_position)
         positions = np.zeros((b, width) + prompt_positions.shape[2:], np.int32)
         for i in range(b):
-            after = positions_like(first[i] + np.arange(self.used[i]), prompt_positions.ndim - 1)
+            after = positions_like((first[i] + np.arange(self.used[i]))[None], prompt_positions.ndim)[0]
             seq = np.concatenate([prompt_positions[i][q_mask[i] > 0], after])
             positions[i, width - len(seq):] = seq
         return images._replace(ids=ids, positions=positions, next_position=first + self.used.astype(np.int32)), mask
