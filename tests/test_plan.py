@@ -472,3 +472,10 @@ def test_a_gemma3_policys_images_are_planned_at_its_one_image_size(tmp_path):
     with_images, without = ({p.name: p for p in plan.programs} for plan in (planned, plain))
     pixels = 8 * 2 * 3 * 16 * 16 * 4  # rows x images x channels x 16 x 16, float32
     assert with_images["update"].memory.arguments >= without["update"].memory.arguments + pixels
+    # The floor counts the frozen encoder's forward once per prompt (a group of 2 rows shares
+    # its prompt) in the update, the scoring pass and the sampler's prefill: 4 prompts x 2 images.
+    from jaxppo.models.hf import checkpoint_config
+
+    one = checkpoint_config(str(tmp_path)).vision.flops(32)
+    for name in ("update", "score", "generate"):
+        assert with_images[name].work.flops - without[name].work.flops == pytest.approx(4 * 2 * one, rel=1e-9)

@@ -422,3 +422,28 @@ def test_lora_on_a_vision_language_model_loads_in_peft_with_equal_logits(tmp_pat
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     merged = transformers.AutoModelForImageTextToText.from_pretrained(str(tmp_path / "merged")).eval()
     np.testing.assert_allclose(reference(merged)[real], adapted[real], atol=1e-4, rtol=0)
+
+
+def test_each_vision_encoders_flops_are_xlas_count_of_its_matrix_products():
+    """The FLOPs `jaxppo plan` counts for one image (`flops`), for Qwen2.5-VL's windowed
+    encoder, Qwen3-VL's (DeepStack) and Gemma 3's SigLIP and projector, against XLA's own
+    count of the compiled encoder: within the 0-5% that its element-wise work (norms,
+    softmax, activations) adds, which the planned count leaves out."""
+    from jaxppo.models.vision import Qwen3VisionConfig, Qwen3VisionEncoder
+    from jaxppo.models.vision.gemma import GemmaVisionConfig, GemmaVisionEncoder
+
+    def xla(module, *args):
+        params = module.init(jax.random.key(0), *args)
+        return jax.jit(lambda p: module.apply(p, *args)).lower(params).compile().cost_analysis()["flops"]
+
+    grid = (1, 16, 24)
+    shape = dict(depth=4, hidden_size=128, intermediate_size=256, num_heads=4, out_hidden_size=256, patch_size=8)
+    for config, encoder in ((QwenVisionConfig(**shape, window_size=64, fullatt_block_indexes=(1,)), QwenVisionEncoder),
+                            (Qwen3VisionConfig(**shape, num_position_embeddings=64, deepstack_visual_indexes=(0, 2)),
+                             Qwen3VisionEncoder)):
+        one = jax.tree.map(lambda a: a[0], image_input([np.zeros((16 * 24, config.patch_values), np.float32)],
+                                                       [[grid]], config))
+        assert 0.95 < config.flops(grid) / xla(encoder(config), jnp.asarray(one.pixels), one.layout) <= 1.0
+    gemma = GemmaVisionConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                              image_size=128, patch_size=8, mm_tokens_per_image=64, boi_token_id=0, eoi_token_id=1)
+    assert 0.95 < gemma.flops(256) / xla(GemmaVisionEncoder(gemma, 256), jnp.zeros((1, 3, 128, 128))) <= 1.0

@@ -244,7 +244,8 @@ def model_shape(model, params, cache_dtype=None) -> ModelShape:
     matmul = 0
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         key = jax.tree_util.keystr(path)
-        if len(getattr(leaf, "shape", ())) >= 2 and not any(h in key for h in _HEADS):
+        # (a vision encoder's weights act on image patches, not on every token: see `vision_flops`)
+        if len(getattr(leaf, "shape", ())) >= 2 and not any(h in key for h in _HEADS + ("'visual'",)):
             size = int(np.prod(leaf.shape, dtype=np.int64))
             # A mixture's experts: a token runs num_experts_per_tok of num_experts.
             matmul += size * c.num_experts_per_tok // c.num_experts if "'experts'" in key else size
@@ -326,3 +327,8 @@ def generate_work(shape: ModelShape, rows: int, prompts: int, query: int, respon
     cache = rows_per_chip * (query + response) * shape.kv_bytes_per_token
     weights = (shape.decode_weight_bytes or shape.weight_bytes) / shards
     return ProgramWork(prefill + decode, response * (weights + cache + gathered_per_step))
+
+
+def with_flops(work: ProgramWork, flops: float) -> ProgramWork:
+    """`work` with `flops` more (e.g. a vision encoder's)."""
+    return ProgramWork(work.flops + flops, work.bytes_per_chip)

@@ -167,8 +167,9 @@ def advice(config, over: set, axes: dict, target: Target, breakdowns: Optional[d
     return out
 
 
-def run_work(shapes: RunShapes) -> dict:
-    """{program: `costs.ProgramWork`} of the run, from its models' shapes."""
+def run_work(shapes: RunShapes, images=None) -> dict:
+    """{program: `costs.ProgramWork`} of the run, from its models' shapes; with `images`
+    (count, height, width per prompt) the vision encoder's FLOPs too (`_encoder_flops`)."""
     c, spec, models = shapes.config, shapes.spec, shapes.models
     b, q, r = c.batch.batch_size, c.data.query_length, c.sampling.response_length
     params = shapes.run.train.params
@@ -196,7 +197,21 @@ def run_work(shapes: RunShapes) -> dict:
     score = costs.score_work(scored, b, prompts, q, r)
     data = shapes.mesh.shape["data"] * shapes.mesh.shape["fsdp"] if shapes.mesh is not None else 1
     generate = costs.generate_work(policy, b, b // spec.num_generations, q, r, b // data, shards)
+    if images is not None:  # the encoder's forward per distinct prompt; forward and backward where it trains
+        encoder = _encoder_flops(models.policy_model.config, images)
+        trains = c.lora.train_vision_encoder
+        passes = 1 + (2 + bool(c.layout.remat) if trains else 0)
+        readers = (0 if spec.sampler_logprobs_used else 1) + (models.ref_model is not None)
+        update = costs.with_flops(update, epochs * passes * prompts * encoder)
+        score = costs.with_flops(score, readers * prompts * encoder)
+        generate = costs.with_flops(generate, b // spec.num_generations * encoder)
     return {"update": update, "score": score, "generate": generate}
+
+
+def _encoder_flops(model_config, images) -> float:
+    """The vision encoder's forward FLOPs for one prompt's `images` (count, height, width)."""
+    reader, grids, _ = image_tokens(model_config, images)
+    return sum(reader.flops(grid) for grid in grids)
 
 
 def _resident(shapes: RunShapes) -> dict:
@@ -221,7 +236,7 @@ def plan_run(config, inputs, target: Target, *, devices=None, programs=PROGRAMS,
     if len(devices) != target.chips:
         raise ValueError(f"{len(devices)} devices given for target {target.name} of {target.chips} chips")
     shapes = abstract_run(config, inputs, devices, host_scores=host_scores, images=images)
-    work, resident = run_work(shapes), _resident(shapes)
+    work, resident = run_work(shapes, images), _resident(shapes)
     out = []
     for name, lowered in lower_programs(shapes, programs).items():
         floor = work[name].lower_bound(target.chips, target.peak_flops, target.bandwidth)
@@ -296,7 +311,7 @@ def _summary(shapes: RunShapes, images=None) -> str:
         count, height, width = images
         tokens = image_tokens(m.config, images)[2]
         seen = (f"; {count} image(s) of {height} x {width} pixels per prompt ({tokens} of its "
-                f"{c.data.query_length} tokens; the floor leaves out the vision encoder's FLOPs)")
+                f"{c.data.query_length} tokens; the vision encoder's FLOPs in the floor)")
     elif m.config.vision is not None:
         seen = ("; a vision-language policy planned on text prompts: its images and the vision encoder's work are "
                 "not in these figures (--images COUNTxHEIGHTxWIDTH plans them)")

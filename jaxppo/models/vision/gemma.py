@@ -70,6 +70,17 @@ class GemmaVisionConfig:
     def patches_per_side(self) -> int:
         return self.image_size // self.patch_size
 
+    def flops(self, out_size: int) -> float:
+        """The encoder's forward FLOPs for one image (every image has the one size): the
+        patch embedding, each layer's projections, MLP and attention over the image's
+        patches, and the projector to `out_size` (the language model's width) per image
+        token."""
+        n, d = self.patches_per_side ** 2, self.hidden_size
+        per_patch = 4 * d * d + 2 * d * self.intermediate_size
+        embed = n * d * self.num_channels * self.patch_size ** 2
+        return (2.0 * (embed + self.num_hidden_layers * n * per_patch + self.mm_tokens_per_image * d * out_size)
+                + 4.0 * self.num_hidden_layers * d * n * n)
+
     @classmethod
     def from_hf(cls, d: dict) -> "GemmaVisionConfig":
         """From a Hugging Face Gemma 3 config dict (its `vision_config` and the fields

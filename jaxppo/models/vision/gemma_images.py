@@ -67,6 +67,10 @@ class GemmaImages:
     def tokens(self, grid) -> int:
         return self.config.vision.mm_tokens_per_image
 
+    def flops(self, grid) -> float:
+        """The encoder's forward FLOPs for one image."""
+        return self.config.vision.flops(self.config.hidden_size)
+
     def expand(self, text: str, grids: Sequence[tuple]) -> str:
         """`text` with each start-of-image token written out as Gemma 3's processor writes
         it: a blank line, the start-of-image token, the image's tokens, the end-of-image

@@ -83,6 +83,21 @@ class QwenVisionConfig:
         """Patches per image token."""
         return self.spatial_merge_size ** 2
 
+    def flops(self, grid) -> float:
+        """The encoder's forward FLOPs for one image of patch grid (t, h, w): the patch
+        embedding, each block's projections and gated MLP per patch, its attention within
+        windows (frames in the full-attention blocks) as computed, and the merger per image
+        token (a multiply-add is 2 FLOPs)."""
+        t, h, w = (int(v) for v in grid)
+        n, d = t * h * w, self.hidden_size
+        side = max(h, w) if self.window_size is None else self.window_size // self.patch_size
+        window = min(h, side) * min(w, side)  # the patches a windowed block's patch attends to, at most
+        per_patch = 4 * d * d + 3 * d * self.intermediate_size
+        full = len(self.fullatt_block_indexes) if self.window_size is not None else self.depth
+        attention = 4 * d * n * (full * h * w + (self.depth - full) * window)
+        merger = (n // self.merge_unit) * (self.merge_unit * d) * (self.merge_unit * d + self.out_hidden_size)
+        return 2.0 * (n * d * self.patch_values + self.depth * n * per_patch + merger) + attention
+
     @classmethod
     def from_hf(cls, d: dict) -> "QwenVisionConfig":
         """From a Hugging Face `vision_config` dict."""

@@ -60,6 +60,16 @@ class Qwen3VisionConfig(QwenVisionConfig):
         """The side of the learned position grid."""
         return int(round(self.num_position_embeddings ** 0.5))
 
+    def flops(self, grid) -> float:
+        """The encoder's forward FLOPs for one image of patch grid (t, h, w): the patch
+        embedding, each block's projections and MLP per patch and its attention over the
+        frame, the merger and DeepStack's mergers per image token."""
+        t, h, w = (int(v) for v in grid)
+        n, d, wide = t * h * w, self.hidden_size, self.merge_unit * self.hidden_size
+        per_patch = 4 * d * d + 2 * d * self.intermediate_size
+        mergers = (1 + len(self.deepstack_visual_indexes)) * (n // self.merge_unit) * wide * (wide + self.out_hidden_size)
+        return 2.0 * (n * d * self.patch_values + self.depth * n * per_patch + mergers) + 4.0 * self.depth * d * n * (n // t)
+
     @classmethod
     def from_hf(cls, d: dict) -> "Qwen3VisionConfig":
         """From a Hugging Face `vision_config` dict."""

@@ -84,6 +84,10 @@ class QwenImages:
         t, h, w = grid
         return t * h * w // self.config.vision.merge_unit
 
+    def flops(self, grid) -> float:
+        """The encoder's forward FLOPs for one image of patch grid (t, h, w)."""
+        return self.config.vision.flops(grid)
+
     def expand(self, text: str, grids: Sequence[tuple]) -> str:
         """`text` with its k-th placeholder repeated as many times as image k has tokens."""
         parts = text.split(self.placeholder)
