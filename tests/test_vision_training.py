@@ -136,14 +136,16 @@ def test_bad_images_are_refused_before_anything_loads(checkpoint, tmp_path):
         table([{"prompt": [{"role": "user", "content": [{"type": "image", "image": red}] + ask}]}], text_only)
 
 
-def _trainer(tmp_path, checkpoint, records, reward, name="grpo", callbacks=(), inputs=None, **settings):
+def _trainer(tmp_path, checkpoint, records, reward, name="grpo", callbacks=(), inputs=None, tokenizer=None,
+             **settings):
     config = jaxppo.Config.for_algorithm(name, batch_size=8, mini_batch_size=4, ppo_epochs=1,
                                          num_generations=1 if name == "ppo" else 4)
     settings = {"iterations": 2, "query_length": 24, "response_length": 4, "learning_rate": 1e-2, **settings}
     config = config.replace(output_dir=str(tmp_path / "run"), progress=False, sample_every=0, export_final=False,
                             plot=False, report_to="jsonl", **settings)
     rewards = {} if reward is None else {"reward_fns": reward}
-    return jaxppo.Trainer(config, policy=checkpoint, tokenizer=vm.tokenizer(), prompts=records, callbacks=callbacks,
+    return jaxppo.Trainer(config, policy=checkpoint, tokenizer=tokenizer or vm.tokenizer(), prompts=records,
+                          callbacks=callbacks,
                           **rewards, **(inputs or {}))
 
 
@@ -355,15 +357,20 @@ class ColourGame:
         return StepResult(" no <eol> assistant :", 0.0, False)
 
 
-def test_multi_turn_episodes_over_prompts_with_images(tmp_path, checkpoint):
-    """Episodes of several turns whose prompts have images: with each row's KV cache kept
-    between turns and with the whole context prefilled every turn (its rotary positions
-    rebuilt around the images), the same episodes; the first update on-policy."""
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3"])
+def test_multi_turn_episodes_over_prompts_with_images(tmp_path, checkpoint, tmp_path_factory, family):
+    """Episodes of several turns whose prompts have images (Qwen2.5-VL; Gemma 3, whose
+    image tokens attend both ways): with each row's KV cache kept between turns and with
+    the whole context prefilled every turn (its positions rebuilt around the images), the
+    same episodes; the first update on-policy."""
+    tokenizer = None
+    if family == "gemma3":
+        checkpoint, tokenizer = vm.tiny_gemma_checkpoint(tmp_path_factory.mktemp("gemma") / "hf"), vm.gemma_tokenizer()
     episodes = {}
     for cache in (True, False):
         trainer = _trainer(tmp_path / str(cache), checkpoint, _colour_records(), None, mini_batch_size=8,
                            response_length=12, turn_length=3, max_turns=3, turn_cache=cache,
-                           inputs={"environment": ColourGame})
+                           inputs={"environment": ColourGame}, tokenizer=tokenizer)
         assert_on_policy(trainer.step())
         gen = trainer.last.samples[1]
         episodes[cache] = (np.asarray(gen.tokens), np.asarray(gen.attention_mask))
