@@ -29,14 +29,20 @@ ARCHITECTURE = "Qwen2_5_VLForConditionalGeneration"
 ARCHITECTURE_3 = "Qwen3VLForConditionalGeneration"
 
 
-def _from_hf(d: dict, common: dict) -> ModelConfig:
+def _config(d: dict, common: dict, model_type: str, text_type: str, vision) -> ModelConfig:
+    """A Qwen-VL config: the language model's (as `text_type`'s) with M-RoPE, and the vision
+    config class `vision`'s."""
     if "vision_config" not in d or "image_token_id" not in d:
         raise KeyError("vision_config and image_token_id")
-    text = llama._from_hf(dict(d, model_type="qwen2"), common)
+    text = llama._from_hf(dict(d, model_type=text_type), common)
     if text.mrope_section is None:
-        raise ValueError("a qwen2_5_vl config's rope parameters must give mrope_section")
-    return dataclasses.replace(text, model_type="qwen2_5_vl", vision=QwenVisionConfig.from_hf(d["vision_config"]),
+        raise ValueError(f"a {model_type} config's rope parameters must give mrope_section")
+    return dataclasses.replace(text, model_type=model_type, vision=vision.from_hf(d["vision_config"]),
                                image_token_id=int(d["image_token_id"]))
+
+
+def _from_hf(d: dict, common: dict) -> ModelConfig:
+    return _config(d, common, "qwen2_5_vl", "qwen2", QwenVisionConfig)
 
 
 def _to_hf(c: ModelConfig, architecture: str, common: dict):
@@ -65,35 +71,35 @@ def deepstack_additions(input_ids, image_token_id: int, deep, tokens, dtype):
     return jnp.where(is_image[None, ..., None], picked, 0).astype(dtype)
 
 
-def _vision(trunk, c: ModelConfig, x, input_ids, images):
-    encoder = nn.vmap(QwenVisionEncoder, in_axes=(0, 0), variable_axes={"params": None},
+def _encoded(trunk, c: ModelConfig, images, encoder_cls):
+    """The trunk's vision encoder ("visual", `encoder_cls` over the batch's rows) applied to
+    `images` (an `ImageInput`): its output, or None without images (at init the encoder's
+    parameters are made from one image token's blank patches)."""
+    encoder = nn.vmap(encoder_cls, in_axes=(0, 0), variable_axes={"params": None},
                       split_rngs={"params": False})(c.vision, trunk.dtype, trunk.param_dtype, name="visual")
     if images is None:
-        if trunk.is_initializing():  # the encoder's parameters, from one image token's patches
+        if trunk.is_initializing():
             blank = smallest_image_input(c.vision)
             encoder(jnp.asarray(blank.pixels), blank.layout)
-        return x, None, None
-    _check_input(c, images)
-    features = encoder(images.pixels, images.layout)
-    return merge_images(x, input_ids, c.image_token_id, features, images.tokens), None, None
-
-
-def _check_input(c: ModelConfig, images):
+        return None
     if not isinstance(images, ImageInput):
         raise TypeError(f"a {c.model_type} model takes its images as a jaxppo.models.vision.ImageInput; got "
                         f"{type(images).__name__}")
+    return encoder(images.pixels, images.layout)
+
+
+def _vision(trunk, c: ModelConfig, x, input_ids, images):
+    features = _encoded(trunk, c, images, QwenVisionEncoder)
+    if features is None:
+        return x, None, None
+    return merge_images(x, input_ids, c.image_token_id, features, images.tokens), None, None
 
 
 def _vision3(trunk, c: ModelConfig, x, input_ids, images):
-    encoder = nn.vmap(Qwen3VisionEncoder, in_axes=(0, 0), variable_axes={"params": None},
-                      split_rngs={"params": False})(c.vision, trunk.dtype, trunk.param_dtype, name="visual")
-    if images is None:
-        if trunk.is_initializing():  # the encoder's parameters, from one image token's patches
-            blank = smallest_image_input(c.vision)
-            encoder(jnp.asarray(blank.pixels), blank.layout)
+    encoded = _encoded(trunk, c, images, Qwen3VisionEncoder)
+    if encoded is None:
         return x, None, None
-    _check_input(c, images)
-    features, deep = encoder(images.pixels, images.layout)  # (B, N, D), (B, K, N, D)
+    features, deep = encoded  # (B, N, D), (B, K, N, D)
     x = merge_images(x, input_ids, c.image_token_id, features, images.tokens)
     if not c.vision.deepstack_visual_indexes:
         return x, None, None
@@ -116,13 +122,7 @@ def _hf_extra_name(path, c: ModelConfig):
 
 
 def _from_hf3(d: dict, common: dict) -> ModelConfig:
-    if "vision_config" not in d or "image_token_id" not in d:
-        raise KeyError("vision_config and image_token_id")
-    text = llama._from_hf(dict(d, model_type="qwen3"), common)
-    if text.mrope_section is None:
-        raise ValueError("a qwen3_vl config's rope parameters must give mrope_section")
-    return dataclasses.replace(text, model_type="qwen3_vl", vision=Qwen3VisionConfig.from_hf(d["vision_config"]),
-                               image_token_id=int(d["image_token_id"]))
+    return _config(d, common, "qwen3_vl", "qwen3", Qwen3VisionConfig)
 
 
 def _to_hf3(c: ModelConfig, architecture: str, common: dict):

@@ -310,6 +310,24 @@ def _rotate(x, cos, sin):
     return (x32 * cos[:, None] + rotated * sin[:, None]).astype(x.dtype)
 
 
+def check_pixels(pixel_values, layout: VisionLayout, config: QwenVisionConfig):
+    """ValueError where `pixel_values` are not (N, patch_values) for the layout's N patches."""
+    if pixel_values.shape != (len(layout.order), config.patch_values):
+        raise ValueError(f"pixel_values of shape {pixel_values.shape} for a layout of {len(layout.order)} "
+                         f"patches of {config.patch_values} values")
+
+
+def rotary_tables(positions, config: QwenVisionConfig):
+    """(cos, sin) (N, head_dim) of the patches' 2-D rotary positions (`positions` (N, 2), row
+    and column): each head's first half of frequencies turns with the row, the second with
+    the column."""
+    half = config.head_dim // 2
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, half, 2, dtype=np.float32) / half))
+    angles = (jnp.asarray(positions, jnp.float32)[:, :, None] * inv_freq).reshape(len(positions), -1)
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
 class SegmentAttention(nn.Module):
     """A vision block's attention (Qwen2.5-VL's and Qwen3-VL's): see `__call__`."""
 
@@ -376,16 +394,10 @@ class QwenVisionEncoder(nn.Module):
     @nn.compact
     def __call__(self, pixel_values, layout: VisionLayout):
         c, kw = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        if pixel_values.shape != (len(layout.order), c.patch_values):
-            raise ValueError(f"pixel_values of shape {pixel_values.shape} for a layout of {len(layout.order)} "
-                             f"patches of {c.patch_values} values")
+        check_pixels(pixel_values, layout, c)
         x = nn.Dense(c.hidden_size, use_bias=False, **kw, name="patch_embed")(pixel_values.astype(self.dtype))
         x = x[layout.order]
-        # Each head's first half of frequencies turns with the row, the second with the column.
-        inv_freq = 1.0 / (c.rope_theta ** (np.arange(0, c.head_dim // 2, 2, dtype=np.float32) / (c.head_dim // 2)))
-        angles = (jnp.asarray(layout.positions, jnp.float32)[:, :, None] * inv_freq).reshape(len(x), -1)
-        angles = jnp.concatenate([angles, angles], axis=-1)
-        cos, sin = jnp.cos(angles), jnp.sin(angles)
+        cos, sin = rotary_tables(layout.positions, c)
         for i in range(c.depth):
             slots = layout.frame_slots if i in c.fullatt_block_indexes else layout.window_slots
             x = _Block(c, **kw, name=f"blocks_{i}")(x, cos, sin, slots)

@@ -25,9 +25,8 @@ from typing import Any, Tuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxppo.models.vision.qwen import QwenVisionConfig, SegmentAttention, VisionLayout
+from jaxppo.models.vision.qwen import QwenVisionConfig, SegmentAttention, VisionLayout, check_pixels, rotary_tables
 
 __all__ = ["Qwen3VisionConfig", "Qwen3VisionEncoder", "vision3_hf_name"]
 
@@ -160,9 +159,7 @@ class Qwen3VisionEncoder(nn.Module):
     @nn.compact
     def __call__(self, pixel_values, layout: VisionLayout):
         c, kw = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        if pixel_values.shape != (len(layout.order), c.patch_values):
-            raise ValueError(f"pixel_values of shape {pixel_values.shape} for a layout of {len(layout.order)} "
-                             f"patches of {c.patch_values} values")
+        check_pixels(pixel_values, layout, c)
         x = nn.Dense(c.hidden_size, **kw, name="patch_embed")(pixel_values.astype(self.dtype))[layout.order]
         table = self.param("pos_embed", nn.initializers.normal(0.02), (c.num_position_embeddings, c.hidden_size),
                            self.param_dtype)
@@ -172,10 +169,7 @@ class Qwen3VisionEncoder(nn.Module):
         index = (rows[:, :, None] * side + cols[:, None, :]).reshape(len(x), 4)
         weights = (row_weights[:, :, None] * col_weights[:, None, :]).reshape(len(x), 4)
         x = x + jnp.sum(table.astype(jnp.float32)[index] * weights[..., None], axis=1).astype(x.dtype)
-        inv_freq = 1.0 / (c.rope_theta ** (np.arange(0, c.head_dim // 2, 2, dtype=np.float32) / (c.head_dim // 2)))
-        angles = (positions.astype(jnp.float32)[:, :, None] * inv_freq).reshape(len(x), -1)
-        angles = jnp.concatenate([angles, angles], axis=-1)
-        cos, sin = jnp.cos(angles), jnp.sin(angles)
+        cos, sin = rotary_tables(positions, c)
         deep = []
         for i in range(c.depth):
             x = _Block(c, **kw, name=f"blocks_{i}")(x, cos, sin, layout.frame_slots)
