@@ -15,7 +15,7 @@ import torch
 from jaxppo.models.vision import QwenVisionConfig, QwenVisionEncoder, image_input, mrope_positions, vision_layout
 from jaxppo.models.vision.qwen import vision_params_from_hf
 
-from vision_models import IMAGE, VISION, tiny_qwen3_vl, tiny_qwen_vl
+from vision_models import IMAGE, VISION, moved_adapters, tiny_qwen3_vl, tiny_qwen_vl
 
 # Image grids (t, h, w) in patches: windows that tile exactly, partial windows, one image
 # token, a grid over two frames.
@@ -394,10 +394,7 @@ def test_lora_on_a_vision_language_model_loads_in_peft_with_equal_logits(tmp_pat
     model, params = jm.from_pretrained(str(tmp_path / "hf"))
     lora_model, variables = jm.add_lora(model, params, jm.LoraConfig(rank=4, alpha=8, targets="all-linear"),
                                         jax.random.key(1))
-    leaves, tree = jax.tree.flatten(variables["lora"])
-    keys = jax.random.split(jax.random.key(3), len(leaves))
-    trained = {**variables, "lora": jax.tree.unflatten(tree, [x + 0.1 * jax.random.normal(k, x.shape)
-                                                              for x, k in zip(leaves, keys)])}
+    trained = moved_adapters(variables)
     ids, mask, pixel_rows, grid_rows = _rows_with_images(model.config.vision)
     grids = [g for row in grid_rows for g in row]
     positions = np.moveaxis(mrope_positions(ids, mask, grids, IMAGE, model.config.vision.spatial_merge_size)[0], 0, -1)

@@ -166,3 +166,14 @@ def tiny_gemma_checkpoint(path, seed: int = 0):
     gemma_tokenizer().save_pretrained(path)
     gemma_image_processor().save_pretrained(path)
     return os.fspath(path)
+
+
+def moved_adapters(variables, scale=0.1, seed=3):
+    """LoRA variables with every adapter moved from its start (B = 0), so that they change
+    the outputs."""
+    import jax
+
+    leaves, tree = jax.tree.flatten(variables["lora"])
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return {**variables, "lora": jax.tree.unflatten(tree, [x + scale * jax.random.normal(k, x.shape)
+                                                           for x, k in zip(leaves, keys)])}
