@@ -15,7 +15,8 @@ decode step.
 Layouts (config.json only, written to a temporary directory from transformers' config
 classes): Qwen2.5-0.5B, Qwen3-1.7B, Llama-3.1-8B, Qwen3-30B-A3B, Llama-3.1-70B, and
 Qwen2.5-VL-7B and Qwen3-VL-8B with one 448 x 448 image per prompt (256 and 196 of their 512
-prompt tokens; the vision encoder frozen, as by default; `jaxppo plan --images 1x448x448`). Runs: PPO
+prompt tokens), Gemma-3-4B with one 896 x 896 image (256 tokens); the vision encoder frozen,
+as by default (`jaxppo plan --images 1x448x448`). Runs: PPO
 with a critic and a reward model of the same layout (full fine-tuning), GRPO (G = 8) full
 and with LoRA rank 16 on every linear layer; batch 64, 512 prompt + 512 response tokens,
 mini-batch 16, 1 epoch, bf16 compute (float32 master weights where the weights train),
@@ -81,6 +82,9 @@ def _layouts(root: str) -> dict:
     vl3 = os.path.join(root, "qwen3-vl-8b")
     _qwen3_vl_8b().save_pretrained(vl3)
     out["qwen3-vl-8b"] = (vl3, None)
+    gemma = os.path.join(root, "gemma-3-4b")
+    _gemma3_4b().save_pretrained(gemma)
+    out["gemma-3-4b"] = (gemma, None)
     for name, (cls, kw, arch) in configs.items():
         dirs = []
         for suffix in ("ForCausalLM", "ForSequenceClassification"):
@@ -122,9 +126,24 @@ def _qwen3_vl_8b():
                          architectures=["Qwen3VLForConditionalGeneration"])
 
 
+def _gemma3_4b():
+    """Gemma-3-4b-it's config (the language model and its SigLIP tower)."""
+    from transformers import Gemma3Config
+
+    text = dict(vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
+                num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,
+                sliding_window=1024, query_pre_attn_scalar=256, eos_token_id=[1, 106],
+                rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+    vision = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+                  image_size=896, patch_size=14, vision_use_head=False)
+    return Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=256, image_token_index=262144,
+                        boi_token_index=255999, eoi_token_index=256000, architectures=["Gemma3ForConditionalGeneration"])
+
+
 LAYOUT_NAMES = ("qwen2.5-0.5b", "qwen3-1.7b", "llama3.1-8b", "qwen3-30b-a3b", "llama3.1-70b",
-                "qwen2.5-vl-7b", "qwen3-vl-8b")  # `_layouts`' keys
-IMAGES = {"qwen2.5-vl-7b": (1, 448, 448), "qwen3-vl-8b": (1, 448, 448)}  # a vision-language layout's images per prompt
+                "qwen2.5-vl-7b", "qwen3-vl-8b", "gemma-3-4b")  # `_layouts`' keys
+IMAGES = {"qwen2.5-vl-7b": (1, 448, 448), "qwen3-vl-8b": (1, 448, 448), "gemma-3-4b": (1, 896, 896)}  # a vision-language layout's images per prompt
 RUNS = {  # name: (algorithm, reward model, LoRA rank)
     "ppo full": ("ppo", True, 0),
     "grpo full": ("grpo", False, 0),
@@ -140,6 +159,7 @@ ROWS = {
     "llama3.1-70b": (("grpo lora16", ("h200x8",)),),
     "qwen2.5-vl-7b": (("grpo full", ("h200x8", "v5p-8")), ("grpo lora16", ("h200",))),
     "qwen3-vl-8b": (("grpo full", ("h200x8", "v5p-8")), ("grpo lora16", ("h200",))),
+    "gemma-3-4b": (("grpo full", ("h200x8", "v5p-8")), ("grpo lora16", ("h200",))),
 }
 PROGRAMS = ("update", "score", "generate")
 
