@@ -244,7 +244,7 @@ def model_shape(model, params, cache_dtype=None) -> ModelShape:
     matmul = 0
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         key = jax.tree_util.keystr(path)
-        # (a vision encoder's weights act on image patches, not on every token: see `vision_flops`)
+        # (a vision encoder's weights act on image patches, not on every token: `report.run_work` counts them)
         if len(getattr(leaf, "shape", ())) >= 2 and not any(h in key for h in _HEADS + ("'visual'",)):
             size = int(np.prod(leaf.shape, dtype=np.int64))
             # A mixture's experts: a token runs num_experts_per_tok of num_experts.

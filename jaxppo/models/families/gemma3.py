@@ -110,7 +110,8 @@ def _from_hf_vision(d: dict, common: dict) -> ModelConfig:
     if d["vision_config"].get("model_type", "siglip_vision_model") != "siglip_vision_model":
         raise ValueError(f"a gemma3 vision_config of model_type {d['vision_config']['model_type']!r}: jaxppo loads "
                          "Gemma 3's SigLIP tower (siglip_vision_model)")
-    return dataclasses.replace(text, model_type="gemma3", vision=GemmaVisionConfig.from_hf(d), image_token_id=int(image))
+    return dataclasses.replace(text, model_type="gemma3", vision=GemmaVisionConfig.from_hf(d),
+                               image_token_id=int(image))
 
 
 def _to_hf_vision(c: ModelConfig, architecture: str, common: dict):
@@ -137,9 +138,9 @@ def _vision(trunk, c: ModelConfig, x, input_ids, images):
                         f"{type(images).__name__}")
     features = encoder(jnp.asarray(images.pixels))  # (B, M, T, D)
     b, m, t, d = features.shape
-    x = merge_images(x, input_ids, c.image_token_id, features.reshape(b, m * t, d), images.tokens)
-    is_image, index = image_slots(input_ids, c.image_token_id, images.tokens, m * t)
-    return x, None, jnp.where(is_image, index // t, -1)  # each image token's image
+    slots = image_slots(input_ids, c.image_token_id, images.tokens)
+    x = merge_images(x, slots, features.reshape(b, m * t, d))
+    return x, None, jnp.where(slots[0], slots[1] // t, -1)  # each image token's image
 
 
 def _images(c: ModelConfig, processor, tokenizer):

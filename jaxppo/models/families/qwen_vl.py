@@ -20,7 +20,7 @@ from jaxppo.models.config import ModelConfig
 from jaxppo.models.families import llama
 from jaxppo.models.vision.qwen import (ImageInput, QwenVisionConfig, QwenVisionEncoder, smallest_image_input,
                                        vision_hf_name)
-from jaxppo.models.vision.prompt import image_slots, merge_images
+from jaxppo.models.vision.prompt import image_slots, merge_images, take_slots
 from jaxppo.models.vision.qwen3 import Qwen3VisionConfig, Qwen3VisionEncoder, vision3_hf_name
 
 __all__ = ["FAMILY", "QWEN3_FAMILY", "deepstack_additions"]
@@ -62,13 +62,12 @@ def _to_hf(c: ModelConfig, architecture: str, common: dict):
                                          architectures=common["architectures"])
 
 
-def deepstack_additions(input_ids, image_token_id: int, deep, tokens, dtype):
+def deepstack_additions(slots, deep, dtype):
     """DeepStack's additions (K, B, L, D) to the hidden states, from the encoder's DeepStack
     features `deep` (B, K, N, D) (K layers, N image tokens per row): row b's n-th image token
-    gets `deep[b, :, n]` for n < tokens[b]; 0 everywhere else."""
-    is_image, index = image_slots(input_ids, image_token_id, tokens, deep.shape[2])
-    picked = jax.vmap(lambda d: jnp.take_along_axis(d, index[..., None], axis=1), in_axes=1)(deep)
-    return jnp.where(is_image[None, ..., None], picked, 0).astype(dtype)
+    (`slots`, from `image_slots`) gets `deep[b, :, n]`; 0 everywhere else."""
+    picked = jax.vmap(lambda d: take_slots(d, slots), in_axes=1)(deep)
+    return jnp.where(slots[0][None, ..., None], picked, 0).astype(dtype)
 
 
 def _encoded(trunk, c: ModelConfig, images, encoder_cls):
@@ -92,7 +91,7 @@ def _vision(trunk, c: ModelConfig, x, input_ids, images):
     features = _encoded(trunk, c, images, QwenVisionEncoder)
     if features is None:
         return x, None, None
-    return merge_images(x, input_ids, c.image_token_id, features, images.tokens), None, None
+    return merge_images(x, image_slots(input_ids, c.image_token_id, images.tokens), features), None, None
 
 
 def _vision3(trunk, c: ModelConfig, x, input_ids, images):
@@ -100,10 +99,11 @@ def _vision3(trunk, c: ModelConfig, x, input_ids, images):
     if encoded is None:
         return x, None, None
     features, deep = encoded  # (B, N, D), (B, K, N, D)
-    x = merge_images(x, input_ids, c.image_token_id, features, images.tokens)
+    slots = image_slots(input_ids, c.image_token_id, images.tokens)
+    x = merge_images(x, slots, features)
     if not c.vision.deepstack_visual_indexes:
         return x, None, None
-    return x, deepstack_additions(input_ids, c.image_token_id, deep, images.tokens, x.dtype), None
+    return x, deepstack_additions(slots, deep, x.dtype), None
 
 
 def _images(c: ModelConfig, processor, tokenizer):

@@ -8,7 +8,8 @@ from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
-__all__ = ["ImagePrompt", "joined_positions", "response_positions", "positions_like", "image_slots", "merge_images"]
+__all__ = ["ImagePrompt", "joined_positions", "response_positions", "positions_like", "image_slots", "take_slots",
+           "merge_images"]
 
 
 class ImagePrompt(NamedTuple):
@@ -51,19 +52,25 @@ def positions_like(after, ndim: int):
     return after[..., None].repeat(3, axis=-1) if ndim == 3 else after
 
 
-def image_slots(input_ids, image_token_id: int, tokens, count: int):
-    """(is_image (B, L): the image tokens that take an image's features (row b's first
-    tokens[b]), index (B, L): which of the row's `count` features each takes)."""
+def image_slots(input_ids, image_token_id: int, tokens):
+    """Where a batch's images go among its token ids: (is_image (B, L), the image tokens
+    that take an image's features: row b's first tokens[b] (an image token after those, a
+    sampled one, is text, as when it was decoded); index (B, L), which of the row's image
+    tokens each is, counted from 0). The host checks the prompts' counts."""
     seen = jnp.cumsum(input_ids == image_token_id, axis=1)
     is_image = (input_ids == image_token_id) & (seen <= jnp.asarray(tokens)[:, None])
-    return is_image, jnp.clip(seen - 1, 0, count - 1)
+    return is_image, jnp.maximum(seen - 1, 0)
 
 
-def merge_images(x, input_ids, image_token_id: int, features, tokens):
-    """The embeddings `x` (B, L, D) with row b's k-th image token taking `features[b, k]`
-    (features (B, K, D)) for k < tokens[b]; image tokens after those (a sampled one) keep
-    their own embedding, as when they are decoded (the prompts' counts are checked on the
-    host)."""
-    is_image, index = image_slots(input_ids, image_token_id, tokens, features.shape[1])
-    picked = jnp.take_along_axis(features, index[..., None], axis=1).astype(x.dtype)
-    return jnp.where(is_image[..., None], picked, x)
+def take_slots(features, slots):
+    """Each token's row of `features` (B, K, ...) by `image_slots`' index: (B, L, ...); at
+    tokens that are not an image's, any row (mask them with `slots`' is_image)."""
+    index = jnp.minimum(slots[1], features.shape[1] - 1)
+    return jnp.take_along_axis(features, index.reshape(index.shape + (1,) * (features.ndim - 2)), axis=1)
+
+
+def merge_images(x, slots, features):
+    """The embeddings `x` (B, L, D) with row b's k-th image token (`slots`, from
+    `image_slots`) taking `features[b, k]` (features (B, K, D)); every other token keeps its
+    own embedding."""
+    return jnp.where(slots[0][..., None], take_slots(features, slots).astype(x.dtype), x)
