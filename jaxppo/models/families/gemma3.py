@@ -118,7 +118,7 @@ def _to_hf_vision(c: ModelConfig, architecture: str, common: dict):
     import transformers
 
     text = _to_hf(dataclasses.replace(c, model_type="gemma3_text", vision=None, image_token_id=None),
-                  "Gemma3ForCausalLM", {k: v for k, v in common.items() if k not in ("architectures", "num_labels")})
+                  "Gemma3ForCausalLM", llama.nested_common(common))
     vision, beside = c.vision.to_hf()
     return transformers.Gemma3Config(text_config=text, vision_config=vision, image_token_index=c.image_token_id,
                                      tie_word_embeddings=c.tie_word_embeddings, architectures=common["architectures"],

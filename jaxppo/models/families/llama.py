@@ -147,6 +147,12 @@ def to_hf_kwargs(c: ModelConfig, common: dict) -> dict:
                 **common)
 
 
+def nested_common(common: dict) -> dict:
+    """The common fields a vision-language model's nested text config takes: all but the
+    outer model's `architectures` and `num_labels`."""
+    return {k: v for k, v in common.items() if k not in ("architectures", "num_labels")}
+
+
 def hf_layer_types(c: ModelConfig):
     """Hugging Face's `layer_types` of a config with sliding layers (None without a window)."""
     if c.sliding_window is None:

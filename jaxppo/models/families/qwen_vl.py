@@ -45,21 +45,19 @@ def _from_hf(d: dict, common: dict) -> ModelConfig:
     return _config(d, common, "qwen2_5_vl", "qwen2", QwenVisionConfig)
 
 
+def _nested_config(config_class, c: ModelConfig, common: dict, **text_fields):
+    """transformers' `config_class` of a Qwen-VL config: the language model's fields (and
+    `text_fields`) as its text config, the vision config's own."""
+    text = llama.to_hf_kwargs(c, llama.nested_common(common))
+    text.update(rope_parameters=dict(c.rope_params, rope_theta=c.rope_theta), **text_fields)
+    return config_class(text_config=text, vision_config=c.vision.to_hf(), image_token_id=c.image_token_id,
+                        tie_word_embeddings=c.tie_word_embeddings, architectures=common["architectures"])
+
+
 def _to_hf(c: ModelConfig, architecture: str, common: dict):
     import transformers
 
-    v: QwenVisionConfig = c.vision
-    text = llama.to_hf_kwargs(c, {k: v for k, v in common.items() if k not in ("architectures", "num_labels")})
-    text.update(rope_parameters=dict(c.rope_params, rope_theta=c.rope_theta), use_sliding_window=False)
-    vision = dict(depth=v.depth, hidden_size=v.hidden_size, intermediate_size=v.intermediate_size,
-                  num_heads=v.num_heads, out_hidden_size=v.out_hidden_size, in_channels=v.in_channels,
-                  patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size,
-                  spatial_merge_size=v.spatial_merge_size, window_size=v.window_size,
-                  fullatt_block_indexes=list(v.fullatt_block_indexes), hidden_act=v.hidden_act,
-                  rope_parameters={"rope_type": "axial", "rope_theta": v.rope_theta})
-    return transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=c.image_token_id,
-                                         tie_word_embeddings=c.tie_word_embeddings,
-                                         architectures=common["architectures"])
+    return _nested_config(transformers.Qwen2_5_VLConfig, c, common, use_sliding_window=False)
 
 
 def deepstack_additions(slots, deep, dtype):
@@ -112,13 +110,18 @@ def _images(c: ModelConfig, processor, tokenizer):
     return QwenImages(processor, c, None if tokenizer is None else tokenizer.convert_ids_to_tokens(c.image_token_id))
 
 
-def _hf_extra_name(path, c: ModelConfig):
-    """The vision encoder's parameters (under the trunk's "visual"): "visual." + their names
-    in the encoder (`vision_hf_name`)."""
-    if len(path) < 3 or path[1] != "visual":
-        return None
-    name, layout = vision_hf_name(path[2:], c.vision)
-    return "visual." + name, layout
+def _encoder_names(prefix: str, name_of):
+    """A family's `hf_extra_name`: the vision encoder's parameters (under the trunk's
+    "visual") named `prefix` + their names in the encoder (`name_of`: `vision_hf_name`,
+    `vision3_hf_name`)."""
+
+    def hf_extra_name(path, c: ModelConfig):
+        if len(path) < 3 or path[1] != "visual":
+            return None
+        name, layout = name_of(path[2:], c.vision)
+        return prefix + name, layout
+
+    return hf_extra_name
 
 
 def _from_hf3(d: dict, common: dict) -> ModelConfig:
@@ -128,20 +131,7 @@ def _from_hf3(d: dict, common: dict) -> ModelConfig:
 def _to_hf3(c: ModelConfig, architecture: str, common: dict):
     import transformers
 
-    text = llama.to_hf_kwargs(c, {k: v for k, v in common.items() if k not in ("architectures", "num_labels")})
-    text.update(rope_parameters=dict(c.rope_params, rope_theta=c.rope_theta), attention_bias=c.qkv_bias)
-    return transformers.Qwen3VLConfig(text_config=text, vision_config=c.vision.to_hf(), image_token_id=c.image_token_id,
-                                      tie_word_embeddings=c.tie_word_embeddings,
-                                      architectures=common["architectures"])
-
-
-def _hf_extra_name3(path, c: ModelConfig):
-    """Qwen3-VL's vision encoder (under the trunk's "visual"): "model.visual." + its names
-    in the encoder (`vision3_hf_name`)."""
-    if len(path) < 3 or path[1] != "visual":
-        return None
-    name, layout = vision3_hf_name(path[2:], c.vision)
-    return "model.visual." + name, layout
+    return _nested_config(transformers.Qwen3VLConfig, c, common, attention_bias=c.qkv_bias)
 
 
 FAMILY = dataclasses.replace(
@@ -153,7 +143,7 @@ FAMILY = dataclasses.replace(
     config_to_hf=_to_hf,
     hints={},
     vision=_vision,
-    hf_extra_name=_hf_extra_name,
+    hf_extra_name=_encoder_names("visual.", vision_hf_name),
     images=_images,
     peft_trunk_name="model.language_model",
     peft_exclude=r".*\.visual\..*",
@@ -167,7 +157,7 @@ QWEN3_FAMILY = dataclasses.replace(
     config_from_hf=_from_hf3,
     config_to_hf=_to_hf3,
     vision=_vision3,
-    hf_extra_name=_hf_extra_name3,
+    hf_extra_name=_encoder_names("model.visual.", vision3_hf_name),
     hf_trunk_name="model.language_model",
     peft_trunk_name=None,
 )

@@ -98,6 +98,15 @@ class QwenVisionConfig:
         merger = (n // self.merge_unit) * (self.merge_unit * d) * (self.merge_unit * d + self.out_hidden_size)
         return 2.0 * (n * d * self.patch_values + self.depth * n * per_patch + merger) + attention
 
+    def to_hf(self) -> dict:
+        """The Hugging Face `vision_config` dict."""
+        return dict(depth=self.depth, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+                    num_heads=self.num_heads, out_hidden_size=self.out_hidden_size, in_channels=self.in_channels,
+                    patch_size=self.patch_size, temporal_patch_size=self.temporal_patch_size,
+                    spatial_merge_size=self.spatial_merge_size, window_size=self.window_size,
+                    fullatt_block_indexes=list(self.fullatt_block_indexes), hidden_act=self.hidden_act,
+                    rope_parameters={"rope_type": "axial", "rope_theta": self.rope_theta})
+
     @classmethod
     def from_hf(cls, d: dict) -> "QwenVisionConfig":
         """From a Hugging Face `vision_config` dict."""

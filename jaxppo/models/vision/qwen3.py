@@ -85,14 +85,11 @@ class Qwen3VisionConfig(QwenVisionConfig):
                    deepstack_visual_indexes=tuple(d.get("deepstack_visual_indexes", ())))
 
     def to_hf(self) -> dict:
-        """The Hugging Face `vision_config` dict."""
-        return dict(depth=self.depth, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-                    num_heads=self.num_heads, out_hidden_size=self.out_hidden_size, in_channels=self.in_channels,
-                    patch_size=self.patch_size, temporal_patch_size=self.temporal_patch_size,
-                    spatial_merge_size=self.spatial_merge_size, hidden_act=self.hidden_act,
-                    num_position_embeddings=self.num_position_embeddings,
-                    deepstack_visual_indexes=list(self.deepstack_visual_indexes),
-                    rope_parameters={"rope_type": "axial", "rope_theta": self.rope_theta})
+        """The Hugging Face `vision_config` dict: Qwen2.5-VL's fields without the windows,
+        with the learned position grid and DeepStack's layers."""
+        d = {k: v for k, v in super().to_hf().items() if k not in ("window_size", "fullatt_block_indexes")}
+        return dict(d, num_position_embeddings=self.num_position_embeddings,
+                    deepstack_visual_indexes=list(self.deepstack_visual_indexes))
 
 
 def _activation(name: str):
