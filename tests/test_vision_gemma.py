@@ -170,25 +170,11 @@ def test_the_continuous_sampler_with_gemma3_images_gives_the_static_samplers_tok
     freed slot of its own cache row mid-run): the static sampler's tokens and log-probs for
     the same key; with in-flight updates that recompute every slot's cache, greedy tokens
     are unchanged."""
-    from jaxppo.rollout.engines.continuous import generate_continuous, generate_inflight
-    from jaxppo.rollout.engines.static import generate
     from jaxppo.rollout.prompts import prompt_batch
 
     path, _ = checkpoint
-    batch = prompt_batch(_table(path), np.repeat(np.arange(3), 2))
     model, params = jm.from_pretrained(path)
-    key = jax.random.key(3)
-    static = generate(model, params, batch.queries, batch.mask, key, response_length=5, temperature=1.0)
-    continuous = generate_continuous(model, params, batch.queries, batch.mask, key, num_slots=2, response_length=5,
-                                     temperature=1.0)
-    np.testing.assert_array_equal(continuous.tokens, static.tokens)
-    np.testing.assert_allclose(continuous.logprobs, static.logprobs, atol=1e-5)
-    greedy = generate(model, params, batch.queries, batch.mask, key, response_length=5, greedy=True)
-    versions = iter(range(100))
-    inflight, _ = generate_inflight(model, lambda: (next(versions), params), batch.queries, batch.mask, key,
-                                    num_slots=2, steps_per_check=2, on_update="recompute", response_length=5,
-                                    greedy=True)
-    np.testing.assert_array_equal(inflight.tokens, greedy.tokens)
+    vm.assert_continuous_is_static(model, params, prompt_batch(_table(path), np.repeat(np.arange(3), 2)), 2, 5)
 
 
 def test_lora_on_gemma3_with_images_loads_in_peft_with_equal_logits(checkpoint, tmp_path):

@@ -233,25 +233,10 @@ def test_the_continuous_sampler_with_images_gives_the_static_samplers_tokens(che
     as the static sampler for the same key; with in-flight updates that recompute every
     slot's cache (the same parameters as a new version), greedy tokens are still equal."""
     from jaxppo.models.hf import from_pretrained
-    from jaxppo.rollout.engines.continuous import generate_continuous, generate_inflight
-    from jaxppo.rollout.engines.static import generate
 
     table = _encoder(checkpoint).table(*labelled_prompt_table(_records(tmp_path)))
-    rows = np.repeat(np.arange(6), 2)
-    batch = prompt_batch(table, rows)
     model, params = from_pretrained(checkpoint)
-    key = jax.random.key(3)
-    static = generate(model, params, batch.queries, batch.mask, key, response_length=6, temperature=1.0)
-    continuous = generate_continuous(model, params, batch.queries, batch.mask, key, num_slots=3, response_length=6,
-                                     temperature=1.0)
-    np.testing.assert_array_equal(continuous.tokens, static.tokens)
-    np.testing.assert_allclose(continuous.logprobs, static.logprobs, atol=1e-5)
-    greedy = generate(model, params, batch.queries, batch.mask, key, response_length=6, greedy=True)
-    versions = iter(range(100))
-    inflight, _ = generate_inflight(model, lambda: (next(versions), params), batch.queries, batch.mask, key,
-                                    num_slots=3, steps_per_check=2, on_update="recompute", response_length=6,
-                                    greedy=True)
-    np.testing.assert_array_equal(inflight.tokens, greedy.tokens)
+    vm.assert_continuous_is_static(model, params, prompt_batch(table, np.repeat(np.arange(6), 2)), 3, 6)
 
 
 def test_what_a_run_with_images_cannot_do_yet_is_refused(tmp_path, checkpoint):

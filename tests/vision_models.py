@@ -177,3 +177,27 @@ def moved_adapters(variables, scale=0.1, seed=3):
     keys = jax.random.split(jax.random.key(seed), len(leaves))
     return {**variables, "lora": jax.tree.unflatten(tree, [x + scale * jax.random.normal(k, x.shape)
                                                            for x, k in zip(leaves, keys)])}
+
+
+def assert_continuous_is_static(model, params, batch, num_slots: int, response_length: int):
+    """Continuous batching over `batch` (a `PromptBatch` with images; fewer slots than rows,
+    so most rows are prefilled, images and all, into a freed slot mid-run) gives the static
+    sampler's tokens and log-probs for the same key; with in-flight updates that recompute
+    every slot's cache (the same parameters as a new version), greedy tokens are unchanged."""
+    import jax
+
+    from jaxppo.rollout.engines.continuous import generate_continuous, generate_inflight
+    from jaxppo.rollout.engines.static import generate
+
+    key = jax.random.key(3)
+    static = generate(model, params, batch.queries, batch.mask, key, response_length=response_length, temperature=1.0)
+    continuous = generate_continuous(model, params, batch.queries, batch.mask, key, num_slots=num_slots,
+                                     response_length=response_length, temperature=1.0)
+    np.testing.assert_array_equal(continuous.tokens, static.tokens)
+    np.testing.assert_allclose(continuous.logprobs, static.logprobs, atol=1e-5)
+    greedy = generate(model, params, batch.queries, batch.mask, key, response_length=response_length, greedy=True)
+    versions = iter(range(100))
+    inflight, _ = generate_inflight(model, lambda: (next(versions), params), batch.queries, batch.mask, key,
+                                    num_slots=num_slots, steps_per_check=2, on_update="recompute",
+                                    response_length=response_length, greedy=True)
+    np.testing.assert_array_equal(inflight.tokens, greedy.tokens)
