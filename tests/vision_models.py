@@ -16,6 +16,17 @@ IMAGE = 90  # the image token's id
 PLACEHOLDER = "<|image_pad|>"  # jaxppo.demo_vision.PLACEHOLDER
 WORDS = ["user", "assistant", ":", "<eol>", "what", "colour", "is", "this", "red", "blue", "green", "it", "a", "b",
          "picture", "and", "or", "yes", "no", "the"]
+def _jitter(model, *names):
+    """Biases and norm weights (and parameters whose names hold any of `names`) moved away
+    from their 0 / 1 start, so that every parameter matters to the outputs."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name or any(n in name for n in names):
+                p.add_(0.1 * torch.randn_like(p))
+
+
 def tiny_qwen_vl(path, seed: int = 0):
     """A tiny random Qwen2.5-VL checkpoint saved by transformers at `path` (vocabulary 97,
     image token 90); returns the torch model."""
@@ -29,10 +40,7 @@ def tiny_qwen_vl(path, seed: int = 0):
     model = transformers.Qwen2_5_VLForConditionalGeneration(
         transformers.Qwen2_5_VLConfig(text_config=text, vision_config=dict(VISION, out_hidden_size=64),
                                      image_token_id=IMAGE)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name or "ln_q" in name:
-                p.add_(0.1 * torch.randn_like(p))
+    _jitter(model, "ln_q")
     model.save_pretrained(path)
     return model
 
@@ -57,10 +65,7 @@ def tiny_qwen3_vl(path, seed: int = 0):
     torch.manual_seed(seed)
     model = transformers.Qwen3VLForConditionalGeneration(
         transformers.Qwen3VLConfig(text_config=text, vision_config=VISION_3, image_token_id=IMAGE)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
+    _jitter(model)
     model.save_pretrained(path)
     return model
 
@@ -136,10 +141,7 @@ def tiny_gemma3_vl(path, seed: int = 0):
     config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
                                        image_token_index=GEMMA_IMAGE, boi_token_index=BOI, eoi_token_index=EOI)
     model = transformers.Gemma3ForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name or "mm_input" in name:
-                p.add_(0.1 * torch.randn_like(p))
+    _jitter(model, "mm_input")
     model.save_pretrained(path)
     return model
 
