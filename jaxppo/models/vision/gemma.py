@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxppo.models.transformer import RMSNorm
+from jaxppo.models.transformer import RMSNorm, activation
 
 __all__ = ["GemmaVisionConfig", "GemmaVisionEncoder", "GemmaImageInput", "gemma_image_input", "gemma_vision_hf_name"]
 
@@ -148,7 +148,7 @@ class _Layer(nn.Module):
         out = jnp.einsum("hqk,khd->qhd", jax.nn.softmax(scores, axis=-1).astype(self.dtype), v).reshape(n, -1)
         x = x + dense(c.hidden_size, "out_proj")(out)
         h = nn.LayerNorm(c.layer_norm_eps, **kw, name="layer_norm2")(x)
-        h = jax.nn.gelu(dense(c.intermediate_size, "fc1")(h), approximate=c.hidden_act == "gelu_pytorch_tanh")
+        h = activation(c.hidden_act)(dense(c.intermediate_size, "fc1")(h))
         return x + dense(c.hidden_size, "fc2")(h)
 
 

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxppo.models.transformer import RMSNorm
+from jaxppo.models.transformer import RMSNorm, activation
 from jaxppo.models.vision.prompt import ImagePrompt
 
 __all__ = ["QwenVisionConfig", "QwenVisionEncoder", "VisionLayout", "vision_layout", "mrope_positions",
@@ -373,7 +373,7 @@ class _MLP(nn.Module):
     def __call__(self, x):
         c = self.config
         dense = lambda n, name: nn.Dense(n, dtype=self.dtype, param_dtype=self.param_dtype, name=name)  # noqa: E731
-        act = getattr(jax.nn, c.hidden_act)
+        act = activation(c.hidden_act)
         return dense(c.hidden_size, "down_proj")(act(dense(c.intermediate_size, "gate_proj")(x))
                                                  * dense(c.intermediate_size, "up_proj")(x))
 

@@ -26,6 +26,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxppo.models.transformer import activation
 from jaxppo.models.vision.qwen import QwenVisionConfig, SegmentAttention, VisionLayout, check_pixels, rotary_tables
 
 __all__ = ["Qwen3VisionConfig", "Qwen3VisionEncoder", "vision3_hf_name"]
@@ -53,6 +54,11 @@ class Qwen3VisionConfig(QwenVisionConfig):
         if any(not 0 <= i < self.depth for i in indexes):
             raise ValueError(f"vision deepstack_visual_indexes {indexes} must be blocks of 0 .. {self.depth - 1}")
         object.__setattr__(self, "deepstack_visual_indexes", indexes)
+        try:
+            activation(self.hidden_act)
+        except KeyError:
+            raise ValueError(f"vision hidden_act {self.hidden_act!r} is not supported; supported: gelu_pytorch_tanh, "
+                             "gelu_new, gelu, relu, silu") from None
 
     @property
     def grid_side(self) -> int:
@@ -92,16 +98,6 @@ class Qwen3VisionConfig(QwenVisionConfig):
                     deepstack_visual_indexes=list(self.deepstack_visual_indexes))
 
 
-def _activation(name: str):
-    if name in ("gelu_pytorch_tanh", "gelu_new", "gelu_fast"):
-        return lambda x: jax.nn.gelu(x, approximate=True)
-    if name == "gelu":
-        return lambda x: jax.nn.gelu(x, approximate=False)
-    if name == "silu":
-        return jax.nn.silu
-    raise ValueError(f"vision hidden_act {name!r} is not supported; supported: gelu_pytorch_tanh, gelu, silu")
-
-
 def _taps(index, size, side):
     """Bilinear taps (2 per patch) into a `side`-long axis for patch `index` of `size` on
     that axis, corners aligned (torch's `interpolate(align_corners=True)`): (taps, weights)."""
@@ -139,7 +135,7 @@ class _Block(nn.Module):
         x = x + SegmentAttention(c, **kw, name="attn")(nn.LayerNorm(1e-6, **kw, name="norm1")(x), cos, sin, slots)
         h = nn.LayerNorm(1e-6, **kw, name="norm2")(x)
         h = nn.Dense(c.intermediate_size, **kw, name="linear_fc1")(h)
-        return x + nn.Dense(c.hidden_size, **kw, name="linear_fc2")(_activation(c.hidden_act)(h))
+        return x + nn.Dense(c.hidden_size, **kw, name="linear_fc2")(activation(c.hidden_act)(h))
 
 
 class Qwen3VisionEncoder(nn.Module):
