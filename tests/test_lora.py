@@ -91,8 +91,10 @@ def test_lora_errors(hf_checkpoints, tmp_path):
     model, params = jm.from_pretrained(path)
     with pytest.raises(ValueError, match=r"\['c_attn'\] are not linear layers of a llama model; valid: q_proj"):
         jm.add_lora(model, params, jm.LoraConfig(targets=("c_attn", "q_proj")), jax.random.key(0))
+    with pytest.raises(ValueError, match="vision=True puts adapters on a vision encoder, which a llama model does not"):
+        jm.add_lora(model, params, jm.LoraConfig(vision=True), jax.random.key(0))
     for bad, match in [(dict(rank=0), "rank=0"), (dict(alpha=-1), "alpha=-1"), (dict(targets=()), "targets"),
-                       (dict(targets=("all-linear", "q_proj")), "stands alone")]:
+                       (dict(targets=("all-linear", "q_proj")), "stands alone"), (dict(vision=1), "vision=1")]:
         with pytest.raises(ValueError, match=match):
             jm.LoraConfig(**bad)
     lora_model, variables = jm.add_lora(model, params, jm.LoraConfig(), jax.random.key(0))

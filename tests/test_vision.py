@@ -363,27 +363,28 @@ def test_the_forward_pass_over_responses_reads_the_images(tmp_path):
     assert float(jnp.abs(grads["model"]["embed_tokens"]["embedding"]).max()) > 0
 
 
-def test_a_reward_model_or_teacher_that_reads_images_is_refused(tmp_path):
-    """A run's reward model and teacher read text: a Qwen2.5-VL checkpoint (or Model) in
-    either role is refused, naming the keyword and flag, before anything compiles; as the
-    policy it loads."""
+def test_a_teacher_that_reads_images_is_refused(tmp_path):
+    """A run's teacher reads text: a Qwen2.5-VL checkpoint as the teacher is refused, naming
+    the keyword and flag, before anything compiles; as the policy, and as a reward model
+    (which reads the policy's images: tests/test_vision_gemma.py), it loads."""
     from jaxppo.run.assembly import load_model
 
     tiny_qwen_vl(tmp_path / "hf")
     with pytest.raises(ValueError, match=r"teacher= \(--teacher\) .*a vision-language model \(qwen2_5_vl\); a teacher"):
         load_model(str(tmp_path / "hf"), "causal_lm", "float32", role="teacher")
     model, params = load_model(str(tmp_path / "hf"), "causal_lm", "float32", role="policy")
-    with pytest.raises(ValueError, match=r"reward_model= \(--reward-model\) \(a Model\): a vision-language"):
-        load_model((model, params), "causal_lm", "float32", role="reward_model")
+    assert load_model((model, params), "causal_lm", "float32", role="reward_model")[0].config.vision is not None
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
-def test_lora_on_a_vision_language_model_loads_in_peft_with_equal_logits(tmp_path, family):
-    """LoRA on every linear layer of the language model (the encoder untouched): adapters
-    moved from their start change the logits with images; saved in PEFT's format (named as
-    transformers' modules are, under model.language_model, the encoder excluded), PEFT loads
-    them onto transformers' model and its logits with the same images equal jaxppo's, and
-    jaxppo reads them back; the merged export loads in transformers with the same logits."""
+@pytest.mark.parametrize("family, tower", [("qwen2_5_vl", False), ("qwen2_5_vl", True), ("qwen3_vl", True)],
+                         ids=["qwen2_5_vl", "qwen2_5_vl-tower", "qwen3_vl-tower"])
+def test_lora_on_a_vision_language_model_loads_in_peft_with_equal_logits(tmp_path, family, tower):
+    """LoRA on every linear layer of the language model, and with `vision=True` of the
+    vision encoder too: adapters moved from their start change the logits with images (the
+    encoder's alone too); saved in PEFT's format (named as transformers' modules are; the
+    encoder excluded, or its modules named), PEFT loads them onto transformers' model and
+    its logits with the same images equal jaxppo's, and jaxppo reads them back; the merged
+    export loads in transformers with the same logits."""
     import peft
     import transformers
 
@@ -392,9 +393,10 @@ def test_lora_on_a_vision_language_model_loads_in_peft_with_equal_logits(tmp_pat
 
     hf = (tiny_qwen3_vl if family == "qwen3_vl" else tiny_qwen_vl)(tmp_path / "hf")
     model, params = jm.from_pretrained(str(tmp_path / "hf"))
-    lora_model, variables = jm.add_lora(model, params, jm.LoraConfig(rank=4, alpha=8, targets="all-linear"),
-                                        jax.random.key(1))
+    lora = jm.LoraConfig(rank=4, alpha=8, targets="all-linear", vision=tower)
+    lora_model, variables = jm.add_lora(model, params, lora, jax.random.key(1))
     trained = moved_adapters(variables)
+    assert ("visual" in trained["lora"]["model"]) == tower
     ids, mask, pixel_rows, grid_rows = _rows_with_images(model.config.vision)
     grids = [g for row in grid_rows for g in row]
     positions = np.moveaxis(mrope_positions(ids, mask, grids, IMAGE, model.config.vision.spatial_merge_size)[0], 0, -1)
@@ -403,6 +405,11 @@ def test_lora_on_a_vision_language_model_loads_in_peft_with_equal_logits(tmp_pat
     base = np.asarray(model.apply(params, ids, mask, images=images, positions=positions))
     adapted = np.asarray(lora_model.apply(trained, ids, mask, images=images, positions=positions))
     assert np.abs(adapted[real] - base[real]).max() > 0.1
+    if tower:  # the encoder's adapters matter on their own
+        lm_only = {**trained, "lora": {"model": {**trained["lora"]["model"], "visual": variables["lora"]["model"]["visual"]},
+                                       **{k: v for k, v in trained["lora"].items() if k != "model"}}}
+        without = np.asarray(lora_model.apply(lm_only, ids, mask, images=images, positions=positions))
+        assert np.abs(adapted[real] - without[real]).max() > 1e-3
 
     def reference(m):
         with torch.no_grad():
@@ -414,11 +421,21 @@ def test_lora_on_a_vision_language_model_loads_in_peft_with_equal_logits(tmp_pat
     jm.save_peft_adapter(lora_model, trained, str(tmp_path / "adapter"), base_model_name_or_path=str(tmp_path / "hf"))
     with_adapter = peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter")).eval()
     np.testing.assert_allclose(reference(with_adapter)[real], adapted[real], atol=1e-4, rtol=0)
-    _, again = jm.load_peft_adapter(model, params, str(tmp_path / "adapter"))  # and jaxppo reads it back
+    again_model, again = jm.load_peft_adapter(model, params, str(tmp_path / "adapter"))  # and jaxppo reads it back
+    assert again_model.lora.vision == tower
     for a, b in zip(jax.tree.leaves(again["lora"]), jax.tree.leaves(trained["lora"])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     merged = transformers.AutoModelForImageTextToText.from_pretrained(str(tmp_path / "merged")).eval()
     np.testing.assert_allclose(reference(merged)[real], adapted[real], atol=1e-4, rtol=0)
+    if tower:  # PEFT's own "all-linear" adapter reaches the tower: jaxppo reads it whole
+        theirs = peft.get_peft_model(merged, peft.LoraConfig(r=2, lora_alpha=4, target_modules="all-linear",
+                                                             init_lora_weights=False))
+        theirs.save_pretrained(str(tmp_path / "theirs"))
+        peft_model, peft_params = jm.load_peft_adapter(*jm.from_pretrained(str(tmp_path / "merged")),
+                                                       str(tmp_path / "theirs"))
+        assert peft_model.lora.vision
+        ours = np.asarray(peft_model.apply(peft_params, ids, mask, images=images, positions=positions))
+        np.testing.assert_allclose(reference(theirs.eval())[real], ours[real], atol=1e-4, rtol=0)
 
 
 def test_each_vision_encoders_flops_are_xlas_count_of_its_matrix_products():

@@ -177,16 +177,19 @@ def test_the_continuous_sampler_with_gemma3_images_gives_the_static_samplers_tok
     vm.assert_continuous_is_static(model, params, prompt_batch(_table(path), np.repeat(np.arange(3), 2)), 2, 5)
 
 
-def test_lora_on_gemma3_with_images_loads_in_peft_with_equal_logits(checkpoint, tmp_path):
-    """LoRA on every linear layer of the language model: saved in PEFT's format (named as
-    transformers' modules are, the tower excluded), PEFT loads it onto transformers' model
-    and its logits with images equal jaxppo's."""
+@pytest.mark.parametrize("targets, tower", [("all-linear", False), (("q_proj", "v_proj"), True)],
+                         ids=["language-model", "q-v-and-tower"])
+def test_lora_on_gemma3_with_images_loads_in_peft_with_equal_logits(checkpoint, tmp_path, targets, tower):
+    """LoRA on every linear layer of the language model, or on its q_proj and v_proj and
+    every linear layer of the SigLIP tower (whose layers share those names): saved in PEFT's
+    format (named as transformers' modules are), PEFT loads it onto transformers' model and
+    its logits with images equal jaxppo's; jaxppo reads it back with the same targets."""
     import peft
 
     path, _ = checkpoint
     model, params = jm.from_pretrained(path)
-    lora_model, variables = jm.add_lora(model, params, jm.LoraConfig(rank=4, alpha=8, targets="all-linear"),
-                                        jax.random.key(1))
+    lora = jm.LoraConfig(rank=4, alpha=8, targets=targets, vision=tower)
+    lora_model, variables = jm.add_lora(model, params, lora, jax.random.key(1))
     trained = vm.moved_adapters(variables)
     ids, mask, pixel_rows = _rows()
     prompt = gemma_prompt(ids, mask, pixel_rows, model.config)
@@ -195,6 +198,8 @@ def test_lora_on_gemma3_with_images_loads_in_peft_with_equal_logits(checkpoint, 
     with_adapter = peft.PeftModel.from_pretrained(transformers_model(path), str(tmp_path / "adapter")).eval()
     real = mask.astype(bool)
     np.testing.assert_allclose(_reference(with_adapter, ids, mask, pixel_rows)[real], adapted[real], atol=1e-4)
+    again = jm.load_peft_adapter(model, params, str(tmp_path / "adapter"))[0].lora
+    assert again.modules(model.config) == lora.modules(model.config) and again.vision == tower
 
 
 def test_gemma3_trains_with_grpo_on_its_images(checkpoint, tmp_path):
@@ -220,3 +225,55 @@ def test_gemma3_trains_with_grpo_on_its_images(checkpoint, tmp_path):
     moved = jnp.abs(after["params"]["model"]["embed_tokens"]["embedding"]
                     - start["params"]["model"]["embed_tokens"]["embedding"])
     assert float(moved.max()) > 0
+
+
+def test_a_gemma3_reward_model_scores_the_rollout_with_its_images(checkpoint, tmp_path):
+    """A Gemma 3 reward model (`Gemma3ForSequenceClassification`, saved by transformers)
+    scores image prompts' completions in a GRPO run (and its evaluation's): each row's
+    score equals transformers' score of the same tokens with the same pixel values; with
+    the images swapped between prompts the scores change. A text-only reward model and one that reads images another
+    way are refused before anything loads, with the reason."""
+    import transformers
+
+    from jaxppo.run import iteration
+
+    path, _ = checkpoint
+    torch.manual_seed(5)  # the policy's weights (its projector moved from transformers' zeros) and a random head
+    reward = transformers.Gemma3ForSequenceClassification.from_pretrained(path, num_labels=1).eval()
+    reward.save_pretrained(tmp_path / "rm")
+    ask = [{"type": "text", "text": "what colour is this"}]
+    records = [{"prompt": [{"role": "user", "content": [{"type": "image"}] + ask}], "images": [vm.colour_image(c)]}
+               for c in ("red", "blue", "green", "red")]
+    config = jaxppo.Config.for_algorithm("grpo", batch_size=8, mini_batch_size=8, ppo_epochs=1, num_generations=2)
+    config = config.replace(output_dir=str(tmp_path / "run"), progress=False, sample_every=0, export_final=False,
+                            plot=False, report_to="jsonl", iterations=1, query_length=24, response_length=4)
+    trainer = jaxppo.Trainer(config, policy=path, tokenizer=vm.gemma_tokenizer(), prompts=records,
+                             reward_model=str(tmp_path / "rm"), eval_prompts=records[:2])
+    prepared = iteration.prepare(trainer.run, trainer.parts)  # with the evaluation before training
+    assert np.isfinite(prepared.evaluation[0]["eval/reward_mean"])  # its completions scored with their images
+    built = prepared.built
+    rollout = built.rollout
+    ids, mask = np.asarray(rollout.query_tokens), np.asarray(rollout.query_mask)
+    tokens, attention = np.asarray(rollout.response_tokens), np.asarray(rollout.response_mask)
+    pixels = np.asarray(rollout.images.images.pixels)  # (B, 1, C, H, W): one image per prompt
+    joined, joined_mask = np.concatenate([ids, tokens], 1), np.concatenate([mask, attention], 1)
+    with torch.no_grad():
+        theirs = reward(input_ids=torch.tensor(joined), attention_mask=torch.tensor(joined_mask),
+                        pixel_values=torch.tensor(pixels[:, 0]),
+                        token_type_ids=torch.tensor((joined == IMAGE).astype(np.int64))).logits[:, 0].numpy()
+    np.testing.assert_allclose(np.asarray(built.model_scores), theirs, atol=1e-4)
+    with torch.no_grad():
+        swapped = reward(input_ids=torch.tensor(joined), attention_mask=torch.tensor(joined_mask),
+                         pixel_values=torch.tensor(np.roll(pixels[:, 0], 2, axis=0)),
+                         token_type_ids=torch.tensor((joined == IMAGE).astype(np.int64))).logits[:, 0].numpy()
+    assert np.abs(swapped - theirs).max() > 1e-3  # the images reach the scores
+    vocab = trainer.parts.spec.reward_apply.__self__.config.vocab_size
+    text_reward = jm.Model(jm.ModelConfig(model_type="llama", vocab_size=vocab, hidden_size=16, num_layers=1,
+                                          num_heads=2, num_kv_heads=1, intermediate_size=32,
+                                          max_position_embeddings=64), kind="reward")
+    qwen = jm.Model(jm.from_pretrained(vm.tiny_vl_checkpoint(tmp_path / "qwen"))[0].config, kind="reward")
+    qwen_reward = (qwen, qwen.init(jax.random.key(0), seq_len=2))
+    for bad, why in [((text_reward, text_reward.init(jax.random.key(0), seq_len=2)), r"\(llama\) reads text, not"),
+                     (qwen_reward, r"\(qwen2_5_vl\) reads images another way than the policy \(gemma3\)")]:
+        with pytest.raises(ValueError, match=r"the prompts have images: the reward model " + why):
+            jaxppo.Trainer(config, policy=path, tokenizer=vm.gemma_tokenizer(), prompts=records, reward_model=bad)

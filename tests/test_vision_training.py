@@ -161,14 +161,17 @@ def _said_colour(prompts, completions, colour):
     return [float(c.split()[:1] == [k]) + 0.01 * len(c) for c, k in zip(completions, colour)]
 
 
-@pytest.mark.parametrize("name, settings, family", [("grpo", {}, 2), ("ppo", {}, 2), ("grpo", {"lora_rank": 4}, 3)],
-                         ids=["grpo", "ppo", "grpo-lora-qwen3-vl"])
+@pytest.mark.parametrize("name, settings, family", [
+    ("grpo", {}, 2), ("ppo", {}, 2), ("grpo", {"lora_rank": 4}, 3),
+    ("grpo", {"lora_rank": 4, "train_vision_encoder": True}, 2)],
+    ids=["grpo", "ppo", "grpo-lora-qwen3-vl", "grpo-lora-on-the-encoder-too"])
 def test_a_vision_language_policy_trains_on_its_images(tmp_path, checkpoint, checkpoint3, name, settings, family):
     """GRPO and PPO (a critic on the same trunk, reading the images too) on Qwen2.5-VL, and
-    GRPO with LoRA on Qwen3-VL, on image prompts through the Trainer: the first update is
-    on-policy (the update reads the images the rollout was scored with: with them swapped,
-    the same rollout is off-policy), the language model (or its adapters) trains, the frozen
-    encoder does not."""
+    GRPO with LoRA on Qwen3-VL (and on Qwen2.5-VL with adapters on the encoder too), on
+    image prompts through the Trainer: the first update is on-policy (the update reads the
+    images the rollout was scored with: with them swapped, the same rollout is off-policy),
+    the language model (or its adapters, and the encoder's) trains, the encoder's weights
+    do not."""
     trainer = _trainer(tmp_path, checkpoint3 if family == 3 else checkpoint, _colour_records(), _said_colour,
                        name=name, ppo_epochs=1, mini_batch_size=8, **settings)
     start = jax.tree.map(np.asarray, trainer.policy_params())
@@ -180,9 +183,13 @@ def test_a_vision_language_policy_trains_on_its_images(tmp_path, checkpoint, che
     after = trainer.policy_params()
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(start["params"]["model"]["visual"]),
                                                       jax.tree.leaves(after["params"]["model"]["visual"])))
-    trained = (lambda p: p["lora"]) if settings else (lambda p: p["params"]["model"]["embed_tokens"])
-    assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(trained(start)),
-                                                          jax.tree.leaves(trained(after))))
+    trained = [lambda p: p["params"]["model"]["embed_tokens"]] if not settings else (
+        [lambda p: p["lora"]["model"]["layers_0"]] + [lambda p: p["lora"]["model"]["visual"]] * (
+            "train_vision_encoder" in settings))
+    assert ("visual" in after.get("lora", {}).get("model", {})) == ("train_vision_encoder" in settings)
+    for part in trained:
+        assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(part(start)),
+                                                              jax.tree.leaves(part(after))))
     rollout = iteration.prepare(trainer.run, trainer.parts).built.rollout  # the next iteration's
     assert rollout.images is not None and rollout.images.images.pixels.shape[0] == 8
     # The same rollout with each row's images replaced by those 4 rows on (another prompt's
@@ -246,8 +253,8 @@ def test_what_a_run_with_images_cannot_do_yet_is_refused(tmp_path, checkpoint):
         _trainer(tmp_path, checkpoint, _colour_records(), _said_colour, pack_sequences=True)
     with pytest.raises(ValueError, match="read as a prompt table .* not streamed"):
         _trainer(tmp_path, checkpoint, _colour_records(), _said_colour, stream_prompts=True)
-    with pytest.raises(ValueError, match="train_vision_encoder=True trains the vision encoder's weights, which LoRA"):
-        jaxppo.AdapterConfig(lora_rank=4, train_vision_encoder=True)
+    with pytest.raises(ValueError, match="train_vision_encoder=True with lora_init='adapter': the adapter decides"):
+        jaxppo.AdapterConfig(lora_init="adapter", train_vision_encoder=True)
 
 
 def test_a_resumed_run_with_images_gives_the_uninterrupted_one(tmp_path, checkpoint):

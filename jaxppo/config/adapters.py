@@ -30,8 +30,10 @@ class AdapterConfig(Concern):
       lora_init: a PEFT LoRA adapter directory to start from (its rank, alpha and targets
         apply; give no lora_rank with it).
       train_vision_encoder: a vision-language policy's vision encoder trains with the rest
-        of the policy (full fine-tuning only). False (the default): it stays frozen (no
-        gradient, no optimizer state; the images' features are the initial encoder's).
+        of the policy: every weight of it in full fine-tuning; with `lora_rank`, adapters
+        on all its linear layers (blocks and merger) beside the language model's. False
+        (the default): it stays frozen (no gradient, no optimizer state; the images'
+        features are the initial encoder's). With `lora_init`, the adapter decides.
 
     A resumed run must match these: the run's settings record them as the policy's adapters
     (with the adapter directory's path), where runs before 0.5 recorded them.
@@ -65,10 +67,10 @@ class AdapterConfig(Concern):
             raise ValueError(f"AdapterConfig.lora_init={self.lora_init!r} takes its rank, alpha and targets from the "
                              f"adapter; drop lora_rank={self.lora_rank} (or lora_init)")
         check_bools(self, ("train_vision_encoder",))
-        if self.train_vision_encoder and (self.lora_rank is not None or self.lora_init is not None):
-            raise ValueError("AdapterConfig.train_vision_encoder=True trains the vision encoder's weights, which LoRA "
-                             "holds frozen in LayoutConfig.dtype; train it with full fine-tuning (no lora_rank / "
-                             "lora_init), or leave it frozen")
+        if self.train_vision_encoder and self.lora_init is not None:
+            raise ValueError(f"AdapterConfig.train_vision_encoder=True with lora_init={self.lora_init!r}: the adapter "
+                             "decides where adapters are (on the vision encoder where it has the encoder's tensors); "
+                             "drop train_vision_encoder")
         if self.lora_rank is None and self.lora_init is None:
             given = [name for name, default in (("lora_alpha", None), ("lora_targets", DEFAULT_TARGETS))
                      if getattr(self, name) != default]
@@ -83,7 +85,8 @@ class AdapterConfig(Concern):
         if self.lora_rank is None:
             return None
         alpha = 2.0 * self.lora_rank if self.lora_alpha is None else self.lora_alpha
-        return LoraConfig(rank=self.lora_rank, alpha=alpha, targets=self.lora_targets)
+        return LoraConfig(rank=self.lora_rank, alpha=alpha, targets=self.lora_targets,
+                          vision=self.train_vision_encoder)
 
     @classmethod
     def of(cls, lora: Optional[LoraConfig], lora_init: Optional[str] = None) -> dict:
@@ -92,4 +95,6 @@ class AdapterConfig(Concern):
         out = {} if lora_init is None else {"lora_init": str(lora_init)}
         if lora is not None:
             out.update(lora_rank=lora.rank, lora_alpha=lora.alpha, lora_targets=tuple(lora.targets))
+            if lora.vision:
+                out.update(train_vision_encoder=True)
         return out

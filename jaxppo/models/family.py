@@ -88,6 +88,8 @@ class ModelFamily:
       peft_trunk_name: the trunk's name in transformers' modules where it differs from the
         checkpoint's (Qwen2.5-VL: saved as "model", "model.language_model" in memory): PEFT
         names adapters by the modules; None where they agree.
+      peft_tower_name: (the vision encoder's name in checkpoints, in transformers' modules)
+        where they differ (Qwen2.5-VL: "visual", "model.visual"), or None.
       peft_exclude: a regular expression of the modules PEFT must leave alone (a vision
         encoder whose layers share the language model's names), or None.
       hf_extra_name: (flat param path, config) -> (Hugging Face name, layout) for parameters the
@@ -122,6 +124,7 @@ class ModelFamily:
     hf_extra_name: Optional[Callable] = None
     hf_trunk_name: Optional[str] = None
     peft_trunk_name: Optional[str] = None
+    peft_tower_name: Optional[Tuple[str, str]] = None
     peft_exclude: Optional[str] = None
     hf_checkpoint_name: Optional[Callable] = None
     images: Optional[Callable] = None

@@ -11,7 +11,9 @@ reference policy is the same variables with `Model(adapters=False)`.
 Hugging Face's module names select targets: `q_proj`, `k_proj`, `v_proj`, `o_proj`,
 `gate_proj`, `up_proj`, `down_proj` (Llama family, Gemma 3), `c_attn`, `c_proj`, `c_fc`
 (GPT-2; `c_proj` is both the attention and the MLP output, as in PEFT), or "all-linear"
-(every projection in the blocks; not the LM head).
+(every projection in the blocks; not the LM head). With `vision=True`, a vision-language
+model's vision encoder gets adapters too, on every linear layer of its blocks and merger
+(what PEFT's "all-linear" reaches in the tower; not the patch embedding).
 
 This module is the layer and its configuration. Adding adapters to a model's variables and
 folding them back (`add_lora`, `merge_lora`) live in `jaxppo.models.adapters`; PEFT's file
@@ -30,7 +32,7 @@ import jax.numpy as jnp
 from jaxppo.models.config import ModelConfig
 from jaxppo.models.family import family_of
 
-__all__ = ["LoraConfig", "LoraDense", "target_names", "ALL_LINEAR"]
+__all__ = ["LoraConfig", "LoraDense", "target_names", "tower_dense", "ALL_LINEAR"]
 
 ALL_LINEAR = "all-linear"
 
@@ -44,11 +46,13 @@ def target_names(config: ModelConfig) -> dict:
 @dataclasses.dataclass(frozen=True)
 class LoraConfig:
     """Rank, alpha (the adapters' output is scaled by alpha / rank) and target modules
-    (Hugging Face module names, or "all-linear"). Hashable."""
+    (Hugging Face module names, or "all-linear") of the language model; `vision`: a
+    vision-language model's encoder gets adapters on all its linear layers too. Hashable."""
 
     rank: int = 8
     alpha: float = 16.0
     targets: Union[Tuple[str, ...], str] = ("q_proj", "v_proj")
+    vision: bool = False
 
     def __post_init__(self):
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
@@ -61,6 +65,9 @@ class LoraConfig:
                              "('q_proj', 'v_proj') or 'all-linear'")
         if ALL_LINEAR in targets and len(targets) > 1:
             raise ValueError(f"LoraConfig.targets={targets!r}: 'all-linear' stands alone")
+        if not isinstance(self.vision, bool):
+            raise ValueError(f"LoraConfig.vision={self.vision!r} is invalid; use True (adapters on the vision encoder "
+                             "too) or False")
         object.__setattr__(self, "targets", tuple(sorted(set(targets))))
         object.__setattr__(self, "alpha", float(self.alpha))
 
@@ -72,6 +79,9 @@ class LoraConfig:
         """Our module names that get adapters on a `config` model; ValueError for a target
         this architecture does not have, listing the valid ones."""
         names = target_names(config)
+        if self.vision and config.vision is None:
+            raise ValueError(f"LoraConfig.vision=True puts adapters on a vision encoder, which a {config.model_type} "
+                             "model does not have; use vision=False")
         if self.targets == (ALL_LINEAR,):
             return frozenset(m for ms in names.values() for m in ms)
         unknown = [t for t in self.targets if t not in names]
@@ -80,6 +90,11 @@ class LoraConfig:
                              f"{config.model_type} model; valid: "
                              f"{', '.join(names)} or '{ALL_LINEAR}'")
         return frozenset(m for t in self.targets for m in names[t])
+
+    def tower(self, enabled: bool):
+        """The vision encoder's adapters as its layers take them: (rank, scale, `enabled`),
+        or None where the encoder has none."""
+        return (self.rank, self.scale, enabled) if self.vision else None
 
     def hf_targets(self, config: ModelConfig) -> list:
         """The target names as PEFT records them (all-linear expanded)."""
@@ -118,3 +133,12 @@ class LoraDense(nn.Module):
             y = y + (self.scale * jax.lax.dot_general(low, b.value.astype(self.dtype),
                                                       (((low.ndim - 1,), (0,)), ((), ())))).astype(self.dtype)
         return y
+
+
+def tower_dense(features: int, name: str, dtype, param_dtype, lora=None, use_bias: bool = True):
+    """A vision encoder's linear layer: `nn.Dense`, or `LoraDense` where `lora` is the
+    tower's adapters, (rank, scale, enabled) (`LoraConfig.tower`)."""
+    if lora is None:
+        return nn.Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, name=name)
+    rank, scale, enabled = lora
+    return LoraDense(features, use_bias, dtype, param_dtype, rank, scale, enabled, name=name)

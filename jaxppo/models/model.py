@@ -583,7 +583,8 @@ def describe_model(spec, model, dtype) -> dict:
         if model.scan_layers:  # another parameter layout: its checkpoints do not fit the other
             out["scan_layers"] = True
         if model.lora is not None:
-            out["lora"] = {"rank": model.lora.rank, "alpha": model.lora.alpha, "targets": list(model.lora.targets)}
+            out["lora"] = {"rank": model.lora.rank, "alpha": model.lora.alpha, "targets": list(model.lora.targets),
+                           **({"vision": True} if model.lora.vision else {})}
     else:
         out["dtype"] = dtype
     return out

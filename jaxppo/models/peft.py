@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,9 @@ __all__ = ["save_peft_adapter", "load_peft_adapter", "read_peft_config", "peft_n
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# Where a vision-language model's encoder sits in transformers' module names (Qwen's
+# "visual", Gemma 3's "vision_tower" and "multi_modal_projector").
+VISION_TOWERS = ("visual", "vision_tower", "multi_modal_projector")
 
 
 def peft_name(path, config):
@@ -36,8 +40,11 @@ def peft_name(path, config):
     name, _ = hf_name(path[:-1] + kernel, config)  # e.g. model.layers.0.self_attn.q_proj.weight
     family = family_of(config)
     saved = family.hf_trunk_name or family.trunk_name
-    if family.peft_trunk_name and name.startswith(saved + "."):  # the modules' name, not the file's
-        name = family.peft_trunk_name + name[len(saved):]
+    renames = [(saved, family.peft_trunk_name), family.peft_tower_name or (None, None)]
+    for old, new in renames:  # the modules' names, not the file's
+        if new and name.startswith(old + "."):
+            name = new + name[len(old):]
+            break
     which = "lora_A" if leaf.endswith("lora_a") else "lora_B"
     return f"base_model.model.{name[: -len('.weight')]}.{which}.weight"
 
@@ -69,12 +76,16 @@ def save_peft_adapter(model, variables, path: str, base_model_name_or_path: str 
     tensors = {}
     for p, value in _per_layer_adapters(model, variables["lora"]).items():
         tensors.update(_one_per_expert(peft_name(p, model.config), value))
+    # With the vision encoder's adapters, which share names with the language model's
+    # (Gemma 3's q_proj; Qwen's gate_proj), the modules are named exactly: a pattern PEFT
+    # matches against each module's whole name.
+    targets = _module_pattern(tensors) if model.lora.vision else model.lora.hf_targets(model.config)
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "r": model.lora.rank,
         "lora_alpha": model.lora.alpha,
-        "target_modules": model.lora.hf_targets(model.config),
+        "target_modules": targets,
         "lora_dropout": 0.0,
         "bias": "none",
         "fan_in_fan_out": family_of(model.config).peft_fan_in_fan_out,  # (in, out) layers: GPT-2's Conv1D
@@ -82,7 +93,7 @@ def save_peft_adapter(model, variables, path: str, base_model_name_or_path: str 
         "use_dora": False,
         "modules_to_save": None,
         "layers_to_transform": None,
-        "exclude_modules": family_of(model.config).peft_exclude,
+        "exclude_modules": None if model.lora.vision else family_of(model.config).peft_exclude,
         "init_lora_weights": True,
         "inference_mode": True,
         "base_model_name_or_path": base_model_name_or_path,
@@ -91,6 +102,47 @@ def save_peft_adapter(model, variables, path: str, base_model_name_or_path: str 
     with open(os.path.join(path, ADAPTER_CONFIG), "w") as f:
         json.dump(config, f, indent=2)
     save_file(tensors, os.path.join(path, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+
+
+def _module_pattern(tensors) -> str:
+    """A regular expression (PEFT's `target_modules` as a string: matched against a
+    module's whole name) for exactly the modules of these PEFT tensor names, the layer
+    numbers as \\d+."""
+    modules = {re.sub(r"\.\d+\.", ".0.", n[len("base_model.model."):].rsplit(".lora_", 1)[0]) for n in tensors}
+    return "|".join(re.escape(m).replace(r"\.0\.", r"\.\d+\.") for m in sorted(modules))
+
+
+def _adapter_modules(path: str) -> list:
+    """The module names of a PEFT adapter directory's tensors (from the safetensors header;
+    no tensor is read), or [] where it has no safetensors file."""
+    from safetensors import safe_open
+
+    file = os.path.join(path, ADAPTER_WEIGHTS)
+    if not os.path.isfile(file):
+        return []
+    with safe_open(file, framework="numpy") as f:
+        return sorted({n.replace("base_model.model.", "", 1).rsplit(".lora_", 1)[0] for n in f.keys()})
+
+
+def _in_tower(module: str) -> bool:
+    return any(part in module.split(".") for part in VISION_TOWERS)
+
+
+def _targets(path: str, file: str, targets):
+    """(language-model targets, whether the vision encoder has adapters) of an adapter:
+    its `target_modules` (a list of names, or "all-linear"); where the vision encoder has
+    adapters, or the targets are a pattern (a string that is not a name, as jaxppo writes
+    with the encoder's adapters), the last names of its language-model modules (PEFT
+    saves "all-linear" over a whole vision-language model as the names of both)."""
+    modules = _adapter_modules(path)
+    tower = any(_in_tower(m) for m in modules)
+    if tower or (isinstance(targets, str) and not re.fullmatch(r"[\w-]+", targets)):
+        found = sorted({m.rsplit(".", 1)[-1] for m in modules if not _in_tower(m)})
+        if not found:
+            raise ValueError(f"{file}: target_modules {targets!r} is a pattern or reaches a vision encoder, and the "
+                             "adapter has no language-model tensors to read its targets from")
+        return tuple(found), tower
+    return ((targets,) if isinstance(targets, str) else tuple(targets or ())), tower
 
 
 def read_peft_config(path: str) -> LoraConfig:
@@ -110,11 +162,9 @@ def read_peft_config(path: str) -> LoraConfig:
     if unsupported:
         raise ValueError(f"{file}: options {unsupported} are not supported; jaxppo loads plain LoRA (one rank and "
                          "alpha, no bias, no extra saved modules)")
-    targets = c.get("target_modules")
-    if isinstance(targets, str):
-        targets = (targets,)
+    targets, tower = _targets(path, file, c.get("target_modules"))
     try:
-        return LoraConfig(rank=c.get("r"), alpha=c.get("lora_alpha", c.get("r")), targets=tuple(targets or ()))
+        return LoraConfig(rank=c.get("r"), alpha=c.get("lora_alpha", c.get("r")), targets=targets, vision=tower)
     except (TypeError, ValueError) as err:
         raise ValueError(f"{file}: {err}") from None
 

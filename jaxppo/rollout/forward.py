@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jaxppo.models.decoding import GenerationOutput, strings_completed
 from jaxppo.models.model import scored_mask
 from jaxppo.models.vision import ImagePrompt
+from jaxppo.models.vision.prompt import joined_positions
 from jaxppo.rollout.spec import RolloutSpec
 from jaxppo.update import packing
 from jaxppo.update.batch import (RolloutBatch, joined, model_method, queries, response_attention, response_outputs,
@@ -105,6 +106,23 @@ def _reference_logprobs(spec: RolloutSpec, ref_params, batch):
     return logprobs_from_logits(ref_logits, batch["response_tokens"], spec.temperature)
 
 
+def reward_inputs(spec: RolloutSpec, usual):
+    """What the reward model reads of rows (a dict of `RolloutBatch` fields, the usual
+    layout): the rows' tokens and attention mask, and with images
+    (a vision-language reward model of the policy's kind: `jaxppo.run.parts`) the images
+    and the rotary positions through the responses, as the policy reads them."""
+    if usual.get("images") is None:
+        return joined(usual)
+    model = getattr(spec.reward_apply, "__self__", None)
+    if getattr(getattr(model, "config", None), "vision", None) is None:
+        raise ValueError("the rows have images, which this reward model does not read: give a built-in "
+                         "vision-language Model of the policy's kind as the reward model, or score with reward "
+                         "functions")
+    images = usual["images"]
+    tokens, mask = joined(usual)
+    return tokens, mask, images.images, joined_positions(queries(usual), response_attention(usual))
+
+
 def _raw_scores(spec: RolloutSpec, reward_params, batch, host_scores, usual):
     """(B,) scores before penalties and normalisation: the reward model's (weighted) or the
     token function's, plus the host's; and the reward model's own (or None). `usual`: the
@@ -125,10 +143,7 @@ def _raw_scores(spec: RolloutSpec, reward_params, batch, host_scores, usual):
         model_scores = jnp.take_along_axis(scores, after_last[:, None], axis=1)[:, 0].astype(jnp.float32)
         raw_scores = spec.reward_weight * model_scores
     elif spec.reward_apply is not None:
-        if usual.get("images") is not None:
-            raise ValueError("a reward model reads text: score a vision-language policy's responses with reward "
-                             "functions")
-        model_scores = spec.reward_apply(reward_params, *joined(usual)).astype(jnp.float32)
+        model_scores = spec.reward_apply(reward_params, *reward_inputs(spec, usual)).astype(jnp.float32)
         raw_scores = spec.reward_weight * model_scores
     elif spec.token_reward_fn is not None:
         raw_scores = jnp.asarray(spec.token_reward_fn(usual["query_tokens"], usual["query_mask"],

@@ -75,10 +75,10 @@ def load_model(spec, kind, dtype, param_dtype=None, scan_layers=None, role: Opti
 
 
 def _refuse_vision(model: Model, role: Optional[str], what: str):
-    """A vision-language model as the policy or its reference (the same model's), or as a
-    critic on a vision-language policy; a reward model or a teacher reads text (refused
-    before anything compiles)."""
-    if role in ("reward_model", "teacher") and model.config.vision is not None:
+    """A vision-language model as the policy or its reference (the same model's), as a
+    critic on a vision-language policy, or as a reward model (which reads the policy's
+    images: `jaxppo.run.parts`); a teacher reads text (refused before anything compiles)."""
+    if role == "teacher" and model.config.vision is not None:
         raise ValueError(f"{ROLES[role]} {what}: a vision-language model ({model.config.model_type}); a "
                          f"{role.replace('_', ' ')} reads text here (the policy may read images: docs: "
                          "Vision-language models)")

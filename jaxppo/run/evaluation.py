@@ -30,9 +30,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxppo.models.model import join_sequences
 from jaxppo.models.tokenizer import decode_responses
 from jaxppo.rollout.environments import EpisodeSetup, run_episodes
+from jaxppo.rollout.forward import reward_inputs
 from jaxppo.rollout.prompts import PromptTable, prompt_batch
 from jaxppo.rollout.spec import RolloutSpec
 from jaxppo.run.outputs import stopped_rows, table_rows
@@ -45,11 +45,14 @@ EVAL_KEY = 0x5EED_E7A1  # folded into the run's key: evaluation keys never meet 
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _device_scores(spec: RolloutSpec, reward_params, ids, mask, tokens, token_mask):
-    """(B,) float32: the reward model's scores of prompt + completion, or the token-level
+def _device_scores(spec: RolloutSpec, reward_params, ids, mask, tokens, token_mask, images=None):
+    """(B,) float32: the reward model's scores of prompt + completion (with the prompts'
+    `images`, an `ImagePrompt` without ids, where they have them), or the token-level
     reward function's."""
     if spec.reward_apply is not None:
-        return spec.reward_apply(reward_params, *join_sequences(ids, mask, tokens, token_mask)).astype(jnp.float32)
+        rows = {"query_tokens": ids, "query_mask": mask, "response_tokens": tokens, "response_mask": token_mask,
+                **({} if images is None else {"images": images})}
+        return spec.reward_apply(reward_params, *reward_inputs(spec, rows)).astype(jnp.float32)
     return jnp.asarray(spec.token_reward_fn(ids, mask, tokens, token_mask), jnp.float32)
 
 
@@ -112,7 +115,8 @@ class Evaluator:
             attention = getattr(gen, "attention_mask", gen.mask)  # an episode's whole conversation
             if self.device_scores:
                 with mesh_context(self.mesh):
-                    scores = _device_scores(self.spec, reward_params, batch.ids, batch.mask, gen.tokens, attention)
+                    scores = _device_scores(self.spec, reward_params, batch.ids, batch.mask, gen.tokens, attention,
+                                            batch.images)
                 device.append(to_host(scores)[:keep])
             tokens.append(to_host(gen.tokens)[:keep])
             masks.append(to_host(gen.mask)[:keep])

@@ -148,7 +148,8 @@ def build(config, inputs: Inputs) -> RunParts:
                           images=images)
     eval_table, eval_rewards = _eval_inputs(inputs, config, rewards, environment, images)
     _check_columns(rewards, table, eval_table, eval_rewards)
-    _check_images(config, engine, rewards, [t for t in (table, eval_table) if t is not None])
+    _check_images(config, engine, rewards, [t for t in (table, eval_table) if t is not None],
+                  _policy_config(inputs.policy))
     _check_eval_engine(engine, config, eval_table, environment)
     config, prefix = _resolve_layout(config, table, environment)
     # In the common-prefix layout a row's region opens with the rest of its prompt: the LM head
@@ -307,17 +308,18 @@ def _check_columns(rewards, table, eval_table, eval_rewards):
         eval_rewards[0].check_columns(eval_table.columns, "the eval prompts")
 
 
-def _check_images(config, engine: type, rewards, tables):
+def _check_images(config, engine: type, rewards, tables, policy_config):
     """What a run whose prompts have images cannot do yet, refused before anything loads:
-    an engine that samples no images, a reward model (it reads text), the layouts that
-    regroup rows (common prefix, packing), a teacher's top-k."""
+    an engine that samples no images, a reward model that cannot read the policy's images
+    (`_reward_reads_images`), the layouts that regroup rows (common prefix, packing), a
+    teacher's top-k."""
     if all(getattr(t, "images", None) is None for t in tables):
         return
+    reward_problem = _reward_reads_images(rewards.model_spec, policy_config)
     refused = [(not engine.capabilities.images, f"rollout_engine={config.sampling.rollout_engine!r} "
                 f"({engine.__name__}) samples no images (its capabilities lack images); use the built-in static "
                 "sampler (rollout_engine='jaxppo' without num_slots)"),
-               (rewards.model_spec is not None, "a reward model reads text, not the images; score with reward "
-                "functions"),
+               (reward_problem is not None, reward_problem),
                (config.layout.common_prefix is True, "LayoutConfig.common_prefix=True: the common-prefix layout "
                 "reads no images; turn it off"),
                (config.layout.pack_sequences, "LayoutConfig.pack_sequences: packed rows read no images; turn it off"),
@@ -326,6 +328,28 @@ def _check_images(config, engine: type, rewards, tables):
     problem = next((why for bad, why in refused if bad), None)
     if problem is not None:
         raise ValueError(f"the prompts have images: {problem}")
+
+
+def _reward_reads_images(spec, policy_config):
+    """None where the reward model (if any) reads the rows as the policy does, images
+    included: a vision-language model of the policy's type whose vision encoder and image
+    token are the policy's (the rows' image tokens, pixel arrays and positions are made
+    for the policy); else why not, for the refusal."""
+    if spec is None:
+        return None
+    reward = _policy_config(spec)  # its config.json or its Model's, nothing loaded
+    if reward is None or policy_config is None:
+        return None  # a file that must load first: the forward pass refuses what it cannot read
+    fix = ("score with reward functions, or give a reward model of the policy's type with its vision encoder's "
+           "configuration and image token (docs: Vision-language models)")
+    if reward.vision is None:
+        return f"the reward model ({reward.model_type}) reads text, not the images; {fix}"
+    same = (reward.model_type, reward.vision, reward.image_token_id, reward.mrope_axes) == (
+        policy_config.model_type, policy_config.vision, policy_config.image_token_id, policy_config.mrope_axes)
+    if not same:
+        return (f"the reward model ({reward.model_type}) reads images another way than the policy "
+                f"({policy_config.model_type}): another vision encoder, image token or rotary layout; {fix}")
+    return None
 
 
 def _check_eval_engine(engine: type, config, eval_table, environment):

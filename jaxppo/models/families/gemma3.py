@@ -127,8 +127,9 @@ def _to_hf_vision(c: ModelConfig, architecture: str, common: dict):
 
 def _vision(trunk, c: ModelConfig, x, input_ids, images):
     v = c.vision
-    encoder = nn.vmap(GemmaVisionEncoder, variable_axes={"params": None}, split_rngs={"params": False})(
-        v, c.hidden_size, trunk.dtype, trunk.param_dtype, name="visual")
+    tower = None if trunk.lora is None else trunk.lora.tower(trunk.adapters)
+    encoder = nn.vmap(GemmaVisionEncoder, variable_axes={"params": None, "lora": None}, split_rngs={"params": False})(
+        v, c.hidden_size, trunk.dtype, trunk.param_dtype, tower, name="visual")
     if images is None:
         if trunk.is_initializing():  # the encoder's parameters, from one blank image
             encoder(jnp.zeros((1, 1, v.num_channels, v.image_size, v.image_size), trunk.dtype))
@@ -173,7 +174,7 @@ VISION_FAMILY = dataclasses.replace(
     FAMILY,
     name="gemma3_vision",
     model_types=("gemma3",),
-    architectures={"gemma3": ("Gemma3ForConditionalGeneration", "Gemma3ForConditionalGeneration")},
+    architectures={"gemma3": ("Gemma3ForConditionalGeneration", "Gemma3ForSequenceClassification")},
     config_from_hf=_from_hf_vision,
     config_to_hf=_to_hf_vision,
     hints={},
@@ -183,5 +184,6 @@ VISION_FAMILY = dataclasses.replace(
     hf_trunk_name="language_model.model",
     hf_checkpoint_name=_checkpoint_name,
     peft_trunk_name="model.language_model",
+    peft_tower_name=("vision_tower", "model.vision_tower"),
     peft_exclude=r".*\.vision_tower\..*",
 )

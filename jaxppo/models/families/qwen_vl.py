@@ -72,8 +72,9 @@ def _encoded(trunk, c: ModelConfig, images, encoder_cls):
     """The trunk's vision encoder ("visual", `encoder_cls` over the batch's rows) applied to
     `images` (an `ImageInput`): its output, or None without images (at init the encoder's
     parameters are made from one image token's blank patches)."""
-    encoder = nn.vmap(encoder_cls, in_axes=(0, 0), variable_axes={"params": None},
-                      split_rngs={"params": False})(c.vision, trunk.dtype, trunk.param_dtype, name="visual")
+    tower = None if trunk.lora is None else trunk.lora.tower(trunk.adapters)
+    encoder = nn.vmap(encoder_cls, in_axes=(0, 0), variable_axes={"params": None, "lora": None},
+                      split_rngs={"params": False})(c.vision, trunk.dtype, trunk.param_dtype, tower, name="visual")
     if images is None:
         if trunk.is_initializing():
             blank = smallest_image_input(c.vision)
@@ -146,6 +147,7 @@ FAMILY = dataclasses.replace(
     hf_extra_name=_encoder_names("visual.", vision_hf_name),
     images=_images,
     peft_trunk_name="model.language_model",
+    peft_tower_name=("visual", "model.visual"),
     peft_exclude=r".*\.visual\..*",
 )
 

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxppo.models.lora import tower_dense
 from jaxppo.models.transformer import RMSNorm, activation
 
 __all__ = ["GemmaVisionConfig", "GemmaVisionEncoder", "GemmaImageInput", "gemma_image_input", "gemma_vision_hf_name"]
@@ -136,11 +137,12 @@ class _Layer(nn.Module):
     config: GemmaVisionConfig
     dtype: Any
     param_dtype: Any
+    lora: Any = None
 
     @nn.compact
     def __call__(self, x):
         c, kw = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        dense = lambda n, name: nn.Dense(n, **kw, name=name)  # noqa: E731
+        dense = lambda n, name: tower_dense(n, name, **kw, lora=self.lora)  # noqa: E731
         h = nn.LayerNorm(c.layer_norm_eps, **kw, name="layer_norm1")(x)
         n, heads, d = x.shape[0], c.num_attention_heads, c.head_dim
         q, k, v = (dense(c.hidden_size, f"{p}_proj")(h).reshape(n, heads, d) for p in "qkv")
@@ -154,12 +156,15 @@ class _Layer(nn.Module):
 
 class GemmaVisionEncoder(nn.Module):
     """SigLIP and Gemma 3's projector: images (M, channels, size, size) -> image token
-    embeddings (M, mm_tokens_per_image, `out_size`), each image's tokens row by row."""
+    embeddings (M, mm_tokens_per_image, `out_size`), each image's tokens row by row.
+    `lora`: adapters on the tower's layers' linear maps, (rank, scale, enabled)
+    (`jaxppo.models.LoraConfig.tower`), or None (the projector's matrix gets none)."""
 
     config: GemmaVisionConfig
     out_size: int
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    lora: Any = None
 
     @nn.compact
     def __call__(self, pixels):
@@ -171,9 +176,9 @@ class GemmaVisionEncoder(nn.Module):
             patches.reshape(m, side * side, -1).astype(self.dtype))
         x = x + nn.Embed(side * side, c.hidden_size, param_dtype=self.param_dtype,
                          name="position_embedding")(jnp.arange(side * side))[None].astype(x.dtype)
-        layer = nn.vmap(_Layer, variable_axes={"params": None}, split_rngs={"params": False})
+        layer = nn.vmap(_Layer, variable_axes={"params": None, "lora": None}, split_rngs={"params": False})
         for i in range(c.num_hidden_layers):
-            x = layer(c, self.dtype, self.param_dtype, name=f"layers_{i}")(x)
+            x = layer(c, self.dtype, self.param_dtype, self.lora, name=f"layers_{i}")(x)
         x = nn.LayerNorm(c.layer_norm_eps, **kw, name="post_layernorm")(x)
         # The projector: the patch grid average-pooled to a square of tokens, normed, mapped.
         tokens = int(round(c.mm_tokens_per_image ** 0.5))

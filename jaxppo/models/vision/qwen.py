@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxppo.models.lora import tower_dense
 from jaxppo.models.transformer import RMSNorm, activation
 from jaxppo.models.vision.prompt import ImagePrompt
 
@@ -343,6 +344,7 @@ class SegmentAttention(nn.Module):
     config: QwenVisionConfig
     dtype: Any
     param_dtype: Any
+    lora: Any = None  # the tower's adapters (`jaxppo.models.lora.tower_dense`)
 
     @nn.compact
     def __call__(self, x, cos, sin, slots):
@@ -351,7 +353,7 @@ class SegmentAttention(nn.Module):
         never (N, N)."""
         c = self.config
         n = x.shape[0]
-        qkv = nn.Dense(3 * c.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype, name="qkv")(x)
+        qkv = tower_dense(3 * c.hidden_size, "qkv", self.dtype, self.param_dtype, self.lora)(x)
         q, k, v = jnp.moveaxis(qkv.reshape(n, 3, c.num_heads, c.head_dim), 1, 0)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         slots = jnp.asarray(slots)
@@ -361,18 +363,19 @@ class SegmentAttention(nn.Module):
         weights = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
         out = jnp.einsum("shwu,suhd->swhd", weights, v.astype(self.dtype))
         out = jnp.zeros((n + 1,) + out.shape[2:], out.dtype).at[slots].set(out)[:n].reshape(n, c.hidden_size)
-        return nn.Dense(c.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype, name="proj")(out)
+        return tower_dense(c.hidden_size, "proj", self.dtype, self.param_dtype, self.lora)(out)
 
 
 class _MLP(nn.Module):
     config: QwenVisionConfig
     dtype: Any
     param_dtype: Any
+    lora: Any = None
 
     @nn.compact
     def __call__(self, x):
         c = self.config
-        dense = lambda n, name: nn.Dense(n, dtype=self.dtype, param_dtype=self.param_dtype, name=name)  # noqa: E731
+        dense = lambda n, name: tower_dense(n, name, self.dtype, self.param_dtype, self.lora)  # noqa: E731
         act = activation(c.hidden_act)
         return dense(c.hidden_size, "down_proj")(act(dense(c.intermediate_size, "gate_proj")(x))
                                                  * dense(c.intermediate_size, "up_proj")(x))
@@ -382,23 +385,27 @@ class _Block(nn.Module):
     config: QwenVisionConfig
     dtype: Any
     param_dtype: Any
+    lora: Any = None
 
     @nn.compact
     def __call__(self, x, cos, sin, slots):
         c, kw = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        x = x + SegmentAttention(c, **kw, name="attn")(RMSNorm(c.norm_eps, **kw, name="norm1")(x), cos, sin, slots)
-        return x + _MLP(c, **kw, name="mlp")(RMSNorm(c.norm_eps, **kw, name="norm2")(x))
+        attn = SegmentAttention(c, **kw, lora=self.lora, name="attn")
+        x = x + attn(RMSNorm(c.norm_eps, **kw, name="norm1")(x), cos, sin, slots)
+        return x + _MLP(c, **kw, lora=self.lora, name="mlp")(RMSNorm(c.norm_eps, **kw, name="norm2")(x))
 
 
 class QwenVisionEncoder(nn.Module):
     """Qwen2.5-VL's vision transformer: `pixel_values` (N, patch_values) of images laid out as
     `layout` (`vision_layout` of their grids; its arrays may be numpy or device arrays)
     -> image token embeddings (N / merge_unit, out_hidden_size), in the processor's order
-    (the order of the image tokens in the text)."""
+    (the order of the image tokens in the text). `lora`: adapters on its blocks' and
+    merger's linear layers, (rank, scale, enabled) (`jaxppo.models.LoraConfig.tower`), or None."""
 
     config: QwenVisionConfig
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    lora: Any = None
 
     @nn.compact
     def __call__(self, pixel_values, layout: VisionLayout):
@@ -409,11 +416,11 @@ class QwenVisionEncoder(nn.Module):
         cos, sin = rotary_tables(layout.positions, c)
         for i in range(c.depth):
             slots = layout.frame_slots if i in c.fullatt_block_indexes else layout.window_slots
-            x = _Block(c, **kw, name=f"blocks_{i}")(x, cos, sin, slots)
+            x = _Block(c, **kw, lora=self.lora, name=f"blocks_{i}")(x, cos, sin, slots)
         # The merger: one image token per block of merge^2 patches.
         x = RMSNorm(c.norm_eps, **kw, name="ln_q")(x).reshape(-1, c.hidden_size * c.merge_unit)
-        x = nn.Dense(c.hidden_size * c.merge_unit, **kw, name="merger_fc1")(x)
-        x = nn.Dense(c.out_hidden_size, **kw, name="merger_fc2")(jax.nn.gelu(x, approximate=False))
+        x = tower_dense(c.hidden_size * c.merge_unit, "merger_fc1", **kw, lora=self.lora)(x)
+        x = tower_dense(c.out_hidden_size, "merger_fc2", **kw, lora=self.lora)(jax.nn.gelu(x, approximate=False))
         return x[jnp.asarray(layout.restore)]
 
 

@@ -26,6 +26,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxppo.models.lora import tower_dense
 from jaxppo.models.transformer import activation
 from jaxppo.models.vision.qwen import QwenVisionConfig, SegmentAttention, VisionLayout, check_pixels, rotary_tables
 
@@ -113,6 +114,7 @@ class _Merger(nn.Module):
     postshuffle: bool
     dtype: Any
     param_dtype: Any
+    lora: Any = None
 
     @nn.compact
     def __call__(self, x):
@@ -120,22 +122,24 @@ class _Merger(nn.Module):
         wide = c.hidden_size * c.merge_unit
         norm = nn.LayerNorm(1e-6, **kw, name="norm")
         x = norm(x.reshape(-1, wide)) if self.postshuffle else norm(x).reshape(-1, wide)
-        x = nn.Dense(wide, **kw, name="linear_fc1")(x)
-        return nn.Dense(c.out_hidden_size, **kw, name="linear_fc2")(jax.nn.gelu(x, approximate=False))
+        x = tower_dense(wide, "linear_fc1", **kw, lora=self.lora)(x)
+        return tower_dense(c.out_hidden_size, "linear_fc2", **kw, lora=self.lora)(jax.nn.gelu(x, approximate=False))
 
 
 class _Block(nn.Module):
     config: Qwen3VisionConfig
     dtype: Any
     param_dtype: Any
+    lora: Any = None
 
     @nn.compact
     def __call__(self, x, cos, sin, slots):
         c, kw = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        x = x + SegmentAttention(c, **kw, name="attn")(nn.LayerNorm(1e-6, **kw, name="norm1")(x), cos, sin, slots)
+        attn = SegmentAttention(c, **kw, lora=self.lora, name="attn")
+        x = x + attn(nn.LayerNorm(1e-6, **kw, name="norm1")(x), cos, sin, slots)
         h = nn.LayerNorm(1e-6, **kw, name="norm2")(x)
-        h = nn.Dense(c.intermediate_size, **kw, name="linear_fc1")(h)
-        return x + nn.Dense(c.hidden_size, **kw, name="linear_fc2")(activation(c.hidden_act)(h))
+        h = tower_dense(c.intermediate_size, "linear_fc1", **kw, lora=self.lora)(h)
+        return x + tower_dense(c.hidden_size, "linear_fc2", **kw, lora=self.lora)(activation(c.hidden_act)(h))
 
 
 class Qwen3VisionEncoder(nn.Module):
@@ -143,11 +147,12 @@ class Qwen3VisionEncoder(nn.Module):
     `layout` (`jaxppo.models.vision.vision_layout` of their grids) -> (image token
     embeddings (N / merge_unit, out_hidden_size), DeepStack's features (len
     deepstack_visual_indexes, N / merge_unit, out_hidden_size)), both in the processor's
-    order (the order of the image tokens in the text)."""
+    order (the order of the image tokens in the text). `lora`: as `QwenVisionEncoder`'s."""
 
     config: Qwen3VisionConfig
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    lora: Any = None
 
     @nn.compact
     def __call__(self, pixel_values, layout: VisionLayout):
@@ -165,12 +170,12 @@ class Qwen3VisionEncoder(nn.Module):
         cos, sin = rotary_tables(positions, c)
         deep = []
         for i in range(c.depth):
-            x = _Block(c, **kw, name=f"blocks_{i}")(x, cos, sin, layout.frame_slots)
+            x = _Block(c, **kw, lora=self.lora, name=f"blocks_{i}")(x, cos, sin, layout.frame_slots)
             if i in c.deepstack_visual_indexes:
                 j = c.deepstack_visual_indexes.index(i)
-                deep.append(_Merger(c, True, **kw, name=f"deepstack_merger_list_{j}")(x))
+                deep.append(_Merger(c, True, **kw, lora=self.lora, name=f"deepstack_merger_list_{j}")(x))
         restore = jnp.asarray(layout.restore)
-        merged = _Merger(c, False, **kw, name="merger")(x)[restore]
+        merged = _Merger(c, False, **kw, lora=self.lora, name="merger")(x)[restore]
         deep = jnp.stack([d[restore] for d in deep]) if deep else jnp.zeros((0,) + merged.shape, merged.dtype)
         return merged, deep
 
