@@ -12,10 +12,12 @@ import numpy as np
 import pytest
 import torch
 
+import jaxppo
 from jaxppo.models.vision import QwenVisionConfig, QwenVisionEncoder, image_input, mrope_positions, vision_layout
 from jaxppo.models.vision.qwen import vision_params_from_hf
 
 from vision_models import IMAGE, VISION, moved_adapters, tiny_qwen3_vl, tiny_qwen_vl
+from vision_models import tokenizer as vm_tokenizer
 
 # Image grids (t, h, w) in patches: windows that tile exactly, partial windows, one image
 # token, a grid over two frames.
@@ -374,6 +376,11 @@ def test_a_teacher_that_reads_images_is_refused(tmp_path):
         load_model(str(tmp_path / "hf"), "causal_lm", "float32", role="teacher")
     model, params = load_model(str(tmp_path / "hf"), "causal_lm", "float32", role="policy")
     assert load_model((model, params), "causal_lm", "float32", role="reward_model")[0].config.vision is not None
+    # A Qwen2.5-VL reward model has no transformers class to export to: refused before training, not at the end.
+    pairs = [{"prompt": "q:", "chosen": "ab", "rejected": "12"}] * 4
+    config = jaxppo.RewardModelConfig.from_settings(batch_size=4, mini_batch_size=4, output_dir=str(tmp_path / "rm"))
+    with pytest.raises(ValueError, match="a qwen2_5_vl model of kind 'reward' has no Hugging Face class to export to"):
+        jaxppo.RewardTrainer(str(tmp_path / "hf"), pairs, config=config, tokenizer=vm_tokenizer())
 
 
 @pytest.mark.parametrize("family, tower", [("qwen2_5_vl", False), ("qwen2_5_vl", True), ("qwen3_vl", True)],

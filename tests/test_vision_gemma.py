@@ -267,6 +267,14 @@ def test_a_gemma3_reward_model_scores_the_rollout_with_its_images(checkpoint, tm
                          pixel_values=torch.tensor(np.roll(pixels[:, 0], 2, axis=0)),
                          token_type_ids=torch.tensor((joined == IMAGE).astype(np.int64))).logits[:, 0].numpy()
     assert np.abs(swapped - theirs).max() > 1e-3  # the images reach the scores
+    jm.save_pretrained(*jm.from_pretrained(str(tmp_path / "rm")), str(tmp_path / "export"))  # and it exports as one
+    again = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "export").eval()
+    assert type(again).__name__ == "Gemma3ForSequenceClassification"
+    with torch.no_grad():
+        exported = again(input_ids=torch.tensor(joined), attention_mask=torch.tensor(joined_mask),
+                         pixel_values=torch.tensor(pixels[:, 0]),
+                         token_type_ids=torch.tensor((joined == IMAGE).astype(np.int64))).logits[:, 0].numpy()
+    np.testing.assert_allclose(exported, theirs, atol=1e-5)
     vocab = trainer.parts.spec.reward_apply.__self__.config.vocab_size
     text_reward = jm.Model(jm.ModelConfig(model_type="llama", vocab_size=vocab, hidden_size=16, num_layers=1,
                                           num_heads=2, num_kv_heads=1, intermediate_size=32,

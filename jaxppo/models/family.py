@@ -32,7 +32,8 @@ class ModelFamily:
       name: the family's name ("gpt2", "llama", "gemma3").
       model_types: the Hugging Face `model_type` values it loads, e.g. ("llama", "mistral").
       architectures: {model_type: (causal-LM class name, sequence-classification class
-        name)} as Hugging Face names them, e.g. ("LlamaForCausalLM", "LlamaForSequenceClassification").
+        name)} as Hugging Face names them, e.g. ("LlamaForCausalLM", "LlamaForSequenceClassification");
+        None for a class transformers does not have (Qwen2.5-VL's classifier).
       config_from_hf: (config dict, common) -> ModelConfig, where `common` holds the fields
         every family reads alike (vocab_size, special token ids, tie_word_embeddings as the
         checkpoint states it or None, num_labels); the family fills in the rest.
@@ -148,6 +149,10 @@ class ModelFamily:
         """The Hugging Face class name of `model_type` for a causal LM ("causal_lm") or a
         sequence classifier (any other kind)."""
         causal, classifier = self.architectures[model_type]
+        if kind != "causal_lm" and classifier is None:
+            raise ValueError(f"a {model_type} model of kind {kind!r} has no Hugging Face class to export to "
+                             "(transformers has no sequence classifier for it); keep its parameters with the run's "
+                             "checkpoints, or export the causal LM")
         return causal if kind == "causal_lm" else classifier
 
 

@@ -33,6 +33,7 @@ import numpy as np
 
 from jaxppo.config.optimizer import build_optimizer
 from jaxppo.config.reward_model import EXPORT_DIR, REWARD_OPTIMIZER, RewardModelConfig
+from jaxppo.models.family import family_of
 from jaxppo.run import loop
 from jaxppo.run.callbacks import Hooks
 from jaxppo.run.directory import RunDirectory
@@ -147,6 +148,7 @@ class RewardTrainer:
         self.total_updates = self.steps * config.batch.num_minibatches
         # The weights, after every input is known to be good.
         self.model, params, freeze = _trained_model(model, config, getattr(self.tokenizer, "pad_token_id", None))
+        family_of(self.model.config).architecture(self.model.config.model_type, "reward")  # exportable, before training
         is_path = isinstance(model, (str, os.PathLike))
         self.source = os.path.abspath(os.fspath(model)) if is_path else "(Model, params)"
         self.learning_rate, tx = build_optimizer(config.optimizer, self.total_updates, critic=False)

@@ -122,7 +122,7 @@ def _to_hf_vision(c: ModelConfig, architecture: str, common: dict):
     vision, beside = c.vision.to_hf()
     return transformers.Gemma3Config(text_config=text, vision_config=vision, image_token_index=c.image_token_id,
                                      tie_word_embeddings=c.tie_word_embeddings, architectures=common["architectures"],
-                                     **beside)
+                                     num_labels=common.get("num_labels", c.num_labels), **beside)
 
 
 def _vision(trunk, c: ModelConfig, x, input_ids, images):
