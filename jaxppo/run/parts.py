@@ -344,8 +344,9 @@ def _reward_reads_images(spec, policy_config):
            "configuration and image token (docs: Vision-language models)")
     if reward.vision is None:
         return f"the reward model ({reward.model_type}) reads text, not the images; {fix}"
-    same = (reward.model_type, reward.vision, reward.image_token_id, reward.mrope_axes) == (
-        policy_config.model_type, policy_config.vision, policy_config.image_token_id, policy_config.mrope_axes)
+    # Equal vision configurations are of one family (each family's is its own class).
+    same = (reward.vision, reward.image_token_id, reward.mrope_axes) == (
+        policy_config.vision, policy_config.image_token_id, policy_config.mrope_axes)
     if not same:
         return (f"the reward model ({reward.model_type}) reads images another way than the policy "
                 f"({policy_config.model_type}): another vision encoder, image token or rotary layout; {fix}")
