@@ -275,6 +275,20 @@ def test_a_gemma3_reward_model_scores_the_rollout_with_its_images(checkpoint, tm
                          pixel_values=torch.tensor(pixels[:, 0]),
                          token_type_ids=torch.tensor((joined == IMAGE).astype(np.int64))).logits[:, 0].numpy()
     np.testing.assert_allclose(exported, theirs, atol=1e-5)
+    # PPO with it: the critic, a copy of the reward model's trunk (its vision tower too, frozen as the
+    # policy's), reads the images.
+    ppo = jaxppo.Config.for_algorithm("ppo", batch_size=4, mini_batch_size=4, ppo_epochs=1).replace(
+        output_dir=str(tmp_path / "ppo"), progress=False, sample_every=0, export_final=False, plot=False,
+        report_to="jsonl", iterations=1, query_length=24, response_length=4)
+    ppo_trainer = jaxppo.Trainer(ppo, policy=path, tokenizer=vm.gemma_tokenizer(), prompts=records,
+                                 reward_model=str(tmp_path / "rm"))
+    critic = jax.tree.map(np.asarray, ppo_trainer.state.params["critic"]["params"])
+    row = ppo_trainer.step()
+    assert row["ppo/updates_applied"] == 1 and np.isfinite(row["loss/value_avg"])
+    after = ppo_trainer.state.params["critic"]["params"]
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(critic["model"]["visual"]),
+                                                      jax.tree.leaves(after["model"]["visual"])))
+    assert not np.array_equal(critic["score"]["kernel"], np.asarray(after["score"]["kernel"]))  # the rest trains
     vocab = trainer.parts.spec.reward_apply.__self__.config.vocab_size
     text_reward = jm.Model(jm.ModelConfig(model_type="llama", vocab_size=vocab, hidden_size=16, num_layers=1,
                                           num_heads=2, num_kv_heads=1, intermediate_size=32,

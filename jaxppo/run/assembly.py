@@ -279,12 +279,7 @@ def assemble(config, inputs, *, reward_model=None, head_window: Optional[int] = 
     policy_model, apply_fn, params, params_key, critic_text = _trained(
         config, policy_model, policy_params, inputs.critic, reward, reward_params, scan_layers)
     check_attention_backend([policy_model, ref_model, reward, getattr(apply_fn, "critic", None)])
-    freeze = None
-    base = ("params",) if params_key is None else (params_key, "params")
-    if policy_model.lora is not None:  # only the adapters (and the critic or value head) train
-        freeze = Freeze(prefixes=(base,), unless=((*base, "value_head"),))
-    elif policy_model.config.vision is not None and not config.lora.train_vision_encoder:
-        freeze = Freeze(prefixes=((*base, trunk_name(policy_model.config), "visual"),))  # the encoder stays as it is
+    freeze = _frozen(config, policy_model, params_key, getattr(apply_fn, "critic", None))
     if ref_model is None:
         reference = "none"
     elif role == "teacher":
@@ -300,6 +295,23 @@ def assemble(config, inputs, *, reward_model=None, head_window: Optional[int] = 
         description["policy"]["lora_init"] = os.path.abspath(os.fspath(lora_init))
     return Assembly(policy_model, apply_fn, params, params_key, ref_model, ref_params, reward, reward_params,
                     description, freeze, ref_is_policy)
+
+
+def _frozen(config, policy_model, params_key, critic) -> Optional[Freeze]:
+    """What the train state does not train: with LoRA the base (only the adapters, and the
+    critic or value head, train); else a vision-language policy's vision encoder unless
+    `train_vision_encoder`; and unless it, a separate critic's vision encoder too (the
+    critic reads the images through its own copy, frozen alike)."""
+    base = ("params",) if params_key is None else (params_key, "params")
+    trains_encoder = config.lora.train_vision_encoder
+    frozen, unless = [], ()
+    if policy_model.lora is not None:
+        frozen, unless = [base], ((*base, "value_head"),)
+    elif policy_model.config.vision is not None and not trains_encoder:
+        frozen = [(*base, trunk_name(policy_model.config), "visual")]
+    if critic is not None and critic.config.vision is not None and not trains_encoder:
+        frozen.append(("critic", "params", trunk_name(critic.config), "visual"))
+    return Freeze(prefixes=tuple(frozen), unless=unless) if frozen else None
 
 
 def _check_arguments(config, critic, lora_init):
