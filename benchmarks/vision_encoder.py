@@ -1,7 +1,7 @@
 """Qwen2.5-VL-7B's vision encoder compiled ahead of time for one image row: what the compiler
-allocates (arguments, temporaries) and its arithmetic, for the encoder alone (frozen:
-forward) and trained (forward and backward), at several image sizes, for the host's CPU or a
-`jaxppo plan` target (`--target h200`: compiled for an NVIDIA H200 without one; needs
+allocates (arguments, outputs: the gradients where it trains, temporaries) and its arithmetic, for the encoder alone (frozen:
+forward), trained (forward and backward) and with LoRA adapters of rank 16 (the adapters'
+gradient), at several image sizes, for the host's CPU or a `jaxppo plan` target (`--target h200`: compiled for an NVIDIA H200 without one; needs
 `pip install 'jaxppo[plan-gpu]'`). Nothing runs and no weights are read: the parameters are
 shapes. "Full-block scores" is what one full-attention block's float32 scores take
 (frames x heads x frame patches^2, counted by hand; the windowed blocks' are (windows x
@@ -38,20 +38,35 @@ def _row(config, height, width, images):
     return image_input([np.zeros((n * images, config.patch_values), np.float32)], [[grid] * images], config)
 
 
-def compiled_row(config, dtype, height, width, images, device, train: bool):
+# The programs: the frozen tower's forward, the trained tower's forward and backward (every
+# weight's gradient), and LoRA adapters of rank 16 on its linear layers (the adapters'
+# gradient alone; `AdapterConfig.train_vision_encoder` with a `lora_rank`).
+PROGRAMS = ("forward", "forward + backward", "LoRA r16: forward + backward")
+
+
+def compiled_row(config, dtype, height, width, images, device, program: str):
     row = _row(config, height, width, images)
-    encoder = QwenVisionEncoder(config, dtype=jnp.dtype(dtype), param_dtype=jnp.dtype(dtype))
+    lora = (16, 2.0, True) if program.startswith("LoRA") else None
+    encoder = QwenVisionEncoder(config, dtype=jnp.dtype(dtype), param_dtype=jnp.dtype(dtype), lora=lora)
     layout = jax.tree.map(lambda a: a[0], row.layout)
     pixels = jax.ShapeDtypeStruct(row.pixels.shape[1:], jnp.dtype(dtype))
-    params = jax.eval_shape(lambda: encoder.init(jax.random.key(0), np.zeros(pixels.shape, np.float32), layout))
+    variables = jax.eval_shape(lambda: encoder.init(jax.random.key(0), np.zeros(pixels.shape, np.float32), layout))
     sharding = jax.sharding.SingleDeviceSharding(device)
     place = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding)  # noqa: E731
 
-    def forward(p, x):
-        return encoder.apply(p, x, layout)
+    def forward(v, x):
+        return encoder.apply(v, x, layout)
 
-    fn = (lambda p, x: jax.grad(lambda q: jnp.sum(forward(q, x).astype(jnp.float32)))(p)) if train else forward
-    compiled = jax.jit(fn).lower(jax.tree.map(place, params), place(pixels)).compile()
+    def loss(v, x):
+        return jnp.sum(forward(v, x).astype(jnp.float32))
+
+    if program == PROGRAMS[0]:
+        fn = forward
+    elif lora is None:
+        fn = jax.grad(loss)
+    else:  # the adapters' gradient, the base held fixed
+        fn = lambda v, x: jax.grad(lambda a: loss({**v, "lora": a}, x))(v["lora"])  # noqa: E731
+    compiled = jax.jit(fn).lower(jax.tree.map(place, variables), place(pixels)).compile()
     memory, cost = compiled.memory_analysis(), compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     frames, width = row.layout.frame_slots.shape[1:]
@@ -73,14 +88,16 @@ def main():
     print(f"Qwen2.5-VL-7B vision encoder, {args.dtype}, one row, compiled for {device.device_kind}\n")
     rows = []
     for height, width, images in SIZES:
-        for train in (False, True):
+        for program in PROGRAMS:
             patches, memory, flops, scores = compiled_row(QWEN25_VL_7B, args.dtype, height, width, images, device,
-                                                          train)
-            rows.append([f"{images} x {height}x{width}", "forward + backward" if train else "forward", patches,
+                                                          program)
+            rows.append([f"{images} x {height}x{width}", program, patches,
                          patches // QWEN25_VL_7B.merge_unit, f"{memory.argument_size_in_bytes / MIB:.0f}",
-                         f"{memory.temp_size_in_bytes / MIB:.0f}", f"{scores / MIB:.0f}",
+                         f"{memory.output_size_in_bytes / MIB:.0f}", f"{memory.temp_size_in_bytes / MIB:.0f}",
+                         f"{scores / MIB:.0f}",
                          "n/a" if flops is None else f"{flops / 1e12:.2f}"])
-    tables.print_markdown(["images", "program", "patches", "image tokens", "arguments MiB", "temporaries MiB",
+    tables.print_markdown(["images", "program", "patches", "image tokens", "arguments MiB", "outputs MiB",
+                           "temporaries MiB",
                            "full-block scores MiB", "TFLOP"], rows, numeric_from=2)
 
 
