@@ -257,24 +257,21 @@ def test_a_gemma3_reward_model_scores_the_rollout_with_its_images(checkpoint, tm
     tokens, attention = np.asarray(rollout.response_tokens), np.asarray(rollout.response_mask)
     pixels = np.asarray(rollout.images.images.pixels)  # (B, 1, C, H, W): one image per prompt
     joined, joined_mask = np.concatenate([ids, tokens], 1), np.concatenate([mask, attention], 1)
-    with torch.no_grad():
-        theirs = reward(input_ids=torch.tensor(joined), attention_mask=torch.tensor(joined_mask),
-                        pixel_values=torch.tensor(pixels[:, 0]),
-                        token_type_ids=torch.tensor((joined == IMAGE).astype(np.int64))).logits[:, 0].numpy()
-    np.testing.assert_allclose(np.asarray(built.model_scores), theirs, atol=1e-4)
-    with torch.no_grad():
-        swapped = reward(input_ids=torch.tensor(joined), attention_mask=torch.tensor(joined_mask),
-                         pixel_values=torch.tensor(np.roll(pixels[:, 0], 2, axis=0)),
+
+    def scores(model, pixel_values):  # transformers' score of every row, two-way within each image
+        with torch.no_grad():
+            return model(input_ids=torch.tensor(joined), attention_mask=torch.tensor(joined_mask),
+                         pixel_values=torch.tensor(pixel_values),
                          token_type_ids=torch.tensor((joined == IMAGE).astype(np.int64))).logits[:, 0].numpy()
+
+    theirs = scores(reward, pixels[:, 0])
+    np.testing.assert_allclose(np.asarray(built.model_scores), theirs, atol=1e-4)
+    swapped = scores(reward, np.roll(pixels[:, 0], 2, axis=0))
     assert np.abs(swapped - theirs).max() > 1e-3  # the images reach the scores
     jm.save_pretrained(*jm.from_pretrained(str(tmp_path / "rm")), str(tmp_path / "export"))  # and it exports as one
     again = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "export").eval()
     assert type(again).__name__ == "Gemma3ForSequenceClassification"
-    with torch.no_grad():
-        exported = again(input_ids=torch.tensor(joined), attention_mask=torch.tensor(joined_mask),
-                         pixel_values=torch.tensor(pixels[:, 0]),
-                         token_type_ids=torch.tensor((joined == IMAGE).astype(np.int64))).logits[:, 0].numpy()
-    np.testing.assert_allclose(exported, theirs, atol=1e-5)
+    np.testing.assert_allclose(scores(again, pixels[:, 0]), theirs, atol=1e-5)
     # PPO with it: the critic, a copy of the reward model's trunk (its vision tower too, frozen as the
     # policy's), reads the images.
     ppo = jaxppo.Config.for_algorithm("ppo", batch_size=4, mini_batch_size=4, ppo_epochs=1).replace(

@@ -29,7 +29,7 @@ from jaxppo.models.stacking import layer_prefix, matrices_in_compute_dtype, stac
 from jaxppo.models.transformer import ATTENTION, CausalLMModule, GroupedKV, ScoreModule, default_positions
 from jaxppo.models.vision.prompt import ImagePrompt, joined_positions, response_positions
 
-__all__ = ["Model", "KINDS", "PolicyAndCritic", "stack_layers", "unstack_layers", "matrices_in_compute_dtype",
+__all__ = ["Model", "KINDS", "PolicyAndCritic", "joined_inputs", "stack_layers", "unstack_layers", "matrices_in_compute_dtype",
            "check_attention_backend", "check_cudnn_dtype", "describe_model", "is_model_spec"]
 
 KINDS = ("causal_lm", "causal_lm_value", "reward", "value")
@@ -125,7 +125,7 @@ def _response_top(model: "Model", params, query_tokens, query_mask, response_tok
     return top_logprobs(hidden, model.lm_head(params), response_tokens, k, temperature, model.logits_chunk_size)
 
 
-def _joined(query_tokens, query_mask, response_tokens, response_mask):
+def joined_inputs(query_tokens, query_mask, response_tokens, response_mask):
     """(tokens, mask, images, positions), each over the queries followed by the responses:
     `query_tokens` may be a vision-language model's `ImagePrompt` (its images, and its rotary
     positions continued through the responses); else images and positions are None (the
@@ -147,7 +147,7 @@ def _response_outputs(model: "Model", params, query_tokens, query_mask, response
     images). The protocol by which built-in models score without full logits
     (`jaxppo.response_outputs`; `Model.response_outputs`)."""
     r = response_tokens.shape[1]
-    tokens, mask, images, positions = _joined(query_tokens, query_mask, response_tokens, response_mask)
+    tokens, mask, images, positions = joined_inputs(query_tokens, query_mask, response_tokens, response_mask)
     q = tokens.shape[1] - r
     if not model.is_causal_lm:  # position q - 1 + t predicts response token t
         values = model.apply(params, tokens, mask, images, positions)[:, q - 1 : q - 1 + r]

@@ -26,9 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxppo.models.decoding import GenerationOutput, strings_completed
-from jaxppo.models.model import scored_mask
+from jaxppo.models.model import joined_inputs, scored_mask
 from jaxppo.models.vision import ImagePrompt
-from jaxppo.models.vision.prompt import joined_positions
 from jaxppo.rollout.spec import RolloutSpec
 from jaxppo.update import packing
 from jaxppo.update.batch import (RolloutBatch, joined, model_method, queries, response_attention, response_outputs,
@@ -118,9 +117,7 @@ def reward_inputs(spec: RolloutSpec, usual):
         raise ValueError("the rows have images, which this reward model does not read: give a built-in "
                          "vision-language Model of the policy's kind as the reward model, or score with reward "
                          "functions")
-    images = usual["images"]
-    tokens, mask = joined(usual)
-    return tokens, mask, images.images, joined_positions(queries(usual), response_attention(usual))
+    return joined_inputs(queries(usual), usual["query_mask"], usual["response_tokens"], response_attention(usual))
 
 
 def _raw_scores(spec: RolloutSpec, reward_params, batch, host_scores, usual):

@@ -133,14 +133,15 @@ def build(config, inputs: Inputs) -> RunParts:
     vision-language policy's processor (its tokenizer and image processor)."""
     tokenizer, processor = split_processor(inputs.tokenizer)
     inputs = inputs._replace(tokenizer=tokenizer)
-    images = image_reader(inputs.policy, _policy_config(inputs.policy), tokenizer, processor)
+    policy_config = _policy_config(inputs.policy)  # its config.json, read once; nothing loaded
+    images = image_reader(inputs.policy, policy_config, tokenizer, processor)
     environment = _environment(inputs, config)
     # On-policy distillation from the teacher alone needs no reward (one given is still
     # scored and logged: objective/scores).
     teacher_alone = config.estimator.uses_reference and not config.advantages.task_reward_weight
     rewards = sort_rewards(inputs.reward_model, inputs.reward_fns, inputs.reward_fn_on, inputs.reward_weights,
                            environment=environment is not None or teacher_alone)
-    engine = _check_inputs(config, inputs, rewards, environment)
+    engine = _check_inputs(config, inputs, rewards, environment, policy_config)
     routed = config.loss.routing_replay or bool(config.loss.router_aux_loss_coef)
     if config.layout.share_prompts is None:  # the trainer's groups share their prompt (unless routing is replayed)
         config = config.replace(share_prompts=not routed)
@@ -148,8 +149,7 @@ def build(config, inputs: Inputs) -> RunParts:
                           images=images)
     eval_table, eval_rewards = _eval_inputs(inputs, config, rewards, environment, images)
     _check_columns(rewards, table, eval_table, eval_rewards)
-    _check_images(config, engine, rewards, [t for t in (table, eval_table) if t is not None],
-                  _policy_config(inputs.policy))
+    _check_images(config, engine, rewards, [t for t in (table, eval_table) if t is not None], policy_config)
     _check_eval_engine(engine, config, eval_table, environment)
     config, prefix = _resolve_layout(config, table, environment)
     # In the common-prefix layout a row's region opens with the rest of its prompt: the LM head
@@ -206,7 +206,7 @@ def _optimizer_name(custom) -> str:
     return f"{getattr(custom, '__module__', '?')}.{getattr(custom, '__qualname__', type(custom).__name__)}"
 
 
-def _check_inputs(config, inputs: Inputs, rewards: RewardSetup, environment) -> type:
+def _check_inputs(config, inputs: Inputs, rewards: RewardSetup, environment, policy_config) -> type:
     """What the settings and the inputs must agree on, before anything loads; returns the
     run's rollout engine class (its capabilities checked)."""
     sampling = config.sampling
@@ -226,7 +226,7 @@ def _check_inputs(config, inputs: Inputs, rewards: RewardSetup, environment) -> 
         raise ValueError(f"SamplingConfig.max_staleness={sampling.max_staleness}: pipelined iterations run in one "
                          f"process; this run has {jax.process_count()} (multi-host runs are synchronous: "
                          "max_staleness=0)")
-    _check_vocabulary(inputs.tokenizer, _policy_config(inputs.policy), config)  # before any prompt or weight loads
+    _check_vocabulary(inputs.tokenizer, policy_config, config)  # before any prompt or weight loads
     return engines.check_settings(config, multi_turn=environment is not None, mesh=config.layout.device_mesh,
                                   processes=jax.process_count())
 

@@ -11,14 +11,13 @@ from __future__ import annotations
 import dataclasses
 import re
 
-import flax.linen as nn
 import jax.numpy as jnp
 
 from jaxppo.models.config import ModelConfig
 from jaxppo.models.families import llama
 from jaxppo.models.transformer import RMSNorm
 from jaxppo.models.vision.gemma import GemmaImageInput, GemmaVisionConfig, GemmaVisionEncoder, gemma_vision_hf_name
-from jaxppo.models.vision.prompt import image_slots, merge_images
+from jaxppo.models.vision.prompt import image_slots, merge_images, row_encoder
 
 __all__ = ["GemmaBlock", "FAMILY", "VISION_FAMILY"]
 
@@ -127,9 +126,7 @@ def _to_hf_vision(c: ModelConfig, architecture: str, common: dict):
 
 def _vision(trunk, c: ModelConfig, x, input_ids, images):
     v = c.vision
-    tower = None if trunk.lora is None else trunk.lora.tower(trunk.adapters)
-    encoder = nn.vmap(GemmaVisionEncoder, variable_axes={"params": None, "lora": None}, split_rngs={"params": False})(
-        v, c.hidden_size, trunk.dtype, trunk.param_dtype, tower, name="visual")
+    encoder = row_encoder(trunk, GemmaVisionEncoder, v, c.hidden_size)
     if images is None:
         if trunk.is_initializing():  # the encoder's parameters, from one blank image
             encoder(jnp.zeros((1, 1, v.num_channels, v.image_size, v.image_size), trunk.dtype))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -20,7 +19,7 @@ from jaxppo.models.config import ModelConfig
 from jaxppo.models.families import llama
 from jaxppo.models.vision.qwen import (ImageInput, QwenVisionConfig, QwenVisionEncoder, smallest_image_input,
                                        vision_hf_name)
-from jaxppo.models.vision.prompt import image_slots, merge_images, take_slots
+from jaxppo.models.vision.prompt import image_slots, merge_images, row_encoder, take_slots
 from jaxppo.models.vision.qwen3 import Qwen3VisionConfig, Qwen3VisionEncoder, vision3_hf_name
 
 __all__ = ["FAMILY", "QWEN3_FAMILY", "deepstack_additions"]
@@ -72,9 +71,7 @@ def _encoded(trunk, c: ModelConfig, images, encoder_cls):
     """The trunk's vision encoder ("visual", `encoder_cls` over the batch's rows) applied to
     `images` (an `ImageInput`): its output, or None without images (at init the encoder's
     parameters are made from one image token's blank patches)."""
-    tower = None if trunk.lora is None else trunk.lora.tower(trunk.adapters)
-    encoder = nn.vmap(encoder_cls, in_axes=(0, 0), variable_axes={"params": None, "lora": None},
-                      split_rngs={"params": False})(c.vision, trunk.dtype, trunk.param_dtype, tower, name="visual")
+    encoder = row_encoder(trunk, encoder_cls, c.vision, in_axes=(0, 0))
     if images is None:
         if trunk.is_initializing():
             blank = smallest_image_input(c.vision)

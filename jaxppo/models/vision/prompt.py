@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import flax.linen as nn
 import jax.numpy as jnp
 
 __all__ = ["ImagePrompt", "joined_positions", "response_positions", "positions_like", "image_slots", "take_slots",
-           "merge_images"]
+           "merge_images", "row_encoder"]
 
 
 class ImagePrompt(NamedTuple):
@@ -74,3 +75,13 @@ def merge_images(x, slots, features):
     `image_slots`) taking `features[b, k]` (features (B, K, D)); every other token keeps its
     own embedding."""
     return jnp.where(slots[0][..., None], take_slots(features, slots).astype(x.dtype), x)
+
+
+def row_encoder(trunk, encoder_cls, *fields, **vmap_kwargs):
+    """The trunk's vision encoder ("visual"): `encoder_cls(*fields, trunk's dtypes, the
+    tower's LoRA adapters)` mapped over a batch's rows (`nn.vmap`, `vmap_kwargs` such as
+    `in_axes`), its parameters and adapters shared by every row."""
+    tower = None if trunk.lora is None else trunk.lora.tower(trunk.adapters)
+    mapped = nn.vmap(encoder_cls, variable_axes={"params": None, "lora": None}, split_rngs={"params": False},
+                     **vmap_kwargs)
+    return mapped(*fields, trunk.dtype, trunk.param_dtype, tower, name="visual")
