@@ -1,14 +1,19 @@
 """Meshes and partition rules: the same `train_step` on 1 or N devices, through XLA SPMD.
 
-A mesh has three named axes:
-  "data":   pure data parallelism (parameters replicated across it),
-  "fsdp":   data parallelism with parameters and optimizer states sharded across it,
-  "tensor": tensor parallelism inside a layer (column-/row-parallel projections).
+A mesh has four named axes:
+  "data":    pure data parallelism (parameters replicated across it),
+  "fsdp":    data parallelism with parameters and optimizer states sharded across it,
+  "context": each row's positions split across it (long rows; parameters and optimizer
+             states sharded across it as over "fsdp"),
+  "tensor":  tensor parallelism inside a layer (column-/row-parallel projections).
 Rollout rows are split over ("data", "fsdp"); `batch_size` and `mini_batch_size` stay
 global sizes and each device works on `mini_batch_size / (data * fsdp)` rows per update.
 No collective is written by hand here: shardings are declared and XLA inserts the rest
-(the one exception is a mixture of experts' layer, which computes each device's own
-experts inside a `jax.shard_map` over "fsdp": `jaxppo.models.moe`).
+(the exceptions: a mixture of experts' layer computes each device's own experts inside a
+`jax.shard_map` over "fsdp", `jaxppo.models.moe`; attention across the "context" axis
+passes keys and values round it or exchanges heads, `jaxppo.models.context`). A
+`jax.sharding.Mesh` without a "context" axis (the three axes of jaxppo 0.4) works as one
+whose "context" axis has size 1.
 """
 
 from __future__ import annotations
@@ -28,9 +33,10 @@ from jaxppo.update.ppo import jit_train_step
 
 __all__ = ["MeshConfig", "mesh_context", "make_mesh", "batch_sharding", "shard_batch", "param_spec", "tree_shardings", "shard_state",
            "sharded_train_step", "global_batch", "place_rows", "check_batch_divides", "initialize_distributed",
+           "axis_size",
            "MeshBound", "to_host", "on_process_zero", "gather_to_process_zero"]
 
-AXES = ("data", "fsdp", "tensor")
+AXES = ("data", "fsdp", "context", "tensor")
 # Projections split on their output features (column-parallel) or input features
 # (row-parallel) along the "tensor" axis. Kernels are (in, out).
 _COLUMN_PARALLEL = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "c_attn", "c_fc", "lm_head"}
@@ -43,15 +49,17 @@ _STACKED = {"layers", "h"}
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Axis sizes; None means "whatever is left": with all three None every device goes to
-    "fsdp" (data parallel with sharded parameters)."""
+    """Axis sizes; None means "whatever is left": with data and fsdp None (and context and
+    tensor at their default 1) every device goes to "fsdp" (data parallel with sharded
+    parameters)."""
 
     data: Optional[int] = None
     fsdp: Optional[int] = None
     tensor: Optional[int] = 1
+    context: Optional[int] = 1
 
     def resolve(self, n_devices: int):
-        sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        sizes = {"data": self.data, "fsdp": self.fsdp, "context": self.context, "tensor": self.tensor}
         for name, size in sizes.items():
             if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size <= 0):
                 raise ValueError(f"mesh axis {name}={size!r} is invalid: a positive int or None")
@@ -59,8 +67,9 @@ class MeshConfig:
         free = [k for k, s in sizes.items() if s is None]
         if not free:
             if known != n_devices:
-                raise ValueError(f"mesh axes data={sizes['data']} x fsdp={sizes['fsdp']} x tensor={sizes['tensor']} "
-                                 f"= {known} devices, but {n_devices} are available; the sizes must multiply to "
+                raise ValueError(f"mesh axes data={sizes['data']} x fsdp={sizes['fsdp']} x context={sizes['context']} "
+                                 f"x tensor={sizes['tensor']} = {known} devices, but {n_devices} are available; the "
+                                 "sizes must multiply to "
                                  f"the device count")
             return sizes
         if n_devices % known:
@@ -80,11 +89,20 @@ def mesh_context(mesh):
 
 
 def make_mesh(config: MeshConfig = MeshConfig(), devices=None) -> Mesh:
-    """A `Mesh` with axes ("data", "fsdp", "tensor") over `devices` (default: all)."""
+    """A `Mesh` with axes ("data", "fsdp", "context", "tensor") over `devices` (default:
+    all); "tensor" varies fastest from device to device, then "context"."""
     devices = list(jax.devices() if devices is None else devices)
     sizes = config.resolve(len(devices))
-    grid = np.asarray(devices, dtype=object).reshape(sizes["data"], sizes["fsdp"], sizes["tensor"])
+    grid = np.asarray(devices, dtype=object).reshape(*(sizes[a] for a in AXES))
     return Mesh(grid, AXES)
+
+
+def axis_size(mesh, name: str) -> int:
+    """The size of `mesh`'s axis `name` (a `Mesh` or an abstract mesh); 1 where it has
+    none (no mesh, or a mesh without that axis)."""
+    if mesh is None or getattr(mesh, "empty", False) or name not in mesh.axis_names:
+        return 1
+    return int(mesh.shape[name])
 
 
 def _data_size(mesh: Mesh) -> int:
@@ -121,14 +139,16 @@ def param_spec(path: tuple, shape: tuple, mesh: Mesh) -> P:
 
     Rules: 2-D kernels of known projections are split on the "tensor" axis (column-parallel
     on the output dim, row-parallel on the input dim) when it divides; then the largest
-    remaining dimension that the "fsdp" axis divides is split over "fsdp"; 1-D and scalar
+    remaining dimension that the "fsdp" axis divides is split over "fsdp" (over ("fsdp",
+    "context") on a mesh with a context axis, their product dividing it); 1-D and scalar
     leaves, and dimensions nothing divides, are replicated. Stacked layers (`scan_layers`:
     leaves under a `layers` / `h` entry, leading with the layer axis) keep the layer axis
     replicated and split the rest as the per-layer leaf would be split. LoRA adapters
     (`lora_a` (in, rank), `lora_b` (rank, out)) split their non-rank dimension on "tensor"
     as the base kernel does, else over "fsdp"; the rank dimension is whole. A mixture of
     experts' stacked kernels (E, in, out) split the expert axis over "fsdp" and their
-    intermediate features over "tensor" (`jaxppo.models.moe`).
+    intermediate features over "tensor" (`jaxppo.models.moe`; the expert axis over
+    "fsdp" alone, as the experts' `shard_map` reads it).
     """
     names = set(key_names(path))
     if names & _STACKED and len(shape) >= 1:
@@ -136,7 +156,8 @@ def param_spec(path: tuple, shape: tuple, mesh: Mesh) -> P:
     spec = [None] * len(shape)
     if len(shape) < 2:
         return P(*spec)
-    tensor, fsdp = mesh.shape["tensor"], mesh.shape["fsdp"]
+    tensor, experts_fsdp = mesh.shape["tensor"], mesh.shape["fsdp"]
+    stored, fsdp = _stored_axes(mesh)
     if names & _ADAPTERS and len(shape) == 2:
         # LoRA A (in, rank) / B (rank, out): the non-rank dimension is split as the base
         # kernel splits it on "tensor" (row-parallel input, column-parallel output), else
@@ -145,7 +166,7 @@ def param_spec(path: tuple, shape: tuple, mesh: Mesh) -> P:
         if tensor > 1 and names & parallel and shape[dim] % tensor == 0:
             spec[dim] = "tensor"
         elif fsdp > 1 and shape[dim] % fsdp == 0:
-            spec[dim] = "fsdp"
+            spec[dim] = stored
         return P(*spec)
     if "experts" in names and len(shape) == 3:
         # A mixture's stacked experts (E, in, out): the expert axis over "fsdp" (each device
@@ -154,7 +175,7 @@ def param_spec(path: tuple, shape: tuple, mesh: Mesh) -> P:
         inner = 2 if names & _COLUMN_PARALLEL else 1
         if tensor > 1 and shape[inner] % tensor == 0:
             spec[inner] = "tensor"
-        if fsdp > 1 and shape[0] % fsdp == 0:
+        if experts_fsdp > 1 and shape[0] % experts_fsdp == 0:
             spec[0] = "fsdp"
             return P(*spec)
     elif tensor > 1 and len(shape) == 2:
@@ -166,8 +187,18 @@ def param_spec(path: tuple, shape: tuple, mesh: Mesh) -> P:
     if fsdp > 1:
         candidates = [d for d in np.argsort(shape)[::-1] if spec[d] is None and shape[d] % fsdp == 0]
         if candidates:
-            spec[int(candidates[0])] = "fsdp"
+            spec[int(candidates[0])] = stored
     return P(*spec)
+
+
+def _stored_axes(mesh: Mesh):
+    """The axes a parameter's largest dimension is split over, and their size: "fsdp", or
+    ("fsdp", "context") where the mesh has a context axis (its devices hold a row's
+    positions, not rows, but store their share of the state as fsdp's do)."""
+    context = axis_size(mesh, "context")
+    if context == 1:
+        return "fsdp", mesh.shape["fsdp"]
+    return ("fsdp", "context"), mesh.shape["fsdp"] * context
 
 
 def tree_shardings(tree, mesh: Mesh):

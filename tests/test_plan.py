@@ -72,7 +72,7 @@ def test_the_planned_update_holds_the_run_state_and_follows_the_mini_batch(confi
 def test_a_plan_on_eight_devices_shards_the_state_and_reports_each_program(config_dir):
     plan = plan_run(_config(batch_size=16, mini_batch_size=8), _inputs(config_dir), _cpu_target(8),
                     devices=jax.devices()[:8])
-    assert plan.mesh_axes == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert plan.mesh_axes == {"data": 1, "fsdp": 8, "context": 1, "tensor": 1}
     one = plan_run(_config(batch_size=16, mini_batch_size=8), _inputs(config_dir), _cpu_target(1),
                    devices=jax.devices()[:1])
     by_name = {p.name: p for p in plan.programs}
@@ -479,3 +479,24 @@ def test_a_gemma3_policys_images_are_planned_at_its_one_image_size(tmp_path):
     one = checkpoint_config(str(tmp_path)).vision.flops(32)
     for name in ("update", "score", "generate"):
         assert with_images[name].work.flops - without[name].work.flops == pytest.approx(4 * 2 * one, rel=1e-9)
+
+
+def test_long_rows_down_to_one_per_device_are_advised_the_context_axis():
+    """An update that does not fit with one row per device is told to split the rows'
+    positions (the largest power of two dividing the chips and the row length); with
+    several rows per device a smaller micro-batch comes first, and a run with the axis on
+    is not told again."""
+    from jaxppo.plan.report import advice
+
+    target = resolve_target("h200x8")
+    axes = {"data": 1, "fsdp": 8, "context": 1, "tensor": 1}
+    one_row = _config(batch_size=8, mini_batch_size=8, query_length=512, response_length=32768, dtype="bfloat16")
+    words = advice(one_row, {"update"}, axes, target)
+    assert any(w.startswith("--mesh-context 8 (each row's 33280 positions split over 8 chips") for w in words), words
+    odd = _config(batch_size=8, mini_batch_size=8, query_length=500, response_length=32766, dtype="bfloat16")
+    assert any(w.startswith("--mesh-context 2 ") for w in advice(odd, {"update"}, axes, target))
+    two_rows = _config(batch_size=16, mini_batch_size=16, query_length=512, response_length=32768, dtype="bfloat16")
+    assert not any("--mesh-context" in w for w in advice(two_rows, {"update"}, axes, target))
+    on = _config(batch_size=8, mini_batch_size=8, query_length=512, response_length=32768, dtype="bfloat16",
+                 mesh_context=8)
+    assert not any("--mesh-context" in w for w in advice(on, {"update"}, {**axes, "fsdp": 1, "context": 8}, target))

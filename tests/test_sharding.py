@@ -308,8 +308,8 @@ def test_invalid_meshes_and_batches_are_clear_errors():
     with pytest.raises(ValueError, match="mesh axis fsdp=0"):
         sh.make_mesh(sh.MeshConfig(fsdp=0))
     mesh = sh.make_mesh(sh.MeshConfig(data=2, fsdp=4))
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "tensor": 1}
-    assert dict(sh.make_mesh().shape) == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "context": 1, "tensor": 1}
+    assert dict(sh.make_mesh().shape) == {"data": 1, "fsdp": 8, "context": 1, "tensor": 1}
     with pytest.raises(ValueError, match="must all be multiples of 8"):
         sh.check_batch_divides(jaxppo.Config.from_settings(batch_size=16, mini_batch_size=4), mesh)
     with pytest.raises(ValueError, match="micro-batch size 4"):

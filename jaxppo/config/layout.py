@@ -8,6 +8,7 @@ import dataclasses
 from typing import Any, Optional, Union
 
 from jaxppo.config.fields import Concern, check_bools, check_counts, setting
+from jaxppo.models.context import CONTEXT_ATTENTION
 from jaxppo.models.model import DTYPES, REMAT_POLICIES
 from jaxppo.models.transformer import ATTENTION
 from jaxppo.sharding import MeshConfig
@@ -15,7 +16,7 @@ from jaxppo.update.checks import invalid, is_int
 
 __all__ = ["LayoutConfig", "AUTO_SCAN_MIN_LAYERS", "MESH_AXES"]
 
-MESH_AXES = ("mesh_data", "mesh_fsdp", "mesh_tensor")  # the mesh's axis sizes, as settings
+MESH_AXES = ("mesh_data", "mesh_fsdp", "mesh_context", "mesh_tensor")  # the mesh's axis sizes, as settings
 
 # scan_layers="auto" (the default) scans the layers of checkpoints this deep or deeper: an
 # unrolled program's compile (and, on XLA:CPU, its load from the compilation cache) grows
@@ -69,11 +70,17 @@ class LayoutConfig(Concern):
       pack_streams: streams per micro-batch, in [1, micro_batch_size]; None: the trainer
         chooses per iteration (the fewest every micro-batch fits in).
       pack_length: tokens per stream, >= the padded width; None: that width.
-      mesh_data, mesh_fsdp, mesh_tensor: the device mesh's axis sizes; all None (the
-        default): one device. With any set the run shards over a mesh of axes ("data",
-        "fsdp", "tensor"): parameters and optimizer states sharded over fsdp and tensor,
-        rollout rows split over data and fsdp; an axis left None takes what the others
-        leave (fsdp first; tensor None is 1). Flags and `--config` keys like the rest.
+      mesh_data, mesh_fsdp, mesh_context, mesh_tensor: the device mesh's axis sizes; all
+        None (the default): one device. With any set the run shards over a mesh of axes
+        ("data", "fsdp", "context", "tensor"): parameters and optimizer states sharded
+        over fsdp, context and tensor, rollout rows split over data and fsdp, and each
+        row's positions split over context in the update and the scoring pass (long
+        rows: `jaxppo.models.context`; the rows' length, query_length +
+        response_length, must divide by it); an axis left None takes what the others
+        leave (fsdp first; context and tensor None are 1). Flags and `--config` keys
+        like the rest.
+      context_attention: how attention runs across the context axis: "ring", "ulysses"
+        or "auto" (`jaxppo.models.Model.context_attention`); None: each model's own.
       mesh: the mesh as an object instead of the axes: a `jaxppo.sharding.MeshConfig` or a
         `jax.sharding.Mesh` with those axes (not a flag; not with the axes).
         `device_mesh` is the one a run uses, from either.
@@ -98,7 +105,9 @@ class LayoutConfig(Concern):
     pack_length: Optional[int] = setting(None, free=True)
     mesh_data: Optional[int] = setting(None, free=True)
     mesh_fsdp: Optional[int] = setting(None, free=True)
+    mesh_context: Optional[int] = setting(None, free=True)
     mesh_tensor: Optional[int] = setting(None, free=True)
+    context_attention: Optional[str] = setting(None, free=True)
     mesh: Any = setting(None, free=True, flag=False)
     sampler_devices: int = setting(0, free=True)
 
@@ -120,6 +129,9 @@ class LayoutConfig(Concern):
         if self.attention is not None and self.attention not in ATTENTION:
             raise ValueError(f"LayoutConfig.attention={self.attention!r} is invalid; valid: None (each model as "
                              f"given), {', '.join(map(repr, ATTENTION))}")
+        if self.context_attention is not None and self.context_attention not in CONTEXT_ATTENTION:
+            raise invalid("LayoutConfig", "context_attention", self.context_attention,
+                          "None (each model's own) or one of " + ", ".join(map(repr, CONTEXT_ATTENTION)))
         check_bools(self, ("hoist_layers", "pack_sequences"))
         for name in ("share_prompts", "common_prefix"):  # a bool itself: 1 == True, but the loss reads `is True`
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
@@ -146,8 +158,20 @@ class LayoutConfig(Concern):
     @property
     def device_mesh(self):
         """The mesh the run shards over: `mesh`, or a `jaxppo.sharding.MeshConfig` of the
-        axes `mesh_data`, `mesh_fsdp`, `mesh_tensor` when any is set; None for one device."""
+        axes `mesh_data`, `mesh_fsdp`, `mesh_context`, `mesh_tensor` when any is set; None
+        for one device."""
         if self.mesh is not None or all(getattr(self, name) is None for name in MESH_AXES):
             return self.mesh
         return MeshConfig(data=self.mesh_data, fsdp=self.mesh_fsdp,
-                          tensor=1 if self.mesh_tensor is None else self.mesh_tensor)
+                          tensor=1 if self.mesh_tensor is None else self.mesh_tensor,
+                          context=1 if self.mesh_context is None else self.mesh_context)
+
+    @property
+    def context_size(self) -> int:
+        """The context axis's size (1 without one; a given `jax.sharding.Mesh`'s "context")."""
+        mesh = self.device_mesh
+        if mesh is None:
+            return 1
+        if isinstance(mesh, MeshConfig):
+            return 1 if mesh.context is None else mesh.context
+        return int(mesh.shape["context"]) if "context" in mesh.axis_names else 1

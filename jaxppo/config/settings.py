@@ -346,6 +346,7 @@ def check_config(c: Config) -> None:
                          "stop_tokens=() has none: without one every completion is truncated and nothing would be "
                          "trained")
     _check_pipelining(c)
+    _check_context(c)
     if c.rewards.dynamic_sampling and b.num_generations < 2:
         raise ValueError(f"RewardConfig.dynamic_sampling=True needs groups: BatchConfig.num_generations="
                          f"{b.num_generations}; give num_generations >= 2 (a group's scores must be able to differ), "
@@ -354,6 +355,30 @@ def check_config(c: Config) -> None:
         from jaxppo.models.model import check_cudnn_dtype
 
         check_cudnn_dtype("LayoutConfig", c.layout.dtype)
+
+
+def _check_context(c: Config) -> None:
+    """A context axis splits each row's positions in the forward passes: the rows' length
+    must divide by it, and the layouts that run a prompt once through a cache (which the
+    axis does not split) are refused beside it."""
+    n = c.layout.context_size
+    if n == 1:
+        return
+    width = c.data.query_length + c.sampling.response_length
+    if width % n:
+        raise invalid("LayoutConfig", "mesh_context", n,
+                      f"a divisor of the rows' length, DataConfig.query_length + SamplingConfig.response_length = "
+                      f"{c.data.query_length} + {c.sampling.response_length} = {width} (each device holds an equal "
+                      f"block of every row's positions); or make that length a multiple of {n}")
+    if c.layout.pack_sequences and c.layout.pack_length is not None and c.layout.pack_length % n:
+        raise invalid("LayoutConfig", "pack_length", c.layout.pack_length,
+                      f"a multiple of LayoutConfig.mesh_context={n} (each packed stream's positions split over it)")
+    for name, why in (("share_prompts", "runs each group's prompt once through a cache"),
+                      ("common_prefix", "runs the prompts' common prefix once through a cache")):
+        if getattr(c.layout, name) is True:
+            raise invalid("LayoutConfig", name, True,
+                          f"None or False with a context axis (mesh_context={n}): that layout {why}, whose positions "
+                          "the context axis does not split")
 
 
 def _check_pipelining(c: Config) -> None:

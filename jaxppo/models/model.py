@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxppo.models.config import ModelConfig
+from jaxppo.models.context import CONTEXT_ATTENTION
 from jaxppo.models.family import family_of
 from jaxppo.models.heads import LMHead, token_logprobs, top_logprobs
 from jaxppo.models.lora import LoraConfig
@@ -83,6 +84,9 @@ def _check_attention(model: "Model"):
     `check_attention_backend`.)"""
     if model.attention not in ATTENTION:
         raise ValueError(f"Model.attention={model.attention!r} is invalid; valid: {', '.join(map(repr, ATTENTION))}")
+    if model.context_attention not in CONTEXT_ATTENTION:
+        raise ValueError(f"Model.context_attention={model.context_attention!r} is invalid; valid: "
+                         f"{', '.join(map(repr, CONTEXT_ATTENTION))}")
     if model.attention != "cudnn":
         return
     check_cudnn_dtype("Model", model.dtype)
@@ -223,6 +227,9 @@ class Model:
       flash attention on NVIDIA GPUs and needs a bfloat16 or float16 `dtype` and a head
       size that is a multiple of 8, at most 256). Decode steps always use "einsum". The
       same outputs and gradients up to rounding.
+    context_attention: how attention runs across a mesh's "context" axis, which splits each
+      row's positions in a whole forward pass: "ring", "ulysses" or "auto"
+      (`jaxppo.models.context`). The same outputs up to rounding; no effect without it.
     hoist_layers: with `scan_layers`, the samplers slice each layer's weights out of the
       stacked arrays once per call (matrices in the compute dtype) and decode through the
       unrolled layers, not slicing every layer at every step: faster, for a copy of the
@@ -245,6 +252,7 @@ class Model:
     lora: Optional[LoraConfig] = None
     adapters: bool = True
     attention: str = "einsum"
+    context_attention: str = "auto"
     hoist_layers: bool = False
     head_window: Optional[int] = None
 
@@ -254,7 +262,8 @@ class Model:
     @property
     def module(self):
         common = dict(config=self.config, dtype=jnp.dtype(self.dtype), param_dtype=jnp.dtype(self.param_dtype), remat=self.remat,
-                      scan_layers=self.scan_layers, lora=self.lora, adapters=self.adapters, attention=self.attention)
+                      scan_layers=self.scan_layers, lora=self.lora, adapters=self.adapters, attention=self.attention,
+                      context_attention=self.context_attention)
         if self.kind in ("causal_lm", "causal_lm_value"):
             return CausalLMModule(with_value_head=self.kind == "causal_lm_value", **common)
         return ScoreModule(num_labels=self.config.num_labels if self.kind == "reward" else 1,

@@ -34,12 +34,14 @@ import jax
 import jax.numpy as jnp
 
 from jaxppo.models.config import ModelConfig
+from jaxppo.models.context import context_attention, context_method, context_size, shard_positions
 from jaxppo.models.family import family_of
 from jaxppo.models.heads import softcap
 from jaxppo.models.lora import LoraConfig, LoraDense
 
 __all__ = ["Transformer", "CausalLMModule", "ScoreModule", "rope_inv_freq", "default_positions", "ATTENTION",
-           "GroupedKV", "NewKV", "apply_rope", "activation", "attend_with_cache", "dense", "RMSNorm", "write_slots"]
+           "GroupedKV", "NewKV", "apply_rope", "activation", "attend", "attend_with_cache", "dense", "RMSNorm",
+           "write_slots"]
 
 # How attention over a whole sequence is computed (training, scoring, the prefill):
 # "einsum", jaxppo's own two einsums around a float32 softmax (the default); "xla" and
@@ -218,6 +220,18 @@ class GroupedKV(NamedTuple):
     v: jax.Array
 
 
+def attend(q, k, v, mask, dtype, scale_dim=None, impl="einsum", context="auto"):
+    """Attention over whole rows (no cache): q (B, L, H, D), k/v (B, L, KV, D), mask
+    (B, L, L) -> (B, L, H * D), by the kernel `impl` (see `ATTENTION`). Under a mesh with a
+    "context" axis, each row's positions are split over it and attention runs across the
+    split by `context` ("auto", "ring" or "ulysses": `jaxppo.models.context`)."""
+    n = context_size()
+    if n > 1 and q.shape[1] > 1:
+        return context_attention(q, k, v, mask, dtype, scale_dim, functools.partial(_attention, impl=impl),
+                                 context_method(context, impl, q.shape[2], n))
+    return _attention(q, k, v, mask, dtype, scale_dim, impl)
+
+
 def attend_with_cache(q, k, v, layer_cache, cache_index, mask, dtype, scale_dim=None, impl="einsum"):
     """Attention of the new tokens' q/k/v (B, Lq, ...), given a layer's cache:
     None (no cache: attend over k/v), a (k, v) pair of buffers (write the new k/v at slot
@@ -225,10 +239,11 @@ def attend_with_cache(q, k, v, layer_cache, cache_index, mask, dtype, scale_dim=
     the old slots before `cache_index` and the new tokens; returns the new k/v only), or a
     `GroupedKV` (attend over the group's prompt slots, the row's earlier response slots and
     the new tokens; returns the new k/v only).
-    mask (B, Lq, Lk) is over the cache's slots (or over k/v without a cache).
+    mask (B, Lq, Lk) is over the cache's slots (or over k/v without a cache: `attend`,
+    across a context axis by its "auto" method).
     Returns (out (B, Lq, H * D), what goes back into the cache)."""
     if layer_cache is None:
-        return _attention(q, k, v, mask, dtype, scale_dim, impl), None
+        return attend(q, k, v, mask, dtype, scale_dim, impl), None
     if isinstance(layer_cache, GroupedKV):
         p, lq = layer_cache.prefix_k.shape[1], q.shape[1]
         g = q.shape[0] // layer_cache.prefix_k.shape[0]
@@ -366,6 +381,7 @@ class Transformer(nn.Module):
     lora: Optional[LoraConfig] = None  # adapters on the blocks' linear layers (see jaxppo.models.lora)
     adapters: bool = True  # with `lora`: apply them (False: the base model)
     attention: str = "einsum"  # see ATTENTION
+    context_attention: str = "auto"  # see jaxppo.models.context
 
     @nn.compact
     def __call__(self, input_ids, attention_mask, positions, cache=None, cache_index=0, segment_ids=None,
@@ -376,6 +392,8 @@ class Transformer(nn.Module):
         deep = blocks = None  # DeepStack's additions (K, B, Lq, D); each token's image (B, Lq), -1 for text
         if family.vision is not None:  # a vision-language model: the image tokens take the images' embeddings
             x, deep, blocks = family.vision(self, c, x, input_ids, images)
+        if cache is None:  # a whole forward pass: under a context axis, each row's positions split over it
+            x = shard_positions(x)
         masks = _masks(c, input_ids.shape[1], attention_mask, cache_index, segment_ids, blocks)
         sliding = c.sliding_layers
         block_cls = family.block
@@ -400,7 +418,8 @@ class Transformer(nn.Module):
             stack = nn.scan(block_cls, variable_axes=axes, split_rngs={"params": True}, in_axes=in_axes,
                             length=c.num_layers)
             layer_cache = None if cache is None else cache if isinstance(cache, GroupedKV) else NewKV(*cache)
-            x, new_kv = stack(c, self.dtype, self.param_dtype, self.lora, self.adapters, self.attention, name=prefix)(
+            x, new_kv = stack(c, self.dtype, self.param_dtype, self.lora, self.adapters, self.attention,
+                                  self.context_attention, name=prefix)(
                 x, masks, positions, layer_cache, cache_index, *scanned)
             new_cache = None
             if isinstance(cache, GroupedKV):  # the new tokens' k/v into every layer's response slots
@@ -411,7 +430,7 @@ class Transformer(nn.Module):
             new_cache = []
             for i in range(c.num_layers):
                 block = block_cls(c, self.dtype, self.param_dtype, self.lora, self.adapters, self.attention,
-                                  name=f"{prefix}_{i}")
+                                  self.context_attention, name=f"{prefix}_{i}")
                 layer_cache = None if cache is None else cache[i]
                 x, new_kv = block(x, masks, positions, layer_cache, cache_index, sliding[i])
                 if deep is not None and i < deep.shape[0]:
@@ -440,13 +459,14 @@ class CausalLMModule(nn.Module):
     lora: Optional[LoraConfig] = None
     adapters: bool = True
     attention: str = "einsum"
+    context_attention: str = "auto"
 
     @nn.compact
     def __call__(self, input_ids, attention_mask, positions, cache=None, cache_index=0, return_hidden=False,
                  segment_ids=None, images=None):
         c = self.config
         trunk = Transformer(c, self.dtype, self.param_dtype, self.remat, self.scan_layers, self.lora, self.adapters,
-                            self.attention, name=family_of(c).trunk_name)
+                            self.attention, self.context_attention, name=family_of(c).trunk_name)
         hidden, cache, table = trunk(input_ids, attention_mask, positions, cache, cache_index, segment_ids, images)
         values = None
         if self.with_value_head:
@@ -478,6 +498,7 @@ class ScoreModule(nn.Module):
     lora: Optional[LoraConfig] = None
     adapters: bool = True
     attention: str = "einsum"
+    context_attention: str = "auto"
 
     @nn.compact
     def __call__(self, input_ids, attention_mask, positions, segment_ids=None, cache=None, cache_index=0, images=None):
@@ -485,7 +506,7 @@ class ScoreModule(nn.Module):
         new cache)."""
         c = self.config
         trunk = Transformer(c, self.dtype, self.param_dtype, self.remat, self.scan_layers, self.lora, self.adapters,
-                            self.attention, name=family_of(c).trunk_name)
+                            self.attention, self.context_attention, name=family_of(c).trunk_name)
         hidden, new_cache, _ = trunk(input_ids, attention_mask, positions, cache, cache_index, segment_ids, images)
         init = nn.initializers.zeros if self.zero_init else nn.initializers.normal(0.02)
         scores = nn.Dense(self.num_labels, use_bias=False, dtype=jnp.float32, param_dtype=self.param_dtype,

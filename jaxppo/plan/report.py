@@ -116,7 +116,7 @@ def _axes(axes: dict) -> str:
 _REMEDIES = {
     "parameters": ("shard", "adapters", "dtype"), "optimizer state": ("shard", "adapters"),
     bd.GRADIENTS: ("shard", "adapters"), bd.WEIGHT_COPIES: ("shard", "adapters"), "frozen models": ("shard",),
-    bd.ACTIVATIONS: ("micro", "remat"), bd.LOGITS: ("chunk", "micro"), bd.KV_CACHE: ("rows",),
+    bd.ACTIVATIONS: ("micro", "remat", "context"), bd.LOGITS: ("chunk", "micro"), bd.KV_CACHE: ("rows",),
     bd.GATHERED: ("tensor",), bd.STATE_COPIES: ("report",), "the rollout": ("rows",), "the sampled batch": ("rows",),
     "prompts": ("rows",),
 }
@@ -139,6 +139,7 @@ def advice(config, over: set, axes: dict, target: Target, breakdowns: Optional[d
         "dtype": (layout.dtype == "float32", "--dtype bfloat16 (compute and frozen copies in bf16)"),
         "adapters": (True, "--lora-rank 16 (train adapters: no float32 copy or optimizer state of the base)"),
         "rows": (True, "a smaller --batch-size or --response-length (the sampler's KV cache and the scored batch)"),
+        "context": _context_advice(c, axes, target),
         "tensor": (axes.get("tensor", 1) == 1 and target.chips > 1,
                    "--mesh-tensor 2 (each layer's gathered weights split over two chips)"),
         "report": (True, "state-sized copies in the update (of weights, moments or gradients): not expected of "
@@ -149,7 +150,7 @@ def advice(config, over: set, axes: dict, target: Target, breakdowns: Optional[d
     for name in sorted(over):
         b = breakdowns.get(name)
         if b is None:  # no breakdown: what lowers such a program, as a list
-            fallback = {"update": ("micro", "remat", "chunk", "shard", "dtype", "adapters"),
+            fallback = {"update": ("micro", "remat", "chunk", "context", "shard", "dtype", "adapters"),
                         "score": ("shard", "dtype", "adapters", "rows"),
                         "generate": ("shard", "dtype", "adapters", "rows")}[name]
             kinds += fallback
@@ -167,6 +168,20 @@ def advice(config, over: set, axes: dict, target: Target, breakdowns: Optional[d
     return out
 
 
+def _context_advice(c, axes: dict, target: Target) -> tuple:
+    """(whether it applies, the words) for a context axis: the largest power of two that
+    divides the chips and the rows' length, where the run has none and each device's
+    micro-batch is down to one row (else a smaller micro-batch comes first)."""
+    width = c.data.query_length + c.sampling.response_length
+    rows = c.batch.micro_batch_size // max(1, axes.get("data", 1) * axes.get("fsdp", 1))
+    sizes = [k for k in (2, 4, 8, 16, 32, 64) if k <= target.chips and target.chips % k == 0 and width % k == 0]
+    if axes.get("context", 1) > 1 or not sizes or rows > 1:
+        return False, ""
+    k = sizes[-1]
+    return True, (f"--mesh-context {k} (each row's {width} positions split over {k} chips: the update's activations "
+                  "and attention scores per chip fall with it; the rest of the chips on --mesh-fsdp)")
+
+
 def run_work(shapes: RunShapes, images=None) -> dict:
     """{program: `costs.ProgramWork`} of the run, from its models' shapes; with `images`
     (count, height, width per prompt) the vision encoder's FLOPs too (`_encoder_flops`)."""
@@ -180,7 +195,8 @@ def run_work(shapes: RunShapes, images=None) -> dict:
     trained = [(policy, r, not lora)] + ([(critic_shape, 0, True)] if critic_shape is not None else [])
     trainable = sum(int(x.size) for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
                     if not lora or any(k in jax.tree_util.keystr(path) for k in ("lora", "critic", "value_head")))
-    shards = shapes.mesh.shape.get("fsdp", 1) * shapes.mesh.shape.get("tensor", 1) if shapes.mesh is not None else 1
+    sizes = dict(shapes.mesh.shape) if shapes.mesh is not None else {}
+    shards = sizes.get("fsdp", 1) * sizes.get("context", 1) * sizes.get("tensor", 1)  # what stores the parameters
     epochs, updates = c.batch.ppo_epochs, c.batch.updates_per_step
     micro = updates * c.batch.gradient_accumulation_steps
     prompts = b // spec.num_generations if c.layout.share_prompts else b  # a group's prompt computed once

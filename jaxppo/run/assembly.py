@@ -24,6 +24,7 @@ from jaxppo.config.layout import AUTO_SCAN_MIN_LAYERS
 from jaxppo.errors import RunError
 from jaxppo.models import hf as hf_io
 from jaxppo.models.adapters import add_lora
+from jaxppo.models.context import context_method
 from jaxppo.models.family import family_of
 from jaxppo.models.model import (
     Model,
@@ -440,5 +441,11 @@ def _trained(config, policy_model, policy_params, critic, reward, reward_params,
 
 
 def _with_attention(model: Model, layout) -> Model:
-    """`model` with the run's `LayoutConfig.attention` (None keeps its own)."""
-    return model if layout.attention is None else dataclasses.replace(model, attention=layout.attention)
+    """`model` with the run's `LayoutConfig.attention` and `context_attention` (None keeps
+    its own); refused where Ulysses cannot split its heads over the context axis."""
+    changes = {name: getattr(layout, name) for name in ("attention", "context_attention")
+               if getattr(layout, name) is not None}
+    model = dataclasses.replace(model, **changes) if changes else model
+    if layout.context_size > 1:
+        context_method(model.context_attention, model.attention, model.config.num_heads, layout.context_size)
+    return model

@@ -143,8 +143,9 @@ def build(config, inputs: Inputs) -> RunParts:
                            environment=environment is not None or teacher_alone)
     engine = _check_inputs(config, inputs, rewards, environment, policy_config)
     routed = config.loss.routing_replay or bool(config.loss.router_aux_loss_coef)
-    if config.layout.share_prompts is None:  # the trainer's groups share their prompt (unless routing is replayed)
-        config = config.replace(share_prompts=not routed)
+    if config.layout.share_prompts is None:  # the trainer's groups share their prompt (unless routing is replayed,
+        # or a context axis splits each row: the shared prompt runs through a cache, which it does not split)
+        config = config.replace(share_prompts=not routed and config.layout.context_size == 1)
     table = _prompt_table(inputs.tokenizer, inputs.prompts, config, environment and environment.tools, streamed=True,
                           images=images)
     eval_table, eval_rewards = _eval_inputs(inputs, config, rewards, environment, images)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jaxppo.models.config import ModelConfig
 from jaxppo.models.family import ModelFamily
 from jaxppo.models.lora import LoraConfig
-from jaxppo.models.transformer import activation, attend_with_cache, dense
+from jaxppo.models.transformer import activation, attend, attend_with_cache, dense
 
 __all__ = ["GPT2Block", "FAMILY"]
 
@@ -23,6 +23,7 @@ class GPT2Block(nn.Module):
     lora: Optional[LoraConfig] = None
     adapters: bool = True
     attention: str = "einsum"
+    context_attention: str = "auto"  # attention across a "context" mesh axis (jaxppo.models.context)
 
     @nn.compact
     def __call__(self, x, masks, positions, layer_cache, cache_index, sliding=False):
@@ -35,8 +36,11 @@ class GPT2Block(nn.Module):
         qkv = linear(3 * c.hidden_size, "c_attn")(h)
         q, k, v = jnp.split(qkv.reshape(b, l, 3, c.num_heads, c.head_dim), 3, axis=2)
         q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]
-        attn, layer_cache = attend_with_cache(q, k, v, layer_cache, cache_index, mask, self.dtype,
-                                              impl=self.attention)
+        if layer_cache is None:  # a whole forward pass (across a context axis where the mesh has one)
+            attn = attend(q, k, v, mask, self.dtype, impl=self.attention, context=self.context_attention)
+        else:
+            attn, layer_cache = attend_with_cache(q, k, v, layer_cache, cache_index, mask, self.dtype,
+                                                  impl=self.attention)
         x = x + linear(c.hidden_size, "c_proj")(attn)
         h = ln("ln_2")(x)
         h = linear(c.intermediate_size, "c_fc")(h)

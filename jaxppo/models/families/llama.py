@@ -16,7 +16,7 @@ from jaxppo.models.family import ModelFamily
 from jaxppo.models.lora import LoraConfig
 from jaxppo.models.gated_mlp import gated_mlp
 from jaxppo.models.moe import SparseMoe
-from jaxppo.models.transformer import RMSNorm, apply_rope, attend_with_cache, dense, rope_inv_freq
+from jaxppo.models.transformer import RMSNorm, apply_rope, attend, attend_with_cache, dense, rope_inv_freq
 
 __all__ = ["LlamaBlock", "FAMILY", "embed_tokens", "rope_fields", "config_kwargs", "to_hf_kwargs", "hf_layer_types",
            "make_hf_config"]
@@ -40,6 +40,7 @@ class LlamaBlock(nn.Module):
     lora: Optional[LoraConfig] = None
     adapters: bool = True
     attention: str = "einsum"
+    context_attention: str = "auto"  # attention across a "context" mesh axis (jaxppo.models.context)
     sandwich_norms: ClassVar[bool] = False
 
     @nn.compact
@@ -60,8 +61,11 @@ class LlamaBlock(nn.Module):
         q = apply_rope(q, positions, inv_freq, c.mrope_axes)
         k = apply_rope(k, positions, inv_freq, c.mrope_axes)
         mask = masks[0] if masks[1] is None else jnp.where(sliding, masks[1], masks[0])
-        attn, layer_cache = attend_with_cache(q, k, v, layer_cache, cache_index, mask, self.dtype,
-                                              c.query_pre_attn_scalar, self.attention)
+        if layer_cache is None:  # a whole forward pass (across a context axis where the mesh has one)
+            attn = attend(q, k, v, mask, self.dtype, c.query_pre_attn_scalar, self.attention, self.context_attention)
+        else:
+            attn, layer_cache = attend_with_cache(q, k, v, layer_cache, cache_index, mask, self.dtype,
+                                                  c.query_pre_attn_scalar, self.attention)
         # Hugging Face's `attention_bias` covers the output projection too, except in Qwen2
         # (and Qwen2.5-VL's language model), whose q/k/v biases are built in.
         attn = proj(c.hidden_size, c.qkv_bias and c.model_type not in ("qwen2", "qwen2_5_vl"), "o_proj")(attn)

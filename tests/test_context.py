@@ -1,0 +1,253 @@
+"""The context axis (each row's positions split over a mesh axis) on 8 host devices: ring
+and Ulysses attention against plain softmax attention computed in numpy, model forwards and
+the update against one device, compiled memory falling with the axis, a trainer run equal
+to one device and resumed exactly, and the refusals."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxppo
+import jaxppo.models as jm
+from jaxppo import sharding as sh
+from jaxppo.models.transformer import attend
+from trainer_setup import require_devices, run_small
+
+require_devices(8)
+
+
+def _mesh(data=1, fsdp=1, context=1, tensor=1):
+    n = data * fsdp * context * tensor
+    return sh.make_mesh(sh.MeshConfig(data=data, fsdp=fsdp, context=context, tensor=tensor), jax.devices()[:n])
+
+
+def _numpy_attention(q, k, v, mask):
+    """Softmax attention by loops over rows and heads (a query that sees no key: all-masked
+    scores of equal value, an average of every value, as one softmax gives)."""
+    b, l, h, d = q.shape
+    group = h // k.shape[2]
+    out = np.zeros((b, l, h, d))
+    for i in range(b):
+        for j in range(h):
+            scores = q[i, :, j].astype(np.float64) @ k[i, :, j // group].T.astype(np.float64) / np.sqrt(d)
+            scores = np.where(mask[i], scores, -1e30)
+            weights = np.exp(scores - scores.max(axis=1, keepdims=True))
+            out[i, :, j] = (weights / weights.sum(axis=1, keepdims=True)) @ v[i, :, j // group]
+    return out.reshape(b, l, h * d)
+
+
+def _masks(b, l, rng):
+    """Masks the models build: causal with left padding (some rows' past a block); a sliding window of 5; two packed
+    segments; an image's block of tokens seeing each other both ways."""
+    slots = np.arange(l)
+    causal = slots[None, :] <= slots[:, None]
+    starts = rng.integers(0, l // 2, b)
+    real = slots[None, :] >= starts[:, None]
+    padded = causal[None] & real[:, None, :]
+    window = padded & (slots[None, None, :] > slots[None, :, None] - 5)
+    segment = (slots >= l // 3).astype(int)
+    packed = causal[None] & (segment[:, None] == segment[None, :])[None]
+    image = (slots >= 4) & (slots < 12)
+    bidirectional = (causal | (image[:, None] & image[None, :]))[None] & real[:, None, :]
+    # Every row padded past the first blocks: queries there see no key in any block.
+    long_padding = causal[None] & (slots[None, :] >= rng.integers(l // 4, l // 2, b)[:, None])[:, None, :]
+    return {"padded": padded, "long padding": long_padding, "window": np.broadcast_to(window, (b, l, l)),
+            "packed": np.broadcast_to(packed, (b, l, l)), "image": bidirectional}
+
+
+@pytest.mark.parametrize("heads", [(4, 2), (8, 8), (4, 1)], ids=lambda h: f"{h[0]}q-{h[1]}kv")
+def test_ring_and_ulysses_attention_equal_plain_attention_and_their_gradients_one_device(heads):
+    h, kv = heads
+    b, l, d = 2, 32, 8
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.normal(size=s).astype(np.float32) for s in [(b, l, h, d), (b, l, kv, d), (b, l, kv, d)])
+    meshes = [_mesh(context=8), _mesh(data=2, context=4), _mesh(fsdp=2, context=2, tensor=2)]
+    for name, mask in _masks(b, l, rng).items():
+        real = mask.any(axis=-1)  # queries that see some key (padding's outputs are never read)
+        want = _numpy_attention(q, k, v, mask)
+        loss = lambda q, k, v, method: (attend(q, k, v, jnp.asarray(mask), jnp.float32, context=method)  # noqa: E731
+                                        * jnp.asarray(real[..., None], jnp.float32)).sum()
+        grads = jax.grad(loss, (0, 1, 2))(q, k, v, "ring")  # one device: plain attention, context ignored
+        for mesh in meshes:
+            for method in ("ring", "ulysses"):
+                if method == "ulysses" and h % mesh.shape["context"]:
+                    continue
+                with jax.set_mesh(mesh):
+                    out = jax.jit(attend, static_argnums=(4, 5, 6, 7))(q, k, v, jnp.asarray(mask), jnp.float32, None,
+                                                                        "einsum", method)
+                    got = jax.jit(jax.grad(loss, (0, 1, 2)), static_argnums=3)(q, k, v, method)
+                label = f"{name} {method} {dict(mesh.shape)}"
+                assert np.isfinite(np.asarray(out)).all() and all(np.isfinite(np.asarray(g)).all() for g in got), label
+                np.testing.assert_allclose(np.asarray(out)[real], want[real], atol=2e-5, err_msg=label)
+                for g, r in zip(got, grads):
+                    np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=5e-5, err_msg=label)
+
+
+FAMILIES = {
+    "llama": dict(model_type="llama", num_heads=4, num_kv_heads=2),
+    "qwen3": dict(model_type="qwen3", num_heads=4, num_kv_heads=2, qk_norm=True, head_dim=8),
+    "gemma3": dict(model_type="gemma3_text", num_heads=4, num_kv_heads=2, head_dim=8, sliding_window=6,
+                   layer_types=("sliding_attention", "full_attention"), query_pre_attn_scalar=8),
+    "qwen3_moe": dict(model_type="qwen3_moe", num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=16),
+}
+
+
+def _family(name, max_len=4096):
+    cfg = jm.ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, intermediate_size=64,
+                         max_position_embeddings=max_len, tie_word_embeddings=False, eos_token_ids=(2,),
+                         **FAMILIES[name])
+    return cfg
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_a_forward_with_its_rows_split_over_the_context_axis_equals_one_device(name):
+    cfg = _family(name)
+    rng = np.random.default_rng(1)
+    b, l = 4, 64
+    ids = jnp.asarray(rng.integers(3, 64, (b, l)))
+    mask = (np.arange(l)[None] >= rng.integers(0, l // 2, (b, 1))).astype(np.int32)
+    model = jm.Model(cfg, scan_layers=True)
+    params = model.init(jax.random.key(0))
+    want = np.asarray(model.apply(params, ids, jnp.asarray(mask)))
+    real = mask.astype(bool)
+    for mesh, method in ((_mesh(context=8), "ring"), (_mesh(data=2, context=4), "ulysses"),
+                         (_mesh(fsdp=2, context=2, tensor=2), "ring")):
+        m = jm.Model(cfg, scan_layers=True, context_attention=method)
+        with jax.set_mesh(mesh):
+            got = jax.jit(m.apply)(sh.shard_state(params, mesh), sh.shard_batch(ids, mesh),
+                                   sh.shard_batch(jnp.asarray(mask), mesh))
+        np.testing.assert_allclose(np.asarray(got)[real], want[real], atol=5e-5, err_msg=f"{method} {mesh.shape}")
+
+
+def test_rows_of_several_thousand_tokens_split_eight_ways_equal_one_device():
+    """2048-token rows (a prompt of 512 left-padded to different lengths, a response of
+    1536 with its own padding): the response log-probs of the scoring pass, ring and Ulysses."""
+    cfg = _family("llama")
+    rng = np.random.default_rng(2)
+    b, q, r = 2, 512, 1536
+    query = jnp.asarray(rng.integers(3, 64, (b, q)))
+    qmask = jnp.asarray(np.arange(q)[None] >= np.array([[0], [300]]), jnp.int32)
+    response = jnp.asarray(rng.integers(3, 64, (b, r)))
+    rmask = jnp.asarray(np.arange(r)[None] < np.array([[r], [900]]), jnp.int32)
+    model = jm.Model(cfg)
+    params = model.init(jax.random.key(0))
+    want, _, _ = model.response_outputs(params, query, qmask, response, rmask)
+    for method in ("ring", "ulysses"):
+        mesh = _mesh(context=4) if method == "ulysses" else _mesh(context=8)
+        m = jm.Model(cfg, context_attention=method)
+        with jax.set_mesh(mesh):
+            got, _, _ = jax.jit(m.response_outputs)(sh.shard_state(params, mesh), query, qmask, response, rmask)
+        keep = np.asarray(rmask, bool)
+        np.testing.assert_allclose(np.asarray(got)[keep], np.asarray(want)[keep], atol=5e-5, err_msg=method)
+
+
+Q, R = 6, 10  # rows of 16 positions
+
+
+@pytest.fixture(scope="module")
+def update_setup():
+    cfg = _family("llama", max_len=32)
+    policy, critic = jm.Model(cfg, logits_chunk_size=4), jm.Model(cfg, kind="value")
+    params = {"policy": policy.init(jax.random.key(0)), "critic": critic.init(jax.random.key(1))}
+    params["critic"] = jax.tree.map(lambda x: x + 0.02, params["critic"])  # a head that is not zero
+    rng = np.random.default_rng(3)
+    b = 16
+    rollout = jaxppo.RolloutBatch(
+        query_tokens=jnp.asarray(rng.integers(3, 64, (b, Q))),
+        query_mask=jnp.asarray(np.arange(Q)[None] >= rng.integers(0, 3, (b, 1)), jnp.int32),
+        response_tokens=jnp.asarray(rng.integers(3, 64, (b, R))),
+        response_mask=jnp.asarray(np.arange(R)[None] < rng.integers(1, R + 1, (b, 1)), jnp.int32),
+        logprobs=jnp.full((b, R), -np.log(64), jnp.float32), values=jnp.zeros((b, R)),
+        rewards=jnp.asarray(rng.normal(size=(b, R)), jnp.float32))
+    state = jaxppo.TrainState.create(apply_fn=jm.PolicyAndCritic(policy, critic), params=params, tx=optax.adam(1e-2))
+    return state, rollout
+
+
+@pytest.mark.parametrize("axes", [dict(data=2, context=4), dict(fsdp=2, context=2, tensor=2)],
+                         ids=lambda a: "-".join(f"{k}{v}" for k, v in a.items()))
+def test_the_update_with_a_context_axis_equals_one_device(update_setup, axes):
+    state, rollout = update_setup
+    config = jaxppo.Config.from_settings(batch_size=16, mini_batch_size=8, ppo_epochs=2)
+    want, want_metrics = jaxppo.train_step(state, rollout, jax.random.key(3), config)
+    mesh = _mesh(**axes)
+    sharded = sh.shard_state(state, mesh)
+    got, metrics = sh.sharded_train_step(sharded, config, mesh)(sharded, sh.shard_batch(rollout, mesh),
+                                                                jax.random.key(3))
+    assert int(got.step) == int(want.step) == config.batch.updates_per_step
+    for name in ("loss/total_avg", "loss/policy_avg", "loss/value_avg", "policy/entropy_avg"):
+        np.testing.assert_allclose(float(metrics[name]), float(want_metrics[name]), rtol=1e-4, atol=1e-6,
+                                   err_msg=name)
+    moved = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), got.params, state.params)
+    assert max(jax.tree.leaves(moved)) > 1e-3  # the update moved the weights, so equal weights say something
+    diffs = jax.tree.map(lambda a, b: float(jnp.abs(np.asarray(a) - np.asarray(b)).max()), got.params, want.params)
+    assert max(jax.tree.leaves(diffs)) < 2e-4, diffs
+    # The state is stored over fsdp x context, not copied to each context device.
+    kernel = got.params["policy"]["params"]["model"]["layers_0"]["up_proj"]["kernel"]
+    assert "context" in str(kernel.sharding.spec), kernel.sharding.spec
+
+
+def _temporaries(context, method):
+    cfg = _family("llama", max_len=1024)
+    policy = jm.Model(cfg, context_attention=method)
+    state = jaxppo.TrainState.create(apply_fn=policy, params=policy.init(jax.random.key(0)), tx=optax.sgd(0.1))
+    b, q, r = 2, 128, 384
+    rollout = jaxppo.RolloutBatch(
+        query_tokens=jnp.ones((b, q), jnp.int32), query_mask=jnp.ones((b, q), jnp.int32),
+        response_tokens=jnp.ones((b, r), jnp.int32), response_mask=jnp.ones((b, r), jnp.int32),
+        logprobs=jnp.zeros((b, r)), values=jnp.zeros((b, r)), rewards=jnp.zeros((b, r)))
+    config = jaxppo.Config.for_algorithm("grpo", batch_size=2, mini_batch_size=2, ppo_epochs=1, num_generations=2,
+                                         kl_loss_coef=0.0)
+    mesh = _mesh(context=context)
+    sharded = sh.shard_state(state, mesh)
+    compiled = sh.sharded_train_step(sharded, config, mesh).lower(
+        sharded, sh.shard_batch(rollout, mesh), jax.random.key(0)).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_the_update_s_temporaries_per_device_fall_with_the_context_axis():
+    """Compiled for 512-token rows: each device's temporaries (activations, scores) fall as
+    the axis grows, for both methods."""
+    for method in ("ring", "ulysses"):
+        sizes = [_temporaries(n, method) for n in (1, 2, 4)]
+        assert sizes[0] > 1.5 * sizes[1] and sizes[1] > 1.5 * sizes[2], (method, sizes)
+
+
+def test_a_trainer_with_a_context_axis_matches_one_device_and_resumes_exactly(tmp_path):
+    single, _ = run_small(tmp_path / "single", response_length=8)  # rows of 32 + 8 positions
+    mesh = sh.MeshConfig(data=2, fsdp=1, context=4)
+    split, trainer = run_small(tmp_path / "context", response_length=8, mesh=mesh)
+    assert [h["ppo/updates_applied"] for h in split] == [4, 4]
+    for a, b in zip(single, split):
+        assert a["objective/scores"] == b["objective/scores"]
+        for name in ("loss/total_avg", "loss/value_avg", "objective/kl"):
+            assert a[name] == pytest.approx(b[name], rel=1e-4, abs=1e-6), name
+    # Stopped after one iteration and resumed: the second iteration as the straight run's.
+    run_small(tmp_path / "resumed", iterations=1, response_length=8, mesh=mesh)
+    resumed, trainer = run_small(tmp_path / "resumed", iterations=2, response_length=8, mesh=mesh)
+    assert trainer.iteration == 2
+    last = resumed[-1]
+    for name in ("objective/scores", "loss/total_avg", "objective/kl"):
+        assert last[name] == split[-1][name], name
+
+
+def test_what_the_context_axis_cannot_take_is_refused_before_any_compile():
+    with pytest.raises(ValueError, match=r"mesh_context=4 is invalid.*32 \+ 6 = 38"):
+        jaxppo.Config.from_settings(mesh_context=4, query_length=32, response_length=6)
+    with pytest.raises(ValueError, match="share_prompts=True is invalid.*context axis"):
+        jaxppo.Config.from_settings(mesh_context=2, query_length=32, response_length=8, share_prompts=True)
+    with pytest.raises(ValueError, match="context_attention='sideways' is invalid"):
+        jaxppo.Config.from_settings(context_attention="sideways")
+    with pytest.raises(ValueError, match="Model.context_attention='ring2' is invalid"):
+        jm.Model(_family("llama"), context_attention="ring2")
+    # Ulysses needs heads that divide; a row whose length the axis does not divide.
+    cfg = _family("llama")
+    params = jm.Model(cfg).init(jax.random.key(0))
+    with jax.set_mesh(_mesh(context=8)):
+        with pytest.raises(ValueError, match="splits the 4 attention heads over the context axis's 8 devices"):
+            jax.jit(jm.Model(cfg, context_attention="ulysses").apply)(params, jnp.ones((1, 16), jnp.int32),
+                                                                      jnp.ones((1, 16), jnp.int32))
+        with pytest.raises(ValueError, match="rows of 12 positions, which it does not divide"):
+            jax.jit(jm.Model(cfg).apply)(params, jnp.ones((1, 12), jnp.int32), jnp.ones((1, 12), jnp.int32))
