@@ -1,7 +1,7 @@
 """Benchmark: the update at long rows with each row's positions split over a context axis,
 on 8 host (CPU) devices: one device against context axes of 2, 4 and 8, ring and Ulysses.
 
-    python benchmarks/context_axis.py            # rows of 4096 tokens (512 + 3584)
+    python benchmarks/context_axis.py            # rows of 2048 tokens (512 + 1536)
     python benchmarks/context_axis.py --quick    # rows of 1024 tokens
 
 Shape: Llama layout, 4 layers, width 256, 8 query heads and 2 key/value heads, vocab 512;
@@ -44,7 +44,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
-    q, r = (256, 768) if args.quick else (512, 3584)
+    q, r = (256, 768) if args.quick else (512, 1536)
     cfg = jm.ModelConfig(model_type="llama", vocab_size=512, hidden_size=256, num_layers=4, num_heads=8,
                          num_kv_heads=2, intermediate_size=1024, max_position_embeddings=q + r,
                          tie_word_embeddings=False)

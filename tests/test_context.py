@@ -251,3 +251,87 @@ def test_what_the_context_axis_cannot_take_is_refused_before_any_compile():
                                                                       jnp.ones((1, 16), jnp.int32))
         with pytest.raises(ValueError, match="rows of 12 positions, which it does not divide"):
             jax.jit(jm.Model(cfg).apply)(params, jnp.ones((1, 12), jnp.int32), jnp.ones((1, 12), jnp.int32))
+
+
+def test_the_balanced_order_gives_every_device_the_same_share_of_causal_attention():
+    """Under a context axis of n, a dense model's whole forward pass lays each row out in
+    2n chunks, device i holding chunks i and 2n - 1 - i: with ring attention's tiles of half
+    a block, every device computes 2 tiles a step of a causal mask (3 on the first), where
+    contiguous blocks give the last device 4 a step and the first 1 tile in all."""
+    from jaxppo.models.context import balanced_order
+
+    n, length = 4, 32
+    with jax.set_mesh(_mesh(context=n)):
+        order, inverse = balanced_order(length)
+        assert balanced_order(length + n) is None  # 2n does not divide it: the blocks stay contiguous
+    np.testing.assert_array_equal(order[inverse], np.arange(length))
+    assert sorted(order.tolist()) == list(range(length))
+
+    def tiles(order):  # [device][step]: the tiles a causal mask leaves to compute
+        lc, t = length // n, length // (2 * n)
+        causal = order[None, :] <= order[:, None]  # query slot >= key slot, in this layout
+        out = []
+        for me in range(n):
+            steps = []
+            for step in range(n):
+                j = (me - step) % n
+                block = causal[me * lc:(me + 1) * lc, j * lc:(j + 1) * lc]
+                steps.append(sum(block[r:r + t, c:c + t].any() for r in (0, t) for c in (0, t)))
+            out.append(steps)
+        return out
+
+    assert tiles(order) == [[3] + [2] * (n - 1)] * n
+    contiguous = tiles(np.arange(length))
+    assert contiguous[n - 1] == [3, 4, 4, 4] and sum(contiguous[0]) == 3
+
+
+def _padded(ids, mask, width=16):
+    pad = ((0, 0), (width - ids.shape[1], 0))
+    return np.pad(ids, pad), np.pad(mask, pad)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3"])
+def test_a_vision_language_model_with_images_under_a_context_axis_matches_transformers(tmp_path, family):
+    """Rows with two images, one and none (Qwen2.5-VL's M-RoPE positions; Gemma 3's image
+    blocks attending both ways, within a sliding window narrower than an image): the logits
+    with each row split over context axes of 4 (ring) and 2 (Ulysses) equal transformers'."""
+    import dataclasses
+
+    import torch
+    import vision_models as vm
+    from test_vision import _rows_with_images
+    from test_vision_gemma import _reference, _rows
+
+    if family == "gemma3":
+        from jaxppo.models.vision.gemma_images import gemma_prompt
+
+        hf = vm.tiny_gemma3_vl(tmp_path / "hf")
+        model, params = jm.from_pretrained(str(tmp_path / "hf"))
+        ids, mask, pixel_rows = _rows()
+        ids, mask = _padded(ids, mask, 24)
+        want = _reference(hf, ids, mask, pixel_rows)
+        prompt = gemma_prompt(ids, mask, pixel_rows, model.config)
+        images, positions = prompt.images, prompt.positions
+    else:
+        from jaxppo.models.vision import image_input, mrope_positions
+
+        hf = vm.tiny_qwen_vl(tmp_path / "hf")
+        model, params = jm.from_pretrained(str(tmp_path / "hf"))
+        ids, mask, pixel_rows, grid_rows = _rows_with_images(model.config.vision)
+        ids, mask = _padded(ids, mask)
+        grids = [g for row in grid_rows for g in row]
+        with torch.no_grad():
+            want = hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                      pixel_values=torch.tensor(np.concatenate(pixel_rows)), image_grid_thw=torch.tensor(grids),
+                      mm_token_type_ids=torch.tensor((ids == vm.IMAGE).astype(np.int64))).logits.numpy()
+        positions = np.moveaxis(mrope_positions(ids, mask, grids, vm.IMAGE, model.config.vision.spatial_merge_size)[0],
+                                0, -1)
+        images = image_input(pixel_rows, grid_rows, model.config.vision)
+    real = mask.astype(bool)
+    for context, method in ((4, "ring"), (2, "ulysses")):
+        split = dataclasses.replace(model, context_attention=method)
+        mesh = _mesh(context=context)
+        with jax.set_mesh(mesh):
+            got = jax.jit(lambda p, i: split.apply(p, ids, mask, images=i, positions=positions))(
+                sh.shard_state(params, mesh), images)
+        np.testing.assert_allclose(np.asarray(got)[real], want[real], atol=1e-4, rtol=1e-4, err_msg=method)

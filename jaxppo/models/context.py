@@ -24,6 +24,14 @@ device up to float rounding, for every mask the models build (causal, padding, p
 segments, sliding windows, an image's bidirectional block), since each device's slice of
 the mask travels with its queries.
 
+Causal attention over contiguous blocks would leave the device with the first block almost
+idle and the one with the last computing every block; a dense model's forward pass
+therefore lays each row out in a balanced order first (`balanced_order`: device i holds
+the i-th and the i-th-from-last of 2n chunks) and puts it back after the last layer, and
+ring attention skips, in tiles of half a block, what the mask hides: every device then
+computes the same share. (A mixture of experts keeps the contiguous blocks: its routing is
+recorded and replayed per position in the row's own order.)
+
 The samplers' decode steps (one token, or a prefill into a cache) do not split positions.
 """
 
@@ -33,8 +41,10 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-__all__ = ["CONTEXT_ATTENTION", "context_size", "shard_positions", "context_method", "context_attention"]
+__all__ = ["CONTEXT_ATTENTION", "context_size", "shard_positions", "balanced_order", "in_order", "context_method",
+           "context_attention"]
 
 CONTEXT_ATTENTION = ("auto", "ring", "ulysses")
 _AXIS = "context"
@@ -65,6 +75,27 @@ def shard_positions(x):
                          f"positions, which it does not divide; make the rows' length (query_length + "
                          f"response_length, or pack_length) a multiple of {n}")
     return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(_rows(), _AXIS))
+
+
+def balanced_order(length: int):
+    """Where each device's block of a row comes from when the context axis (of the mesh in
+    context, n devices) splits a causal forward pass of `length` positions: the row in 2n
+    chunks, device i holding chunks i and 2n - 1 - i, so that every device has as much
+    attention to compute (its early chunk sees few keys, its late one many). Returns
+    (order, inverse): numpy index arrays, `x[:, order]` the balanced layout and
+    `y[:, inverse]` back; None without the axis or where 2n does not divide `length`."""
+    n = context_size()
+    if n == 1 or length % (2 * n):
+        return None
+    size = length // (2 * n)
+    chunks = [k for i in range(n) for k in (i, 2 * n - 1 - i)]
+    order = np.concatenate([np.arange(k * size, (k + 1) * size) for k in chunks])
+    return order, np.argsort(order)
+
+
+def in_order(order, *arrays, axis: int = 1):
+    """Each of `arrays` (None stays None) taken in `order` along its position `axis`."""
+    return tuple(None if a is None else jnp.take(a, order, axis=axis) for a in arrays)
 
 
 def context_method(choice: str, impl: str, num_heads: int, n: int) -> str:
@@ -99,17 +130,23 @@ def context_attention(q, k, v, mask, dtype, scale_dim, local, method: str):
 
 def _ring(q, k, v, mask, dtype, scale_dim):
     """One device's queries (B, Lc, H, D) against every device's keys and values, passed
-    round the axis; `mask` (B, Lc, L) its queries' row of the mask."""
+    round the axis; `mask` (B, Lc, L) its queries' row of the mask. Each step's block is
+    worked in tiles of half a block by half a block (whole blocks where Lc is odd), a tile
+    the mask hides entirely skipped: in the balanced order (`balanced_order`) every device
+    then computes two tiles a step (three on the first) under causal attention."""
     n, me = jax.lax.axis_size(_AXIS), jax.lax.axis_index(_AXIS)
     b, lc, h, d = q.shape
     kv = k.shape[2]
     q = q.reshape(b, lc, kv, h // kv, d).astype(dtype)
     scale, low = math.sqrt(scale_dim or d), jnp.finfo(jnp.float32).min
     passed = [(i, (i + 1) % n) for i in range(n)]
+    tiles = 2 if lc % 2 == 0 else 1
+    t = lc // tiles
+    rows = [slice(i * t, (i + 1) * t) for i in range(tiles)]
 
-    def attend(keys, values, block, top, total, out):
-        s = jnp.einsum("bqkgd,bskd->bkgqs", q, keys.astype(dtype), preferred_element_type=jnp.float32) / scale
-        s = jnp.where(block[:, None, None], s, low)
+    def attend(queries, keys, values, tile, top, total, out):
+        s = jnp.einsum("bqkgd,bskd->bkgqs", queries, keys.astype(dtype), preferred_element_type=jnp.float32) / scale
+        s = jnp.where(tile[:, None, None], s, low)
         new_top = jnp.maximum(top, s.max(axis=-1))
         probs, kept = jnp.exp(s - new_top[..., None]), jnp.exp(top - new_top)
         total = total * kept + probs.sum(axis=-1)
@@ -119,17 +156,24 @@ def _ring(q, k, v, mask, dtype, scale_dim):
 
     @jax.checkpoint
     def step(carry, i):
-        keys, values, top, total, out = carry
+        keys, values, state = carry
         block = jax.lax.dynamic_slice_in_dim(mask, ((me - i) % n) * lc, lc, axis=2)  # whose keys these are
-        top, total, out = jax.lax.cond(jnp.any(block), attend, lambda *a: a[3:], keys, values, block, top, total, out)
+        for r, (top, total, out) in enumerate(state):
+            for c in rows:
+                tile = block[:, rows[r], c]
+                top, total, out = jax.lax.cond(jnp.any(tile), attend, lambda *a: a[4:], q[:, rows[r]], keys[:, c],
+                                               values[:, c], tile, top, total, out)
+            state = state[:r] + ((top, total, out),) + state[r + 1:]
         keys, values = jax.lax.ppermute((keys, values), _AXIS, passed)
-        return (keys, values, top, total, out), None
+        return (keys, values, state), None
 
-    state = (k, v, jnp.full((b, kv, h // kv, lc), low, jnp.float32), jnp.zeros((b, kv, h // kv, lc), jnp.float32),
-             jnp.zeros((b, lc, kv, h // kv, d), jnp.float32))
-    (_, _, _, total, out), _ = jax.lax.scan(step, state, jnp.arange(n))
+    empty = (jnp.full((b, kv, h // kv, t), low, jnp.float32), jnp.zeros((b, kv, h // kv, t), jnp.float32),
+             jnp.zeros((b, t, kv, h // kv, d), jnp.float32))
+    (_, _, state), _ = jax.lax.scan(step, (k, v, (empty,) * tiles), jnp.arange(n))
+    total = jnp.concatenate([part[1] for part in state], axis=-1)
+    out = jnp.concatenate([part[2] for part in state], axis=1)
     # A query that sees no key at all (a padding position, never read) gets the average of
-    # the values of the blocks it was shown (all masked alike), or 0 where every block was
+    # the values of the tiles it was shown (all masked alike), or 0 where every tile was
     # skipped; one device gives the average of all values there.
     total = jnp.moveaxis(jnp.where(total > 0, total, 1.0), -1, 1)[..., None]
     return (out / total).astype(dtype).reshape(b, lc, h * d)

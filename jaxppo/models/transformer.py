@@ -34,7 +34,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxppo.models.config import ModelConfig
-from jaxppo.models.context import context_attention, context_method, context_size, shard_positions
+from jaxppo.models.context import (balanced_order, context_attention, context_method, context_size, in_order,
+                                   shard_positions)
 from jaxppo.models.family import family_of
 from jaxppo.models.heads import softcap
 from jaxppo.models.lora import LoraConfig, LoraDense
@@ -312,25 +313,31 @@ def dense(block, features, use_bias, name):
     return nn.Dense(features, use_bias=use_bias, dtype=block.dtype, param_dtype=block.param_dtype, name=name)
 
 
-def _masks(c: ModelConfig, lq: int, attention_mask, cache_index, segment_ids, blocks):
+def _masks(c: ModelConfig, lq: int, attention_mask, cache_index, segment_ids, blocks, order=None):
     """(mask, sliding layers' mask or None), each (1 or B, Lq, Lk): what the Lq query tokens
     at cache slot `cache_index` on (a scalar, or (B,)) attend to among the Lk slots of
     `attention_mask`: the earlier real slots and their own (causal); within their own
     segment (packed rows, `segment_ids`); an image's tokens all of that image's (`blocks`);
-    in the sliding layers only the last `sliding_window` slots."""
+    in the sliding layers only the last `sliding_window` slots. `order`: a whole forward
+    pass whose positions (and `attention_mask`, `segment_ids`, `blocks`) come in this order
+    of their slots (`jaxppo.models.context.balanced_order`), queries and keys alike."""
     lk = attention_mask.shape[1]
-    # The query tokens' slots, (1, Lq) or per row (B, Lq).
+    # The query tokens' slots, (1, Lq) or per row (B, Lq), and the keys'.
     query_slots = (cache_index[:, None] if jnp.ndim(cache_index) == 1 else jnp.asarray(cache_index)[None, None]
                    ) + jnp.arange(lq)[None, :]
-    causal = jnp.arange(lk)[None, None, :] <= query_slots[:, :, None]  # (1 or B, Lq, Lk)
+    key_slots = jnp.arange(lk)
+    if order is not None:
+        query_slots, key_slots = jnp.asarray(order)[None, :], jnp.asarray(order)
+    causal = key_slots[None, None, :] <= query_slots[:, :, None]  # (1 or B, Lq, Lk)
     if blocks is not None:  # an image's tokens attend to each other both ways (Gemma 3)
-        causal = causal | _same_image(blocks, query_slots, lk)
+        causal = causal | (_same_image(blocks, query_slots, lk) if order is None else  # a whole pass: queries are keys
+                           (blocks[:, :, None] >= 0) & (blocks[:, :, None] == blocks[:, None, :]))
     mask = causal & attention_mask.astype(bool)[:, None, :]
     if segment_ids is not None:  # packed rows: a token attends within its own segment only
         mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
     if not any(c.sliding_layers):
         return mask, None
-    in_window = jnp.arange(lk)[None, None, :] > query_slots[:, :, None] - c.sliding_window  # q - window < s
+    in_window = key_slots[None, None, :] > query_slots[:, :, None] - c.sliding_window  # q - window < s
     return mask, mask & in_window
 
 
@@ -392,9 +399,16 @@ class Transformer(nn.Module):
         deep = blocks = None  # DeepStack's additions (K, B, Lq, D); each token's image (B, Lq), -1 for text
         if family.vision is not None:  # a vision-language model: the image tokens take the images' embeddings
             x, deep, blocks = family.vision(self, c, x, input_ids, images)
-        if cache is None:  # a whole forward pass: under a context axis, each row's positions split over it
+        order = None  # a whole forward pass: under a context axis, each row's positions split over it, in the
+        if cache is None:  # balanced order of `jaxppo.models.context` (put back after the last layer)
+            order = None if c.num_experts else balanced_order(input_ids.shape[1])
+            if order is not None:
+                x, positions, attention_mask, segment_ids, blocks = in_order(order[0], x, positions, attention_mask,
+                                                                             segment_ids, blocks)
+                (deep,) = in_order(order[0], deep, axis=2)
             x = shard_positions(x)
-        masks = _masks(c, input_ids.shape[1], attention_mask, cache_index, segment_ids, blocks)
+        masks = _masks(c, input_ids.shape[1], attention_mask, cache_index, segment_ids, blocks,
+                       None if order is None else order[0])
         sliding = c.sliding_layers
         block_cls = family.block
         if deep is not None and self.scan_layers:
@@ -440,7 +454,7 @@ class Transformer(nn.Module):
                 new_cache.append(new_kv)
             new_cache = tuple(new_cache) if cache is not None else None
         x = family.final_norm(self, c)(x)
-        return x, new_cache, table
+        return x if order is None else in_order(order[1], x)[0], new_cache, table
 
 
 class CausalLMModule(nn.Module):

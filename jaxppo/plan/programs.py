@@ -87,12 +87,12 @@ class RunShapes:
 
 def _planned_config(config, devices):
     """The settings as the trainer resolves them for these inputs, and what a plan cannot
-    know fixed: prompts shared within groups, no common prefix, packed streams at their
+    know fixed: prompts shared within groups (but with a context axis), no common prefix, packed streams at their
     most; on several devices a mesh over all of them (the unset axes fill it, fsdp first)."""
     changes = {}
     layout = config.layout
-    if layout.share_prompts is None:
-        changes["share_prompts"] = True
+    if layout.share_prompts is None:  # as the trainer: on, except beside a context axis
+        changes["share_prompts"] = layout.context_size == 1
     if layout.common_prefix is not False:
         changes["common_prefix"] = False
     if layout.pack_sequences and layout.pack_streams is None:
