@@ -33,7 +33,7 @@ from jaxppo.update.ppo import jit_train_step
 
 __all__ = ["MeshConfig", "mesh_context", "make_mesh", "batch_sharding", "shard_batch", "param_spec", "tree_shardings", "shard_state",
            "sharded_train_step", "global_batch", "place_rows", "check_batch_divides", "initialize_distributed",
-           "axis_size",
+           "axis_size", "sampling_mesh",
            "MeshBound", "to_host", "on_process_zero", "gather_to_process_zero"]
 
 AXES = ("data", "fsdp", "context", "tensor")
@@ -103,6 +103,20 @@ def axis_size(mesh, name: str) -> int:
     if mesh is None or getattr(mesh, "empty", False) or name not in mesh.axis_names:
         return 1
     return int(mesh.shape[name])
+
+
+def sampling_mesh(mesh, rows: int):
+    """The mesh a run's samplers place their `rows` on: `mesh` itself, or where it has a
+    context axis (which splits positions in the forward passes, not a sampler's rows) and
+    the rows divide over all its row-holding devices, the same devices with that axis
+    folded into fsdp: each row sampled once, on one device, instead of on every device of
+    the context axis. The parameters need not move: a shard over ("fsdp", "context") on
+    `mesh` is the same buffer as over "fsdp" on this mesh."""
+    context = axis_size(mesh, "context")
+    if context == 1 or rows % (_data_size(mesh) * context):
+        return mesh
+    d, f, t = mesh.shape["data"], mesh.shape["fsdp"], mesh.shape["tensor"]
+    return Mesh(mesh.devices.reshape(d, f * context, 1, t), AXES)
 
 
 def _data_size(mesh: Mesh) -> int:

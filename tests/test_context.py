@@ -189,6 +189,23 @@ def test_the_update_with_a_context_axis_equals_one_device(update_setup, axes):
     assert "context" in str(kernel.sharding.spec), kernel.sharding.spec
 
 
+def test_packed_rows_with_a_context_axis_equal_one_device(update_setup):
+    """The update with each micro-batch's rows packed into streams (segment ids), each
+    stream's positions split over the context axis, gives one device's packed update."""
+    state, rollout = update_setup
+    config = jaxppo.Config.from_settings(batch_size=16, mini_batch_size=8, ppo_epochs=1, pack_sequences=True,
+                                         pack_streams=4, pack_length=32)
+    want, want_metrics = jaxppo.train_step(state, rollout, jax.random.key(4), config)
+    mesh = _mesh(data=2, context=4)
+    sharded = sh.shard_state(state, mesh)
+    got, metrics = sh.sharded_train_step(sharded, config, mesh)(sharded, sh.shard_batch(rollout, mesh),
+                                                                jax.random.key(4))
+    assert float(metrics["packing/overflow"]) == float(want_metrics["packing/overflow"]) == 0.0  # every row packed
+    np.testing.assert_allclose(float(metrics["loss/total_avg"]), float(want_metrics["loss/total_avg"]), rtol=1e-4)
+    diffs = jax.tree.map(lambda a, b: float(jnp.abs(np.asarray(a) - np.asarray(b)).max()), got.params, want.params)
+    assert max(jax.tree.leaves(diffs)) < 2e-4, diffs
+
+
 def _temporaries(context, method):
     cfg = _family("llama", max_len=1024)
     policy = jm.Model(cfg, context_attention=method)
@@ -220,6 +237,9 @@ def test_a_trainer_with_a_context_axis_matches_one_device_and_resumes_exactly(tm
     mesh = sh.MeshConfig(data=2, fsdp=1, context=4)
     split, trainer = run_small(tmp_path / "context", response_length=8, mesh=mesh)
     assert [h["ppo/updates_applied"] for h in split] == [4, 4]
+    # The sampler's rows are split over the context axis's devices too (folded into fsdp).
+    assert dict(trainer.parts.collector.mesh.shape) == {"data": 2, "fsdp": 4, "context": 1, "tensor": 1}
+    assert dict(trainer.parts.mesh.shape) == {"data": 2, "fsdp": 1, "context": 4, "tensor": 1}
     for a, b in zip(single, split):
         assert a["objective/scores"] == b["objective/scores"]
         for name in ("loss/total_avg", "loss/value_avg", "objective/kl"):

@@ -172,7 +172,8 @@ def build(config, inputs: Inputs) -> RunParts:
     if mesh is not None:
         placed, run, ref_params, reward_params = sharding.place_run(mesh, config, run, ref_params, reward_params)
     host_rewards = rewards.host_rewards(config.batch.updates_per_step)
-    collector = Collector(config, spec, table, inputs.tokenizer, host_rewards, environment, rollout_engine, placed)
+    collector = Collector(config, spec, table, inputs.tokenizer, host_rewards, environment, rollout_engine,
+                          sharding.sampling_mesh(placed, config.batch.batch_size))  # rows over the context axis too
     pipeline = None
     if config.sampling.max_staleness:
         pipeline = pipelining.Pipeline(collector, table, placed, sampler_mesh, config.sampling.max_staleness,
