@@ -40,7 +40,7 @@ from jaxppo.plan import plan_run, resolve_target  # noqa: E402
 from jaxppo.plan.targets import GIB  # noqa: E402
 from jaxppo.run.parts import Inputs  # noqa: E402
 
-from plan_targets import _largest, _raw  # noqa: E402
+from plan_targets import _largest, write_planned  # noqa: E402
 from tables import print_markdown  # noqa: E402
 
 LAYOUTS = ("llama3.1-8b", "qwen3-8b")
@@ -94,13 +94,7 @@ def _one_row(name: str, out: str):
     for row in ROWS:
         if _name(*row) == name:
             with tempfile.TemporaryDirectory() as root:
-                try:
-                    raw = _raw(name, _plan(root, *row))
-                except Exception as err:  # report the row and go on
-                    raw = {"row": name, "failed": f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"}
-            with open(out, "w") as f:
-                json.dump(raw, f)
-            return
+                return write_planned(name, out, lambda: _plan(root, *row))
     raise SystemExit(f"no row named {name!r}")
 
 

@@ -241,14 +241,19 @@ def _one_row(name: str, out: str, programs):
         layouts = _layouts(root)
         for row, layout, run, target in _rows(layouts):
             if row == name:
-                try:
-                    raw = _raw(name, _plan(layouts, layout, run, target, programs))
-                except Exception as err:  # report the row and go on
-                    raw = {"row": name, "failed": f"failed: {type(err).__name__}: {str(err).splitlines()[0][:160]}"}
-                with open(out, "w") as f:
-                    json.dump(raw, f)
-                return
+                return write_planned(name, out, lambda: _plan(layouts, layout, run, target, programs))
     raise SystemExit(f"no row named {name!r}")
+
+
+def write_planned(name: str, out: str, plan):
+    """Row `name`'s raw figures from `plan()` (its `Plan`), or why it failed, written to
+    `out` as JSON."""
+    try:
+        raw = _raw(name, plan())
+    except Exception as err:  # report the row and go on
+        raw = {"row": name, "failed": f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"}
+    with open(out, "w") as f:
+        json.dump(raw, f)
 
 
 def main(argv=None):
