@@ -17,6 +17,8 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
+from jaxppo.models.context import context_size
+
 __all__ = ["LMHead", "token_logprobs", "top_logprobs", "softcap"]
 
 
@@ -64,9 +66,10 @@ def _top(head: LMHead, hidden, targets, k: int, temperature):
     return (taken,) + tuple(jax.lax.top_k(logp, k))
 
 
-def _rows_over_data_axes(hidden):
+def _rows_over_data_axes(hidden, context: bool = False):
     """Under a mesh in context (`jax.set_mesh`; `jaxppo.sharding.sharded_train_step` and the
-    trainer set it) with "data"/"fsdp" axes, pin the gathered positions' rows to those axes.
+    trainer set it) with "data"/"fsdp" axes, pin the gathered positions' rows to those axes
+    (and to "context" with `context`: rows that `_over_context` folded).
 
     Without this pin, JAX's SPMD partitioner computes a wrong gradient for "slice the
     sequence axis of a row-sharded activation, then matmul with a weight sharded over
@@ -75,10 +78,24 @@ def _rows_over_data_axes(hidden):
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return hidden
-    rows = tuple(a for a in ("data", "fsdp") if a in mesh.axis_names)
+    rows = tuple(a for a in ("data", "fsdp") + (("context",) if context else ()) if a in mesh.axis_names)
     if not rows:
         return hidden
     return jax.lax.with_sharding_constraint(hidden, jax.sharding.PartitionSpec(rows))
+
+
+def _over_context(hidden, targets):
+    """Under a mesh whose context axis (n devices) divides the T positions: hidden (B, T, D)
+    and targets folded into (B n, T / n, ...), each device's share of a row's positions a
+    row of its own, so that the head runs on each device's positions (not on all of them
+    on every device of the axis); and the function that unfolds (B n, T / n, ...) results.
+    Else as they are, and None."""
+    n = context_size()
+    b, t = hidden.shape[:2]
+    if n == 1 or t % n:
+        return hidden, targets, None
+    fold = lambda a: a.reshape(b * n, t // n, *a.shape[2:])  # noqa: E731
+    return fold(hidden), fold(targets), lambda a: a.reshape(b, t, *a.shape[2:])
 
 
 def token_logprobs(hidden, head: LMHead, targets, temperature=1.0, chunk_size: Optional[int] = None):
@@ -89,16 +106,19 @@ def token_logprobs(hidden, head: LMHead, targets, temperature=1.0, chunk_size: O
     the teacher's top-k tokens, beside the sampled one). `chunk_size=None`
     applies the head to all T positions at once; `chunk_size=K` walks them K at a time
     (the last chunk zero-padded when K does not divide T; the padding is dropped), with the
-    chunk's logits recomputed in the backward pass rather than stored."""
-    hidden = _rows_over_data_axes(hidden)
+    chunk's logits recomputed in the backward pass rather than stored. Under a mesh with a
+    context axis that divides T, each device's share of the positions (chunked alike)."""
+    hidden, targets, unfold = _over_context(hidden, targets)
+    hidden = _rows_over_data_axes(hidden, unfold is not None)
     if chunk_size is None or chunk_size >= hidden.shape[1]:
-        return _stats(head, hidden, targets, temperature)
+        out = _stats(head, hidden, targets, temperature)
+    else:
+        @jax.checkpoint
+        def chunk(h, tgt):
+            return _stats(head, h, tgt, temperature)
 
-    @jax.checkpoint
-    def chunk(h, tgt):
-        return _stats(head, h, tgt, temperature)
-
-    return _chunked(chunk, chunk_size, hidden, targets)
+        out = _chunked(chunk, chunk_size, hidden, targets)
+    return out if unfold is None else tuple(map(unfold, out))
 
 
 def _chunked(fn, chunk_size: int, hidden, extra):
