@@ -310,11 +310,12 @@ def _padded(ids, mask, width=16):
     return np.pad(ids, pad), np.pad(mask, pad)
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "gemma3"])
 def test_a_vision_language_model_with_images_under_a_context_axis_matches_transformers(tmp_path, family):
-    """Rows with two images, one and none (Qwen2.5-VL's M-RoPE positions; Gemma 3's image
-    blocks attending both ways, within a sliding window narrower than an image): the logits
-    with each row split over context axes of 4 (ring) and 2 (Ulysses) equal transformers'."""
+    """Rows with two images, one and none (Qwen's M-RoPE positions, Qwen3-VL's DeepStack
+    features added in the early layers; Gemma 3's image blocks attending both ways, within a
+    sliding window narrower than an image): the logits with each row split over context
+    axes of 4 (ring) and 2 (Ulysses) equal transformers'."""
     import dataclasses
 
     import torch
@@ -335,7 +336,7 @@ def test_a_vision_language_model_with_images_under_a_context_axis_matches_transf
     else:
         from jaxppo.models.vision import image_input, mrope_positions
 
-        hf = vm.tiny_qwen_vl(tmp_path / "hf")
+        hf = (vm.tiny_qwen_vl if family == "qwen2_5_vl" else vm.tiny_qwen3_vl)(tmp_path / "hf")
         model, params = jm.from_pretrained(str(tmp_path / "hf"))
         ids, mask, pixel_rows, grid_rows = _rows_with_images(model.config.vision)
         ids, mask = _padded(ids, mask)
