@@ -174,4 +174,4 @@ class LayoutConfig(Concern):
             return 1
         if isinstance(mesh, MeshConfig):
             return 1 if mesh.context is None else mesh.context
-        return int(mesh.shape["context"]) if "context" in mesh.axis_names else 1
+        return int(mesh.shape["context"]) if "context" in getattr(mesh, "axis_names", ()) else 1

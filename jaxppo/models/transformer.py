@@ -411,6 +411,9 @@ class Transformer(nn.Module):
                        None if order is None else order[0])
         sliding = c.sliding_layers
         block_cls = family.block
+        # A family's block may predate the context axis (the six fields before it): it is
+        # given the method only where it has the field (its attention then takes "auto").
+        context = {"context_attention": self.context_attention} if hasattr(block_cls, "context_attention") else {}
         if deep is not None and self.scan_layers:
             block_cls = _deepstacked(block_cls)
         if self.remat:
@@ -432,8 +435,8 @@ class Transformer(nn.Module):
             stack = nn.scan(block_cls, variable_axes=axes, split_rngs={"params": True}, in_axes=in_axes,
                             length=c.num_layers)
             layer_cache = None if cache is None else cache if isinstance(cache, GroupedKV) else NewKV(*cache)
-            x, new_kv = stack(c, self.dtype, self.param_dtype, self.lora, self.adapters, self.attention,
-                                  self.context_attention, name=prefix)(
+            x, new_kv = stack(c, self.dtype, self.param_dtype, self.lora, self.adapters, self.attention, **context,
+                              name=prefix)(
                 x, masks, positions, layer_cache, cache_index, *scanned)
             new_cache = None
             if isinstance(cache, GroupedKV):  # the new tokens' k/v into every layer's response slots
@@ -443,8 +446,8 @@ class Transformer(nn.Module):
         else:
             new_cache = []
             for i in range(c.num_layers):
-                block = block_cls(c, self.dtype, self.param_dtype, self.lora, self.adapters, self.attention,
-                                  self.context_attention, name=f"{prefix}_{i}")
+                block = block_cls(c, self.dtype, self.param_dtype, self.lora, self.adapters, self.attention, **context,
+                                  name=f"{prefix}_{i}")
                 layer_cache = None if cache is None else cache[i]
                 x, new_kv = block(x, masks, positions, layer_cache, cache_index, sliding[i])
                 if deep is not None and i < deep.shape[0]:

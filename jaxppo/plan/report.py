@@ -175,11 +175,11 @@ def _context_advice(c, axes: dict, target: Target) -> tuple:
     width = c.data.query_length + c.sampling.response_length
     rows = c.batch.micro_batch_size // max(1, axes.get("data", 1) * axes.get("fsdp", 1))
     sizes = [k for k in (2, 4, 8, 16, 32, 64) if k <= target.chips and target.chips % k == 0 and width % k == 0]
-    if axes.get("context", 1) > 1 or not sizes or rows > 1:
+    if axes.get("context", 1) > 1 or not sizes or rows != 1:
         return False, ""
     k = sizes[-1]
     return True, (f"--mesh-context {k} (each row's {width} positions split over {k} chips: the update's activations "
-                  "and attention scores per chip fall with it; the rest of the chips on --mesh-fsdp)")
+                  "and attention scores per chip fall with it)")
 
 
 def run_work(shapes: RunShapes, images=None) -> dict:
