@@ -3,15 +3,16 @@
 Under a mesh in context (`jax.set_mesh`, as the sharded train step, the trainer and
 `jaxppo plan` set it) whose "context" axis has n > 1 devices, a forward pass without a
 KV cache (the update's loss, the scoring pass, the reward model) splits every row's L
-positions into n contiguous blocks of L / n, one per device (`shard_positions`): the
-embeddings, norms, MLPs, the rotary positions and the log-prob head run on each device's
-own block, as everything position-wise does. Attention is the one place where positions
-meet, and it runs here, inside a `jax.shard_map` over that axis, in one of two ways:
+positions into n blocks of L / n, one per device (`shard_positions`): the embeddings,
+norms, MLPs and rotary positions run on each device's own block, as everything
+position-wise does (the log-prob head on each device's share of the response positions:
+`jaxppo.models.heads`). Attention is the one place where positions meet, and it runs here,
+inside a `jax.shard_map` over that axis, in one of two ways:
 
 - "ring": each device keeps its queries and passes its keys and values round the axis
   (`jax.lax.ppermute`), n steps, accumulating the softmax online (a running maximum and
-  sum), so it holds one block of scores, (L / n) x (L / n) per head, at a time; a block
-  whose keys the mask hides entirely (causal attention's later blocks) is skipped.
+  sum), so it holds one tile of scores, half a block by half a block per head, at a time;
+  a tile whose keys the mask hides entirely (causal attention's later ones) is skipped.
   Any head count.
 - "ulysses": two all-to-alls turn the position split into a head split, attention runs
   over whole rows for H / n heads on each device (with the model's own kernel:
