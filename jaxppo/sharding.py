@@ -100,7 +100,7 @@ def make_mesh(config: MeshConfig = MeshConfig(), devices=None) -> Mesh:
 def axis_size(mesh, name: str) -> int:
     """The size of `mesh`'s axis `name` (a `Mesh` or an abstract mesh); 1 where it has
     none (no mesh, or a mesh without that axis)."""
-    if mesh is None or getattr(mesh, "empty", False) or name not in mesh.axis_names:
+    if mesh is None or getattr(mesh, "empty", False) or name not in getattr(mesh, "axis_names", ()):
         return 1
     return int(mesh.shape[name])
 
@@ -113,10 +113,13 @@ def sampling_mesh(mesh, rows: int):
     the context axis. The parameters need not move: a shard over ("fsdp", "context") on
     `mesh` is the same buffer as over "fsdp" on this mesh."""
     context = axis_size(mesh, "context")
-    if context == 1 or rows % (_data_size(mesh) * context):
+    if context == 1 or not set(AXES) <= set(mesh.axis_names) or rows % (_data_size(mesh) * context):
         return mesh
-    d, f, t = mesh.shape["data"], mesh.shape["fsdp"], mesh.shape["tensor"]
-    return Mesh(mesh.devices.reshape(d, f * context, 1, t), AXES)
+    # The device grid in AXES order (a given `Mesh` may name its axes in another), then
+    # context folded into fsdp as its minor part, the order ("fsdp", "context") shards in.
+    grid = mesh.devices.transpose([mesh.axis_names.index(a) for a in AXES])
+    d, f, _, t = grid.shape
+    return Mesh(grid.reshape(d, f * context, 1, t), AXES)
 
 
 def _data_size(mesh: Mesh) -> int:

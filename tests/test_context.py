@@ -362,3 +362,22 @@ def test_a_vision_language_model_with_images_under_a_context_axis_matches_transf
             got = jax.jit(lambda p, i: split.apply(p, ids, mask, images=i, positions=positions))(
                 sh.shard_state(params, mesh), images)
         np.testing.assert_allclose(np.asarray(got)[real], want[real], atol=1e-4, rtol=1e-4, err_msg=method)
+
+
+@pytest.mark.parametrize("names", [sh.AXES, ("context", "tensor", "fsdp", "data")], ids=["usual", "reordered"])
+def test_the_samplers_mesh_folds_context_into_fsdp_without_moving_a_parameter_shard(names):
+    """On a mesh of fsdp 2 x context 4 (its axes in jaxppo's order or another), the
+    samplers' mesh puts every device on fsdp, and a parameter split over ("fsdp",
+    "context") on the run's mesh holds on each device the shard that a split over "fsdp"
+    on the samplers' mesh holds there; 12 rows, which 8 devices do not divide, keep the
+    run's mesh."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    sizes = {"data": 1, "fsdp": 2, "context": 4, "tensor": 1}
+    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape([sizes[n] for n in names]), names)
+    folded = sh.sampling_mesh(mesh, 16)
+    assert dict(folded.shape) == {"data": 1, "fsdp": 8, "context": 1, "tensor": 1}
+    assert sh.sampling_mesh(mesh, 12) is mesh
+    stored = NamedSharding(mesh, P(("fsdp", "context"))).devices_indices_map((16,))
+    sampled = NamedSharding(folded, P("fsdp")).devices_indices_map((16,))
+    assert stored == sampled

@@ -11,7 +11,7 @@ from jaxppo.config.fields import Concern, check_bools, check_counts, setting
 from jaxppo.models.context import CONTEXT_ATTENTION
 from jaxppo.models.model import DTYPES, REMAT_POLICIES
 from jaxppo.models.transformer import ATTENTION
-from jaxppo.sharding import MeshConfig
+from jaxppo.sharding import MeshConfig, axis_size
 from jaxppo.update.checks import invalid, is_int
 
 __all__ = ["LayoutConfig", "AUTO_SCAN_MIN_LAYERS", "MESH_AXES"]
@@ -174,4 +174,4 @@ class LayoutConfig(Concern):
             return 1
         if isinstance(mesh, MeshConfig):
             return 1 if mesh.context is None else mesh.context
-        return int(mesh.shape["context"]) if "context" in getattr(mesh, "axis_names", ()) else 1
+        return axis_size(mesh, "context")

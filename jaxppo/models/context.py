@@ -159,14 +159,15 @@ def _ring(q, k, v, mask, dtype, scale_dim):
     def step(carry, i):
         keys, values, state = carry
         block = jax.lax.dynamic_slice_in_dim(mask, ((me - i) % n) * lc, lc, axis=2)  # whose keys these are
-        for r, (top, total, out) in enumerate(state):
+        updated = []
+        for r, (top, total, out) in zip(rows, state):  # each half of the queries, over each half of the keys
             for c in rows:
-                tile = block[:, rows[r], c]
-                top, total, out = jax.lax.cond(jnp.any(tile), attend, lambda *a: a[4:], q[:, rows[r]], keys[:, c],
+                tile = block[:, r, c]
+                top, total, out = jax.lax.cond(jnp.any(tile), attend, lambda *a: a[4:], q[:, r], keys[:, c],
                                                values[:, c], tile, top, total, out)
-            state = state[:r] + ((top, total, out),) + state[r + 1:]
+            updated.append((top, total, out))
         keys, values = jax.lax.ppermute((keys, values), _AXIS, passed)
-        return (keys, values, state), None
+        return (keys, values, tuple(updated)), None
 
     empty = (jnp.full((b, kv, h // kv, t), low, jnp.float32), jnp.zeros((b, kv, h // kv, t), jnp.float32),
              jnp.zeros((b, t, kv, h // kv, d), jnp.float32))

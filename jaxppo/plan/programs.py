@@ -87,8 +87,9 @@ class RunShapes:
 
 def _planned_config(config, devices):
     """The settings as the trainer resolves them for these inputs, and what a plan cannot
-    know fixed: prompts shared within groups (but with a context axis), no common prefix, packed streams at their
-    most; on several devices a mesh over all of them (the unset axes fill it, fsdp first)."""
+    know fixed: prompts shared within groups (not beside a context axis), no common
+    prefix, packed streams at their most; on several devices a mesh over all of them (the
+    unset axes fill it, fsdp first)."""
     changes = {}
     layout = config.layout
     if layout.share_prompts is None:  # as the trainer: on, except beside a context axis
